@@ -1,0 +1,108 @@
+// The life cycle every normgrad kernel shares (modelled on CUTLASS's operations):
+//
+//   const Kernel* k = FindKernel("batched_rms_norm_backward");
+//   KernelConfig config{.hidden_dim = 896, .target_sm = 90};
+//   if (absl::Status s = k->CanImplement(config); !s.ok()) return s;   // cheap, no emission
+//   absl::StatusOr<EmittedPtx> ptx = k->Emit(config);                  // deterministic bytes
+//   LaunchGeometry g = k->Geometry(config, num_rows);                  // grid/block/shared
+//   std::string key = k->ConfigKey(config);                            // what the PTX bakes in
+//
+// Contract: a value is either a run-time kernel parameter or part of ConfigKey(), never half of
+// each. Two configs with equal ConfigKey() emit byte-identical PTX.
+#ifndef NORMGRAD_KERNELS_KERNEL_H_
+#define NORMGRAD_KERNELS_KERNEL_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace normgrad::kernels {
+
+// Element type of x, dy, gamma and the outputs. Accumulation is always fp32 (or wider).
+enum class DType { kF32, kBF16, kF16 };
+absl::string_view DTypeName(DType dtype);  // "f32", "bf16", "f16"
+absl::StatusOr<DType> ParseDType(absl::string_view name);
+int DTypeBytes(DType dtype);
+
+// PTX ISA version, e.g. {8, 0} for ".version 8.0".
+struct PtxVersion {
+  int major = 0;
+  int minor = 0;
+  friend bool operator==(PtxVersion a, PtxVersion b) {
+    return a.major == b.major && a.minor == b.minor;
+  }
+  friend bool operator<(PtxVersion a, PtxVersion b) {
+    return a.major != b.major ? a.major < b.major : a.minor < b.minor;
+  }
+  std::string ToString() const;  // "8.0"
+};
+absl::StatusOr<PtxVersion> ParsePtxVersion(absl::string_view text);  // "8.0"
+absl::StatusOr<int> ParseTarget(absl::string_view text);               // "sm_90" -> 90
+
+struct KernelConfig {
+  uint32_t hidden_dim = 0;
+  DType dtype = DType::kF32;
+  int target_sm = 75;                       // sm_75 is the lowest CUDA 13's ptxas accepts
+  std::optional<PtxVersion> ptx_version;    // empty: lowest that supports target + instructions
+};
+
+struct LaunchGeometry {
+  uint32_t grid[3] = {1, 1, 1};
+  uint32_t block[3] = {1, 1, 1};
+  uint32_t shared_bytes = 0;
+};
+
+// Parameter of a kernel entry, in declaration order (the order cuLaunchKernel expects).
+struct KernelParam {
+  std::string name;
+  std::string ptx_type;  // "u64", "u32", "f32"
+};
+
+struct EmittedPtx {
+  std::string text;        // the whole module, ending in a newline
+  std::string entry;       // .entry name
+  std::vector<KernelParam> params;
+  PtxVersion version;      // the .version the text declares
+  int target_sm = 0;       // the .target the text declares
+  std::string config_key;  // == Kernel::ConfigKey(config)
+};
+
+class Kernel {
+ public:
+  virtual ~Kernel() = default;
+
+  virtual absl::string_view EntryName() const = 0;
+  virtual std::vector<KernelParam> Params() const = 0;
+
+  // Cheap validity check of `config` (no emission): INVALID_ARGUMENT naming the field, the
+  // value and the limit.
+  virtual absl::Status CanImplement(const KernelConfig& config) const = 0;
+
+  // Grid, block and dynamic shared memory to process `num_rows` rows. Never launches a
+  // full-mask shuffle with fewer than 32 live threads.
+  virtual LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const = 0;
+
+  // Stable text naming everything baked into the emitted PTX (entry, specialised values,
+  // dtype, target, PTX version, generator version). Used as the module cache key.
+  virtual std::string ConfigKey(const KernelConfig& config) const = 0;
+
+  // The module's text. Fails with CanImplement's status, or INVALID_ARGUMENT when an
+  // explicit ptx_version is below what the target and instructions need (saying which).
+  virtual absl::StatusOr<EmittedPtx> Emit(const KernelConfig& config) const = 0;
+};
+
+// Registry of every kernel normgrad serves; nullptr for an unknown name.
+const Kernel* FindKernel(absl::string_view entry_name);
+std::vector<const Kernel*> AllKernels();
+
+// Bumped whenever emission changes for an unchanged config; part of every ConfigKey.
+inline constexpr absl::string_view kGeneratorVersion = "normgrad-ptx/1";
+
+}  // namespace normgrad::kernels
+
+#endif  // NORMGRAD_KERNELS_KERNEL_H_
