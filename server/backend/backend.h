@@ -1,0 +1,107 @@
+// The compute interface the gRPC service drives. Two real implementations: CUDA (Driver API
+// loaded at run time) and CPU (multi-threaded, Highway SIMD). No gRPC types cross it, so the
+// GPU path builds and is tested on machines without gRPC libraries.
+//
+//   absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend(options);
+//   auto session = (*backend)->StartBackward(spec, gamma_bytes);   // validates, compiles
+//   for (each chunk) (*session)->ProcessChunk(x, dy, rms, rows, dx);  // blocking, in order
+//   (*session)->Finish(dgamma_bytes);
+//
+// Threading: a Backend is shared by all streams and is thread-safe. A BackwardSession belongs
+// to one stream and is used by one thread at a time. ProcessChunk blocks until dx is written:
+// the service calls it from a worker thread, never inside a gRPC reaction.
+#ifndef NORMGRAD_SERVER_BACKEND_BACKEND_H_
+#define NORMGRAD_SERVER_BACKEND_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "kernels/kernel.h"
+#include "server/cache/module_cache.h"
+
+namespace normgrad::server {
+
+struct DeviceDescription {
+  std::string name;                 // "cpu: 2 threads, AVX2" or the GPU's name
+  int compute_capability_major = 0; // 0 on the CPU backend
+  int compute_capability_minor = 0;
+  uint64_t total_memory_bytes = 0;
+  std::string driver_version;       // "13.0"; empty on the CPU backend
+  std::string max_ptx_version;      // highest PTX ISA the driver accepts; empty on CPU
+  uint32_t sm_count = 0;            // multiprocessors (CPU: worker threads)
+};
+
+// What the stream's header fixed for the whole batch (already validated by the service for
+// sizes and ranges; the backend checks what only it knows, e.g. the kernel's CanImplement).
+struct BatchSpec {
+  uint64_t num_rows = 0;
+  uint32_t hidden_dim = 0;
+  float eps = 1e-5f;
+  kernels::DType dtype = kernels::DType::kF32;
+  bool rms_provided = false;
+  std::string kernel;  // entry name; empty = the backend's best choice
+};
+
+class BackwardSession {
+ public:
+  virtual ~BackwardSession() = default;
+
+  // One chunk of whole rows, in batch order. x, dy, dx: rows * hidden_dim elements of the
+  // batch's dtype as raw little-endian bytes; rms: `rows` floats when rms_provided, else empty.
+  // grad_gamma is accumulated inside the session in a fixed order (same input and chunking,
+  // same bits where the backend documents it).
+  virtual absl::Status ProcessChunk(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
+                                    absl::Span<const float> rms, uint64_t rows,
+                                    absl::Span<uint8_t> dx) = 0;
+
+  // Writes grad_gamma (hidden_dim elements of the dtype). Call once, after the last chunk.
+  virtual absl::Status Finish(absl::Span<uint8_t> dgamma) = 0;
+
+  virtual absl::string_view KernelName() const = 0;  // what ran ("cpu_highway" on CPU)
+  virtual double ComputeSeconds() const = 0;         // time spent inside the backend so far
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual absl::string_view Name() const = 0;  // "cpu" or "cuda"
+  virtual DeviceDescription Device() const = 0;
+
+  // gamma: hidden_dim elements of spec.dtype. Errors: INVALID_ARGUMENT (unknown kernel,
+  // CanImplement), RESOURCE_EXHAUSTED (device memory), INTERNAL (JIT log), UNAVAILABLE.
+  virtual absl::StatusOr<std::unique_ptr<BackwardSession>> StartBackward(
+      const BatchSpec& spec, absl::Span<const uint8_t> gamma) = 0;
+
+  // Compiles (or finds) the module for `config` of `kernel` ahead of use (--preload).
+  // The CPU backend has nothing to compile and returns OK.
+  virtual absl::Status Preload(const kernels::Kernel& kernel,
+                               const kernels::KernelConfig& config) = 0;
+
+  // Statistics of the backend's module cache (all zeros on the CPU backend).
+  virtual ModuleCacheStats CacheStats() const = 0;
+};
+
+enum class BackendKind { kAuto, kCuda, kCpu };
+absl::StatusOr<BackendKind> ParseBackendKind(absl::string_view text);  // "auto|cuda|cpu"
+
+struct BackendOptions {
+  BackendKind kind = BackendKind::kAuto;
+  std::string cuda_driver_library;  // empty: $NORMGRAD_CUDA_DRIVER, else "libcuda.so.1"
+  int device_ordinal = 0;
+  int cpu_threads = 0;              // 0: hardware concurrency
+  uint64_t cache_max_entries = 256;
+  uint64_t cache_max_bytes = 256ull << 20;
+};
+
+// kAuto: CUDA when a driver loads and a device is usable, else CPU; logs one line to stderr
+// saying which it chose and why. kCuda with no usable GPU: FAILED_PRECONDITION saying why.
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const BackendOptions& options);
+
+}  // namespace normgrad::server
+
+#endif  // NORMGRAD_SERVER_BACKEND_BACKEND_H_
