@@ -8,10 +8,29 @@
 //   });
 //
 // Thread-safe. Evicted values stay alive while a caller holds their shared_ptr.
+//
+// Bounds: after every insertion the least recently used entries are evicted until both
+// `entries <= max_entries` and `bytes <= max_bytes`. A value larger than max_bytes by itself
+// (or any value when max_entries == 0) is returned to its caller but not retained.
+//
+// Counters: a request that finds a finished value is a hit; any other request is a miss (it
+// either runs the compile function or waits for the one already running for its key), so
+// `compiles <= misses`. Evictions count entries removed to honour the bounds (not Clear()).
 #ifndef NORMGRAD_SERVER_CACHE_MODULE_CACHE_H_
 #define NORMGRAD_SERVER_CACHE_MODULE_CACHE_H_
 
 #include <cstdint>
+#include <functional>
+#include <list>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 
 namespace normgrad::server {
 
@@ -33,7 +52,95 @@ struct ModuleCacheOptions {
   uint64_t max_bytes = 256ull << 20;
 };
 
-// template <typename T> class ModuleCache { ... } is defined below by its implementer.
+namespace cache_internal {
+
+// The type-erased cache behind ModuleCache<T>: all bookkeeping lives here, compiled once.
+class ErasedCache {
+ public:
+  struct Compiled {
+    std::shared_ptr<const void> value;
+    uint64_t bytes = 0;
+  };
+  using CompileFn = std::function<absl::StatusOr<Compiled>()>;
+
+  explicit ErasedCache(ModuleCacheOptions options);
+  ErasedCache(const ErasedCache&) = delete;
+  ErasedCache& operator=(const ErasedCache&) = delete;
+  ~ErasedCache();
+
+  absl::StatusOr<std::shared_ptr<const void>> GetOrCompile(absl::string_view key,
+                                                           const CompileFn& compile);
+  std::shared_ptr<const void> Find(absl::string_view key);
+  ModuleCacheStats Stats() const;
+  void Clear();
+
+ private:
+  struct Flight;  // one compile in progress and the requests waiting for it
+  struct Entry {
+    std::string key;
+    std::shared_ptr<const void> value;
+    uint64_t bytes = 0;
+  };
+  using Lru = std::list<Entry>;  // front = most recently used
+
+  // Inserts and evicts down to the bounds; evicted values are handed to `evicted` so that
+  // their destructors run after the lock is released.
+  void InsertLocked(const std::string& key, const std::shared_ptr<const void>& value,
+                    uint64_t bytes, std::vector<std::shared_ptr<const void>>& evicted)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const ModuleCacheOptions options_;
+  mutable absl::Mutex mu_;
+  Lru lru_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Lru::iterator> index_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::shared_ptr<Flight>> flights_ ABSL_GUARDED_BY(mu_);
+  ModuleCacheStats stats_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace cache_internal
+
+template <typename T>
+class ModuleCache {
+ public:
+  // What a compile function returns: the value and the bytes it accounts for (module image
+  // size, PTX length...).
+  struct Compiled {
+    std::shared_ptr<const T> value;
+    uint64_t bytes = 0;
+  };
+  using CompileFn = std::function<absl::StatusOr<Compiled>()>;
+
+  explicit ModuleCache(ModuleCacheOptions options) : impl_(options) {}
+
+  // The cached value for `key`, or the result of `compile` (run at most once at a time per
+  // key, outside the cache's lock; concurrent requests for the key wait for it). Errors
+  // reach every waiting request and are not cached: the next request compiles again.
+  absl::StatusOr<std::shared_ptr<const T>> GetOrCompile(absl::string_view key,
+                                                        const CompileFn& compile) {
+    absl::StatusOr<std::shared_ptr<const void>> erased = impl_.GetOrCompile(
+        key, [&]() -> absl::StatusOr<cache_internal::ErasedCache::Compiled> {
+          absl::StatusOr<Compiled> compiled = compile();
+          if (!compiled.ok()) return compiled.status();
+          return cache_internal::ErasedCache::Compiled{std::move(compiled->value),
+                                                       compiled->bytes};
+        });
+    if (!erased.ok()) return erased.status();
+    return std::static_pointer_cast<const T>(*std::move(erased));
+  }
+
+  // The cached value for `key` (counts a hit and refreshes it), or nullptr (counts nothing).
+  std::shared_ptr<const T> Find(absl::string_view key) {
+    return std::static_pointer_cast<const T>(impl_.Find(key));
+  }
+
+  ModuleCacheStats Stats() const { return impl_.Stats(); }
+
+  // Drops every entry (values live on while held). Counters are kept.
+  void Clear() { impl_.Clear(); }
+
+ private:
+  cache_internal::ErasedCache impl_;
+};
 
 }  // namespace normgrad::server
 

@@ -1,0 +1,222 @@
+#include "server/cache/module_cache.h"
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "gtest/gtest.h"
+
+namespace normgrad::server {
+namespace {
+
+using Cache = ModuleCache<std::string>;
+
+Cache::CompileFn Returns(std::string value, uint64_t bytes, int* calls = nullptr) {
+  return [value, bytes, calls]() -> absl::StatusOr<Cache::Compiled> {
+    if (calls != nullptr) ++*calls;
+    return Cache::Compiled{std::make_shared<const std::string>(value), bytes};
+  };
+}
+
+std::string Get(Cache& cache, const std::string& key, uint64_t bytes = 1, int* calls = nullptr) {
+  absl::StatusOr<std::shared_ptr<const std::string>> v =
+      cache.GetOrCompile(key, Returns("value of " + key, bytes, calls));
+  EXPECT_TRUE(v.ok()) << v.status();
+  return v.ok() ? **v : "";
+}
+
+TEST(ModuleCacheTest, SecondRequestIsAHitWithoutCompiling) {
+  Cache cache({.max_entries = 4, .max_bytes = 1000});
+  int calls = 0;
+  EXPECT_EQ(Get(cache, "a", 10, &calls), "value of a");
+  EXPECT_EQ(Get(cache, "a", 10, &calls), "value of a");
+  EXPECT_EQ(calls, 1);
+  ModuleCacheStats s = cache.Stats();
+  EXPECT_EQ(s.hits, 1u);
+  EXPECT_EQ(s.misses, 1u);
+  EXPECT_EQ(s.compiles, 1u);
+  EXPECT_EQ(s.entries, 1u);
+  EXPECT_EQ(s.bytes, 10u);
+  EXPECT_EQ(s.max_entries, 4u);
+  EXPECT_EQ(s.max_bytes, 1000u);
+  EXPECT_GE(s.compile_seconds, 0.0);
+}
+
+TEST(ModuleCacheTest, EntryBoundEvictsLeastRecentlyUsed) {
+  Cache cache({.max_entries = 2, .max_bytes = 1000});
+  Get(cache, "a");
+  Get(cache, "b");
+  Get(cache, "a");  // a is now more recent than b
+  Get(cache, "c");  // evicts b
+  EXPECT_NE(cache.Find("a"), nullptr);
+  EXPECT_EQ(cache.Find("b"), nullptr);
+  EXPECT_NE(cache.Find("c"), nullptr);
+  EXPECT_EQ(cache.Stats().evictions, 1u);
+  EXPECT_EQ(cache.Stats().entries, 2u);
+}
+
+TEST(ModuleCacheTest, FindRefreshesRecency) {
+  Cache cache({.max_entries = 2, .max_bytes = 1000});
+  Get(cache, "a");
+  Get(cache, "b");
+  ASSERT_NE(cache.Find("a"), nullptr);
+  Get(cache, "c");  // evicts b, not a
+  EXPECT_NE(cache.Find("a"), nullptr);
+  EXPECT_EQ(cache.Find("b"), nullptr);
+}
+
+TEST(ModuleCacheTest, ByteBoundEvictsUntilTheNewEntryFits) {
+  Cache cache({.max_entries = 100, .max_bytes = 100});
+  Get(cache, "a", 40);
+  Get(cache, "b", 40);
+  Get(cache, "c", 40);  // 120 > 100: evicts a (the oldest) only
+  EXPECT_EQ(cache.Find("a"), nullptr);
+  EXPECT_NE(cache.Find("b"), nullptr);
+  EXPECT_NE(cache.Find("c"), nullptr);
+  EXPECT_EQ(cache.Stats().bytes, 80u);
+  Get(cache, "d", 90);  // evicts b and c
+  ModuleCacheStats s = cache.Stats();
+  EXPECT_EQ(s.entries, 1u);
+  EXPECT_EQ(s.bytes, 90u);
+  EXPECT_EQ(s.evictions, 3u);
+}
+
+TEST(ModuleCacheTest, ValueLargerThanTheByteBoundIsReturnedButNotRetained) {
+  Cache cache({.max_entries = 100, .max_bytes = 100});
+  Get(cache, "small", 10);
+  int calls = 0;
+  EXPECT_EQ(Get(cache, "huge", 101, &calls), "value of huge");
+  EXPECT_EQ(Get(cache, "huge", 101, &calls), "value of huge");
+  EXPECT_EQ(calls, 2);
+  EXPECT_NE(cache.Find("small"), nullptr);  // not evicted for a value that could never fit
+  EXPECT_EQ(cache.Stats().entries, 1u);
+}
+
+TEST(ModuleCacheTest, ErrorsReachTheCallerAndAreNotCached) {
+  Cache cache({.max_entries = 4, .max_bytes = 1000});
+  int calls = 0;
+  auto failing = [&]() -> absl::StatusOr<Cache::Compiled> {
+    ++calls;
+    return absl::InternalError("ptxas: syntax error");
+  };
+  absl::StatusOr<std::shared_ptr<const std::string>> v = cache.GetOrCompile("k", failing);
+  ASSERT_FALSE(v.ok());
+  EXPECT_EQ(v.status().code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(v.status().message(), "ptxas: syntax error");
+  EXPECT_EQ(cache.Find("k"), nullptr);
+  EXPECT_EQ(Get(cache, "k", 1, &calls), "value of k");  // compiles again, now successfully
+  EXPECT_EQ(calls, 2);
+  ModuleCacheStats s = cache.Stats();
+  EXPECT_EQ(s.compiles, 2u);
+  EXPECT_EQ(s.compile_failures, 1u);
+  EXPECT_EQ(s.entries, 1u);
+}
+
+TEST(ModuleCacheTest, EvictedValueStaysAliveWhileHeld) {
+  Cache cache({.max_entries = 1, .max_bytes = 1000});
+  std::weak_ptr<const std::string> weak;
+  {
+    absl::StatusOr<std::shared_ptr<const std::string>> held =
+        cache.GetOrCompile("a", Returns("alpha", 1));
+    ASSERT_TRUE(held.ok());
+    weak = *held;
+    Get(cache, "b");  // evicts a
+    EXPECT_EQ(cache.Find("a"), nullptr);
+    ASSERT_FALSE(weak.expired());
+    EXPECT_EQ(**held, "alpha");
+  }
+  EXPECT_TRUE(weak.expired());  // released once the last holder let go
+}
+
+TEST(ModuleCacheTest, ConcurrentFirstRequestsCompileOnce) {
+  constexpr int kThreads = 16;
+  Cache cache({.max_entries = 4, .max_bytes = 1000});
+  std::atomic<int> compiles{0};
+  std::atomic<int> entered{0};
+  absl::Notification release;
+  auto slow_compile = [&]() -> absl::StatusOr<Cache::Compiled> {
+    compiles.fetch_add(1);
+    // Hold the compile open until every thread has asked (bounded wait), so that the others
+    // really are concurrent first requests rather than later hits.
+    release.WaitForNotificationWithTimeout(absl::Seconds(10));
+    return Cache::Compiled{std::make_shared<const std::string>("module"), 8};
+  };
+  std::vector<std::thread> threads;
+  std::vector<std::string> results(kThreads);
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([&, i] {
+      entered.fetch_add(1);
+      absl::StatusOr<std::shared_ptr<const std::string>> v = cache.GetOrCompile("k", slow_compile);
+      results[i] = v.ok() ? **v : v.status().ToString();
+    });
+  }
+  // Wait (bounded) until all threads have registered as misses, then let the compile finish.
+  for (int spin = 0; spin < 1000 && cache.Stats().misses < kThreads; ++spin) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  release.Notify();
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(compiles.load(), 1);
+  for (const std::string& r : results) EXPECT_EQ(r, "module");
+  ModuleCacheStats s = cache.Stats();
+  EXPECT_EQ(s.compiles, 1u);
+  EXPECT_EQ(s.misses, static_cast<uint64_t>(kThreads));
+  EXPECT_EQ(s.hits, 0u);
+}
+
+TEST(ModuleCacheTest, ConcurrentRequestsShareOneFailure) {
+  constexpr int kThreads = 8;
+  Cache cache({.max_entries = 4, .max_bytes = 1000});
+  std::atomic<int> compiles{0};
+  absl::Notification release;
+  auto failing = [&]() -> absl::StatusOr<Cache::Compiled> {
+    compiles.fetch_add(1);
+    release.WaitForNotificationWithTimeout(absl::Seconds(10));
+    return absl::InternalError("jit failed");
+  };
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([&] {
+      if (!cache.GetOrCompile("k", failing).ok()) failures.fetch_add(1);
+    });
+  }
+  for (int spin = 0; spin < 1000 && cache.Stats().misses < kThreads; ++spin) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  release.Notify();
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(compiles.load(), 1);
+  EXPECT_EQ(failures.load(), kThreads);
+  EXPECT_EQ(cache.Stats().entries, 0u);
+}
+
+TEST(ModuleCacheTest, ZeroEntryBoundRetainsNothing) {
+  Cache cache({.max_entries = 0, .max_bytes = 1000});
+  int calls = 0;
+  Get(cache, "a", 1, &calls);
+  Get(cache, "a", 1, &calls);
+  EXPECT_EQ(calls, 2);
+  EXPECT_EQ(cache.Stats().entries, 0u);
+}
+
+TEST(ModuleCacheTest, ClearDropsEntriesButKeepsCounters) {
+  Cache cache({.max_entries = 4, .max_bytes = 1000});
+  Get(cache, "a", 5);
+  Get(cache, "a", 5);
+  cache.Clear();
+  EXPECT_EQ(cache.Find("a"), nullptr);
+  ModuleCacheStats s = cache.Stats();
+  EXPECT_EQ(s.entries, 0u);
+  EXPECT_EQ(s.bytes, 0u);
+  EXPECT_EQ(s.hits, 1u);
+  EXPECT_EQ(s.evictions, 0u);
+}
+
+}  // namespace
+}  // namespace normgrad::server
