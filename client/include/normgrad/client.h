@@ -1,0 +1,183 @@
+// normgrad::Client: the C++ client of the normgrad.v1.NormGrad service.
+//
+// One Client owns one gRPC channel (thread-safe; share it between threads). Destroy a Client
+// only after the callbacks of all its asynchronous calls have run. Backward streams a
+// batch of any size to the server in row chunks that stay under the message limit, and writes
+// grad_input chunk by chunk into the caller's buffer (or a vector it allocates).
+//
+//   absl::StatusOr<std::unique_ptr<normgrad::Client>> client =
+//       normgrad::Client::Create({.target = "localhost:50051"});
+//   if (!client.ok()) return client.status();
+//   absl::StatusOr<normgrad::Gradients> g = (*client)->Backward(x, dy, gamma, /*eps=*/1e-5f);
+//   if (!g.ok()) return g.status();   // the server's gRPC code and message, untouched
+//   use(g->dx, g->dgamma);
+//
+// Errors: every call returns absl::Status whose code is the gRPC status code and whose message is
+// the server's message, unchanged. Client-side validation failures are INVALID_ARGUMENT naming
+// the argument and the numbers; a malformed server reply is INTERNAL.
+#ifndef NORMGRAD_CLIENT_H_
+#define NORMGRAD_CLIENT_H_
+
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "normgrad/v1/normgrad.pb.h"
+
+namespace normgrad {
+
+// Element type of x, dy, gamma and the outputs on the wire. Rms is always f32.
+enum class ElementType { kF32, kBF16, kF16 };
+int ElementBytes(ElementType type);
+
+struct TlsOptions {
+  std::string root_certs_pem;    // PEM contents; empty: the system's roots
+  std::string client_cert_pem;   // both set: mutual TLS
+  std::string client_key_pem;
+  std::string server_name_override;  // checked against the certificate instead of the host
+};
+
+struct ClientOptions {
+  // One address ("host:port"), a comma-separated list of IP addresses ("10.0.0.1:50051,
+  // 10.0.0.2:50051", balanced round-robin; "localhost" is read as 127.0.0.1), or any gRPC
+  // target URI ("dns:///svc.ns:50051", "ipv4:...", "unix:/path"). A "dns:" target with several
+  // A records is balanced round-robin too.
+  std::string target = "localhost:50051";
+  bool use_tls = false;
+  TlsOptions tls;
+  // Sent as "authorization: Bearer <token>" metadata on every call when not empty.
+  std::string bearer_token;
+  // Deadline of a call that does not set its own; absl::InfiniteDuration() for none.
+  absl::Duration default_deadline = absl::Seconds(60);
+  // Attempts (first one included) for a call that fails with UNAVAILABLE. Unary calls retry
+  // through gRPC's service-config retryPolicy; Backward retries the whole stream itself, as
+  // long as no response has arrived (gRPC's own retries stop covering a stream at its first
+  // response). 1 disables retries.
+  int max_attempts = 3;
+  absl::Duration initial_backoff = absl::Milliseconds(50);
+  absl::Duration max_backoff = absl::Seconds(1);
+  // Channel message limits; -1 keeps gRPC's defaults (4 MiB receive, unlimited send).
+  int max_receive_message_bytes = -1;
+  int max_send_message_bytes = -1;
+  // Bytes of x per request message (x and dy together are twice this); always whole rows, at
+  // least one. The default keeps a message near 2 MiB, well under the 4 MiB default limit.
+  uint64_t chunk_bytes = uint64_t{1} << 20;
+  // True: this channel opens its own connections instead of sharing them with other channels
+  // to the same target in this process (what a load generator's "connections" needs).
+  bool own_connection = false;
+};
+
+// Per-call options of Backward.
+struct BackwardOptions {
+  absl::Duration deadline = absl::ZeroDuration();  // zero: ClientOptions::default_deadline
+  std::string kernel;                // empty: the server picks
+  // Per-row rms from the forward pass (num_rows values); empty: the server recomputes it.
+  absl::Span<const float> rms;
+  // Caller-owned outputs. When set they must hold num_rows * hidden_dim (dx) and hidden_dim
+  // (dgamma) elements; the result vectors are then left empty.
+  absl::Span<float> dx;
+  absl::Span<float> dgamma;
+  // Called after each grad_input chunk arrives, on a gRPC thread; must not block.
+  std::function<void(uint64_t rows_done, uint64_t num_rows)> on_progress;
+};
+
+// What the server reports about a finished Backward (normgrad.v1.BackwardSummary).
+struct BackwardSummary {
+  std::string backend;
+  std::string kernel;
+  uint64_t rows = 0;
+  uint64_t chunks = 0;
+  double compute_seconds = 0;
+  double total_seconds = 0;
+};
+
+struct Gradients {
+  std::vector<float> dx;      // empty when BackwardOptions::dx was given
+  std::vector<float> dgamma;  // empty when BackwardOptions::dgamma was given
+  BackwardSummary summary;
+  int attempts = 1;           // streams started (more than one after UNAVAILABLE retries)
+};
+
+// The byte-level form of a Backward call, for any element type. Spans are caller-owned and must
+// outlive the call (for the async forms: until the callback has run).
+struct RawBackwardArgs {
+  ElementType type = ElementType::kF32;
+  uint64_t num_rows = 0;
+  uint32_t hidden_dim = 0;
+  float eps = 1e-5f;
+  absl::Span<const uint8_t> x;      // num_rows * hidden_dim elements, little-endian, row-major
+  absl::Span<const uint8_t> dy;     // same size as x
+  absl::Span<const uint8_t> gamma;  // hidden_dim elements
+  absl::Span<const uint8_t> rms;    // num_rows f32 values, or empty
+  absl::Span<uint8_t> dx;           // num_rows * hidden_dim elements (required)
+  absl::Span<uint8_t> dgamma;       // hidden_dim elements (required)
+};
+
+struct RawBackwardResult {
+  BackwardSummary summary;
+  int attempts = 1;
+};
+
+// Per-call options of the unary calls.
+struct CallOptions {
+  absl::Duration deadline = absl::ZeroDuration();  // zero: ClientOptions::default_deadline
+};
+
+enum class HealthStatus { kUnknown = 0, kServing = 1, kNotServing = 2, kServiceUnknown = 3 };
+const char* HealthStatusName(HealthStatus status);  // "SERVING", ...
+
+class Client {
+ public:
+  using BackwardCallback = std::function<void(absl::StatusOr<Gradients>)>;
+  using RawBackwardCallback = std::function<void(absl::StatusOr<RawBackwardResult>)>;
+  using EmitPtxCallback = std::function<void(absl::StatusOr<v1::EmitPtxResponse>)>;
+
+  // Fails with INVALID_ARGUMENT for an unusable target or options. Does not connect yet.
+  static absl::StatusOr<std::unique_ptr<Client>> Create(const ClientOptions& options);
+  virtual ~Client() = default;
+
+  // dx and dgamma of RMSNorm for x and dy of num_rows = x.size() / gamma.size() rows of
+  // hidden_dim = gamma.size() elements. Blocks; do not call it from a callback of this class.
+  virtual absl::StatusOr<Gradients> Backward(absl::Span<const float> x,
+                                             absl::Span<const float> dy,
+                                             absl::Span<const float> gamma, float eps,
+                                             const BackwardOptions& options = {}) = 0;
+
+  // Asynchronous Backward: returns at once; `done` runs exactly once on a gRPC thread (or on
+  // this thread for arguments rejected before any RPC). x, dy, gamma and the option spans must
+  // stay alive until then. Many calls may be in flight on one Client.
+  virtual void BackwardAsync(absl::Span<const float> x, absl::Span<const float> dy,
+                             absl::Span<const float> gamma, float eps,
+                             const BackwardOptions& options, BackwardCallback done) = 0;
+  std::future<absl::StatusOr<Gradients>> BackwardFuture(absl::Span<const float> x,
+                                                        absl::Span<const float> dy,
+                                                        absl::Span<const float> gamma, float eps,
+                                                        const BackwardOptions& options = {});
+
+  // The general form behind the float calls (bf16/f16 ready). Blocking and asynchronous.
+  virtual absl::StatusOr<RawBackwardResult> BackwardRaw(const RawBackwardArgs& args,
+                                                        const BackwardOptions& options) = 0;
+  virtual void BackwardRawAsync(const RawBackwardArgs& args, const BackwardOptions& options,
+                                RawBackwardCallback done) = 0;
+
+  virtual absl::StatusOr<v1::EmitPtxResponse> EmitPtx(const v1::EmitPtxRequest& request,
+                                                      const CallOptions& options = {}) = 0;
+  virtual void EmitPtxAsync(const v1::EmitPtxRequest& request, const CallOptions& options,
+                            EmitPtxCallback done) = 0;
+  virtual absl::StatusOr<v1::GetServerInfoResponse> ServerInfo(
+      const CallOptions& options = {}) = 0;
+  // grpc.health.v1.Health/Check for `service` ("" is the server as a whole).
+  virtual absl::StatusOr<HealthStatus> Health(const std::string& service = "",
+                                              const CallOptions& options = {}) = 0;
+};
+
+}  // namespace normgrad
+
+#endif  // NORMGRAD_CLIENT_H_

@@ -1,0 +1,30 @@
+// How a ClientOptions::target becomes a gRPC target URI and a service config.
+#ifndef NORMGRAD_CLIENT_SRC_CHANNEL_CONFIG_H_
+#define NORMGRAD_CLIENT_SRC_CHANNEL_CONFIG_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "normgrad/client.h"
+
+namespace normgrad::client_internal {
+
+struct ResolvedTarget {
+  std::string uri;           // what grpc::CreateCustomChannel gets
+  bool round_robin = false;  // a list or a dns: name: balance over every address
+};
+
+// "host:port" stays as is; "a:1,b:2" (IP literals or localhost) becomes "ipv4:a:1,b:2" (or
+// "ipv6:[..]:1,..."), round-robin; a URI with a scheme ("dns:", "ipv4:", "ipv6:", "unix:") is
+// kept, and dns:/ipv4:/ipv6: ones are balanced round-robin. INVALID_ARGUMENT for an empty
+// target, an empty list element, a missing port or a list mixing IPv4 and IPv6.
+absl::StatusOr<ResolvedTarget> ResolveTarget(absl::string_view target);
+
+// The service config JSON: the load-balancing policy, and a retryPolicy on UNAVAILABLE for the
+// unary methods (EmitPtx, GetServerInfo, grpc.health.v1.Health) when options.max_attempts > 1.
+std::string ServiceConfigJson(const ResolvedTarget& target, const ClientOptions& options);
+
+}  // namespace normgrad::client_internal
+
+#endif  // NORMGRAD_CLIENT_SRC_CHANNEL_CONFIG_H_

@@ -1,0 +1,504 @@
+#include "normgrad/client.h"
+
+#include <grpcpp/alarm.h>
+#include <grpcpp/channel.h>
+#include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/channel_arguments.h>
+#include <grpcpp/support/client_callback.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "client/src/channel_config.h"
+#include "client/src/chunking.h"
+#include "client/src/grpc_status.h"
+#include "client/src/health_wire.h"
+#include "normgrad/v1/normgrad.grpc.pb.h"
+
+namespace normgrad {
+
+int ElementBytes(ElementType type) { return type == ElementType::kF32 ? 4 : 2; }
+
+const char* HealthStatusName(HealthStatus status) {
+  switch (status) {
+    case HealthStatus::kUnknown: return "UNKNOWN";
+    case HealthStatus::kServing: return "SERVING";
+    case HealthStatus::kNotServing: return "NOT_SERVING";
+    case HealthStatus::kServiceUnknown: return "SERVICE_UNKNOWN";
+  }
+  return "UNKNOWN";
+}
+
+std::future<absl::StatusOr<Gradients>> Client::BackwardFuture(absl::Span<const float> x,
+                                                              absl::Span<const float> dy,
+                                                              absl::Span<const float> gamma,
+                                                              float eps,
+                                                              const BackwardOptions& options) {
+  auto promise = std::make_shared<std::promise<absl::StatusOr<Gradients>>>();
+  std::future<absl::StatusOr<Gradients>> future = promise->get_future();
+  BackwardAsync(x, dy, gamma, eps, options,
+                [promise](absl::StatusOr<Gradients> result) { promise->set_value(std::move(result)); });
+  return future;
+}
+
+namespace client_internal {
+namespace {
+
+v1::DType ToProto(ElementType type) {
+  switch (type) {
+    case ElementType::kF32: return v1::DTYPE_F32;
+    case ElementType::kBF16: return v1::DTYPE_BF16;
+    case ElementType::kF16: return v1::DTYPE_F16;
+  }
+  return v1::DTYPE_F32;
+}
+
+absl::Span<const uint8_t> AsBytes(absl::Span<const float> s) {
+  return {reinterpret_cast<const uint8_t*>(s.data()), s.size() * sizeof(float)};
+}
+absl::Span<uint8_t> AsBytes(absl::Span<float> s) {
+  return {reinterpret_cast<uint8_t*>(s.data()), s.size() * sizeof(float)};
+}
+
+absl::Status ValidateRaw(const RawBackwardArgs& a) {
+  const uint64_t elem = ElementBytes(a.type);
+  if (a.hidden_dim == 0) return absl::InvalidArgumentError("hidden_dim: must be > 0, got 0");
+  if (a.num_rows == 0) return absl::InvalidArgumentError("num_rows: must be > 0, got 0");
+  const uint64_t tensor = a.num_rows * a.hidden_dim * elem;
+  auto check = [](const char* name, uint64_t got, uint64_t want) {
+    if (got == want) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": ", got, " bytes, expected ", want));
+  };
+  absl::Status s = check("x", a.x.size(), tensor);
+  if (s.ok()) s = check("dy", a.dy.size(), tensor);
+  if (s.ok()) s = check("gamma", a.gamma.size(), a.hidden_dim * elem);
+  if (s.ok() && !a.rms.empty()) s = check("rms", a.rms.size(), a.num_rows * 4);
+  if (s.ok()) s = check("dx", a.dx.size(), tensor);
+  if (s.ok()) s = check("dgamma", a.dgamma.size(), a.hidden_dim * elem);
+  return s;
+}
+
+class ClientImpl;
+
+// One attempt of one RmsNormBackward stream. Writes the header, then each row chunk from
+// OnWriteDone (one write in flight), reads grad_input chunks into args.dx as they come. Deletes
+// itself in OnDone, after handing the result on (or starting the next attempt).
+class BackwardCall final
+    : public grpc::ClientBidiReactor<v1::BackwardRequest, v1::BackwardResponse> {
+ public:
+  struct Shared {
+    RawBackwardArgs args;
+    BackwardOptions options;
+    Client::RawBackwardCallback done;
+    std::chrono::system_clock::time_point deadline;
+    bool has_deadline = false;
+  };
+
+  BackwardCall(ClientImpl* client, std::shared_ptr<Shared> shared, int attempt);
+  void Start();
+
+  void OnWriteDone(bool ok) override;
+  void OnWritesDoneDone(bool ok) override {}
+  void OnReadDone(bool ok) override;
+  void OnDone(const grpc::Status& status) override;
+
+ private:
+  void WriteChunk(uint64_t index);
+  absl::Status TakeResponse();
+
+  ClientImpl* client_;
+  std::shared_ptr<Shared> shared_;
+  int attempt_;
+  RowChunker chunker_;
+  uint64_t row_bytes_;
+  grpc::ClientContext context_;
+  v1::BackwardRequest request_;
+  v1::BackwardResponse response_;
+  uint64_t next_chunk_ = 0;
+  uint64_t rows_received_ = 0;
+  bool any_response_ = false;
+  bool final_received_ = false;
+  BackwardSummary summary_;
+  absl::Status error_;  // a malformed reply seen in OnReadDone; the call is cancelled
+};
+
+class ClientImpl final : public Client {
+ public:
+  ClientImpl(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
+      : options_(std::move(options)),
+        channel_(std::move(channel)),
+        stub_(v1::NormGrad::NewStub(channel_)),
+        generic_(channel_) {}
+
+  absl::StatusOr<Gradients> Backward(absl::Span<const float> x, absl::Span<const float> dy,
+                                     absl::Span<const float> gamma, float eps,
+                                     const BackwardOptions& options) override {
+    return BackwardFuture(x, dy, gamma, eps, options).get();
+  }
+
+  void BackwardAsync(absl::Span<const float> x, absl::Span<const float> dy,
+                     absl::Span<const float> gamma, float eps, const BackwardOptions& options,
+                     BackwardCallback done) override {
+    if (gamma.empty()) {
+      done(absl::InvalidArgumentError("gamma: empty (hidden_dim must be > 0)"));
+      return;
+    }
+    if (x.size() % gamma.size() != 0) {
+      done(absl::InvalidArgumentError(absl::StrCat("x: ", x.size(), " elements is not a multiple of hidden_dim ",
+                                                   gamma.size(), " (gamma's size)")));
+      return;
+    }
+    auto result = std::make_shared<Gradients>();
+    RawBackwardArgs args;
+    args.type = ElementType::kF32;
+    args.hidden_dim = static_cast<uint32_t>(gamma.size());
+    args.num_rows = x.size() / gamma.size();
+    args.eps = eps;
+    args.x = AsBytes(x);
+    args.dy = AsBytes(dy);
+    args.gamma = AsBytes(gamma);
+    args.rms = AsBytes(options.rms);
+    absl::Span<float> dx = options.dx;
+    absl::Span<float> dgamma = options.dgamma;
+    if (dx.data() == nullptr && x.size() == dy.size()) {
+      result->dx.resize(x.size());
+      dx = absl::MakeSpan(result->dx);
+    }
+    if (dgamma.data() == nullptr) {
+      result->dgamma.resize(gamma.size());
+      dgamma = absl::MakeSpan(result->dgamma);
+    }
+    args.dx = AsBytes(dx);
+    args.dgamma = AsBytes(dgamma);
+    BackwardRawAsync(args, options,
+                     [result, done = std::move(done)](absl::StatusOr<RawBackwardResult> raw) {
+                       if (!raw.ok()) {
+                         done(raw.status());
+                         return;
+                       }
+                       result->summary = std::move(raw->summary);
+                       result->attempts = raw->attempts;
+                       done(std::move(*result));
+                     });
+  }
+
+  absl::StatusOr<RawBackwardResult> BackwardRaw(const RawBackwardArgs& args,
+                                                const BackwardOptions& options) override {
+    std::promise<absl::StatusOr<RawBackwardResult>> promise;
+    std::future<absl::StatusOr<RawBackwardResult>> future = promise.get_future();
+    BackwardRawAsync(args, options, [&promise](absl::StatusOr<RawBackwardResult> r) {
+      promise.set_value(std::move(r));
+    });
+    return future.get();
+  }
+
+  void BackwardRawAsync(const RawBackwardArgs& args, const BackwardOptions& options,
+                        RawBackwardCallback done) override {
+    if (absl::Status s = ValidateRaw(args); !s.ok()) {
+      done(s);
+      return;
+    }
+    auto shared = std::make_shared<BackwardCall::Shared>();
+    shared->args = args;
+    shared->options = options;
+    shared->done = std::move(done);
+    const absl::Duration deadline = DeadlineFor(options.deadline);
+    if (deadline != absl::InfiniteDuration()) {
+      shared->has_deadline = true;
+      shared->deadline = absl::ToChronoTime(absl::Now() + deadline);
+    }
+    (new BackwardCall(this, std::move(shared), 1))->Start();
+  }
+
+  // Starts attempt `attempt` after a jittered exponential backoff.
+  void RetryBackward(std::shared_ptr<BackwardCall::Shared> shared, int attempt) {
+    absl::Duration backoff = options_.initial_backoff;
+    for (int i = 2; i < attempt; ++i) backoff *= 2;
+    backoff = std::min(backoff, options_.max_backoff);
+    {
+      absl::MutexLock lock(&rng_mu_);
+      backoff *= std::uniform_real_distribution<double>(0.8, 1.2)(rng_);
+    }
+    // gRPC 1.51's alarm holds its own reference while the callback runs, so the callback may
+    // delete the grpc::Alarm it belongs to.
+    auto* alarm = new grpc::Alarm;
+    alarm->Set(absl::ToChronoTime(absl::Now() + backoff),
+               [this, alarm, shared = std::move(shared), attempt](bool) mutable {
+                 (new BackwardCall(this, std::move(shared), attempt))->Start();
+                 delete alarm;
+               });
+  }
+
+  absl::StatusOr<v1::EmitPtxResponse> EmitPtx(const v1::EmitPtxRequest& request,
+                                              const CallOptions& options) override {
+    std::promise<absl::StatusOr<v1::EmitPtxResponse>> promise;
+    auto future = promise.get_future();
+    EmitPtxAsync(request, options, [&promise](absl::StatusOr<v1::EmitPtxResponse> r) {
+      promise.set_value(std::move(r));
+    });
+    return future.get();
+  }
+
+  void EmitPtxAsync(const v1::EmitPtxRequest& request, const CallOptions& options,
+                    EmitPtxCallback done) override {
+    struct State {
+      grpc::ClientContext context;
+      v1::EmitPtxRequest request;
+      v1::EmitPtxResponse response;
+      EmitPtxCallback done;
+    };
+    auto* state = new State;
+    state->request = request;
+    state->done = std::move(done);
+    PrepareContext(state->context, options.deadline);
+    stub_->async()->EmitPtx(&state->context, &state->request, &state->response,
+                            [state](grpc::Status status) {
+                              std::unique_ptr<State> owned(state);
+                              if (!status.ok()) {
+                                owned->done(FromGrpcStatus(status));
+                              } else {
+                                owned->done(std::move(owned->response));
+                              }
+                            });
+  }
+
+  absl::StatusOr<v1::GetServerInfoResponse> ServerInfo(const CallOptions& options) override {
+    grpc::ClientContext context;
+    PrepareContext(context, options.deadline);
+    v1::GetServerInfoResponse response;
+    const grpc::Status status = stub_->GetServerInfo(&context, {}, &response);
+    if (!status.ok()) return FromGrpcStatus(status);
+    return response;
+  }
+
+  absl::StatusOr<HealthStatus> Health(const std::string& service,
+                                      const CallOptions& options) override {
+    grpc::ClientContext context;
+    PrepareContext(context, options.deadline);
+    const std::string encoded = EncodeHealthCheckRequest(service);
+    grpc::Slice slice(encoded);
+    grpc::ByteBuffer request(&slice, 1);
+    grpc::ByteBuffer response;
+    std::promise<grpc::Status> promise;
+    auto future = promise.get_future();
+    generic_.UnaryCall(&context, kHealthCheckMethod, grpc::StubOptions(), &request, &response,
+                       [&promise](grpc::Status s) { promise.set_value(std::move(s)); });
+    const grpc::Status status = future.get();
+    if (!status.ok()) return FromGrpcStatus(status);
+    std::vector<grpc::Slice> slices;
+    if (!response.Dump(&slices).ok()) return absl::InternalError("health reply: unreadable");
+    std::string bytes;
+    for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    absl::StatusOr<int> decoded = DecodeHealthCheckResponse(bytes);
+    if (!decoded.ok()) return decoded.status();
+    if (*decoded < 0 || *decoded > 3) return HealthStatus::kUnknown;
+    return static_cast<HealthStatus>(*decoded);
+  }
+
+  absl::Duration DeadlineFor(absl::Duration per_call) const {
+    return per_call == absl::ZeroDuration() ? options_.default_deadline : per_call;
+  }
+
+  void PrepareContext(grpc::ClientContext& context, absl::Duration per_call) const {
+    const absl::Duration deadline = DeadlineFor(per_call);
+    if (deadline != absl::InfiniteDuration()) {
+      context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+    }
+    AddMetadata(context);
+  }
+
+  void AddMetadata(grpc::ClientContext& context) const {
+    if (!options_.bearer_token.empty()) {
+      context.AddMetadata("authorization", absl::StrCat("Bearer ", options_.bearer_token));
+    }
+  }
+
+  const ClientOptions& options() const { return options_; }
+  v1::NormGrad::Stub& stub() { return *stub_; }
+
+ private:
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::NormGrad::Stub> stub_;
+  grpc::GenericStub generic_;
+  absl::Mutex rng_mu_;
+  std::mt19937_64 rng_ ABSL_GUARDED_BY(rng_mu_){std::random_device{}()};
+};
+
+BackwardCall::BackwardCall(ClientImpl* client, std::shared_ptr<Shared> shared, int attempt)
+    : client_(client),
+      shared_(std::move(shared)),
+      attempt_(attempt),
+      chunker_(shared_->args.num_rows,
+               uint64_t{shared_->args.hidden_dim} * ElementBytes(shared_->args.type),
+               client->options().chunk_bytes),
+      row_bytes_(uint64_t{shared_->args.hidden_dim} * ElementBytes(shared_->args.type)) {}
+
+void BackwardCall::Start() {
+  if (shared_->has_deadline) context_.set_deadline(shared_->deadline);
+  client_->AddMetadata(context_);
+  client_->stub().async()->RmsNormBackward(&context_, this);
+
+  const RawBackwardArgs& a = shared_->args;
+  v1::BackwardHeader* header = request_.mutable_header();
+  header->set_num_rows(a.num_rows);
+  header->set_hidden_dim(a.hidden_dim);
+  header->set_eps(a.eps);
+  header->set_dtype(ToProto(a.type));
+  header->set_gamma(a.gamma.data(), a.gamma.size());
+  header->set_rms_provided(!a.rms.empty());
+  if (!shared_->options.kernel.empty()) header->mutable_options()->set_kernel(shared_->options.kernel);
+
+  StartWrite(&request_);
+  StartRead(&response_);
+  StartCall();
+}
+
+void BackwardCall::WriteChunk(uint64_t index) {
+  const RawBackwardArgs& a = shared_->args;
+  const RowRange range = chunker_.Chunk(index);
+  request_.Clear();
+  const uint64_t offset = range.first_row * row_bytes_;
+  const uint64_t bytes = range.num_rows * row_bytes_;
+  request_.set_x(a.x.data() + offset, bytes);
+  request_.set_dy(a.dy.data() + offset, bytes);
+  if (!a.rms.empty()) request_.set_rms(a.rms.data() + range.first_row * 4, range.num_rows * 4);
+  StartWrite(&request_);
+}
+
+void BackwardCall::OnWriteDone(bool ok) {
+  if (!ok) return;  // the stream is broken; OnDone reports why
+  if (next_chunk_ < chunker_.num_chunks()) {
+    WriteChunk(next_chunk_++);
+  } else {
+    request_.Clear();
+    StartWritesDone();
+  }
+}
+
+absl::Status BackwardCall::TakeResponse() {
+  const RawBackwardArgs& a = shared_->args;
+  if (final_received_) return absl::InternalError("server sent a message after the final one");
+  const bool is_final = !response_.grad_gamma().empty() || response_.has_summary();
+  if (response_.num_rows() > 0 || !response_.grad_input().empty()) {
+    const uint64_t first = response_.first_row(), rows = response_.num_rows();
+    if (first > a.num_rows || rows > a.num_rows - first) {
+      return absl::InternalError(absl::StrCat("server sent rows [", first, ", ", first + rows,
+                                              ") of a ", a.num_rows, "-row batch"));
+    }
+    if (response_.grad_input().size() != rows * row_bytes_) {
+      return absl::InternalError(absl::StrCat("server sent ", response_.grad_input().size(),
+                                              " grad_input bytes for ", rows, " rows, expected ",
+                                              rows * row_bytes_));
+    }
+    std::memcpy(a.dx.data() + first * row_bytes_, response_.grad_input().data(),
+                response_.grad_input().size());
+    rows_received_ += rows;
+    if (shared_->options.on_progress) shared_->options.on_progress(rows_received_, a.num_rows);
+  }
+  if (is_final) {
+    if (response_.grad_gamma().size() != a.dgamma.size()) {
+      return absl::InternalError(absl::StrCat("server sent ", response_.grad_gamma().size(),
+                                              " grad_gamma bytes, expected ", a.dgamma.size()));
+    }
+    std::memcpy(a.dgamma.data(), response_.grad_gamma().data(), a.dgamma.size());
+    const v1::BackwardSummary& s = response_.summary();
+    summary_ = {s.backend(), s.kernel(), s.rows(), s.chunks(), s.compute_seconds(),
+                s.total_seconds()};
+    final_received_ = true;
+  }
+  return absl::OkStatus();
+}
+
+void BackwardCall::OnReadDone(bool ok) {
+  if (!ok) return;  // end of stream; OnDone follows
+  any_response_ = true;
+  if (absl::Status s = TakeResponse(); !s.ok()) {
+    error_ = std::move(s);
+    context_.TryCancel();
+    return;
+  }
+  StartRead(&response_);
+}
+
+void BackwardCall::OnDone(const grpc::Status& status) {
+  std::unique_ptr<BackwardCall> self(this);
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE && !any_response_ &&
+      attempt_ < client_->options().max_attempts) {
+    client_->RetryBackward(std::move(shared_), attempt_ + 1);
+    return;
+  }
+  absl::Status result = error_;
+  if (result.ok()) result = FromGrpcStatus(status);
+  if (result.ok() && (!final_received_ || rows_received_ != shared_->args.num_rows)) {
+    result = absl::InternalError(
+        absl::StrCat("server ended the stream after ", rows_received_, " of ",
+                     shared_->args.num_rows, " rows", final_received_ ? "" : " and no grad_gamma"));
+  }
+  if (!result.ok()) {
+    shared_->done(std::move(result));
+  } else {
+    shared_->done(RawBackwardResult{std::move(summary_), attempt_});
+  }
+}
+
+}  // namespace
+}  // namespace client_internal
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& options) {
+  using client_internal::ResolveTarget;
+  if (options.max_attempts < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_attempts: must be >= 1, got ", options.max_attempts));
+  }
+  if (options.chunk_bytes == 0) return absl::InvalidArgumentError("chunk_bytes: must be > 0");
+  absl::StatusOr<client_internal::ResolvedTarget> target = ResolveTarget(options.target);
+  if (!target.ok()) return target.status();
+
+  grpc::ChannelArguments args;
+  args.SetServiceConfigJSON(client_internal::ServiceConfigJson(*target, options));
+  if (options.max_receive_message_bytes != -1) {
+    args.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
+  }
+  if (options.max_send_message_bytes != -1) args.SetMaxSendMessageSize(options.max_send_message_bytes);
+  if (options.own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  if (options.use_tls) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls.root_certs_pem;
+    ssl.pem_cert_chain = options.tls.client_cert_pem;
+    ssl.pem_private_key = options.tls.client_key_pem;
+    if (ssl.pem_cert_chain.empty() != ssl.pem_private_key.empty()) {
+      return absl::InvalidArgumentError(
+          "tls: client_cert_pem and client_key_pem must be given together");
+    }
+    if (!options.tls.server_name_override.empty()) {
+      args.SetSslTargetNameOverride(options.tls.server_name_override);
+    }
+    credentials = grpc::SslCredentials(ssl);
+  } else {
+    credentials = grpc::InsecureChannelCredentials();
+  }
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(target->uri, credentials, args);
+  if (channel == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("target: cannot create a channel to \"",
+                                                   options.target, "\""));
+  }
+  return std::unique_ptr<Client>(new client_internal::ClientImpl(options, std::move(channel)));
+}
+
+}  // namespace normgrad
