@@ -20,7 +20,7 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libhwy-dev libcpp-httplib-dev libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  python3 python3-numpy openssl
+  python3 python3-numpy python3-yaml openssl
 )
 
 as_root() {

@@ -1,0 +1,37 @@
+# syntax=docker/dockerfile:1
+# normgrad server image.
+#   docker build -t normgrad .
+#   docker run --gpus all -p 50051:50051 -p 9464:9464 normgrad
+# Without a GPU (or without the NVIDIA container runtime) the server falls back to its CPU
+# backend. No CUDA toolkit at run time: the NVIDIA runtime mounts libcuda.so.1 into the container.
+
+# CUDA headers (cuda.h for the Driver API types) and nvJitLink (PTX -> cubin for EmitPtx).
+ARG CUDA_IMAGE=nvidia/cuda:13.0.0-devel-ubuntu24.04
+FROM ${CUDA_IMAGE} AS cuda
+
+# Build: Debian 12 plus the same script the README runs, so the two cannot drift.
+FROM debian:12 AS build
+COPY --from=cuda /usr/local/cuda/include /usr/local/cuda/include
+WORKDIR /src
+COPY . .
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends ca-certificates \
+ && BUILD_DIR=/src/build BUILD_TYPE=Release bash scripts/dev.sh build -DNORMGRAD_BUILD_TESTS=OFF -DNORMGRAD_BUILD_BENCHMARKS=OFF \
+ && mkdir -p /out/bin \
+ && cp build/bin/normgrad-server build/bin/normgrad build/bin/normgrad-load build/bin/normgrad-ptx /out/bin/
+
+# Runtime: only the binaries and the shared libraries they link (deploy/runtime-packages.txt).
+FROM debian:12-slim AS runtime
+COPY deploy/runtime-packages.txt /tmp/runtime-packages.txt
+RUN apt-get update -qq \
+ && grep -v '^#' /tmp/runtime-packages.txt | xargs apt-get install -y -qq --no-install-recommends \
+ && rm -rf /var/lib/apt/lists/* /tmp/runtime-packages.txt \
+ && groupadd --gid 10001 normgrad && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin normgrad
+COPY --from=build /out/bin/ /usr/local/bin/
+COPY --from=cuda /usr/local/cuda/lib64/libnvJitLink.so.13* /usr/local/lib/normgrad/
+ENV NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute
+USER 10001:10001
+EXPOSE 50051 9464
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
+  CMD ["normgrad", "health", "--target=127.0.0.1:50051"]
+ENTRYPOINT ["normgrad-server"]
+CMD ["--listen=0.0.0.0:50051", "--metrics-listen=0.0.0.0:9464", "--backend=auto", "--nvjitlink=/usr/local/lib/normgrad/libnvJitLink.so.13"]
