@@ -1,0 +1,300 @@
+#include "kernels/rms_norm_backward.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/divergence_analysis.h"
+#include "kernels/targets.h"
+#include "kernels/verifier.h"
+
+namespace normgrad::kernels {
+namespace {
+
+// shfl.sync (member-mask shuffles) first appeared in PTX ISA 6.0.
+constexpr PtxVersion kShflSyncVersion{6, 0};
+constexpr uint32_t kFullMask = 0xffffffffu;
+
+std::vector<KernelParam> ToKernelParams(const Function& f) {
+  std::vector<KernelParam> out;
+  for (const ParamDecl& p : f.params()) {
+    out.push_back(KernelParam{p.name, std::string(PtxTypeName(p.type))});
+  }
+  return out;
+}
+
+// Sum over the 32 lanes of a warp, in a fixed order, broadcast from lane 0 so every lane holds the
+// same bits. All five steps always run: lanes holding no element contribute 0.
+Value WarpSum(Builder& b, Value v) {
+  Value sum = v;
+  for (uint32_t offset : {16u, 8u, 4u, 2u, 1u}) {
+    Value other = b.Shfl(ShflMode::kDown, sum, Value::U32(offset), kFullMask);
+    sum = b.Add(sum, other);
+  }
+  return b.Shfl(ShflMode::kIdx, sum, Value::U32(0), kFullMask);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// BuiltKernel
+
+absl::Status BuiltKernel::CheckCommon(const KernelConfig& config) const {
+  if (config.dtype != DType::kF32) {
+    return absl::InvalidArgumentError(absl::StrCat("dtype ", DTypeName(config.dtype),
+                                                   " is not supported by ", EntryName(),
+                                                   " (f32 only)"));
+  }
+  absl::StatusOr<PtxVersion> v =
+      ResolvePtxVersion(config.target_sm, config.ptx_version, kShflSyncVersion);
+  return v.status();
+}
+
+std::string BuiltKernel::ConfigKey(const KernelConfig& config) const {
+  absl::StatusOr<PtxVersion> v =
+      ResolvePtxVersion(config.target_sm, config.ptx_version, kShflSyncVersion);
+  const std::string version =
+      v.ok() ? v->ToString()
+             : (config.ptx_version.has_value() ? config.ptx_version->ToString() : "invalid");
+  return absl::StrCat(EntryName(), "|dtype=", DTypeName(config.dtype), "|sm_", config.target_sm,
+                      "|ptx=", version, "|", kGeneratorVersion);
+}
+
+absl::StatusOr<EmittedPtx> BuiltKernel::Emit(const KernelConfig& config) const {
+  absl::StatusOr<Module> module = Build(config);
+  if (!module.ok()) return module.status();
+  if (absl::Status s = Verify(*module); !s.ok()) {
+    return absl::InternalError(absl::StrCat(EntryName(), " failed verification: ", s.message()));
+  }
+  if (absl::Status s = CheckDivergence(*module, LaunchAssumptions{}); !s.ok()) {
+    return absl::InternalError(absl::StrCat(EntryName(), " failed divergence analysis: ",
+                                            s.message()));
+  }
+  EmittedPtx out;
+  out.text = EmitPtx(*module);
+  out.entry = std::string(EntryName());
+  out.params = ToKernelParams(module->functions().front());
+  out.version = module->version();
+  out.target_sm = module->target_sm();
+  out.config_key = ConfigKey(config);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// rms_norm_backward
+
+std::vector<KernelParam> RmsNormBackwardKernel::Params() const {
+  return {{"input_ptr", "u64"},      {"gamma_ptr", "u64"},      {"rms_ptr", "u64"},
+          {"grad_output_ptr", "u64"}, {"grad_input_ptr", "u64"}, {"num_rows", "u32"},
+          {"hidden_dim", "u32"}};
+}
+
+absl::Status RmsNormBackwardKernel::CanImplement(const KernelConfig& config) const {
+  if (config.hidden_dim == 0 || config.hidden_dim > kMaxHiddenDim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "hidden_dim ", config.hidden_dim, " is outside 1..", kMaxHiddenDim,
+        ", the limit of rms_norm_backward (one warp per row); use batched_rms_norm_backward"));
+  }
+  return CheckCommon(config);
+}
+
+LaunchGeometry RmsNormBackwardKernel::Geometry(const KernelConfig& config,
+                                               uint64_t num_rows) const {
+  LaunchGeometry g;
+  const uint64_t blocks = (num_rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  g.grid[0] = static_cast<uint32_t>(std::clamp<uint64_t>(blocks, 1, kMaxGridX));
+  g.block[0] = 32 * kRowsPerBlock;
+  return g;
+}
+
+absl::StatusOr<Module> RmsNormBackwardKernel::Build(const KernelConfig& config) const {
+  if (absl::Status s = CanImplement(config); !s.ok()) return s;
+  absl::StatusOr<PtxVersion> version =
+      ResolvePtxVersion(config.target_sm, config.ptx_version, kShflSyncVersion);
+  if (!version.ok()) return version.status();
+
+  Module m(*version, config.target_sm);
+  Function& f = m.AddEntry(EntryName());
+  const Param input_ptr = f.AddParam(PtxType::kU64, "input_ptr");
+  const Param gamma_ptr = f.AddParam(PtxType::kU64, "gamma_ptr");
+  const Param rms_ptr = f.AddParam(PtxType::kU64, "rms_ptr");
+  const Param grad_output_ptr = f.AddParam(PtxType::kU64, "grad_output_ptr");
+  const Param grad_input_ptr = f.AddParam(PtxType::kU64, "grad_input_ptr");
+  const Param num_rows = f.AddParam(PtxType::kU32, "num_rows");
+  const Param hidden_dim = f.AddParam(PtxType::kU32, "hidden_dim");
+
+  Builder b(&f);
+  const Label exit = b.CreateLabel("exit");
+
+  // row = ctaid.x * (ntid.x / 32) + tid.x / 32: the same for the 32 lanes of a warp.
+  const Value tid = b.Mov(SpecialReg::kTidX);
+  const Value ctaid = b.Mov(SpecialReg::kCtaidX);
+  const Value ntid = b.Mov(SpecialReg::kNtidX);
+  const Value warps_per_block = b.Shr(ntid, Value::U32(5));
+  const Value row = b.Mad(ctaid, warps_per_block, b.Shr(tid, Value::U32(5)));
+  const Value lane = b.And(tid, Value::U32(31));
+
+  // Whole warps leave together: no lane exits before the shuffles below.
+  const Value rows = b.LdParam(num_rows);
+  b.BraIfNot(b.Setp(CmpOp::kLt, row, rows), exit);
+
+  const Value hidden = b.LdParam(hidden_dim);
+  const Value x_base = b.LdParam(input_ptr);
+  const Value gamma_base = b.LdParam(gamma_ptr);
+  const Value rms_base = b.LdParam(rms_ptr);
+  const Value dy_base = b.LdParam(grad_output_ptr);
+  const Value dx_base = b.LdParam(grad_input_ptr);
+
+  const Value lane_valid = b.Setp(CmpOp::kLt, lane, hidden);
+  // Element offset in 64 bits: row * hidden_dim may exceed 2^32.
+  const Value elem = b.MadWide(row, hidden, b.Cvt(PtxType::kU64, lane));
+  const Value elem_bytes = b.Shl(elem, Value::U32(2));
+  const Value lane_bytes = b.MulWide(lane, Value::U32(4));
+
+  const Value rms = b.Ld(StateSpace::kGlobal, PtxType::kF32,
+                         Address{b.Add(rms_base, b.MulWide(row, Value::U32(4)))});
+  const Value x = b.LdOr(StateSpace::kGlobal, lane_valid, Address{b.Add(x_base, elem_bytes)},
+                         Value::F32(0.0f));
+  const Value gamma = b.LdOr(StateSpace::kGlobal, lane_valid,
+                             Address{b.Add(gamma_base, lane_bytes)}, Value::F32(0.0f));
+  const Value dy = b.LdOr(StateSpace::kGlobal, lane_valid, Address{b.Add(dy_base, elem_bytes)},
+                          Value::F32(0.0f));
+
+  const Value gamma_dy = b.Mul(gamma, dy);
+  const Value total = WarpSum(b, b.Mul(x, gamma_dy));
+  const Value mean = b.Div(total, b.Cvt(PtxType::kF32, hidden, Rounding::kRn), Rounding::kRn);
+
+  // The forward's rms already contains eps: used as is (the seed added eps a second time).
+  const Value inv_rms = b.Rcp(rms, Rounding::kRn);
+  const Value correction = b.Mul(b.Mul(mean, inv_rms), inv_rms);
+  const Value dx = b.Mul(inv_rms, b.Sub(gamma_dy, b.Mul(x, correction)));
+  const Value dx_addr = b.Add(dx_base, elem_bytes);
+  {
+    auto only_valid_lanes = b.If(lane_valid);
+    b.St(StateSpace::kGlobal, Address{dx_addr}, dx);
+  }
+  b.Bind(exit);
+  b.Ret();
+  return m;
+}
+
+// ---------------------------------------------------------------------------------------------
+// batched_rms_norm_backward
+
+std::vector<KernelParam> BatchedRmsNormBackwardKernel::Params() const {
+  return {{"input_ptr", "u64"},      {"gamma_ptr", "u64"},      {"grad_output_ptr", "u64"},
+          {"grad_input_ptr", "u64"}, {"grad_gamma_ptr", "u64"}, {"num_rows", "u32"},
+          {"hidden_dim", "u32"},     {"eps", "f32"}};
+}
+
+absl::Status BatchedRmsNormBackwardKernel::CanImplement(const KernelConfig& config) const {
+  if (config.hidden_dim == 0 || config.hidden_dim > kMaxHiddenDim) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden_dim ", config.hidden_dim,
+                                                   " is outside 1..", kMaxHiddenDim,
+                                                   ", the limit of batched_rms_norm_backward"));
+  }
+  return CheckCommon(config);
+}
+
+LaunchGeometry BatchedRmsNormBackwardKernel::Geometry(const KernelConfig& config,
+                                                      uint64_t num_rows) const {
+  LaunchGeometry g;
+  g.grid[0] = static_cast<uint32_t>(std::clamp<uint64_t>(num_rows, 1, kMaxGridX));
+  g.block[0] = 32;
+  return g;
+}
+
+absl::StatusOr<Module> BatchedRmsNormBackwardKernel::Build(const KernelConfig& config) const {
+  if (absl::Status s = CanImplement(config); !s.ok()) return s;
+  absl::StatusOr<PtxVersion> version =
+      ResolvePtxVersion(config.target_sm, config.ptx_version, kShflSyncVersion);
+  if (!version.ok()) return version.status();
+
+  Module m(*version, config.target_sm);
+  Function& f = m.AddEntry(EntryName());
+  const Param input_ptr = f.AddParam(PtxType::kU64, "input_ptr");
+  const Param gamma_ptr = f.AddParam(PtxType::kU64, "gamma_ptr");
+  const Param grad_output_ptr = f.AddParam(PtxType::kU64, "grad_output_ptr");
+  const Param grad_input_ptr = f.AddParam(PtxType::kU64, "grad_input_ptr");
+  const Param grad_gamma_ptr = f.AddParam(PtxType::kU64, "grad_gamma_ptr");
+  const Param num_rows = f.AddParam(PtxType::kU32, "num_rows");
+  const Param hidden_dim = f.AddParam(PtxType::kU32, "hidden_dim");
+  const Param eps_param = f.AddParam(PtxType::kF32, "eps");
+
+  Builder b(&f);
+  const Label exit = b.CreateLabel("exit");
+  const Label sum_loop = b.CreateLabel("sum_loop");
+  const Label sum_done = b.CreateLabel("sum_done");
+  const Label grad_loop = b.CreateLabel("grad_loop");
+
+  // One block per row: the row test is the same for every thread of the block.
+  const Value row = b.Mov(SpecialReg::kCtaidX);
+  const Value tid = b.Mov(SpecialReg::kTidX);
+  const Value rows = b.LdParam(num_rows);
+  b.BraIfNot(b.Setp(CmpOp::kLt, row, rows), exit);
+
+  const Value hidden = b.LdParam(hidden_dim);
+  const Value eps = b.LdParam(eps_param);
+  const Value x_base = b.LdParam(input_ptr);
+  const Value gamma_base = b.LdParam(gamma_ptr);
+  const Value dy_base = b.LdParam(grad_output_ptr);
+  const Value dx_base = b.LdParam(grad_input_ptr);
+  const Value dgamma_base = b.LdParam(grad_gamma_ptr);
+
+  const Value row_bytes = b.Shl(b.MulWide(row, hidden), Value::U32(2));
+  const Value x_row = b.Add(x_base, row_bytes);
+  const Value dy_row = b.Add(dy_base, row_bytes);
+  const Value dx_row = b.Add(dx_base, row_bytes);
+
+  // Pass 1: per-lane partial sums of x^2 and x*dy*gamma over i = lane, lane+32, ...
+  const Value sum_sq = b.Mov(Value::F32(0.0f));
+  const Value sum_xdyg = b.Mov(Value::F32(0.0f));
+  const Value i = b.Mov(tid);
+  b.Bind(sum_loop);
+  b.BraIf(b.Setp(CmpOp::kGe, i, hidden), sum_done);
+  {
+    const Value off = b.MulWide(i, Value::U32(4));
+    const Value x = b.Ld(StateSpace::kGlobal, PtxType::kF32, Address{b.Add(x_row, off)});
+    const Value dy = b.Ld(StateSpace::kGlobal, PtxType::kF32, Address{b.Add(dy_row, off)});
+    const Value gamma = b.Ld(StateSpace::kGlobal, PtxType::kF32, Address{b.Add(gamma_base, off)});
+    b.FmaTo(sum_sq, x, x);
+    b.FmaTo(sum_xdyg, x, b.Mul(gamma, dy));
+    b.AddTo(i, Value::U32(32));
+    b.Bra(sum_loop);
+  }
+  b.Bind(sum_done);
+
+  // Every lane is back here (the loop's exit post-dominates it): full-mask shuffles are safe.
+  const Value total_sq = WarpSum(b, sum_sq);
+  const Value total_xdyg = WarpSum(b, sum_xdyg);
+  const Value hidden_f = b.Cvt(PtxType::kF32, hidden, Rounding::kRn);
+  const Value variance = b.Add(b.Div(total_sq, hidden_f, Rounding::kRn), eps);
+  const Value inv_rms = b.Rcp(b.Sqrt(variance, Rounding::kRn), Rounding::kRn);
+  const Value mean_xdyg = b.Div(total_xdyg, hidden_f, Rounding::kRn);
+  const Value correction = b.Mul(b.Mul(mean_xdyg, inv_rms), inv_rms);
+
+  // Pass 2: dx and this row's share of dgamma.
+  const Value j = b.Mov(tid);
+  b.Bind(grad_loop);
+  b.BraIf(b.Setp(CmpOp::kGe, j, hidden), exit);
+  {
+    const Value off = b.MulWide(j, Value::U32(4));
+    const Value x = b.Ld(StateSpace::kGlobal, PtxType::kF32, Address{b.Add(x_row, off)});
+    const Value dy = b.Ld(StateSpace::kGlobal, PtxType::kF32, Address{b.Add(dy_row, off)});
+    const Value gamma = b.Ld(StateSpace::kGlobal, PtxType::kF32, Address{b.Add(gamma_base, off)});
+    // One emitting call per statement: argument evaluation order is unspecified in C++, and
+    // the instruction order must not depend on the compiler.
+    const Value gamma_dy = b.Mul(gamma, dy);
+    const Value dx = b.Mul(inv_rms, b.Sub(gamma_dy, b.Mul(x, correction)));
+    b.St(StateSpace::kGlobal, Address{b.Add(dx_row, off)}, dx);
+    const Value dgamma_part = b.Mul(b.Mul(dy, x), inv_rms);
+    b.AtomAdd(StateSpace::kGlobal, Address{b.Add(dgamma_base, off)}, dgamma_part);
+    b.AddTo(j, Value::U32(32));
+    b.Bra(grad_loop);
+  }
+  b.Bind(exit);
+  b.Ret();
+  return m;
+}
+
+}  // namespace normgrad::kernels

@@ -1,0 +1,85 @@
+// The two RMSNorm-backward kernels ported from the seed (trueno-gpu 0.4.29), with the seed's entry
+// names and parameter lists, so PTX consumers written for trueno can use ours unchanged.
+//
+// Math (per row r, H = hidden_dim):
+//   rms_r = sqrt(mean_i(x_ri^2) + eps)
+//   dx_ri = (1/rms_r) * (gamma_i * dy_ri - x_ri / rms_r^2 * mean_j(x_rj * dy_rj * gamma_j))
+//   dgamma_i = sum_r dy_ri * x_ri / rms_r
+//
+//   const Kernel* k = FindKernel("rms_norm_backward");
+//   absl::StatusOr<EmittedPtx> ptx = k->Emit({.hidden_dim = 32, .target_sm = 80});
+#ifndef NORMGRAD_KERNELS_RMS_NORM_BACKWARD_H_
+#define NORMGRAD_KERNELS_RMS_NORM_BACKWARD_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/kernel.h"
+#include "kernels/ptx_builder.h"
+
+namespace normgrad::kernels {
+
+// What every builder-made kernel shares: Emit() = CanImplement + Build + Verify + divergence
+// analysis + EmitPtx, and a ConfigKey of entry, dtype, target, PTX version and generator version.
+// Both seed kernels read every parameter at run time, so hidden_dim and eps are not in the key.
+class BuiltKernel : public Kernel {
+ public:
+  std::string ConfigKey(const KernelConfig& config) const override;
+  absl::StatusOr<EmittedPtx> Emit(const KernelConfig& config) const override;
+
+  // The verified module (before text emission): what tests and the analysis look at.
+  virtual absl::StatusOr<Module> Build(const KernelConfig& config) const = 0;
+
+ protected:
+  // Target, dtype, explicit PTX version; shared by both kernels' CanImplement.
+  absl::Status CheckCommon(const KernelConfig& config) const;
+};
+
+// `rms_norm_backward`: hidden_dim <= 32, one warp per row, rms from the forward pass (already
+// containing eps; used as is), writes grad_input only.
+// Params: input_ptr, gamma_ptr, rms_ptr, grad_output_ptr, grad_input_ptr (u64),
+//         num_rows, hidden_dim (u32).
+// Launch: kRowsPerBlock warps per block (block.x = 32 * kRowsPerBlock), row = global warp index.
+// A warp whose row is past num_rows exits as a whole (the row test depends only on the warp
+// index); lanes past hidden_dim stay alive with zeros, so every full-mask shuffle has 32 lanes.
+class RmsNormBackwardKernel : public BuiltKernel {
+ public:
+  static constexpr uint32_t kMaxHiddenDim = 32;
+  static constexpr uint32_t kRowsPerBlock = 8;
+
+  absl::string_view EntryName() const override { return "rms_norm_backward"; }
+  std::vector<KernelParam> Params() const override;
+  absl::Status CanImplement(const KernelConfig& config) const override;
+  // grid.x = ceil(num_rows / kRowsPerBlock) (at least 1, at most 2^31-1); callers split row
+  // ranges above kRowsPerBlock * (2^31-1) or above the u32 num_rows parameter.
+  LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;
+  absl::StatusOr<Module> Build(const KernelConfig& config) const override;
+};
+
+// `batched_rms_norm_backward`: any hidden_dim, one 32-thread block per row, rms recomputed from x
+// with the eps parameter, writes grad_input and accumulates grad_gamma with atom.global.add.f32
+// (the caller zeroes grad_gamma first; the sum order across rows is not reproducible).
+// Params: input_ptr, gamma_ptr, grad_output_ptr, grad_input_ptr, grad_gamma_ptr (u64),
+//         num_rows, hidden_dim (u32), eps (f32).
+class BatchedRmsNormBackwardKernel : public BuiltKernel {
+ public:
+  static constexpr uint32_t kMaxHiddenDim = 1u << 31;  // keeps the strided index below 2^32
+
+  absl::string_view EntryName() const override { return "batched_rms_norm_backward"; }
+  std::vector<KernelParam> Params() const override;
+  absl::Status CanImplement(const KernelConfig& config) const override;
+  // grid.x = num_rows (at least 1); block.x = 32. grid.x is capped at 2^31-1: callers split
+  // launches (offsetting the row pointers) when num_rows exceeds it.
+  LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;
+  absl::StatusOr<Module> Build(const KernelConfig& config) const override;
+};
+
+// Largest grid.x a launch may have.
+inline constexpr uint32_t kMaxGridX = 0x7fffffffu;
+
+}  // namespace normgrad::kernels
+
+#endif  // NORMGRAD_KERNELS_RMS_NORM_BACKWARD_H_

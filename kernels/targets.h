@@ -1,0 +1,33 @@
+// GPU targets and PTX ISA versions normgrad emits for, as CUDA 13's ptxas accepts them.
+//
+//   absl::StatusOr<PtxVersion> v = ResolvePtxVersion(90, std::nullopt, PtxVersion{6, 0});  // 7.8
+#ifndef NORMGRAD_KERNELS_TARGETS_H_
+#define NORMGRAD_KERNELS_TARGETS_H_
+
+#include <optional>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/kernel.h"
+
+namespace normgrad::kernels {
+
+// Newest `.version` this generator writes (CUDA 13.0's ptxas: "current version is '9.0'").
+inline constexpr PtxVersion kMaxPtxVersion{9, 0};
+
+// sm_75 ... sm_121, ascending. sm_70 and older are refused: CUDA 13's ptxas cannot assemble them.
+std::vector<int> SupportedTargets();
+
+// The first PTX ISA version that knows `.target sm_<target_sm>`; INVALID_ARGUMENT naming the
+// supported targets for any other value.
+absl::StatusOr<PtxVersion> MinPtxVersionForTarget(int target_sm);
+
+// The `.version` to emit: `requested` if given and high enough, else the lowest version that
+// supports both the target and `instructions_min`. INVALID_ARGUMENT says which requirement a too
+// low (or too new) request misses.
+absl::StatusOr<PtxVersion> ResolvePtxVersion(int target_sm, std::optional<PtxVersion> requested,
+                                             PtxVersion instructions_min);
+
+}  // namespace normgrad::kernels
+
+#endif  // NORMGRAD_KERNELS_TARGETS_H_

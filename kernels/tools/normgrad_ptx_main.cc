@@ -1,0 +1,125 @@
+// normgrad-ptx: prints the PTX of one kernel configuration, with no server and no GPU.
+//
+//   normgrad-ptx --kernel batched_rms_norm_backward --hidden-dim 896 --target sm_90
+//                [--ptx-version 8.0] [--dtype f32] [-o out.ptx]
+//   normgrad-ptx --list
+//
+// Exit status: 0 on success, 2 on bad arguments or a configuration the kernel refuses (one line
+// on stderr saying why), 1 when the output file cannot be written.
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kernels/kernel.h"
+
+namespace {
+
+using normgrad::kernels::AllKernels;
+using normgrad::kernels::FindKernel;
+using normgrad::kernels::Kernel;
+using normgrad::kernels::KernelConfig;
+using normgrad::kernels::KernelParam;
+
+constexpr char kUsage[] =
+    "usage: normgrad-ptx --kernel NAME --hidden-dim N [--target sm_NN] [--ptx-version X.Y] "
+    "[--dtype f32] [-o FILE] | --list";
+
+[[noreturn]] void Fail(const std::string& reason) {
+  std::cerr << "normgrad-ptx: " << reason << "\n";
+  std::exit(2);
+}
+
+void List() {
+  for (const Kernel* k : AllKernels()) {
+    std::vector<std::string> params;
+    for (const KernelParam& p : k->Params()) params.push_back(absl::StrCat(p.name, ": ", p.ptx_type));
+    std::cout << k->EntryName() << "(" << absl::StrJoin(params, ", ") << ")\n";
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string kernel_name;
+  std::optional<uint32_t> hidden_dim;
+  std::string output;
+  KernelConfig config;
+  bool list = false;
+
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) Fail(absl::StrCat(arg, " needs a value; ", kUsage));
+      return argv[++i];
+    };
+    if (arg == "--list") {
+      list = true;
+    } else if (arg == "--help" || arg == "-h") {
+      std::cout << kUsage << "\n";
+      return 0;
+    } else if (arg == "--kernel") {
+      kernel_name = value();
+    } else if (arg == "--hidden-dim") {
+      const std::string v = value();
+      uint32_t n = 0;
+      if (!absl::SimpleAtoi(v, &n) || v.empty() || v[0] == '-' || v[0] == '+') {
+        Fail(absl::StrCat("--hidden-dim \"", v, "\" is not a non-negative integer below 2^32"));
+      }
+      hidden_dim = n;
+    } else if (arg == "--target") {
+      absl::StatusOr<int> sm = normgrad::kernels::ParseTarget(value());
+      if (!sm.ok()) Fail(std::string(sm.status().message()));
+      config.target_sm = *sm;
+    } else if (arg == "--ptx-version") {
+      absl::StatusOr<normgrad::kernels::PtxVersion> v =
+          normgrad::kernels::ParsePtxVersion(value());
+      if (!v.ok()) Fail(std::string(v.status().message()));
+      config.ptx_version = *v;
+    } else if (arg == "--dtype") {
+      absl::StatusOr<normgrad::kernels::DType> d = normgrad::kernels::ParseDType(value());
+      if (!d.ok()) Fail(std::string(d.status().message()));
+      config.dtype = *d;
+    } else if (arg == "-o" || arg == "--output") {
+      output = value();
+    } else {
+      Fail(absl::StrCat("unknown argument \"", arg, "\"; ", kUsage));
+    }
+  }
+
+  if (list) {
+    List();
+    return 0;
+  }
+  if (kernel_name.empty()) Fail(absl::StrCat("--kernel is required; ", kUsage));
+  const Kernel* kernel = FindKernel(kernel_name);
+  if (kernel == nullptr) {
+    std::vector<std::string> names;
+    for (const Kernel* k : AllKernels()) names.push_back(std::string(k->EntryName()));
+    Fail(absl::StrCat("unknown kernel \"", kernel_name, "\"; known: ", absl::StrJoin(names, ", ")));
+  }
+  if (!hidden_dim.has_value()) Fail(absl::StrCat("--hidden-dim is required; ", kUsage));
+  config.hidden_dim = *hidden_dim;
+
+  absl::StatusOr<normgrad::kernels::EmittedPtx> ptx = kernel->Emit(config);
+  if (!ptx.ok()) Fail(std::string(ptx.status().message()));
+
+  if (output.empty()) {
+    std::cout << ptx->text;
+    return std::cout.good() ? 0 : 1;
+  }
+  std::ofstream file(output, std::ios::binary | std::ios::trunc);
+  file << ptx->text;
+  file.close();
+  if (!file) {
+    std::cerr << "normgrad-ptx: cannot write " << output << "\n";
+    return 1;
+  }
+  return 0;
+}
