@@ -1,0 +1,129 @@
+// The client's gRPC-free parts: chunk planning, target resolution and service config, the hand
+// encoding of grpc.health.v1 messages, and the status conversion.
+#include <set>
+
+#include "client/src/channel_config.h"
+#include "client/src/chunking.h"
+#include "client/src/grpc_status.h"
+#include "client/src/health_wire.h"
+#include "gtest/gtest.h"
+
+namespace normgrad::client_internal {
+namespace {
+
+TEST(RowChunkerTest, ChunksCoverEveryRowOnceInOrder) {
+  for (uint64_t rows : {1, 2, 7, 64, 1000, 1001}) {
+    for (uint64_t chunk_bytes : {1, 100, 4096, 1 << 20}) {
+      RowChunker chunker(rows, /*row_bytes=*/400, chunk_bytes);
+      uint64_t next = 0;
+      for (uint64_t i = 0; i < chunker.num_chunks(); ++i) {
+        const RowRange r = chunker.Chunk(i);
+        EXPECT_EQ(r.first_row, next);
+        EXPECT_GE(r.num_rows, 1u);
+        EXPECT_LE(r.num_rows * 400, std::max<uint64_t>(chunk_bytes, 400));
+        next += r.num_rows;
+      }
+      EXPECT_EQ(next, rows) << rows << " rows, " << chunk_bytes << " bytes per chunk";
+    }
+  }
+}
+
+TEST(RowChunkerTest, RowWiderThanChunkGoesOneRowPerChunk) {
+  RowChunker chunker(5, /*row_bytes=*/1000, /*chunk_bytes=*/10);
+  EXPECT_EQ(chunker.rows_per_chunk(), 1u);
+  EXPECT_EQ(chunker.num_chunks(), 5u);
+}
+
+TEST(RowChunkerTest, ExactMultipleHasNoEmptyLastChunk) {
+  RowChunker chunker(8, 4, 16);  // 4 rows per chunk
+  EXPECT_EQ(chunker.num_chunks(), 2u);
+  EXPECT_EQ(chunker.Chunk(1).num_rows, 4u);
+}
+
+TEST(ResolveTargetTest, SingleAddressIsKeptWithoutBalancing) {
+  absl::StatusOr<ResolvedTarget> t = ResolveTarget("localhost:50051");
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ(t->uri, "localhost:50051");
+  EXPECT_FALSE(t->round_robin);
+}
+
+TEST(ResolveTargetTest, ListBecomesIpv4UriWithRoundRobin) {
+  absl::StatusOr<ResolvedTarget> t = ResolveTarget("127.0.0.1:1, localhost:2");
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->uri, "ipv4:127.0.0.1:1,127.0.0.1:2");
+  EXPECT_TRUE(t->round_robin);
+  absl::StatusOr<ResolvedTarget> v6 = ResolveTarget("[::1]:1,[::1]:2");
+  ASSERT_TRUE(v6.ok());
+  EXPECT_EQ(v6->uri, "ipv6:[::1]:1,[::1]:2");
+}
+
+TEST(ResolveTargetTest, SchemesAreKeptAndDnsIsBalanced) {
+  absl::StatusOr<ResolvedTarget> dns = ResolveTarget("dns:///normgrad.svc:50051");
+  ASSERT_TRUE(dns.ok());
+  EXPECT_EQ(dns->uri, "dns:///normgrad.svc:50051");
+  EXPECT_TRUE(dns->round_robin);
+  absl::StatusOr<ResolvedTarget> unix_socket = ResolveTarget("unix:/tmp/s");
+  ASSERT_TRUE(unix_socket.ok());
+  EXPECT_FALSE(unix_socket->round_robin);
+}
+
+TEST(ResolveTargetTest, RejectsEmptyTargetsElementsMissingPortsAndMixedFamilies) {
+  for (const char* bad : {"", "  ", "a:1,,b:2", "127.0.0.1:1,127.0.0.2", "127.0.0.1:1,[::1]:2"}) {
+    absl::StatusOr<ResolvedTarget> t = ResolveTarget(bad);
+    ASSERT_FALSE(t.ok()) << bad;
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+  }
+}
+
+TEST(ServiceConfigTest, RetriesUnaryMethodsOnUnavailableButNotTheStream) {
+  ClientOptions options;
+  options.max_attempts = 4;
+  const std::string json = ServiceConfigJson({"ipv4:1.2.3.4:1,1.2.3.4:2", true}, options);
+  EXPECT_NE(json.find("\"round_robin\""), std::string::npos) << json;
+  EXPECT_NE(json.find("\"maxAttempts\":4"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"UNAVAILABLE\""), std::string::npos);
+  EXPECT_NE(json.find("\"EmitPtx\""), std::string::npos);
+  EXPECT_NE(json.find("grpc.health.v1.Health"), std::string::npos);
+  EXPECT_EQ(json.find("RmsNormBackward"), std::string::npos);
+}
+
+TEST(ServiceConfigTest, OneAttemptAndOneAddressGiveAnEmptyConfig) {
+  ClientOptions options;
+  options.max_attempts = 1;
+  EXPECT_EQ(ServiceConfigJson({"localhost:1", false}, options), "{}");
+}
+
+TEST(HealthWireTest, RequestEncodingMatchesProtobuf) {
+  EXPECT_EQ(EncodeHealthCheckRequest(""), "");
+  EXPECT_EQ(EncodeHealthCheckRequest("normgrad.v1.NormGrad"),
+            std::string("\x0a\x14normgrad.v1.NormGrad", 22));
+}
+
+TEST(HealthWireTest, DecodesStatusAndSkipsUnknownFields) {
+  EXPECT_EQ(*DecodeHealthCheckResponse(""), 0);
+  EXPECT_EQ(*DecodeHealthCheckResponse(std::string("\x08\x01", 2)), 1);
+  // field 2 (string "ab"), field 3 fixed32, then status NOT_SERVING.
+  EXPECT_EQ(*DecodeHealthCheckResponse(std::string("\x12\x02" "ab" "\x1d\x01\x02\x03\x04\x08\x02", 11)), 2);
+}
+
+TEST(HealthWireTest, RejectsTruncatedMessages) {
+  for (const std::string& bad : {std::string("\x08", 1), std::string("\x12\x05" "ab", 4),
+                                 std::string("\x80", 1), std::string("\x1d\x01", 2)}) {
+    absl::StatusOr<int> s = DecodeHealthCheckResponse(bad);
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInternal);
+  }
+}
+
+TEST(GrpcStatusTest, KeepsCodeAndMessageForEveryCode) {
+  EXPECT_TRUE(FromGrpcStatus(grpc::Status::OK).ok());
+  for (int code = 1; code <= 16; ++code) {
+    const absl::Status s =
+        FromGrpcStatus(grpc::Status(static_cast<grpc::StatusCode>(code), "server said: x=3"));
+    EXPECT_EQ(static_cast<int>(s.code()), code);
+    EXPECT_EQ(s.message(), "server said: x=3");
+  }
+}
+
+}  // namespace
+}  // namespace normgrad::client_internal
