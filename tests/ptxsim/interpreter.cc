@@ -1,0 +1,1105 @@
+// SIMT execution model (see docs/ptxsim.md for the why):
+//  - A warp is a sorted list of groups (pc, lane mask). Each step runs the group with the lowest
+//    pc; when a group's pc reaches another group's pc the two merge. This is the "minimum-PC"
+//    reconvergence rule: for the structured code compilers emit, lanes that took different
+//    sides of a branch meet again at the first instruction both reach, i.e. the immediate
+//    post-dominator, without a CFG analysis and with loops handled naturally.
+//  - Registers are slot-major arrays of 32 lanes (regs[slot * 32 + lane]); a 32-bit mask per
+//    slot records which lanes have written it (the uninitialized-read check is one AND).
+//  - A group reaching bar.sync parks in the warp's waiting list. When no warp of the block can
+//    run, the block is either finished, releasable (every thread waits at the same bar.sync), or
+//    broken (a diagnosed barrier finding).
+#include "tests/ptxsim/interpreter.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace normgrad::ptxsim {
+
+absl::string_view FindingName(Finding finding) {
+  switch (finding) {
+    case Finding::kNone: return "none";
+    case Finding::kInvalidLaunch: return "invalid launch";
+    case Finding::kOutOfBounds: return "out-of-bounds access";
+    case Finding::kMisaligned: return "misaligned access";
+    case Finding::kShuffleMask: return "shfl.sync member mask error";
+    case Finding::kBarrier: return "barrier error";
+    case Finding::kUninitializedRegister: return "read of uninitialized register";
+    case Finding::kNonUniformBranch: return "non-uniform bra.uni";
+    case Finding::kInstructionLimit: return "instruction limit exceeded";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// Generic addresses in [kSharedWindow, kSharedWindow + 4 GiB) name shared memory; user-space
+// host addresses (what device pointers are here) stay below 2^47.
+constexpr uint64_t kSharedWindow = uint64_t{1} << 48;
+
+inline float AsF32(uint64_t v) {
+  const uint32_t u = static_cast<uint32_t>(v);
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint64_t F32Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline double AsF64(uint64_t v) {
+  double d;
+  std::memcpy(&d, &v, 8);
+  return d;
+}
+inline uint64_t F64Bits(double d) {
+  uint64_t u;
+  std::memcpy(&u, &d, 8);
+  return u;
+}
+inline float Ftz(float f) { return std::fpclassify(f) == FP_SUBNORMAL ? std::copysign(0.0f, f) : f; }
+inline float Sat(float f) { return std::isnan(f) ? 0.0f : std::min(1.0f, std::max(0.0f, f)); }
+
+inline int64_t SignExtend(uint64_t v, int bits) {
+  if (bits >= 64) return static_cast<int64_t>(v);
+  const uint64_t m = uint64_t{1} << (bits - 1);
+  v &= (uint64_t{1} << bits) - 1;
+  return static_cast<int64_t>((v ^ m) - m);
+}
+inline uint64_t Mask(int bits) { return bits >= 64 ? ~uint64_t{0} : (uint64_t{1} << bits) - 1; }
+
+// IEEE binary16 / bfloat16 <-> f32, round to nearest even.
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1f;
+  const uint32_t man = h & 0x3ff;
+  float f;
+  if (exp == 0) {
+    f = std::ldexp(static_cast<float>(man), -24);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  uint32_t u = exp == 31 ? (sign | 0x7f800000u | (man << 13))
+                         : (sign | ((exp + 112) << 23) | (man << 13));
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+uint16_t FloatToHalf(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  if (std::isnan(f)) return sign | 0x7e00u;
+  const float a = std::fabs(f);
+  if (a >= 65520.0f) return sign | 0x7c00u;  // rounds to infinity
+  if (a < std::ldexp(1.0f, -14)) {           // subnormal half: multiple of 2^-24
+    const float scaled = std::nearbyint(a * std::ldexp(1.0f, 24));
+    return sign | static_cast<uint16_t>(scaled);
+  }
+  int e;
+  const float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+  float mant = std::nearbyint(m * 2048.0f);  // 11 significant bits
+  if (mant >= 2048.0f) {
+    mant /= 2.0f;
+    ++e;
+  }
+  const uint32_t exp = static_cast<uint32_t>(e - 1 + 15);
+  return sign | static_cast<uint16_t>((exp << 10) | (static_cast<uint32_t>(mant) & 0x3ffu));
+}
+float Bf16ToFloat(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+uint16_t FloatToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  const uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>((u + rounding) >> 16);
+}
+
+// Source value of cvt as double (floats) or int64 (integers, extended per signedness).
+double CvtSourceAsDouble(uint64_t v, Type t) {
+  switch (t) {
+    case Type::kF16: return HalfToFloat(static_cast<uint16_t>(v));
+    case Type::kBF16: return Bf16ToFloat(static_cast<uint16_t>(v));
+    case Type::kF32: return AsF32(v);
+    case Type::kF64: return AsF64(v);
+    default: break;
+  }
+  return IsSigned(t) ? static_cast<double>(SignExtend(v, TypeBits(t)))
+                     : static_cast<double>(v & Mask(TypeBits(t)));
+}
+
+double RoundIntegral(double d, IntRound r) {
+  switch (r) {
+    case IntRound::kRni: return std::nearbyint(d);
+    case IntRound::kRzi: return std::trunc(d);
+    case IntRound::kRmi: return std::floor(d);
+    case IntRound::kRpi: return std::ceil(d);
+    case IntRound::kNone: break;
+  }
+  return d;
+}
+
+uint64_t Convert(const Instruction& in, uint64_t v) {
+  const Type dt = in.type;
+  const Type st = in.src_type;
+  const int db = TypeBits(dt);
+  const IntRound ir = static_cast<IntRound>(in.mode);
+  if (IsFloat(dt)) {
+    if (!IsFloat(st)) {
+      // Integer -> float, round to nearest (C++'s conversion under the default rounding mode).
+      if (dt == Type::kF64) {
+        return F64Bits(IsSigned(st) ? static_cast<double>(SignExtend(v, TypeBits(st)))
+                                    : static_cast<double>(v & Mask(TypeBits(st))));
+      }
+      float f = IsSigned(st) ? static_cast<float>(SignExtend(v, TypeBits(st)))
+                             : static_cast<float>(v & Mask(TypeBits(st)));
+      if (dt == Type::kF32) {
+        if (in.sat) f = Sat(f);
+        return F32Bits(f);
+      }
+      return dt == Type::kF16 ? FloatToHalf(f) : FloatToBf16(f);
+    }
+    double d = CvtSourceAsDouble(v, st);
+    if (ir != IntRound::kNone) d = RoundIntegral(d, ir);
+    if (dt == Type::kF64) return F64Bits(d);
+    float f = static_cast<float>(d);  // exact for widening, round-to-nearest for f64 -> f32
+    if (in.ftz) f = Ftz(f);
+    if (in.sat) f = Sat(f);
+    if (dt == Type::kF32) return F32Bits(f);
+    return dt == Type::kF16 ? FloatToHalf(f) : FloatToBf16(f);
+  }
+  if (IsFloat(st)) {
+    // Float -> integer: round as asked, NaN -> 0, saturate to the destination's range.
+    double d = CvtSourceAsDouble(v, st);
+    if (std::isnan(d)) return 0;
+    d = RoundIntegral(d, ir);
+    if (IsSigned(dt)) {
+      const double lo = -std::ldexp(1.0, db - 1);
+      const double hi = std::ldexp(1.0, db - 1) - 1;
+      if (d <= lo) return static_cast<uint64_t>(static_cast<int64_t>(lo)) & Mask(db);
+      if (d >= hi) return (Mask(db) >> 1);
+      return static_cast<uint64_t>(static_cast<int64_t>(d)) & Mask(db);
+    }
+    if (d <= 0) return 0;
+    if (d >= std::ldexp(1.0, db)) return Mask(db);
+    return static_cast<uint64_t>(d) & Mask(db);
+  }
+  // Integer -> integer: extend per the source's signedness, then truncate (or clamp with .sat).
+  const int sb = TypeBits(st);
+  if (in.sat) {
+    const bool s_signed = IsSigned(st);
+    const bool d_signed = IsSigned(dt);
+    if (s_signed) {
+      int64_t x = SignExtend(v, sb);
+      const int64_t lo = d_signed ? -(int64_t{1} << (db - 1)) : 0;
+      const int64_t hi = d_signed ? static_cast<int64_t>(Mask(db - 1)) : static_cast<int64_t>(Mask(db) >> (db == 64));
+      x = std::max(lo, std::min(hi, x));
+      return static_cast<uint64_t>(x) & Mask(db);
+    }
+    uint64_t x = v & Mask(sb);
+    const uint64_t hi = d_signed ? Mask(db - 1) : Mask(db);
+    return std::min(x, hi);
+  }
+  const uint64_t x = IsSigned(st) ? static_cast<uint64_t>(SignExtend(v, sb)) : (v & Mask(sb));
+  return x & Mask(db);
+}
+
+bool Compare(const Instruction& in, uint64_t a, uint64_t b) {
+  const Cmp c = static_cast<Cmp>(in.mode);
+  const Type t = in.type;
+  if (IsFloat(t)) {
+    double x, y;
+    if (t == Type::kF32) {
+      float fx = AsF32(a), fy = AsF32(b);
+      if (in.ftz) {
+        fx = Ftz(fx);
+        fy = Ftz(fy);
+      }
+      x = fx;
+      y = fy;
+    } else {
+      x = AsF64(a);
+      y = AsF64(b);
+    }
+    const bool unordered = std::isnan(x) || std::isnan(y);
+    switch (c) {
+      case Cmp::kEq: return !unordered && x == y;
+      case Cmp::kNe: return !unordered && x != y;
+      case Cmp::kLt: return !unordered && x < y;
+      case Cmp::kLe: return !unordered && x <= y;
+      case Cmp::kGt: return !unordered && x > y;
+      case Cmp::kGe: return !unordered && x >= y;
+      case Cmp::kEqu: return unordered || x == y;
+      case Cmp::kNeu: return unordered || x != y;
+      case Cmp::kLtu: return unordered || x < y;
+      case Cmp::kLeu: return unordered || x <= y;
+      case Cmp::kGtu: return unordered || x > y;
+      case Cmp::kGeu: return unordered || x >= y;
+      case Cmp::kNum: return !unordered;
+      case Cmp::kNan: return unordered;
+      default: return false;
+    }
+  }
+  const int bits = TypeBits(t);
+  const uint64_t ua = a & Mask(bits), ub = b & Mask(bits);
+  const int64_t sa = SignExtend(a, bits), sb = SignExtend(b, bits);
+  const bool s = IsSigned(t);
+  switch (c) {
+    case Cmp::kEq: return ua == ub;
+    case Cmp::kNe: return ua != ub;
+    case Cmp::kLt: return s ? sa < sb : ua < ub;
+    case Cmp::kLe: return s ? sa <= sb : ua <= ub;
+    case Cmp::kGt: return s ? sa > sb : ua > ub;
+    case Cmp::kGe: return s ? sa >= sb : ua >= ub;
+    case Cmp::kLo: return ua < ub;
+    case Cmp::kLs: return ua <= ub;
+    case Cmp::kHi: return ua > ub;
+    case Cmp::kHs: return ua >= ub;
+    default: return false;
+  }
+}
+
+uint64_t FloatAlu32(const Instruction& in, uint64_t ra, uint64_t rb, uint64_t rc) {
+  float a = AsF32(ra), b = AsF32(rb), c = AsF32(rc);
+  if (in.ftz) {
+    a = Ftz(a);
+    b = Ftz(b);
+    c = Ftz(c);
+  }
+  float r = 0.0f;
+  switch (in.op) {
+    case Op::kAdd: r = a + b; break;
+    case Op::kSub: r = a - b; break;
+    case Op::kMul: r = a * b; break;
+    case Op::kMad:
+    case Op::kFma: r = std::fma(a, b, c); break;
+    // .approx/.full are computed exactly: the correctly rounded result is within every error
+    // bound PTX documents for them.
+    case Op::kDiv: r = a / b; break;
+    case Op::kMin: r = std::fmin(a, b); break;
+    case Op::kMax: r = std::fmax(a, b); break;
+    case Op::kNeg: return F32Bits(a) ^ 0x80000000u;
+    case Op::kAbs: return F32Bits(a) & 0x7fffffffu;
+    case Op::kSqrt: r = std::sqrt(a); break;
+    case Op::kRsqrt: r = static_cast<float>(1.0 / std::sqrt(static_cast<double>(a))); break;
+    case Op::kRcp: r = 1.0f / a; break;
+    case Op::kEx2: r = static_cast<float>(std::exp2(static_cast<double>(a))); break;
+    case Op::kLg2: r = static_cast<float>(std::log2(static_cast<double>(a))); break;
+    default: break;
+  }
+  if (in.ftz) r = Ftz(r);
+  if (in.sat) r = Sat(r);
+  return F32Bits(r);
+}
+
+uint64_t FloatAlu64(const Instruction& in, uint64_t ra, uint64_t rb, uint64_t rc) {
+  const double a = AsF64(ra), b = AsF64(rb), c = AsF64(rc);
+  double r = 0.0;
+  switch (in.op) {
+    case Op::kAdd: r = a + b; break;
+    case Op::kSub: r = a - b; break;
+    case Op::kMul: r = a * b; break;
+    case Op::kMad:
+    case Op::kFma: r = std::fma(a, b, c); break;
+    case Op::kDiv: r = a / b; break;
+    case Op::kMin: r = std::fmin(a, b); break;
+    case Op::kMax: r = std::fmax(a, b); break;
+    case Op::kNeg: return F64Bits(a) ^ (uint64_t{1} << 63);
+    case Op::kAbs: return F64Bits(a) & ~(uint64_t{1} << 63);
+    case Op::kSqrt: r = std::sqrt(a); break;
+    case Op::kRsqrt: r = 1.0 / std::sqrt(a); break;
+    case Op::kRcp: r = 1.0 / a; break;
+    default: break;
+  }
+  if (in.sat) r = std::isnan(r) ? 0.0 : std::min(1.0, std::max(0.0, r));
+  return F64Bits(r);
+}
+
+uint64_t IntAlu(const Instruction& in, uint64_t a, uint64_t b, uint64_t c) {
+  const Type t = in.type;
+  const int bits = TypeBits(t);
+  const bool s = IsSigned(t);
+  const uint64_t m = Mask(bits);
+  const MulMode mul = static_cast<MulMode>(in.mode);
+  auto clamp_s32 = [](int64_t v) {
+    return static_cast<uint64_t>(std::max<int64_t>(INT32_MIN, std::min<int64_t>(INT32_MAX, v))) & 0xffffffffu;
+  };
+  auto product = [&](bool high) -> uint64_t {
+    if (bits == 64) {
+      const unsigned __int128 p =
+          s ? static_cast<unsigned __int128>(static_cast<__int128>(static_cast<int64_t>(a)) *
+                                             static_cast<__int128>(static_cast<int64_t>(b)))
+            : static_cast<unsigned __int128>(a) * b;
+      return static_cast<uint64_t>(high ? p >> 64 : p);
+    }
+    const uint64_t p = s ? static_cast<uint64_t>(SignExtend(a, bits) * SignExtend(b, bits))
+                         : (a & m) * (b & m);
+    return high ? (p >> bits) & m : p & m;
+  };
+  switch (in.op) {
+    case Op::kAdd:
+      if (in.sat) return clamp_s32(SignExtend(a, 32) + SignExtend(b, 32));
+      return (a + b) & m;
+    case Op::kSub:
+      if (in.sat) return clamp_s32(SignExtend(a, 32) - SignExtend(b, 32));
+      return (a - b) & m;
+    case Op::kMul:
+      if (mul == MulMode::kWide) {
+        return s ? static_cast<uint64_t>(SignExtend(a, bits) * SignExtend(b, bits)) & Mask(2 * bits)
+                 : ((a & m) * (b & m)) & Mask(2 * bits);
+      }
+      return product(mul == MulMode::kHi);
+    case Op::kMad:
+      if (mul == MulMode::kWide) {
+        const uint64_t p = s ? static_cast<uint64_t>(SignExtend(a, bits) * SignExtend(b, bits))
+                             : (a & m) * (b & m);
+        return (p + c) & Mask(2 * bits);
+      }
+      if (in.sat) return clamp_s32(static_cast<int64_t>(SignExtend(product(false), 32)) + SignExtend(c, 32));
+      return (product(mul == MulMode::kHi) + c) & m;
+    case Op::kDiv:
+      if ((b & m) == 0) return m;  // undefined in PTX; all ones, like the hardware's u32 result
+      if (s) {
+        const int64_t x = SignExtend(a, bits), y = SignExtend(b, bits);
+        if (y == -1) return static_cast<uint64_t>(-static_cast<uint64_t>(x)) & m;
+        return static_cast<uint64_t>(x / y) & m;
+      }
+      return (a & m) / (b & m);
+    case Op::kRem:
+      if ((b & m) == 0) return a & m;
+      if (s) {
+        const int64_t x = SignExtend(a, bits), y = SignExtend(b, bits);
+        if (y == -1) return 0;
+        return static_cast<uint64_t>(x % y) & m;
+      }
+      return (a & m) % (b & m);
+    case Op::kMin:
+      return s ? static_cast<uint64_t>(std::min(SignExtend(a, bits), SignExtend(b, bits))) & m
+               : std::min(a & m, b & m);
+    case Op::kMax:
+      return s ? static_cast<uint64_t>(std::max(SignExtend(a, bits), SignExtend(b, bits))) & m
+               : std::max(a & m, b & m);
+    case Op::kNeg: return (~a + 1) & m;
+    case Op::kAbs: {
+      const int64_t x = SignExtend(a, bits);
+      return static_cast<uint64_t>(x < 0 ? -x : x) & m;
+    }
+    case Op::kAnd: return a & b & m;
+    case Op::kOr: return (a | b) & m;
+    case Op::kXor: return (a ^ b) & m;
+    case Op::kNot: return t == Type::kPred ? (a & 1) ^ 1 : ~a & m;
+    case Op::kCnot: return (a & m) == 0 ? 1 : 0;
+    case Op::kShl: {
+      const uint64_t n = b & 0xffffffffu;
+      return n >= static_cast<uint64_t>(bits) ? 0 : (a << n) & m;
+    }
+    case Op::kShr: {
+      const uint64_t n = std::min<uint64_t>(b & 0xffffffffu, bits);
+      if (s) {
+        const int64_t x = SignExtend(a, bits);
+        return static_cast<uint64_t>(n >= 64 ? (x < 0 ? -1 : 0) : (x >> std::min<uint64_t>(n, 63))) & m;
+      }
+      return n >= static_cast<uint64_t>(bits) ? 0 : (a & m) >> n;
+    }
+    case Op::kPopc: return static_cast<uint64_t>(__builtin_popcountll(a & m));
+    case Op::kClz: {
+      const uint32_t x = static_cast<uint32_t>(a);
+      return x == 0 ? 32 : static_cast<uint64_t>(__builtin_clz(x));
+    }
+    default: break;
+  }
+  return 0;
+}
+
+struct Group {
+  uint32_t pc;
+  uint32_t mask;
+};
+
+struct WarpState {
+  uint32_t present = 0;  // lanes that exist (the last warp of a block may be partial)
+  uint32_t exited = 0;
+  std::vector<Group> groups;   // runnable, sorted by pc, distinct pcs
+  std::vector<Group> waiting;  // parked at bar.sync
+};
+
+void InsertGroup(std::vector<Group>& groups, uint32_t pc, uint32_t mask) {
+  auto it = std::lower_bound(groups.begin(), groups.end(), pc,
+                             [](const Group& g, uint32_t p) { return g.pc < p; });
+  if (it != groups.end() && it->pc == pc) {
+    it->mask |= mask;
+  } else {
+    groups.insert(it, Group{pc, mask});
+  }
+}
+
+// Moves the front group to `pc` (keeping the list sorted and merged).
+void MoveFront(std::vector<Group>& groups, uint32_t pc) {
+  if (groups.size() == 1 || pc < groups[1].pc) {
+    groups[0].pc = pc;
+    return;
+  }
+  const uint32_t mask = groups[0].mask;
+  groups.erase(groups.begin());
+  InsertGroup(groups, pc, mask);
+}
+
+class Launcher {
+ public:
+  Launcher(const Entry& entry, const LaunchConfig& config, void* const* params,
+           const MemoryMap& memory, LaunchReport* report)
+      : entry_(entry), config_(config), params_(params), memory_(memory), report_(report) {}
+
+  absl::Status Run() {
+    const Dim3& g = config_.grid;
+    const Dim3& b = config_.block;
+    if (g.x == 0 || g.y == 0 || g.z == 0 || b.x == 0 || b.y == 0 || b.z == 0) {
+      return Invalid("grid and block dimensions must be at least 1");
+    }
+    if (b.z > 64 || g.y > 65535 || g.z > 65535) {
+      return Invalid(absl::StrFormat("block (%u,%u,%u) or grid (%u,%u,%u) exceeds the device limits",
+                                     b.x, b.y, b.z, g.x, g.y, g.z));
+    }
+    const uint64_t threads = uint64_t{b.x} * b.y * b.z;
+    if (threads > 1024) return Invalid(absl::StrCat("block of ", threads, " threads exceeds 1024"));
+    if (entry_.max_threads_per_block != 0 && threads > entry_.max_threads_per_block) {
+      return Invalid(absl::StrCat("block of ", threads, " threads exceeds the entry's .maxntid/.reqntid of ",
+                                  entry_.max_threads_per_block));
+    }
+    const uint64_t shared = (entry_.static_shared_bytes + 15) / 16 * 16 + uint64_t{config_.dynamic_shared_bytes};
+    if (shared > 227 * 1024) return Invalid(absl::StrCat(shared, " bytes of shared memory exceed 227 KiB"));
+    if (!entry_.params.empty() && params_ == nullptr) return Invalid("kernel parameters are missing");
+
+    param_buf_.assign(entry_.param_bytes, 0);
+    for (size_t i = 0; i < entry_.params.size(); ++i) {
+      if (params_[i] == nullptr) return Invalid(absl::StrCat("kernel parameter ", i, " is null"));
+      std::memcpy(param_buf_.data() + entry_.params[i].offset, params_[i], entry_.params[i].size);
+    }
+    ranges_ = memory_.Snapshot();
+    shared_.assign(shared, 0);
+    nregs_ = entry_.NumRegs();
+    threads_ = static_cast<uint32_t>(threads);
+    nwarps_ = (threads_ + 31) / 32;
+    regs_.assign(size_t{nwarps_} * nregs_ * 32, 0);
+    defined_.assign(size_t{nwarps_} * nregs_, 0);
+    reg_mask_.resize(nregs_);
+    for (uint32_t r = 0; r < nregs_; ++r) {
+      const Type t = entry_.reg_types[r];
+      reg_mask_[r] = t == Type::kPred ? 1 : Mask(TypeBits(t));
+    }
+    warps_.assign(nwarps_, WarpState{});
+
+    for (uint32_t z = 0; z < g.z; ++z) {
+      for (uint32_t y = 0; y < g.y; ++y) {
+        for (uint32_t x = 0; x < g.x; ++x) {
+          block_ = {x, y, z};
+          if (absl::Status s = RunBlock(); !s.ok()) return s;
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status Invalid(absl::string_view why) {
+    report_->finding = Finding::kInvalidLaunch;
+    return absl::InvalidArgumentError(absl::StrCat("launch of '", entry_.name, "': ", why));
+  }
+
+  void ThreadIndex(uint32_t warp, uint32_t lane, uint32_t* tx, uint32_t* ty, uint32_t* tz) const {
+    const uint32_t t = warp * 32 + lane;
+    const Dim3& b = config_.block;
+    *tx = t % b.x;
+    *ty = (t / b.x) % b.y;
+    *tz = t / (b.x * b.y);
+  }
+
+  absl::Status Fail(Finding finding, uint32_t warp, uint32_t lane, uint32_t line,
+                    absl::string_view what) {
+    report_->finding = finding;
+    uint32_t tx, ty, tz;
+    ThreadIndex(warp, lane, &tx, &ty, &tz);
+    const std::string message = absl::StrFormat(
+        "%s: %s [kernel '%s', line %u, block (%u,%u,%u), thread (%u,%u,%u)]", FindingName(finding),
+        what, entry_.name, line, block_.x, block_.y, block_.z, tx, ty, tz);
+    if (finding == Finding::kInstructionLimit) return absl::DeadlineExceededError(message);
+    return absl::InternalError(message);
+  }
+
+  void InitBlock() {
+    const Dim3& b = config_.block;
+    const Dim3& g = config_.grid;
+    std::fill(shared_.begin(), shared_.end(), 0);
+    std::fill(defined_.begin(), defined_.end(), 0);
+    for (uint32_t w = 0; w < nwarps_; ++w) {
+      WarpState& ws = warps_[w];
+      const uint32_t lanes = std::min<uint32_t>(32, threads_ - w * 32);
+      ws.present = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1);
+      ws.exited = 0;
+      ws.groups.assign(1, Group{0, ws.present});
+      ws.waiting.clear();
+      uint64_t* r = &regs_[size_t{w} * nregs_ * 32];
+      uint32_t* d = &defined_[size_t{w} * nregs_];
+      for (uint32_t lane = 0; lane < lanes; ++lane) {
+        uint32_t tx, ty, tz;
+        ThreadIndex(w, lane, &tx, &ty, &tz);
+        const uint64_t values[kNumSpecialSlots] = {
+            tx, ty, tz, b.x, b.y, b.z, block_.x, block_.y, block_.z, g.x, g.y, g.z,
+            lane, w, nwarps_,
+            1u << lane, (1u << lane) - 1, (lane == 31 ? 0xffffffffu : (2u << lane) - 1),
+            lane == 31 ? 0u : ~((2u << lane) - 1), ~((1u << lane) - 1)};
+        for (uint32_t s = 0; s < kNumSpecialSlots; ++s) r[s * 32 + lane] = values[s] & 0xffffffffu;
+      }
+      for (uint32_t s = 0; s < kNumSpecialSlots; ++s) d[s] = ws.present;
+    }
+  }
+
+  absl::Status RunBlock() {
+    InitBlock();
+    while (true) {
+      for (uint32_t w = 0; w < nwarps_; ++w) {
+        if (absl::Status s = RunWarp(w); !s.ok()) return s;
+      }
+      // Every thread has exited or waits at a barrier.
+      uint32_t bar_pc = kNoReg;
+      uint32_t bar_warp = 0, bar_lane = 0;
+      for (uint32_t w = 0; w < nwarps_; ++w) {
+        for (const Group& g : warps_[w].waiting) {
+          if (bar_pc == kNoReg) {
+            bar_pc = g.pc;
+            bar_warp = w;
+            bar_lane = static_cast<uint32_t>(__builtin_ctz(g.mask));
+          } else if (g.pc != bar_pc) {
+            uint32_t tx, ty, tz;
+            ThreadIndex(bar_warp, bar_lane, &tx, &ty, &tz);
+            return Fail(Finding::kBarrier, w, static_cast<uint32_t>(__builtin_ctz(g.mask)),
+                        entry_.code[g.pc].line,
+                        absl::StrFormat("divergent barrier: this thread waits at the bar.sync on "
+                                        "line %u while thread (%u,%u,%u) waits at the bar.sync on "
+                                        "line %u",
+                                        entry_.code[g.pc].line, tx, ty, tz, entry_.code[bar_pc].line));
+          }
+        }
+      }
+      if (bar_pc == kNoReg) return absl::OkStatus();  // all threads exited
+      for (uint32_t w = 0; w < nwarps_; ++w) {
+        if (warps_[w].exited != 0) {
+          return Fail(Finding::kBarrier, w, static_cast<uint32_t>(__builtin_ctz(warps_[w].exited)),
+                      entry_.code[bar_pc].line,
+                      absl::StrFormat("barrier not reached by all threads of the block: this thread "
+                                      "exited while others wait at the bar.sync on line %u",
+                                      entry_.code[bar_pc].line));
+        }
+      }
+      for (uint32_t w = 0; w < nwarps_; ++w) {
+        WarpState& ws = warps_[w];
+        for (const Group& g : ws.waiting) InsertGroup(ws.groups, g.pc + 1, g.mask);
+        ws.waiting.clear();
+      }
+    }
+  }
+
+  // Checks a global access and returns its host pointer (nullptr after setting *status).
+  uint8_t* GlobalPointer(uint64_t addr, uint32_t size, bool store, const Instruction& in,
+                         uint32_t warp, uint32_t lane, absl::Status* status) {
+    if ((addr & (size - 1)) != 0) {
+      *status = Fail(Finding::kMisaligned, warp, lane, in.line,
+                     absl::StrFormat("global %s of %u bytes at address 0x%x is not %u-byte aligned",
+                                     store ? "store" : "load", size, addr, size));
+      return nullptr;
+    }
+    if (!(addr >= cache_.base && addr - cache_.base < cache_.size && cache_.size - (addr - cache_.base) >= size)) {
+      auto it = std::upper_bound(ranges_.begin(), ranges_.end(), addr,
+                                 [](uint64_t a, const MemoryRange& r) { return a < r.base; });
+      bool ok = false;
+      if (it != ranges_.begin()) {
+        const MemoryRange& r = *(it - 1);
+        if (addr - r.base < r.size && r.size - (addr - r.base) >= size) {
+          cache_ = r;
+          ok = true;
+        }
+      }
+      if (!ok) {
+        std::string where = "no allocation contains it";
+        if (it != ranges_.begin()) {
+          const MemoryRange& r = *(it - 1);
+          if (addr >= r.base + r.size) {
+            where = absl::StrFormat("%u bytes past the end of the %u-byte allocation at 0x%x",
+                                    addr - (r.base + r.size), r.size, r.base);
+          } else {
+            where = absl::StrFormat("the access runs past the end of the %u-byte allocation at 0x%x",
+                                    r.size, r.base);
+          }
+        }
+        *status = Fail(Finding::kOutOfBounds, warp, lane, in.line,
+                       absl::StrFormat("global %s of %u bytes at address 0x%x: %s",
+                                       store ? "store" : "load", size, addr, where));
+        return nullptr;
+      }
+    }
+    return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(addr));
+  }
+
+  uint8_t* SharedPointer(uint64_t offset, uint32_t size, bool store, const Instruction& in,
+                         uint32_t warp, uint32_t lane, absl::Status* status) {
+    if ((offset & (size - 1)) != 0) {
+      *status = Fail(Finding::kMisaligned, warp, lane, in.line,
+                     absl::StrFormat("shared %s of %u bytes at offset %u is not %u-byte aligned",
+                                     store ? "store" : "load", size, offset, size));
+      return nullptr;
+    }
+    if (offset >= shared_.size() || shared_.size() - offset < size) {
+      *status = Fail(Finding::kOutOfBounds, warp, lane, in.line,
+                     absl::StrFormat("shared %s of %u bytes at offset %u outside the block's %u "
+                                     "bytes of shared memory",
+                                     store ? "store" : "load", size, offset, shared_.size()));
+      return nullptr;
+    }
+    return shared_.data() + offset;
+  }
+
+  uint8_t* Pointer(Space space, uint64_t addr, uint32_t size, bool store, const Instruction& in,
+                   uint32_t warp, uint32_t lane, absl::Status* status) {
+    if (space == Space::kGeneric) {
+      if (addr >= kSharedWindow && addr - kSharedWindow < (uint64_t{1} << 32)) {
+        return SharedPointer(addr - kSharedWindow, size, store, in, warp, lane, status);
+      }
+      space = Space::kGlobal;
+    }
+    if (space == Space::kShared) return SharedPointer(addr, size, store, in, warp, lane, status);
+    return GlobalPointer(addr, size, store, in, warp, lane, status);
+  }
+
+  absl::Status Shuffle(const Instruction& in, uint32_t w, uint32_t group_mask, uint32_t exec,
+                       uint64_t* r, uint32_t* d) {
+    const WarpState& ws = warps_[w];
+    uint64_t a[32];
+    for (uint32_t m = exec; m; m &= m - 1) {
+      const int lane = __builtin_ctz(m);
+      a[lane] = Value(in.src[0], r, lane);
+    }
+    for (uint32_t m = exec; m; m &= m - 1) {
+      const uint32_t lane = static_cast<uint32_t>(__builtin_ctz(m));
+      const uint32_t member = static_cast<uint32_t>(Value(in.src[3], r, lane));
+      if ((member & (1u << lane)) == 0) {
+        return Fail(Finding::kShuffleMask, w, lane, in.line,
+                    absl::StrFormat("member mask 0x%08x does not include the executing lane %u",
+                                    member, lane));
+      }
+      const uint32_t missing = member & ~exec;
+      if (missing != 0) {
+        const uint32_t other = static_cast<uint32_t>(__builtin_ctz(missing));
+        std::string why;
+        if ((ws.present & (1u << other)) == 0) {
+          why = "does not exist (the block has fewer threads)";
+        } else if (ws.exited & (1u << other)) {
+          why = "has exited";
+        } else if (group_mask & (1u << other)) {
+          why = "skips this shfl.sync (its guard predicate is false)";
+        } else {
+          uint32_t at = 0;
+          bool exiting = false;
+          for (const Group& g : ws.groups) {
+            if (g.mask & (1u << other)) {
+              at = entry_.code[g.pc].line;
+              exiting = entry_.code[g.pc].op == Op::kExit;
+            }
+          }
+          for (const Group& g : ws.waiting) {
+            if (g.mask & (1u << other)) at = entry_.code[g.pc].line;
+          }
+          why = exiting ? absl::StrFormat("has diverged to an exit (the ret/exit on line %u)", at)
+                        : absl::StrFormat("has diverged (it is at line %u)", at);
+        }
+        return Fail(Finding::kShuffleMask, w, lane, in.line,
+                    absl::StrFormat("member mask 0x%08x names lane %u, which %s", member, other, why));
+      }
+    }
+    const ShflMode mode = static_cast<ShflMode>(in.mode);
+    for (uint32_t m = exec; m; m &= m - 1) {
+      const uint32_t lane = static_cast<uint32_t>(__builtin_ctz(m));
+      const uint32_t b = static_cast<uint32_t>(Value(in.src[1], r, lane));
+      const uint32_t c = static_cast<uint32_t>(Value(in.src[2], r, lane));
+      const uint32_t cval = c & 0x1f;
+      const uint32_t segmask = (c >> 8) & 0x1f;
+      const int32_t min_lane = static_cast<int32_t>(lane & segmask);
+      const int32_t max_lane = min_lane | static_cast<int32_t>(cval & ~segmask);
+      int32_t j = 0;
+      bool pval = false;
+      switch (mode) {
+        case ShflMode::kUp:
+          j = static_cast<int32_t>(lane) - static_cast<int32_t>(b);
+          pval = j >= max_lane;
+          break;
+        case ShflMode::kDown:
+          j = static_cast<int32_t>(lane) + static_cast<int32_t>(b);
+          pval = j <= max_lane;
+          break;
+        case ShflMode::kBfly:
+          j = static_cast<int32_t>(lane ^ b);
+          pval = j <= max_lane;
+          break;
+        case ShflMode::kIdx:
+          j = min_lane | static_cast<int32_t>(b & ~segmask & 0x1f);
+          pval = j <= max_lane;
+          break;
+      }
+      if (!pval || j < 0 || j > 31) j = static_cast<int32_t>(lane);
+      if ((exec & (1u << j)) == 0) {
+        return Fail(Finding::kShuffleMask, w, lane, in.line,
+                    absl::StrFormat("reads lane %d, which does not execute this shfl.sync "
+                                    "(the value is undefined)", j));
+      }
+      r[in.dst[0].reg * 32 + lane] = a[j] & 0xffffffffu;
+      if (in.num_dst > 1) r[in.dst[1].reg * 32 + lane] = pval ? 1 : 0;
+    }
+    d[in.dst[0].reg] |= exec;
+    if (in.num_dst > 1) d[in.dst[1].reg] |= exec;
+    return absl::OkStatus();
+  }
+
+  static uint64_t Value(const Operand& o, const uint64_t* r, int lane) {
+    return o.kind == Operand::Kind::kReg ? r[o.reg * 32 + lane] : o.imm;
+  }
+
+  uint64_t Address(const Operand& o, const uint64_t* r, int lane) const {
+    return (o.reg == kNoReg ? 0 : r[o.reg * 32 + lane]) + o.imm;
+  }
+
+  static uint64_t AtomicNew(const Instruction& in, uint64_t old, uint64_t b, uint64_t c) {
+    const AtomOp op = static_cast<AtomOp>(in.mode);
+    const int bits = TypeBits(in.type);
+    const uint64_t m = Mask(bits);
+    switch (op) {
+      case AtomOp::kAdd:
+        if (in.type == Type::kF32) return F32Bits(AsF32(old) + AsF32(b));
+        if (in.type == Type::kF64) return F64Bits(AsF64(old) + AsF64(b));
+        return (old + b) & m;
+      case AtomOp::kMin:
+        return IsSigned(in.type) ? static_cast<uint64_t>(std::min(SignExtend(old, bits), SignExtend(b, bits))) & m
+                                 : std::min(old & m, b & m);
+      case AtomOp::kMax:
+        return IsSigned(in.type) ? static_cast<uint64_t>(std::max(SignExtend(old, bits), SignExtend(b, bits))) & m
+                                 : std::max(old & m, b & m);
+      case AtomOp::kExch: return b & m;
+      case AtomOp::kCas: return (old & m) == (b & m) ? c & m : old & m;
+      case AtomOp::kAnd: return old & b & m;
+      case AtomOp::kOr: return (old | b) & m;
+      case AtomOp::kXor: return (old ^ b) & m;
+      case AtomOp::kInc: return (old & m) >= (b & m) ? 0 : (old + 1) & m;
+      case AtomOp::kDec: return ((old & m) == 0 || (old & m) > (b & m)) ? b & m : (old - 1) & m;
+    }
+    return old;
+  }
+
+  absl::Status Atomic(const Instruction& in, uint32_t w, uint32_t exec, uint64_t* r, uint32_t* d) {
+    const uint32_t size = static_cast<uint32_t>(TypeBits(in.type) / 8);
+    for (uint32_t m = exec; m; m &= m - 1) {
+      const int lane = __builtin_ctz(m);
+      const uint64_t addr = Address(in.src[0], r, lane);
+      absl::Status status;
+      uint8_t* p = Pointer(in.space, addr, size, true, in, w, static_cast<uint32_t>(lane), &status);
+      if (p == nullptr) return status;
+      const bool shared = in.space == Space::kShared;
+      const uint64_t b = Value(in.src[1], r, lane);
+      const uint64_t c = in.num_src > 2 ? Value(in.src[2], r, lane) : 0;
+      uint64_t old;
+      if (size == 4) {
+        uint32_t* ptr = reinterpret_cast<uint32_t*>(p);
+        uint32_t o = shared ? *ptr : __atomic_load_n(ptr, __ATOMIC_RELAXED);
+        while (true) {
+          const uint32_t next = static_cast<uint32_t>(AtomicNew(in, o, b, c));
+          if (shared) {
+            *ptr = next;
+            break;
+          }
+          if (__atomic_compare_exchange_n(ptr, &o, next, false, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) break;
+        }
+        old = o;
+      } else {
+        uint64_t* ptr = reinterpret_cast<uint64_t*>(p);
+        uint64_t o = shared ? *ptr : __atomic_load_n(ptr, __ATOMIC_RELAXED);
+        while (true) {
+          const uint64_t next = AtomicNew(in, o, b, c);
+          if (shared) {
+            *ptr = next;
+            break;
+          }
+          if (__atomic_compare_exchange_n(ptr, &o, next, false, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) break;
+        }
+        old = o;
+      }
+      if (in.op == Op::kAtom) r[in.dst[0].reg * 32 + lane] = old & reg_mask_[in.dst[0].reg];
+    }
+    if (in.op == Op::kAtom) d[in.dst[0].reg] |= exec;
+    return absl::OkStatus();
+  }
+
+  absl::Status Load(const Instruction& in, uint32_t w, uint32_t exec, uint64_t* r, uint32_t* d) {
+    const uint32_t elem = static_cast<uint32_t>(TypeBits(in.type) / 8);
+    const uint32_t size = elem * in.vec;
+    const bool sign = IsSigned(in.type) && elem < 8;
+    for (uint32_t m = exec; m; m &= m - 1) {
+      const int lane = __builtin_ctz(m);
+      const uint64_t addr = Address(in.src[0], r, lane);
+      const uint8_t* p;
+      if (in.space == Space::kParam) {
+        p = param_buf_.data() + addr;  // bounds checked when parsed
+      } else {
+        absl::Status status;
+        p = Pointer(in.space, addr, size, false, in, w, static_cast<uint32_t>(lane), &status);
+        if (p == nullptr) return status;
+      }
+      for (uint32_t k = 0; k < in.vec; ++k) {
+        uint64_t v = 0;
+        std::memcpy(&v, p + k * elem, elem);
+        if (sign) v = static_cast<uint64_t>(SignExtend(v, static_cast<int>(elem * 8)));
+        const uint32_t slot = in.dst[k].reg;
+        r[slot * 32 + lane] = v & reg_mask_[slot];
+      }
+    }
+    for (uint32_t k = 0; k < in.vec; ++k) d[in.dst[k].reg] |= exec;
+    return absl::OkStatus();
+  }
+
+  absl::Status Store(const Instruction& in, uint32_t w, uint32_t exec, const uint64_t* r) {
+    const uint32_t elem = static_cast<uint32_t>(TypeBits(in.type) / 8);
+    const uint32_t size = elem * in.vec;
+    for (uint32_t m = exec; m; m &= m - 1) {
+      const int lane = __builtin_ctz(m);
+      const uint64_t addr = Address(in.src[0], r, lane);
+      absl::Status status;
+      uint8_t* p = Pointer(in.space, addr, size, true, in, w, static_cast<uint32_t>(lane), &status);
+      if (p == nullptr) return status;
+      for (uint32_t k = 0; k < in.vec; ++k) {
+        const uint64_t v = Value(in.src[1 + k], r, lane);
+        std::memcpy(p + k * elem, &v, elem);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status RunWarp(uint32_t w) {
+    WarpState& ws = warps_[w];
+    uint64_t* r = &regs_[size_t{w} * nregs_ * 32];
+    uint32_t* d = &defined_[size_t{w} * nregs_];
+    const Instruction* code = entry_.code.data();
+    while (!ws.groups.empty()) {
+      if (++report_->warp_instructions > config_.max_warp_instructions) {
+        return Fail(Finding::kInstructionLimit, w, static_cast<uint32_t>(__builtin_ctz(ws.groups[0].mask)),
+                    code[ws.groups[0].pc].line,
+                    absl::StrCat("more than ", config_.max_warp_instructions,
+                                 " warp-instructions executed (a hang?)"));
+      }
+      const uint32_t pc = ws.groups[0].pc;
+      const uint32_t mask = ws.groups[0].mask;
+      const Instruction& in = code[pc];
+      uint32_t exec = mask;
+      if (in.guard != kNoReg) {
+        if ((d[in.guard] & mask) != mask) {
+          return Uninitialized(in, in.guard, w, mask & ~d[in.guard]);
+        }
+        exec = 0;
+        const uint64_t* g = r + in.guard * 32;
+        for (uint32_t m = mask; m; m &= m - 1) {
+          const int lane = __builtin_ctz(m);
+          if ((g[lane] != 0) != in.guard_negated) exec |= 1u << lane;
+        }
+      }
+      report_->thread_instructions += static_cast<uint64_t>(__builtin_popcount(exec));
+      for (int k = 0; k < in.num_src; ++k) {
+        const uint32_t slot = in.src[k].reg;
+        if (slot != kNoReg && (d[slot] & exec) != exec) return Uninitialized(in, slot, w, exec & ~d[slot]);
+      }
+      switch (in.op) {
+        case Op::kBra: {
+          if (exec == mask) {
+            MoveFront(ws.groups, in.target);
+          } else if (in.uni && exec != 0) {
+            return Fail(Finding::kNonUniformBranch, w, static_cast<uint32_t>(__builtin_ctz(exec)), in.line,
+                        absl::StrFormat("bra.uni taken by lanes 0x%08x of 0x%08x", exec, mask));
+          } else if (exec == 0) {
+            MoveFront(ws.groups, pc + 1);
+          } else {
+            ws.groups.erase(ws.groups.begin());
+            InsertGroup(ws.groups, in.target, exec);
+            InsertGroup(ws.groups, pc + 1, mask & ~exec);
+          }
+          continue;
+        }
+        case Op::kExit: {
+          ws.exited |= exec;
+          if (exec == mask) {
+            ws.groups.erase(ws.groups.begin());
+          } else {
+            ws.groups[0].mask = mask & ~exec;
+            MoveFront(ws.groups, pc + 1);
+          }
+          continue;
+        }
+        case Op::kBar: {
+          ws.groups.erase(ws.groups.begin());
+          if (exec != 0) InsertGroup(ws.waiting, pc, exec);
+          if (mask & ~exec) InsertGroup(ws.groups, pc + 1, mask & ~exec);
+          continue;
+        }
+        case Op::kShfl:
+          if (exec != 0) {
+            if (absl::Status s = Shuffle(in, w, mask, exec, r, d); !s.ok()) return s;
+          }
+          break;
+        case Op::kLd:
+          if (absl::Status s = Load(in, w, exec, r, d); !s.ok()) return s;
+          break;
+        case Op::kSt:
+          if (absl::Status s = Store(in, w, exec, r); !s.ok()) return s;
+          break;
+        case Op::kAtom:
+        case Op::kRed:
+          if (absl::Status s = Atomic(in, w, exec, r, d); !s.ok()) return s;
+          break;
+        case Op::kNop:
+          break;
+        default:
+          Compute(in, exec, r, d);
+          break;
+      }
+      // Advance the front group; merge with the next group when it is already there.
+      ws.groups[0].pc = pc + 1;
+      if (ws.groups.size() > 1 && ws.groups[1].pc == pc + 1) {
+        ws.groups[1].mask |= ws.groups[0].mask;
+        ws.groups.erase(ws.groups.begin());
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Uninitialized(const Instruction& in, uint32_t slot, uint32_t w, uint32_t lanes) {
+    return Fail(Finding::kUninitializedRegister, w, static_cast<uint32_t>(__builtin_ctz(lanes)), in.line,
+                absl::StrFormat("register %s is read before any instruction wrote it in this thread",
+                                entry_.reg_names[slot]));
+  }
+
+  void Compute(const Instruction& in, uint32_t exec, uint64_t* r, uint32_t* d) {
+    const uint32_t dst = in.dst[0].reg;
+    const uint64_t dmask = reg_mask_[dst];
+    uint64_t* out = r + dst * 32;
+    switch (in.op) {
+      case Op::kMov:
+        for (uint32_t m = exec; m; m &= m - 1) {
+          const int lane = __builtin_ctz(m);
+          out[lane] = Value(in.src[0], r, lane) & dmask;
+        }
+        break;
+      case Op::kSetp: {
+        const bool two = in.num_dst > 1;
+        uint64_t* out2 = two ? r + in.dst[1].reg * 32 : nullptr;
+        for (uint32_t m = exec; m; m &= m - 1) {
+          const int lane = __builtin_ctz(m);
+          bool t = Compare(in, Value(in.src[0], r, lane), Value(in.src[1], r, lane));
+          bool f = !t;
+          if (in.bool_op != BoolOp::kNone) {
+            const bool c = (Value(in.src[2], r, lane) != 0) != in.src[2].negated;
+            switch (in.bool_op) {
+              case BoolOp::kAnd: t = t && c; f = f && c; break;
+              case BoolOp::kOr: t = t || c; f = f || c; break;
+              case BoolOp::kXor: t = t != c; f = f != c; break;
+              case BoolOp::kNone: break;
+            }
+          }
+          out[lane] = t ? 1 : 0;
+          if (two) out2[lane] = f ? 1 : 0;
+        }
+        if (two) d[in.dst[1].reg] |= exec;
+        break;
+      }
+      case Op::kSelp:
+        for (uint32_t m = exec; m; m &= m - 1) {
+          const int lane = __builtin_ctz(m);
+          const bool c = Value(in.src[2], r, lane) != 0;
+          out[lane] = (c ? Value(in.src[0], r, lane) : Value(in.src[1], r, lane)) & dmask;
+        }
+        break;
+      case Op::kCvt: {
+        const bool sign = IsSigned(in.type) && TypeBits(in.type) < 64;
+        for (uint32_t m = exec; m; m &= m - 1) {
+          const int lane = __builtin_ctz(m);
+          uint64_t v = Convert(in, Value(in.src[0], r, lane));
+          if (sign) v = static_cast<uint64_t>(SignExtend(v, TypeBits(in.type)));
+          out[lane] = v & dmask;
+        }
+        break;
+      }
+      case Op::kCvta:
+        for (uint32_t m = exec; m; m &= m - 1) {
+          const int lane = __builtin_ctz(m);
+          uint64_t v = Value(in.src[0], r, lane);
+          if (in.space == Space::kShared) v = in.mode ? v - kSharedWindow : v + kSharedWindow;
+          out[lane] = v;
+        }
+        break;
+      default: {
+        const bool is_float = IsFloat(in.type);
+        const bool f64 = in.type == Type::kF64;
+        for (uint32_t m = exec; m; m &= m - 1) {
+          const int lane = __builtin_ctz(m);
+          const uint64_t a = Value(in.src[0], r, lane);
+          const uint64_t b = in.num_src > 1 ? Value(in.src[1], r, lane) : 0;
+          const uint64_t c = in.num_src > 2 ? Value(in.src[2], r, lane) : 0;
+          const uint64_t v = !is_float ? IntAlu(in, a, b, c)
+                             : f64     ? FloatAlu64(in, a, b, c)
+                                       : FloatAlu32(in, a, b, c);
+          out[lane] = v & dmask;
+        }
+        break;
+      }
+    }
+    d[dst] |= exec;
+  }
+
+  const Entry& entry_;
+  const LaunchConfig& config_;
+  void* const* params_;
+  const MemoryMap& memory_;
+  LaunchReport* report_;
+
+  std::vector<uint8_t> param_buf_;
+  std::vector<MemoryRange> ranges_;
+  MemoryRange cache_;
+  std::vector<uint8_t> shared_;
+  uint32_t nregs_ = 0;
+  uint32_t threads_ = 0;
+  uint32_t nwarps_ = 0;
+  std::vector<uint64_t> regs_;
+  std::vector<uint32_t> defined_;
+  std::vector<uint64_t> reg_mask_;
+  std::vector<WarpState> warps_;
+  Dim3 block_;
+};
+
+}  // namespace
+
+absl::Status Launch(const Entry& entry, const LaunchConfig& config, void* const* kernel_params,
+                    const MemoryMap& memory, LaunchReport* report) {
+  LaunchReport local;
+  if (report == nullptr) report = &local;
+  *report = LaunchReport{};
+  Launcher launcher(entry, config, kernel_params, memory, report);
+  return launcher.Run();
+}
+
+}  // namespace normgrad::ptxsim

@@ -1,0 +1,205 @@
+// Deliberately broken kernels: each is reported with the right finding, and the diagnosis names
+// the kernel, block, thread, line and (for memory) the address.
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/ptxsim/sim_harness.h"
+
+namespace normgrad::ptxsim {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kHeader[] = ".version 7.8\n.target sm_90\n.address_size 64\n";
+
+// One u64 parameter `out`; `body` follows the declarations.
+std::string Kernel(absl::string_view body) {
+  return absl::StrCat(kHeader, R"(.visible .entry broken(.param .u64 out)
+{
+  .reg .pred %p<4>;
+  .reg .b32 %r<10>;
+  .reg .f32 %f<10>;
+  .reg .b64 %rd<10>;
+  ld.param.u64 %rd1, [out];
+  mov.u32 %r1, %tid.x;
+  mul.wide.u32 %rd2, %r1, 4;
+  add.s64 %rd3, %rd1, %rd2;
+)", body, "}\n");
+}
+
+struct Outcome {
+  absl::Status status;
+  LaunchReport report;
+};
+
+Outcome RunBroken(const std::string& ptx, uint32_t threads, size_t out_floats, float** out = nullptr,
+            uint64_t limit = uint64_t{1} << 32) {
+  static SimHarness* sim = new SimHarness();
+  float* buffer = sim->Alloc<float>(out_floats);
+  if (out != nullptr) *out = buffer;
+  KernelArgs args;
+  args.Add(SimHarness::Address(buffer));
+  Outcome o;
+  o.status = sim->Run(ptx, "broken", {2, 1, 1}, {threads, 1, 1}, args, &o.report, 0, limit);
+  return o;
+}
+
+TEST(PtxSanitizer, OutOfBoundsStoreNamesKernelBlockThreadAndAddress) {
+  // 33 threads store out[tid] into a 32-float buffer: thread 32 of block 0 is out of bounds.
+  float* out = nullptr;
+  Outcome o = RunBroken(Kernel("  st.global.f32 [%rd3], 0f3F800000;\n  ret;\n"), 33, 32, &out);
+  ASSERT_FALSE(o.status.ok());
+  EXPECT_EQ(o.report.finding, Finding::kOutOfBounds);
+  const uint64_t bad = SimHarness::Address(out) + 32 * 4;
+  EXPECT_THAT(std::string(o.status.message()), HasSubstr("out-of-bounds access: global store of 4 bytes"));
+  EXPECT_THAT(std::string(o.status.message()), HasSubstr(absl::StrFormat("address 0x%x", bad)));
+  EXPECT_THAT(std::string(o.status.message()), HasSubstr("0 bytes past the end of the 128-byte allocation"));
+  EXPECT_THAT(std::string(o.status.message()), HasSubstr("kernel 'broken', line 14, block (0,0,0), thread (32,0,0)"));
+}
+
+TEST(PtxSanitizer, MisalignedLoadIsReported) {
+  Outcome o = RunBroken(Kernel("  ld.global.f32 %f1, [%rd3+2];\n  st.global.f32 [%rd3], %f1;\n  ret;\n"), 32, 64);
+  ASSERT_FALSE(o.status.ok());
+  EXPECT_EQ(o.report.finding, Finding::kMisaligned);
+  EXPECT_THAT(std::string(o.status.message()), HasSubstr("is not 4-byte aligned"));
+  EXPECT_THAT(std::string(o.status.message()), HasSubstr("thread (0,0,0)"));
+}
+
+TEST(PtxSanitizer, ShuffleAfterDivergentExitNamesTheExitedLane) {
+  Outcome o = RunBroken(Kernel(R"(  setp.ge.u32 %p1, %r1, 16;
+  @%p1 bra EXIT;
+  mov.f32 %f1, 0f3F800000;
+  shfl.sync.down.b32 %f2, %f1, 16, 31, 0xffffffff;
+  st.global.f32 [%rd3], %f2;
+EXIT:
+  ret;
+)"), 32, 64);
+  ASSERT_FALSE(o.status.ok());
+  EXPECT_EQ(o.report.finding, Finding::kShuffleMask);
+  // Lanes 16..31 branched to the exit; whether they already left or are about to, the
+  // full-mask shuffle names them.
+  EXPECT_THAT(std::string(o.status.message()),
+              HasSubstr("member mask 0xffffffff names lane 16, which has diverged to an exit "
+                        "(the ret/exit on line 20)"));
+  EXPECT_THAT(std::string(o.status.message()), HasSubstr("line 17"));
+}
+
+TEST(PtxSanitizer, ShuffleInsideDivergentBranchNamesTheDivergedLane) {
+  Outcome o = RunBroken(Kernel(R"(  mov.f32 %f1, 0f3F800000;
+  setp.lt.u32 %p1, %r1, 8;
+  @%p1 bra SMALL;
+  shfl.sync.bfly.b32 %f2, %f1, 1, 31, 0xffffffff;
+  bra.uni JOIN;
+SMALL:
+  mov.f32 %f2, %f1;
+JOIN:
+  st.global.f32 [%rd3], %f2;
+  ret;
+)"), 32, 64);
+  ASSERT_FALSE(o.status.ok());
+  EXPECT_EQ(o.report.finding, Finding::kShuffleMask);
+  EXPECT_THAT(std::string(o.status.message()), HasSubstr("names lane 0, which has diverged (it is at line 20)"));
+}
+
+TEST(PtxSanitizer, PartialMaskShuffleOfConvergedLanesIsFine) {
+  // The same divergent shuffle with a member mask naming exactly the lanes present is legal.
+  float* out = nullptr;
+  Outcome o = RunBroken(Kernel(R"(  cvt.rn.f32.u32 %f1, %r1;
+  setp.lt.u32 %p1, %r1, 16;
+  @%p1 bra SMALL;
+  shfl.sync.bfly.b32 %f2, %f1, 1, 31, 0xffff0000;
+  bra.uni JOIN;
+SMALL:
+  mov.f32 %f2, %f1;
+JOIN:
+  st.global.f32 [%rd3], %f2;
+  ret;
+)"), 32, 64, &out);
+  ASSERT_TRUE(o.status.ok()) << o.status;
+  EXPECT_EQ(out[3], 3.0f);
+  EXPECT_EQ(out[16], 17.0f);
+  EXPECT_EQ(out[17], 16.0f);
+}
+
+TEST(PtxSanitizer, BarrierInDivergentBranchIsReported) {
+  Outcome o = RunBroken(Kernel(R"(  setp.lt.u32 %p1, %r1, 40;
+  @%p1 bra SKIP;
+  bar.sync 0;
+SKIP:
+  bar.sync 0;
+  st.global.f32 [%rd3], 0f00000000;
+  ret;
+)"), 64, 128);
+  ASSERT_FALSE(o.status.ok());
+  EXPECT_EQ(o.report.finding, Finding::kBarrier);
+  EXPECT_THAT(std::string(o.status.message()), HasSubstr("divergent barrier"));
+  EXPECT_THAT(std::string(o.status.message()), HasSubstr("bar.sync on line 16"));
+  EXPECT_THAT(std::string(o.status.message()), HasSubstr("bar.sync on line 18"));
+}
+
+TEST(PtxSanitizer, BarrierSkippedByExitingThreadsIsReported) {
+  Outcome o = RunBroken(Kernel(R"(  setp.ge.u32 %p1, %r1, 48;
+  @%p1 bra EXIT;
+  bar.sync 0;
+  st.global.f32 [%rd3], 0f00000000;
+EXIT:
+  ret;
+)"), 64, 128);
+  ASSERT_FALSE(o.status.ok());
+  EXPECT_EQ(o.report.finding, Finding::kBarrier);
+  EXPECT_THAT(std::string(o.status.message()), HasSubstr("barrier not reached by all threads of the block"));
+  EXPECT_THAT(std::string(o.status.message()), HasSubstr("thread (48,0,0)"));
+}
+
+TEST(PtxSanitizer, UninitializedRegisterReadNamesTheRegister) {
+  Outcome o = RunBroken(Kernel(R"(  mov.f32 %f1, 0f3F800000;
+  add.f32 %f3, %f1, %f2;
+  st.global.f32 [%rd3], %f3;
+  ret;
+)"), 32, 64);
+  ASSERT_FALSE(o.status.ok());
+  EXPECT_EQ(o.report.finding, Finding::kUninitializedRegister);
+  EXPECT_THAT(std::string(o.status.message()), HasSubstr("register %f2 is read before any instruction wrote it"));
+  EXPECT_THAT(std::string(o.status.message()), HasSubstr("line 15"));
+}
+
+TEST(PtxSanitizer, RegisterWrittenOnlyUnderAPredicateIsUninitializedElsewhere) {
+  Outcome o = RunBroken(Kernel(R"(  setp.lt.u32 %p1, %r1, 5;
+  @%p1 mov.f32 %f1, 0f3F800000;
+  st.global.f32 [%rd3], %f1;
+  ret;
+)"), 32, 64);
+  ASSERT_FALSE(o.status.ok());
+  EXPECT_EQ(o.report.finding, Finding::kUninitializedRegister);
+  EXPECT_THAT(std::string(o.status.message()), HasSubstr("thread (5,0,0)"));
+}
+
+TEST(PtxSanitizer, EndlessLoopHitsTheInstructionLimit) {
+  Outcome o = RunBroken(Kernel("LOOP:\n  bra LOOP;\n"), 32, 64, nullptr, 1000);
+  ASSERT_FALSE(o.status.ok());
+  EXPECT_EQ(o.status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(o.report.finding, Finding::kInstructionLimit);
+}
+
+TEST(PtxSanitizer, NonUniformBraUniIsReported) {
+  Outcome o = RunBroken(Kernel(R"(  setp.lt.u32 %p1, %r1, 3;
+  @%p1 bra.uni DONE;
+  st.global.f32 [%rd3], 0f00000000;
+DONE:
+  ret;
+)"), 32, 64);
+  ASSERT_FALSE(o.status.ok());
+  EXPECT_EQ(o.report.finding, Finding::kNonUniformBranch);
+}
+
+TEST(PtxSanitizer, BadLaunchGeometryIsInvalidArgument) {
+  Outcome o = RunBroken(Kernel("  ret;\n"), 2048, 64);
+  EXPECT_EQ(o.status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(o.report.finding, Finding::kInvalidLaunch);
+}
+
+}  // namespace
+}  // namespace normgrad::ptxsim
