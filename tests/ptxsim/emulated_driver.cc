@@ -1,0 +1,706 @@
+// libnormgrad_emulated_cuda.so: a stand-in for libcuda.so.1 that exports the Driver API
+// functions server/cuda/driver_api.h looks up, backed by the PTX interpreter.
+//
+//   NORMGRAD_CUDA_DRIVER=build/lib/libnormgrad_emulated_cuda.so build/bin/normgrad-server ...
+//
+// Model (docs/ptxsim.md):
+//  - One device ("normgrad emulated device (PTX interpreter)", sm_90 unless
+//    $NORMGRAD_EMULATED_SM says otherwise), one primary context, a per-thread current context
+//    (calls that need one fail with CUDA_ERROR_INVALID_CONTEXT without it, like the driver).
+//  - Device memory is host memory (256-byte aligned); a device pointer is the host address.
+//    Every allocation is registered so the interpreter bounds-checks each global access.
+//    Capacity: $NORMGRAD_EMULATED_MEMORY_MB (default 16384) MiB.
+//  - Streams execute synchronously at enqueue time, so every *Async call is complete when it
+//    returns; events record the host clock.
+//  - cuModuleLoadDataEx parses the PTX (never cubin); a parse error is CUDA_ERROR_INVALID_PTX
+//    with "line N: reason" in CU_JIT_ERROR_LOG_BUFFER.
+//  - cuLaunchKernel runs the interpreter on the calling thread. A sanitizer finding is printed
+//    to stderr and returned: CUDA_ERROR_ILLEGAL_ADDRESS (out of bounds),
+//    CUDA_ERROR_MISALIGNED_ADDRESS, CUDA_ERROR_LAUNCH_TIMEOUT (instruction limit,
+//    $NORMGRAD_EMULATED_MAX_WARP_INSTRUCTIONS), CUDA_ERROR_LAUNCH_FAILED (the rest).
+//    Errors are not sticky: the context stays usable.
+//  - $NORMGRAD_EMULATED_CUDA_VERBOSE=1 prints one line per launch (instructions, seconds).
+#include <cuda.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "tests/ptxsim/interpreter.h"
+#include "tests/ptxsim/memory_map.h"
+#include "tests/ptxsim/parser.h"
+
+// cuda.h maps cuEventElapsedTime to cuEventElapsedTime_v2; the unversioned symbol is exported
+// too, for loaders that ask for it by that name.
+#undef cuEventElapsedTime
+extern "C" CUresult CUDAAPI cuEventElapsedTime(float* pMilliseconds, CUevent hStart, CUevent hEnd);
+
+#define NG_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace normgrad::ptxsim {
+namespace {
+
+constexpr int kDriverVersion = 13000;
+constexpr int kMaxPtxMajor = 9;
+constexpr int kMaxPtxMinor = 0;
+constexpr const char* kDeviceName = "normgrad emulated device (PTX interpreter)";
+
+uint64_t EnvU64(const char* name, uint64_t fallback) {
+  const char* v = std::getenv(name);
+  uint64_t out = 0;
+  if (v == nullptr || !absl::SimpleAtoi(v, &out) || out == 0) return fallback;
+  return out;
+}
+
+struct EmuContext {
+  int device = 0;
+};
+
+struct EmuModule;
+struct EmuFunction {
+  EmuModule* module = nullptr;
+  const Entry* entry = nullptr;
+};
+
+struct EmuModule {
+  Module module;
+  std::unordered_map<std::string, std::unique_ptr<EmuFunction>> functions;
+};
+
+struct EmuStream {
+  unsigned int flags = 0;
+};
+
+struct EmuEvent {
+  unsigned int flags = 0;
+  bool recorded = false;
+  std::chrono::steady_clock::time_point time;
+};
+
+struct EmuPool {
+  uint64_t release_threshold = 0;
+};
+
+class EmulatedDriver {
+ public:
+  EmulatedDriver()
+      : sm_(static_cast<int>(EnvU64("NORMGRAD_EMULATED_SM", 90))),
+        total_bytes_(EnvU64("NORMGRAD_EMULATED_MEMORY_MB", 16384) << 20),
+        max_warp_instructions_(EnvU64("NORMGRAD_EMULATED_MAX_WARP_INSTRUCTIONS", uint64_t{1} << 36)),
+        verbose_(EnvU64("NORMGRAD_EMULATED_CUDA_VERBOSE", 0) != 0) {}
+
+  absl::Mutex mu;
+  bool initialized ABSL_GUARDED_BY(mu) = false;
+  int primary_refs ABSL_GUARDED_BY(mu) = 0;
+  EmuContext primary;
+  EmuPool pool;
+  MemoryMap memory;  // device allocations (thread-safe on its own)
+  std::unordered_set<void*> host_allocations ABSL_GUARDED_BY(mu);
+  std::unordered_set<EmuModule*> modules ABSL_GUARDED_BY(mu);
+  std::unordered_set<EmuFunction*> functions ABSL_GUARDED_BY(mu);
+  std::unordered_set<EmuStream*> streams ABSL_GUARDED_BY(mu);
+  std::unordered_set<EmuEvent*> events ABSL_GUARDED_BY(mu);
+
+  const int sm_;
+  const uint64_t total_bytes_;
+  const uint64_t max_warp_instructions_;
+  const bool verbose_;
+
+  bool Initialized() {
+    absl::MutexLock lock(&mu);
+    return initialized;
+  }
+};
+
+EmulatedDriver& Driver() {
+  static EmulatedDriver* driver = new EmulatedDriver();  // never destroyed: threads may outlive exit
+  return *driver;
+}
+
+thread_local CUcontext current_context = nullptr;
+
+// Every call past cuInit needs an initialized driver; most need a current context.
+CUresult NeedInit() { return Driver().Initialized() ? CUDA_SUCCESS : CUDA_ERROR_NOT_INITIALIZED; }
+CUresult NeedContext() {
+  if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
+  return current_context == nullptr ? CUDA_ERROR_INVALID_CONTEXT : CUDA_SUCCESS;
+}
+
+bool ValidStream(CUstream stream) {
+  if (stream == nullptr || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) return true;
+  EmulatedDriver& d = Driver();
+  absl::MutexLock lock(&d.mu);
+  return d.streams.count(reinterpret_cast<EmuStream*>(stream)) != 0;
+}
+
+struct ErrorText {
+  CUresult code;
+  const char* name;
+  const char* text;
+};
+constexpr ErrorText kErrors[] = {
+    {CUDA_SUCCESS, "CUDA_SUCCESS", "no error"},
+    {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+    {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
+    {CUDA_ERROR_DEINITIALIZED, "CUDA_ERROR_DEINITIALIZED", "driver shutting down"},
+    {CUDA_ERROR_STUB_LIBRARY, "CUDA_ERROR_STUB_LIBRARY", "CUDA driver is a stub library"},
+    {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
+    {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+    {CUDA_ERROR_INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"},
+    {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {CUDA_ERROR_NO_BINARY_FOR_GPU, "CUDA_ERROR_NO_BINARY_FOR_GPU", "no kernel image is available for execution on the device"},
+    {CUDA_ERROR_INVALID_PTX, "CUDA_ERROR_INVALID_PTX", "a PTX JIT compilation failed"},
+    {CUDA_ERROR_UNSUPPORTED_PTX_VERSION, "CUDA_ERROR_UNSUPPORTED_PTX_VERSION", "the provided PTX was compiled with an unsupported toolchain."},
+    {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
+    {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+    {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
+    {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"},
+    {CUDA_ERROR_MISALIGNED_ADDRESS, "CUDA_ERROR_MISALIGNED_ADDRESS", "misaligned address"},
+    {CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", "too many resources requested for launch"},
+    {CUDA_ERROR_LAUNCH_TIMEOUT, "CUDA_ERROR_LAUNCH_TIMEOUT", "the launch timed out and was terminated"},
+    {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
+    {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+    {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
+};
+
+void WriteLog(const std::string& text, char* buffer, size_t* size_inout) {
+  if (buffer == nullptr || size_inout == nullptr || *size_inout == 0) return;
+  const size_t n = std::min(text.size(), *size_inout - 1);
+  std::memcpy(buffer, text.data(), n);
+  buffer[n] = '\0';
+  *size_inout = n + 1;
+}
+
+CUresult CheckDeviceRange(CUdeviceptr ptr, size_t bytes) {
+  if (bytes == 0) return CUDA_SUCCESS;
+  return Driver().memory.Contains(ptr, bytes) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult Allocate(CUdeviceptr* dptr, size_t bytes) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  if (dptr == nullptr || bytes == 0) return CUDA_ERROR_INVALID_VALUE;
+  EmulatedDriver& d = Driver();
+  const size_t rounded = (bytes + 255) / 256 * 256;
+  if (d.memory.BytesInUse() + rounded > d.total_bytes_) return CUDA_ERROR_OUT_OF_MEMORY;
+  void* p = std::aligned_alloc(256, rounded);
+  if (p == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
+  d.memory.Add(reinterpret_cast<uint64_t>(p), rounded);
+  *dptr = reinterpret_cast<CUdeviceptr>(p);
+  return CUDA_SUCCESS;
+}
+
+CUresult Release(CUdeviceptr dptr) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  if (dptr == 0) return CUDA_SUCCESS;
+  if (!Driver().memory.Remove(dptr)) return CUDA_ERROR_INVALID_VALUE;
+  std::free(reinterpret_cast<void*>(dptr));
+  return CUDA_SUCCESS;
+}
+
+CUresult LaunchFailure(Finding finding) {
+  switch (finding) {
+    case Finding::kOutOfBounds: return CUDA_ERROR_ILLEGAL_ADDRESS;
+    case Finding::kMisaligned: return CUDA_ERROR_MISALIGNED_ADDRESS;
+    case Finding::kInstructionLimit: return CUDA_ERROR_LAUNCH_TIMEOUT;
+    case Finding::kInvalidLaunch: return CUDA_ERROR_INVALID_VALUE;
+    default: return CUDA_ERROR_LAUNCH_FAILED;
+  }
+}
+
+}  // namespace
+}  // namespace normgrad::ptxsim
+
+using normgrad::ptxsim::Driver;
+using normgrad::ptxsim::EmulatedDriver;
+using normgrad::ptxsim::EmuEvent;
+using normgrad::ptxsim::EmuFunction;
+using normgrad::ptxsim::EmuModule;
+using normgrad::ptxsim::EmuStream;
+using normgrad::ptxsim::current_context;
+using normgrad::ptxsim::NeedContext;
+using normgrad::ptxsim::NeedInit;
+using normgrad::ptxsim::WriteLog;
+
+NG_EXPORT CUresult CUDAAPI cuGetErrorName(CUresult error, const char** pStr) {
+  if (pStr == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  for (const auto& e : normgrad::ptxsim::kErrors) {
+    if (e.code == error) {
+      *pStr = e.name;
+      return CUDA_SUCCESS;
+    }
+  }
+  *pStr = nullptr;
+  return CUDA_ERROR_INVALID_VALUE;
+}
+
+NG_EXPORT CUresult CUDAAPI cuGetErrorString(CUresult error, const char** pStr) {
+  if (pStr == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  for (const auto& e : normgrad::ptxsim::kErrors) {
+    if (e.code == error) {
+      *pStr = e.text;
+      return CUDA_SUCCESS;
+    }
+  }
+  *pStr = nullptr;
+  return CUDA_ERROR_INVALID_VALUE;
+}
+
+NG_EXPORT CUresult CUDAAPI cuInit(unsigned int Flags) {
+  if (Flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  EmulatedDriver& d = Driver();
+  absl::MutexLock lock(&d.mu);
+  d.initialized = true;
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuDriverGetVersion(int* driverVersion) {
+  if (driverVersion == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  *driverVersion = normgrad::ptxsim::kDriverVersion;
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuDeviceGetCount(int* count) {
+  if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
+  if (count == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  *count = 1;
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuDeviceGet(CUdevice* device, int ordinal) {
+  if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
+  if (device == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
+  *device = 0;
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuDeviceGetName(char* name, int len, CUdevice dev) {
+  if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
+  if (dev != 0) return CUDA_ERROR_INVALID_DEVICE;
+  if (name == nullptr || len <= 0) return CUDA_ERROR_INVALID_VALUE;
+  std::snprintf(name, static_cast<size_t>(len), "%s", normgrad::ptxsim::kDeviceName);
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuDeviceTotalMem(size_t* bytes, CUdevice dev) {
+  if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
+  if (dev != 0) return CUDA_ERROR_INVALID_DEVICE;
+  if (bytes == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  *bytes = Driver().total_bytes_;
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuDeviceGetAttribute(int* pi, CUdevice_attribute attrib, CUdevice dev) {
+  if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
+  if (dev != 0) return CUDA_ERROR_INVALID_DEVICE;
+  if (pi == nullptr || attrib <= 0 || attrib >= CU_DEVICE_ATTRIBUTE_MAX) return CUDA_ERROR_INVALID_VALUE;
+  const int sm = Driver().sm_;
+  int v = 0;
+  switch (attrib) {
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: v = sm / 10; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: v = sm % 10; break;
+    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: v = 132; break;
+    case CU_DEVICE_ATTRIBUTE_WARP_SIZE: v = 32; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: v = 1024; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X: v = 1024; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y: v = 1024; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z: v = 64; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X: v = 2147483647; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y: v = 65535; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z: v = 65535; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK: v = 49152; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: v = 232448; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: v = 233472; break;
+    case CU_DEVICE_ATTRIBUTE_TOTAL_CONSTANT_MEMORY: v = 65536; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK: v = 65536; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR: v = 65536; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: v = 2048; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR: v = 32; break;
+    case CU_DEVICE_ATTRIBUTE_CLOCK_RATE: v = 1980000; break;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE: v = 2619000; break;
+    case CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH: v = 6144; break;
+    case CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE: v = 50 << 20; break;
+    case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: v = 1; break;
+    case CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS: v = 1; break;
+    case CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT: v = 2; break;
+    case CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY: v = 1; break;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: v = 1; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_MODE: v = CU_COMPUTEMODE_DEFAULT; break;
+    default: v = 0; break;
+  }
+  *pi = v;
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* pctx, CUdevice dev) {
+  if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
+  if (dev != 0) return CUDA_ERROR_INVALID_DEVICE;
+  if (pctx == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  EmulatedDriver& d = Driver();
+  absl::MutexLock lock(&d.mu);
+  ++d.primary_refs;
+  *pctx = reinterpret_cast<CUcontext>(&d.primary);
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice dev) {
+  if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
+  if (dev != 0) return CUDA_ERROR_INVALID_DEVICE;
+  EmulatedDriver& d = Driver();
+  absl::MutexLock lock(&d.mu);
+  if (d.primary_refs == 0) return CUDA_ERROR_INVALID_CONTEXT;
+  --d.primary_refs;
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuCtxSetCurrent(CUcontext ctx) {
+  if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
+  if (ctx != nullptr && ctx != reinterpret_cast<CUcontext>(&Driver().primary)) {
+    return CUDA_ERROR_INVALID_CONTEXT;
+  }
+  current_context = ctx;
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuCtxGetCurrent(CUcontext* pctx) {
+  if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
+  if (pctx == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  *pctx = current_context;
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuModuleLoadDataEx(CUmodule* module, const void* image, unsigned int numOptions,
+                                              CUjit_option* options, void** optionValues) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  if (module == nullptr || image == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (numOptions > 0 && (options == nullptr || optionValues == nullptr)) return CUDA_ERROR_INVALID_VALUE;
+  char* error_log = nullptr;
+  size_t* error_size = nullptr;
+  char* info_log = nullptr;
+  size_t* info_size = nullptr;
+  for (unsigned int i = 0; i < numOptions; ++i) {
+    switch (options[i]) {
+      case CU_JIT_ERROR_LOG_BUFFER: error_log = static_cast<char*>(optionValues[i]); break;
+      case CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES: error_size = reinterpret_cast<size_t*>(&optionValues[i]); break;
+      case CU_JIT_INFO_LOG_BUFFER: info_log = static_cast<char*>(optionValues[i]); break;
+      case CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES: info_size = reinterpret_cast<size_t*>(&optionValues[i]); break;
+      default: break;  // optimization level, targets, ...: nothing to tune in an interpreter
+    }
+  }
+  const unsigned char* bytes = static_cast<const unsigned char*>(image);
+  const uint32_t magic = static_cast<uint32_t>(bytes[0]) | (static_cast<uint32_t>(bytes[1]) << 8) |
+                         (static_cast<uint32_t>(bytes[2]) << 16) | (static_cast<uint32_t>(bytes[3]) << 24);
+  if (std::memcmp(bytes, "\x7f" "ELF", 4) == 0 || magic == 0xba55ed50u || magic == 0x466243b1u) {
+    WriteLog("the emulated device executes PTX text only (no cubin/fatbin)", error_log, error_size);
+    return CUDA_ERROR_NO_BINARY_FOR_GPU;
+  }
+  const char* text = static_cast<const char*>(image);
+  absl::StatusOr<normgrad::ptxsim::Module> parsed = normgrad::ptxsim::ParsePtx(text);
+  if (!parsed.ok()) {
+    WriteLog(absl::StrCat("ptxsim: ", parsed.status().message()), error_log, error_size);
+    return CUDA_ERROR_INVALID_PTX;
+  }
+  EmulatedDriver& d = Driver();
+  if (parsed->version_major > normgrad::ptxsim::kMaxPtxMajor ||
+      (parsed->version_major == normgrad::ptxsim::kMaxPtxMajor &&
+       parsed->version_minor > normgrad::ptxsim::kMaxPtxMinor)) {
+    WriteLog(absl::StrCat("ptxsim: PTX ISA ", parsed->version_major, ".", parsed->version_minor,
+                          " is newer than this driver supports (", normgrad::ptxsim::kMaxPtxMajor, ".",
+                          normgrad::ptxsim::kMaxPtxMinor, ")"),
+             error_log, error_size);
+    return CUDA_ERROR_UNSUPPORTED_PTX_VERSION;
+  }
+  if (parsed->target_sm > d.sm_) {
+    WriteLog(absl::StrCat("ptxsim: SM version specified by .target (sm_", parsed->target_sm,
+                          ") is higher than the device's (sm_", d.sm_, ")"),
+             error_log, error_size);
+    return CUDA_ERROR_INVALID_PTX;
+  }
+  WriteLog("", info_log, info_size);
+  WriteLog("", error_log, error_size);
+  auto owned = std::make_unique<EmuModule>();
+  owned->module = *std::move(parsed);
+  EmuModule* m = owned.release();
+  absl::MutexLock lock(&d.mu);
+  d.modules.insert(m);
+  *module = reinterpret_cast<CUmodule>(m);
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuModuleUnload(CUmodule hmod) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  EmulatedDriver& d = Driver();
+  EmuModule* m = reinterpret_cast<EmuModule*>(hmod);
+  absl::MutexLock lock(&d.mu);
+  if (d.modules.erase(m) == 0) return CUDA_ERROR_INVALID_HANDLE;
+  for (auto& [name, f] : m->functions) d.functions.erase(f.get());
+  delete m;
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuModuleGetFunction(CUfunction* hfunc, CUmodule hmod, const char* name) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  if (hfunc == nullptr || name == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  EmulatedDriver& d = Driver();
+  EmuModule* m = reinterpret_cast<EmuModule*>(hmod);
+  absl::MutexLock lock(&d.mu);
+  if (d.modules.count(m) == 0) return CUDA_ERROR_INVALID_HANDLE;
+  auto it = m->functions.find(name);
+  if (it == m->functions.end()) {
+    const normgrad::ptxsim::Entry* entry = m->module.FindEntry(name);
+    if (entry == nullptr) return CUDA_ERROR_NOT_FOUND;
+    auto f = std::make_unique<EmuFunction>();
+    f->module = m;
+    f->entry = entry;
+    d.functions.insert(f.get());
+    it = m->functions.emplace(name, std::move(f)).first;
+  }
+  *hfunc = reinterpret_cast<CUfunction>(it->second.get());
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                          unsigned int gridDimZ, unsigned int blockDimX,
+                                          unsigned int blockDimY, unsigned int blockDimZ,
+                                          unsigned int sharedMemBytes, CUstream hStream,
+                                          void** kernelParams, void** extra) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  if (!normgrad::ptxsim::ValidStream(hStream)) return CUDA_ERROR_INVALID_HANDLE;
+  EmulatedDriver& d = Driver();
+  const normgrad::ptxsim::Entry* entry = nullptr;
+  {
+    absl::MutexLock lock(&d.mu);
+    EmuFunction* fn = reinterpret_cast<EmuFunction*>(f);
+    if (d.functions.count(fn) == 0) return CUDA_ERROR_INVALID_HANDLE;
+    entry = fn->entry;
+  }
+  if (extra != nullptr) return CUDA_ERROR_NOT_SUPPORTED;  // kernelParams only
+  if (!entry->params.empty() && kernelParams == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (sharedMemBytes > 49152) return CUDA_ERROR_INVALID_VALUE;  // no opt-in attribute here
+  normgrad::ptxsim::LaunchConfig config;
+  config.grid = {gridDimX, gridDimY, gridDimZ};
+  config.block = {blockDimX, blockDimY, blockDimZ};
+  config.dynamic_shared_bytes = sharedMemBytes;
+  config.max_warp_instructions = d.max_warp_instructions_;
+  normgrad::ptxsim::LaunchReport report;
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status status = normgrad::ptxsim::Launch(*entry, config, kernelParams, d.memory, &report);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (d.verbose_) {
+    std::fprintf(stderr,
+                 "[emulated cuda] %s grid (%u,%u,%u) block (%u,%u,%u): %llu warp-instr, %llu "
+                 "thread-instr, %.3f ms, %.1f M thread-instr/s\n",
+                 entry->name.c_str(), gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
+                 static_cast<unsigned long long>(report.warp_instructions),
+                 static_cast<unsigned long long>(report.thread_instructions), seconds * 1e3,
+                 seconds > 0 ? report.thread_instructions / seconds / 1e6 : 0.0);
+  }
+  if (!status.ok()) {
+    std::fprintf(stderr, "[emulated cuda] launch of %s failed: %s\n", entry->name.c_str(),
+                 std::string(status.message()).c_str());
+    return normgrad::ptxsim::LaunchFailure(report.finding);
+  }
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuMemAlloc(CUdeviceptr* dptr, size_t bytesize) {
+  return normgrad::ptxsim::Allocate(dptr, bytesize);
+}
+
+NG_EXPORT CUresult CUDAAPI cuMemFree(CUdeviceptr dptr) { return normgrad::ptxsim::Release(dptr); }
+
+NG_EXPORT CUresult CUDAAPI cuMemAllocAsync(CUdeviceptr* dptr, size_t bytesize, CUstream hStream) {
+  if (!normgrad::ptxsim::ValidStream(hStream)) return CUDA_ERROR_INVALID_HANDLE;
+  return normgrad::ptxsim::Allocate(dptr, bytesize);
+}
+
+NG_EXPORT CUresult CUDAAPI cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
+  if (!normgrad::ptxsim::ValidStream(hStream)) return CUDA_ERROR_INVALID_HANDLE;
+  return normgrad::ptxsim::Release(dptr);
+}
+
+NG_EXPORT CUresult CUDAAPI cuDeviceGetDefaultMemPool(CUmemoryPool* pool_out, CUdevice dev) {
+  if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
+  if (dev != 0) return CUDA_ERROR_INVALID_DEVICE;
+  if (pool_out == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  *pool_out = reinterpret_cast<CUmemoryPool>(&Driver().pool);
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void* value) {
+  if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
+  if (pool != reinterpret_cast<CUmemoryPool>(&Driver().pool)) return CUDA_ERROR_INVALID_HANDLE;
+  if (value == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (attr == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) {
+    std::memcpy(&Driver().pool.release_threshold, value, sizeof(uint64_t));
+  }
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuMemHostAlloc(void** pp, size_t bytesize, unsigned int Flags) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  if (pp == nullptr || bytesize == 0) return CUDA_ERROR_INVALID_VALUE;
+  void* p = std::aligned_alloc(4096, (bytesize + 4095) / 4096 * 4096);
+  if (p == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
+  EmulatedDriver& d = Driver();
+  absl::MutexLock lock(&d.mu);
+  d.host_allocations.insert(p);
+  *pp = p;
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuMemFreeHost(void* p) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  EmulatedDriver& d = Driver();
+  {
+    absl::MutexLock lock(&d.mu);
+    if (d.host_allocations.erase(p) == 0) return CUDA_ERROR_INVALID_VALUE;
+  }
+  std::free(p);
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dstDevice, const void* srcHost, size_t ByteCount,
+                                             CUstream hStream) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  if (!normgrad::ptxsim::ValidStream(hStream)) return CUDA_ERROR_INVALID_HANDLE;
+  if (ByteCount == 0) return CUDA_SUCCESS;
+  if (srcHost == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (CUresult r = normgrad::ptxsim::CheckDeviceRange(dstDevice, ByteCount); r != CUDA_SUCCESS) return r;
+  std::memcpy(reinterpret_cast<void*>(dstDevice), srcHost, ByteCount);
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuMemcpyDtoHAsync(void* dstHost, CUdeviceptr srcDevice, size_t ByteCount,
+                                             CUstream hStream) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  if (!normgrad::ptxsim::ValidStream(hStream)) return CUDA_ERROR_INVALID_HANDLE;
+  if (ByteCount == 0) return CUDA_SUCCESS;
+  if (dstHost == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (CUresult r = normgrad::ptxsim::CheckDeviceRange(srcDevice, ByteCount); r != CUDA_SUCCESS) return r;
+  std::memcpy(dstHost, reinterpret_cast<const void*>(srcDevice), ByteCount);
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc, size_t N, CUstream hStream) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  if (!normgrad::ptxsim::ValidStream(hStream)) return CUDA_ERROR_INVALID_HANDLE;
+  if (N == 0) return CUDA_SUCCESS;
+  if (CUresult r = normgrad::ptxsim::CheckDeviceRange(dstDevice, N); r != CUDA_SUCCESS) return r;
+  std::memset(reinterpret_cast<void*>(dstDevice), uc, N);
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuMemsetD32Async(CUdeviceptr dstDevice, unsigned int ui, size_t N, CUstream hStream) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  if (!normgrad::ptxsim::ValidStream(hStream)) return CUDA_ERROR_INVALID_HANDLE;
+  if (N == 0) return CUDA_SUCCESS;
+  if (dstDevice % 4 != 0) return CUDA_ERROR_INVALID_VALUE;
+  if (CUresult r = normgrad::ptxsim::CheckDeviceRange(dstDevice, N * 4); r != CUDA_SUCCESS) return r;
+  uint32_t* p = reinterpret_cast<uint32_t*>(dstDevice);
+  for (size_t i = 0; i < N; ++i) p[i] = ui;
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuStreamCreate(CUstream* phStream, unsigned int Flags) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  if (phStream == nullptr || (Flags & ~CU_STREAM_NON_BLOCKING) != 0) return CUDA_ERROR_INVALID_VALUE;
+  EmuStream* s = new EmuStream{Flags};
+  EmulatedDriver& d = Driver();
+  absl::MutexLock lock(&d.mu);
+  d.streams.insert(s);
+  *phStream = reinterpret_cast<CUstream>(s);
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuStreamDestroy(CUstream hStream) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  EmulatedDriver& d = Driver();
+  EmuStream* s = reinterpret_cast<EmuStream*>(hStream);
+  absl::MutexLock lock(&d.mu);
+  if (d.streams.erase(s) == 0) return CUDA_ERROR_INVALID_HANDLE;
+  delete s;
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuStreamSynchronize(CUstream hStream) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  return normgrad::ptxsim::ValidStream(hStream) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+NG_EXPORT CUresult CUDAAPI cuEventCreate(CUevent* phEvent, unsigned int Flags) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  if (phEvent == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  EmuEvent* e = new EmuEvent();
+  e->flags = Flags;
+  EmulatedDriver& d = Driver();
+  absl::MutexLock lock(&d.mu);
+  d.events.insert(e);
+  *phEvent = reinterpret_cast<CUevent>(e);
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  if (!normgrad::ptxsim::ValidStream(hStream)) return CUDA_ERROR_INVALID_HANDLE;
+  EmulatedDriver& d = Driver();
+  absl::MutexLock lock(&d.mu);
+  EmuEvent* e = reinterpret_cast<EmuEvent*>(hEvent);
+  if (d.events.count(e) == 0) return CUDA_ERROR_INVALID_HANDLE;
+  e->recorded = true;
+  e->time = std::chrono::steady_clock::now();
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuEventSynchronize(CUevent hEvent) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  EmulatedDriver& d = Driver();
+  absl::MutexLock lock(&d.mu);
+  return d.events.count(reinterpret_cast<EmuEvent*>(hEvent)) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+NG_EXPORT CUresult CUDAAPI cuEventElapsedTime_v2(float* pMilliseconds, CUevent hStart, CUevent hEnd) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  if (pMilliseconds == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  EmulatedDriver& d = Driver();
+  absl::MutexLock lock(&d.mu);
+  EmuEvent* a = reinterpret_cast<EmuEvent*>(hStart);
+  EmuEvent* b = reinterpret_cast<EmuEvent*>(hEnd);
+  if (d.events.count(a) == 0 || d.events.count(b) == 0) return CUDA_ERROR_INVALID_HANDLE;
+  if ((a->flags | b->flags) & CU_EVENT_DISABLE_TIMING) return CUDA_ERROR_INVALID_HANDLE;
+  if (!a->recorded || !b->recorded) return CUDA_ERROR_INVALID_HANDLE;
+  *pMilliseconds = std::chrono::duration<float, std::milli>(b->time - a->time).count();
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuEventElapsedTime(float* pMilliseconds, CUevent hStart, CUevent hEnd) {
+  return cuEventElapsedTime_v2(pMilliseconds, hStart, hEnd);
+}
+
+NG_EXPORT CUresult CUDAAPI cuEventDestroy(CUevent hEvent) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  EmulatedDriver& d = Driver();
+  EmuEvent* e = reinterpret_cast<EmuEvent*>(hEvent);
+  absl::MutexLock lock(&d.mu);
+  if (d.events.erase(e) == 0) return CUDA_ERROR_INVALID_HANDLE;
+  delete e;
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuMemGetInfo(size_t* free, size_t* total) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  if (free == nullptr || total == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  EmulatedDriver& d = Driver();
+  *total = d.total_bytes_;
+  *free = d.total_bytes_ - std::min<uint64_t>(d.total_bytes_, d.memory.BytesInUse());
+  return CUDA_SUCCESS;
+}
