@@ -1,0 +1,186 @@
+#include "server/service/backward_validator.h"
+
+#include <cmath>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kernels/kernel.h"
+
+namespace normgrad::server {
+namespace {
+
+std::string KnownKernelNames() {
+  std::vector<std::string> names;
+  for (const kernels::Kernel* k : kernels::AllKernels()) names.emplace_back(k->EntryName());
+  return names.empty() ? "none" : absl::StrJoin(names, ", ");
+}
+
+}  // namespace
+
+BackwardValidator::BackwardValidator(const BackwardLimits& limits) : limits_(limits) {}
+
+absl::StatusOr<AcceptedMessage> BackwardValidator::Accept(const v1::BackwardRequest& message) {
+  AcceptedMessage accepted;
+  if (!has_header_) {
+    if (absl::Status s = AcceptHeader(message); !s.ok()) return s;
+    accepted.is_header = true;
+    return accepted;
+  }
+  absl::StatusOr<RowChunk> chunk = AcceptChunk(message);
+  if (!chunk.ok()) return chunk.status();
+  accepted.chunk = *chunk;
+  return accepted;
+}
+
+absl::Status BackwardValidator::AcceptHeader(const v1::BackwardRequest& message) {
+  if (!message.has_header()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the first message must carry `header`; it carries a row chunk (x: ", message.x().size(),
+        " bytes, dy: ", message.dy().size(), " bytes)"));
+  }
+  if (!message.x().empty() || !message.dy().empty() || !message.rms().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the header message must not carry row data (x: ", message.x().size(),
+        " bytes, dy: ", message.dy().size(), " bytes, rms: ", message.rms().size(),
+        " bytes); send rows in the following messages"));
+  }
+  const v1::BackwardHeader& h = message.header();
+  if (h.num_rows() == 0) {
+    return absl::InvalidArgumentError("header.num_rows is 0; must be > 0");
+  }
+  if (h.num_rows() > limits_.max_num_rows) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("header.num_rows is ", h.num_rows(), ", above the server's limit of ",
+                     limits_.max_num_rows, " (--max-num-rows)"));
+  }
+  if (h.hidden_dim() == 0) {
+    return absl::InvalidArgumentError("header.hidden_dim is 0; must be > 0");
+  }
+  if (h.hidden_dim() > limits_.max_hidden_dim) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("header.hidden_dim is ", h.hidden_dim(), ", above the server's limit of ",
+                     limits_.max_hidden_dim, " (--max-hidden-dim)"));
+  }
+  kernels::DType dtype;
+  switch (h.dtype()) {
+    case v1::DTYPE_UNSPECIFIED:
+    case v1::DTYPE_F32:
+      dtype = kernels::DType::kF32;
+      break;
+    case v1::DTYPE_BF16:
+      dtype = kernels::DType::kBF16;
+      break;
+    case v1::DTYPE_F16:
+      dtype = kernels::DType::kF16;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "header.dtype is ", static_cast<int>(h.dtype()),
+          ", not a known DType (DTYPE_UNSPECIFIED = 0, DTYPE_F32 = 1, DTYPE_BF16 = 2, "
+          "DTYPE_F16 = 3)"));
+  }
+  const uint64_t element_bytes = kernels::DTypeBytes(dtype);
+  if (!h.rms_provided() && !(std::isfinite(h.eps()) && h.eps() > 0.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.eps is ", h.eps(), "; must be finite and > 0 (or set header.rms_provided)"));
+  }
+  const uint64_t gamma_expected = uint64_t{h.hidden_dim()} * element_bytes;
+  if (h.gamma().size() != gamma_expected) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.gamma has ", h.gamma().size(), " bytes, not hidden_dim*", element_bytes, " = ",
+        gamma_expected));
+  }
+  const std::string& kernel_name = h.options().kernel();
+  if (!kernel_name.empty()) {
+    const kernels::Kernel* kernel = kernels::FindKernel(kernel_name);
+    if (kernel == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("header.options.kernel \"", kernel_name,
+                                                     "\" is unknown; known: ",
+                                                     KnownKernelNames()));
+    }
+    kernels::KernelConfig config;
+    config.hidden_dim = h.hidden_dim();
+    config.dtype = dtype;
+    if (absl::Status s = kernel->CanImplement(config); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("header.options.kernel \"", kernel_name,
+                                                 "\" cannot run this batch: ", s.message()));
+    }
+  }
+  has_header_ = true;
+  spec_.num_rows = h.num_rows();
+  spec_.hidden_dim = h.hidden_dim();
+  spec_.eps = h.eps();
+  spec_.dtype = dtype;
+  spec_.rms_provided = h.rms_provided();
+  spec_.kernel = kernel_name;
+  element_bytes_ = element_bytes;
+  row_bytes_ = uint64_t{h.hidden_dim()} * element_bytes;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RowChunk> BackwardValidator::AcceptChunk(const v1::BackwardRequest& message) {
+  const uint64_t index = chunks_received_;
+  const std::string where = absl::StrCat("chunk ", index, ": ");
+  if (message.has_header()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "header repeated; only the first message may carry `header`"));
+  }
+  const uint64_t x_bytes = message.x().size();
+  const uint64_t dy_bytes = message.dy().size();
+  if (x_bytes == 0 && dy_bytes == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "x and dy are empty; a chunk carries at least one row"));
+  }
+  if (x_bytes != dy_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "x has ", x_bytes, " bytes but dy has ", dy_bytes));
+  }
+  if (x_bytes % element_bytes_ != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "x has ", x_bytes, " bytes, not a multiple of ", element_bytes_, " (",
+        kernels::DTypeName(spec_.dtype), " elements)"));
+  }
+  if (x_bytes % row_bytes_ != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "x has ", x_bytes, " bytes, not a multiple of hidden_dim*", element_bytes_, " = ",
+        row_bytes_));
+  }
+  const uint64_t rows = x_bytes / row_bytes_;
+  if (rows > spec_.num_rows - rows_received_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, rows, " rows after ", rows_received_, " would exceed header.num_rows = ",
+        spec_.num_rows));
+  }
+  if (spec_.rms_provided) {
+    if (message.rms().size() != rows * 4) {
+      return absl::InvalidArgumentError(absl::StrCat(where, "rms has ", message.rms().size(),
+                                                     " bytes, not rows*4 = ", rows * 4,
+                                                     " (rows = ", rows, ")"));
+    }
+  } else if (!message.rms().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "rms has ", message.rms().size(),
+                                                   " bytes but header.rms_provided is false"));
+  }
+  RowChunk chunk;
+  chunk.index = index;
+  chunk.first_row = rows_received_;
+  chunk.num_rows = rows;
+  rows_received_ += rows;
+  ++chunks_received_;
+  return chunk;
+}
+
+absl::Status BackwardValidator::AtEndOfStream() const {
+  if (!has_header_) {
+    return absl::InvalidArgumentError("the stream ended before its header");
+  }
+  if (rows_received_ != spec_.num_rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the stream ended after ", rows_received_, " of header.num_rows = ",
+                     spec_.num_rows, " rows (", chunks_received_, " chunks)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace normgrad::server

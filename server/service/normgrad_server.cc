@@ -1,0 +1,306 @@
+#include "server/service/normgrad_server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "server/service/metrics.h"
+#include "server/service/metrics_http_server.h"
+#include "server/service/normgrad_service.h"
+#include "server/service/ptx_service.h"
+#include "server/service/worker_pool.h"
+
+#ifndef NORMGRAD_VERSION
+#define NORMGRAD_VERSION "0.0.0"
+#endif
+
+namespace normgrad::server {
+namespace {
+
+constexpr char kServiceName[] = "normgrad.v1.NormGrad";
+
+void SetServing(grpc::Server* server, MetricsRegistry& metrics, bool serving) {
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  if (health != nullptr) {
+    health->SetServingStatus("", serving);
+    health->SetServingStatus(kServiceName, serving);
+  }
+  metrics.SetGauge("normgrad_serving", {}, serving ? 1 : 0);
+}
+
+void DescribeServerMetrics(MetricsRegistry& m) {
+  m.DescribeGauge("normgrad_serving", "1 when health is SERVING, 0 while starting or draining.");
+  m.DescribeGauge("normgrad_inflight_streams", "RmsNormBackward streams admitted and not done.");
+  m.DescribeGauge("normgrad_inflight_bytes",
+                  "Bytes held for chunks being computed or written (admission control).");
+  m.DescribeGauge("normgrad_backend_info", "Always 1; the labels describe backend and device.");
+  m.DescribeGauge("normgrad_device_memory_bytes", "Total memory of the device.");
+  m.DescribeCounter("normgrad_cache_hits_total", "Cache lookups that found the entry.");
+  m.DescribeCounter("normgrad_cache_misses_total", "Cache lookups that had to compile.");
+  m.DescribeCounter("normgrad_cache_evictions_total", "Entries evicted by the LRU bounds.");
+  m.DescribeCounter("normgrad_cache_compiles_total", "Compile functions run.");
+  m.DescribeCounter("normgrad_cache_compile_failures_total", "Compile functions that failed.");
+  m.DescribeCounter("normgrad_cache_compile_seconds_total", "Time spent compiling.");
+  m.DescribeGauge("normgrad_cache_entries", "Entries in the cache.");
+  m.DescribeGauge("normgrad_cache_bytes", "Bytes accounted to the cache's entries.");
+  DescribeServiceMetrics(m);
+}
+
+void CollectCache(MetricsRegistry& m, const char* cache, const ModuleCacheStats& s) {
+  const MetricsRegistry::Labels l = {{"cache", cache}};
+  m.SetCounter("normgrad_cache_hits_total", l, static_cast<double>(s.hits));
+  m.SetCounter("normgrad_cache_misses_total", l, static_cast<double>(s.misses));
+  m.SetCounter("normgrad_cache_evictions_total", l, static_cast<double>(s.evictions));
+  m.SetCounter("normgrad_cache_compiles_total", l, static_cast<double>(s.compiles));
+  m.SetCounter("normgrad_cache_compile_failures_total", l,
+               static_cast<double>(s.compile_failures));
+  m.SetCounter("normgrad_cache_compile_seconds_total", l, s.compile_seconds);
+  m.SetGauge("normgrad_cache_entries", l, static_cast<double>(s.entries));
+  m.SetGauge("normgrad_cache_bytes", l, static_cast<double>(s.bytes));
+}
+
+absl::Status ValidateOptions(const ServerOptions& o) {
+  if (o.max_message_bytes < 4096) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-message-bytes=", o.max_message_bytes, " is below the minimum of 4096"));
+  }
+  if (o.max_message_bytes > (2ull << 30) - 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--max-message-bytes=", o.max_message_bytes,
+                                                   " is above protobuf's 2 GiB ceiling"));
+  }
+  if (o.batch.max_hidden_dim == 0 || o.batch.max_num_rows == 0) {
+    return absl::InvalidArgumentError("--max-hidden-dim and --max-num-rows must be > 0");
+  }
+  // One row of x and dy (plus rms and framing) must fit in one message.
+  const uint64_t one_row = 2 * uint64_t{o.batch.max_hidden_dim} * 4 + 4 + 64;
+  if (one_row > o.max_message_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-hidden-dim=", o.batch.max_hidden_dim, " needs messages of at least ", one_row,
+        " bytes for one row of x and dy, above --max-message-bytes=", o.max_message_bytes));
+  }
+  if (o.admission.max_streams == 0) {
+    return absl::InvalidArgumentError("--max-streams must be > 0");
+  }
+  if (o.admission.max_inflight_bytes < 3 * one_row) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-inflight-bytes=", o.admission.max_inflight_bytes,
+        " cannot hold even one row of the largest hidden_dim (", 3 * one_row, " bytes)"));
+  }
+  if (o.stream_idle_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--stream-idle-timeout must be >= 0");
+  }
+  std::string host;
+  int port;
+  if (absl::Status s = SplitHostPort(o.listen, "listen", &host, &port); !s.ok()) return s;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<PreloadEntry> ParsePreloadEntry(absl::string_view text) {
+  std::vector<std::string> parts = absl::StrSplit(text, ':');
+  if (parts.size() < 2 || parts.size() > 3) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--preload entry \"", text, "\" is not KERNEL:TARGET[:HIDDEN_DIM]"));
+  }
+  PreloadEntry entry;
+  entry.kernel = kernels::FindKernel(parts[0]);
+  if (entry.kernel == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--preload entry \"", text, "\": unknown kernel \"", parts[0], "\""));
+  }
+  absl::StatusOr<int> sm = kernels::ParseTarget(parts[1]);
+  if (!sm.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--preload entry \"", text, "\": ", sm.status().message()));
+  }
+  entry.config.target_sm = *sm;
+  entry.config.hidden_dim = 4096;
+  if (parts.size() == 3 && !absl::SimpleAtoi(parts[2], &entry.config.hidden_dim)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--preload entry \"", text, "\": hidden_dim \"", parts[2],
+                     "\" is not a number"));
+  }
+  if (absl::Status s = entry.kernel->CanImplement(entry.config); !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--preload entry \"", text, "\": ", s.message()));
+  }
+  return entry;
+}
+
+NormGradServer::NormGradServer() = default;
+
+absl::StatusOr<std::unique_ptr<NormGradServer>> NormGradServer::Start(
+    const ServerOptions& options, std::unique_ptr<Backend> backend) {
+  if (absl::Status s = ValidateOptions(options); !s.ok()) return s;
+  std::vector<PreloadEntry> preload;
+  for (const std::string& text : options.preload) {
+    absl::StatusOr<PreloadEntry> entry = ParsePreloadEntry(text);
+    if (!entry.ok()) return entry.status();
+    preload.push_back(*entry);
+  }
+
+  std::unique_ptr<NormGradServer> server(new NormGradServer());
+  NormGradServer& s = *server;
+  s.options_ = options;
+  if (backend == nullptr) {
+    absl::StatusOr<std::unique_ptr<Backend>> created = CreateBackend(options.backend);
+    if (!created.ok()) return created.status();
+    backend = *std::move(created);
+  }
+  s.backend_ = std::move(backend);
+  s.metrics_ = std::make_unique<MetricsRegistry>();
+  DescribeServerMetrics(*s.metrics_);
+  PtxServiceOptions ptx_options;
+  ptx_options.cache.max_entries = options.backend.cache_max_entries;
+  ptx_options.cache.max_bytes = options.backend.cache_max_bytes;
+  ptx_options.nvjitlink_path = options.nvjitlink_path;
+  s.ptx_ = std::make_unique<PtxService>(ptx_options);
+  s.admission_ = std::make_unique<AdmissionController>(options.admission);
+  s.streams_ = std::make_unique<StreamRegistry>();
+  const int threads = options.worker_threads > 0
+                          ? options.worker_threads
+                          : std::max(2, static_cast<int>(std::thread::hardware_concurrency()));
+  s.pool_ = std::make_unique<WorkerPool>(threads);
+
+  s.env_ = std::make_unique<ServiceEnv>();
+  s.env_->config.version = NORMGRAD_VERSION;
+  s.env_->config.batch_limits = options.batch;
+  s.env_->config.max_message_bytes = options.max_message_bytes;
+  s.env_->config.stream_idle_timeout = options.stream_idle_timeout;
+  s.env_->backend = s.backend_.get();
+  s.env_->ptx = s.ptx_.get();
+  s.env_->admission = s.admission_.get();
+  s.env_->metrics = s.metrics_.get();
+  s.env_->pool = s.pool_.get();
+  s.env_->streams = s.streams_.get();
+  s.service_ = std::make_unique<NormGradService>(s.env_.get());
+
+  {
+    const DeviceDescription d = s.backend_->Device();
+    s.metrics_->SetGauge("normgrad_backend_info",
+                         {{"backend", std::string(s.backend_->Name())},
+                          {"device", d.name},
+                          {"compute_capability", absl::StrCat(d.compute_capability_major, ".",
+                                                              d.compute_capability_minor)},
+                          {"driver_version", d.driver_version},
+                          {"version", NORMGRAD_VERSION}},
+                         1);
+    s.metrics_->SetGauge("normgrad_device_memory_bytes", {},
+                         static_cast<double>(d.total_memory_bytes));
+    Backend* b = s.backend_.get();
+    PtxService* ptx = s.ptx_.get();
+    AdmissionController* admission = s.admission_.get();
+    s.metrics_->AddCollector([b, ptx, admission](MetricsRegistry& m) {
+      CollectCache(m, "module", b->CacheStats());
+      CollectCache(m, "ptx", ptx->CacheStats());
+      m.SetGauge("normgrad_inflight_bytes", {}, static_cast<double>(admission->inflight_bytes()));
+    });
+    s.metrics_->SetGauge("normgrad_inflight_streams", {}, 0);
+  }
+
+  if (!options.metrics_listen.empty()) {
+    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http =
+        MetricsHttpServer::Start(options.metrics_listen, s.metrics_.get());
+    if (!http.ok()) return http.status();
+    s.metrics_http_ = *std::move(http);
+    s.metrics_port_ = s.metrics_http_->port();
+    int ignored;
+    (void)SplitHostPort(options.metrics_listen, "metrics-listen", &s.metrics_host_, &ignored);
+  }
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int selected_port = 0;
+  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &selected_port);
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a taken port must fail
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.RegisterService(s.service_.get());
+  s.grpc_server_ = builder.BuildAndStart();
+  if (s.grpc_server_ == nullptr || selected_port == 0) {
+    s.grpc_server_.reset();
+    return absl::UnavailableError(absl::StrCat(
+        "--listen=", options.listen, ": cannot listen there (address in use or not local)"));
+  }
+  s.port_ = selected_port;
+  int ignored;
+  (void)SplitHostPort(options.listen, "listen", &s.host_, &ignored);
+  SetServing(s.grpc_server_.get(), *s.metrics_, false);
+  if (options.stream_idle_timeout > absl::ZeroDuration()) {
+    s.watchdog_ = std::thread([&s] { s.RunWatchdog(); });
+  }
+
+  for (const PreloadEntry& entry : preload) {
+    v1::EmitPtxRequest request;
+    request.set_kernel(std::string(entry.kernel->EntryName()));
+    request.set_hidden_dim(entry.config.hidden_dim);
+    request.set_target(absl::StrCat("sm_", entry.config.target_sm));
+    absl::Status st = s.ptx_->Emit(request).status();
+    if (st.ok()) st = s.backend_->Preload(*entry.kernel, entry.config);
+    if (!st.ok()) {
+      return absl::Status(st.code(), absl::StrCat("--preload ", entry.kernel->EntryName(),
+                                                  ":sm_", entry.config.target_sm, ":",
+                                                  entry.config.hidden_dim, ": ", st.message()));
+    }
+  }
+  SetServing(s.grpc_server_.get(), *s.metrics_, true);
+  return server;
+}
+
+NormGradServer::~NormGradServer() { Shutdown(absl::ZeroDuration()); }
+
+std::string NormGradServer::ReadyLine() const {
+  const std::string metrics =
+      metrics_port_ > 0 ? absl::StrCat(metrics_host_, ":", metrics_port_) : "off";
+  return absl::StrCat("normgrad-server ready grpc=", host_, ":", port_, " metrics=", metrics,
+                      " backend=", backend_->Name(), " device=\"", backend_->Device().name,
+                      "\"");
+}
+
+size_t NormGradServer::live_streams() const { return streams_->size(); }
+
+void NormGradServer::RunWatchdog() {
+  const absl::Duration timeout = options_.stream_idle_timeout;
+  const absl::Duration period =
+      std::clamp(timeout / 4, absl::Milliseconds(10), absl::Seconds(1));
+  absl::MutexLock lock(&watchdog_mu_);
+  while (!stopping_) {
+    watchdog_mu_.AwaitWithTimeout(absl::Condition(&stopping_), period);
+    if (stopping_) break;
+    watchdog_mu_.Unlock();
+    streams_->CheckIdle(absl::Now(), timeout);
+    watchdog_mu_.Lock();
+  }
+}
+
+void NormGradServer::Shutdown(absl::Duration grace) {
+  absl::MutexLock lock(&shutdown_mu_);
+  if (shut_down_) return;
+  shut_down_ = true;
+  if (grpc_server_ != nullptr) {
+    env_->draining.store(true);
+    SetServing(grpc_server_.get(), *metrics_, false);
+    streams_->WaitUntilEmpty(absl::Now() + grace);
+    // Cancels whatever is still running; returns once every call is done.
+    grpc_server_->Shutdown(std::chrono::system_clock::now());
+    streams_->WaitUntilEmpty(absl::InfiniteFuture());  // workers finish their current chunk
+  }
+  {
+    absl::MutexLock wl(&watchdog_mu_);
+    stopping_ = true;
+  }
+  if (watchdog_.joinable()) watchdog_.join();
+  if (metrics_http_ != nullptr) metrics_http_->Stop();
+  pool_.reset();  // runs what is queued (nothing but finished streams' leftovers), joins
+  if (grpc_server_ != nullptr) grpc_server_->Wait();
+}
+
+}  // namespace normgrad::server

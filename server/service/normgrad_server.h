@@ -1,0 +1,119 @@
+// NormGradServer: everything `normgrad-server` runs, in-process (tests start it on
+// 127.0.0.1:0): the backend, the gRPC service with health and reflection, admission control,
+// the EmitPtx cache, the idle-stream watchdog and the Prometheus endpoint.
+//
+//   ServerOptions options;
+//   options.listen = "127.0.0.1:0";
+//   absl::StatusOr<std::unique_ptr<NormGradServer>> server = NormGradServer::Start(options);
+//   int port = (*server)->port();
+//   ...
+//   (*server)->Shutdown(absl::Seconds(30));   // drain, then cancel what is left
+//
+// Start returns once the server is SERVING (after --preload). Start-up failures (bad option,
+// port taken, --backend=cuda without a GPU) come back as a status with one clear message.
+#ifndef NORMGRAD_SERVER_SERVICE_NORMGRAD_SERVER_H_
+#define NORMGRAD_SERVER_SERVICE_NORMGRAD_SERVER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kernels/kernel.h"
+#include "server/backend/backend.h"
+#include "server/service/admission.h"
+#include "server/service/backward_validator.h"
+
+namespace grpc {
+class Server;
+}
+
+namespace normgrad::server {
+
+class MetricsRegistry;
+class MetricsHttpServer;
+class NormGradService;
+class PtxService;
+class StreamRegistry;
+class WorkerPool;
+struct ServiceEnv;
+
+struct ServerOptions {
+  std::string listen = "0.0.0.0:50051";        // HOST:PORT; port 0 picks a free one
+  std::string metrics_listen = "0.0.0.0:9464";  // empty: no metrics endpoint
+  BackendOptions backend;
+  std::vector<std::string> preload;             // KERNEL:TARGET[:HIDDEN_DIM] entries
+  AdmissionLimits admission;
+  BackwardLimits batch;
+  uint64_t max_message_bytes = 4ull << 20;      // gRPC receive limit per message
+  absl::Duration stream_idle_timeout = absl::Seconds(30);  // zero: never
+  std::string nvjitlink_path;                   // empty: default search
+  int worker_threads = 0;                       // 0: max(2, hardware threads)
+};
+
+// One --preload entry, parsed: the kernel and its configuration.
+struct PreloadEntry {
+  const kernels::Kernel* kernel = nullptr;
+  kernels::KernelConfig config;
+};
+// "batched_rms_norm_backward:sm_90" or "...:sm_90:896" (hidden_dim defaults to 4096).
+absl::StatusOr<PreloadEntry> ParsePreloadEntry(absl::string_view text);
+
+class NormGradServer {
+ public:
+  // `backend`: used as is when given (tests), else CreateBackend(options.backend).
+  static absl::StatusOr<std::unique_ptr<NormGradServer>> Start(
+      const ServerOptions& options, std::unique_ptr<Backend> backend = nullptr);
+  ~NormGradServer();  // Shutdown(zero grace) unless already shut down
+
+  NormGradServer(const NormGradServer&) = delete;
+  NormGradServer& operator=(const NormGradServer&) = delete;
+
+  int port() const { return port_; }
+  int metrics_port() const { return metrics_port_; }  // 0 when disabled
+  // One line for people and scripts: "normgrad-server ready grpc=HOST:PORT metrics=HOST:PORT
+  // backend=NAME device=\"...\"" (metrics=off when disabled).
+  std::string ReadyLine() const;
+
+  // Health NOT_SERVING, new streams UNAVAILABLE; waits up to `grace` for live streams, cancels
+  // the rest, then stops everything. Idempotent; blocks until done. Thread-safe.
+  void Shutdown(absl::Duration grace);
+
+  Backend& backend() { return *backend_; }
+  MetricsRegistry& metrics() { return *metrics_; }
+  size_t live_streams() const;
+
+ private:
+  NormGradServer();
+  void RunWatchdog();
+
+  ServerOptions options_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<MetricsRegistry> metrics_;
+  std::unique_ptr<PtxService> ptx_;
+  std::unique_ptr<AdmissionController> admission_;
+  std::unique_ptr<StreamRegistry> streams_;
+  std::unique_ptr<WorkerPool> pool_;
+  std::unique_ptr<ServiceEnv> env_;
+  std::unique_ptr<NormGradService> service_;
+  std::unique_ptr<grpc::Server> grpc_server_;
+  std::unique_ptr<MetricsHttpServer> metrics_http_;
+  std::thread watchdog_;
+  std::string host_;
+  std::string metrics_host_;
+  int port_ = 0;
+  int metrics_port_ = 0;
+
+  absl::Mutex shutdown_mu_;  // serializes Shutdown
+  absl::Mutex watchdog_mu_;
+  bool stopping_ ABSL_GUARDED_BY(watchdog_mu_) = false;
+  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+};
+
+}  // namespace normgrad::server
+
+#endif  // NORMGRAD_SERVER_SERVICE_NORMGRAD_SERVER_H_

@@ -1,0 +1,97 @@
+// The gRPC face of normgrad: NormGrad::CallbackService with one reactor per RmsNormBackward
+// stream (BackwardStream, in the .cc) and unary reactors for EmitPtx and GetServerInfo.
+//
+// Threading contract (gRPC's callback model): no reaction blocks. Chunk compute, session start
+// (which may compile) and EmitPtx run on the WorkerPool; a stream has at most one task there at a
+// time, one read and one write in flight, and holds at most kMaxChunksHeldPerStream row chunks
+// (received but whose response is not yet written) before it stops reading: flow control reaches
+// the client through HTTP/2 windows instead of server memory.
+//
+// The service does not own its collaborators; NormGradServer (normgrad_server.h) wires them.
+#ifndef NORMGRAD_SERVER_SERVICE_NORMGRAD_SERVICE_H_
+#define NORMGRAD_SERVER_SERVICE_NORMGRAD_SERVICE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "normgrad/v1/normgrad.grpc.pb.h"
+#include "server/backend/backend.h"
+#include "server/service/admission.h"
+#include "server/service/backward_validator.h"
+#include "server/service/metrics.h"
+#include "server/service/ptx_service.h"
+#include "server/service/worker_pool.h"
+
+namespace normgrad::server {
+
+inline constexpr int kMaxChunksHeldPerStream = 3;
+
+class BackwardStream;
+
+// Every live BackwardStream, for the idle watchdog and for draining. Thread-safe.
+class StreamRegistry {
+ public:
+  void Add(BackwardStream* stream);
+  void Remove(BackwardStream* stream);
+  size_t size() const;
+  // Ends streams that made no progress for `timeout` while waiting on their client.
+  void CheckIdle(absl::Time now, absl::Duration timeout);
+  // Blocks until no stream is alive or `deadline` passes; true when none is alive.
+  bool WaitUntilEmpty(absl::Time deadline);
+
+ private:
+  mutable absl::Mutex mu_;
+  absl::flat_hash_set<BackwardStream*> streams_ ABSL_GUARDED_BY(mu_);
+};
+
+struct ServiceConfig {
+  std::string version;
+  BackwardLimits batch_limits;
+  uint64_t max_message_bytes = 0;
+  absl::Duration stream_idle_timeout = absl::Seconds(30);
+};
+
+// What a reactor needs; owned by NormGradServer, outlives every RPC.
+struct ServiceEnv {
+  ServiceConfig config;
+  Backend* backend = nullptr;
+  PtxService* ptx = nullptr;
+  AdmissionController* admission = nullptr;
+  MetricsRegistry* metrics = nullptr;
+  WorkerPool* pool = nullptr;
+  StreamRegistry* streams = nullptr;
+  std::atomic<bool> draining{false};
+};
+
+// Describes every metric the service records (called once by the server).
+void DescribeServiceMetrics(MetricsRegistry& metrics);
+
+// Records one finished RPC: requests_total, latency, bytes.
+void RecordRpc(MetricsRegistry& metrics, const char* method, int code, double seconds,
+               uint64_t bytes_in, uint64_t bytes_out);
+
+class NormGradService final : public v1::NormGrad::CallbackService {
+ public:
+  explicit NormGradService(ServiceEnv* env) : env_(env) {}
+
+  grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>* RmsNormBackward(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* EmitPtx(grpc::CallbackServerContext* context,
+                                    const v1::EmitPtxRequest* request,
+                                    v1::EmitPtxResponse* response) override;
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
+                                          const v1::GetServerInfoRequest* request,
+                                          v1::GetServerInfoResponse* response) override;
+
+ private:
+  ServiceEnv* env_;
+};
+
+}  // namespace normgrad::server
+
+#endif  // NORMGRAD_SERVER_SERVICE_NORMGRAD_SERVICE_H_

@@ -1,0 +1,112 @@
+#include "server/service/server_flags.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
+          "gRPC address HOST:PORT; port 0 picks a free port (the ready line prints it).");
+ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
+          "Prometheus endpoint HOST:PORT serving GET /metrics; empty disables it.");
+ABSL_FLAG(std::string, backend, "auto",
+          "auto|cuda|cpu. auto: CUDA when a driver loads and a device is usable, else CPU.");
+ABSL_FLAG(std::string, cuda_driver, "",
+          "CUDA driver library to dlopen; empty: $NORMGRAD_CUDA_DRIVER, else libcuda.so.1.");
+ABSL_FLAG(int32_t, device, 0, "CUDA device ordinal.");
+ABSL_FLAG(int32_t, cpu_threads, 0, "CPU backend threads; 0: all hardware threads.");
+ABSL_FLAG(int32_t, worker_threads, 0,
+          "Service threads running chunk compute and compiles; 0: max(2, hardware threads).");
+ABSL_FLAG(uint64_t, cache_max_entries, 256, "Module and PTX caches: most entries (LRU).");
+ABSL_FLAG(uint64_t, cache_max_bytes, 256ull << 20, "Module and PTX caches: most bytes (LRU).");
+ABSL_FLAG(std::vector<std::string>, preload, {},
+          "Comma-separated KERNEL:TARGET[:HIDDEN_DIM] configurations compiled before the server "
+          "reports SERVING, e.g. batched_rms_norm_backward:sm_90:4096 (HIDDEN_DIM default 4096).");
+ABSL_FLAG(uint32_t, max_streams, 64,
+          "Concurrent RmsNormBackward streams; more get RESOURCE_EXHAUSTED at once.");
+ABSL_FLAG(uint64_t, max_inflight_bytes, 1ull << 30,
+          "Bytes held for chunks in flight across all streams (request + response of each chunk "
+          "until written); a chunk past it ends its stream with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(uint32_t, max_hidden_dim, 65536, "Largest header.hidden_dim accepted.");
+ABSL_FLAG(uint64_t, max_num_rows, uint64_t{1} << 32, "Largest header.num_rows accepted.");
+ABSL_FLAG(uint64_t, max_message_bytes, 4ull << 20,
+          "Largest request message the server receives (gRPC receive limit).");
+ABSL_FLAG(absl::Duration, stream_idle_timeout, absl::Seconds(30),
+          "End a stream whose client sends nothing (or reads nothing) for this long, with "
+          "DEADLINE_EXCEEDED; 0 disables.");
+ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(30),
+          "On SIGTERM/SIGINT: how long in-flight streams may run before they are cancelled.");
+ABSL_FLAG(std::string, nvjitlink, "",
+          "nvJitLink library for EmitPtx cubins; empty: libnvJitLink.so.13, libnvJitLink.so, "
+          "/usr/local/cuda/lib64/libnvJitLink.so*.");
+
+namespace normgrad::server {
+
+std::vector<std::string> NormalizeFlagSpelling(int argc, char** argv) {
+  std::vector<std::string> out;
+  bool flags_done = false;
+  for (int i = 0; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (i > 0 && !flags_done && arg == "--") flags_done = true;
+    if (i > 0 && !flags_done && arg.size() > 2 && arg[0] == '-') {
+      const size_t start = arg[1] == '-' ? 2 : 1;
+      const size_t end = std::min(arg.find('='), arg.size());
+      for (size_t j = start; j < end; ++j) {
+        if (arg[j] == '-') arg[j] = '_';
+      }
+    }
+    out.push_back(std::move(arg));
+  }
+  return out;
+}
+
+bool IsServerFlagsFile(absl::string_view path) {
+  return absl::StrContains(path, "server_flags.");
+}
+
+absl::StatusOr<ServerOptions> ServerOptionsFromFlags() {
+  ServerOptions o;
+  o.listen = absl::GetFlag(FLAGS_listen);
+  o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  absl::StatusOr<BackendKind> kind = ParseBackendKind(absl::GetFlag(FLAGS_backend));
+  if (!kind.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--backend=", absl::GetFlag(FLAGS_backend),
+                                                   ": ", kind.status().message()));
+  }
+  o.backend.kind = *kind;
+  o.backend.cuda_driver_library = absl::GetFlag(FLAGS_cuda_driver);
+  o.backend.device_ordinal = absl::GetFlag(FLAGS_device);
+  o.backend.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  if (o.backend.cpu_threads < 0 || o.backend.device_ordinal < 0) {
+    return absl::InvalidArgumentError("--cpu-threads and --device must be >= 0");
+  }
+  o.worker_threads = absl::GetFlag(FLAGS_worker_threads);
+  if (o.worker_threads < 0) return absl::InvalidArgumentError("--worker-threads must be >= 0");
+  o.backend.cache_max_entries = absl::GetFlag(FLAGS_cache_max_entries);
+  o.backend.cache_max_bytes = absl::GetFlag(FLAGS_cache_max_bytes);
+  if (o.backend.cache_max_entries == 0 || o.backend.cache_max_bytes == 0) {
+    return absl::InvalidArgumentError("--cache-max-entries and --cache-max-bytes must be > 0");
+  }
+  for (const std::string& entry : absl::GetFlag(FLAGS_preload)) {
+    if (!entry.empty()) o.preload.push_back(entry);
+  }
+  o.admission.max_streams = absl::GetFlag(FLAGS_max_streams);
+  o.admission.max_inflight_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
+  o.batch.max_hidden_dim = absl::GetFlag(FLAGS_max_hidden_dim);
+  o.batch.max_num_rows = absl::GetFlag(FLAGS_max_num_rows);
+  o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  o.stream_idle_timeout = absl::GetFlag(FLAGS_stream_idle_timeout);
+  o.nvjitlink_path = absl::GetFlag(FLAGS_nvjitlink);
+  if (ShutdownGraceFromFlags() < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--shutdown-grace must be >= 0");
+  }
+  return o;
+}
+
+absl::Duration ShutdownGraceFromFlags() { return absl::GetFlag(FLAGS_shutdown_grace); }
+
+}  // namespace normgrad::server

@@ -1,0 +1,18 @@
+// The one place where absl::Status becomes grpc::Status. Both use the same canonical codes, so
+// the code and the message cross the RPC boundary unchanged.
+//
+//   return reactor->Finish(ToGrpcStatus(status));
+#ifndef NORMGRAD_SERVER_SERVICE_STATUS_CONVERSION_H_
+#define NORMGRAD_SERVER_SERVICE_STATUS_CONVERSION_H_
+
+#include <grpcpp/support/status.h>
+
+#include "absl/status/status.h"
+
+namespace normgrad::server {
+
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+}  // namespace normgrad::server
+
+#endif  // NORMGRAD_SERVER_SERVICE_STATUS_CONVERSION_H_

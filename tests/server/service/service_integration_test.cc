@@ -1,0 +1,659 @@
+// The real server in-process on 127.0.0.1:0, driven over loopback through the generated stub:
+// gradients against the reference, every bad input, cancellation, deadlines, idle streams,
+// admission limits, concurrency without cross-talk, drain on shutdown, EmitPtx (digest, cubin,
+// single-flight) and the metrics endpoint.
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/barrier.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/service/normgrad_server.h"
+#include "server/service/sha256.h"
+#include "tests/server/service/service_test_util.h"
+
+namespace normgrad::server {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::Batch;
+using testing::BackwardResult;
+
+double Tolerance() { return testing::TestBackendIsCuda() ? 1e-3 : 1e-5; }
+
+std::unique_ptr<NormGradServer> StartServer(const ServerOptions& options) {
+  absl::StatusOr<std::unique_ptr<NormGradServer>> server = NormGradServer::Start(options);
+  EXPECT_TRUE(server.ok()) << server.status();
+  return server.ok() ? *std::move(server) : nullptr;
+}
+
+// Polls `done` every 10 ms for at most `limit`.
+template <typename F>
+bool WaitFor(F done, absl::Duration limit = absl::Seconds(20)) {
+  const absl::Time end = absl::Now() + limit;
+  while (absl::Now() < end) {
+    if (done()) return true;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return done();
+}
+
+// grpc.health.v1.Health/Check by hand (no generated health stubs in the Debian packages):
+// returns 1 SERVING, 2 NOT_SERVING, or -(gRPC code) on error.
+int HealthStatus(int port, const std::string& service) {
+  grpc::GenericStub stub(testing::ChannelFor(port));
+  std::string request;
+  if (!service.empty()) {
+    request.push_back(0x0a);  // field 1, length-delimited
+    request.push_back(static_cast<char>(service.size()));
+    request += service;
+  }
+  grpc::Slice slice(request);
+  grpc::ByteBuffer in(&slice, 1), out;
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &in, &out,
+                 [&](grpc::Status s) { done.set_value(s); });
+  grpc::Status s = done.get_future().get();
+  if (!s.ok()) return -static_cast<int>(s.error_code());
+  std::vector<grpc::Slice> slices;
+  if (!out.Dump(&slices).ok()) return -2;
+  std::string bytes;
+  for (const grpc::Slice& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  if (bytes.size() == 2 && bytes[0] == 0x08) return bytes[1];
+  return bytes.empty() ? 0 : -2;  // 0 = UNKNOWN (proto3 default elides the field)
+}
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    ServerOptions options = testing::TestServerOptions();
+    options.preload = {"batched_rms_norm_backward:sm_80:896"};
+    server_ = StartServer(options).release();
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+  void SetUp() override {
+    ASSERT_NE(server_, nullptr);
+    stub_ = testing::StubFor(server_->port());
+  }
+
+  static NormGradServer* server_;
+  std::unique_ptr<v1::NormGrad::Stub> stub_;
+};
+NormGradServer* ServiceTest::server_ = nullptr;
+
+// ---------------------------------------------------------------------------------------------
+// Gradients
+
+struct Shape {
+  uint32_t hidden;
+  uint64_t rows;
+  uint64_t chunk_rows;  // chosen not to divide rows
+};
+
+void ExpectMatchesReference(v1::NormGrad::Stub& stub, const Batch& batch, uint64_t chunk_rows) {
+  BackwardResult r = testing::RunBackward(stub, batch, chunk_rows);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_code() << " " << r.status.error_message();
+  ASSERT_TRUE(r.saw_final);
+  std::vector<float> dx, dgamma;
+  testing::ReferenceFor(batch, dx, dgamma);
+  EXPECT_LE(testing::MaxScaledError(r.dx, dx), Tolerance());
+  EXPECT_LE(testing::MaxScaledError(r.dgamma, dgamma), Tolerance());
+  // Responses come in order, one per chunk, covering every row once.
+  const uint64_t expected_chunks = (batch.rows + chunk_rows - 1) / chunk_rows;
+  ASSERT_EQ(r.chunks.size(), expected_chunks);
+  for (uint64_t i = 0; i < expected_chunks; ++i) {
+    EXPECT_EQ(r.chunks[i].first, i * chunk_rows);
+    EXPECT_EQ(r.chunks[i].second, std::min(chunk_rows, batch.rows - i * chunk_rows));
+  }
+  EXPECT_EQ(r.summary.rows(), batch.rows);
+  EXPECT_EQ(r.summary.chunks(), expected_chunks);
+  EXPECT_EQ(r.summary.backend(), testing::TestBackendName());
+  EXPECT_FALSE(r.summary.kernel().empty());
+  EXPECT_GE(r.summary.total_seconds(), r.summary.compute_seconds() * 0.0);
+}
+
+class GradientTest : public ServiceTest, public ::testing::WithParamInterface<Shape> {};
+
+TEST_P(GradientTest, MatchesReferenceWithChunksThatDoNotDivideTheBatch) {
+  const Shape s = GetParam();
+  ExpectMatchesReference(*stub_, testing::RandomBatch(s.rows, s.hidden, s.hidden * 7 + 1),
+                         s.chunk_rows);
+}
+
+std::vector<Shape> GradientShapes() {
+  using testing::ShapeScale;
+  return {
+      {1, 1, 1},
+      {1, ShapeScale(300007, 1001), ShapeScale(65521, 333)},
+      {7, ShapeScale(100003, 501), ShapeScale(10007, 97)},
+      {31, ShapeScale(20011, 301), ShapeScale(4099, 64)},
+      {32, ShapeScale(8191, 129), ShapeScale(1000, 50)},
+      {33, ShapeScale(4097, 65), ShapeScale(999, 20)},
+      {896, 1, 1},
+      {896, ShapeScale(1001, 17), ShapeScale(333, 5)},
+      {4096, ShapeScale(67, 5), ShapeScale(10, 2)},
+      {8192, ShapeScale(33, 3), ShapeScale(5, 2)},
+  };
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GradientTest, ::testing::ValuesIn(GradientShapes()),
+                         [](const ::testing::TestParamInfo<Shape>& info) {
+                           return absl::StrCat("h", info.param.hidden, "_rows", info.param.rows,
+                                               "_chunk", info.param.chunk_rows);
+                         });
+
+TEST_F(ServiceTest, RmsFromTheForwardPassIsUsedAsGiven) {
+  Batch batch = testing::RandomBatch(testing::ShapeScale(1001, 33), 64, 5, /*with_rms=*/true);
+  // Scale rms so that a server recomputing it would be visibly wrong.
+  for (float& r : batch.rms) r *= 1.5f;
+  ExpectMatchesReference(*stub_, batch, 77);
+}
+
+TEST_F(ServiceTest, NanAndInfInsideTheDataAreComputedThroughNotRejected) {
+  Batch batch = testing::RandomBatch(4, 8, 3);
+  batch.x[1 * 8 + 2] = std::nanf("");
+  batch.dy[2 * 8 + 5] = INFINITY;
+  BackwardResult r = testing::RunBackward(*stub_, batch, 3);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_TRUE(std::isnan(r.dx[1 * 8 + 0]));       // the NaN row is NaN
+  EXPECT_FALSE(std::isnan(r.dx[0]));              // row 0 is clean
+  EXPECT_FALSE(std::isnan(r.dx[3 * 8 + 7]));      // row 3 is clean
+}
+
+TEST_F(ServiceTest, SixteenConcurrentStreamsOfDifferentShapesDoNotCrossTalk) {
+  constexpr int kStreams = 16;
+  std::vector<Batch> batches;
+  std::vector<uint64_t> chunk_rows;
+  for (int i = 0; i < kStreams; ++i) {
+    const uint32_t hidden = 1 + 37 * i;
+    const uint64_t rows = testing::ShapeScale(50 + 97 * i, 3 + i);
+    batches.push_back(testing::RandomBatch(rows, hidden, 1000 + i));
+    chunk_rows.push_back(1 + (rows / 3));
+  }
+  std::vector<BackwardResult> results(kStreams);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kStreams; ++i) {
+    threads.emplace_back([&, i] {
+      auto stub = testing::StubFor(server_->port());
+      results[i] = testing::RunBackward(*stub, batches[i], chunk_rows[i]);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < kStreams; ++i) {
+    ASSERT_TRUE(results[i].status.ok()) << i << ": " << results[i].status.error_message();
+    std::vector<float> dx, dgamma;
+    testing::ReferenceFor(batches[i], dx, dgamma);
+    EXPECT_LE(testing::MaxScaledError(results[i].dx, dx), Tolerance()) << "stream " << i;
+    EXPECT_LE(testing::MaxScaledError(results[i].dgamma, dgamma), Tolerance()) << "stream " << i;
+  }
+}
+
+TEST_F(ServiceTest, SameInputAndChunkingGiveTheSameBits) {
+  const Batch batch = testing::RandomBatch(testing::ShapeScale(2001, 40), 96, 77);
+  BackwardResult a = testing::RunBackward(*stub_, batch, 250);
+  BackwardResult b = testing::RunBackward(*stub_, batch, 250);
+  ASSERT_TRUE(a.status.ok() && b.status.ok());
+  if (testing::TestBackendIsCuda()) GTEST_SKIP() << "the CUDA batched kernel sums with atomics";
+  EXPECT_EQ(0, std::memcmp(a.dgamma.data(), b.dgamma.data(), a.dgamma.size() * 4));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input: each is one status naming the field and the numbers; the server keeps serving.
+
+struct BadInput {
+  std::string name;
+  std::vector<v1::BackwardRequest> messages;
+  grpc::StatusCode code;
+  std::string message;  // substring
+};
+
+std::vector<BadInput> BadInputs() {
+  const Batch b = testing::RandomBatch(10, 8, 11);
+  const v1::BackwardRequest header = testing::HeaderFor(b);
+  const v1::BackwardRequest chunk4 = testing::ChunkFor(b, 0, 4);
+  std::vector<BadInput> cases;
+  auto with_header = [&](auto edit) {
+    v1::BackwardRequest h = header;
+    edit(*h.mutable_header());
+    return h;
+  };
+  auto with_chunk = [&](auto edit) {
+    v1::BackwardRequest c = chunk4;
+    edit(c);
+    return c;
+  };
+  cases.push_back({"no header", {chunk4}, grpc::INVALID_ARGUMENT,
+                   "the first message must carry `header`"});
+  cases.push_back({"repeated header", {header, chunk4, header}, grpc::INVALID_ARGUMENT,
+                   "chunk 1: header repeated"});
+  cases.push_back({"num_rows 0", {with_header([](auto& h) { h.set_num_rows(0); })},
+                   grpc::INVALID_ARGUMENT, "header.num_rows is 0"});
+  cases.push_back({"num_rows absurd",
+                   {with_header([](auto& h) { h.set_num_rows(uint64_t{1} << 60); })},
+                   grpc::RESOURCE_EXHAUSTED, "header.num_rows is 1152921504606846976, above"});
+  cases.push_back({"hidden_dim 0", {with_header([](auto& h) { h.set_hidden_dim(0); })},
+                   grpc::INVALID_ARGUMENT, "header.hidden_dim is 0"});
+  cases.push_back({"hidden_dim absurd",
+                   {with_header([](auto& h) { h.set_hidden_dim(1u << 30); })},
+                   grpc::RESOURCE_EXHAUSTED, "header.hidden_dim is 1073741824, above"});
+  cases.push_back({"eps 0", {with_header([](auto& h) { h.set_eps(0); })},
+                   grpc::INVALID_ARGUMENT, "header.eps is 0"});
+  cases.push_back({"eps negative", {with_header([](auto& h) { h.set_eps(-1); })},
+                   grpc::INVALID_ARGUMENT, "header.eps is -1"});
+  cases.push_back({"eps nan", {with_header([](auto& h) { h.set_eps(std::nanf("")); })},
+                   grpc::INVALID_ARGUMENT, "header.eps is nan"});
+  cases.push_back({"eps inf", {with_header([](auto& h) { h.set_eps(INFINITY); })},
+                   grpc::INVALID_ARGUMENT, "header.eps is inf"});
+  cases.push_back({"gamma length", {with_header([](auto& h) { h.set_gamma(std::string(12, 'g')); })},
+                   grpc::INVALID_ARGUMENT, "header.gamma has 12 bytes, not hidden_dim*4 = 32"});
+  cases.push_back({"unknown dtype",
+                   {with_header([](auto& h) { h.set_dtype(static_cast<v1::DType>(9)); })},
+                   grpc::INVALID_ARGUMENT, "header.dtype is 9"});
+  cases.push_back({"unknown kernel",
+                   {with_header([](auto& h) { h.mutable_options()->set_kernel("fast_one"); })},
+                   grpc::INVALID_ARGUMENT, "header.options.kernel \"fast_one\" is unknown"});
+  {
+    const Batch wide = testing::RandomBatch(2, 33, 12, /*with_rms=*/true);
+    v1::BackwardRequest h = testing::HeaderFor(wide);
+    h.mutable_header()->mutable_options()->set_kernel("rms_norm_backward");
+    cases.push_back({"warp kernel hidden_dim 33", {h}, grpc::INVALID_ARGUMENT, "33"});
+  }
+  cases.push_back({"x and dy differ",
+                   {header, with_chunk([](auto& c) { c.mutable_dy()->resize(64); })},
+                   grpc::INVALID_ARGUMENT, "chunk 0: x has 128 bytes but dy has 64"});
+  cases.push_back({"not a multiple of 4",
+                   {header, with_chunk([](auto& c) {
+                      c.mutable_x()->resize(127);
+                      c.mutable_dy()->resize(127);
+                    })},
+                   grpc::INVALID_ARGUMENT, "chunk 0: x has 127 bytes, not a multiple of 4"});
+  cases.push_back({"not a multiple of hidden_dim",
+                   {header, with_chunk([](auto& c) {
+                      c.mutable_x()->resize(100);
+                      c.mutable_dy()->resize(100);
+                    })},
+                   grpc::INVALID_ARGUMENT,
+                   "chunk 0: x has 100 bytes, not a multiple of hidden_dim*4 = 32"});
+  cases.push_back({"more rows than declared",
+                   {header, chunk4, chunk4, chunk4}, grpc::INVALID_ARGUMENT,
+                   "chunk 2: 4 rows after 8 would exceed header.num_rows = 10"});
+  cases.push_back({"fewer rows than declared", {header, chunk4}, grpc::INVALID_ARGUMENT,
+                   "the stream ended after 4 of header.num_rows = 10 rows"});
+  cases.push_back({"empty stream", {}, grpc::INVALID_ARGUMENT,
+                   "the stream ended before its header"});
+  cases.push_back({"rms without rms_provided",
+                   {header, with_chunk([](auto& c) { c.set_rms(std::string(16, 'r')); })},
+                   grpc::INVALID_ARGUMENT, "chunk 0: rms has 16 bytes but header.rms_provided is false"});
+  cases.push_back({"rms wrong length",
+                   {with_header([](auto& h) { h.set_rms_provided(true); }),
+                    with_chunk([](auto& c) { c.set_rms(std::string(12, 'r')); })},
+                   grpc::INVALID_ARGUMENT, "chunk 0: rms has 12 bytes, not rows*4 = 16"});
+  {
+    // One message above the server's receive limit (4 MiB by default).
+    v1::BackwardRequest big;
+    big.set_x(std::string(3 << 20, '\0'));
+    big.set_dy(std::string(3 << 20, '\0'));
+    cases.push_back({"message over the size limit", {header, big}, grpc::RESOURCE_EXHAUSTED,
+                     "larger than max"});
+  }
+  return cases;
+}
+
+TEST_F(ServiceTest, EveryBadInputGetsItsCodeAndAMessageNamingFieldAndNumbers) {
+  for (const BadInput& c : BadInputs()) {
+    SCOPED_TRACE(c.name);
+    grpc::Status s = testing::SendMessages(*stub_, c.messages);
+    EXPECT_EQ(s.error_code(), c.code) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(c.message));
+  }
+  // ... and the server still serves everyone.
+  ExpectMatchesReference(*stub_, testing::RandomBatch(20, 16, 9), 7);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cancellation, deadlines, idle streams
+
+TEST_F(ServiceTest, CancelledStreamEndsAndReleasesItsMemory) {
+  const Batch batch = testing::RandomBatch(100, 256, 21);
+  grpc::ClientContext context;
+  auto stream = stub_->RmsNormBackward(&context);
+  ASSERT_TRUE(stream->Write(testing::HeaderFor(batch)));
+  ASSERT_TRUE(stream->Write(testing::ChunkFor(batch, 0, 10)));
+  v1::BackwardResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_EQ(response.num_rows(), 10u);
+  context.TryCancel();
+  EXPECT_EQ(stream->Finish().error_code(), grpc::CANCELLED);
+  EXPECT_TRUE(WaitFor([&] { return server_->live_streams() == 0; }));
+  std::string text;
+  EXPECT_TRUE(WaitFor([&] {
+    int code = 0;
+    auto m = testing::ParsePrometheusText(
+        testing::HttpGet(server_->metrics_port(), "/metrics", &code), nullptr);
+    return m["normgrad_inflight_bytes"] == 0 && m["normgrad_inflight_streams"] == 0;
+  }));
+}
+
+TEST_F(ServiceTest, ClientDeadlineEndsTheStreamWithDeadlineExceeded) {
+  const Batch batch = testing::RandomBatch(100, 16, 22);
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(300)));
+  auto stream = stub_->RmsNormBackward(&context);
+  ASSERT_TRUE(stream->Write(testing::HeaderFor(batch)));
+  ASSERT_TRUE(stream->Write(testing::ChunkFor(batch, 0, 10)));
+  v1::BackwardResponse response;
+  while (stream->Read(&response)) {
+  }
+  EXPECT_EQ(stream->Finish().error_code(), grpc::DEADLINE_EXCEEDED);
+  EXPECT_TRUE(WaitFor([&] { return server_->live_streams() == 0; }));
+}
+
+TEST(ServiceIdleTest, StreamThatStopsSendingEndsByTheIdleTimeoutWithAClearStatus) {
+  ServerOptions options = testing::TestServerOptions();
+  options.stream_idle_timeout = absl::Milliseconds(300);
+  std::unique_ptr<NormGradServer> server = StartServer(options);
+  ASSERT_NE(server, nullptr);
+  auto stub = testing::StubFor(server->port());
+  const Batch batch = testing::RandomBatch(100, 16, 23);
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+  auto stream = stub->RmsNormBackward(&context);
+  ASSERT_TRUE(stream->Write(testing::HeaderFor(batch)));
+  ASSERT_TRUE(stream->Write(testing::ChunkFor(batch, 0, 10)));
+  v1::BackwardResponse response;
+  int responses = 0;
+  while (stream->Read(&response)) ++responses;
+  grpc::Status s = stream->Finish();
+  EXPECT_EQ(responses, 1);
+  EXPECT_EQ(s.error_code(), grpc::DEADLINE_EXCEEDED) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("stream idle timeout"));
+  EXPECT_THAT(s.error_message(), HasSubstr("after 10 rows"));
+  EXPECT_TRUE(WaitFor([&] { return server->live_streams() == 0; }));
+  // Others are unaffected.
+  ExpectMatchesReference(*stub, testing::RandomBatch(30, 8, 24), 7);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Admission control
+
+TEST(ServiceAdmissionTest, StreamsBeyondMaxStreamsGetResourceExhaustedAtOnce) {
+  ServerOptions options = testing::TestServerOptions();
+  options.admission.max_streams = 2;
+  std::unique_ptr<NormGradServer> server = StartServer(options);
+  ASSERT_NE(server, nullptr);
+  auto stub = testing::StubFor(server->port());
+  const Batch batch = testing::RandomBatch(10, 8, 25);
+  grpc::ClientContext c1, c2;
+  auto s1 = stub->RmsNormBackward(&c1);
+  auto s2 = stub->RmsNormBackward(&c2);
+  ASSERT_TRUE(s1->Write(testing::HeaderFor(batch)));
+  ASSERT_TRUE(s2->Write(testing::HeaderFor(batch)));
+  ASSERT_TRUE(WaitFor([&] { return server->live_streams() == 2; }));
+  grpc::Status third = testing::SendMessages(*stub, {testing::HeaderFor(batch)});
+  EXPECT_EQ(third.error_code(), grpc::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(third.error_message(), HasSubstr("--max-streams"));
+  // The admitted ones still complete correctly.
+  ASSERT_TRUE(s1->Write(testing::ChunkFor(batch, 0, 10)));
+  s1->WritesDone();
+  v1::BackwardResponse r;
+  int n = 0;
+  while (s1->Read(&r)) ++n;
+  EXPECT_TRUE(s1->Finish().ok());
+  EXPECT_EQ(n, 2);
+  c2.TryCancel();
+  s2->Finish();
+}
+
+TEST(ServiceAdmissionTest, ChunkBeyondMaxInflightBytesGetsResourceExhausted) {
+  ServerOptions options = testing::TestServerOptions();
+  options.batch.max_hidden_dim = 1024;
+  options.admission.max_inflight_bytes = 64 << 10;
+  std::unique_ptr<NormGradServer> server = StartServer(options);
+  ASSERT_NE(server, nullptr);
+  auto stub = testing::StubFor(server->port());
+  const Batch batch = testing::RandomBatch(100, 128, 26);
+  grpc::Status s = testing::SendMessages(
+      *stub, {testing::HeaderFor(batch), testing::ChunkFor(batch, 0, 100)});
+  EXPECT_EQ(s.error_code(), grpc::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(s.error_message(), HasSubstr("--max-inflight-bytes"));
+  // Smaller chunks of the same batch fit.
+  ExpectMatchesReference(*stub, batch, 20);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shutdown
+
+TEST(ServiceShutdownTest, DrainLetsInFlightStreamsFinishAndRefusesNewOnes) {
+  std::unique_ptr<NormGradServer> server = StartServer(testing::TestServerOptions());
+  ASSERT_NE(server, nullptr);
+  const int port = server->port();
+  EXPECT_EQ(HealthStatus(port, ""), 1);
+  EXPECT_EQ(HealthStatus(port, "normgrad.v1.NormGrad"), 1);
+  auto stub = testing::StubFor(port);
+  const Batch batch = testing::RandomBatch(40, 32, 27);
+  grpc::ClientContext context;
+  auto stream = stub->RmsNormBackward(&context);
+  ASSERT_TRUE(stream->Write(testing::HeaderFor(batch)));
+  ASSERT_TRUE(stream->Write(testing::ChunkFor(batch, 0, 15)));
+  v1::BackwardResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+
+  std::thread shutdown([&] { server->Shutdown(absl::Seconds(60)); });
+  EXPECT_TRUE(WaitFor([&] { return HealthStatus(port, "") != 1; }));
+  EXPECT_EQ(HealthStatus(port, "normgrad.v1.NormGrad"), 2);
+  grpc::Status refused = testing::SendMessages(*stub, {testing::HeaderFor(batch)});
+  EXPECT_EQ(refused.error_code(), grpc::UNAVAILABLE) << refused.error_message();
+
+  ASSERT_TRUE(stream->Write(testing::ChunkFor(batch, 15, 15)));
+  ASSERT_TRUE(stream->Write(testing::ChunkFor(batch, 30, 10)));
+  stream->WritesDone();
+  int more = 0;
+  std::vector<float> dgamma;
+  while (stream->Read(&response)) {
+    ++more;
+    if (response.has_summary()) {
+      dgamma.resize(response.grad_gamma().size() / 4);
+      std::memcpy(dgamma.data(), response.grad_gamma().data(), dgamma.size() * 4);
+    }
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(more, 3);
+  std::vector<float> want_dx, want_dgamma;
+  testing::ReferenceFor(batch, want_dx, want_dgamma);
+  EXPECT_LE(testing::MaxScaledError(dgamma, want_dgamma), Tolerance());
+  shutdown.join();
+}
+
+TEST(ServiceShutdownTest, StreamsStillRunningAfterTheGraceAreCancelled) {
+  std::unique_ptr<NormGradServer> server = StartServer(testing::TestServerOptions());
+  ASSERT_NE(server, nullptr);
+  auto stub = testing::StubFor(server->port());
+  const Batch batch = testing::RandomBatch(40, 32, 28);
+  grpc::ClientContext context;
+  auto stream = stub->RmsNormBackward(&context);
+  ASSERT_TRUE(stream->Write(testing::HeaderFor(batch)));
+  ASSERT_TRUE(WaitFor([&] { return server->live_streams() == 1; }));
+  server->Shutdown(absl::Milliseconds(200));  // the client never sends its rows
+  EXPECT_EQ(server->live_streams(), 0u);
+  v1::BackwardResponse response;
+  while (stream->Read(&response)) {
+  }
+  grpc::Status s = stream->Finish();
+  EXPECT_FALSE(s.ok());
+}
+
+// ---------------------------------------------------------------------------------------------
+// EmitPtx and GetServerInfo
+
+v1::GetServerInfoResponse Info(v1::NormGrad::Stub& stub) {
+  grpc::ClientContext context;
+  v1::GetServerInfoResponse info;
+  grpc::Status s = stub.GetServerInfo(&context, v1::GetServerInfoRequest(), &info);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  return info;
+}
+
+grpc::Status Emit(v1::NormGrad::Stub& stub, const v1::EmitPtxRequest& request,
+                  v1::EmitPtxResponse* response) {
+  grpc::ClientContext context;
+  return stub.EmitPtx(&context, request, response);
+}
+
+v1::EmitPtxRequest PtxRequest(uint32_t hidden, const std::string& target, bool cubin = false) {
+  v1::EmitPtxRequest r;
+  r.set_kernel("batched_rms_norm_backward");
+  r.set_hidden_dim(hidden);
+  r.set_target(target);
+  r.set_cubin(cubin);
+  return r;
+}
+
+TEST_F(ServiceTest, EmitPtxIsContentAddressedAndDeterministic) {
+  v1::EmitPtxResponse a, b;
+  ASSERT_TRUE(Emit(*stub_, PtxRequest(896, "sm_90"), &a).ok());
+  ASSERT_TRUE(Emit(*stub_, PtxRequest(896, "sm_90"), &b).ok());
+  EXPECT_EQ(a.digest().sha256(), Sha256Hex(a.ptx()));
+  EXPECT_EQ(a.digest().size_bytes(), a.ptx().size());
+  EXPECT_EQ(a.digest().sha256(), b.digest().sha256());
+  EXPECT_EQ(a.entry(), "batched_rms_norm_backward");
+  EXPECT_EQ(a.target(), "sm_90");
+  EXPECT_FALSE(a.ptx_version().empty());
+  EXPECT_THAT(a.ptx(), HasSubstr(".target sm_90"));
+  EXPECT_FALSE(a.params().empty());
+  EXPECT_FALSE(a.config_key().empty());
+  EXPECT_TRUE(a.cubin().empty());
+}
+
+TEST_F(ServiceTest, EmitPtxBadRequestsAreInvalidArgument) {
+  v1::EmitPtxResponse r;
+  v1::EmitPtxRequest unknown = PtxRequest(896, "sm_90");
+  unknown.set_kernel("nope");
+  grpc::Status s = Emit(*stub_, unknown, &r);
+  EXPECT_EQ(s.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("kernel \"nope\" is unknown"));
+  EXPECT_EQ(Emit(*stub_, PtxRequest(896, "sm_ninety"), &r).error_code(), grpc::INVALID_ARGUMENT);
+  v1::EmitPtxRequest warp = PtxRequest(64, "sm_90");
+  warp.set_kernel("rms_norm_backward");
+  EXPECT_EQ(Emit(*stub_, warp, &r).error_code(), grpc::INVALID_ARGUMENT);
+}
+
+TEST_F(ServiceTest, EmitPtxCubinIsAnElfImageWhenNvJitLinkIsPresent) {
+  if (!Info(*stub_).nvjitlink_available()) GTEST_SKIP() << "no nvJitLink on this machine";
+  v1::EmitPtxResponse r;
+  grpc::Status s = Emit(*stub_, PtxRequest(896, "sm_90", /*cubin=*/true), &r);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_GE(r.cubin().size(), 4u);
+  EXPECT_EQ(r.cubin().substr(0, 4), "\x7f" "ELF");
+  EXPECT_EQ(r.cubin_digest().sha256(), Sha256Hex(r.cubin()));
+  EXPECT_EQ(r.cubin_digest().size_bytes(), r.cubin().size());
+  EXPECT_FALSE(r.ptx().empty());
+}
+
+TEST(ServiceEmitPtxTest, CubinWithoutNvJitLinkIsFailedPreconditionSayingSo) {
+  ServerOptions options = testing::TestServerOptions();
+  options.nvjitlink_path = "/nonexistent/libnvJitLink.so.13";
+  std::unique_ptr<NormGradServer> server = StartServer(options);
+  ASSERT_NE(server, nullptr);
+  auto stub = testing::StubFor(server->port());
+  EXPECT_FALSE(Info(*stub).nvjitlink_available());
+  v1::EmitPtxResponse r;
+  grpc::Status s = Emit(*stub, PtxRequest(896, "sm_90", /*cubin=*/true), &r);
+  EXPECT_EQ(s.error_code(), grpc::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("nvJitLink is not available"));
+  // PTX alone still works.
+  EXPECT_TRUE(Emit(*stub, PtxRequest(896, "sm_90"), &r).ok());
+}
+
+TEST(ServiceEmitPtxTest, ConcurrentIdenticalRequestsCompileOnce) {
+  std::unique_ptr<NormGradServer> server = StartServer(testing::TestServerOptions());
+  ASSERT_NE(server, nullptr);
+  auto stub = testing::StubFor(server->port());
+  const bool cubin = Info(*stub).nvjitlink_available();  // slower compiles overlap surely
+  constexpr int kRequests = 8;
+  absl::Barrier barrier(kRequests);
+  std::vector<std::string> digests(kRequests);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kRequests; ++i) {
+    threads.emplace_back([&, i] {
+      auto own = testing::StubFor(server->port());
+      v1::EmitPtxResponse r;
+      barrier.Block();
+      grpc::Status s = Emit(*own, PtxRequest(4096, "sm_80", cubin), &r);
+      EXPECT_TRUE(s.ok()) << s.error_message();
+      digests[i] = r.digest().sha256();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const std::string& d : digests) EXPECT_EQ(d, digests[0]);
+  const v1::CacheStats stats = Info(*stub).ptx_cache();
+  EXPECT_EQ(stats.compiles(), cubin ? 2u : 1u);  // the PTX, and the cubin when asked
+  EXPECT_EQ(stats.compile_failures(), 0u);
+}
+
+TEST_F(ServiceTest, ServerInfoDescribesBackendLimitsKernelsAndCaches) {
+  const v1::GetServerInfoResponse info = Info(*stub_);
+  EXPECT_FALSE(info.version().empty());
+  EXPECT_EQ(info.backend(), testing::TestBackendName());
+  EXPECT_FALSE(info.device().name().empty());
+  EXPECT_EQ(info.limits().max_message_bytes(), 4u << 20);
+  EXPECT_EQ(info.limits().max_concurrent_streams(), 64u);
+  EXPECT_GT(info.limits().max_inflight_bytes(), 0u);
+  EXPECT_DOUBLE_EQ(info.limits().stream_idle_timeout_seconds(), 60);
+  EXPECT_THAT(std::vector<std::string>(info.kernels().begin(), info.kernels().end()),
+              ::testing::IsSupersetOf({"rms_norm_backward", "batched_rms_norm_backward"}));
+  EXPECT_GE(info.ptx_cache().entries(), 1u);  // --preload compiled one before SERVING
+}
+
+// ---------------------------------------------------------------------------------------------
+// Metrics
+
+TEST_F(ServiceTest, MetricsEndpointServesParseablePrometheusText) {
+  ExpectMatchesReference(*stub_, testing::RandomBatch(10, 8, 31), 4);
+  int code = 0;
+  const std::string text = testing::HttpGet(server_->metrics_port(), "/metrics", &code);
+  ASSERT_EQ(code, 200);
+  std::string error;
+  auto m = testing::ParsePrometheusText(text, &error);
+  ASSERT_FALSE(m.empty()) << error;
+  EXPECT_GE(m["normgrad_requests_total{method=\"RmsNormBackward\",code=\"OK\"}"], 1);
+  EXPECT_GE(m["normgrad_request_duration_seconds_count{method=\"RmsNormBackward\"}"], 1);
+  EXPECT_GE(m["normgrad_request_duration_seconds_bucket{method=\"RmsNormBackward\",le=\"+Inf\"}"],
+            1);
+  EXPECT_GT(m["normgrad_received_bytes_total{method=\"RmsNormBackward\"}"], 0);
+  EXPECT_GT(m["normgrad_sent_bytes_total{method=\"RmsNormBackward\"}"], 0);
+  EXPECT_GE(m["normgrad_rows_total"], 10);
+  EXPECT_EQ(m["normgrad_serving"], 1);
+  EXPECT_EQ(m.count("normgrad_cache_compiles_total{cache=\"ptx\"}"), 1u);
+  EXPECT_EQ(m.count("normgrad_cache_hits_total{cache=\"module\"}"), 1u);
+  bool backend_info = false;
+  for (const auto& [key, value] : m) {
+    if (key.rfind("normgrad_backend_info{", 0) == 0) {
+      backend_info = value == 1 &&
+                     key.find(absl::StrCat("backend=\"", testing::TestBackendName(), "\"")) !=
+                         std::string::npos;
+    }
+  }
+  EXPECT_TRUE(backend_info);
+  int missing = 0;
+  testing::HttpGet(server_->metrics_port(), "/nothing", &missing);
+  EXPECT_EQ(missing, 404);
+}
+
+}  // namespace
+}  // namespace normgrad::server

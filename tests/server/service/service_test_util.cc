@@ -1,0 +1,215 @@
+#include "tests/server/service/service_test_util.h"
+
+#include <httplib.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "kernels/reference.h"
+
+namespace normgrad::server::testing {
+
+std::string TestBackendName() {
+  const char* env = std::getenv("NORMGRAD_TEST_BACKEND");
+  return env != nullptr && std::string(env) == "cuda" ? "cuda" : "cpu";
+}
+
+bool TestBackendIsCuda() { return TestBackendName() == "cuda"; }
+
+uint64_t ShapeScale(uint64_t cpu_value, uint64_t cuda_value) {
+  return TestBackendIsCuda() ? cuda_value : cpu_value;
+}
+
+ServerOptions TestServerOptions() {
+  ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.metrics_listen = "127.0.0.1:0";
+  o.backend.kind = TestBackendIsCuda() ? BackendKind::kCuda : BackendKind::kCpu;
+  o.backend.cpu_threads = 2;
+  o.worker_threads = 4;
+  o.stream_idle_timeout = absl::Seconds(60);
+  return o;
+}
+
+Batch RandomBatch(uint64_t rows, uint32_t hidden, uint32_t seed, bool with_rms) {
+  Batch b;
+  b.rows = rows;
+  b.hidden = hidden;
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  b.x.resize(rows * hidden);
+  b.dy.resize(rows * hidden);
+  b.gamma.resize(hidden);
+  for (float& v : b.x) v = u(rng);
+  for (float& v : b.dy) v = u(rng);
+  for (float& v : b.gamma) v = 0.5f + u(rng);
+  if (with_rms) {
+    b.rms.resize(rows);
+    for (uint64_t r = 0; r < rows; ++r) {
+      double sum = 0;
+      for (uint32_t i = 0; i < hidden; ++i) sum += double{b.x[r * hidden + i]} * b.x[r * hidden + i];
+      b.rms[r] = static_cast<float>(std::sqrt(sum / hidden + b.eps));
+    }
+  }
+  return b;
+}
+
+void ReferenceFor(const Batch& b, std::vector<float>& dx, std::vector<float>& dgamma) {
+  dx.assign(b.rows * b.hidden, 0.0f);
+  dgamma.assign(b.hidden, 0.0f);
+  kernels::ReferenceBackward({b.x, b.dy, b.gamma, b.rms, b.rows, b.hidden, b.eps},
+                             absl::MakeSpan(dx), absl::MakeSpan(dgamma));
+}
+
+v1::BackwardRequest HeaderFor(const Batch& b) {
+  v1::BackwardRequest m;
+  v1::BackwardHeader* h = m.mutable_header();
+  h->set_num_rows(b.rows);
+  h->set_hidden_dim(b.hidden);
+  h->set_eps(b.eps);
+  h->set_dtype(v1::DTYPE_F32);
+  h->set_gamma(b.gamma.data(), b.gamma.size() * 4);
+  h->set_rms_provided(!b.rms.empty());
+  return m;
+}
+
+v1::BackwardRequest ChunkFor(const Batch& b, uint64_t first_row, uint64_t rows) {
+  v1::BackwardRequest m;
+  const size_t offset = first_row * b.hidden;
+  const size_t bytes = rows * b.hidden * 4;
+  m.set_x(reinterpret_cast<const char*>(b.x.data() + offset), bytes);
+  m.set_dy(reinterpret_cast<const char*>(b.dy.data() + offset), bytes);
+  if (!b.rms.empty()) m.set_rms(reinterpret_cast<const char*>(b.rms.data() + first_row), rows * 4);
+  return m;
+}
+
+BackwardResult RunBackward(v1::NormGrad::Stub& stub, const Batch& b, uint64_t rows_per_chunk,
+                           absl::Duration deadline) {
+  BackwardResult result;
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  auto stream = stub.RmsNormBackward(&context);
+  std::thread writer([&] {
+    if (!stream->Write(HeaderFor(b))) return;
+    for (uint64_t first = 0; first < b.rows; first += rows_per_chunk) {
+      const uint64_t rows = std::min(rows_per_chunk, b.rows - first);
+      if (!stream->Write(ChunkFor(b, first, rows))) return;
+    }
+    stream->WritesDone();
+  });
+  result.dx.assign(b.rows * b.hidden, std::nanf(""));
+  v1::BackwardResponse response;
+  while (stream->Read(&response)) {
+    if (response.has_summary()) {
+      result.saw_final = true;
+      result.summary = response.summary();
+      result.dgamma.resize(response.grad_gamma().size() / 4);
+      std::memcpy(result.dgamma.data(), response.grad_gamma().data(),
+                  result.dgamma.size() * 4);
+      continue;
+    }
+    result.chunks.emplace_back(response.first_row(), response.num_rows());
+    const uint64_t offset = response.first_row() * b.hidden;
+    if (offset * 4 + response.grad_input().size() <= result.dx.size() * 4) {
+      std::memcpy(result.dx.data() + offset, response.grad_input().data(),
+                  response.grad_input().size());
+    }
+  }
+  writer.join();
+  result.status = stream->Finish();
+  return result;
+}
+
+grpc::Status SendMessages(v1::NormGrad::Stub& stub,
+                          const std::vector<v1::BackwardRequest>& messages, int* responses) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+  auto stream = stub.RmsNormBackward(&context);
+  std::thread writer([&] {
+    for (const v1::BackwardRequest& m : messages) {
+      if (!stream->Write(m)) return;
+    }
+    stream->WritesDone();
+  });
+  v1::BackwardResponse response;
+  int count = 0;
+  while (stream->Read(&response)) ++count;
+  writer.join();
+  if (responses != nullptr) *responses = count;
+  return stream->Finish();
+}
+
+std::shared_ptr<grpc::Channel> ChannelFor(int port) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  return grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", port),
+                                   grpc::InsecureChannelCredentials(), args);
+}
+
+std::unique_ptr<v1::NormGrad::Stub> StubFor(int port) {
+  return v1::NormGrad::NewStub(ChannelFor(port));
+}
+
+std::map<std::string, double> ParsePrometheusText(const std::string& text, std::string* error) {
+  std::map<std::string, double> out;
+  for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
+    if (absl::StartsWith(line, "#")) continue;
+    const size_t space = line.rfind(' ');
+    double value = 0;
+    absl::string_view v = space == absl::string_view::npos ? "" : line.substr(space + 1);
+    bool ok = space != absl::string_view::npos;
+    if (ok) {
+      if (v == "+Inf") {
+        value = INFINITY;
+      } else if (v == "-Inf") {
+        value = -INFINITY;
+      } else if (v == "NaN") {
+        value = NAN;
+      } else {
+        ok = absl::SimpleAtod(v, &value);
+      }
+    }
+    if (!ok) {
+      if (error != nullptr) *error = absl::StrCat("bad line: ", line);
+      return {};
+    }
+    out[std::string(line.substr(0, space))] = value;
+  }
+  return out;
+}
+
+std::string HttpGet(int port, const std::string& path, int* status) {
+  httplib::Client client("127.0.0.1", port);
+  client.set_connection_timeout(5, 0);
+  client.set_read_timeout(5, 0);
+  auto res = client.Get(path.c_str());
+  if (!res) {
+    *status = -1;
+    return "";
+  }
+  *status = res->status;
+  return res->body;
+}
+
+double MaxScaledError(const std::vector<float>& got, const std::vector<float>& want) {
+  if (got.size() != want.size()) return INFINITY;
+  double scale = 0;
+  for (float w : want) scale = std::max(scale, std::fabs(double{w}));
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double e = std::fabs(double{got[i]} - want[i]) / (std::fabs(double{want[i]}) + scale);
+    if (!(e <= worst)) worst = e;  // NaN propagates as the worst
+    if (std::isnan(e)) return INFINITY;
+  }
+  return worst;
+}
+
+}  // namespace normgrad::server::testing

@@ -1,0 +1,73 @@
+// Shared by the service's tests: the backend under test (env NORMGRAD_TEST_BACKEND = cpu|cuda,
+// cpu by default; with cuda, NORMGRAD_CUDA_DRIVER may name an emulated driver), random batches,
+// a plain-stub driver for RmsNormBackward streams, and a Prometheus text parser.
+#ifndef NORMGRAD_TESTS_SERVER_SERVICE_SERVICE_TEST_UTIL_H_
+#define NORMGRAD_TESTS_SERVER_SERVICE_SERVICE_TEST_UTIL_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/time/time.h"
+#include "normgrad/v1/normgrad.grpc.pb.h"
+#include "server/service/normgrad_server.h"
+
+namespace normgrad::server::testing {
+
+std::string TestBackendName();  // "cpu" or "cuda"
+bool TestBackendIsCuda();
+// Interpreted kernels are slow: tests scale their big shapes by this (1 on cpu).
+uint64_t ShapeScale(uint64_t cpu_value, uint64_t cuda_value);
+
+// 127.0.0.1:0 for gRPC and metrics, the backend under test, small idle timeout off.
+ServerOptions TestServerOptions();
+
+struct Batch {
+  uint64_t rows = 0;
+  uint32_t hidden = 0;
+  float eps = 1e-5f;
+  std::vector<float> x, dy, gamma, rms;  // rms empty unless with_rms
+};
+Batch RandomBatch(uint64_t rows, uint32_t hidden, uint32_t seed, bool with_rms = false);
+
+// The reference result for `batch` (kernels::ReferenceBackward).
+void ReferenceFor(const Batch& batch, std::vector<float>& dx, std::vector<float>& dgamma);
+
+v1::BackwardRequest HeaderFor(const Batch& batch);
+v1::BackwardRequest ChunkFor(const Batch& batch, uint64_t first_row, uint64_t rows);
+
+struct BackwardResult {
+  grpc::Status status;
+  std::vector<float> dx;      // assembled from the chunk responses
+  std::vector<float> dgamma;  // from the final response
+  v1::BackwardSummary summary;
+  std::vector<std::pair<uint64_t, uint64_t>> chunks;  // (first_row, num_rows) per response
+  bool saw_final = false;
+};
+
+// Streams `batch` in chunks of `rows_per_chunk` rows (writer thread) while reading responses.
+BackwardResult RunBackward(v1::NormGrad::Stub& stub, const Batch& batch,
+                           uint64_t rows_per_chunk, absl::Duration deadline = absl::Seconds(120));
+
+// Sends `messages` as they are, half-closes, reads everything; returns the final status.
+grpc::Status SendMessages(v1::NormGrad::Stub& stub, const std::vector<v1::BackwardRequest>& messages,
+                          int* responses = nullptr);
+
+std::unique_ptr<v1::NormGrad::Stub> StubFor(int port);
+std::shared_ptr<grpc::Channel> ChannelFor(int port);
+
+// "name{a=\"b\"}" (exactly as rendered) -> value; comment lines skipped. Empty on a bad line.
+std::map<std::string, double> ParsePrometheusText(const std::string& text, std::string* error);
+std::string HttpGet(int port, const std::string& path, int* status);
+
+// Largest |a - b| / (|b| + scale) over the elements; scale = largest |b|.
+double MaxScaledError(const std::vector<float>& got, const std::vector<float>& want);
+
+}  // namespace normgrad::server::testing
+
+#endif  // NORMGRAD_TESTS_SERVER_SERVICE_SERVICE_TEST_UTIL_H_
