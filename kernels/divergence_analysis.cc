@@ -233,6 +233,22 @@ class Analyzer {
     return std::find(s.begin(), s.end(), cfg_.exit_node()) != s.end();
   }
 
+  bool IsReturnOnly(int node) const {
+    if (node < 0 || node >= static_cast<int>(cfg_.blocks.size())) return false;
+    const BasicBlock& bb = cfg_.blocks[node];
+    bool returns = false;
+    for (size_t i = bb.begin; i < bb.end; ++i) {
+      const Instruction& in = f_.instructions()[i];
+      if (in.op == Opcode::kLabel) continue;
+      if ((in.op == Opcode::kRet || in.op == Opcode::kExit) && !in.guard.valid()) {
+        returns = true;
+        continue;
+      }
+      return false;
+    }
+    return returns;
+  }
+
   bool ComputeRegions() {
     std::vector<Level> control(cfg_.num_nodes(), Level::kUniform);
     std::vector<Level> exit_control(cfg_.num_nodes(), Level::kUniform);
@@ -250,7 +266,9 @@ class Analyzer {
           std::max(Plain(OperandShape(last.guard)).level, control_[b]);
       if (level == Level::kUniform) continue;
       const std::vector<int> region = Region(b, ipdom_[b]);
-      bool exits = last.op != Opcode::kBra;
+      // Threads may have exited when the region holds a ret/exit, or when the join point is a
+      // block that does nothing but return (the taken side goes straight out).
+      bool exits = last.op != Opcode::kBra || IsReturnOnly(ipdom_[b]);
       for (int v : region) exits = exits || Exits(v);
       for (int v : region) {
         control[v] = std::max(control[v], level);

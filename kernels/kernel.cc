@@ -33,14 +33,17 @@ int DTypeBytes(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
 std::string PtxVersion::ToString() const { return absl::StrCat(major, ".", minor); }
 
 absl::StatusOr<PtxVersion> ParsePtxVersion(absl::string_view text) {
+  // MAJOR.MINOR with a one- or two-digit major and a one-digit minor, as PTX ISA versions are.
   const size_t dot = text.find('.');
+  bool ok = dot != absl::string_view::npos && (dot == 1 || dot == 2) && text.size() == dot + 2;
+  for (size_t i = 0; ok && i < text.size(); ++i) {
+    ok = i == dot || (text[i] >= '0' && text[i] <= '9');
+  }
   int major = 0;
   int minor = 0;
-  if (dot == absl::string_view::npos || dot == 0 || dot + 1 >= text.size() ||
-      text.substr(dot + 1).find('.') != absl::string_view::npos ||
-      !absl::SimpleAtoi(text.substr(0, dot), &major) ||
-      !absl::SimpleAtoi(text.substr(dot + 1), &minor) || major < 1 || major > 99 || minor < 0 ||
-      minor > 9 || text.front() == '+' || text[dot + 1] == '+' || text[dot + 1] == '-') {
+  ok = ok && absl::SimpleAtoi(text.substr(0, dot), &major) &&
+       absl::SimpleAtoi(text.substr(dot + 1), &minor) && major >= 1;
+  if (!ok) {
     return absl::InvalidArgumentError(
         absl::StrCat("ptx_version \"", text, "\" is not MAJOR.MINOR (e.g. \"8.0\")"));
   }
@@ -49,8 +52,9 @@ absl::StatusOr<PtxVersion> ParsePtxVersion(absl::string_view text) {
 
 absl::StatusOr<int> ParseTarget(absl::string_view text) {
   int sm = 0;
-  if (text.size() < 4 || text.substr(0, 3) != "sm_" || text[3] < '0' || text[3] > '9' ||
-      !absl::SimpleAtoi(text.substr(3), &sm)) {
+  bool ok = text.size() >= 4 && text.size() <= 6 && text.substr(0, 3) == "sm_";
+  for (size_t i = 3; ok && i < text.size(); ++i) ok = text[i] >= '0' && text[i] <= '9';
+  if (!ok || !absl::SimpleAtoi(text.substr(3), &sm)) {
     return absl::InvalidArgumentError(
         absl::StrCat("target \"", text, "\" is not sm_NN (e.g. \"sm_90\")"));
   }

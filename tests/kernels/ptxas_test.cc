@@ -1,0 +1,169 @@
+// Every kernel, for a spread of configurations, emitted for sm_75, sm_80, sm_90 and sm_100 (and
+// with explicit PTX versions), assembles with NVIDIA's ptxas without error. ptxas is looked up on
+// PATH, then under /usr/local/cuda/bin; without it the tests are skipped with a visible reason.
+// ptxas's register and spill report is printed for the record (docs/kernels.md quotes it).
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "gtest/gtest.h"
+#include "kernels/kernel.h"
+
+namespace normgrad::kernels {
+namespace {
+
+bool Executable(const std::string& path) { return access(path.c_str(), X_OK) == 0; }
+
+std::optional<std::string> FindPtxas() {
+  if (const char* path = std::getenv("PATH"); path != nullptr) {
+    for (absl::string_view dir : absl::StrSplit(path, ':', absl::SkipEmpty())) {
+      std::string candidate = absl::StrCat(dir, "/ptxas");
+      if (Executable(candidate)) return candidate;
+    }
+  }
+  if (Executable("/usr/local/cuda/bin/ptxas")) return std::string("/usr/local/cuda/bin/ptxas");
+  return std::nullopt;
+}
+
+struct PtxasResult {
+  int exit_code = -1;
+  std::string output;  // stdout + stderr
+};
+
+PtxasResult Assemble(const std::string& ptxas, const std::string& text, int target_sm,
+                     const std::string& tag) {
+  const std::string dir = ::testing::TempDir();
+  const std::string base = absl::StrCat(dir, "/normgrad_ptxas_", getpid(), "_", tag);
+  const std::string ptx_path = base + ".ptx";
+  const std::string cubin_path = base + ".cubin";
+  {
+    std::ofstream f(ptx_path, std::ios::binary | std::ios::trunc);
+    f << text;
+  }
+  const std::string cmd = absl::StrCat("'", ptxas, "' -arch=sm_", target_sm, " -v '", ptx_path,
+                                       "' -o '", cubin_path, "' 2>&1");
+  PtxasResult r;
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) r.output.append(buf, n);
+  const int status = pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::remove(ptx_path.c_str());
+  std::remove(cubin_path.c_str());
+  return r;
+}
+
+// "ptxas info    : Used 32 registers, used 0 barriers, 404 bytes cmem[0]" -> "32 registers".
+std::string Summary(const std::string& output) {
+  std::vector<std::string> parts;
+  for (absl::string_view line : absl::StrSplit(output, '\n')) {
+    if (absl::StrContains(line, "Used ") || absl::StrContains(line, "spill")) {
+      parts.push_back(std::string(absl::StripAsciiWhitespace(line.substr(line.find(':') + 1))));
+    }
+  }
+  return absl::StrJoin(parts, " | ");
+}
+
+class PtxasTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ptxas_ = FindPtxas();
+    if (!ptxas_) GTEST_SKIP() << "ptxas not found on PATH or in /usr/local/cuda/bin: skipped";
+  }
+  std::optional<std::string> ptxas_;
+};
+
+struct Case {
+  absl::string_view kernel;
+  uint32_t hidden_dim;
+};
+
+TEST_F(PtxasTest, EveryKernelAssemblesForEveryMainTarget) {
+  const std::vector<Case> cases = {
+      {"rms_norm_backward", 1},           {"rms_norm_backward", 7},
+      {"rms_norm_backward", 32},          {"batched_rms_norm_backward", 1},
+      {"batched_rms_norm_backward", 33},  {"batched_rms_norm_backward", 896},
+      {"batched_rms_norm_backward", 4096}, {"batched_rms_norm_backward", 8192},
+  };
+  for (const Case& c : cases) {
+    for (int sm : {75, 80, 90, 100}) {
+      const Kernel* k = FindKernel(c.kernel);
+      ASSERT_NE(k, nullptr);
+      absl::StatusOr<EmittedPtx> ptx = k->Emit({.hidden_dim = c.hidden_dim, .target_sm = sm});
+      ASSERT_TRUE(ptx.ok()) << ptx.status();
+      const PtxasResult r =
+          Assemble(*ptxas_, ptx->text, sm, absl::StrCat(c.kernel, "_", c.hidden_dim, "_", sm));
+      EXPECT_EQ(r.exit_code, 0) << c.kernel << " hidden_dim " << c.hidden_dim << " sm_" << sm
+                                << ":\n" << r.output;
+      EXPECT_FALSE(absl::StrContains(r.output, "error")) << r.output;
+      if (c.hidden_dim == 32 || c.hidden_dim == 896) {
+        std::cout << c.kernel << " hidden_dim=" << c.hidden_dim << " sm_" << sm << " ptx "
+                  << ptx->version.ToString() << ": " << Summary(r.output) << "\n";
+      }
+    }
+  }
+}
+
+TEST_F(PtxasTest, AssemblesWithExplicitPtxVersions) {
+  struct Versioned {
+    int sm;
+    PtxVersion version;
+  };
+  for (const Kernel* k : AllKernels()) {
+    for (const Versioned& v : {Versioned{75, {7, 0}}, Versioned{80, {8, 0}},
+                               Versioned{90, {8, 0}}, Versioned{100, {9, 0}},
+                               Versioned{120, {8, 7}}}) {
+      absl::StatusOr<EmittedPtx> ptx =
+          k->Emit({.hidden_dim = 16, .target_sm = v.sm, .ptx_version = v.version});
+      ASSERT_TRUE(ptx.ok()) << ptx.status();
+      const PtxasResult r = Assemble(*ptxas_, ptx->text, v.sm,
+                                     absl::StrCat(k->EntryName(), "_v", v.version.major, v.sm));
+      EXPECT_EQ(r.exit_code, 0) << k->EntryName() << " sm_" << v.sm << " .version "
+                                << v.version.ToString() << ":\n" << r.output;
+    }
+  }
+}
+
+TEST_F(PtxasTest, TheDefaultVersionIsTheLowestPtxasAccepts) {
+  // One step below each target's default must be refused by ptxas itself: the table in
+  // kernels/kernel.cc is the real minimum, not a guess.
+  const Kernel* k = FindKernel("batched_rms_norm_backward");
+  for (int sm : {80, 90, 100}) {
+    absl::StatusOr<EmittedPtx> ptx = k->Emit({.hidden_dim = 16, .target_sm = sm});
+    ASSERT_TRUE(ptx.ok());
+    std::string text = ptx->text;
+    const std::string declared = absl::StrCat(".version ", ptx->version.ToString());
+    const PtxVersion lower = ptx->version.minor > 0
+                                 ? PtxVersion{ptx->version.major, ptx->version.minor - 1}
+                                 : PtxVersion{ptx->version.major - 1, 5};
+    text.replace(text.find(declared), declared.size(), absl::StrCat(".version ", lower.ToString()));
+    const PtxasResult r = Assemble(*ptxas_, text, sm, absl::StrCat("lower_", sm));
+    EXPECT_NE(r.exit_code, 0) << "sm_" << sm << " accepted .version " << lower.ToString();
+  }
+}
+
+TEST_F(PtxasTest, HarnessReportsARejectedModule) {
+  // The check above would be worthless if a rejection went unnoticed.
+  absl::StatusOr<EmittedPtx> ptx = FindKernel("rms_norm_backward")->Emit({.hidden_dim = 32});
+  ASSERT_TRUE(ptx.ok());
+  std::string broken = ptx->text;
+  broken.replace(broken.find("ret;"), 4, "bogus.instruction;");
+  const PtxasResult r = Assemble(*ptxas_, broken, 75, "broken");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+}
+
+}  // namespace
+}  // namespace normgrad::kernels

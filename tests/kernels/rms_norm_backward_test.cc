@@ -1,0 +1,321 @@
+// The two kernels' contracts: the seed's unit tests, ported (names, parameters, shuffles, sqrt,
+// limits), plus what normgrad adds (every parameter read at run time, eps not counted twice,
+// configuration keys, PTX versions, determinism, launch geometry).
+#include "kernels/rms_norm_backward.h"
+
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "kernels/kernel.h"
+#include "kernels/targets.h"
+
+namespace normgrad::kernels {
+namespace {
+
+std::string EmitText(absl::string_view entry, KernelConfig config) {
+  const Kernel* k = FindKernel(entry);
+  EXPECT_NE(k, nullptr) << entry;
+  if (k == nullptr) return "";
+  absl::StatusOr<EmittedPtx> ptx = k->Emit(config);
+  EXPECT_TRUE(ptx.ok()) << ptx.status();
+  return ptx.ok() ? ptx->text : "";
+}
+
+int Count(const std::string& text, const std::string& needle) {
+  int n = 0;
+  for (size_t pos = text.find(needle); pos != std::string::npos;
+       pos = text.find(needle, pos + needle.size())) {
+    ++n;
+  }
+  return n;
+}
+
+// ---- Ported from the seed: rms_norm_backward ----------------------------------------------
+
+TEST(RmsNormBackwardKernelTest, Name) {
+  ASSERT_NE(FindKernel("rms_norm_backward"), nullptr);
+  EXPECT_EQ(FindKernel("rms_norm_backward")->EntryName(), "rms_norm_backward");
+}
+
+TEST(RmsNormBackwardKernelTest, PtxGenerationHasEntryParamsAndShuffles) {
+  const std::string ptx = EmitText("rms_norm_backward", {.hidden_dim = 32});
+  EXPECT_TRUE(absl::StrContains(ptx, ".entry rms_norm_backward"));
+  for (absl::string_view p : {".param .u64 input_ptr", ".param .u64 gamma_ptr",
+                              ".param .u64 rms_ptr", ".param .u64 grad_output_ptr",
+                              ".param .u64 grad_input_ptr", ".param .u32 num_rows",
+                              ".param .u32 hidden_dim"}) {
+    EXPECT_TRUE(absl::StrContains(ptx, p)) << p;
+  }
+  EXPECT_TRUE(absl::StrContains(ptx, "shfl.sync.down"));
+  EXPECT_TRUE(absl::StrContains(ptx, "shfl.sync.idx"));
+}
+
+// The seed asserted "sqrt present" here because it recomputed sqrt(rms*rms + eps) from an rms
+// that already contained eps (eps counted twice). normgrad uses the forward's rms as is: the
+// kernel has no sqrt and no eps at all.
+TEST(RmsNormBackwardKernelTest, UsesTheForwardRmsAsIsWithoutAddingEpsAgain) {
+  const std::string ptx = EmitText("rms_norm_backward", {.hidden_dim = 32});
+  EXPECT_FALSE(absl::StrContains(ptx, "sqrt")) << ptx;
+  EXPECT_FALSE(absl::StrContains(ptx, "eps"));
+  EXPECT_TRUE(absl::StrContains(ptx, "rcp.rn.f32"));  // 1/rms, exact
+}
+
+TEST(RmsNormBackwardKernelTest, SmallHidden) {
+  const std::string ptx = EmitText("rms_norm_backward", {.hidden_dim = 16});
+  EXPECT_TRUE(absl::StrContains(ptx, ".entry rms_norm_backward"));
+  EXPECT_TRUE(absl::StrContains(ptx, "shfl.sync"));
+}
+
+// The seed panicked (assert!) for hidden_dim > 32; normgrad returns INVALID_ARGUMENT naming the
+// field, the value and the limit.
+TEST(RmsNormBackwardKernelTest, HiddenDimLimitIsAnInvalidArgument) {
+  const Kernel* k = FindKernel("rms_norm_backward");
+  for (uint32_t bad : {0u, 33u, 64u, 4096u}) {
+    absl::Status s = k->CanImplement({.hidden_dim = bad});
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_TRUE(absl::StrContains(s.message(), absl::StrCat("hidden_dim ", bad))) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "1..32")) << s;
+    EXPECT_EQ(k->Emit({.hidden_dim = bad}).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+  for (uint32_t ok = 1; ok <= 32; ++ok) EXPECT_TRUE(k->CanImplement({.hidden_dim = ok}).ok());
+}
+
+// ---- Ported from the seed: batched_rms_norm_backward --------------------------------------
+
+TEST(BatchedRmsNormBackwardKernelTest, Name) {
+  ASSERT_NE(FindKernel("batched_rms_norm_backward"), nullptr);
+  EXPECT_EQ(FindKernel("batched_rms_norm_backward")->EntryName(), "batched_rms_norm_backward");
+}
+
+TEST(BatchedRmsNormBackwardKernelTest, PtxGenerationHasEntryParamsShufflesAndSqrt) {
+  const std::string ptx = EmitText("batched_rms_norm_backward", {.hidden_dim = 128});
+  EXPECT_TRUE(absl::StrContains(ptx, ".entry batched_rms_norm_backward"));
+  for (absl::string_view p :
+       {".param .u64 input_ptr", ".param .u64 gamma_ptr", ".param .u64 grad_output_ptr",
+        ".param .u64 grad_input_ptr", ".param .u64 grad_gamma_ptr", ".param .u32 num_rows",
+        ".param .u32 hidden_dim", ".param .f32 eps"}) {
+    EXPECT_TRUE(absl::StrContains(ptx, p)) << p;
+  }
+  EXPECT_TRUE(absl::StrContains(ptx, "shfl.sync.down"));
+  EXPECT_TRUE(absl::StrContains(ptx, "shfl.sync.idx"));
+  EXPECT_TRUE(absl::StrContains(ptx, "sqrt.rn.f32"));
+  EXPECT_TRUE(absl::StrContains(ptx, "atom.global.add.f32"));
+}
+
+TEST(BatchedRmsNormBackwardKernelTest, LargeHidden896) {
+  EXPECT_TRUE(absl::StrContains(EmitText("batched_rms_norm_backward", {.hidden_dim = 896}),
+                                ".entry batched_rms_norm_backward"));
+}
+
+TEST(BatchedRmsNormBackwardKernelTest, SmallHidden1) {
+  EXPECT_TRUE(absl::StrContains(EmitText("batched_rms_norm_backward", {.hidden_dim = 1}),
+                                ".entry batched_rms_norm_backward"));
+}
+
+TEST(BatchedRmsNormBackwardKernelTest, Hidden32And64) {
+  EXPECT_TRUE(absl::StrContains(EmitText("batched_rms_norm_backward", {.hidden_dim = 32}),
+                                "shfl.sync"));
+  EXPECT_TRUE(absl::StrContains(EmitText("batched_rms_norm_backward", {.hidden_dim = 64}),
+                                ".entry batched_rms_norm_backward"));
+}
+
+TEST(BatchedRmsNormBackwardKernelTest, VariousSizes) {
+  for (uint32_t dim : {1u, 16u, 32u, 64u, 128u, 896u}) {
+    EXPECT_TRUE(absl::StrContains(EmitText("batched_rms_norm_backward", {.hidden_dim = dim}),
+                                  ".entry batched_rms_norm_backward"))
+        << dim;
+  }
+}
+
+TEST(BatchedRmsNormBackwardKernelTest, RefusesZeroHiddenDim) {
+  absl::Status s = FindKernel("batched_rms_norm_backward")->CanImplement({.hidden_dim = 0});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(s.message(), "hidden_dim 0")) << s;
+}
+
+// ---- What normgrad adds -----------------------------------------------------------------
+
+// The seed's defect (trueno issue 203): num_rows and eps declared but baked in as immediates.
+// Here every declared parameter is loaded with ld.param exactly once.
+TEST(KernelContractTest, EveryDeclaredParameterIsReadAtRunTime) {
+  for (const Kernel* k : AllKernels()) {
+    const std::string ptx = EmitText(k->EntryName(), {.hidden_dim = 32});
+    for (const KernelParam& p : k->Params()) {
+      EXPECT_EQ(Count(ptx, absl::StrCat("ld.param.", p.ptx_type, " ")) > 0, true);
+      EXPECT_EQ(Count(ptx, absl::StrCat("[", p.name, "]")), 1) << k->EntryName() << " " << p.name;
+    }
+  }
+}
+
+TEST(KernelContractTest, ParamsMatchTheEmittedDeclarationsInOrder) {
+  for (const Kernel* k : AllKernels()) {
+    absl::StatusOr<EmittedPtx> ptx = k->Emit({.hidden_dim = 8});
+    ASSERT_TRUE(ptx.ok()) << ptx.status();
+    ASSERT_EQ(ptx->params.size(), k->Params().size());
+    size_t last = 0;
+    for (size_t i = 0; i < ptx->params.size(); ++i) {
+      EXPECT_EQ(ptx->params[i].name, k->Params()[i].name);
+      EXPECT_EQ(ptx->params[i].ptx_type, k->Params()[i].ptx_type);
+      const size_t at = ptx->text.find(
+          absl::StrCat(".param .", ptx->params[i].ptx_type, " ", ptx->params[i].name));
+      ASSERT_NE(at, std::string::npos);
+      EXPECT_GT(at, last);
+      last = at;
+    }
+  }
+}
+
+TEST(KernelContractTest, HiddenDimIsNotBakedIn) {
+  // One module serves every shape: emission does not depend on hidden_dim.
+  for (const Kernel* k : AllKernels()) {
+    const std::string a = EmitText(k->EntryName(), {.hidden_dim = 1});
+    const std::string b = EmitText(k->EntryName(), {.hidden_dim = 32});
+    EXPECT_EQ(a, b) << k->EntryName();
+    EXPECT_EQ(k->ConfigKey({.hidden_dim = 1}), k->ConfigKey({.hidden_dim = 32}));
+  }
+}
+
+TEST(KernelContractTest, SameRequestSameBytes) {
+  for (const Kernel* k : AllKernels()) {
+    for (int sm : {75, 90}) {
+      KernelConfig c{.hidden_dim = 16, .target_sm = sm};
+      EXPECT_EQ(EmitText(k->EntryName(), c), EmitText(k->EntryName(), c));
+    }
+  }
+}
+
+TEST(KernelContractTest, ConfigKeyNamesEverythingBakedIn) {
+  const Kernel* k = FindKernel("batched_rms_norm_backward");
+  const std::string key = k->ConfigKey({.hidden_dim = 896, .target_sm = 90});
+  EXPECT_EQ(key, "batched_rms_norm_backward|dtype=f32|sm_90|ptx=7.8|normgrad-ptx/1");
+  std::set<std::string> keys;
+  for (int sm : {75, 80, 90, 100}) keys.insert(k->ConfigKey({.hidden_dim = 1, .target_sm = sm}));
+  keys.insert(k->ConfigKey({.hidden_dim = 1, .target_sm = 90, .ptx_version = PtxVersion{8, 0}}));
+  keys.insert(FindKernel("rms_norm_backward")->ConfigKey({.hidden_dim = 1, .target_sm = 90}));
+  EXPECT_EQ(keys.size(), 6u);
+  absl::StatusOr<EmittedPtx> ptx = k->Emit({.hidden_dim = 896, .target_sm = 90});
+  ASSERT_TRUE(ptx.ok());
+  EXPECT_EQ(ptx->config_key, key);
+}
+
+TEST(KernelContractTest, EqualKeysEmitEqualBytes) {
+  for (const Kernel* k : AllKernels()) {
+    for (int sm : {75, 80, 90, 100}) {
+      KernelConfig a{.hidden_dim = 3, .target_sm = sm};
+      KernelConfig b{.hidden_dim = 29, .target_sm = sm};
+      b.ptx_version = *MinPtxVersionForTarget(sm);  // explicit default: same key, same text
+      ASSERT_EQ(k->ConfigKey(a), k->ConfigKey(b));
+      EXPECT_EQ(EmitText(k->EntryName(), a), EmitText(k->EntryName(), b));
+    }
+  }
+}
+
+TEST(KernelContractTest, DefaultPtxVersionIsTheLowestTheTargetAccepts) {
+  const Kernel* k = FindKernel("batched_rms_norm_backward");
+  const std::vector<std::pair<int, std::string>> expected = {
+      {75, "6.3"}, {80, "7.0"}, {86, "7.1"}, {89, "7.8"}, {90, "7.8"}, {100, "8.6"}, {120, "8.7"}};
+  for (const auto& [sm, version] : expected) {
+    absl::StatusOr<EmittedPtx> ptx = k->Emit({.hidden_dim = 8, .target_sm = sm});
+    ASSERT_TRUE(ptx.ok()) << ptx.status();
+    EXPECT_EQ(ptx->version.ToString(), version) << sm;
+    EXPECT_EQ(ptx->target_sm, sm);
+    EXPECT_TRUE(absl::StrContains(ptx->text, absl::StrCat(".version ", version, "\n")));
+    EXPECT_TRUE(absl::StrContains(ptx->text, absl::StrCat(".target sm_", sm, "\n")));
+  }
+}
+
+TEST(KernelContractTest, ExplicitPtxVersionIsHonouredOrRefusedWithTheReason) {
+  const Kernel* k = FindKernel("rms_norm_backward");
+  absl::StatusOr<EmittedPtx> v80 =
+      k->Emit({.hidden_dim = 8, .target_sm = 90, .ptx_version = PtxVersion{8, 0}});
+  ASSERT_TRUE(v80.ok()) << v80.status();
+  EXPECT_TRUE(absl::StrContains(v80->text, ".version 8.0\n"));
+
+  absl::Status low =
+      k->Emit({.hidden_dim = 8, .target_sm = 90, .ptx_version = PtxVersion{7, 0}}).status();
+  EXPECT_EQ(low.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(low.message(), "ptx_version 7.0 is below 7.8")) << low;
+  EXPECT_TRUE(absl::StrContains(low.message(), "sm_90")) << low;
+
+  absl::Status too_new =
+      k->Emit({.hidden_dim = 8, .target_sm = 90, .ptx_version = PtxVersion{9, 9}}).status();
+  EXPECT_EQ(too_new.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(too_new.message(), "9.9")) << too_new;
+}
+
+TEST(KernelContractTest, UnsupportedTargetAndDtypeAreInvalidArguments) {
+  for (const Kernel* k : AllKernels()) {
+    absl::Status sm70 = k->CanImplement({.hidden_dim = 8, .target_sm = 70});
+    EXPECT_EQ(sm70.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StrContains(sm70.message(), "sm_70")) << sm70;
+    absl::Status bf16 = k->CanImplement({.hidden_dim = 8, .dtype = DType::kBF16});
+    EXPECT_EQ(bf16.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StrContains(bf16.message(), "bf16")) << bf16;
+  }
+}
+
+TEST(KernelContractTest, SmallKernelGeometryIsWholeWarpsOneRowEach) {
+  const Kernel* k = FindKernel("rms_norm_backward");
+  const uint32_t rows_per_block = RmsNormBackwardKernel::kRowsPerBlock;
+  LaunchGeometry g = k->Geometry({.hidden_dim = 32}, 1000);
+  EXPECT_EQ(g.block[0], 32 * rows_per_block);
+  EXPECT_EQ(g.grid[0], (1000 + rows_per_block - 1) / rows_per_block);
+  EXPECT_EQ(g.shared_bytes, 0u);
+  EXPECT_GE(uint64_t{g.grid[0]} * g.block[0] / 32, 1000u);  // a warp for every row
+  EXPECT_EQ(k->Geometry({.hidden_dim = 32}, 0).grid[0], 1u);  // always a valid launch
+}
+
+TEST(KernelContractTest, BatchedGeometryIsOneWarpBlockPerRow) {
+  const Kernel* k = FindKernel("batched_rms_norm_backward");
+  LaunchGeometry g = k->Geometry({.hidden_dim = 896}, 4096);
+  EXPECT_EQ(g.grid[0], 4096u);
+  EXPECT_EQ(g.block[0], 32u);
+  EXPECT_EQ(k->Geometry({.hidden_dim = 896}, uint64_t{1} << 32).grid[0], kMaxGridX);
+}
+
+TEST(KernelRegistryTest, FindsBothKernelsAndNothingElse) {
+  EXPECT_EQ(AllKernels().size(), 2u);
+  EXPECT_EQ(FindKernel("softmax"), nullptr);
+  EXPECT_EQ(FindKernel(""), nullptr);
+}
+
+TEST(KernelHeaderTest, ParsesAndNamesDTypes) {
+  for (DType d : {DType::kF32, DType::kBF16, DType::kF16}) {
+    absl::StatusOr<DType> back = ParseDType(DTypeName(d));
+    ASSERT_TRUE(back.ok());
+    EXPECT_EQ(*back, d);
+  }
+  EXPECT_EQ(DTypeBytes(DType::kF32), 4);
+  EXPECT_EQ(DTypeBytes(DType::kBF16), 2);
+  EXPECT_EQ(DTypeBytes(DType::kF16), 2);
+  EXPECT_EQ(ParseDType("fp32").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(KernelHeaderTest, ParsesPtxVersions) {
+  absl::StatusOr<PtxVersion> v = ParsePtxVersion("8.0");
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ(*v, (PtxVersion{8, 0}));
+  EXPECT_EQ(v->ToString(), "8.0");
+  EXPECT_EQ(ParsePtxVersion("7.8")->ToString(), "7.8");
+  for (absl::string_view bad : {"", "8", "8.", ".0", "8.0.1", "x.y", "-8.0", "8.-1", "8.10"}) {
+    EXPECT_EQ(ParsePtxVersion(bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  EXPECT_TRUE(PtxVersion({7, 8}) < PtxVersion({8, 0}));
+}
+
+TEST(KernelHeaderTest, ParsesTargets) {
+  EXPECT_EQ(*ParseTarget("sm_90"), 90);
+  EXPECT_EQ(*ParseTarget("sm_75"), 75);
+  EXPECT_EQ(*ParseTarget("sm_100"), 100);
+  for (absl::string_view bad : {"sm_70", "sm90", "90", "sm_", "sm_9x", "compute_90", "sm_-90"}) {
+    absl::Status s = ParseTarget(bad).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
+}  // namespace
+}  // namespace normgrad::kernels
