@@ -67,6 +67,12 @@ inline uint64_t F64Bits(double d) {
 inline float Ftz(float f) { return std::fpclassify(f) == FP_SUBNORMAL ? std::copysign(0.0f, f) : f; }
 inline float Sat(float f) { return std::isnan(f) ? 0.0f : std::min(1.0f, std::max(0.0f, f)); }
 
+inline uint32_t Popcount(uint32_t v) {
+  v = v - ((v >> 1) & 0x55555555u);
+  v = (v & 0x33333333u) + ((v >> 2) & 0x33333333u);
+  return (((v + (v >> 4)) & 0x0f0f0f0fu) * 0x01010101u) >> 24;
+}
+
 inline int64_t SignExtend(uint64_t v, int bits) {
   if (bits >= 64) return static_cast<int64_t>(v);
   const uint64_t m = uint64_t{1} << (bits - 1);
@@ -490,6 +496,7 @@ class Launcher {
       std::memcpy(param_buf_.data() + entry_.params[i].offset, params_[i], entry_.params[i].size);
     }
     ranges_ = memory_.Snapshot();
+    range_cache_.assign(entry_.code.size(), MemoryRange{});
     shared_.assign(shared, 0);
     nregs_ = entry_.NumRegs();
     threads_ = static_cast<uint32_t>(threads);
@@ -622,14 +629,14 @@ class Launcher {
                                      store ? "store" : "load", size, addr, size));
       return nullptr;
     }
-    if (!(addr >= cache_.base && addr - cache_.base < cache_.size && cache_.size - (addr - cache_.base) >= size)) {
+    if (!InCachedRange(addr, size)) {
       auto it = std::upper_bound(ranges_.begin(), ranges_.end(), addr,
                                  [](uint64_t a, const MemoryRange& r) { return a < r.base; });
       bool ok = false;
       if (it != ranges_.begin()) {
         const MemoryRange& r = *(it - 1);
         if (addr - r.base < r.size && r.size - (addr - r.base) >= size) {
-          cache_ = r;
+          *cache_ = r;
           ok = true;
         }
       }
@@ -849,7 +856,32 @@ class Launcher {
     return absl::OkStatus();
   }
 
+  // True when [addr, addr + size) lies in the allocation of the last successful lookup.
+  bool InCachedRange(uint64_t addr, uint32_t size) const {
+    return addr >= cache_->base && addr - cache_->base < cache_->size &&
+           cache_->size - (addr - cache_->base) >= size;
+  }
+
   absl::Status Load(const Instruction& in, uint32_t w, uint32_t exec, uint64_t* r, uint32_t* d) {
+    if (in.space == Space::kGlobal && in.vec == 1 && TypeBits(in.type) == 32) {
+      // Hot path: 4-byte global loads that hit the cached allocation; the rest go the long way.
+      uint64_t* out = r + in.dst[0].reg * 32;
+      uint32_t rest = 0;
+      for (uint32_t m = exec; m; m &= m - 1) {
+        const int lane = __builtin_ctz(m);
+        const uint64_t addr = Address(in.src[0], r, lane);
+        if ((addr & 3) == 0 && InCachedRange(addr, 4)) {
+          uint32_t v;
+          std::memcpy(&v, reinterpret_cast<const void*>(static_cast<uintptr_t>(addr)), 4);
+          out[lane] = v;
+        } else {
+          rest |= 1u << lane;
+        }
+      }
+      d[in.dst[0].reg] |= exec & ~rest;
+      exec = rest;
+      if (exec == 0) return absl::OkStatus();
+    }
     const uint32_t elem = static_cast<uint32_t>(TypeBits(in.type) / 8);
     const uint32_t size = elem * in.vec;
     const bool sign = IsSigned(in.type) && elem < 8;
@@ -877,6 +909,21 @@ class Launcher {
   }
 
   absl::Status Store(const Instruction& in, uint32_t w, uint32_t exec, const uint64_t* r) {
+    if (in.space == Space::kGlobal && in.vec == 1 && TypeBits(in.type) == 32) {
+      uint32_t rest = 0;
+      for (uint32_t m = exec; m; m &= m - 1) {
+        const int lane = __builtin_ctz(m);
+        const uint64_t addr = Address(in.src[0], r, lane);
+        if ((addr & 3) == 0 && InCachedRange(addr, 4)) {
+          const uint32_t v = static_cast<uint32_t>(Value(in.src[1], r, lane));
+          std::memcpy(reinterpret_cast<void*>(static_cast<uintptr_t>(addr)), &v, 4);
+        } else {
+          rest |= 1u << lane;
+        }
+      }
+      exec = rest;
+      if (exec == 0) return absl::OkStatus();
+    }
     const uint32_t elem = static_cast<uint32_t>(TypeBits(in.type) / 8);
     const uint32_t size = elem * in.vec;
     for (uint32_t m = exec; m; m &= m - 1) {
@@ -920,7 +967,7 @@ class Launcher {
           if ((g[lane] != 0) != in.guard_negated) exec |= 1u << lane;
         }
       }
-      report_->thread_instructions += static_cast<uint64_t>(__builtin_popcount(exec));
+      report_->thread_instructions += static_cast<uint64_t>(Popcount(exec));
       for (int k = 0; k < in.num_src; ++k) {
         const uint32_t slot = in.src[k].reg;
         if (slot != kNoReg && (d[slot] & exec) != exec) return Uninitialized(in, slot, w, exec & ~d[slot]);
@@ -963,13 +1010,16 @@ class Launcher {
           }
           break;
         case Op::kLd:
+          cache_ = &range_cache_[pc];
           if (absl::Status s = Load(in, w, exec, r, d); !s.ok()) return s;
           break;
         case Op::kSt:
+          cache_ = &range_cache_[pc];
           if (absl::Status s = Store(in, w, exec, r); !s.ok()) return s;
           break;
         case Op::kAtom:
         case Op::kRed:
+          cache_ = &range_cache_[pc];
           if (absl::Status s = Atomic(in, w, exec, r, d); !s.ok()) return s;
           break;
         case Op::kNop:
@@ -994,10 +1044,112 @@ class Launcher {
                                 entry_.reg_names[slot]));
   }
 
+  // out[lane] = f(a, b, c) over the lanes of exec; operands read as 64-bit cells.
+  template <int kArity, typename F>
+  static void Map(const Instruction& in, uint32_t exec, const uint64_t* r, uint64_t* out, F f) {
+    const uint64_t* p[3] = {nullptr, nullptr, nullptr};
+    uint64_t imm[3] = {0, 0, 0};
+    for (int k = 0; k < kArity; ++k) {
+      if (in.src[k].kind == Operand::Kind::kReg) {
+        p[k] = r + in.src[k].reg * 32;
+      } else {
+        imm[k] = in.src[k].imm;
+      }
+    }
+    auto get = [&](int k, int lane) { return p[k] != nullptr ? p[k][lane] : imm[k]; };
+    if (exec == 0xffffffffu) {
+      for (int lane = 0; lane < 32; ++lane) out[lane] = f(get(0, lane), get(1, lane), get(2, lane));
+    } else {
+      for (uint32_t m = exec; m; m &= m - 1) {
+        const int lane = __builtin_ctz(m);
+        out[lane] = f(get(0, lane), get(1, lane), get(2, lane));
+      }
+    }
+  }
+
+  // The instructions the kernels spend their time in, without the generic dispatch per lane.
+  // Returns false when `in` is not one of them.
+  static bool ComputeCommon(const Instruction& in, uint32_t exec, const uint64_t* r, uint64_t* out) {
+    const Type t = in.type;
+    const MulMode mul = static_cast<MulMode>(in.mode);
+    if (t == Type::kF32 && !in.ftz && !in.sat) {
+      switch (in.op) {
+        case Op::kAdd:
+          Map<2>(in, exec, r, out, [](uint64_t a, uint64_t b, uint64_t) { return F32Bits(AsF32(a) + AsF32(b)); });
+          return true;
+        case Op::kSub:
+          Map<2>(in, exec, r, out, [](uint64_t a, uint64_t b, uint64_t) { return F32Bits(AsF32(a) - AsF32(b)); });
+          return true;
+        case Op::kMul:
+          Map<2>(in, exec, r, out, [](uint64_t a, uint64_t b, uint64_t) { return F32Bits(AsF32(a) * AsF32(b)); });
+          return true;
+        case Op::kFma:
+        case Op::kMad:
+          Map<3>(in, exec, r, out, [](uint64_t a, uint64_t b, uint64_t c) {
+            return F32Bits(std::fma(AsF32(a), AsF32(b), AsF32(c)));
+          });
+          return true;
+        default:
+          return false;
+      }
+    }
+    const bool int32 = t == Type::kU32 || t == Type::kS32 || t == Type::kB32;
+    const bool int64 = t == Type::kU64 || t == Type::kS64 || t == Type::kB64;
+    if (in.sat || !(int32 || int64)) return false;
+    const uint64_t m = int32 ? 0xffffffffu : ~uint64_t{0};
+    switch (in.op) {
+      case Op::kAdd:
+        Map<2>(in, exec, r, out, [m](uint64_t a, uint64_t b, uint64_t) { return (a + b) & m; });
+        return true;
+      case Op::kSub:
+        Map<2>(in, exec, r, out, [m](uint64_t a, uint64_t b, uint64_t) { return (a - b) & m; });
+        return true;
+      case Op::kAnd:
+        Map<2>(in, exec, r, out, [m](uint64_t a, uint64_t b, uint64_t) { return a & b & m; });
+        return true;
+      case Op::kMul:
+      case Op::kMad:
+        if (t == Type::kU32 && mul == MulMode::kWide) {
+          if (in.op == Op::kMul) {
+            Map<2>(in, exec, r, out, [](uint64_t a, uint64_t b, uint64_t) { return (a & 0xffffffffu) * (b & 0xffffffffu); });
+          } else {
+            Map<3>(in, exec, r, out, [](uint64_t a, uint64_t b, uint64_t c) { return (a & 0xffffffffu) * (b & 0xffffffffu) + c; });
+          }
+          return true;
+        }
+        if (mul == MulMode::kLo) {
+          if (in.op == Op::kMul) {
+            Map<2>(in, exec, r, out, [m](uint64_t a, uint64_t b, uint64_t) { return (a * b) & m; });
+          } else {
+            Map<3>(in, exec, r, out, [m](uint64_t a, uint64_t b, uint64_t c) { return (a * b + c) & m; });
+          }
+          return true;
+        }
+        return false;
+      case Op::kShl: {
+        const uint64_t bits = int32 ? 32 : 64;
+        Map<2>(in, exec, r, out, [m, bits](uint64_t a, uint64_t b, uint64_t) {
+          const uint64_t n = b & 0xffffffffu;
+          return n >= bits ? 0 : (a << n) & m;
+        });
+        return true;
+      }
+      case Op::kSetp:
+        break;
+      default:
+        break;
+    }
+    return false;
+  }
+
   void Compute(const Instruction& in, uint32_t exec, uint64_t* r, uint32_t* d) {
     const uint32_t dst = in.dst[0].reg;
     const uint64_t dmask = reg_mask_[dst];
     uint64_t* out = r + dst * 32;
+    if (ComputeCommon(in, exec, r, out)) {
+      d[dst] |= exec;
+      return;
+    }
     switch (in.op) {
       case Op::kMov:
         for (uint32_t m = exec; m; m &= m - 1) {
@@ -1079,7 +1231,8 @@ class Launcher {
 
   std::vector<uint8_t> param_buf_;
   std::vector<MemoryRange> ranges_;
-  MemoryRange cache_;
+  MemoryRange* cache_ = nullptr;         // the executing instruction's entry of range_cache_
+  std::vector<MemoryRange> range_cache_;  // per instruction: the allocation it touched last
   std::vector<uint8_t> shared_;
   uint32_t nregs_ = 0;
   uint32_t threads_ = 0;

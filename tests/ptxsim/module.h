@@ -26,9 +26,26 @@ enum class Type : uint8_t {
   kS8, kS16, kS32, kS64,
   kF16, kBF16, kF32, kF64,
 };
-int TypeBits(Type type);  // 1 for .pred
-bool IsFloat(Type type);  // f16, bf16, f32, f64
-bool IsSigned(Type type);  // s8..s64
+// 1 for .pred.
+constexpr int TypeBits(Type type) {
+  switch (type) {
+    case Type::kNone: return 0;
+    case Type::kPred: return 1;
+    case Type::kB8: case Type::kU8: case Type::kS8: return 8;
+    case Type::kB16: case Type::kU16: case Type::kS16: case Type::kF16: case Type::kBF16: return 16;
+    case Type::kB32: case Type::kU32: case Type::kS32: case Type::kF32: return 32;
+    case Type::kB64: case Type::kU64: case Type::kS64: case Type::kF64: return 64;
+  }
+  return 0;
+}
+// f16, bf16, f32, f64.
+constexpr bool IsFloat(Type type) {
+  return type == Type::kF16 || type == Type::kBF16 || type == Type::kF32 || type == Type::kF64;
+}
+// s8..s64.
+constexpr bool IsSigned(Type type) {
+  return type == Type::kS8 || type == Type::kS16 || type == Type::kS32 || type == Type::kS64;
+}
 absl::string_view TypeName(Type type);  // "f32"
 
 enum class Op : uint8_t {

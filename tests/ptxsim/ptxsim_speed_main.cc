@@ -1,0 +1,135 @@
+// ptxsim-speed: how fast the interpreter runs the seed kernels, in instructions per second, and
+// how that compares with the CPU reference on the same problem (measured in the same run).
+//
+//   build/bin/ptxsim-speed [--rows 256] [--hidden 4096] [--repeats 3]
+//
+// Prints one line per kernel: thread-instructions/s (each lane's executed instruction counts
+// once), warp-instructions/s (one per issued instruction of a warp group), and the interpreter's
+// time divided by ReferenceBackward's.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels/kernel.h"
+#include "kernels/reference.h"
+#include "tests/ptxsim/sim_harness.h"
+
+namespace {
+
+using normgrad::kernels::FindKernel;
+using normgrad::kernels::KernelConfig;
+using namespace normgrad::ptxsim;
+
+double Seconds(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+int Run(const char* entry, uint32_t rows, uint32_t hidden, int repeats) {
+  const normgrad::kernels::Kernel* kernel = FindKernel(entry);
+  KernelConfig config;
+  config.hidden_dim = hidden;
+  config.target_sm = 90;
+  absl::StatusOr<normgrad::kernels::EmittedPtx> ptx = kernel->Emit(config);
+  if (!ptx.ok()) {
+    std::fprintf(stderr, "%s: %s\n", entry, std::string(ptx.status().message()).c_str());
+    return 1;
+  }
+  const auto parse_start = std::chrono::steady_clock::now();
+  absl::StatusOr<Module> module = ParsePtx(ptx->text);
+  const double parse_seconds = Seconds(parse_start);
+  if (!module.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(module.status().message()).c_str());
+    return 1;
+  }
+  const normgrad::kernels::LaunchGeometry g = kernel->Geometry(config, rows);
+  SimHarness sim;
+  const size_t n = size_t{rows} * hidden;
+  float* x = sim.Alloc<float>(n);
+  float* dy = sim.Alloc<float>(n);
+  float* gamma = sim.Alloc<float>(hidden);
+  float* rms = sim.Alloc<float>(rows);
+  float* dx = sim.Alloc<float>(n);
+  float* dgamma = sim.Alloc<float>(hidden);
+  for (size_t i = 0; i < n; ++i) {
+    x[i] = static_cast<float>((i * 37) % 101) / 50.0f - 1.0f;
+    dy[i] = static_cast<float>((i * 53) % 97) / 48.0f - 1.0f;
+  }
+  for (uint32_t i = 0; i < hidden; ++i) gamma[i] = 1.0f + static_cast<float>(i % 7) / 10.0f;
+  for (uint32_t r = 0; r < rows; ++r) rms[r] = 0.6f;
+  KernelArgs args;
+  const bool warp = std::strcmp(entry, "rms_norm_backward") == 0;
+  if (warp) {
+    args.Add(SimHarness::Address(x)).Add(SimHarness::Address(gamma)).Add(SimHarness::Address(rms))
+        .Add(SimHarness::Address(dy)).Add(SimHarness::Address(dx)).Add(rows).Add(hidden);
+  } else {
+    args.Add(SimHarness::Address(x)).Add(SimHarness::Address(gamma)).Add(SimHarness::Address(dy))
+        .Add(SimHarness::Address(dx)).Add(SimHarness::Address(dgamma)).Add(rows).Add(hidden)
+        .Add(1e-5f);
+  }
+  LaunchConfig launch;
+  launch.grid = {g.grid[0], g.grid[1], g.grid[2]};
+  launch.block = {g.block[0], g.block[1], g.block[2]};
+  launch.dynamic_shared_bytes = g.shared_bytes;
+  double best = 1e30;
+  LaunchReport report;
+  for (int k = 0; k < repeats; ++k) {
+    std::fill(dgamma, dgamma + hidden, 0.0f);
+    const auto start = std::chrono::steady_clock::now();
+    absl::Status s = Launch(*module->FindEntry(ptx->entry), launch, args.Pointers(), sim.memory(), &report);
+    best = std::min(best, Seconds(start));
+    if (!s.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
+      return 1;
+    }
+  }
+  std::vector<float> ref_dx(n), ref_dgamma(hidden);
+  normgrad::kernels::BackwardInputs in{absl::MakeConstSpan(x, n), absl::MakeConstSpan(dy, n),
+                                       absl::MakeConstSpan(gamma, hidden), {}, rows, hidden, 1e-5f};
+  if (warp) in.rms = absl::MakeConstSpan(rms, rows);
+  double ref_best = 1e30;
+  for (int k = 0; k < repeats; ++k) {
+    const auto start = std::chrono::steady_clock::now();
+    normgrad::kernels::ReferenceBackward(in, absl::MakeSpan(ref_dx), absl::MakeSpan(ref_dgamma));
+    ref_best = std::min(ref_best, Seconds(start));
+  }
+  std::printf(
+      "%-26s rows %6u hidden %5u: %8.2f ms, %7.1f M thread-instr/s, %6.2f M warp-instr/s "
+      "(%llu thread-instr), parse %.3f ms for %zu instructions, %.0fx the CPU reference's time\n",
+      entry, rows, hidden, best * 1e3, report.thread_instructions / best / 1e6,
+      report.warp_instructions / best / 1e6,
+      static_cast<unsigned long long>(report.thread_instructions), parse_seconds * 1e3,
+      module->entries[0].code.size(), best / ref_best);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  uint32_t rows = 256, hidden = 4096;
+  int repeats = 3;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    const int value = std::atoi(argv[i + 1]);
+    if (value <= 0) {
+      std::fprintf(stderr, "%s needs a positive value\n", flag.c_str());
+      return 2;
+    }
+    if (flag == "--rows") {
+      rows = static_cast<uint32_t>(value);
+    } else if (flag == "--hidden") {
+      hidden = static_cast<uint32_t>(value);
+    } else if (flag == "--repeats") {
+      repeats = value;
+    } else {
+      std::fprintf(stderr, "usage: ptxsim-speed [--rows N] [--hidden N] [--repeats N]\n");
+      return 2;
+    }
+  }
+  int rc = Run("batched_rms_norm_backward", rows, hidden, repeats);
+  rc |= Run("rms_norm_backward", rows * 16, std::min<uint32_t>(hidden, 32), repeats);
+  return rc;
+}
