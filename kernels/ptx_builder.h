@@ -9,13 +9,18 @@
 //   Param out = f.AddParam(PtxType::kU64, "out");
 //   Builder b(&f);
 //   Value tid = b.Mov(SpecialReg::kTidX);                       // mov.u32 %r1, %tid.x;
-//   Value addr = b.Add(b.LdParam(out), b.MulWide(tid, Value::U32(4)));
+//   Value base = b.LdParam(out);                                // ld.param.u64 %rd1, [out];
+//   Value addr = b.Add(base, b.MulWide(tid, Value::U32(4)));
 //   Label done = b.CreateLabel("done");
 //   b.BraIf(b.Setp(CmpOp::kGe, tid, Value::U32(32)), done);    // @%p1 bra $L_done_0;
 //   b.St(StateSpace::kGlobal, Address{addr}, Value::F32(1.0f));
 //   b.Bind(done);
 //   b.Ret();
 //   std::string text = EmitPtx(m);                              // deterministic bytes
+//
+// Instructions are appended in call order. C++ leaves the order in which a call's arguments are
+// evaluated unspecified, so pass at most one instruction-emitting argument per call (as above);
+// otherwise the emitted order could differ between compilers.
 #ifndef NORMGRAD_KERNELS_PTX_BUILDER_H_
 #define NORMGRAD_KERNELS_PTX_BUILDER_H_
 
