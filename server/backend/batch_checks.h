@@ -1,0 +1,32 @@
+// Argument checks every backend applies in the same words (internal to server/backend and
+// server/cuda). The service validates the stream first; these keep a backend safe on its own.
+#ifndef NORMGRAD_SERVER_BACKEND_BATCH_CHECKS_H_
+#define NORMGRAD_SERVER_BACKEND_BATCH_CHECKS_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "kernels/kernel.h"
+#include "server/backend/backend.h"
+
+namespace normgrad::server::backend_internal {
+
+int ElementBytes(kernels::DType dtype);           // 4, 2, 2
+absl::string_view ElementName(kernels::DType dtype);  // "f32", "bf16", "f16"
+
+// num_rows >= 1, hidden_dim >= 1, eps finite and > 0, gamma = hidden_dim elements.
+absl::Status CheckBatch(const BatchSpec& spec, size_t gamma_bytes);
+
+// One chunk of `rows` rows after `rows_done` rows of the batch: every buffer's size, and the
+// total not above num_rows.
+absl::Status CheckChunk(const BatchSpec& spec, uint64_t rows_done, uint64_t rows, size_t x_bytes,
+                        size_t dy_bytes, size_t rms_count, size_t dx_bytes);
+
+// All num_rows rows processed, dgamma = hidden_dim elements.
+absl::Status CheckFinish(const BatchSpec& spec, uint64_t rows_done, size_t dgamma_bytes);
+
+}  // namespace normgrad::server::backend_internal
+
+#endif  // NORMGRAD_SERVER_BACKEND_BATCH_CHECKS_H_

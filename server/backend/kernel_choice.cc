@@ -1,0 +1,35 @@
+#include "server/backend/kernel_choice.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace normgrad::server::backend_internal {
+
+kernels::KernelConfig ConfigFor(const BatchSpec& spec, int target_sm) {
+  kernels::KernelConfig config;
+  config.hidden_dim = spec.hidden_dim;
+  config.dtype = spec.dtype;
+  config.target_sm = target_sm;
+  return config;
+}
+
+absl::Status CheckNamedKernel(const BatchSpec& spec) {
+  if (spec.kernel.empty()) return absl::OkStatus();
+  const kernels::Kernel* kernel = kernels::FindKernel(spec.kernel);
+  if (kernel == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("kernel \"", spec.kernel, "\" is unknown"));
+  }
+  if (spec.kernel != kWarpKernel && spec.kernel != kBatchedKernel) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kernel \"", spec.kernel, "\" cannot run a backward batch here; use \"", kBatchedKernel,
+        "\", \"", kWarpKernel, "\" or leave kernel empty"));
+  }
+  kernels::KernelConfig config = ConfigFor(spec, 75);
+  if (absl::Status s = kernel->CanImplement(config); !s.ok()) return s;
+  if (spec.kernel == kWarpKernel && !spec.rms_provided) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kernel \"", kWarpKernel, "\" needs the forward pass's rms (one value per row); none given"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace normgrad::server::backend_internal

@@ -1,0 +1,27 @@
+// Which kernel a batch runs, and whether a kernel named in the request can run it (internal to
+// the backends, so that CPU and CUDA refuse the same requests in the same words).
+#ifndef NORMGRAD_SERVER_BACKEND_KERNEL_CHOICE_H_
+#define NORMGRAD_SERVER_BACKEND_KERNEL_CHOICE_H_
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/kernel.h"
+#include "server/backend/backend.h"
+
+namespace normgrad::server::backend_internal {
+
+// The entry names the backends know how to drive.
+inline constexpr absl::string_view kWarpKernel = "rms_norm_backward";          // hidden <= 32, rms given
+inline constexpr absl::string_view kBatchedKernel = "batched_rms_norm_backward";  // any hidden
+
+// OK when spec.kernel is empty, else: INVALID_ARGUMENT for an unknown name, for a kernel the
+// backends cannot drive, for the kernel's own CanImplement failure (e.g. hidden_dim > 32 for
+// the warp kernel), and for the warp kernel without the forward's rms.
+absl::Status CheckNamedKernel(const BatchSpec& spec);
+
+// The KernelConfig a batch implies for `target_sm`.
+kernels::KernelConfig ConfigFor(const BatchSpec& spec, int target_sm);
+
+}  // namespace normgrad::server::backend_internal
+
+#endif  // NORMGRAD_SERVER_BACKEND_KERNEL_CHOICE_H_

@@ -1,0 +1,295 @@
+// End-to-end service benchmark over loopback, against a baseline measured in the same run: a
+// plain gRPC bidi stream (same proto, same chunk size) whose server only echoes x back as
+// grad_input. The ratio says how much of the transport's throughput the service keeps once it
+// validates, computes on the backend and streams gradients back.
+//
+//   bench_end_to_end [--rows=4096] [--hidden=4096] [--chunk_rows=64] [--repeats=3]
+//                    [--small_calls=2000] [--backend=cpu]
+//
+// Prints, for the large batch, bytes moved (x + dy in, dx out) per second and the ratio
+// service/echo (target >= 0.70); for 1 x 896 requests, p50 and p99 latency of a whole
+// RmsNormBackward call and the ratio of p50s (target <= 2).
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <deque>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "normgrad/v1/normgrad.grpc.pb.h"
+#include "server/service/normgrad_server.h"
+
+ABSL_FLAG(uint64_t, rows, 4096, "Rows of the large batch.");
+ABSL_FLAG(uint32_t, hidden, 4096, "hidden_dim of the large batch.");
+ABSL_FLAG(uint64_t, chunk_rows, 64, "Rows per request chunk.");
+ABSL_FLAG(int, repeats, 3, "Large-batch runs per side; the best is reported.");
+ABSL_FLAG(int, small_calls, 2000, "1 x 896 calls per side for the latency figures.");
+ABSL_FLAG(std::string, backend, "cpu", "Backend of the service: cpu, cuda or auto.");
+
+namespace {
+
+using normgrad::v1::BackwardRequest;
+using normgrad::v1::BackwardResponse;
+
+// The baseline: gRPC's callback API like the service, one read and one write in flight with
+// reads running ahead of writes (at most two responses queued), and no work but copying x back
+// as grad_input; a final message of gamma's size. The best a bidi echo of these bytes does.
+class EchoReactor final : public grpc::ServerBidiReactor<BackwardRequest, BackwardResponse> {
+ public:
+  EchoReactor() { StartRead(&request_); }
+
+  void OnReadDone(bool ok) override {
+    bool read = false;
+    BackwardResponse* write = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!ok) {
+        reads_done_ = true;
+        auto final = std::make_unique<BackwardResponse>();
+        final->set_grad_gamma(std::string(gamma_bytes_, '\0'));
+        final->mutable_summary()->set_rows(first_row_);
+        queue_.push_back(std::move(final));
+      } else if (request_.has_header()) {
+        row_bytes_ = uint64_t{request_.header().hidden_dim()} * 4;
+        gamma_bytes_ = request_.header().gamma().size();
+        read = true;
+      } else {
+        auto response = std::make_unique<BackwardResponse>();
+        response->set_first_row(first_row_);
+        response->set_num_rows(request_.x().size() / row_bytes_);
+        first_row_ += response->num_rows();
+        response->set_grad_input(request_.x());
+        queue_.push_back(std::move(response));
+        read = queue_.size() < 2;
+        read_paused_ = !read;
+      }
+      if (!writing_ && !queue_.empty()) {
+        writing_ = true;
+        write = queue_.front().get();
+      }
+    }
+    if (write != nullptr) StartWrite(write);
+    if (read) StartRead(&request_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    bool read = false, finish = false;
+    BackwardResponse* write = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      const bool was_final = reads_done_ && queue_.size() == 1;
+      queue_.pop_front();
+      writing_ = false;
+      if (!ok || was_final) {
+        finish = true;
+      } else {
+        if (!queue_.empty()) {
+          writing_ = true;
+          write = queue_.front().get();
+        }
+        if (read_paused_ && queue_.size() < 2) {
+          read_paused_ = false;
+          read = true;
+        }
+      }
+    }
+    if (finish) {
+      Finish(ok ? grpc::Status::OK : grpc::Status::CANCELLED);
+      return;
+    }
+    if (write != nullptr) StartWrite(write);
+    if (read) StartRead(&request_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Mutex mu_;
+  BackwardRequest request_;
+  std::deque<std::unique_ptr<BackwardResponse>> queue_;
+  bool writing_ = false, reads_done_ = false, read_paused_ = false;
+  uint64_t row_bytes_ = 4, gamma_bytes_ = 0, first_row_ = 0;
+};
+
+class EchoService final : public normgrad::v1::NormGrad::CallbackService {
+ public:
+  grpc::ServerBidiReactor<BackwardRequest, BackwardResponse>* RmsNormBackward(
+      grpc::CallbackServerContext*) override {
+    return new EchoReactor();
+  }
+};
+
+struct Workload {
+  std::vector<BackwardRequest> messages;  // header, then chunks
+  uint64_t payload_bytes = 0;             // x + dy + dx
+};
+
+Workload MakeWorkload(uint64_t rows, uint32_t hidden, uint64_t chunk_rows, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  Workload w;
+  BackwardRequest header;
+  header.mutable_header()->set_num_rows(rows);
+  header.mutable_header()->set_hidden_dim(hidden);
+  header.mutable_header()->set_eps(1e-5f);
+  std::vector<float> gamma(hidden);
+  for (float& g : gamma) g = u(rng);
+  header.mutable_header()->set_gamma(gamma.data(), gamma.size() * 4);
+  w.messages.push_back(header);
+  std::vector<float> buffer;
+  for (uint64_t first = 0; first < rows; first += chunk_rows) {
+    const uint64_t n = std::min(chunk_rows, rows - first);
+    buffer.resize(n * hidden);
+    BackwardRequest chunk;
+    for (float& v : buffer) v = u(rng);
+    chunk.set_x(buffer.data(), buffer.size() * 4);
+    for (float& v : buffer) v = u(rng);
+    chunk.set_dy(buffer.data(), buffer.size() * 4);
+    w.messages.push_back(std::move(chunk));
+    w.payload_bytes += 3 * n * hidden * 4;
+  }
+  return w;
+}
+
+// One whole RmsNormBackward call; returns seconds, or -1 on error.
+double RunOnce(normgrad::v1::NormGrad::Stub& stub, const Workload& w) {
+  const absl::Time start = absl::Now();
+  grpc::ClientContext context;
+  auto stream = stub.RmsNormBackward(&context);
+  std::thread writer([&] {
+    for (const BackwardRequest& m : w.messages) {
+      if (!stream->Write(m)) return;
+    }
+    stream->WritesDone();
+  });
+  BackwardResponse response;
+  while (stream->Read(&response)) {
+  }
+  writer.join();
+  grpc::Status s = stream->Finish();
+  if (!s.ok()) {
+    std::fprintf(stderr, "call failed: %s\n", s.error_message().c_str());
+    return -1;
+  }
+  return absl::ToDoubleSeconds(absl::Now() - start);
+}
+
+// One small call without a writer thread (the whole request fits in flow-control windows).
+double RunSmall(normgrad::v1::NormGrad::Stub& stub, const Workload& w) {
+  const absl::Time start = absl::Now();
+  grpc::ClientContext context;
+  auto stream = stub.RmsNormBackward(&context);
+  for (const BackwardRequest& m : w.messages) stream->Write(m);
+  stream->WritesDone();
+  BackwardResponse response;
+  while (stream->Read(&response)) {
+  }
+  if (!stream->Finish().ok()) return -1;
+  return absl::ToDoubleSeconds(absl::Now() - start);
+}
+
+std::shared_ptr<grpc::Channel> Channel(int port) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  return grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", port),
+                                   grpc::InsecureChannelCredentials(), args);
+}
+
+double Percentile(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  normgrad::server::ServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.metrics_listen = "";
+  absl::StatusOr<normgrad::server::BackendKind> kind =
+      normgrad::server::ParseBackendKind(absl::GetFlag(FLAGS_backend));
+  if (!kind.ok()) {
+    std::fprintf(stderr, "bench_end_to_end: %s\n", kind.status().ToString().c_str());
+    return 2;
+  }
+  options.backend.kind = *kind;
+  auto service = normgrad::server::NormGradServer::Start(options);
+  if (!service.ok()) {
+    std::fprintf(stderr, "bench_end_to_end: %s\n", service.status().ToString().c_str());
+    return 1;
+  }
+  EchoService echo_service;
+  grpc::ServerBuilder builder;
+  int echo_port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &echo_port);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.RegisterService(&echo_service);
+  std::unique_ptr<grpc::Server> echo = builder.BuildAndStart();
+  if (echo == nullptr) {
+    std::fprintf(stderr, "bench_end_to_end: cannot start the echo server\n");
+    return 1;
+  }
+  auto service_stub = normgrad::v1::NormGrad::NewStub(Channel((*service)->port()));
+  auto echo_stub = normgrad::v1::NormGrad::NewStub(Channel(echo_port));
+
+  const uint64_t rows = absl::GetFlag(FLAGS_rows);
+  const uint32_t hidden = absl::GetFlag(FLAGS_hidden);
+  const uint64_t chunk_rows = absl::GetFlag(FLAGS_chunk_rows);
+  const Workload large = MakeWorkload(rows, hidden, chunk_rows, 1);
+  std::printf("machine: %u hardware threads; service backend %s (%s)\n",
+              std::thread::hardware_concurrency(),
+              std::string((*service)->backend().Name()).c_str(),
+              (*service)->backend().Device().name.c_str());
+
+  // Warm both paths, then alternate runs so that drift affects both sides alike.
+  RunOnce(*service_stub, large);
+  RunOnce(*echo_stub, large);
+  double best_service = 1e30, best_echo = 1e30;
+  for (int i = 0; i < absl::GetFlag(FLAGS_repeats); ++i) {
+    const double s = RunOnce(*service_stub, large);
+    const double e = RunOnce(*echo_stub, large);
+    if (s < 0 || e < 0) return 1;
+    best_service = std::min(best_service, s);
+    best_echo = std::min(best_echo, e);
+  }
+  const double gb = static_cast<double>(large.payload_bytes) / 1e9;
+  std::printf(
+      "large %llux%u f32, %llu rows/chunk (%.2f MiB x+dy per message): service %.3f GB/s "
+      "(%.3f s), echo %.3f GB/s (%.3f s), service/echo = %.2f (target >= 0.70)\n",
+      static_cast<unsigned long long>(rows), hidden,
+      static_cast<unsigned long long>(chunk_rows),
+      static_cast<double>(chunk_rows) * hidden * 8 / (1 << 20), gb / best_service, best_service,
+      gb / best_echo, best_echo, best_echo / best_service);
+
+  const Workload small = MakeWorkload(1, 896, 1, 2);
+  const int calls = absl::GetFlag(FLAGS_small_calls);
+  for (int i = 0; i < 100; ++i) {
+    RunSmall(*service_stub, small);
+    RunSmall(*echo_stub, small);
+  }
+  std::vector<double> service_lat, echo_lat;
+  for (int i = 0; i < calls; ++i) {
+    service_lat.push_back(RunSmall(*service_stub, small));
+    echo_lat.push_back(RunSmall(*echo_stub, small));
+  }
+  const double sp50 = Percentile(service_lat, 0.5), sp99 = Percentile(service_lat, 0.99);
+  const double ep50 = Percentile(echo_lat, 0.5), ep99 = Percentile(echo_lat, 0.99);
+  std::printf(
+      "small 1x896, %d calls each: service p50 %.1f us p99 %.1f us, echo p50 %.1f us p99 %.1f "
+      "us, p50 service/echo = %.2f (target <= 2), p99 service/echo = %.2f\n",
+      calls, sp50 * 1e6, sp99 * 1e6, ep50 * 1e6, ep99 * 1e6, sp50 / ep50, sp99 / ep99);
+
+  echo->Shutdown();
+  (*service)->Shutdown(absl::Seconds(5));
+  return 0;
+}

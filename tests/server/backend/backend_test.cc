@@ -1,0 +1,268 @@
+// Correctness of the backend under test (NORMGRAD_TEST_BACKEND, default cpu) against
+// kernels::ReferenceBackward, and its refusal of inconsistent calls.
+//
+// Tolerance: the CPU backend must agree element by element within 1e-5 relative. The CUDA
+// backend's seed kernels sum in f32 (grad_gamma with atomics), so an element that is the
+// difference of two nearly equal terms carries the f32 rounding of the terms, not of the
+// result: it is held to 1e-5 relative plus 1e-5 of the magnitude of the terms it is made of,
+//   dx_ri:     inv_rms_r * (|gamma_i dy_ri| + |x_ri| inv_rms_r^2 mean_j |x_rj dy_rj gamma_j|)
+//   dgamma_i:  sum_r |dy_ri x_ri| inv_rms_r
+#include <cmath>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "kernels/reference.h"
+#include "server/backend/backend.h"
+#include "tests/server/backend/backend_test_util.h"
+
+namespace normgrad::server {
+namespace {
+
+using testing::Batch;
+using testing::Bytes;
+using testing::Gradients;
+using testing::MakeBatch;
+using testing::MutableBytes;
+
+bool IsCpu() { return testing::BackendUnderTestName() == "cpu"; }
+
+Gradients Reference(const Batch& b) {
+  Gradients g;
+  g.dx.resize(b.rows * b.hidden);
+  g.dgamma.resize(b.hidden);
+  kernels::ReferenceBackward({b.x, b.dy, b.gamma, b.rms, b.rows, b.hidden, b.eps}, absl::MakeSpan(g.dx),
+                             absl::MakeSpan(g.dgamma));
+  return g;
+}
+
+// Magnitudes of the terms each output element is computed from (see the top of the file).
+struct TermScales {
+  std::vector<double> dx, dgamma;
+};
+
+TermScales Scales(const Batch& b) {
+  TermScales t;
+  t.dx.resize(b.rows * b.hidden);
+  t.dgamma.assign(b.hidden, 0.0);
+  for (uint64_t r = 0; r < b.rows; ++r) {
+    const float* x = b.x.data() + r * b.hidden;
+    const float* dy = b.dy.data() + r * b.hidden;
+    double sum_sq = 0, sum_abs = 0;
+    for (uint32_t i = 0; i < b.hidden; ++i) {
+      sum_sq += double{x[i]} * x[i];
+      sum_abs += std::fabs(double{x[i]} * dy[i] * b.gamma[i]);
+    }
+    const double rms = b.rms.empty() ? std::sqrt(sum_sq / b.hidden + b.eps) : b.rms[r];
+    const double inv = 1.0 / rms;
+    for (uint32_t i = 0; i < b.hidden; ++i) {
+      t.dx[r * b.hidden + i] =
+          inv * (std::fabs(double{b.gamma[i]} * dy[i]) + std::fabs(x[i]) * inv * inv * sum_abs / b.hidden);
+      t.dgamma[i] += std::fabs(double{dy[i]} * x[i]) * inv;
+    }
+  }
+  return t;
+}
+
+// Counts elements of `got` outside the tolerance described at the top.
+int CountMismatches(const std::vector<float>& got, const std::vector<float>& want,
+                    const std::vector<double>& scale, std::string* first) {
+  int bad = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double abs_tol = IsCpu() ? 1e-30 : 1e-5 * scale[i];
+    const double diff = std::fabs(double{got[i]} - double{want[i]});
+    if (!(diff <= 1e-5 * std::fabs(want[i]) + abs_tol)) {
+      if (bad++ == 0) *first = absl::StrCat("index ", i, ": got ", got[i], ", want ", want[i]);
+    }
+  }
+  return bad;
+}
+
+class BackendShapeTest
+    : public ::testing::TestWithParam<std::tuple<uint32_t /*hidden*/, uint64_t /*rows*/, bool /*rms*/>> {};
+
+TEST_P(BackendShapeTest, MatchesReferenceWithChunksThatDoNotDivideTheRows) {
+  const auto [hidden, rows, with_rms] = GetParam();
+  absl::StatusOr<std::unique_ptr<Backend>> backend = testing::MakeBackendUnderTest();
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  const Batch b = MakeBatch(rows, hidden, with_rms);
+  const Gradients want = Reference(b);
+  const uint64_t chunk = std::max<uint64_t>(1, rows / 3 + 1);  // 3 chunks, the last shorter
+  absl::StatusOr<Gradients> got = testing::RunF32(**backend, b, chunk);
+  ASSERT_TRUE(got.ok()) << got.status();
+  std::string first;
+  EXPECT_EQ(CountMismatches(got->dx, want.dx, Scales(b).dx, &first), 0) << "dx " << first;
+  EXPECT_EQ(CountMismatches(got->dgamma, want.dgamma, Scales(b).dgamma, &first), 0) << "dgamma " << first;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, BackendShapeTest,
+    ::testing::Combine(::testing::Values(1u, 7u, 31u, 32u, 33u, 896u, 4096u, 8192u),
+                       ::testing::Values(uint64_t{1}, uint64_t{5}, uint64_t{67}),
+                       ::testing::Bool()),
+    [](const ::testing::TestParamInfo<BackendShapeTest::ParamType>& info) {
+      return absl::StrCat("hidden", std::get<0>(info.param), "_rows", std::get<1>(info.param),
+                          std::get<2>(info.param) ? "_rms_given" : "_rms_recomputed");
+    });
+
+TEST(BackendTest, ManyRowsMatchReference) {
+  absl::StatusOr<std::unique_ptr<Backend>> backend = testing::MakeBackendUnderTest();
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  const Batch b = MakeBatch(20011, 96, /*with_rms=*/false);
+  const Gradients want = Reference(b);
+  absl::StatusOr<Gradients> got = testing::RunF32(**backend, b, 4099);
+  ASSERT_TRUE(got.ok()) << got.status();
+  std::string first;
+  EXPECT_EQ(CountMismatches(got->dx, want.dx, Scales(b).dx, &first), 0) << "dx " << first;
+  EXPECT_EQ(CountMismatches(got->dgamma, want.dgamma, Scales(b).dgamma, &first), 0) << "dgamma " << first;
+}
+
+TEST(BackendTest, GradGammaSameBitsForSameInputAndChunking) {
+  if (!IsCpu()) GTEST_SKIP() << "the CUDA seed kernel sums grad_gamma with atomics";
+  absl::StatusOr<std::unique_ptr<Backend>> backend = testing::MakeBackendUnderTest();
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  const Batch b = MakeBatch(3001, 896, false);
+  absl::StatusOr<Gradients> first = testing::RunF32(**backend, b, 1000);
+  absl::StatusOr<Gradients> second = testing::RunF32(**backend, b, 1000);
+  ASSERT_TRUE(first.ok() && second.ok());
+  EXPECT_EQ(0, std::memcmp(first->dgamma.data(), second->dgamma.data(), b.hidden * 4));
+  EXPECT_EQ(0, std::memcmp(first->dx.data(), second->dx.data(), first->dx.size() * 4));
+}
+
+TEST(BackendTest, NanAndInfInTheDataAreComputedThrough) {
+  absl::StatusOr<std::unique_ptr<Backend>> backend = testing::MakeBackendUnderTest();
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  Batch b = MakeBatch(3, 8, false);
+  b.x[1] = std::nanf("");        // row 0 becomes NaN throughout
+  b.dy[8 + 2] = INFINITY;        // row 1: dx has inf/nan, still computed
+  absl::StatusOr<Gradients> got = testing::RunF32(**backend, b, 3);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(std::isnan(got->dx[0]));
+  EXPECT_FALSE(std::isfinite(got->dx[8 + 2]));
+  const Gradients want = Reference(b);
+  for (int i = 16; i < 24; ++i) EXPECT_NEAR(got->dx[i], want.dx[i], 1e-5 * std::fabs(want.dx[i]) + 1e-6);
+}
+
+class BackendRefusalTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<Backend>> backend = testing::MakeBackendUnderTest();
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    backend_ = *std::move(backend);
+    batch_ = MakeBatch(4, 8, false);
+    spec_.num_rows = 4;
+    spec_.hidden_dim = 8;
+  }
+
+  std::unique_ptr<BackwardSession> Start() {
+    absl::StatusOr<std::unique_ptr<BackwardSession>> s =
+        backend_->StartBackward(spec_, Bytes(batch_.gamma));
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? *std::move(s) : nullptr;
+  }
+
+  std::unique_ptr<Backend> backend_;
+  Batch batch_;
+  BatchSpec spec_;
+  std::vector<float> dx_ = std::vector<float>(32);
+};
+
+TEST_F(BackendRefusalTest, GammaOfWrongLengthIsInvalidArgument) {
+  std::vector<float> gamma(7);
+  absl::StatusOr<std::unique_ptr<BackwardSession>> s = backend_->StartBackward(spec_, Bytes(gamma));
+  ASSERT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("gamma has 28 bytes"), std::string::npos) << s.status();
+}
+
+TEST_F(BackendRefusalTest, ZeroRowsOrBadEpsIsInvalidArgument) {
+  spec_.num_rows = 0;
+  EXPECT_EQ(backend_->StartBackward(spec_, Bytes(batch_.gamma)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  spec_.num_rows = 4;
+  spec_.eps = -1;
+  EXPECT_EQ(backend_->StartBackward(spec_, Bytes(batch_.gamma)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  spec_.eps = NAN;
+  EXPECT_EQ(backend_->StartBackward(spec_, Bytes(batch_.gamma)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(BackendRefusalTest, UnknownKernelIsInvalidArgument) {
+  spec_.kernel = "no_such_kernel";
+  absl::Status s = backend_->StartBackward(spec_, Bytes(batch_.gamma)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("no_such_kernel"), std::string::npos) << s;
+}
+
+TEST_F(BackendRefusalTest, WarpKernelRefusesHiddenDimAbove32) {
+  Batch wide = MakeBatch(2, 33, /*with_rms=*/true);
+  spec_.hidden_dim = 33;
+  spec_.rms_provided = true;
+  spec_.kernel = "rms_norm_backward";
+  absl::Status s = backend_->StartBackward(spec_, Bytes(wide.gamma)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("33"), std::string::npos) << s;
+}
+
+TEST_F(BackendRefusalTest, WarpKernelWithoutRmsIsInvalidArgument) {
+  spec_.kernel = "rms_norm_backward";
+  absl::Status s = backend_->StartBackward(spec_, Bytes(batch_.gamma)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("needs the forward pass's rms"), std::string::npos) << s;
+}
+
+TEST_F(BackendRefusalTest, NamedKernelsRunWhenTheyCan) {
+  Batch narrow = MakeBatch(5, 16, /*with_rms=*/true);
+  for (const char* kernel : {"rms_norm_backward", "batched_rms_norm_backward"}) {
+    absl::StatusOr<Gradients> got = testing::RunF32(*backend_, narrow, 2, kernel);
+    ASSERT_TRUE(got.ok()) << kernel << ": " << got.status();
+    const Gradients want = Reference(narrow);
+    std::string first;
+    EXPECT_EQ(CountMismatches(got->dx, want.dx, Scales(narrow).dx, &first), 0) << kernel << " " << first;
+  }
+}
+
+TEST_F(BackendRefusalTest, ChunkWithMismatchedSizesIsInvalidArgument) {
+  std::unique_ptr<BackwardSession> session = Start();
+  ASSERT_NE(session, nullptr);
+  absl::Span<const uint8_t> x = Bytes(batch_.x);
+  absl::Status s = session->ProcessChunk(x.subspan(0, 60), Bytes(batch_.dy).subspan(0, 64), {}, 2,
+                                         MutableBytes(dx_).subspan(0, 64));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("x has 60 bytes"), std::string::npos) << s;
+}
+
+TEST_F(BackendRefusalTest, RmsGivenToABatchWithoutRmsIsInvalidArgument) {
+  std::unique_ptr<BackwardSession> session = Start();
+  ASSERT_NE(session, nullptr);
+  std::vector<float> rms(4, 1.0f);
+  absl::Status s = session->ProcessChunk(Bytes(batch_.x), Bytes(batch_.dy), rms, 4, MutableBytes(dx_));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(BackendRefusalTest, MoreRowsThanDeclaredIsInvalidArgument) {
+  std::unique_ptr<BackwardSession> session = Start();
+  ASSERT_NE(session, nullptr);
+  ASSERT_TRUE(session->ProcessChunk(Bytes(batch_.x), Bytes(batch_.dy), {}, 4, MutableBytes(dx_)).ok());
+  absl::Status s = session->ProcessChunk(Bytes(batch_.x).subspan(0, 32), Bytes(batch_.dy).subspan(0, 32),
+                                         {}, 1, MutableBytes(dx_).subspan(0, 32));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("exceeds num_rows (4)"), std::string::npos) << s;
+}
+
+TEST_F(BackendRefusalTest, FinishBeforeAllRowsIsInvalidArgument) {
+  std::unique_ptr<BackwardSession> session = Start();
+  ASSERT_NE(session, nullptr);
+  ASSERT_TRUE(session->ProcessChunk(Bytes(batch_.x).subspan(0, 64), Bytes(batch_.dy).subspan(0, 64), {},
+                                    2, MutableBytes(dx_).subspan(0, 64))
+                  .ok());
+  std::vector<float> dgamma(8);
+  absl::Status s = session->Finish(MutableBytes(dgamma));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("after 2 rows; num_rows declared 4"), std::string::npos) << s;
+}
+
+}  // namespace
+}  // namespace normgrad::server

@@ -1,0 +1,223 @@
+// CPU-backend specifics: grad_gamma bits independent of the thread count, accuracy over many
+// rows, the bf16/f16 conversions, and the thread pool.
+#include "server/backend/cpu_backend.h"
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "hwy/base.h"
+#include "kernels/reference.h"
+#include "server/backend/thread_pool.h"
+#include "tests/server/backend/backend_test_util.h"
+
+namespace normgrad::server {
+namespace {
+
+using testing::Batch;
+using testing::Bytes;
+using testing::Gradients;
+using testing::MakeBatch;
+using testing::MutableBytes;
+
+std::unique_ptr<Backend> Cpu(int threads) {
+  CpuBackendOptions options;
+  options.threads = threads;
+  return NewCpuBackend(options); }
+
+TEST(CpuBackendTest, SameBitsWhateverTheThreadCount) {
+  const Batch b = MakeBatch(5003, 896, /*with_rms=*/false);
+  std::vector<Gradients> results;
+  for (int threads : {1, 2, 4}) {
+    absl::StatusOr<Gradients> g = testing::RunF32(*Cpu(threads), b, 2048);
+    ASSERT_TRUE(g.ok()) << g.status();
+    results.push_back(*std::move(g));
+  }
+  for (size_t k = 1; k < results.size(); ++k) {
+    EXPECT_EQ(0, std::memcmp(results[0].dgamma.data(), results[k].dgamma.data(), 896 * 4)) << k;
+    EXPECT_EQ(0, std::memcmp(results[0].dx.data(), results[k].dx.data(), results[0].dx.size() * 4)) << k;
+  }
+}
+
+TEST(CpuBackendTest, LargeChunksWrittenWithStreamingStoresGiveTheSameBits) {
+  // 520 x 4099 f32 = 8.5 MB per buffer: above kStreamDxBytes as one chunk, below it in chunks
+  // of 100 rows. The odd hidden_dim puts most rows off the vector alignment (scalar heads).
+  const Batch b = MakeBatch(520, 4099, /*with_rms=*/false);
+  ASSERT_GE(b.x.size() * 4, cpu_internal::kStreamDxBytes);
+  absl::StatusOr<Gradients> streamed = testing::RunF32(*Cpu(2), b, 520);
+  absl::StatusOr<Gradients> cached = testing::RunF32(*Cpu(2), b, 100);
+  ASSERT_TRUE(streamed.ok() && cached.ok());
+  EXPECT_EQ(0, std::memcmp(streamed->dx.data(), cached->dx.data(), b.x.size() * 4));
+  std::vector<float> dx(b.x.size()), dgamma(b.hidden);
+  kernels::ReferenceBackward({b.x, b.dy, b.gamma, {}, b.rows, b.hidden, b.eps}, absl::MakeSpan(dx),
+                             absl::MakeSpan(dgamma));
+  int bad = 0;
+  for (size_t i = 0; i < dx.size(); ++i) {
+    if (!(std::fabs(streamed->dx[i] - dx[i]) <= 1e-5 * std::fabs(dx[i]) + 1e-30)) ++bad;
+  }
+  EXPECT_EQ(bad, 0);
+}
+
+TEST(CpuBackendTest, PartitionsDependOnlyOnTheShape) {
+  EXPECT_EQ(cpu_internal::RowsPerPartition(4096, 4096), 64u);     // 64 partitions
+  EXPECT_EQ(cpu_internal::RowsPerPartition(256, 4096), 32u);      // >= 131072 elements each
+  EXPECT_EQ(cpu_internal::RowsPerPartition(100, 896), 147u);      // a single partition
+  EXPECT_EQ(cpu_internal::RowsPerPartition(1, 1), 131072u);
+  EXPECT_EQ(cpu_internal::RowsPerPartition(10000000, 8), 156250u);  // at most 64 partitions
+}
+
+TEST(CpuBackendTest, HundredThousandRowsGradGammaWithin1e5OfReference) {
+  const Batch b = MakeBatch(100000, 33, /*with_rms=*/false);
+  std::vector<float> dx(b.x.size()), dgamma(b.hidden);
+  kernels::ReferenceBackward({b.x, b.dy, b.gamma, {}, b.rows, b.hidden, b.eps}, absl::MakeSpan(dx),
+                             absl::MakeSpan(dgamma));
+  absl::StatusOr<Gradients> got = testing::RunF32(*Cpu(2), b, 30000);
+  ASSERT_TRUE(got.ok()) << got.status();
+  for (uint32_t i = 0; i < b.hidden; ++i) {
+    EXPECT_LE(std::fabs(got->dgamma[i] - dgamma[i]), 1e-5 * std::fabs(dgamma[i])) << i;
+  }
+}
+
+TEST(CpuBackendTest, MisalignedF32BuffersGiveTheSameResult) {
+  const Batch b = MakeBatch(50, 37, false);
+  absl::StatusOr<Gradients> aligned = testing::RunF32(*Cpu(2), b, 50);
+  ASSERT_TRUE(aligned.ok());
+  // The same bytes one byte into their buffers.
+  const size_t n = b.x.size() * 4;
+  std::vector<uint8_t> x(n + 1), dy(n + 1), dx(n + 1);
+  std::memcpy(x.data() + 1, b.x.data(), n);
+  std::memcpy(dy.data() + 1, b.dy.data(), n);
+  BatchSpec spec;
+  spec.num_rows = 50;
+  spec.hidden_dim = 37;
+  spec.eps = b.eps;
+  std::unique_ptr<Backend> cpu = Cpu(2);
+  auto session = cpu->StartBackward(spec, Bytes(b.gamma));
+  ASSERT_TRUE(session.ok());
+  ASSERT_TRUE((*session)
+                  ->ProcessChunk(absl::MakeConstSpan(x).subspan(1), absl::MakeConstSpan(dy).subspan(1),
+                                 {}, 50, absl::MakeSpan(dx).subspan(1))
+                  .ok());
+  std::vector<float> dgamma(37);
+  ASSERT_TRUE((*session)->Finish(MutableBytes(dgamma)).ok());
+  EXPECT_EQ(0, std::memcmp(dx.data() + 1, aligned->dx.data(), n));
+  EXPECT_EQ(0, std::memcmp(dgamma.data(), aligned->dgamma.data(), 37 * 4));
+}
+
+// bf16 and f16: inputs rounded to the dtype, outputs within the dtype's rounding of the
+// reference computed on the same (rounded) inputs.
+struct HalfCase {
+  kernels::DType dtype;
+  double relative;  // half an ulp of the format, plus a margin
+};
+
+class CpuHalfPrecisionTest : public ::testing::TestWithParam<HalfCase> {};
+
+uint16_t ToHalfBits(kernels::DType dtype, float v) {
+  if (dtype == kernels::DType::kBF16) return hwy::BF16FromF32(v).bits;
+  // f16 by round-to-nearest-even, for the normal values these tests use.
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  const uint32_t sign = (bits >> 16) & 0x8000u;
+  int32_t exp = static_cast<int32_t>((bits >> 23) & 0xff) - 127 + 15;
+  uint32_t mant = bits & 0x7fffffu;
+  if (exp <= 0) return static_cast<uint16_t>(sign);  // flush tiny values (not produced here)
+  uint32_t half = (static_cast<uint32_t>(exp) << 10) | (mant >> 13);
+  const uint32_t rest = mant & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
+  return static_cast<uint16_t>(sign | half);
+}
+
+float FromHalfBits(kernels::DType dtype, uint16_t h) {
+  if (dtype == kernels::DType::kBF16) {
+    hwy::bfloat16_t b;
+    b.bits = h;
+    return hwy::F32FromBF16(b);
+  }
+  const uint32_t sign = (h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1f;
+  const uint32_t mant = h & 0x3ffu;
+  float v;
+  if (exp == 0) {
+    v = std::ldexp(static_cast<float>(mant), -24);
+    if (sign) v = -v;
+    return v;
+  }
+  const uint32_t bits = sign | ((exp - 15 + 127) << 23) | (mant << 13);
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
+TEST_P(CpuHalfPrecisionTest, MatchesReferenceOnRoundedInputs) {
+  const HalfCase c = GetParam();
+  Batch b = MakeBatch(40, 33, false);
+  auto round_all = [&](std::vector<float>& v, std::vector<uint16_t>& bits) {
+    bits.resize(v.size());
+    for (size_t i = 0; i < v.size(); ++i) {
+      bits[i] = ToHalfBits(c.dtype, v[i]);
+      v[i] = FromHalfBits(c.dtype, bits[i]);
+    }
+  };
+  std::vector<uint16_t> x16, dy16, g16;
+  round_all(b.x, x16);
+  round_all(b.dy, dy16);
+  round_all(b.gamma, g16);
+  std::vector<float> want_dx(b.x.size()), want_dgamma(b.hidden);
+  kernels::ReferenceBackward({b.x, b.dy, b.gamma, {}, b.rows, b.hidden, b.eps},
+                             absl::MakeSpan(want_dx), absl::MakeSpan(want_dgamma));
+
+  std::unique_ptr<Backend> cpu = Cpu(2);
+  BatchSpec spec;
+  spec.num_rows = b.rows;
+  spec.hidden_dim = b.hidden;
+  spec.eps = b.eps;
+  spec.dtype = c.dtype;
+  auto session = cpu->StartBackward(spec, Bytes(g16));
+  ASSERT_TRUE(session.ok()) << session.status();
+  std::vector<uint16_t> dx16(b.x.size()), dgamma16(b.hidden);
+  ASSERT_TRUE((*session)->ProcessChunk(Bytes(x16), Bytes(dy16), {}, b.rows, MutableBytes(dx16)).ok());
+  ASSERT_TRUE((*session)->Finish(MutableBytes(dgamma16)).ok());
+  for (size_t i = 0; i < want_dx.size(); ++i) {
+    EXPECT_LE(std::fabs(FromHalfBits(c.dtype, dx16[i]) - want_dx[i]),
+              c.relative * std::fabs(want_dx[i]) + 1e-6)
+        << i;
+  }
+  for (size_t i = 0; i < want_dgamma.size(); ++i) {
+    EXPECT_LE(std::fabs(FromHalfBits(c.dtype, dgamma16[i]) - want_dgamma[i]),
+              c.relative * std::fabs(want_dgamma[i]) + 1e-6)
+        << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CpuHalfPrecisionTest,
+                         ::testing::Values(HalfCase{kernels::DType::kBF16, 1.0 / 256},
+                                           HalfCase{kernels::DType::kF16, 1.0 / 2048}),
+                         [](const ::testing::TestParamInfo<HalfCase>& info) {
+                           return info.param.dtype == kernels::DType::kBF16 ? "bf16" : "f16";
+                         });
+
+TEST(CpuBackendTest, DeviceNamesThreadsAndSimdTarget) {
+  const DeviceDescription d = Cpu(3)->Device();
+  EXPECT_EQ(d.name.rfind("cpu: 3 threads, ", 0), 0u) << d.name;
+  EXPECT_EQ(d.sm_count, 3u);
+  EXPECT_GT(d.total_memory_bytes, 0u);
+  EXPECT_TRUE(d.driver_version.empty());
+}
+
+TEST(ThreadPoolTest, RunsEveryIndexOnceAcrossConcurrentCallers) {
+  ThreadPool pool(3);
+  constexpr size_t kN = 1000;
+  std::vector<std::atomic<int>> a(kN), b(kN);
+  std::thread other([&] { pool.ParallelFor(kN, [&](size_t i) { b[i].fetch_add(1); }); });
+  pool.ParallelFor(kN, [&](size_t i) { a[i].fetch_add(1); });
+  other.join();
+  for (size_t i = 0; i < kN; ++i) {
+    ASSERT_EQ(a[i].load(), 1) << i;
+    ASSERT_EQ(b[i].load(), 1) << i;
+  }
+}
+
+}  // namespace
+}  // namespace normgrad::server

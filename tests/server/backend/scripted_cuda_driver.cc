@@ -1,0 +1,331 @@
+// A stand-in CUDA driver library for the CUDA backend's tests on machines without a GPU. It
+// exports the symbols of server/cuda/driver_api.h; "device" memory is host memory, and
+// cuLaunchKernel runs a C++ model of the two backward kernels, chosen by the entry name found
+// in the loaded PTX (parameters by the names the PTX declares). Behaviour is scripted by
+// environment, read at every call:
+//   NORMGRAD_SCRIPTED_CUDA=ok|init_fails|no_devices|jit_error|oom     (default ok)
+//   NORMGRAD_SCRIPTED_CUDA_MAX_GRID_X=N                             (default 2147483647)
+// Work issued on a thread that has not made the context current fails with
+// CUDA_ERROR_INVALID_CONTEXT, as a real driver does.
+#include <cuda.h>
+#undef cuEventElapsedTime  // export the unversioned name, as server/cuda/driver_api.h looks up
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace {
+
+std::string Mode() {
+  const char* m = std::getenv("NORMGRAD_SCRIPTED_CUDA");
+  return m != nullptr ? m : "ok";
+}
+
+int DummyContextStorage;
+CUcontext const kContext = reinterpret_cast<CUcontext>(&DummyContextStorage);
+thread_local CUcontext current = nullptr;
+
+std::atomic<int> module_loads{0};
+std::atomic<int> launches{0};
+std::atomic<int> live_modules{0};
+
+struct Module {
+  std::string entry;
+  std::vector<std::pair<std::string, std::string>> params;  // (type, name) in order
+};
+
+// Parses ".entry NAME(" and the ".param .TYPE NAME" lines that follow it.
+Module Parse(const char* ptx) {
+  Module m;
+  const std::string text(ptx);
+  size_t at = text.find(".entry ");
+  if (at == std::string::npos) return m;
+  at += 7;
+  size_t end = text.find_first_of("( \n", at);
+  m.entry = text.substr(at, end - at);
+  size_t close = text.find(')', end);
+  size_t p = text.find(".param ", end);
+  while (p != std::string::npos && p < close) {
+    p += 7;
+    size_t type_end = text.find(' ', p);
+    std::string type = text.substr(p + 1, type_end - p - 1);  // skip the '.'
+    size_t name_start = type_end + 1;
+    size_t name_end = text.find_first_of(",) \n", name_start);
+    m.params.emplace_back(type, text.substr(name_start, name_end - name_start));
+    p = text.find(".param ", name_end);
+  }
+  return m;
+}
+
+struct Function {
+  Module* module;
+};
+
+bool NoContext() { return current != kContext; }
+
+template <typename T>
+T Arg(const Module& m, void** args, const std::string& name) {
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    if (m.params[i].second == name) {
+      T v;
+      std::memcpy(&v, args[i], sizeof(T));
+      return v;
+    }
+  }
+  std::abort();  // the model needs a parameter the PTX lacks: the test will crash loudly
+}
+
+template <typename T>
+bool HasArg(const Module& m, const std::string& name) {
+  for (const auto& p : m.params) {
+    if (p.second == name) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+extern "C" {
+
+int normgrad_scripted_cuda_module_loads() { return module_loads.load(); }
+int normgrad_scripted_cuda_launches() { return launches.load(); }
+int normgrad_scripted_cuda_live_modules() { return live_modules.load(); }
+void normgrad_scripted_cuda_reset() {
+  module_loads = 0;
+  launches = 0;
+}
+
+CUresult cuInit(unsigned int) { return Mode() == "init_fails" ? CUDA_ERROR_NO_DEVICE : CUDA_SUCCESS; }
+CUresult cuDriverGetVersion(int* v) {
+  *v = 13000;
+  return CUDA_SUCCESS;
+}
+CUresult cuDeviceGetCount(int* n) {
+  *n = Mode() == "no_devices" ? 0 : 1;
+  return CUDA_SUCCESS;
+}
+CUresult cuDeviceGet(CUdevice* d, int ordinal) {
+  if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
+  *d = 0;
+  return CUDA_SUCCESS;
+}
+CUresult cuDeviceGetName(char* name, int len, CUdevice) {
+  std::strncpy(name, "Scripted GPU", static_cast<size_t>(len));
+  return CUDA_SUCCESS;
+}
+CUresult cuDeviceGetAttribute(int* v, CUdevice_attribute a, CUdevice) {
+  switch (a) {
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *v = 9; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *v = 0; break;
+    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *v = 132; break;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: *v = 1; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X: {
+      const char* g = std::getenv("NORMGRAD_SCRIPTED_CUDA_MAX_GRID_X");
+      *v = g != nullptr ? std::atoi(g) : 2147483647;
+      break;
+    }
+    default: *v = 0;
+  }
+  return CUDA_SUCCESS;
+}
+CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice) {
+  *bytes = size_t{80} << 30;
+  return CUDA_SUCCESS;
+}
+CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice) {
+  *c = kContext;
+  return CUDA_SUCCESS;
+}
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice) { return CUDA_SUCCESS; }
+CUresult cuCtxSetCurrent(CUcontext c) {
+  current = c;
+  return CUDA_SUCCESS;
+}
+CUresult cuCtxGetCurrent(CUcontext* c) {
+  *c = current;
+  return CUDA_SUCCESS;
+}
+
+CUresult cuModuleLoadDataEx(CUmodule* module, const void* image, unsigned int n, CUjit_option* options,
+                            void** values) {
+  if (NoContext()) return CUDA_ERROR_INVALID_CONTEXT;
+  ++module_loads;
+  if (Mode() == "jit_error") {
+    char* log = nullptr;
+    size_t size = 0;
+    for (unsigned i = 0; i < n; ++i) {
+      if (options[i] == CU_JIT_ERROR_LOG_BUFFER) log = static_cast<char*>(values[i]);
+      if (options[i] == CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES) size = reinterpret_cast<uintptr_t>(values[i]);
+    }
+    if (log != nullptr && size > 0) {
+      std::snprintf(log, size, "ptxas application ptx input, line 7; error   : scripted failure\n");
+    }
+    return CUDA_ERROR_INVALID_PTX;
+  }
+  *module = reinterpret_cast<CUmodule>(new Module(Parse(static_cast<const char*>(image))));
+  ++live_modules;
+  return CUDA_SUCCESS;
+}
+CUresult cuModuleUnload(CUmodule module) {
+  if (NoContext()) return CUDA_ERROR_INVALID_CONTEXT;
+  delete reinterpret_cast<Module*>(module);
+  --live_modules;
+  return CUDA_SUCCESS;
+}
+CUresult cuModuleGetFunction(CUfunction* f, CUmodule module, const char* name) {
+  Module* m = reinterpret_cast<Module*>(module);
+  if (m->entry != name) return CUDA_ERROR_NOT_FOUND;
+  *f = reinterpret_cast<CUfunction>(m);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned, unsigned, unsigned,
+                        unsigned, CUstream, void** args, void**) {
+  if (NoContext()) return CUDA_ERROR_INVALID_CONTEXT;
+  const char* g = std::getenv("NORMGRAD_SCRIPTED_CUDA_MAX_GRID_X");
+  if (g != nullptr && gx > static_cast<unsigned>(std::atoi(g))) return CUDA_ERROR_INVALID_VALUE;
+  ++launches;
+  const Module& m = *reinterpret_cast<Module*>(f);
+  const bool batched = m.entry == "batched_rms_norm_backward";
+  if (!batched && m.entry != "rms_norm_backward") return CUDA_ERROR_NOT_FOUND;
+  const auto* x = reinterpret_cast<const float*>(Arg<uint64_t>(m, args, "input_ptr"));
+  const auto* gamma = reinterpret_cast<const float*>(Arg<uint64_t>(m, args, "gamma_ptr"));
+  const auto* dy = reinterpret_cast<const float*>(Arg<uint64_t>(m, args, "grad_output_ptr"));
+  auto* dx = reinterpret_cast<float*>(Arg<uint64_t>(m, args, "grad_input_ptr"));
+  const uint32_t rows = Arg<uint32_t>(m, args, "num_rows");
+  const uint32_t h = Arg<uint32_t>(m, args, "hidden_dim");
+  for (uint32_t r = 0; r < rows; ++r) {
+    const float* xr = x + uint64_t{r} * h;
+    const float* yr = dy + uint64_t{r} * h;
+    float sum_sq = 0, sum_xdyg = 0;
+    for (uint32_t i = 0; i < h; ++i) {
+      sum_sq += xr[i] * xr[i];
+      sum_xdyg += xr[i] * yr[i] * gamma[i];
+    }
+    float rms;
+    if (batched) {
+      rms = std::sqrt(sum_sq / static_cast<float>(h) + Arg<float>(m, args, "eps"));
+    } else {
+      rms = reinterpret_cast<const float*>(Arg<uint64_t>(m, args, "rms_ptr"))[r];
+    }
+    const float inv = 1.0f / rms;
+    const float mean = sum_xdyg / static_cast<float>(h);
+    for (uint32_t i = 0; i < h; ++i) {
+      dx[uint64_t{r} * h + i] = inv * (gamma[i] * yr[i] - xr[i] * inv * inv * mean);
+    }
+    if (batched) {
+      auto* dgamma = reinterpret_cast<float*>(Arg<uint64_t>(m, args, "grad_gamma_ptr"));
+      for (uint32_t i = 0; i < h; ++i) dgamma[i] += yr[i] * xr[i] * inv;
+    }
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t bytes) {
+  if (NoContext()) return CUDA_ERROR_INVALID_CONTEXT;
+  if (Mode() == "oom") return CUDA_ERROR_OUT_OF_MEMORY;
+  *p = reinterpret_cast<CUdeviceptr>(std::malloc(bytes));
+  return CUDA_SUCCESS;
+}
+CUresult cuMemFree_v2(CUdeviceptr p) {
+  std::free(reinterpret_cast<void*>(p));
+  return CUDA_SUCCESS;
+}
+CUresult cuMemAllocAsync(CUdeviceptr* p, size_t bytes, CUstream) { return cuMemAlloc_v2(p, bytes); }
+CUresult cuMemFreeAsync(CUdeviceptr p, CUstream) { return cuMemFree_v2(p); }
+CUresult cuDeviceGetDefaultMemPool(CUmemoryPool* pool, CUdevice) {
+  *pool = reinterpret_cast<CUmemoryPool>(&DummyContextStorage);
+  return CUDA_SUCCESS;
+}
+CUresult cuMemPoolSetAttribute(CUmemoryPool, CUmemPool_attribute a, void* v) {
+  if (a != CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) return CUDA_ERROR_INVALID_VALUE;
+  return *static_cast<cuuint64_t*>(v) == ~cuuint64_t{0} ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned int) {
+  if (NoContext()) return CUDA_ERROR_INVALID_CONTEXT;
+  *p = std::malloc(bytes);
+  return CUDA_SUCCESS;
+}
+CUresult cuMemFreeHost(void* p) {
+  std::free(p);
+  return CUDA_SUCCESS;
+}
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream) {
+  if (NoContext()) return CUDA_ERROR_INVALID_CONTEXT;
+  std::memcpy(reinterpret_cast<void*>(dst), src, n);
+  return CUDA_SUCCESS;
+}
+CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream) {
+  if (NoContext()) return CUDA_ERROR_INVALID_CONTEXT;
+  std::memcpy(dst, reinterpret_cast<const void*>(src), n);
+  return CUDA_SUCCESS;
+}
+CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream) {
+  if (NoContext()) return CUDA_ERROR_INVALID_CONTEXT;
+  std::memset(reinterpret_cast<void*>(dst), v, n);
+  return CUDA_SUCCESS;
+}
+CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int v, size_t n, CUstream) {
+  if (NoContext()) return CUDA_ERROR_INVALID_CONTEXT;
+  auto* p = reinterpret_cast<uint32_t*>(dst);
+  for (size_t i = 0; i < n; ++i) p[i] = v;
+  return CUDA_SUCCESS;
+}
+CUresult cuStreamCreate(CUstream* s, unsigned int flags) {
+  if (NoContext()) return CUDA_ERROR_INVALID_CONTEXT;
+  if (flags != CU_STREAM_NON_BLOCKING) return CUDA_ERROR_INVALID_VALUE;  // the backend's contract
+  *s = reinterpret_cast<CUstream>(new int(0));
+  return CUDA_SUCCESS;
+}
+CUresult cuStreamDestroy_v2(CUstream s) {
+  delete reinterpret_cast<int*>(s);
+  return CUDA_SUCCESS;
+}
+CUresult cuStreamSynchronize(CUstream) { return NoContext() ? CUDA_ERROR_INVALID_CONTEXT : CUDA_SUCCESS; }
+CUresult cuEventCreate(CUevent* e, unsigned int) {
+  *e = reinterpret_cast<CUevent>(new int(0));
+  return CUDA_SUCCESS;
+}
+CUresult cuEventRecord(CUevent, CUstream) { return CUDA_SUCCESS; }
+CUresult cuEventSynchronize(CUevent) { return CUDA_SUCCESS; }
+CUresult cuEventElapsedTime(float* ms, CUevent, CUevent) {
+  *ms = 0;
+  return CUDA_SUCCESS;
+}
+CUresult cuEventDestroy_v2(CUevent e) {
+  delete reinterpret_cast<int*>(e);
+  return CUDA_SUCCESS;
+}
+CUresult cuGetErrorName(CUresult r, const char** s) {
+  switch (r) {
+    case CUDA_ERROR_NO_DEVICE: *s = "CUDA_ERROR_NO_DEVICE"; break;
+    case CUDA_ERROR_INVALID_PTX: *s = "CUDA_ERROR_INVALID_PTX"; break;
+    case CUDA_ERROR_OUT_OF_MEMORY: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
+    case CUDA_ERROR_INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; break;
+    case CUDA_ERROR_INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; break;
+    default: return CUDA_ERROR_INVALID_VALUE;
+  }
+  return CUDA_SUCCESS;
+}
+CUresult cuGetErrorString(CUresult r, const char** s) {
+  switch (r) {
+    case CUDA_ERROR_NO_DEVICE: *s = "no CUDA-capable device is detected"; break;
+    case CUDA_ERROR_INVALID_PTX: *s = "a PTX JIT compilation failed"; break;
+    case CUDA_ERROR_OUT_OF_MEMORY: *s = "out of memory"; break;
+    default: return CUDA_ERROR_INVALID_VALUE;
+  }
+  return CUDA_SUCCESS;
+}
+CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
+  *free_bytes = size_t{79} << 30;
+  *total = size_t{80} << 30;
+  return CUDA_SUCCESS;
+}
+
+}  // extern "C"
