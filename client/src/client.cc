@@ -266,11 +266,14 @@ class ClientImpl final : public Client {
     PrepareContext(state->context, options.deadline);
     stub_->async()->EmitPtx(&state->context, &state->request, &state->response,
                             [state](grpc::Status status) {
-                              std::unique_ptr<State> owned(state);
+                              // Context first, callback last (see BackwardCall::OnDone).
+                              EmitPtxCallback done = std::move(state->done);
+                              v1::EmitPtxResponse response = std::move(state->response);
+                              delete state;
                               if (!status.ok()) {
-                                owned->done(FromGrpcStatus(status));
+                                done(FromGrpcStatus(status));
                               } else {
-                                owned->done(std::move(owned->response));
+                                done(std::move(response));
                               }
                             });
   }
@@ -435,10 +438,13 @@ void BackwardCall::OnReadDone(bool ok) {
 }
 
 void BackwardCall::OnDone(const grpc::Status& status) {
-  std::unique_ptr<BackwardCall> self(this);
   if (status.error_code() == grpc::StatusCode::UNAVAILABLE && !any_response_ &&
       attempt_ < client_->options().max_attempts) {
-    client_->RetryBackward(std::move(shared_), attempt_ + 1);
+    ClientImpl* client = client_;
+    std::shared_ptr<Shared> shared = std::move(shared_);
+    const int next = attempt_ + 1;
+    delete this;
+    client->RetryBackward(std::move(shared), next);
     return;
   }
   absl::Status result = error_;
@@ -448,10 +454,17 @@ void BackwardCall::OnDone(const grpc::Status& status) {
         absl::StrCat("server ended the stream after ", rows_received_, " of ",
                      shared_->args.num_rows, " rows", final_received_ ? "" : " and no grad_gamma"));
   }
+  // The reactor (and its ClientContext, which holds a reference to the channel) is destroyed
+  // before the caller hears about it: once `done` runs the caller may destroy the Client, and
+  // the channel's last reference must not be dropped on a gRPC callback thread.
+  std::shared_ptr<Shared> shared = std::move(shared_);
+  const int attempts = attempt_;
+  BackwardSummary summary = std::move(summary_);
+  delete this;
   if (!result.ok()) {
-    shared_->done(std::move(result));
+    shared->done(std::move(result));
   } else {
-    shared_->done(RawBackwardResult{std::move(summary_), attempt_});
+    shared->done(RawBackwardResult{std::move(summary), attempts});
   }
 }
 

@@ -47,7 +47,11 @@ class CliFilesTest : public ::testing::Test {
     fortran.replace(fortran.find("False"), 5, "True ");
     RawWrite("fortran.npy", fortran);
   }
-  std::string P(const std::string& name) { return dir_ + "/cli_test_" + name; }
+  // Per-test names: ctest runs each test as its own process, in parallel.
+  std::string P(const std::string& name) {
+    return dir_ + "/cli_test_" + ::testing::UnitTest::GetInstance()->current_test_info()->name() +
+           "_" + name;
+  }
   void Write(const std::string& name, std::vector<uint64_t> shape, std::vector<float> data) {
     ASSERT_TRUE(npy::WriteF32(P(name), shape, data).ok());
   }

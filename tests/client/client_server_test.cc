@@ -1,0 +1,246 @@
+// normgrad::Client against a real server on loopback: chunking of batches larger than the
+// message limit, chunk boundaries, caller-provided buffers, rms, deadlines, retries onto a
+// second server, concurrent asynchronous calls, and server errors passed through untouched.
+#include <future>
+#include <memory>
+#include <vector>
+
+#include "absl/synchronization/blocking_counter.h"
+#include "gtest/gtest.h"
+#include "normgrad/client.h"
+#include "tests/client/test_server.h"
+
+namespace normgrad {
+namespace {
+
+using ::normgrad::testing::Address;
+using ::normgrad::testing::Batch;
+using ::normgrad::testing::DeadPort;
+using ::normgrad::testing::ExpectClose;
+using ::normgrad::testing::StartTestServer;
+
+class ClientServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    server_ = StartTestServer();
+    ASSERT_NE(server_, nullptr);
+  }
+  std::unique_ptr<Client> Connect(ClientOptions options = {}) {
+    if (options.target == ClientOptions().target) options.target = Address(*server_);
+    absl::StatusOr<std::unique_ptr<Client>> c = Client::Create(options);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+  std::unique_ptr<server::NormGradServer> server_;
+};
+
+TEST_F(ClientServerTest, SmallBatchMatchesReference) {
+  const Batch b(3, 8, /*seed=*/1);
+  absl::StatusOr<Gradients> g = Connect()->Backward(b.x, b.dy, b.gamma, 1e-5f);
+  ASSERT_TRUE(g.ok()) << g.status();
+  ExpectClose(g->dx, b.dx, "dx");
+  ExpectClose(g->dgamma, b.dgamma, "dgamma");
+  EXPECT_EQ(g->summary.backend, "cpu");
+  EXPECT_EQ(g->summary.rows, 3u);
+  EXPECT_EQ(g->attempts, 1);
+}
+
+TEST_F(ClientServerTest, BatchLargerThanTheMessageLimitIsChunked) {
+  // 2304 x 1024 f32: x alone is 9 MiB, over twice gRPC's 4 MiB default receive limit.
+  const Batch b(2304, 1024, /*seed=*/2);
+  ASSERT_GT(b.x.size() * sizeof(float), size_t{8} << 20);
+  absl::StatusOr<Gradients> g = Connect()->Backward(b.x, b.dy, b.gamma, 1e-5f);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->summary.chunks, 9u);  // 1 MiB of x per message: 256 rows
+  ExpectClose(g->dx, b.dx, "dx");
+  ExpectClose(g->dgamma, b.dgamma, "dgamma");
+}
+
+TEST_F(ClientServerTest, ChunkBoundariesDoNotChangeTheResult) {
+  const Batch b(10, 16, /*seed=*/3);  // 64-byte rows
+  const struct {
+    uint64_t chunk_bytes;
+    uint64_t chunks;
+  } cases[] = {{1, 10}, {64, 10}, {3 * 64, 4}, {5 * 64, 2}, {9 * 64, 2}, {10 * 64, 1}, {1 << 20, 1}};
+  for (const auto& c : cases) {
+    ClientOptions options;
+    options.chunk_bytes = c.chunk_bytes;
+    absl::StatusOr<Gradients> g = Connect(options)->Backward(b.x, b.dy, b.gamma, 1e-5f);
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_EQ(g->summary.chunks, c.chunks) << c.chunk_bytes;
+    ExpectClose(g->dx, b.dx, "dx");
+    ExpectClose(g->dgamma, b.dgamma, "dgamma");
+  }
+}
+
+TEST_F(ClientServerTest, CallerProvidedBuffersAreFilledAndResultVectorsStayEmpty) {
+  const Batch b(33, 64, /*seed=*/4);
+  std::vector<float> dx(b.x.size(), -1.0f), dgamma(b.hidden, -1.0f);
+  BackwardOptions call;
+  call.dx = absl::MakeSpan(dx);
+  call.dgamma = absl::MakeSpan(dgamma);
+  ClientOptions options;
+  options.chunk_bytes = 7 * 64 * 4;
+  absl::StatusOr<Gradients> g = Connect(options)->Backward(b.x, b.dy, b.gamma, 1e-5f, call);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_TRUE(g->dx.empty());
+  EXPECT_TRUE(g->dgamma.empty());
+  ExpectClose(dx, b.dx, "dx");
+  ExpectClose(dgamma, b.dgamma, "dgamma");
+}
+
+TEST_F(ClientServerTest, WrongSizedCallerBuffersAreRejectedBeforeAnyCall) {
+  const Batch b(4, 8, /*seed=*/5);
+  std::vector<float> dx(b.x.size() - 1);
+  BackwardOptions call;
+  call.dx = absl::MakeSpan(dx);
+  absl::StatusOr<Gradients> g = Connect()->Backward(b.x, b.dy, b.gamma, 1e-5f, call);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(g.status().message().find("dx: 124 bytes, expected 128"), absl::string_view::npos)
+      << g.status();
+}
+
+TEST_F(ClientServerTest, ForwardRmsIsUsedWhenGiven) {
+  const Batch b(12, 32, /*seed=*/6, 1e-5f, /*with_rms=*/true);
+  BackwardOptions call;
+  call.rms = b.rms;
+  ClientOptions options;
+  options.chunk_bytes = 5 * 32 * 4;
+  absl::StatusOr<Gradients> g = Connect(options)->Backward(b.x, b.dy, b.gamma, 1e-5f, call);
+  ASSERT_TRUE(g.ok()) << g.status();
+  ExpectClose(g->dx, b.dx, "dx");
+  ExpectClose(g->dgamma, b.dgamma, "dgamma");
+}
+
+TEST_F(ClientServerTest, ServerErrorsComeBackWithCodeAndMessageUntouched) {
+  const Batch b(2, 8, /*seed=*/7);
+  absl::StatusOr<Gradients> g = Connect()->Backward(b.x, b.dy, b.gamma, /*eps=*/0.0f);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(g.status().message().find("header.eps is 0"), absl::string_view::npos) << g.status();
+
+  v1::EmitPtxRequest request;
+  request.set_kernel("no_such_kernel");
+  absl::StatusOr<v1::EmitPtxResponse> ptx = Connect()->EmitPtx(request);
+  ASSERT_FALSE(ptx.ok());
+  EXPECT_EQ(ptx.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(ptx.status().message().find("no_such_kernel"), absl::string_view::npos)
+      << ptx.status();
+}
+
+TEST_F(ClientServerTest, DeadlineExceededIsReported) {
+  const Batch b(2304, 1024, /*seed=*/8);  // 9 MiB cannot cross in a microsecond
+  BackwardOptions call;
+  call.deadline = absl::Microseconds(1);
+  absl::StatusOr<Gradients> g = Connect()->Backward(b.x, b.dy, b.gamma, 1e-5f, call);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kDeadlineExceeded) << g.status();
+}
+
+TEST_F(ClientServerTest, TargetListWithADeadServerFirstStillServesEveryCall) {
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", DeadPort(), ",", Address(*server_));
+  std::unique_ptr<Client> client = Connect(options);
+  const Batch b(4, 16, /*seed=*/9);
+  for (int i = 0; i < 4; ++i) {
+    absl::StatusOr<Gradients> g = client->Backward(b.x, b.dy, b.gamma, 1e-5f);
+    ASSERT_TRUE(g.ok()) << "call " << i << ": " << g.status();
+    ExpectClose(g->dx, b.dx, "dx");
+  }
+  absl::StatusOr<HealthStatus> health = client->Health();
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, HealthStatus::kServing);
+}
+
+TEST_F(ClientServerTest, BackwardRetriesWholeCallWhileNoServerAnswersThenReportsUnavailable) {
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", DeadPort());
+  options.max_attempts = 3;
+  options.initial_backoff = absl::Milliseconds(1);
+  const Batch b(2, 8, /*seed=*/10);
+  absl::StatusOr<Gradients> g = Connect(options)->Backward(b.x, b.dy, b.gamma, 1e-5f);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kUnavailable) << g.status();
+}
+
+TEST_F(ClientServerTest, ThirtyTwoConcurrentFuturesAllMatchTheirReferences) {
+  std::unique_ptr<Client> client = Connect();
+  std::vector<std::unique_ptr<Batch>> batches;
+  std::vector<std::future<absl::StatusOr<Gradients>>> futures;
+  for (int i = 0; i < 32; ++i) batches.push_back(std::make_unique<Batch>(5 + i, 64, 100 + i));
+  for (const auto& b : batches) futures.push_back(client->BackwardFuture(b->x, b->dy, b->gamma, 1e-5f));
+  for (int i = 0; i < 32; ++i) {
+    absl::StatusOr<Gradients> g = futures[i].get();
+    ASSERT_TRUE(g.ok()) << "request " << i << ": " << g.status();
+    ExpectClose(g->dx, batches[i]->dx, "dx");
+    ExpectClose(g->dgamma, batches[i]->dgamma, "dgamma");
+  }
+}
+
+TEST_F(ClientServerTest, CallbackFormRunsEachCallbackOnce) {
+  std::unique_ptr<Client> client = Connect();
+  const Batch b(6, 32, /*seed=*/11);
+  constexpr int kCalls = 8;
+  absl::BlockingCounter pending(kCalls);
+  std::atomic<int> ok{0};
+  for (int i = 0; i < kCalls; ++i) {
+    client->BackwardAsync(b.x, b.dy, b.gamma, 1e-5f, {}, [&](absl::StatusOr<Gradients> g) {
+      if (g.ok() && g->dx.size() == b.x.size()) ok.fetch_add(1);
+      pending.DecrementCount();
+    });
+  }
+  pending.Wait();
+  EXPECT_EQ(ok.load(), kCalls);
+}
+
+TEST_F(ClientServerTest, ProgressReachesEveryRow) {
+  const Batch b(40, 16, /*seed=*/12);
+  ClientOptions options;
+  options.chunk_bytes = 7 * 16 * 4;
+  std::vector<uint64_t> seen;
+  BackwardOptions call;
+  call.on_progress = [&seen](uint64_t done, uint64_t total) { seen.push_back(done); };
+  ASSERT_TRUE(Connect(options)->Backward(b.x, b.dy, b.gamma, 1e-5f, call).ok());
+  ASSERT_FALSE(seen.empty());
+  EXPECT_EQ(seen.back(), 40u);
+  EXPECT_TRUE(std::is_sorted(seen.begin(), seen.end()));
+}
+
+TEST_F(ClientServerTest, EmitPtxServerInfoAndHealth) {
+  std::unique_ptr<Client> client = Connect();
+  v1::EmitPtxRequest request;
+  request.set_kernel("batched_rms_norm_backward");
+  request.set_hidden_dim(896);
+  request.set_target("sm_90");
+  absl::StatusOr<v1::EmitPtxResponse> ptx = client->EmitPtx(request);
+  ASSERT_TRUE(ptx.ok()) << ptx.status();
+  EXPECT_EQ(ptx->entry(), "batched_rms_norm_backward");
+  EXPECT_NE(ptx->ptx().find(".entry batched_rms_norm_backward"), std::string::npos);
+  EXPECT_EQ(ptx->digest().size_bytes(), ptx->ptx().size());
+  EXPECT_EQ(ptx->digest().sha256().size(), 64u);
+
+  absl::StatusOr<v1::GetServerInfoResponse> info = client->ServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->backend(), "cpu");
+
+  absl::StatusOr<HealthStatus> overall = client->Health();
+  ASSERT_TRUE(overall.ok()) << overall.status();
+  EXPECT_EQ(*overall, HealthStatus::kServing);
+  absl::StatusOr<HealthStatus> service = client->Health("normgrad.v1.NormGrad");
+  ASSERT_TRUE(service.ok()) << service.status();
+  EXPECT_EQ(*service, HealthStatus::kServing);
+  absl::StatusOr<HealthStatus> unknown = client->Health("no.such.Service");
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ClientServerTest, BearerTokenIsSentWithoutBreakingCalls) {
+  ClientOptions options;
+  options.bearer_token = "secret-token";
+  absl::StatusOr<v1::GetServerInfoResponse> info = Connect(options)->ServerInfo();
+  EXPECT_TRUE(info.ok()) << info.status();
+}
+
+}  // namespace
+}  // namespace normgrad

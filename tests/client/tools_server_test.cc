@@ -1,0 +1,222 @@
+// The `normgrad` CLI and `normgrad-load` against a real server on loopback: .npy round trips
+// checked against the reference, every server-error path, and the load generator's counts
+// (exact request counts, and errors counted by code against an overloaded server).
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "client/tools/cli.h"
+#include "client/tools/load_flags.h"
+#include "client/tools/npy.h"
+#include "gtest/gtest.h"
+#include "tests/client/test_server.h"
+
+namespace normgrad::tools {
+namespace {
+
+using ::normgrad::testing::Address;
+using ::normgrad::testing::Batch;
+using ::normgrad::testing::ExpectClose;
+using ::normgrad::testing::StartTestServer;
+
+struct Result {
+  int code;
+  std::string out, err;
+};
+
+Result Cli(const std::vector<std::string>& args, const std::string& env_target = "") {
+  std::ostringstream out, err;
+  CliEnvironment env;
+  env.normgrad_target = env_target;
+  const int code = RunCli(args, env, out, err);
+  return {code, out.str(), err.str()};
+}
+
+Result Load(const std::vector<std::string>& args) {
+  std::ostringstream out, err;
+  const int code = RunLoad(args, "", /*progress_terminal=*/false, out, err);
+  return {code, out.str(), err.str()};
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+class CliServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    server_ = StartTestServer();
+    ASSERT_NE(server_, nullptr);
+    target_ = "--target=" + Address(*server_);
+  }
+  std::string P(const std::string& name) {
+    return ::testing::TempDir() + "/cli_server_" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name() + "_" + name;
+  }
+  void Save(const std::string& name, std::vector<uint64_t> shape, const std::vector<float>& v) {
+    ASSERT_TRUE(npy::WriteF32(P(name), shape, v).ok());
+  }
+  std::unique_ptr<server::NormGradServer> server_;
+  std::string target_;
+};
+
+TEST_F(CliServerTest, BackwardNpyRoundTripMatchesReference) {
+  // (2, 150, 64): leading dimensions are rows; 300 rows over several 16 KiB chunks.
+  const Batch b(300, 64, /*seed=*/21);
+  Save("x.npy", {2, 150, 64}, b.x);
+  Save("dy.npy", {2, 150, 64}, b.dy);
+  Save("g.npy", {64}, b.gamma);
+  const Result r = Cli({target_, "backward", "--x", P("x.npy"), "--dy", P("dy.npy"), "--gamma",
+                        P("g.npy"), "--eps=1e-5", "--chunk-bytes=16384", "--dx", P("dx.npy"),
+                        "--dgamma", P("dg.npy")});
+  ASSERT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_NE(r.out.find("rows=300 hidden_dim=64 backend=cpu"), std::string::npos) << r.out;
+  absl::StatusOr<npy::Array> dx = npy::ReadF32(P("dx.npy"));
+  absl::StatusOr<npy::Array> dg = npy::ReadF32(P("dg.npy"));
+  ASSERT_TRUE(dx.ok() && dg.ok());
+  EXPECT_EQ(dx->shape, (std::vector<uint64_t>{2, 150, 64}));
+  EXPECT_EQ(dg->shape, (std::vector<uint64_t>{64}));
+  ExpectClose(dx->data, b.dx, "dx");
+  ExpectClose(dg->data, b.dgamma, "dgamma");
+}
+
+TEST_F(CliServerTest, BackwardWithRmsUsesIt) {
+  const Batch b(7, 32, /*seed=*/22, 1e-5f, /*with_rms=*/true);
+  Save("rx.npy", {7, 32}, b.x);
+  Save("rdy.npy", {7, 32}, b.dy);
+  Save("rg.npy", {32}, b.gamma);
+  Save("rms.npy", {7}, b.rms);
+  const Result r = Cli({"backward", "--x", P("rx.npy"), "--dy", P("rdy.npy"), "--gamma",
+                        P("rg.npy"), "--rms", P("rms.npy"), "--dx", P("rdx.npy")},
+                       Address(*server_));  // target from $NORMGRAD_TARGET
+  ASSERT_EQ(r.code, kExitOk) << r.err;
+  absl::StatusOr<npy::Array> dx = npy::ReadF32(P("rdx.npy"));
+  ASSERT_TRUE(dx.ok());
+  ExpectClose(dx->data, b.dx, "dx");
+}
+
+TEST_F(CliServerTest, ServerRejectionExits1WithCodeAndMessage) {
+  const Batch b(2, 8, /*seed=*/23);
+  Save("ex.npy", {2, 8}, b.x);
+  Save("eg.npy", {8}, b.gamma);
+  const Result r = Cli({target_, "backward", "--x", P("ex.npy"), "--dy", P("ex.npy"), "--gamma",
+                        P("eg.npy"), "--eps=0"});
+  EXPECT_EQ(r.code, kExitServerError);
+  EXPECT_EQ(r.err.rfind("error: INVALID_ARGUMENT: header.eps is 0", 0), 0u) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1);
+
+  const Result k = Cli({target_, "emit-ptx", "--kernel=nope", "--hidden-dim=64"});
+  EXPECT_EQ(k.code, kExitServerError);
+  EXPECT_EQ(k.err.rfind("error: INVALID_ARGUMENT: ", 0), 0u) << k.err;
+}
+
+TEST_F(CliServerTest, EmitPtxWritesTheFileWithTheGpuTargetFlag) {
+  const Result r = Cli({target_, "emit-ptx", "--kernel=batched_rms_norm_backward",
+                        "--hidden-dim=896", "--target=sm_80", "-o", P("k.ptx")});
+  ASSERT_EQ(r.code, kExitOk) << r.err;
+  const std::string ptx = ReadAll(P("k.ptx"));
+  EXPECT_NE(ptx.find(".target sm_80"), std::string::npos);
+  EXPECT_NE(ptx.find(".entry batched_rms_norm_backward"), std::string::npos);
+  EXPECT_NE(r.err.find("sha256"), std::string::npos);
+  // Without -o the PTX goes to stdout.
+  const Result s = Cli({target_, "emit-ptx", "--kernel=batched_rms_norm_backward",
+                        "--hidden-dim=896"});
+  ASSERT_EQ(s.code, kExitOk) << s.err;
+  EXPECT_NE(s.out.find(".entry batched_rms_norm_backward"), std::string::npos);
+}
+
+TEST_F(CliServerTest, InfoPrintsJsonAndHealthPrintsServing) {
+  const Result info = Cli({target_, "info"});
+  ASSERT_EQ(info.code, kExitOk) << info.err;
+  EXPECT_NE(info.out.find("\"backend\": \"cpu\""), std::string::npos) << info.out;
+  const Result health = Cli({"health", target_});
+  EXPECT_EQ(health.code, kExitOk) << health.err;
+  EXPECT_EQ(health.out, "SERVING\n");
+  const Result unknown = Cli({"health", target_, "--service=no.such.Service"});
+  EXPECT_EQ(unknown.code, kExitServerError);
+  EXPECT_EQ(unknown.err.rfind("error: NOT_FOUND: ", 0), 0u) << unknown.err;
+}
+
+class LoadServerTest : public ::testing::Test {
+ protected:
+  int CountOf(const std::string& json, const std::string& key) {
+    const size_t at = json.find("\"" + key + "\":");
+    if (at == std::string::npos) return -1;
+    return std::stoi(json.substr(at + key.size() + 3));
+  }
+};
+
+TEST_F(LoadServerTest, KnownNumberOfRequestsIsCountedExactly) {
+  auto server = StartTestServer();
+  ASSERT_NE(server, nullptr);
+  const Result r = Load({"--target=" + Address(*server), "--total=60", "--concurrency=6",
+                         "--shapes=8x256,3x128,17x64", "--warmup=5", "--format=json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(CountOf(r.out, "requests"), 60) << r.out;
+  EXPECT_EQ(CountOf(r.out, "successes"), 60);
+  EXPECT_EQ(CountOf(r.out, "errors"), 0);
+  EXPECT_NE(r.out.find("\"errors_by_code\":{}"), std::string::npos);
+}
+
+TEST_F(LoadServerTest, ConnectionsRateAndEmitPtxAllComplete) {
+  auto server = StartTestServer();
+  ASSERT_NE(server, nullptr);
+  const Result conn = Load({"--target=" + Address(*server), "--total=30", "--concurrency=4",
+                            "--connections=3", "--shapes=4x64", "--format=csv"});
+  ASSERT_EQ(conn.code, 0) << conn.err;
+  EXPECT_NE(conn.out.find("\n4,30,30,0,"), std::string::npos) << conn.out;
+  const Result paced = Load({"--target=" + Address(*server), "--total=20", "--rate=400",
+                             "--rate-dist=poisson", "--shapes=2x32", "--format=csv"});
+  ASSERT_EQ(paced.code, 0) << paced.err;
+  EXPECT_NE(paced.out.find(",20,20,0,"), std::string::npos) << paced.out;
+  const Result ptx = Load({"--target=" + Address(*server), "--call=emit-ptx", "--total=12",
+                           "--concurrency=3", "--shapes=1x896", "--format=json"});
+  ASSERT_EQ(ptx.code, 0) << ptx.err;
+  EXPECT_EQ(CountOf(ptx.out, "successes"), 12) << ptx.out;
+}
+
+TEST_F(LoadServerTest, OverloadedServerErrorsAreCountedByCode) {
+  auto server = StartTestServer([](server::ServerOptions& o) { o.admission.max_streams = 1; });
+  ASSERT_NE(server, nullptr);
+  const Result r = Load({"--target=" + Address(*server), "--total=48", "--concurrency=8",
+                         "--shapes=256x1024", "--format=json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const int requests = CountOf(r.out, "requests");
+  const int successes = CountOf(r.out, "successes");
+  const int exhausted = CountOf(r.out, "RESOURCE_EXHAUSTED");
+  EXPECT_EQ(requests, 48) << r.out;
+  EXPECT_GT(exhausted, 0) << r.out;
+  EXPECT_GT(successes, 0) << r.out;
+  EXPECT_EQ(successes + exhausted, 48) << r.out;
+  EXPECT_EQ(CountOf(r.out, "errors"), exhausted);
+}
+
+TEST_F(LoadServerTest, DurationRunStopsByItselfAndSweepWritesHtml) {
+  auto server = StartTestServer();
+  ASSERT_NE(server, nullptr);
+  const Result timed = Load({"--target=" + Address(*server), "--duration=300ms",
+                             "--concurrency=2", "--shapes=4x64", "--format=json"});
+  ASSERT_EQ(timed.code, 0) << timed.err;
+  EXPECT_GT(CountOf(timed.out, "requests"), 0);
+  EXPECT_EQ(CountOf(timed.out, "requests"), CountOf(timed.out, "successes"));
+
+  const std::string html = ::testing::TempDir() + "/load_sweep.html";
+  const Result sweep = Load({"--target=" + Address(*server), "--concurrency-sweep=1:3:2",
+                             "--window=150ms", "--max-windows=4", "--shapes=4x64",
+                             "--format=csv", "--html=" + html});
+  ASSERT_EQ(sweep.code, 0) << sweep.err;
+  EXPECT_NE(sweep.out.find("\n1,"), std::string::npos) << sweep.out;
+  EXPECT_NE(sweep.out.find("\n3,"), std::string::npos) << sweep.out;
+  std::ifstream in(html);
+  std::stringstream page;
+  page << in.rdbuf();
+  EXPECT_NE(page.str().find("<polyline"), std::string::npos);
+  EXPECT_NE(page.str().find("Latency histogram, concurrency 3"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace normgrad::tools
