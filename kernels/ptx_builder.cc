@@ -307,8 +307,8 @@ absl::string_view SpaceText(StateSpace s) {
 
 std::string AddressText(const Function& f, const Value& base, int64_t offset) {
   std::string s = absl::StrCat("[", OperandText(f, base));
-  if (offset > 0) absl::StrAppend(&s, "+", offset);
-  if (offset < 0) absl::StrAppend(&s, offset);
+  // PTX writes a negative displacement as "+-N" ("[%rd1-4]" is a syntax error for ptxas).
+  if (offset != 0) absl::StrAppend(&s, "+", offset);
   s += "]";
   return s;
 }

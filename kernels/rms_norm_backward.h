@@ -22,6 +22,9 @@
 
 namespace normgrad::kernels {
 
+// Kernel objects are stateless (FindKernel returns process-lifetime singletons): every method may
+// be called concurrently from any thread.
+//
 // What every builder-made kernel shares: Emit() = CanImplement + Build + Verify + divergence
 // analysis + EmitPtx, and a ConfigKey of entry, dtype, target, PTX version and generator version.
 // Both seed kernels read every parameter at run time, so hidden_dim and eps are not in the key.

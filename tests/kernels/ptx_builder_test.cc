@@ -200,7 +200,7 @@ TEST(PtxBuilderTest, VectorLoadsAndStoresUseBraces) {
   ASSERT_EQ(v.size(), 4u);
   EXPECT_EQ(Last(f), "ld.global.v4.f32 {%f1, %f2, %f3, %f4}, [%rd1+16]");
   b.StV4(StateSpace::kGlobal, Address{base, -16}, v);
-  EXPECT_EQ(Last(f), "st.global.v4.f32 [%rd1-16], {%f1, %f2, %f3, %f4}");
+  EXPECT_EQ(Last(f), "st.global.v4.f32 [%rd1+-16], {%f1, %f2, %f3, %f4}");
 }
 
 TEST(PtxBuilderTest, ShuffleAtomicBarrierAndBranchForms) {
