@@ -1,0 +1,205 @@
+// How the client handles what a server sends on the RmsNormBackward stream, against a scripted
+// server in the test: the whole-call retry on UNAVAILABLE before any response (and none after
+// one), chunks placed by first_row, and malformed replies reported as INTERNAL.
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "normgrad/client.h"
+#include "normgrad/v1/normgrad.grpc.pb.h"
+
+namespace normgrad {
+namespace {
+
+enum class Script {
+  kEchoX,                     // dx := x, dgamma := zeros, summary.chunks = request chunks
+  kUnavailableFirstTwo,       // streams 1 and 2: UNAVAILABLE at once; then kEchoX
+  kUnavailableAfterOneChunk,  // one grad_input chunk, then UNAVAILABLE
+  kShortGradInput,            // grad_input one element short
+  kNoFinalMessage,            // every chunk, then OK without grad_gamma
+  kRowsOutOfRange,            // first_row past the batch
+};
+
+class ScriptedStream final
+    : public grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse> {
+ public:
+  ScriptedStream(Script script, int stream_index) : script_(script) {
+    if (script_ == Script::kUnavailableFirstTwo && stream_index <= 2) {
+      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "scripted: not yet"));
+      return;
+    }
+    StartRead(&request_);
+  }
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // client half-closed: the final message
+      if (script_ == Script::kNoFinalMessage) {
+        Finish(grpc::Status::OK);
+        return;
+      }
+      response_.Clear();
+      response_.set_grad_gamma(std::string(hidden_ * 4, '\0'));
+      response_.mutable_summary()->set_backend("scripted");
+      response_.mutable_summary()->set_chunks(chunks_);
+      response_.mutable_summary()->set_rows(next_row_);
+      finishing_ = true;
+      StartWrite(&response_);
+      return;
+    }
+    if (request_.has_header()) {
+      hidden_ = request_.header().hidden_dim();
+      StartRead(&request_);
+      return;
+    }
+    const uint64_t rows = request_.x().size() / (hidden_ * 4);
+    response_.Clear();
+    response_.set_first_row(script_ == Script::kRowsOutOfRange ? 1000000 : next_row_);
+    response_.set_num_rows(rows);
+    std::string dx = request_.x();
+    if (script_ == Script::kShortGradInput) dx.resize(dx.size() - 4);
+    response_.set_grad_input(std::move(dx));
+    next_row_ += rows;
+    ++chunks_;
+    StartWrite(&response_);
+  }
+  void OnWriteDone(bool ok) override {
+    if (finishing_ || !ok) {
+      Finish(grpc::Status::OK);
+      return;
+    }
+    if (script_ == Script::kUnavailableAfterOneChunk) {
+      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "scripted: gone mid-stream"));
+      return;
+    }
+    StartRead(&request_);
+  }
+  void OnDone() override { delete this; }
+  void OnCancel() override {}
+
+ private:
+  Script script_;
+  v1::BackwardRequest request_;
+  v1::BackwardResponse response_;
+  uint32_t hidden_ = 0;
+  uint64_t next_row_ = 0;
+  uint64_t chunks_ = 0;
+  bool finishing_ = false;
+};
+
+class ScriptedService final : public v1::NormGrad::CallbackService {
+ public:
+  grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>* RmsNormBackward(
+      grpc::CallbackServerContext*) override {
+    return new ScriptedStream(script, ++streams);
+  }
+  std::atomic<Script> script{Script::kEchoX};
+  std::atomic<int> streams{0};
+};
+
+class ClientProtocolTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(&service_);
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ClientOptions options;
+    options.target = absl::StrCat("127.0.0.1:", port_);
+    options.chunk_bytes = 3 * kHidden * 4;  // 3 rows per message
+    options.initial_backoff = absl::Milliseconds(1);
+    options.max_attempts = 3;
+    absl::StatusOr<std::unique_ptr<Client>> c = Client::Create(options);
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = std::move(*c);
+    for (size_t i = 0; i < x_.size(); ++i) x_[i] = static_cast<float>(i);
+  }
+  void TearDown() override {
+    client_.reset();
+    if (server_) server_->Shutdown(std::chrono::system_clock::now());
+  }
+  absl::StatusOr<Gradients> Call(Script script) {
+    service_.script = script;
+    return client_->Backward(x_, dy_, gamma_, 1e-5f);
+  }
+
+  static constexpr uint32_t kHidden = 4;
+  static constexpr uint64_t kRows = 10;
+  std::vector<float> x_ = std::vector<float>(kRows * kHidden);
+  std::vector<float> dy_ = std::vector<float>(kRows * kHidden, 1.0f);
+  std::vector<float> gamma_ = std::vector<float>(kHidden, 1.0f);
+  ScriptedService service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<Client> client_;
+  int port_ = 0;
+};
+
+TEST_F(ClientProtocolTest, ChunksArePlacedByFirstRow) {
+  absl::StatusOr<Gradients> g = Call(Script::kEchoX);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->dx, x_);
+  EXPECT_EQ(g->summary.chunks, 4u);  // 3 + 3 + 3 + 1 rows
+  EXPECT_EQ(g->summary.backend, "scripted");
+}
+
+TEST_F(ClientProtocolTest, UnavailableBeforeAnyResponseRetriesTheWholeStream) {
+  absl::StatusOr<Gradients> g = Call(Script::kUnavailableFirstTwo);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->attempts, 3);
+  EXPECT_EQ(service_.streams.load(), 3);
+  EXPECT_EQ(g->dx, x_);
+}
+
+TEST_F(ClientProtocolTest, RetriesStopAtMaxAttempts) {
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", port_);
+  options.max_attempts = 2;
+  options.initial_backoff = absl::Milliseconds(1);
+  absl::StatusOr<std::unique_ptr<Client>> two = Client::Create(options);
+  ASSERT_TRUE(two.ok());
+  service_.script = Script::kUnavailableFirstTwo;
+  absl::StatusOr<Gradients> g = (*two)->Backward(x_, dy_, gamma_, 1e-5f);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(g.status().message(), "scripted: not yet");
+  EXPECT_EQ(service_.streams.load(), 2);
+}
+
+TEST_F(ClientProtocolTest, UnavailableAfterAResponseIsNotRetried) {
+  absl::StatusOr<Gradients> g = Call(Script::kUnavailableAfterOneChunk);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(g.status().message(), "scripted: gone mid-stream");
+  EXPECT_EQ(service_.streams.load(), 1);
+}
+
+TEST_F(ClientProtocolTest, ShortGradInputIsInternal) {
+  absl::StatusOr<Gradients> g = Call(Script::kShortGradInput);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kInternal);
+  EXPECT_NE(g.status().message().find("grad_input bytes for 3 rows, expected 48"),
+            absl::string_view::npos)
+      << g.status();
+}
+
+TEST_F(ClientProtocolTest, MissingFinalMessageIsInternal) {
+  absl::StatusOr<Gradients> g = Call(Script::kNoFinalMessage);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kInternal);
+  EXPECT_NE(g.status().message().find("no grad_gamma"), absl::string_view::npos) << g.status();
+}
+
+TEST_F(ClientProtocolTest, RowsOutsideTheBatchAreInternal) {
+  absl::StatusOr<Gradients> g = Call(Script::kRowsOutOfRange);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kInternal);
+  EXPECT_NE(g.status().message().find("of a 10-row batch"), absl::string_view::npos)
+      << g.status();
+}
+
+}  // namespace
+}  // namespace normgrad
