@@ -101,6 +101,8 @@ class Analyzer {
           default:
             return Make(Level::kUniform);
         }
+      case Value::Kind::kSharedSymbol:
+        return Make(Level::kUniform);
       case Value::Kind::kNone:
         break;
     }

@@ -173,6 +173,11 @@ Param Function::AddParam(PtxType type, absl::string_view name) {
   return Param{static_cast<uint32_t>(params_.size() - 1), type};
 }
 
+SharedArray Function::AddShared(absl::string_view name, uint32_t bytes, uint32_t align) {
+  shared_.push_back(SharedDecl{std::string(name), bytes, align});
+  return SharedArray{static_cast<uint32_t>(shared_.size() - 1)};
+}
+
 Value Function::NewRegister(PtxType type) {
   const RegClass c = ClassOf(type);
   registers_.push_back(RegisterInfo{type, ++class_counts_[c]});
@@ -246,6 +251,9 @@ std::string OperandText(const Function& f, const Value& v) {
     case Value::Kind::kRegister: return f.RegisterName(v.reg());
     case Value::Kind::kImmediate: return ImmediateText(v);
     case Value::Kind::kSpecial: return std::string(SpecialRegName(v.special()));
+    case Value::Kind::kSharedSymbol:
+      return v.shared_index() < f.shared().size() ? f.shared()[v.shared_index()].name
+                                                  : "undeclared_shared";
     case Value::Kind::kNone: break;
   }
   return "%invalid";
@@ -417,6 +425,9 @@ std::string EmitPtx(const Module& module) {
     absl::StrAppend(&out, f.params().empty() ? ")\n{\n" : "\n)\n{\n");
     for (const Function::RegClassUse& c : f.RegisterClasses()) {
       absl::StrAppend(&out, "\t.reg .", c.decl_type, " ", c.prefix, "<", c.count, ">;\n");
+    }
+    for (const SharedDecl& sh : f.shared()) {
+      absl::StrAppend(&out, "\t.shared .align ", sh.align, " .b8 ", sh.name, "[", sh.bytes, "];\n");
     }
     out += "\n";
     for (const Instruction& in : f.instructions()) {

@@ -58,11 +58,12 @@ enum class SpecialReg : uint8_t {
 };
 absl::string_view SpecialRegName(SpecialReg reg);  // "%tid.x"
 
-// A typed operand: a virtual register, an immediate, or a special register (all 32-bit u32).
-// Immediates are made by the static factories; registers only by a Builder.
+// A typed operand: a virtual register, an immediate, a special register (u32), or the address of
+// a `.shared` array (u64; see Function::AddShared). Immediates are made by the static factories;
+// registers only by a Builder.
 class Value {
  public:
-  enum class Kind : uint8_t { kNone, kRegister, kImmediate, kSpecial };
+  enum class Kind : uint8_t { kNone, kRegister, kImmediate, kSpecial, kSharedSymbol };
 
   Value() = default;
   static Value U32(uint32_t v) { return Value(Kind::kImmediate, PtxType::kU32, v); }
@@ -73,6 +74,10 @@ class Value {
   static Value F64(double v);
   static Value Special(SpecialReg reg) {
     return Value(Kind::kSpecial, PtxType::kU32, static_cast<uint64_t>(reg));
+  }
+  // The address of shared array `index` of the function (use Builder::AddressOf).
+  static Value SharedSymbol(uint32_t index) {
+    return Value(Kind::kSharedSymbol, PtxType::kU64, index);
   }
   // A register handle by index; for tests that hand-build (possibly broken) instructions.
   static Value Register(uint32_t index, PtxType type) {
@@ -85,6 +90,8 @@ class Value {
   bool is_register() const { return kind_ == Kind::kRegister; }
   bool is_immediate() const { return kind_ == Kind::kImmediate; }
   bool is_special() const { return kind_ == Kind::kSpecial; }
+  bool is_shared_symbol() const { return kind_ == Kind::kSharedSymbol; }
+  uint32_t shared_index() const { return static_cast<uint32_t>(payload_); }
   uint32_t reg() const { return static_cast<uint32_t>(payload_); }  // register index
   uint64_t bits() const { return payload_; }                        // immediate bit pattern
   SpecialReg special() const { return static_cast<SpecialReg>(payload_); }
@@ -110,6 +117,11 @@ struct Label {
 struct Param {
   uint32_t index = UINT32_MAX;
   PtxType type = PtxType::kU64;
+};
+
+// A `.shared .align A .b8 name[bytes]` array of an entry, made by Function::AddShared.
+struct SharedArray {
+  uint32_t index = UINT32_MAX;
 };
 
 // `[base+offset]` with a 64-bit register base.
@@ -169,6 +181,12 @@ struct ParamDecl {
   PtxType type;
 };
 
+struct SharedDecl {
+  std::string name;
+  uint32_t bytes;
+  uint32_t align;  // a power of two
+};
+
 struct LabelDecl {
   std::string name;  // unique emitted name
 };
@@ -181,6 +199,10 @@ class Function {
   const std::string& name() const { return name_; }
   Param AddParam(PtxType type, absl::string_view name);
   const std::vector<ParamDecl>& params() const { return params_; }
+
+  // Static shared memory: emitted as `.shared .align <align> .b8 <name>[<bytes>];` in the entry.
+  SharedArray AddShared(absl::string_view name, uint32_t bytes, uint32_t align = 16);
+  const std::vector<SharedDecl>& shared() const { return shared_; }
 
   Value NewRegister(PtxType type);
   uint32_t num_registers() const { return static_cast<uint32_t>(registers_.size()); }
@@ -210,6 +232,7 @@ class Function {
   };
   std::string name_;
   std::vector<ParamDecl> params_;
+  std::vector<SharedDecl> shared_;
   std::vector<RegisterInfo> registers_;
   std::vector<uint32_t> class_counts_ = std::vector<uint32_t>(6, 0);
   std::vector<LabelDecl> labels_;
@@ -284,6 +307,8 @@ class Builder {
   Value LdParam(Param param);
   Value Mov(Value src);                       // register copy, immediate or special register
   Value Mov(SpecialReg reg) { return Mov(Value::Special(reg)); }
+  // mov.u64 %rd, name: the shared-window address of a shared array (for ld/st/atom.shared).
+  Value AddressOf(SharedArray array) { return Mov(Value::SharedSymbol(array.index)); }
   void Assign(Value dst, Value src);          // mov into an existing register (loop-carried)
   Value Ld(StateSpace space, PtxType type, Address addr);
   // mov dst, fallback; @pred ld dst, [addr]: a load that yields `fallback` where pred is false.

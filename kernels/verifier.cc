@@ -33,6 +33,9 @@ bool IsIdentifier(absl::string_view s) {
   return true;
 }
 
+// Static `.shared` declarations of one entry may not exceed 48 KiB.
+constexpr uint64_t kMaxStaticSharedBytes = 48 * 1024;
+
 bool IsIeeeRounding(Rounding r) {
   return r == Rounding::kRn || r == Rounding::kRz || r == Rounding::kRm || r == Rounding::kRp;
 }
@@ -60,6 +63,25 @@ class FunctionVerifier {
         return absl::InvalidArgumentError(
             absl::StrCat("entry ", f_.name(), ": parameter ", p.name, " has type .pred"));
       }
+    }
+    uint64_t shared_bytes = 0;
+    for (const SharedDecl& sh : f_.shared()) {
+      if (!IsIdentifier(sh.name) || !names.insert(sh.name).second) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "entry ", f_.name(), ": shared array name \"", sh.name,
+            "\" is not a PTX identifier or is already used by a parameter or another array"));
+      }
+      if (sh.bytes == 0 || sh.align == 0 || (sh.align & (sh.align - 1)) != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "entry ", f_.name(), ": shared array ", sh.name, " has ", sh.bytes,
+            " bytes and alignment ", sh.align, "; needs at least 1 byte and a power-of-two alignment"));
+      }
+      shared_bytes += sh.bytes;
+    }
+    if (shared_bytes > kMaxStaticSharedBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "entry ", f_.name(), ": ", shared_bytes, " bytes of static shared memory exceed ",
+          kMaxStaticSharedBytes, ", the static limit (use dynamic shared memory beyond it)"));
     }
     const std::vector<Instruction>& code = f_.instructions();
     for (size_t i = 0; i < code.size(); ++i) {
@@ -97,6 +119,10 @@ class FunctionVerifier {
             role, " handle says .", PtxTypeName(v.type()), " but register ",
             f_.RegisterName(v.reg()), " is .", PtxTypeName(f_.register_type(v.reg()))));
       }
+    }
+    if (v.is_shared_symbol() && v.shared_index() >= f_.shared().size()) {
+      return absl::InvalidArgumentError(absl::StrCat(role, " names shared array #",
+                                                     v.shared_index(), ", which is not declared"));
     }
     return absl::OkStatus();
   }
@@ -158,6 +184,12 @@ class FunctionVerifier {
     }
     for (const Value& d : in.dst) {
       if (!d.is_register()) return absl::InvalidArgumentError("destination must be a register");
+    }
+    for (const Value& v : in.src) {
+      if (v.is_shared_symbol() && in.op != Opcode::kMov) {
+        return absl::InvalidArgumentError(
+            "a shared array's address is read with mov.u64 (Builder::AddressOf) only");
+      }
     }
     const PtxType t = in.type;
     switch (in.op) {

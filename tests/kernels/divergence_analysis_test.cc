@@ -361,6 +361,35 @@ TEST(DivergenceAnalysisTest, PartialMaskShuffleUnderDivergenceIsNotReported) {
   EXPECT_TRUE(Analyze(*e.f).empty());
 }
 
+// The block reduction a multi-warp kernel needs: each warp's lane 0 writes its partial to shared
+// memory, every thread passes bar.sync, warp 0 reads the partials and shuffles them.
+TEST(DivergenceAnalysisTest, AcceptsASharedMemoryBlockReduction) {
+  Entry e;
+  SharedArray partials = e.f->AddShared("partials", 32 * 4, 16);
+  Builder b(e.f);
+  Label not_lane0 = b.CreateLabel("not_lane0");
+  Label done = b.CreateLabel("done");
+  Value tid = b.Mov(SpecialReg::kTidX);
+  Value lane = b.And(tid, Value::U32(31));
+  Value warp = b.Shr(tid, Value::U32(5));
+  Value smem = b.AddressOf(partials);
+  Value x = b.Cvt(PtxType::kF32, tid, Rounding::kRn);
+  Value sum = b.Shfl(ShflMode::kIdx, x, Value::U32(0), kFull);
+  b.BraIf(b.Setp(CmpOp::kNe, lane, Value::U32(0)), not_lane0);
+  b.St(StateSpace::kShared, Address{b.Add(smem, b.MulWide(warp, Value::U32(4)))}, sum);
+  b.Bind(not_lane0);
+  b.BarSync();  // every thread: the divergent store above has reconverged
+  b.BraIf(b.Setp(CmpOp::kNe, warp, Value::U32(0)), done);
+  Value mine = b.Ld(StateSpace::kShared, PtxType::kF32,
+                    Address{b.Add(smem, b.MulWide(lane, Value::U32(4)))});
+  b.Shfl(ShflMode::kDown, mine, Value::U32(16), kFull);  // warp 0 is whole here
+  b.Bind(done);
+  b.Ret();
+  e.ExpectValid();
+  std::vector<DivergenceFinding> findings = Analyze(*e.f);
+  EXPECT_TRUE(findings.empty()) << findings[0].message;
+}
+
 TEST(DivergenceAnalysisTest, CheckDivergenceReportsFailedPrecondition) {
   Entry e;
   Builder b(e.f);

@@ -232,6 +232,25 @@ TEST(PtxBuilderTest, ShuffleAtomicBarrierAndBranchForms) {
   EXPECT_TRUE(Verify(m).ok()) << Verify(m);
 }
 
+TEST(PtxBuilderTest, SharedArraysAreDeclaredInTheEntryAndAddressedByMov) {
+  Module m(PtxVersion{7, 0}, 80);
+  Function& f = m.AddEntry("k");
+  SharedArray partials = f.AddShared("partials", 128, 16);
+  Builder b(&f);
+  Value base = b.AddressOf(partials);
+  EXPECT_EQ(base.type(), PtxType::kU64);
+  EXPECT_EQ(Last(f), "mov.u64 %rd1, partials");
+  Value x = b.Ld(StateSpace::kShared, PtxType::kF32, Address{base, 4});
+  EXPECT_EQ(Last(f), "ld.shared.f32 %f1, [%rd1+4]");
+  b.St(StateSpace::kShared, Address{base, 8}, x);
+  EXPECT_EQ(Last(f), "st.shared.f32 [%rd1+8], %f1");
+  b.Ret();
+  ASSERT_TRUE(Verify(m).ok()) << Verify(m);
+  EXPECT_TRUE(absl::StrContains(EmitPtx(m),
+                                "\t.reg .f32 %f<2>;\n\t.shared .align 16 .b8 partials[128];\n\n"))
+      << EmitPtx(m);
+}
+
 TEST(PtxBuilderTest, InsertionPointInsertsBeforeLaterInstructions) {
   Module m(PtxVersion{7, 0}, 80);
   Function& f = m.AddEntry("k");

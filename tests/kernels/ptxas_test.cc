@@ -268,7 +268,12 @@ TEST_F(PtxasTest, EveryBuilderFormAssembles) {
   const Value sh4 = b.Shfl(ShflMode::kIdx, sh3, Value::U32(0), 0xffffffffu);
   b.AtomAdd(StateSpace::kGlobal, Address{ptr, 8}, sh4);
   b.AtomAdd(StateSpace::kGlobal, Address{ptr, 12}, u9);
+  const Value smem = b.AddressOf(f.AddShared("scratch", 256, 16));
+  b.St(StateSpace::kShared, Address{smem, 4}, sh4);
   b.BarSync(0);
+  const Value from_shared = b.Ld(StateSpace::kShared, PtxType::kF32, Address{smem, 8});
+  b.AtomAdd(StateSpace::kShared, Address{smem, 12}, from_shared);
+  b.StV4(StateSpace::kShared, Address{smem, 16}, v4);
   b.St(StateSpace::kGlobal, Address{b.Add(ptr, d4), -4}, sh4);
   b.StV4(StateSpace::kGlobal, Address{ptr, 32}, v4);
   b.St(StateSpace::kGlobal, Address{ptr}, b.Cvt(PtxType::kU32, d2));

@@ -309,6 +309,44 @@ TEST(VerifierTest, RejectsOrderedComparisonOfBitTypes) {
   ExpectRejected(fx.m, "eq/ne only");
 }
 
+TEST(VerifierTest, RejectsBadSharedArrays) {
+  {
+    Fixture fx;
+    fx.f->AddShared("n", 16);  // clashes with the parameter n
+    Builder(fx.f).Ret();
+    ExpectRejected(fx.m, "already used");
+  }
+  {
+    Fixture fx;
+    fx.f->AddShared("buf", 16, 3);
+    Builder(fx.f).Ret();
+    ExpectRejected(fx.m, "power-of-two alignment");
+  }
+  {
+    Fixture fx;
+    fx.f->AddShared("a", 32 * 1024);
+    fx.f->AddShared("b", 32 * 1024);
+    Builder(fx.f).Ret();
+    ExpectRejected(fx.m, "65536 bytes of static shared memory exceed 49152");
+  }
+  {
+    Fixture fx;
+    SharedArray buf = fx.f->AddShared("buf", 16);
+    Builder b(fx.f);
+    Value x = b.Mov(Value::U64(0));
+    b.Add(x, Value::SharedSymbol(buf.index));  // symbols are only for mov
+    b.Ret();
+    ExpectRejected(fx.m, "read with mov.u64");
+  }
+  {
+    Fixture fx;
+    Builder b(fx.f);
+    b.Mov(Value::SharedSymbol(3));
+    b.Ret();
+    ExpectRejected(fx.m, "shared array #3, which is not declared");
+  }
+}
+
 TEST(VerifierTest, RejectsFallingOffTheEnd) {
   Fixture fx;
   Builder b(fx.f);
