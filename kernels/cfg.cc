@@ -41,13 +41,12 @@ absl::StatusOr<Cfg> BuildCfg(const Function& f) {
     cfg.block_of_instruction[i] = static_cast<int>(cfg.blocks.size()) - 1;
     if (code[i].op == Opcode::kLabel) {
       if (code[i].label >= f.num_labels()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("instruction ", i, " binds label id ", code[i].label,
-                         " which was never created"));
+        return absl::InvalidArgumentError(absl::StrCat("instruction ", i, " binds label id ",
+                                                       code[i].label, " which was never created"));
       }
       if (label_block[code[i].label] != -1) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "label ", f.label_name(code[i].label), " is bound twice (instruction ", i, ")"));
+        return absl::InvalidArgumentError(absl::StrCat("label ", f.label_name(code[i].label),
+                                                       " is bound twice (instruction ", i, ")"));
       }
       label_block[code[i].label] = static_cast<int>(cfg.blocks.size()) - 1;
     }
@@ -66,9 +65,9 @@ absl::StatusOr<Cfg> BuildCfg(const Function& f) {
     bool falls_through = true;
     if (last != nullptr && last->op == Opcode::kBra) {
       if (last->label >= f.num_labels() || label_block[last->label] == -1) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "instruction ", bb.end - 1, " (", InstructionText(f, *last),
-            ") branches to a label that is not bound in ", f.name()));
+        return absl::InvalidArgumentError(
+            absl::StrCat("instruction ", bb.end - 1, " (", InstructionText(f, *last),
+                         ") branches to a label that is not bound in ", f.name()));
       }
       AddEdge(cfg, b, label_block[last->label]);
       falls_through = last->guard.valid();

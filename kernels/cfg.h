@@ -23,9 +23,9 @@ struct BasicBlock {
 };
 
 struct Cfg {
-  std::vector<BasicBlock> blocks;          // blocks[0] is the entry
-  std::vector<int> block_of_instruction;   // instruction index -> block
-  bool falls_off_end = false;              // the last block can run past the last instruction
+  std::vector<BasicBlock> blocks;         // blocks[0] is the entry
+  std::vector<int> block_of_instruction;  // instruction index -> block
+  bool falls_off_end = false;             // the last block can run past the last instruction
 
   int exit_node() const { return static_cast<int>(blocks.size()); }  // virtual exit
   int num_nodes() const { return static_cast<int>(blocks.size()) + 1; }

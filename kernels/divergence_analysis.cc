@@ -110,7 +110,8 @@ class Analyzer {
   }
 
   Shape AddShape(const Shape& a, const Shape& b, bool subtract) const {
-    if (AtMostWarp(a) && AtMostWarp(b)) return Make(std::max(a.level, b.level), a.mult32 && b.mult32);
+    if (AtMostWarp(a) && AtMostWarp(b))
+      return Make(std::max(a.level, b.level), a.mult32 && b.mult32);
     if (a.level == Level::kLaneAffine && AtMostWarp(b) && b.mult32) return Make(Level::kLaneAffine);
     if (!subtract && b.level == Level::kLaneAffine && AtMostWarp(a) && a.mult32) {
       return Make(Level::kLaneAffine);
@@ -119,7 +120,8 @@ class Analyzer {
   }
 
   Shape MulShape(const Shape& a, const Shape& b) const {
-    if (AtMostWarp(a) && AtMostWarp(b)) return Make(std::max(a.level, b.level), a.mult32 || b.mult32);
+    if (AtMostWarp(a) && AtMostWarp(b))
+      return Make(std::max(a.level, b.level), a.mult32 || b.mult32);
     return Make(Level::kDivergent);
   }
 
@@ -259,13 +261,12 @@ class Analyzer {
       const BasicBlock& bb = cfg_.blocks[b];
       if (bb.begin == bb.end) continue;
       const Instruction& last = code[bb.end - 1];
-      const bool conditional = last.guard.valid() && (last.op == Opcode::kBra ||
-                                                      last.op == Opcode::kRet ||
-                                                      last.op == Opcode::kExit);
+      const bool conditional =
+          last.guard.valid() &&
+          (last.op == Opcode::kBra || last.op == Opcode::kRet || last.op == Opcode::kExit);
       if (!conditional) continue;
       // The branch itself runs under its block's control: divergence nests.
-      const Level level =
-          std::max(Plain(OperandShape(last.guard)).level, control_[b]);
+      const Level level = std::max(Plain(OperandShape(last.guard)).level, control_[b]);
       if (level == Level::kUniform) continue;
       const std::vector<int> region = Region(b, ipdom_[b]);
       // Threads may have exited when the region holds a ret/exit, or when the join point is a
@@ -300,8 +301,7 @@ class Analyzer {
     for (size_t i = 0; i < code.size(); ++i) {
       const Instruction& in = code[i];
       const int b = cfg_.block_of_instruction[i];
-      const Level guard =
-          in.guard.valid() ? Plain(OperandShape(in.guard)).level : Level::kUniform;
+      const Level guard = in.guard.valid() ? Plain(OperandShape(in.guard)).level : Level::kUniform;
       if (in.op == Opcode::kBarSync) {
         const Level c = std::max(control_[b], guard);
         if (c >= Level::kWarpUniform) {
@@ -312,9 +312,8 @@ class Analyzer {
           f.message = absl::StrCat(
               Where(i), ": bar.sync ",
               f.after_exit ? "after a thread-dependent exit (exited threads never arrive)"
-                           : (guard >= Level::kWarpUniform
-                                  ? "under a thread-dependent guard"
-                                  : "under thread-dependent control flow"),
+                           : (guard >= Level::kWarpUniform ? "under a thread-dependent guard"
+                                                           : "under thread-dependent control flow"),
               ": not every thread of the block reaches it");
           out.push_back(std::move(f));
         }

@@ -13,9 +13,12 @@ namespace normgrad::kernels {
 
 absl::string_view DTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return "f32";
-    case DType::kBF16: return "bf16";
-    case DType::kF16: return "f16";
+    case DType::kF32:
+      return "f32";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kF16:
+      return "f16";
   }
   return "?";
 }
@@ -96,9 +99,8 @@ absl::StatusOr<PtxVersion> MinPtxVersionForTarget(int target_sm) {
   for (const TargetVersion& t : kTargets) {
     if (t.sm == target_sm) return t.first;
   }
-  return absl::InvalidArgumentError(absl::StrCat("target sm_", target_sm,
-                                                 " is not supported; supported targets: ",
-                                                 TargetList()));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "target sm_", target_sm, " is not supported; supported targets: ", TargetList()));
 }
 
 absl::StatusOr<PtxVersion> ResolvePtxVersion(int target_sm, std::optional<PtxVersion> requested,
@@ -108,10 +110,10 @@ absl::StatusOr<PtxVersion> ResolvePtxVersion(int target_sm, std::optional<PtxVer
   const PtxVersion need = std::max(*target_min, instructions_min);
   if (!requested.has_value()) return need;
   if (kMaxPtxVersion < *requested) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ptx_version ", requested->ToString(), " is newer than ",
-                     kMaxPtxVersion.ToString(), ", the newest this generator (and CUDA 13's ptxas) "
-                     "supports"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ptx_version ", requested->ToString(), " is newer than ", kMaxPtxVersion.ToString(),
+        ", the newest this generator (and CUDA 13's ptxas) "
+        "supports"));
   }
   if (*requested < *target_min) {
     return absl::InvalidArgumentError(
@@ -119,10 +121,9 @@ absl::StatusOr<PtxVersion> ResolvePtxVersion(int target_sm, std::optional<PtxVer
                      ", the lowest PTX ISA version that supports target sm_", target_sm));
   }
   if (*requested < instructions_min) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ptx_version ", requested->ToString(), " is below ",
-                     instructions_min.ToString(),
-                     ", the lowest PTX ISA version that has the kernel's instructions (shfl.sync)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ptx_version ", requested->ToString(), " is below ", instructions_min.ToString(),
+        ", the lowest PTX ISA version that has the kernel's instructions (shfl.sync)"));
   }
   return *requested;
 }

@@ -17,24 +17,42 @@ constexpr absl::string_view kClassDeclType[] = {"pred", "b16", "b32", "b64", "f3
 
 RegClass ClassOf(PtxType type) {
   switch (type) {
-    case PtxType::kPred: return kClassPred;
-    case PtxType::kB16: case PtxType::kU16: case PtxType::kS16:
-    case PtxType::kF16: case PtxType::kBF16: return kClass16;
-    case PtxType::kB32: case PtxType::kU32: case PtxType::kS32: return kClass32;
-    case PtxType::kB64: case PtxType::kU64: case PtxType::kS64: return kClass64;
-    case PtxType::kF32: return kClassF32;
-    case PtxType::kF64: return kClassF64;
+    case PtxType::kPred:
+      return kClassPred;
+    case PtxType::kB16:
+    case PtxType::kU16:
+    case PtxType::kS16:
+    case PtxType::kF16:
+    case PtxType::kBF16:
+      return kClass16;
+    case PtxType::kB32:
+    case PtxType::kU32:
+    case PtxType::kS32:
+      return kClass32;
+    case PtxType::kB64:
+    case PtxType::kU64:
+    case PtxType::kS64:
+      return kClass64;
+    case PtxType::kF32:
+      return kClassF32;
+    case PtxType::kF64:
+      return kClassF64;
   }
   return kClass32;
 }
 
 PtxType WideTypeOf(PtxType type) {
   switch (type) {
-    case PtxType::kU16: return PtxType::kU32;
-    case PtxType::kS16: return PtxType::kS32;
-    case PtxType::kU32: return PtxType::kU64;
-    case PtxType::kS32: return PtxType::kS64;
-    default: return type;  // invalid for mul.wide; Verify reports it
+    case PtxType::kU16:
+      return PtxType::kU32;
+    case PtxType::kS16:
+      return PtxType::kS32;
+    case PtxType::kU32:
+      return PtxType::kU64;
+    case PtxType::kS32:
+      return PtxType::kS64;
+    default:
+      return type;  // invalid for mul.wide; Verify reports it
   }
 }
 
@@ -42,31 +60,58 @@ PtxType WideTypeOf(PtxType type) {
 
 absl::string_view PtxTypeName(PtxType type) {
   switch (type) {
-    case PtxType::kPred: return "pred";
-    case PtxType::kB16: return "b16";
-    case PtxType::kB32: return "b32";
-    case PtxType::kB64: return "b64";
-    case PtxType::kU16: return "u16";
-    case PtxType::kU32: return "u32";
-    case PtxType::kU64: return "u64";
-    case PtxType::kS16: return "s16";
-    case PtxType::kS32: return "s32";
-    case PtxType::kS64: return "s64";
-    case PtxType::kF16: return "f16";
-    case PtxType::kBF16: return "bf16";
-    case PtxType::kF32: return "f32";
-    case PtxType::kF64: return "f64";
+    case PtxType::kPred:
+      return "pred";
+    case PtxType::kB16:
+      return "b16";
+    case PtxType::kB32:
+      return "b32";
+    case PtxType::kB64:
+      return "b64";
+    case PtxType::kU16:
+      return "u16";
+    case PtxType::kU32:
+      return "u32";
+    case PtxType::kU64:
+      return "u64";
+    case PtxType::kS16:
+      return "s16";
+    case PtxType::kS32:
+      return "s32";
+    case PtxType::kS64:
+      return "s64";
+    case PtxType::kF16:
+      return "f16";
+    case PtxType::kBF16:
+      return "bf16";
+    case PtxType::kF32:
+      return "f32";
+    case PtxType::kF64:
+      return "f64";
   }
   return "?";
 }
 
 int PtxTypeBits(PtxType type) {
   switch (type) {
-    case PtxType::kPred: return 1;
-    case PtxType::kB16: case PtxType::kU16: case PtxType::kS16:
-    case PtxType::kF16: case PtxType::kBF16: return 16;
-    case PtxType::kB32: case PtxType::kU32: case PtxType::kS32: case PtxType::kF32: return 32;
-    case PtxType::kB64: case PtxType::kU64: case PtxType::kS64: case PtxType::kF64: return 64;
+    case PtxType::kPred:
+      return 1;
+    case PtxType::kB16:
+    case PtxType::kU16:
+    case PtxType::kS16:
+    case PtxType::kF16:
+    case PtxType::kBF16:
+      return 16;
+    case PtxType::kB32:
+    case PtxType::kU32:
+    case PtxType::kS32:
+    case PtxType::kF32:
+      return 32;
+    case PtxType::kB64:
+    case PtxType::kU64:
+    case PtxType::kS64:
+    case PtxType::kF64:
+      return 64;
   }
   return 0;
 }
@@ -82,69 +127,121 @@ bool IsBits(PtxType t) { return t == PtxType::kB16 || t == PtxType::kB32 || t ==
 
 PtxType BitTypeOf(PtxType type) {
   switch (PtxTypeBits(type)) {
-    case 1: return PtxType::kPred;
-    case 16: return PtxType::kB16;
-    case 64: return PtxType::kB64;
-    default: return PtxType::kB32;
+    case 1:
+      return PtxType::kPred;
+    case 16:
+      return PtxType::kB16;
+    case 64:
+      return PtxType::kB64;
+    default:
+      return PtxType::kB32;
   }
 }
 
 absl::string_view SpecialRegName(SpecialReg reg) {
   switch (reg) {
-    case SpecialReg::kTidX: return "%tid.x";
-    case SpecialReg::kTidY: return "%tid.y";
-    case SpecialReg::kTidZ: return "%tid.z";
-    case SpecialReg::kNtidX: return "%ntid.x";
-    case SpecialReg::kNtidY: return "%ntid.y";
-    case SpecialReg::kNtidZ: return "%ntid.z";
-    case SpecialReg::kCtaidX: return "%ctaid.x";
-    case SpecialReg::kCtaidY: return "%ctaid.y";
-    case SpecialReg::kCtaidZ: return "%ctaid.z";
-    case SpecialReg::kNctaidX: return "%nctaid.x";
-    case SpecialReg::kNctaidY: return "%nctaid.y";
-    case SpecialReg::kNctaidZ: return "%nctaid.z";
-    case SpecialReg::kLaneId: return "%laneid";
-    case SpecialReg::kWarpId: return "%warpid";
+    case SpecialReg::kTidX:
+      return "%tid.x";
+    case SpecialReg::kTidY:
+      return "%tid.y";
+    case SpecialReg::kTidZ:
+      return "%tid.z";
+    case SpecialReg::kNtidX:
+      return "%ntid.x";
+    case SpecialReg::kNtidY:
+      return "%ntid.y";
+    case SpecialReg::kNtidZ:
+      return "%ntid.z";
+    case SpecialReg::kCtaidX:
+      return "%ctaid.x";
+    case SpecialReg::kCtaidY:
+      return "%ctaid.y";
+    case SpecialReg::kCtaidZ:
+      return "%ctaid.z";
+    case SpecialReg::kNctaidX:
+      return "%nctaid.x";
+    case SpecialReg::kNctaidY:
+      return "%nctaid.y";
+    case SpecialReg::kNctaidZ:
+      return "%nctaid.z";
+    case SpecialReg::kLaneId:
+      return "%laneid";
+    case SpecialReg::kWarpId:
+      return "%warpid";
   }
   return "%?";
 }
 
 absl::string_view OpcodeName(Opcode op) {
   switch (op) {
-    case Opcode::kLdParam: return "ld";
-    case Opcode::kLd: return "ld";
-    case Opcode::kSt: return "st";
-    case Opcode::kAtomAdd: return "atom";
-    case Opcode::kMov: return "mov";
-    case Opcode::kAdd: return "add";
-    case Opcode::kSub: return "sub";
-    case Opcode::kMul: return "mul";
-    case Opcode::kMad: return "mad";
-    case Opcode::kFma: return "fma";
-    case Opcode::kDiv: return "div";
-    case Opcode::kRem: return "rem";
-    case Opcode::kMin: return "min";
-    case Opcode::kMax: return "max";
-    case Opcode::kNeg: return "neg";
-    case Opcode::kAbs: return "abs";
-    case Opcode::kCvt: return "cvt";
-    case Opcode::kSqrt: return "sqrt";
-    case Opcode::kRsqrt: return "rsqrt";
-    case Opcode::kRcp: return "rcp";
-    case Opcode::kAnd: return "and";
-    case Opcode::kOr: return "or";
-    case Opcode::kXor: return "xor";
-    case Opcode::kNot: return "not";
-    case Opcode::kShl: return "shl";
-    case Opcode::kShr: return "shr";
-    case Opcode::kSetp: return "setp";
-    case Opcode::kSelp: return "selp";
-    case Opcode::kBra: return "bra";
-    case Opcode::kShfl: return "shfl";
-    case Opcode::kBarSync: return "bar";
-    case Opcode::kRet: return "ret";
-    case Opcode::kExit: return "exit";
-    case Opcode::kLabel: return "label";
+    case Opcode::kLdParam:
+      return "ld";
+    case Opcode::kLd:
+      return "ld";
+    case Opcode::kSt:
+      return "st";
+    case Opcode::kAtomAdd:
+      return "atom";
+    case Opcode::kMov:
+      return "mov";
+    case Opcode::kAdd:
+      return "add";
+    case Opcode::kSub:
+      return "sub";
+    case Opcode::kMul:
+      return "mul";
+    case Opcode::kMad:
+      return "mad";
+    case Opcode::kFma:
+      return "fma";
+    case Opcode::kDiv:
+      return "div";
+    case Opcode::kRem:
+      return "rem";
+    case Opcode::kMin:
+      return "min";
+    case Opcode::kMax:
+      return "max";
+    case Opcode::kNeg:
+      return "neg";
+    case Opcode::kAbs:
+      return "abs";
+    case Opcode::kCvt:
+      return "cvt";
+    case Opcode::kSqrt:
+      return "sqrt";
+    case Opcode::kRsqrt:
+      return "rsqrt";
+    case Opcode::kRcp:
+      return "rcp";
+    case Opcode::kAnd:
+      return "and";
+    case Opcode::kOr:
+      return "or";
+    case Opcode::kXor:
+      return "xor";
+    case Opcode::kNot:
+      return "not";
+    case Opcode::kShl:
+      return "shl";
+    case Opcode::kShr:
+      return "shr";
+    case Opcode::kSetp:
+      return "setp";
+    case Opcode::kSelp:
+      return "selp";
+    case Opcode::kBra:
+      return "bra";
+    case Opcode::kShfl:
+      return "shfl";
+    case Opcode::kBarSync:
+      return "bar";
+    case Opcode::kRet:
+      return "ret";
+    case Opcode::kExit:
+      return "exit";
+    case Opcode::kLabel:
+      return "label";
   }
   return "?";
 }
@@ -235,80 +332,115 @@ namespace {
 
 std::string ImmediateText(const Value& v) {
   switch (v.type()) {
-    case PtxType::kF32: return absl::StrFormat("0f%08X", static_cast<uint32_t>(v.bits()));
-    case PtxType::kF64: return absl::StrFormat("0d%016X", v.bits());
-    case PtxType::kB16: case PtxType::kB32: case PtxType::kB64:
+    case PtxType::kF32:
+      return absl::StrFormat("0f%08X", static_cast<uint32_t>(v.bits()));
+    case PtxType::kF64:
+      return absl::StrFormat("0d%016X", v.bits());
+    case PtxType::kB16:
+    case PtxType::kB32:
+    case PtxType::kB64:
       return absl::StrFormat("0x%x", v.bits());
-    case PtxType::kS16: case PtxType::kS32:
+    case PtxType::kS16:
+    case PtxType::kS32:
       return absl::StrCat(static_cast<int32_t>(static_cast<uint32_t>(v.bits())));
-    case PtxType::kS64: return absl::StrCat(static_cast<int64_t>(v.bits()));
-    default: return absl::StrCat(v.bits());
+    case PtxType::kS64:
+      return absl::StrCat(static_cast<int64_t>(v.bits()));
+    default:
+      return absl::StrCat(v.bits());
   }
 }
 
 std::string OperandText(const Function& f, const Value& v) {
   switch (v.kind()) {
-    case Value::Kind::kRegister: return f.RegisterName(v.reg());
-    case Value::Kind::kImmediate: return ImmediateText(v);
-    case Value::Kind::kSpecial: return std::string(SpecialRegName(v.special()));
+    case Value::Kind::kRegister:
+      return f.RegisterName(v.reg());
+    case Value::Kind::kImmediate:
+      return ImmediateText(v);
+    case Value::Kind::kSpecial:
+      return std::string(SpecialRegName(v.special()));
     case Value::Kind::kSharedSymbol:
       return v.shared_index() < f.shared().size() ? f.shared()[v.shared_index()].name
                                                   : "undeclared_shared";
-    case Value::Kind::kNone: break;
+    case Value::Kind::kNone:
+      break;
   }
   return "%invalid";
 }
 
 absl::string_view RoundingText(Rounding r) {
   switch (r) {
-    case Rounding::kNone: return "";
-    case Rounding::kRn: return ".rn";
-    case Rounding::kRz: return ".rz";
-    case Rounding::kRm: return ".rm";
-    case Rounding::kRp: return ".rp";
-    case Rounding::kApprox: return ".approx";
-    case Rounding::kFull: return ".full";
+    case Rounding::kNone:
+      return "";
+    case Rounding::kRn:
+      return ".rn";
+    case Rounding::kRz:
+      return ".rz";
+    case Rounding::kRm:
+      return ".rm";
+    case Rounding::kRp:
+      return ".rp";
+    case Rounding::kApprox:
+      return ".approx";
+    case Rounding::kFull:
+      return ".full";
   }
   return "";
 }
 
 absl::string_view MulModeText(MulMode m) {
   switch (m) {
-    case MulMode::kNone: return "";
-    case MulMode::kLo: return ".lo";
-    case MulMode::kHi: return ".hi";
-    case MulMode::kWide: return ".wide";
+    case MulMode::kNone:
+      return "";
+    case MulMode::kLo:
+      return ".lo";
+    case MulMode::kHi:
+      return ".hi";
+    case MulMode::kWide:
+      return ".wide";
   }
   return "";
 }
 
 absl::string_view CmpText(CmpOp c) {
   switch (c) {
-    case CmpOp::kEq: return "eq";
-    case CmpOp::kNe: return "ne";
-    case CmpOp::kLt: return "lt";
-    case CmpOp::kLe: return "le";
-    case CmpOp::kGt: return "gt";
-    case CmpOp::kGe: return "ge";
+    case CmpOp::kEq:
+      return "eq";
+    case CmpOp::kNe:
+      return "ne";
+    case CmpOp::kLt:
+      return "lt";
+    case CmpOp::kLe:
+      return "le";
+    case CmpOp::kGt:
+      return "gt";
+    case CmpOp::kGe:
+      return "ge";
   }
   return "";
 }
 
 absl::string_view ShflText(ShflMode m) {
   switch (m) {
-    case ShflMode::kUp: return "up";
-    case ShflMode::kDown: return "down";
-    case ShflMode::kBfly: return "bfly";
-    case ShflMode::kIdx: return "idx";
+    case ShflMode::kUp:
+      return "up";
+    case ShflMode::kDown:
+      return "down";
+    case ShflMode::kBfly:
+      return "bfly";
+    case ShflMode::kIdx:
+      return "idx";
   }
   return "";
 }
 
 absl::string_view SpaceText(StateSpace s) {
   switch (s) {
-    case StateSpace::kGlobal: return "global";
-    case StateSpace::kShared: return "shared";
-    case StateSpace::kParam: return "param";
+    case StateSpace::kGlobal:
+      return "global";
+    case StateSpace::kShared:
+      return "shared";
+    case StateSpace::kParam:
+      return "param";
   }
   return "";
 }
@@ -370,8 +502,8 @@ std::string InstructionBody(const Function& f, const Instruction& in) {
                           AddressText(f, in.src.empty() ? Value() : in.src[0], in.offset), ", ",
                           OperandText(f, in.src.size() > 1 ? in.src[1] : Value()));
     case Opcode::kCvt:
-      return absl::StrCat("cvt", RoundingText(in.rounding), ".", t, ".",
-                          PtxTypeName(in.src_type), " ", JoinOperands(f, in.dst, in.src));
+      return absl::StrCat("cvt", RoundingText(in.rounding), ".", t, ".", PtxTypeName(in.src_type),
+                          " ", JoinOperands(f, in.dst, in.src));
     case Opcode::kSetp:
       return absl::StrCat("setp.", CmpText(in.cmp), ".", t, " ", JoinOperands(f, in.dst, in.src));
     case Opcode::kShfl: {
@@ -388,10 +520,14 @@ std::string InstructionBody(const Function& f, const Instruction& in) {
           in.label < f.num_labels() ? f.label_name(in.label) : "$L_undefined";
       return absl::StrCat(in.uniform ? "bra.uni " : "bra ", target);
     }
-    case Opcode::kRet: return "ret";
-    case Opcode::kExit: return "exit";
-    case Opcode::kLabel: return "";
-    default: break;
+    case Opcode::kRet:
+      return "ret";
+    case Opcode::kExit:
+      return "exit";
+    case Opcode::kLabel:
+      return "";
+    default:
+      break;
   }
   // Arithmetic, logic, mov, selp: op[.mode][.rounding].type dst, src...
   return absl::StrCat(OpcodeName(in.op), MulModeText(in.mul_mode), RoundingText(in.rounding), ".",
@@ -405,7 +541,8 @@ std::string InstructionText(const Function& f, const Instruction& in) {
     return absl::StrCat(in.label < f.num_labels() ? f.label_name(in.label) : "$L_undefined", ":");
   }
   std::string s;
-  if (in.guard.valid()) absl::StrAppend(&s, in.guard_negated ? "@!" : "@", OperandText(f, in.guard), " ");
+  if (in.guard.valid())
+    absl::StrAppend(&s, in.guard_negated ? "@!" : "@", OperandText(f, in.guard), " ");
   absl::StrAppend(&s, InstructionBody(f, in));
   return s;
 }
@@ -620,8 +757,7 @@ Value Builder::Sub(Value a, Value b, Rounding r) {
 
 Value Builder::Mul(Value a, Value b, Rounding r) {
   if (IsFloat(a.type())) {
-    return Binary(Opcode::kMul, a, b, DefaultFloatRounding(a.type(), r), MulMode::kNone,
-                  a.type());
+    return Binary(Opcode::kMul, a, b, DefaultFloatRounding(a.type(), r), MulMode::kNone, a.type());
   }
   return Binary(Opcode::kMul, a, b, r, MulMode::kLo, a.type());
 }

@@ -37,10 +37,19 @@ namespace normgrad::kernels {
 // PTX fundamental types a register or an instruction can have.
 enum class PtxType : uint8_t {
   kPred,
-  kB16, kB32, kB64,
-  kU16, kU32, kU64,
-  kS16, kS32, kS64,
-  kF16, kBF16, kF32, kF64,
+  kB16,
+  kB32,
+  kB64,
+  kU16,
+  kU32,
+  kU64,
+  kS16,
+  kS32,
+  kS64,
+  kF16,
+  kBF16,
+  kF32,
+  kF64,
 };
 absl::string_view PtxTypeName(PtxType type);  // "u32", "pred", ...
 int PtxTypeBits(PtxType type);                // 1 for pred
@@ -50,11 +59,20 @@ bool IsUnsigned(PtxType type);                // u16, u32, u64
 bool IsBits(PtxType type);                    // b16, b32, b64
 
 enum class SpecialReg : uint8_t {
-  kTidX, kTidY, kTidZ,
-  kNtidX, kNtidY, kNtidZ,
-  kCtaidX, kCtaidY, kCtaidZ,
-  kNctaidX, kNctaidY, kNctaidZ,
-  kLaneId, kWarpId,
+  kTidX,
+  kTidY,
+  kTidZ,
+  kNtidX,
+  kNtidY,
+  kNtidZ,
+  kCtaidX,
+  kCtaidY,
+  kCtaidZ,
+  kNctaidX,
+  kNctaidY,
+  kNctaidZ,
+  kLaneId,
+  kWarpId,
 };
 absl::string_view SpecialRegName(SpecialReg reg);  // "%tid.x"
 
@@ -131,12 +149,39 @@ struct Address {
 };
 
 enum class Opcode : uint8_t {
-  kLdParam, kLd, kSt, kAtomAdd,
-  kMov, kAdd, kSub, kMul, kMad, kFma, kDiv, kRem, kMin, kMax, kNeg, kAbs,
-  kCvt, kSqrt, kRsqrt, kRcp,
-  kAnd, kOr, kXor, kNot, kShl, kShr,
-  kSetp, kSelp,
-  kBra, kShfl, kBarSync, kRet, kExit,
+  kLdParam,
+  kLd,
+  kSt,
+  kAtomAdd,
+  kMov,
+  kAdd,
+  kSub,
+  kMul,
+  kMad,
+  kFma,
+  kDiv,
+  kRem,
+  kMin,
+  kMax,
+  kNeg,
+  kAbs,
+  kCvt,
+  kSqrt,
+  kRsqrt,
+  kRcp,
+  kAnd,
+  kOr,
+  kXor,
+  kNot,
+  kShl,
+  kShr,
+  kSetp,
+  kSelp,
+  kBra,
+  kShfl,
+  kBarSync,
+  kRet,
+  kExit,
   kLabel,  // a pseudo-instruction that binds `label` here
 };
 absl::string_view OpcodeName(Opcode op);  // "add", "ld", ...
@@ -155,8 +200,8 @@ enum class ShflMode : uint8_t { kUp, kDown, kBfly, kIdx };
 //   kCvt: dst type = type, source type = src_type (rounding as PTX requires).
 //   kMul/kMad with kWide: type is the source type; dst is twice as wide.
 //   kSetp: dst[0] pred; src = {a, b}; type = compared type.  kSelp: src = {a, b, pred}.
-//   kShfl: dst[0] (+ optional dst[1] pred); src = {value, lane/delta, clamp, member mask}; type b32.
-//   kBarSync: src[0] = barrier id.  kBra: label.  kLabel: label.
+//   kShfl: dst[0] (+ optional dst[1] pred); src = {value, lane/delta, clamp, member mask}; type
+//   b32. kBarSync: src[0] = barrier id.  kBra: label.  kLabel: label.
 struct Instruction {
   Opcode op = Opcode::kMov;
   PtxType type = PtxType::kB32;
@@ -169,11 +214,11 @@ struct Instruction {
   bool uniform = false;  // bra.uni
   std::vector<Value> dst;
   std::vector<Value> src;
-  int64_t offset = 0;             // address offset of kLd/kSt/kAtomAdd
-  Value guard;                    // predicate register, or invalid for none
-  bool guard_negated = false;     // @!%p
-  uint32_t label = UINT32_MAX;    // kBra / kLabel
-  uint32_t param = UINT32_MAX;    // kLdParam
+  int64_t offset = 0;           // address offset of kLd/kSt/kAtomAdd
+  Value guard;                  // predicate register, or invalid for none
+  bool guard_negated = false;   // @!%p
+  uint32_t label = UINT32_MAX;  // kBra / kLabel
+  uint32_t param = UINT32_MAX;  // kLdParam
 };
 
 struct ParamDecl {
@@ -219,9 +264,9 @@ class Function {
 
   // Number of registers per class as `.reg` declarations need them: {prefix, type, count}.
   struct RegClassUse {
-    absl::string_view prefix;   // "%r"
+    absl::string_view prefix;     // "%r"
     absl::string_view decl_type;  // "b32"
-    uint32_t count;             // highest index + 1
+    uint32_t count;               // highest index + 1
   };
   std::vector<RegClassUse> RegisterClasses() const;
 
@@ -305,11 +350,11 @@ class Builder {
 
   // Data movement.
   Value LdParam(Param param);
-  Value Mov(Value src);                       // register copy, immediate or special register
+  Value Mov(Value src);  // register copy, immediate or special register
   Value Mov(SpecialReg reg) { return Mov(Value::Special(reg)); }
   // mov.u64 %rd, name: the shared-window address of a shared array (for ld/st/atom.shared).
   Value AddressOf(SharedArray array) { return Mov(Value::SharedSymbol(array.index)); }
-  void Assign(Value dst, Value src);          // mov into an existing register (loop-carried)
+  void Assign(Value dst, Value src);  // mov into an existing register (loop-carried)
   Value Ld(StateSpace space, PtxType type, Address addr);
   // mov dst, fallback; @pred ld dst, [addr]: a load that yields `fallback` where pred is false.
   Value LdOr(StateSpace space, Value pred, Address addr, Value fallback);
@@ -322,22 +367,22 @@ class Builder {
   Value Add(Value a, Value b, Rounding r = Rounding::kNone);
   void AddTo(Value acc, Value b, Rounding r = Rounding::kNone);  // acc = acc + b in place
   Value Sub(Value a, Value b, Rounding r = Rounding::kNone);
-  Value Mul(Value a, Value b, Rounding r = Rounding::kNone);   // int: mul.lo
+  Value Mul(Value a, Value b, Rounding r = Rounding::kNone);  // int: mul.lo
   Value MulHi(Value a, Value b);
-  Value MulWide(Value a, Value b);                             // u32*u32 -> u64
-  Value Mad(Value a, Value b, Value c);                        // int: mad.lo
-  Value MadWide(Value a, Value b, Value c);                    // u32*u32 + u64 -> u64
+  Value MulWide(Value a, Value b);           // u32*u32 -> u64
+  Value Mad(Value a, Value b, Value c);      // int: mad.lo
+  Value MadWide(Value a, Value b, Value c);  // u32*u32 + u64 -> u64
   Value Fma(Value a, Value b, Value c, Rounding r = Rounding::kRn);
   void FmaTo(Value acc, Value a, Value b, Rounding r = Rounding::kRn);  // acc = a*b + acc
-  Value Div(Value a, Value b, Rounding r = Rounding::kNone);   // float: required (.rn/.approx/.full)
+  Value Div(Value a, Value b, Rounding r = Rounding::kNone);  // float: required (.rn/.approx/.full)
   Value Rem(Value a, Value b);
   Value Min(Value a, Value b);
   Value Max(Value a, Value b);
   Value Neg(Value a);
   Value Abs(Value a);
-  Value Sqrt(Value a, Rounding r);   // .rn exact, .approx fast
-  Value Rsqrt(Value a);              // rsqrt.approx only (PTX has no exact rsqrt)
-  Value Rcp(Value a, Rounding r);    // .rn exact, .approx fast
+  Value Sqrt(Value a, Rounding r);  // .rn exact, .approx fast
+  Value Rsqrt(Value a);             // rsqrt.approx only (PTX has no exact rsqrt)
+  Value Rcp(Value a, Rounding r);   // .rn exact, .approx fast
   Value Cvt(PtxType to, Value a, Rounding r = Rounding::kNone);
 
   // Bitwise; the instruction type is the bit type of the operand's size (and.b32 for a u32).

@@ -41,9 +41,8 @@ Value WarpSum(Builder& b, Value v) {
 
 absl::Status BuiltKernel::CheckCommon(const KernelConfig& config) const {
   if (config.dtype != DType::kF32) {
-    return absl::InvalidArgumentError(absl::StrCat("dtype ", DTypeName(config.dtype),
-                                                   " is not supported by ", EntryName(),
-                                                   " (f32 only)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dtype ", DTypeName(config.dtype), " is not supported by ", EntryName(), " (f32 only)"));
   }
   absl::StatusOr<PtxVersion> v =
       ResolvePtxVersion(config.target_sm, config.ptx_version, kShflSyncVersion);
@@ -67,8 +66,8 @@ absl::StatusOr<EmittedPtx> BuiltKernel::Emit(const KernelConfig& config) const {
     return absl::InternalError(absl::StrCat(EntryName(), " failed verification: ", s.message()));
   }
   if (absl::Status s = CheckDivergence(*module, LaunchAssumptions{}); !s.ok()) {
-    return absl::InternalError(absl::StrCat(EntryName(), " failed divergence analysis: ",
-                                            s.message()));
+    return absl::InternalError(
+        absl::StrCat(EntryName(), " failed divergence analysis: ", s.message()));
   }
   EmittedPtx out;
   out.text = EmitPtx(*module);
@@ -84,7 +83,7 @@ absl::StatusOr<EmittedPtx> BuiltKernel::Emit(const KernelConfig& config) const {
 // rms_norm_backward
 
 std::vector<KernelParam> RmsNormBackwardKernel::Params() const {
-  return {{"input_ptr", "u64"},      {"gamma_ptr", "u64"},      {"rms_ptr", "u64"},
+  return {{"input_ptr", "u64"},       {"gamma_ptr", "u64"},      {"rms_ptr", "u64"},
           {"grad_output_ptr", "u64"}, {"grad_input_ptr", "u64"}, {"num_rows", "u32"},
           {"hidden_dim", "u32"}};
 }
@@ -153,8 +152,8 @@ absl::StatusOr<Module> RmsNormBackwardKernel::Build(const KernelConfig& config) 
 
   const Value rms = b.Ld(StateSpace::kGlobal, PtxType::kF32,
                          Address{b.Add(rms_base, b.MulWide(row, Value::U32(4)))});
-  const Value x = b.LdOr(StateSpace::kGlobal, lane_valid, Address{b.Add(x_base, elem_bytes)},
-                         Value::F32(0.0f));
+  const Value x =
+      b.LdOr(StateSpace::kGlobal, lane_valid, Address{b.Add(x_base, elem_bytes)}, Value::F32(0.0f));
   const Value gamma = b.LdOr(StateSpace::kGlobal, lane_valid,
                              Address{b.Add(gamma_base, lane_bytes)}, Value::F32(0.0f));
   const Value dy = b.LdOr(StateSpace::kGlobal, lane_valid, Address{b.Add(dy_base, elem_bytes)},
@@ -182,9 +181,10 @@ absl::StatusOr<Module> RmsNormBackwardKernel::Build(const KernelConfig& config) 
 // batched_rms_norm_backward
 
 std::vector<KernelParam> BatchedRmsNormBackwardKernel::Params() const {
-  return {{"input_ptr", "u64"},      {"gamma_ptr", "u64"},      {"grad_output_ptr", "u64"},
-          {"grad_input_ptr", "u64"}, {"grad_gamma_ptr", "u64"}, {"num_rows", "u32"},
-          {"hidden_dim", "u32"},     {"eps", "f32"}};
+  return {{"input_ptr", "u64"},       {"gamma_ptr", "u64"},
+          {"grad_output_ptr", "u64"}, {"grad_input_ptr", "u64"},
+          {"grad_gamma_ptr", "u64"},  {"num_rows", "u32"},
+          {"hidden_dim", "u32"},      {"eps", "f32"}};
 }
 
 absl::Status BatchedRmsNormBackwardKernel::CanImplement(const KernelConfig& config) const {

@@ -72,9 +72,10 @@ class FunctionVerifier {
             "\" is not a PTX identifier or is already used by a parameter or another array"));
       }
       if (sh.bytes == 0 || sh.align == 0 || (sh.align & (sh.align - 1)) != 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "entry ", f_.name(), ": shared array ", sh.name, " has ", sh.bytes,
-            " bytes and alignment ", sh.align, "; needs at least 1 byte and a power-of-two alignment"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("entry ", f_.name(), ": shared array ", sh.name, " has ", sh.bytes,
+                         " bytes and alignment ", sh.align,
+                         "; needs at least 1 byte and a power-of-two alignment"));
       }
       shared_bytes += sh.bytes;
     }
@@ -89,8 +90,8 @@ class FunctionVerifier {
     }
     absl::StatusOr<Cfg> cfg = BuildCfg(f_);
     if (!cfg.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("entry ", f_.name(), ": ",
-                                                     cfg.status().message()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("entry ", f_.name(), ": ", cfg.status().message()));
     }
     if (cfg->falls_off_end) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -101,9 +102,9 @@ class FunctionVerifier {
 
  private:
   absl::Status Located(size_t index, absl::string_view problem) const {
-    return absl::InvalidArgumentError(absl::StrCat("entry ", f_.name(), ", instruction ", index,
-                                                   " (", InstructionText(f_, f_.instructions()[index]),
-                                                   "): ", problem));
+    return absl::InvalidArgumentError(
+        absl::StrCat("entry ", f_.name(), ", instruction ", index, " (",
+                     InstructionText(f_, f_.instructions()[index]), "): ", problem));
   }
 
   // A register handle must name an existing register of the same type.
@@ -121,8 +122,8 @@ class FunctionVerifier {
       }
     }
     if (v.is_shared_symbol() && v.shared_index() >= f_.shared().size()) {
-      return absl::InvalidArgumentError(absl::StrCat(role, " names shared array #",
-                                                     v.shared_index(), ", which is not declared"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(role, " names shared array #", v.shared_index(), ", which is not declared"));
     }
     return absl::OkStatus();
   }
@@ -169,10 +170,9 @@ class FunctionVerifier {
     return absl::OkStatus();
   }
 
-#define NG_RETURN_IF_ERROR(expr)            \
-  do {                                      \
-    if (absl::Status _s = (expr); !_s.ok()) \
-      return _s;                            \
+#define NG_RETURN_IF_ERROR(expr)                       \
+  do {                                                 \
+    if (absl::Status _s = (expr); !_s.ok()) return _s; \
   } while (0)
 
   absl::Status CheckInstruction(const Instruction& in) const {
@@ -214,7 +214,8 @@ class FunctionVerifier {
         if (in.space == StateSpace::kParam) {
           return absl::InvalidArgumentError("parameters are read with ld.param (LdParam)");
         }
-        if (in.src.size() != 1 || (in.dst.size() != 1 && in.dst.size() != 2 && in.dst.size() != 4)) {
+        if (in.src.size() != 1 ||
+            (in.dst.size() != 1 && in.dst.size() != 2 && in.dst.size() != 4)) {
           return absl::InvalidArgumentError("expects an address and 1, 2 or 4 destinations");
         }
         if (t == PtxType::kPred) return absl::InvalidArgumentError("cannot load a .pred");
@@ -231,12 +232,13 @@ class FunctionVerifier {
         if (!in.dst.empty()) return absl::InvalidArgumentError("has no destination");
         if (t == PtxType::kPred) return absl::InvalidArgumentError("cannot store a .pred");
         NG_RETURN_IF_ERROR(ExpectAddress(in.src[0]));
-        for (size_t k = 1; k < in.src.size(); ++k) NG_RETURN_IF_ERROR(Expect(in.src[k], t, "value"));
+        for (size_t k = 1; k < in.src.size(); ++k)
+          NG_RETURN_IF_ERROR(Expect(in.src[k], t, "value"));
         return NoRounding(in);
       case Opcode::kAtomAdd:
         NG_RETURN_IF_ERROR(ExpectCounts(in, 1, 2));
-        if (t != PtxType::kU32 && t != PtxType::kS32 && t != PtxType::kU64 &&
-            t != PtxType::kF32 && t != PtxType::kF64) {
+        if (t != PtxType::kU32 && t != PtxType::kS32 && t != PtxType::kU64 && t != PtxType::kF32 &&
+            t != PtxType::kF64) {
           return absl::InvalidArgumentError(
               absl::StrCat("atom.add has no .", PtxTypeName(t), " form"));
         }
@@ -330,8 +332,8 @@ class FunctionVerifier {
         if (IsFloat(t)) {
           if (in.op == Opcode::kRem) return absl::InvalidArgumentError("rem is integer only");
           const bool ok = IsIeeeRounding(in.rounding) ||
-                          (t == PtxType::kF32 && (in.rounding == Rounding::kApprox ||
-                                                  in.rounding == Rounding::kFull));
+                          (t == PtxType::kF32 &&
+                           (in.rounding == Rounding::kApprox || in.rounding == Rounding::kFull));
           if (!ok) {
             return absl::InvalidArgumentError(
                 "float div needs .rn/.rz/.rm/.rp (IEEE), or .approx/.full (f32 only)");
@@ -363,8 +365,8 @@ class FunctionVerifier {
           }
           return absl::OkStatus();
         }
-        const bool ok = IsIeeeRounding(in.rounding) ||
-                        (t == PtxType::kF32 && in.rounding == Rounding::kApprox);
+        const bool ok =
+            IsIeeeRounding(in.rounding) || (t == PtxType::kF32 && in.rounding == Rounding::kApprox);
         if (!ok) {
           return absl::InvalidArgumentError(
               "needs an explicit .rn/.rz/.rm/.rp (exact) or .approx (f32 only)");
@@ -447,8 +449,7 @@ class FunctionVerifier {
         return absl::OkStatus();
       case Opcode::kShfl:
         if (in.dst.empty() || in.dst.size() > 2 || in.src.size() != 4) {
-          return absl::InvalidArgumentError(
-              "shfl.sync expects d[|p], a, b, c, membermask");
+          return absl::InvalidArgumentError("shfl.sync expects d[|p], a, b, c, membermask");
         }
         if (t != PtxType::kB32) return absl::InvalidArgumentError("shfl.sync is .b32 only");
         NG_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
@@ -563,9 +564,9 @@ absl::Status Verify(const Module& module) {
   absl::StatusOr<PtxVersion> target_min = MinPtxVersionForTarget(module.target_sm());
   if (!target_min.ok()) return target_min.status();
   if (module.version() < *target_min) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        ".version ", module.version().ToString(), " is below ", target_min->ToString(),
-        ", the lowest PTX ISA version that supports sm_", module.target_sm()));
+    return absl::InvalidArgumentError(
+        absl::StrCat(".version ", module.version().ToString(), " is below ", target_min->ToString(),
+                     ", the lowest PTX ISA version that supports sm_", module.target_sm()));
   }
   const PtxVersion needed = InstructionsMinPtxVersion(module);
   if (module.version() < needed) {

@@ -39,7 +39,8 @@ constexpr char kUsage[] =
 void List() {
   for (const Kernel* k : AllKernels()) {
     std::vector<std::string> params;
-    for (const KernelParam& p : k->Params()) params.push_back(absl::StrCat(p.name, ": ", p.ptx_type));
+    for (const KernelParam& p : k->Params())
+      params.push_back(absl::StrCat(p.name, ": ", p.ptx_type));
     std::cout << k->EntryName() << "(" << absl::StrJoin(params, ", ") << ")\n";
   }
 }
@@ -78,8 +79,7 @@ int main(int argc, char** argv) {
       if (!sm.ok()) Fail(std::string(sm.status().message()));
       config.target_sm = *sm;
     } else if (arg == "--ptx-version") {
-      absl::StatusOr<normgrad::kernels::PtxVersion> v =
-          normgrad::kernels::ParsePtxVersion(value());
+      absl::StatusOr<normgrad::kernels::PtxVersion> v = normgrad::kernels::ParsePtxVersion(value());
       if (!v.ok()) Fail(std::string(v.status().message()));
       config.ptx_version = *v;
     } else if (arg == "--dtype") {

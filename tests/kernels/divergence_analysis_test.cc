@@ -337,8 +337,8 @@ TEST(DivergenceAnalysisTest, ThreadIndexedLoadIsDivergent) {
   Label skip = b.CreateLabel("skip");
   Value tid = b.Mov(SpecialReg::kTidX);
   Value base = b.LdParam(e.data);
-  Value v = b.Ld(StateSpace::kGlobal, PtxType::kU32,
-                 Address{b.Add(base, b.MulWide(tid, Value::U32(4)))});
+  Value v =
+      b.Ld(StateSpace::kGlobal, PtxType::kU32, Address{b.Add(base, b.MulWide(tid, Value::U32(4)))});
   b.BraIf(b.Setp(CmpOp::kEq, v, Value::U32(0)), skip);
   b.BarSync();
   b.Bind(skip);

@@ -35,8 +35,8 @@ RunResult RunTool(const std::string& args) {
   const std::string dir = ::testing::TempDir();
   const std::string out_path = absl::StrCat(dir, "/normgrad_ptx_out_", getpid());
   const std::string err_path = absl::StrCat(dir, "/normgrad_ptx_err_", getpid());
-  const std::string cmd = absl::StrCat("'", NORMGRAD_PTX_BINARY, "' ", args, " >'", out_path,
-                                       "' 2>'", err_path, "'");
+  const std::string cmd =
+      absl::StrCat("'", NORMGRAD_PTX_BINARY, "' ", args, " >'", out_path, "' 2>'", err_path, "'");
   const int status = std::system(cmd.c_str());
   RunResult r;
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -59,8 +59,10 @@ TEST(NormgradPtxTest, PrintsTheSameBytesAsEmit) {
 
 TEST(NormgradPtxTest, HonoursPtxVersionAndWritesTheOutputFile) {
   const std::string path = absl::StrCat(::testing::TempDir(), "/normgrad_ptx_file_", getpid());
-  RunResult r = RunTool(absl::StrCat("--kernel rms_norm_backward --hidden-dim 16 --target sm_90 "
-                                 "--ptx-version 8.0 -o '", path, "'"));
+  RunResult r =
+      RunTool(absl::StrCat("--kernel rms_norm_backward --hidden-dim 16 --target sm_90 "
+                           "--ptx-version 8.0 -o '",
+                           path, "'"));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_TRUE(r.out.empty());
   const std::string text = ReadFile(path);
@@ -83,7 +85,8 @@ TEST(NormgradPtxTest, ListsKernelsWithTheirParameters) {
       "rms_norm_backward(input_ptr: u64, gamma_ptr: u64, rms_ptr: u64, grad_output_ptr: u64, "
       "grad_input_ptr: u64, num_rows: u32, hidden_dim: u32)\n"))
       << r.out;
-  EXPECT_TRUE(absl::StrContains(r.out, "batched_rms_norm_backward(") && absl::StrContains(r.out, "eps: f32)"))
+  EXPECT_TRUE(absl::StrContains(r.out, "batched_rms_norm_backward(") &&
+              absl::StrContains(r.out, "eps: f32)"))
       << r.out;
 }
 

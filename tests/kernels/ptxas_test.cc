@@ -21,8 +21,8 @@
 #include "gtest/gtest.h"
 #include "kernels/kernel.h"
 #include "kernels/ptx_builder.h"
-#include "kernels/verifier.h"
 #include "kernels/targets.h"
+#include "kernels/verifier.h"
 
 namespace normgrad::kernels {
 namespace {
@@ -97,10 +97,14 @@ struct Case {
 
 TEST_F(PtxasTest, EveryKernelAssemblesForEveryMainTarget) {
   const std::vector<Case> cases = {
-      {"rms_norm_backward", 1},           {"rms_norm_backward", 7},
-      {"rms_norm_backward", 32},          {"batched_rms_norm_backward", 1},
-      {"batched_rms_norm_backward", 33},  {"batched_rms_norm_backward", 896},
-      {"batched_rms_norm_backward", 4096}, {"batched_rms_norm_backward", 8192},
+      {"rms_norm_backward", 1},
+      {"rms_norm_backward", 7},
+      {"rms_norm_backward", 32},
+      {"batched_rms_norm_backward", 1},
+      {"batched_rms_norm_backward", 33},
+      {"batched_rms_norm_backward", 896},
+      {"batched_rms_norm_backward", 4096},
+      {"batched_rms_norm_backward", 8192},
   };
   for (const Case& c : cases) {
     for (int sm : {75, 80, 90, 100}) {
@@ -111,7 +115,8 @@ TEST_F(PtxasTest, EveryKernelAssemblesForEveryMainTarget) {
       const PtxasResult r =
           Assemble(*ptxas_, ptx->text, sm, absl::StrCat(c.kernel, "_", c.hidden_dim, "_", sm));
       EXPECT_EQ(r.exit_code, 0) << c.kernel << " hidden_dim " << c.hidden_dim << " sm_" << sm
-                                << ":\n" << r.output;
+                                << ":\n"
+                                << r.output;
       EXPECT_FALSE(absl::StrContains(r.output, "error")) << r.output;
       if (c.hidden_dim == 32 || c.hidden_dim == 896) {
         std::cout << c.kernel << " hidden_dim=" << c.hidden_dim << " sm_" << sm << " ptx "
@@ -129,7 +134,8 @@ TEST_F(PtxasTest, EveryKernelAssemblesForEverySupportedTargetAtItsDefaultVersion
       const PtxasResult r =
           Assemble(*ptxas_, ptx->text, sm, absl::StrCat(k->EntryName(), "_all_", sm));
       EXPECT_EQ(r.exit_code, 0) << k->EntryName() << " sm_" << sm << " .version "
-                                << ptx->version.ToString() << ":\n" << r.output;
+                                << ptx->version.ToString() << ":\n"
+                                << r.output;
     }
   }
 }
@@ -140,16 +146,16 @@ TEST_F(PtxasTest, AssemblesWithExplicitPtxVersions) {
     PtxVersion version;
   };
   for (const Kernel* k : AllKernels()) {
-    for (const Versioned& v : {Versioned{75, {7, 0}}, Versioned{80, {8, 0}},
-                               Versioned{90, {8, 0}}, Versioned{100, {9, 0}},
-                               Versioned{120, {8, 7}}}) {
+    for (const Versioned& v : {Versioned{75, {7, 0}}, Versioned{80, {8, 0}}, Versioned{90, {8, 0}},
+                               Versioned{100, {9, 0}}, Versioned{120, {8, 7}}}) {
       absl::StatusOr<EmittedPtx> ptx =
           k->Emit({.hidden_dim = 16, .target_sm = v.sm, .ptx_version = v.version});
       ASSERT_TRUE(ptx.ok()) << ptx.status();
       const PtxasResult r = Assemble(*ptxas_, ptx->text, v.sm,
                                      absl::StrCat(k->EntryName(), "_v", v.version.major, v.sm));
       EXPECT_EQ(r.exit_code, 0) << k->EntryName() << " sm_" << v.sm << " .version "
-                                << v.version.ToString() << ":\n" << r.output;
+                                << v.version.ToString() << ":\n"
+                                << r.output;
     }
   }
 }

@@ -79,7 +79,8 @@ std::vector<uint32_t> Sample(uint32_t hidden) {
     for (uint32_t i = 0; i < hidden; ++i) out.push_back(i);
     return out;
   }
-  for (uint32_t k = 0; k < 128; ++k) out.push_back(static_cast<uint32_t>(uint64_t{k} * (hidden - 1) / 127));
+  for (uint32_t k = 0; k < 128; ++k)
+    out.push_back(static_cast<uint32_t>(uint64_t{k} * (hidden - 1) / 127));
   return out;
 }
 
@@ -147,7 +148,8 @@ double MaxRelativeError(const Problem& p, const BackwardFn& fn, bool rms_given) 
     for (uint64_t r = 0; r < p.rows; ++r) {
       const std::vector<double> x(p.x.begin() + r * p.hidden, p.x.begin() + (r + 1) * p.hidden);
       const double inv_rms = 1.0 / RowRms(x.data(), p.hidden, kEps);
-      for (uint32_t i = 0; i < p.hidden; ++i) loss += x[i] * inv_rms * gd[i] * p.w[r * p.hidden + i];
+      for (uint32_t i = 0; i < p.hidden; ++i)
+        loss += x[i] * inv_rms * gd[i] * p.w[r * p.hidden + i];
     }
     return loss;
   };
@@ -167,8 +169,8 @@ double MaxRelativeError(const Problem& p, const BackwardFn& fn, bool rms_given) 
 std::vector<uint32_t> Shapes() {
   std::vector<uint32_t> dims;
   for (uint32_t h = 1; h <= 64; ++h) dims.push_back(h);
-  for (uint32_t h : {96u, 127u, 128u, 200u, 256u, 384u, 512u, 640u, 768u, 896u, 1000u, 1024u,
-                     4096u, 8192u}) {
+  for (uint32_t h :
+       {96u, 127u, 128u, 200u, 256u, 384u, 512u, 640u, 768u, 896u, 1000u, 1024u, 4096u, 8192u}) {
     dims.push_back(h);
   }
   return dims;
@@ -232,7 +234,8 @@ TEST(ReferenceBackwardTest, DgammaIsOverwrittenNotAccumulated) {
   const Problem p = MakeProblem(8, 2, 7);
   std::vector<float> dx(16), first(8), second(8, 123.0f);
   ReferenceBackward({p.x, p.w, p.gamma, {}, 2, 8, kEps}, absl::MakeSpan(dx), absl::MakeSpan(first));
-  ReferenceBackward({p.x, p.w, p.gamma, {}, 2, 8, kEps}, absl::MakeSpan(dx), absl::MakeSpan(second));
+  ReferenceBackward({p.x, p.w, p.gamma, {}, 2, 8, kEps}, absl::MakeSpan(dx),
+                    absl::MakeSpan(second));
   EXPECT_EQ(first, second);
 }
 

@@ -44,10 +44,10 @@ TEST(RmsNormBackwardKernelTest, Name) {
 TEST(RmsNormBackwardKernelTest, PtxGenerationHasEntryParamsAndShuffles) {
   const std::string ptx = EmitText("rms_norm_backward", {.hidden_dim = 32});
   EXPECT_TRUE(absl::StrContains(ptx, ".entry rms_norm_backward"));
-  for (absl::string_view p : {".param .u64 input_ptr", ".param .u64 gamma_ptr",
-                              ".param .u64 rms_ptr", ".param .u64 grad_output_ptr",
-                              ".param .u64 grad_input_ptr", ".param .u32 num_rows",
-                              ".param .u32 hidden_dim"}) {
+  for (absl::string_view p :
+       {".param .u64 input_ptr", ".param .u64 gamma_ptr", ".param .u64 rms_ptr",
+        ".param .u64 grad_output_ptr", ".param .u64 grad_input_ptr", ".param .u32 num_rows",
+        ".param .u32 hidden_dim"}) {
     EXPECT_TRUE(absl::StrContains(ptx, p)) << p;
   }
   EXPECT_TRUE(absl::StrContains(ptx, "shfl.sync.down"));
@@ -117,8 +117,8 @@ TEST(BatchedRmsNormBackwardKernelTest, SmallHidden1) {
 }
 
 TEST(BatchedRmsNormBackwardKernelTest, Hidden32And64) {
-  EXPECT_TRUE(absl::StrContains(EmitText("batched_rms_norm_backward", {.hidden_dim = 32}),
-                                "shfl.sync"));
+  EXPECT_TRUE(
+      absl::StrContains(EmitText("batched_rms_norm_backward", {.hidden_dim = 32}), "shfl.sync"));
   EXPECT_TRUE(absl::StrContains(EmitText("batched_rms_norm_backward", {.hidden_dim = 64}),
                                 ".entry batched_rms_norm_backward"));
 }
@@ -265,7 +265,7 @@ TEST(KernelContractTest, SmallKernelGeometryIsWholeWarpsOneRowEach) {
   EXPECT_EQ(g.block[0], 32 * rows_per_block);
   EXPECT_EQ(g.grid[0], (1000 + rows_per_block - 1) / rows_per_block);
   EXPECT_EQ(g.shared_bytes, 0u);
-  EXPECT_GE(uint64_t{g.grid[0]} * g.block[0] / 32, 1000u);  // a warp for every row
+  EXPECT_GE(uint64_t{g.grid[0]} * g.block[0] / 32, 1000u);    // a warp for every row
   EXPECT_EQ(k->Geometry({.hidden_dim = 32}, 0).grid[0], 1u);  // always a valid launch
 }
 

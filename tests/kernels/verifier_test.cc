@@ -123,8 +123,8 @@ TEST(VerifierTest, AcceptsSameSizeIntegerAndBitTypes) {
   Builder b(fx.f);
   Value u = b.Mov(Value::U32(1));
   Value s = b.Mov(Value::S32(-1));
-  b.Add(u, s);                  // u32 and s32 registers mix like PTX allows
-  b.And(u, Value::B32(0xff));   // and.b32 on a u32 value
+  b.Add(u, s);                 // u32 and s32 registers mix like PTX allows
+  b.And(u, Value::B32(0xff));  // and.b32 on a u32 value
   b.Ret();
   EXPECT_TRUE(Verify(fx.m).ok()) << Verify(fx.m);
 }
