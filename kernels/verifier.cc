@@ -163,6 +163,17 @@ class FunctionVerifier {
     return absl::OkStatus();
   }
 
+  // An access of `lanes` elements must be aligned to its full size; the base register is the
+  // caller's promise, the constant offset is checked here.
+  absl::Status ExpectAlignedOffset(const Instruction& in, size_t lanes) const {
+    const int64_t size = static_cast<int64_t>(lanes) * PtxTypeBits(in.type) / 8;
+    if (size > 0 && in.offset % size != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "address offset ", in.offset, " is not a multiple of the access size ", size, " bytes"));
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status NoRounding(const Instruction& in) const {
     if (in.rounding != Rounding::kNone) {
       return absl::InvalidArgumentError("takes no rounding modifier");
@@ -220,6 +231,7 @@ class FunctionVerifier {
         }
         if (t == PtxType::kPred) return absl::InvalidArgumentError("cannot load a .pred");
         NG_RETURN_IF_ERROR(ExpectAddress(in.src[0]));
+        NG_RETURN_IF_ERROR(ExpectAlignedOffset(in, in.dst.size()));
         for (const Value& d : in.dst) NG_RETURN_IF_ERROR(ExpectDst(d, t, "destination"));
         return NoRounding(in);
       case Opcode::kSt:
@@ -232,6 +244,7 @@ class FunctionVerifier {
         if (!in.dst.empty()) return absl::InvalidArgumentError("has no destination");
         if (t == PtxType::kPred) return absl::InvalidArgumentError("cannot store a .pred");
         NG_RETURN_IF_ERROR(ExpectAddress(in.src[0]));
+        NG_RETURN_IF_ERROR(ExpectAlignedOffset(in, in.src.size() - 1));
         for (size_t k = 1; k < in.src.size(); ++k)
           NG_RETURN_IF_ERROR(Expect(in.src[k], t, "value"));
         return NoRounding(in);
@@ -246,6 +259,7 @@ class FunctionVerifier {
           return absl::InvalidArgumentError("atom.add needs .global or .shared");
         }
         NG_RETURN_IF_ERROR(ExpectAddress(in.src[0]));
+        NG_RETURN_IF_ERROR(ExpectAlignedOffset(in, 1));
         NG_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
         NG_RETURN_IF_ERROR(Expect(in.src[1], t, "value"));
         return NoRounding(in);

@@ -10,8 +10,9 @@
 // type, or a .bN type of the same size, or integers of the same size); rounding modifiers are
 // present where PTX requires them and absent where it forbids them; every branch target is bound
 // exactly once; every ld.param names a declared parameter of that type; guards are predicates;
-// shared arrays have unique names, a power-of-two alignment and at most 48 KiB in all, and their
-// addresses are only taken with mov; control does not run off the end of an entry.
+// constant address offsets are multiples of the access size (16 for a .v4.f32); shared arrays have
+// unique names, a power-of-two alignment and at most 48 KiB in all, and their addresses are only
+// taken with mov; control does not run off the end of an entry.
 #ifndef NORMGRAD_KERNELS_VERIFIER_H_
 #define NORMGRAD_KERNELS_VERIFIER_H_
 

@@ -266,6 +266,25 @@ TEST(VerifierTest, RejectsANon64BitAddress) {
   ExpectRejected(fx.m, "a 64-bit integer is required");
 }
 
+TEST(VerifierTest, RejectsAMisalignedConstantOffset) {
+  {
+    Fixture fx;
+    Builder b(fx.f);
+    Value base = b.LdParam(fx.out);
+    b.LdV4(StateSpace::kGlobal, PtxType::kF32, Address{base, 8});  // a 16-byte access at +8
+    b.Ret();
+    ExpectRejected(fx.m, "offset 8 is not a multiple of the access size 16 bytes");
+  }
+  {
+    Fixture fx;
+    Builder b(fx.f);
+    Value base = b.LdParam(fx.out);
+    b.St(StateSpace::kGlobal, Address{base, 2}, Value::F32(0.0f));
+    b.Ret();
+    ExpectRejected(fx.m, "offset 2 is not a multiple of the access size 4 bytes");
+  }
+}
+
 TEST(VerifierTest, RejectsAStaleRegisterHandle) {
   Fixture fx;
   Builder b(fx.f);
