@@ -257,14 +257,14 @@ TEST_F(EmulatedDriverTest, AllocCopyLoadLaunchCopyBack) {
 TEST_F(EmulatedDriverTest, BadPtxFailsWithTheParseErrorInTheJitLog) {
   MakeCurrent();
   std::string bad = kScalePtx;
-  bad.replace(bad.find("mul.rn.f32"), 10, "mul.rz.f32");
+  bad.replace(bad.find("mul.rn.f32"), 10, "mul.rn.f16");
   char log[256];
   std::memset(log, 'x', sizeof(log));
   CUjit_option options[] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
   void* values[] = {log, reinterpret_cast<void*>(static_cast<uintptr_t>(sizeof(log)))};
   CUmodule module = nullptr;
   EXPECT_EQ(cuModuleLoadDataEx(&module, bad.c_str(), 2, options, values), CUDA_ERROR_INVALID_PTX);
-  EXPECT_THAT(std::string(log), HasSubstr("line 22: unsupported instruction 'mul.rz.f32'"));
+  EXPECT_THAT(std::string(log), HasSubstr("line 22: unsupported instruction 'mul.rn.f16'"));
   EXPECT_EQ(reinterpret_cast<uintptr_t>(values[1]), std::strlen(log) + 1);  // size written back
 
   std::string too_new = kScalePtx;

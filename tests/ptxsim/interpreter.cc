@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -135,6 +136,102 @@ uint16_t FloatToBf16(float f) {
   return static_cast<uint16_t>((u + rounding) >> 16);
 }
 
+// `exact` (representable in long double: every integer up to 64 bits, every f32/f64) rounded to
+// F in `mode`.
+template <typename F>
+F RoundLongDouble(long double exact, FloatRound mode) {
+  F f = static_cast<F>(exact);  // round to nearest even
+  if (mode == FloatRound::kRn || std::isnan(exact) || static_cast<long double>(f) == exact) return f;
+  const F max = std::numeric_limits<F>::max();
+  const F inf = std::numeric_limits<F>::infinity();
+  if (std::isinf(f)) {  // overflowed while rounding to nearest
+    switch (mode) {
+      case FloatRound::kRz: return exact > 0 ? max : -max;
+      case FloatRound::kRm: return exact > 0 ? max : -inf;
+      case FloatRound::kRp: return exact > 0 ? inf : -max;
+      case FloatRound::kRn: break;
+    }
+    return f;
+  }
+  const bool above = exact > static_cast<long double>(f);  // the exact value lies above f
+  switch (mode) {
+    case FloatRound::kRz:
+      if (f > 0 && !above) return std::nextafter(f, F{0});
+      if (f < 0 && above) return std::nextafter(f, F{0});
+      if (f == 0) return std::copysign(F{0}, static_cast<F>(exact > 0 ? 1 : -1));
+      return f;
+    case FloatRound::kRm: return above ? f : std::nextafter(f, -inf);
+    case FloatRound::kRp: return above ? std::nextafter(f, inf) : f;
+    case FloatRound::kRn: break;
+  }
+  return f;
+}
+
+// hi + lo (two doubles, |lo| tiny against hi or hi already exact) rounded to f32 in `mode`.
+float RoundTwoDoubles(double hi, double lo, FloatRound mode) {
+  if (std::isnan(hi) || std::isinf(hi)) return static_cast<float>(hi);
+  float f = static_cast<float>(hi);
+  const float max = std::numeric_limits<float>::max();
+  const float inf = std::numeric_limits<float>::infinity();
+  if (std::isinf(f)) {
+    switch (mode) {
+      case FloatRound::kRz: return hi > 0 ? max : -max;
+      case FloatRound::kRm: return hi > 0 ? max : -inf;
+      case FloatRound::kRp: return hi > 0 ? inf : -max;
+      case FloatRound::kRn: break;
+    }
+    return f;
+  }
+  const double side = (hi - static_cast<double>(f)) + lo;  // hi - f is exact (Sterbenz)
+  if (side == 0) return f;
+  const bool above = side > 0;
+  switch (mode) {
+    case FloatRound::kRz:
+      if (f > 0 && !above) return std::nextafter(f, 0.0f);
+      if (f < 0 && above) return std::nextafter(f, 0.0f);
+      if (f == 0) return above ? 0.0f : -0.0f;
+      return f;
+    case FloatRound::kRm: return above ? f : std::nextafter(f, -inf);
+    case FloatRound::kRp: return above ? std::nextafter(f, inf) : f;
+    case FloatRound::kRn: break;
+  }
+  return f;
+}
+
+// f32 add/sub/mul/div/sqrt/rcp/fma with .rz/.rm/.rp: the exact result as hi + lo (error-free
+// transformations in double), then rounded once in the asked direction.
+float DirectedF32(Op op, float a, float b, float c, FloatRound mode) {
+  const double da = a, db = b, dc = c;
+  auto two_sum = [](double x, double y, double* lo) {
+    const double s = x + y;
+    const double yy = s - x;
+    *lo = (x - (s - yy)) + (y - yy);
+    return s;
+  };
+  double hi = 0, lo = 0;
+  switch (op) {
+    case Op::kAdd: hi = two_sum(da, db, &lo); break;
+    case Op::kSub: hi = two_sum(da, -db, &lo); break;
+    case Op::kMul: hi = da * db; break;  // 48-bit product: exact in double
+    case Op::kMad:
+    case Op::kFma: hi = two_sum(da * db, dc, &lo); break;
+    case Op::kRcp:
+    case Op::kDiv: {
+      const double num = op == Op::kRcp ? 1.0 : da;
+      const double den = op == Op::kRcp ? da : db;
+      hi = num / den;
+      if (std::isfinite(hi) && den != 0) lo = std::fma(-hi, den, num) / den;  // exact remainder
+      break;
+    }
+    case Op::kSqrt:
+      hi = std::sqrt(da);
+      if (hi > 0 && std::isfinite(hi)) lo = std::fma(-hi, hi, da) / (2 * hi);
+      break;
+    default: break;
+  }
+  return RoundTwoDoubles(hi, lo, mode);
+}
+
 // Source value of cvt as double (floats) or int64 (integers, extended per signedness).
 double CvtSourceAsDouble(uint64_t v, Type t) {
   switch (t) {
@@ -164,6 +261,16 @@ uint64_t Convert(const Instruction& in, uint64_t v) {
   const Type st = in.src_type;
   const int db = TypeBits(dt);
   const IntRound ir = static_cast<IntRound>(in.mode);
+  if (IsFloat(dt) && in.rounding != FloatRound::kRn && ir == IntRound::kNone) {
+    const long double exact = IsFloat(st) ? static_cast<long double>(CvtSourceAsDouble(v, st))
+                              : IsSigned(st) ? static_cast<long double>(SignExtend(v, TypeBits(st)))
+                                             : static_cast<long double>(v & Mask(TypeBits(st)));
+    if (dt == Type::kF64) return F64Bits(RoundLongDouble<double>(exact, in.rounding));
+    float f = RoundLongDouble<float>(exact, in.rounding);
+    if (in.ftz) f = Ftz(f);
+    if (in.sat) f = Sat(f);
+    return F32Bits(f);
+  }
   if (IsFloat(dt)) {
     if (!IsFloat(st)) {
       // Integer -> float, round to nearest (C++'s conversion under the default rounding mode).
@@ -287,6 +394,12 @@ uint64_t FloatAlu32(const Instruction& in, uint64_t ra, uint64_t rb, uint64_t rc
     c = Ftz(c);
   }
   float r = 0.0f;
+  if (in.rounding != FloatRound::kRn) {
+    r = DirectedF32(in.op, a, b, c, in.rounding);
+    if (in.ftz) r = Ftz(r);
+    if (in.sat) r = Sat(r);
+    return F32Bits(r);
+  }
   switch (in.op) {
     case Op::kAdd: r = a + b; break;
     case Op::kSub: r = a - b; break;
@@ -1072,7 +1185,7 @@ class Launcher {
   static bool ComputeCommon(const Instruction& in, uint32_t exec, const uint64_t* r, uint64_t* out) {
     const Type t = in.type;
     const MulMode mul = static_cast<MulMode>(in.mode);
-    if (t == Type::kF32 && !in.ftz && !in.sat) {
+    if (t == Type::kF32 && !in.ftz && !in.sat && in.rounding == FloatRound::kRn) {
       switch (in.op) {
         case Op::kAdd:
           Map<2>(in, exec, r, out, [](uint64_t a, uint64_t b, uint64_t) { return F32Bits(AsF32(a) + AsF32(b)); });

@@ -68,6 +68,8 @@ enum class Cmp : uint8_t {
 enum class BoolOp : uint8_t { kNone, kAnd, kOr, kXor };
 enum class ShflMode : uint8_t { kUp, kDown, kBfly, kIdx };
 enum class AtomOp : uint8_t { kAdd, kMin, kMax, kExch, kCas, kAnd, kOr, kXor, kInc, kDec };
+// Rounding of a floating-point result (.rn is also the default when none is written).
+enum class FloatRound : uint8_t { kRn, kRz, kRm, kRp };
 // Float-to-integer (or float-to-float integral) rounding of cvt.
 enum class IntRound : uint8_t { kNone, kRni, kRzi, kRmi, kRpi };
 
@@ -100,6 +102,7 @@ struct Instruction {
   uint8_t vec = 1;              // ld/st .v2/.v4
   uint8_t mode = 0;             // MulMode / Cmp / ShflMode / AtomOp / IntRound / cvta direction
   BoolOp bool_op = BoolOp::kNone;
+  FloatRound rounding = FloatRound::kRn;
   bool ftz = false;
   bool sat = false;
   bool approx = false;          // .approx or .full: executed exactly (see docs/ptxsim.md)

@@ -993,10 +993,10 @@ class Parser {
         return unsupported(absl::StrCat("state space .", m, " is not supported"));
       } else if (m == "v2" || m == "v4") {
         in.vec = m == "v2" ? 2 : 4;
-      } else if (m == "rn") {
-        rn = true;
-      } else if (m == "rz" || m == "rm" || m == "rp") {
-        return unsupported(absl::StrCat("rounding mode .", m, " is not supported (only .rn)"));
+      } else if (m == "rn" || m == "rz" || m == "rm" || m == "rp") {
+        rn = true;  // a floating-point rounding modifier is present
+        in.rounding = m == "rn" ? FloatRound::kRn : m == "rz" ? FloatRound::kRz
+                      : m == "rm" ? FloatRound::kRm : FloatRound::kRp;
       } else if (m == "rni" || m == "rzi" || m == "rmi" || m == "rpi") {
         in.mode = static_cast<uint8_t>(m == "rni" ? IntRound::kRni
                                        : m == "rzi" ? IntRound::kRzi
@@ -1190,6 +1190,13 @@ class Parser {
         const bool approx_only = a.op == Op::kRsqrt || a.op == Op::kEx2 || a.op == Op::kLg2;
         if (approx_only && !in.approx) return unsupported("needs .approx");
         if (full && a.op != Op::kDiv) return unsupported(".full applies to div only");
+        const bool directed_ok = in.type == Type::kF32 && !in.approx &&
+                                 (a.op == Op::kAdd || a.op == Op::kSub || a.op == Op::kMul ||
+                                  a.op == Op::kDiv || a.op == Op::kSqrt || a.op == Op::kRcp ||
+                                  a.op == Op::kFma || a.op == Op::kMad);
+        if (in.rounding != FloatRound::kRn && !directed_ok) {
+          return unsupported("rounding .rz/.rm/.rp is supported on f32 add/sub/mul/div/sqrt/rcp/fma only");
+        }
       } else {
         if (rn || in.approx || in.ftz) return unsupported("rounding/.approx/.ftz apply to floating-point types");
         if (in.sat && !(in.type == Type::kS32 && (a.op == Op::kAdd || a.op == Op::kSub || a.op == Op::kMad))) {
@@ -1276,11 +1283,14 @@ class Parser {
           return unsupported("widening float conversion takes no rounding modifier");
         }
       } else if (fd && !fs) {
-        if (!rn) return unsupported("integer-to-float conversion needs .rn");
+        if (!rn) return unsupported("integer-to-float conversion needs a rounding modifier (.rn/.rz/.rm/.rp)");
       } else if (!fd && fs) {
         if (ir == IntRound::kNone) return unsupported("float-to-integer conversion needs .rni/.rzi/.rmi/.rpi");
       } else if (rn || ir != IntRound::kNone) {
         return unsupported("integer-to-integer conversion takes no rounding modifier");
+      }
+      if (in.rounding != FloatRound::kRn && in.type != Type::kF32 && in.type != Type::kF64) {
+        return unsupported("rounding .rz/.rm/.rp converts to f32 or f64 only");
       }
       NG_TRY(set_dst(0, Dst(ops[0], in.type, true)));
       NG_TRY(set_src(0, Src(ops[1], in.src_type, true)));

@@ -1,6 +1,7 @@
 // Hand-written kernels, one per SIMT feature, executed by the interpreter and checked against
 // values computed independently in C++.
 #include <algorithm>
+#include <cfenv>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -390,6 +391,102 @@ TEST(PtxSimt, FloatArithmeticRoundsLikeTheInstructionSays) {
   EXPECT_NE(out[3], out[4]) << "fma must round once, mul+add twice";
   EXPECT_EQ(out[3], std::ldexp(1.0f, -24));
   EXPECT_EQ(out[4], 0.0f);
+}
+
+// .rz/.rm/.rp on f32 arithmetic and conversions, against the host FPU in the same rounding
+// mode (this test is compiled with -frounding-math).
+TEST(PtxSimt, DirectedRoundingMatchesTheHostFpuInThatMode) {
+  constexpr char kTemplate[] = R"(
+.visible .entry directed(.param .u64 a, .param .u64 b, .param .u64 c, .param .u64 out)
+{
+  .reg .b32 %r<4>;
+  .reg .f32 %f<16>;
+  .reg .f64 %fd<2>;
+  .reg .b64 %rd<10>;
+  ld.param.u64 %rd1, [a];
+  ld.param.u64 %rd2, [b];
+  ld.param.u64 %rd3, [c];
+  ld.param.u64 %rd4, [out];
+  mov.u32 %r1, %tid.x;
+  mul.wide.u32 %rd5, %r1, 4;
+  add.s64 %rd6, %rd1, %rd5;
+  ld.global.f32 %f1, [%rd6];
+  add.s64 %rd6, %rd2, %rd5;
+  ld.global.f32 %f2, [%rd6];
+  add.s64 %rd6, %rd3, %rd5;
+  ld.global.f32 %f3, [%rd6];
+  add.MODE.f32 %f4, %f1, %f2;
+  sub.MODE.f32 %f5, %f1, %f3;
+  mul.MODE.f32 %f6, %f1, %f2;
+  div.MODE.f32 %f7, %f1, %f2;
+  abs.f32 %f15, %f1;
+  sqrt.MODE.f32 %f8, %f15;
+  fma.MODE.f32 %f9, %f1, %f2, %f3;
+  rcp.MODE.f32 %f10, %f2;
+  mul.lo.u32 %r2, %r1, 98765431;
+  cvt.MODE.f32.s32 %f11, %r2;
+  cvt.f64.f32 %fd1, %f1;
+  mul.rn.f64 %fd1, %fd1, 0d3FF0000000000001;
+  cvt.MODE.f32.f64 %f12, %fd1;
+  mul.wide.u32 %rd7, %r1, 36;
+  add.s64 %rd8, %rd4, %rd7;
+  st.global.f32 [%rd8], %f4;
+  st.global.f32 [%rd8+4], %f5;
+  st.global.f32 [%rd8+8], %f6;
+  st.global.f32 [%rd8+12], %f7;
+  st.global.f32 [%rd8+16], %f8;
+  st.global.f32 [%rd8+20], %f9;
+  st.global.f32 [%rd8+24], %f10;
+  st.global.f32 [%rd8+28], %f11;
+  st.global.f32 [%rd8+32], %f12;
+  ret;
+}
+)";
+  struct Mode {
+    const char* name;
+    int fe;
+  };
+  for (const Mode& mode : {Mode{"rz", FE_TOWARDZERO}, Mode{"rm", FE_DOWNWARD}, Mode{"rp", FE_UPWARD},
+                           Mode{"rn", FE_TONEAREST}}) {
+    std::string ptx = absl::StrCat(kHeader, kTemplate);
+    for (size_t at = ptx.find("MODE"); at != std::string::npos; at = ptx.find("MODE")) {
+      ptx.replace(at, 4, mode.name);
+    }
+    SimHarness sim;
+    constexpr int kN = 64;
+    float* a = sim.Alloc<float>(kN);
+    float* b = sim.Alloc<float>(kN);
+    float* c = sim.Alloc<float>(kN);
+    float* out = sim.Alloc<float>(kN * 9);
+    uint32_t state = 99;
+    auto next = [&state]() {
+      state = state * 1664525u + 1013904223u;
+      return static_cast<float>(state >> 8) / static_cast<float>(1u << 24);
+    };
+    for (int i = 0; i < kN; ++i) {
+      a[i] = (i % 2 ? -1.0f : 1.0f) * std::ldexp(0.5f + next(), static_cast<int>(i % 9) - 4);
+      b[i] = (i % 3 ? 1.0f : -1.0f) * (0.1f + 3.0f * next());
+      c[i] = (i % 5 ? -1.0f : 1.0f) * next() * 1e-3f;
+    }
+    KernelArgs args;
+    args.Add(SimHarness::Address(a)).Add(SimHarness::Address(b)).Add(SimHarness::Address(c))
+        .Add(SimHarness::Address(out));
+    absl::Status s = sim.Run(ptx, "directed", {1, 1, 1}, {kN, 1, 1}, args);
+    ASSERT_TRUE(s.ok()) << s;
+    for (int i = 0; i < kN; ++i) {
+      volatile float va = a[i], vb = b[i], vc = c[i];
+      const int32_t as_int = static_cast<int32_t>(static_cast<uint32_t>(i) * 98765431u);
+      const double wide = static_cast<double>(a[i]) * (1.0 + std::ldexp(1.0, -52));
+      std::fesetround(mode.fe);
+      const float want[9] = {va + vb, va - vc, va * vb, va / vb, std::sqrt(std::fabs(va)),
+                             std::fma(va, vb, vc), 1.0f / vb, static_cast<float>(as_int),
+                             static_cast<float>(wide)};
+      std::fesetround(FE_TONEAREST);
+      for (int k = 0; k < 9; ++k) {
+        EXPECT_EQ(out[9 * i + k], want[k]) << mode.name << " lane " << i << " result " << k;
+      }
+    }
+  }
 }
 
 TEST(PtxSimt, IntegerCompareConvertAndSelect) {
