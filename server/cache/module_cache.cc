@@ -4,13 +4,11 @@
 #include <optional>
 #include <vector>
 
-#include "absl/synchronization/notification.h"
-
 namespace normgrad::server::cache_internal {
 
 struct ErasedCache::Flight {
-  absl::Notification done;
-  // Written once by the compiling thread before `done` is notified; read-only afterwards.
+  // Both written once, under mu_, by the compiling thread; read-only once `done`.
+  bool done = false;
   std::optional<absl::StatusOr<std::shared_ptr<const void>>> result;
 };
 
@@ -27,7 +25,7 @@ absl::StatusOr<std::shared_ptr<const void>> ErasedCache::GetOrCompile(absl::stri
   bool leader = false;
   const std::string key_string(key);
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (auto it = index_.find(key_string); it != index_.end()) {
       ++stats_.hits;
       lru_.splice(lru_.begin(), lru_, it->second);
@@ -43,7 +41,8 @@ absl::StatusOr<std::shared_ptr<const void>> ErasedCache::GetOrCompile(absl::stri
   }
 
   if (!leader) {
-    flight->done.WaitForNotification();
+    std::unique_lock<std::mutex> lock(mu_);
+    flight_done_.wait(lock, [&] { return flight->done; });
     return *flight->result;
   }
 
@@ -56,8 +55,9 @@ absl::StatusOr<std::shared_ptr<const void>> ErasedCache::GetOrCompile(absl::stri
   }
 
   std::vector<std::shared_ptr<const void>> evicted;  // released after the lock
+  absl::StatusOr<std::shared_ptr<const void>> result;
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     ++stats_.compiles;
     stats_.compile_seconds += seconds;
     if (compiled.ok()) {
@@ -68,13 +68,15 @@ absl::StatusOr<std::shared_ptr<const void>> ErasedCache::GetOrCompile(absl::stri
       flight->result.emplace(compiled.status());
     }
     flights_.erase(key_string);
+    flight->done = true;
+    result = *flight->result;
   }
-  flight->done.Notify();
-  return *flight->result;
+  flight_done_.notify_all();
+  return result;
 }
 
 std::shared_ptr<const void> ErasedCache::Find(absl::string_view key) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = index_.find(std::string(key));
   if (it == index_.end()) return nullptr;
   ++stats_.hits;
@@ -102,14 +104,14 @@ void ErasedCache::InsertLocked(const std::string& key, const std::shared_ptr<con
 }
 
 ModuleCacheStats ErasedCache::Stats() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return stats_;
 }
 
 void ErasedCache::Clear() {
   Lru dropped;  // destroyed outside the lock: a value's destructor may be slow (cuModuleUnload)
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     dropped.swap(lru_);
     index_.clear();
     stats_.entries = 0;

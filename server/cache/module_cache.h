@@ -19,10 +19,12 @@
 #ifndef NORMGRAD_SERVER_CACHE_MODULE_CACHE_H_
 #define NORMGRAD_SERVER_CACHE_MODULE_CACHE_H_
 
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <list>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,7 +32,6 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
 
 namespace normgrad::server {
 
@@ -85,16 +86,19 @@ class ErasedCache {
 
   // Inserts and evicts down to the bounds; evicted values are handed to `evicted` so that
   // their destructors run after the lock is released.
+  // Requires mu_ held.
   void InsertLocked(const std::string& key, const std::shared_ptr<const void>& value,
-                    uint64_t bytes, std::vector<std::shared_ptr<const void>>& evicted)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                    uint64_t bytes, std::vector<std::shared_ptr<const void>>& evicted);
 
   const ModuleCacheOptions options_;
-  mutable absl::Mutex mu_;
-  Lru lru_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, Lru::iterator> index_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, std::shared_ptr<Flight>> flights_ ABSL_GUARDED_BY(mu_);
-  ModuleCacheStats stats_ ABSL_GUARDED_BY(mu_);
+  // std::mutex rather than absl::Mutex: ThreadSanitizer understands it without an abseil built
+  // for it. Everything below is guarded by mu_.
+  mutable std::mutex mu_;
+  std::condition_variable flight_done_;  // signalled when any flight finishes
+  Lru lru_;
+  absl::flat_hash_map<std::string, Lru::iterator> index_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Flight>> flights_;
+  ModuleCacheStats stats_;
 };
 
 }  // namespace cache_internal
