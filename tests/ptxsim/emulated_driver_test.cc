@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -279,6 +280,49 @@ TEST_F(EmulatedDriverTest, BadPtxFailsWithTheParseErrorInTheJitLog) {
 
   const char elf[] = "\x7f" "ELF\x02\x01\x01";
   EXPECT_EQ(cuModuleLoadDataEx(&module, elf, 0, nullptr, nullptr), CUDA_ERROR_NO_BINARY_FOR_GPU);
+}
+
+TEST_F(EmulatedDriverTest, ConcurrentThreadsEachWithTheirOwnStreamDoNotInterfere) {
+  CUcontext ctx = nullptr;
+  ASSERT_EQ(cuDevicePrimaryCtxRetain(&ctx, 0), CUDA_SUCCESS);
+  CUmodule module = nullptr;
+  ASSERT_EQ(cuCtxSetCurrent(ctx), CUDA_SUCCESS);
+  ASSERT_EQ(cuModuleLoadDataEx(&module, kScalePtx, 0, nullptr, nullptr), CUDA_SUCCESS);
+  CUfunction fn = nullptr;
+  ASSERT_EQ(cuModuleGetFunction(&fn, module, "scale"), CUDA_SUCCESS);
+  constexpr int kThreads = 6;
+  constexpr int kRounds = 10;
+  std::vector<int> failures(kThreads, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      if (cuCtxSetCurrent(ctx) != CUDA_SUCCESS) {
+        ++failures[t];
+        return;
+      }
+      CUstream stream = nullptr;
+      if (cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) ++failures[t];
+      for (int round = 0; round < kRounds; ++round) {
+        const uint32_t n = 64 + 37 * static_cast<uint32_t>(t + round);
+        std::vector<float> host(n);
+        for (uint32_t i = 0; i < n; ++i) host[i] = static_cast<float>(i + t);
+        CUdeviceptr data = 0;
+        float factor = static_cast<float>(t + 1);
+        void* params[] = {&data, const_cast<uint32_t*>(&n), &factor};
+        bool ok = cuMemAlloc(&data, n * sizeof(float)) == CUDA_SUCCESS &&
+                  cuMemcpyHtoDAsync(data, host.data(), n * sizeof(float), stream) == CUDA_SUCCESS &&
+                  cuLaunchKernel(fn, (n + 63) / 64, 1, 1, 64, 1, 1, 0, stream, params, nullptr) == CUDA_SUCCESS &&
+                  cuMemcpyDtoHAsync(host.data(), data, n * sizeof(float), stream) == CUDA_SUCCESS &&
+                  cuStreamSynchronize(stream) == CUDA_SUCCESS && cuMemFree(data) == CUDA_SUCCESS;
+        for (uint32_t i = 0; ok && i < n; ++i) ok = host[i] == static_cast<float>(i + t) * factor;
+        if (!ok) ++failures[t];
+      }
+      if (cuStreamDestroy(stream) != CUDA_SUCCESS) ++failures[t];
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(failures[t], 0) << "thread " << t;
+  EXPECT_EQ(cuModuleUnload(module), CUDA_SUCCESS);
 }
 
 TEST_F(EmulatedDriverTest, OutOfBoundsLaunchIsIllegalAddressAndTheContextStaysUsable) {
