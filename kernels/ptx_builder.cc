@@ -693,6 +693,16 @@ void Builder::St(StateSpace space, Address addr, Value value) {
   Append(std::move(in));
 }
 
+void Builder::StAs(StateSpace space, PtxType type, Address addr, Value value) {
+  Instruction in;
+  in.op = Opcode::kSt;
+  in.type = type;
+  in.space = space;
+  in.src = {addr.base, value};
+  in.offset = addr.offset;
+  Append(std::move(in));
+}
+
 void Builder::StV4(StateSpace space, Address addr, absl::Span<const Value> values) {
   Instruction in;
   in.op = Opcode::kSt;
@@ -872,6 +882,20 @@ Value Builder::Cvt(PtxType to, Value a, Rounding r) {
   Instruction in = Unary(Opcode::kCvt, to, d, a, r);
   in.src_type = a.type();
   Append(std::move(in));
+  return d;
+}
+
+Value Builder::CvtFrom(PtxType to, PtxType from, Value a, Rounding r) {
+  Value d = fn_->NewRegister(to);
+  Instruction in = Unary(Opcode::kCvt, to, d, a, r);
+  in.src_type = from;
+  Append(std::move(in));
+  return d;
+}
+
+Value Builder::Bitcast(PtxType to, Value a) {
+  Value d = fn_->NewRegister(to);
+  Append(Unary(Opcode::kMov, BitTypeOf(to), d, a, Rounding::kNone));
   return d;
 }
 

@@ -90,6 +90,8 @@ class Value {
   static Value B32(uint32_t v) { return Value(Kind::kImmediate, PtxType::kB32, v); }
   static Value F32(float v);
   static Value F64(double v);
+  // Any type from its bit pattern (e.g. Value::Imm(PtxType::kB16, 0)).
+  static Value Imm(PtxType type, uint64_t bits) { return Value(Kind::kImmediate, type, bits); }
   static Value Special(SpecialReg reg) {
     return Value(Kind::kSpecial, PtxType::kU32, static_cast<uint64_t>(reg));
   }
@@ -360,6 +362,8 @@ class Builder {
   Value LdOr(StateSpace space, Value pred, Address addr, Value fallback);
   std::vector<Value> LdV4(StateSpace space, PtxType type, Address addr);  // ld.v4
   void St(StateSpace space, Address addr, Value value);
+  // st.<type> with an explicit instruction type (st.global.b16 of an f16/bf16 register).
+  void StAs(StateSpace space, PtxType type, Address addr, Value value);
   void StV4(StateSpace space, Address addr, absl::Span<const Value> values);
   Value AtomAdd(StateSpace space, Address addr, Value value);
 
@@ -384,6 +388,10 @@ class Builder {
   Value Rsqrt(Value a);             // rsqrt.approx only (PTX has no exact rsqrt)
   Value Rcp(Value a, Rounding r);   // .rn exact, .approx fast
   Value Cvt(PtxType to, Value a, Rounding r = Rounding::kNone);
+  // cvt.<to>.<from> where the register's own type differs (cvt.f32.f16 of a .b16 register).
+  Value CvtFrom(PtxType to, PtxType from, Value a, Rounding r = Rounding::kNone);
+  // mov.b<N> into a register of type `to`: reinterprets the bits (u32 -> f32).
+  Value Bitcast(PtxType to, Value a);
 
   // Bitwise; the instruction type is the bit type of the operand's size (and.b32 for a u32).
   Value And(Value a, Value b);

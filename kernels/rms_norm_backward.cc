@@ -34,24 +34,94 @@ Value WarpSum(Builder& b, Value v) {
   return b.Shfl(ShflMode::kIdx, sum, Value::U32(0), kFullMask);
 }
 
+// PTX ISA version the element type's instructions need: cvt to/from .bf16 is PTX 7.0 (sm_80).
+PtxVersion InstructionsVersion(DType dtype) {
+  return dtype == DType::kBF16 ? PtxVersion{7, 0} : kShflSyncVersion;
+}
+
+PtxType StorageType(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return PtxType::kF32;
+    case DType::kBF16:
+      return PtxType::kU16;
+    case DType::kF16:
+      return PtxType::kB16;
+  }
+  return PtxType::kF32;
+}
+
+// A loaded element (of StorageType) as f32; every conversion is exact.
+Value ToF32(Builder& b, DType dtype, Value raw) {
+  switch (dtype) {
+    case DType::kF32:
+      return raw;
+    case DType::kF16:
+      return b.CvtFrom(PtxType::kF32, PtxType::kF16, raw);  // cvt.f32.f16
+    case DType::kBF16: {
+      // bf16 is the high half of an f32: widen, shift, reinterpret (works on every target).
+      const Value wide = b.Cvt(PtxType::kU32, raw);
+      const Value bits = b.Shl(wide, Value::U32(16));
+      return b.Bitcast(PtxType::kF32, bits);
+    }
+  }
+  return raw;
+}
+
+// Loads one element of `dtype` as f32.
+Value LoadAsF32(Builder& b, DType dtype, Address addr) {
+  return ToF32(b, dtype, b.Ld(StateSpace::kGlobal, StorageType(dtype), addr));
+}
+
+// Loads one element of `dtype` as f32 where `pred` holds, else 0.
+Value LoadAsF32Or0(Builder& b, DType dtype, Value pred, Address addr) {
+  const Value zero = dtype == DType::kF32 ? Value::F32(0.0f) : Value::Imm(StorageType(dtype), 0);
+  return ToF32(b, dtype, b.LdOr(StateSpace::kGlobal, pred, addr, zero));
+}
+
+// An f32 result rounded to `dtype` (to nearest even), ready for StoreElement.
+Value FromF32(Builder& b, DType dtype, Value v) {
+  switch (dtype) {
+    case DType::kF32:
+      return v;
+    case DType::kF16:
+      return b.Cvt(PtxType::kF16, v, Rounding::kRn);  // cvt.rn.f16.f32
+    case DType::kBF16:
+      return b.Cvt(PtxType::kBF16, v, Rounding::kRn);  // cvt.rn.bf16.f32 (sm_80+)
+  }
+  return v;
+}
+
+void StoreElement(Builder& b, DType dtype, Address addr, Value converted) {
+  if (dtype == DType::kF32) {
+    b.St(StateSpace::kGlobal, addr, converted);
+  } else {
+    b.StAs(StateSpace::kGlobal, PtxType::kB16, addr, converted);
+  }
+}
+
+// log2 of the element size, for byte offsets.
+uint32_t ElementShift(DType dtype) { return dtype == DType::kF32 ? 2 : 1; }
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // BuiltKernel
 
 absl::Status BuiltKernel::CheckCommon(const KernelConfig& config) const {
-  if (config.dtype != DType::kF32) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "dtype ", DTypeName(config.dtype), " is not supported by ", EntryName(), " (f32 only)"));
+  if (config.dtype == DType::kBF16 && config.target_sm < 80) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dtype bf16 needs target sm_80 or newer (cvt.rn.bf16.f32); target is sm_",
+                     config.target_sm));
   }
   absl::StatusOr<PtxVersion> v =
-      ResolvePtxVersion(config.target_sm, config.ptx_version, kShflSyncVersion);
+      ResolvePtxVersion(config.target_sm, config.ptx_version, InstructionsVersion(config.dtype));
   return v.status();
 }
 
 std::string BuiltKernel::ConfigKey(const KernelConfig& config) const {
   absl::StatusOr<PtxVersion> v =
-      ResolvePtxVersion(config.target_sm, config.ptx_version, kShflSyncVersion);
+      ResolvePtxVersion(config.target_sm, config.ptx_version, InstructionsVersion(config.dtype));
   const std::string version =
       v.ok() ? v->ToString()
              : (config.ptx_version.has_value() ? config.ptx_version->ToString() : "invalid");
@@ -109,7 +179,7 @@ LaunchGeometry RmsNormBackwardKernel::Geometry(const KernelConfig& config,
 absl::StatusOr<Module> RmsNormBackwardKernel::Build(const KernelConfig& config) const {
   if (absl::Status s = CanImplement(config); !s.ok()) return s;
   absl::StatusOr<PtxVersion> version =
-      ResolvePtxVersion(config.target_sm, config.ptx_version, kShflSyncVersion);
+      ResolvePtxVersion(config.target_sm, config.ptx_version, InstructionsVersion(config.dtype));
   if (!version.ok()) return version.status();
 
   Module m(*version, config.target_sm);
@@ -147,17 +217,15 @@ absl::StatusOr<Module> RmsNormBackwardKernel::Build(const KernelConfig& config) 
   const Value lane_valid = b.Setp(CmpOp::kLt, lane, hidden);
   // Element offset in 64 bits: row * hidden_dim may exceed 2^32.
   const Value elem = b.MadWide(row, hidden, b.Cvt(PtxType::kU64, lane));
-  const Value elem_bytes = b.Shl(elem, Value::U32(2));
-  const Value lane_bytes = b.MulWide(lane, Value::U32(4));
+  const DType dtype = config.dtype;
+  const Value elem_bytes = b.Shl(elem, Value::U32(ElementShift(dtype)));
+  const Value lane_bytes = b.MulWide(lane, Value::U32(DTypeBytes(dtype)));
 
   const Value rms = b.Ld(StateSpace::kGlobal, PtxType::kF32,
                          Address{b.Add(rms_base, b.MulWide(row, Value::U32(4)))});
-  const Value x =
-      b.LdOr(StateSpace::kGlobal, lane_valid, Address{b.Add(x_base, elem_bytes)}, Value::F32(0.0f));
-  const Value gamma = b.LdOr(StateSpace::kGlobal, lane_valid,
-                             Address{b.Add(gamma_base, lane_bytes)}, Value::F32(0.0f));
-  const Value dy = b.LdOr(StateSpace::kGlobal, lane_valid, Address{b.Add(dy_base, elem_bytes)},
-                          Value::F32(0.0f));
+  const Value x = LoadAsF32Or0(b, dtype, lane_valid, Address{b.Add(x_base, elem_bytes)});
+  const Value gamma = LoadAsF32Or0(b, dtype, lane_valid, Address{b.Add(gamma_base, lane_bytes)});
+  const Value dy = LoadAsF32Or0(b, dtype, lane_valid, Address{b.Add(dy_base, elem_bytes)});
 
   const Value gamma_dy = b.Mul(gamma, dy);
   const Value total = WarpSum(b, b.Mul(x, gamma_dy));
@@ -167,10 +235,11 @@ absl::StatusOr<Module> RmsNormBackwardKernel::Build(const KernelConfig& config) 
   const Value inv_rms = b.Rcp(rms, Rounding::kRn);
   const Value correction = b.Mul(b.Mul(mean, inv_rms), inv_rms);
   const Value dx = b.Mul(inv_rms, b.Sub(gamma_dy, b.Mul(x, correction)));
+  const Value dx_out = FromF32(b, dtype, dx);
   const Value dx_addr = b.Add(dx_base, elem_bytes);
   {
     auto only_valid_lanes = b.If(lane_valid);
-    b.St(StateSpace::kGlobal, Address{dx_addr}, dx);
+    StoreElement(b, dtype, Address{dx_addr}, dx_out);
   }
   b.Bind(exit);
   b.Ret();
@@ -207,7 +276,7 @@ LaunchGeometry BatchedRmsNormBackwardKernel::Geometry(const KernelConfig& config
 absl::StatusOr<Module> BatchedRmsNormBackwardKernel::Build(const KernelConfig& config) const {
   if (absl::Status s = CanImplement(config); !s.ok()) return s;
   absl::StatusOr<PtxVersion> version =
-      ResolvePtxVersion(config.target_sm, config.ptx_version, kShflSyncVersion);
+      ResolvePtxVersion(config.target_sm, config.ptx_version, InstructionsVersion(config.dtype));
   if (!version.ok()) return version.status();
 
   Module m(*version, config.target_sm);
@@ -241,7 +310,8 @@ absl::StatusOr<Module> BatchedRmsNormBackwardKernel::Build(const KernelConfig& c
   const Value dx_base = b.LdParam(grad_input_ptr);
   const Value dgamma_base = b.LdParam(grad_gamma_ptr);
 
-  const Value row_bytes = b.Shl(b.MulWide(row, hidden), Value::U32(2));
+  const DType dtype = config.dtype;
+  const Value row_bytes = b.Shl(b.MulWide(row, hidden), Value::U32(ElementShift(dtype)));
   const Value x_row = b.Add(x_base, row_bytes);
   const Value dy_row = b.Add(dy_base, row_bytes);
   const Value dx_row = b.Add(dx_base, row_bytes);
@@ -253,10 +323,10 @@ absl::StatusOr<Module> BatchedRmsNormBackwardKernel::Build(const KernelConfig& c
   b.Bind(sum_loop);
   b.BraIf(b.Setp(CmpOp::kGe, i, hidden), sum_done);
   {
-    const Value off = b.MulWide(i, Value::U32(4));
-    const Value x = b.Ld(StateSpace::kGlobal, PtxType::kF32, Address{b.Add(x_row, off)});
-    const Value dy = b.Ld(StateSpace::kGlobal, PtxType::kF32, Address{b.Add(dy_row, off)});
-    const Value gamma = b.Ld(StateSpace::kGlobal, PtxType::kF32, Address{b.Add(gamma_base, off)});
+    const Value off = b.MulWide(i, Value::U32(DTypeBytes(dtype)));
+    const Value x = LoadAsF32(b, dtype, Address{b.Add(x_row, off)});
+    const Value dy = LoadAsF32(b, dtype, Address{b.Add(dy_row, off)});
+    const Value gamma = LoadAsF32(b, dtype, Address{b.Add(gamma_base, off)});
     b.FmaTo(sum_sq, x, x);
     b.FmaTo(sum_xdyg, x, b.Mul(gamma, dy));
     b.AddTo(i, Value::U32(32));
@@ -278,17 +348,20 @@ absl::StatusOr<Module> BatchedRmsNormBackwardKernel::Build(const KernelConfig& c
   b.Bind(grad_loop);
   b.BraIf(b.Setp(CmpOp::kGe, j, hidden), exit);
   {
-    const Value off = b.MulWide(j, Value::U32(4));
-    const Value x = b.Ld(StateSpace::kGlobal, PtxType::kF32, Address{b.Add(x_row, off)});
-    const Value dy = b.Ld(StateSpace::kGlobal, PtxType::kF32, Address{b.Add(dy_row, off)});
-    const Value gamma = b.Ld(StateSpace::kGlobal, PtxType::kF32, Address{b.Add(gamma_base, off)});
+    const Value off = b.MulWide(j, Value::U32(DTypeBytes(dtype)));
+    const Value x = LoadAsF32(b, dtype, Address{b.Add(x_row, off)});
+    const Value dy = LoadAsF32(b, dtype, Address{b.Add(dy_row, off)});
+    const Value gamma = LoadAsF32(b, dtype, Address{b.Add(gamma_base, off)});
     // One emitting call per statement: argument evaluation order is unspecified in C++, and
     // the instruction order must not depend on the compiler.
     const Value gamma_dy = b.Mul(gamma, dy);
     const Value dx = b.Mul(inv_rms, b.Sub(gamma_dy, b.Mul(x, correction)));
-    b.St(StateSpace::kGlobal, Address{b.Add(dx_row, off)}, dx);
+    const Value dx_out = FromF32(b, dtype, dx);
+    StoreElement(b, dtype, Address{b.Add(dx_row, off)}, dx_out);
     const Value dgamma_part = b.Mul(b.Mul(dy, x), inv_rms);
-    b.AtomAdd(StateSpace::kGlobal, Address{b.Add(dgamma_base, off)}, dgamma_part);
+    // grad_gamma is an f32 accumulator for every dtype.
+    const Value dgamma_off = dtype == DType::kF32 ? off : b.MulWide(j, Value::U32(4));
+    b.AtomAdd(StateSpace::kGlobal, Address{b.Add(dgamma_base, dgamma_off)}, dgamma_part);
     b.AddTo(j, Value::U32(32));
     b.Bra(grad_loop);
   }

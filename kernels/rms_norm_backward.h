@@ -6,6 +6,9 @@
 //   dx_ri = (1/rms_r) * (gamma_i * dy_ri - x_ri / rms_r^2 * mean_j(x_rj * dy_rj * gamma_j))
 //   dgamma_i = sum_r dy_ri * x_ri / rms_r
 //
+// Element types: x, gamma, dy and grad_input are config.dtype in memory (f32, f16, bf16; bf16 needs
+// sm_80); all math is f32; rms and grad_gamma are f32 for every dtype.
+//
 //   const Kernel* k = FindKernel("rms_norm_backward");
 //   absl::StatusOr<EmittedPtx> ptx = k->Emit({.hidden_dim = 32, .target_sm = 80});
 #ifndef NORMGRAD_KERNELS_RMS_NORM_BACKWARD_H_

@@ -592,6 +592,17 @@ absl::Status Verify(const Module& module) {
     return absl::InvalidArgumentError(absl::StrCat(".version ", module.version().ToString(),
                                                    " is newer than ", kMaxPtxVersion.ToString()));
   }
+  if (module.target_sm() < 80) {
+    for (const Function& f : module.functions()) {
+      for (const Instruction& in : f.instructions()) {
+        if (in.type == PtxType::kBF16 || (in.op == Opcode::kCvt && in.src_type == PtxType::kBF16)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("entry ", f.name(), " uses .bf16 (", InstructionText(f, in),
+                           "), which needs sm_80 or newer; the target is sm_", module.target_sm()));
+        }
+      }
+    }
+  }
   if (module.functions().empty()) {
     return absl::InvalidArgumentError("module has no entry");
   }

@@ -107,6 +107,30 @@ TEST(PtxBuilderTest, BitwiseUsesTheBitTypeAndShiftsKeepSignedness) {
   EXPECT_EQ(Last(f), "shl.b64 %rd2, %rd1, 2");
 }
 
+TEST(PtxBuilderTest, HalfPrecisionConversionsAndBitcasts) {
+  Module m(PtxVersion{7, 0}, 80);
+  Function& f = m.AddEntry("k");
+  Param p = f.AddParam(PtxType::kU64, "x");
+  Builder b(&f);
+  Value base = b.LdParam(p);
+  Value raw = b.Ld(StateSpace::kGlobal, PtxType::kB16, Address{base});
+  EXPECT_EQ(Last(f), "ld.global.b16 %rs1, [%rd1]");
+  Value x = b.CvtFrom(PtxType::kF32, PtxType::kF16, raw);
+  EXPECT_EQ(Last(f), "cvt.f32.f16 %f1, %rs1");
+  Value h = b.Cvt(PtxType::kBF16, x, Rounding::kRn);
+  EXPECT_EQ(Last(f), "cvt.rn.bf16.f32 %rs2, %f1");
+  b.StAs(StateSpace::kGlobal, PtxType::kB16, Address{base, 2}, h);
+  EXPECT_EQ(Last(f), "st.global.b16 [%rd1+2], %rs2");
+  Value bits = b.Mov(Value::U32(0x3f800000u));
+  Value one = b.Bitcast(PtxType::kF32, bits);
+  EXPECT_EQ(one.type(), PtxType::kF32);
+  EXPECT_EQ(Last(f), "mov.b32 %f2, %r1");
+  b.Mov(Value::Imm(PtxType::kB16, 0));
+  EXPECT_EQ(Last(f), "mov.b16 %rs3, 0x0");
+  b.Ret();
+  EXPECT_TRUE(Verify(m).ok()) << Verify(m);
+}
+
 TEST(PtxBuilderTest, SpecialRegistersAreReadWithMov) {
   Module m(PtxVersion{7, 0}, 80);
   Function& f = m.AddEntry("k");

@@ -140,6 +140,24 @@ TEST_F(PtxasTest, EveryKernelAssemblesForEverySupportedTargetAtItsDefaultVersion
   }
 }
 
+TEST_F(PtxasTest, HalfPrecisionKernelsAssemble) {
+  for (const Kernel* k : AllKernels()) {
+    for (DType dtype : {DType::kF16, DType::kBF16}) {
+      for (int sm : {75, 80, 90, 100}) {
+        const KernelConfig config{.hidden_dim = 64, .dtype = dtype, .target_sm = sm};
+        if (!k->CanImplement(config).ok()) continue;  // bf16 below sm_80
+        absl::StatusOr<EmittedPtx> ptx = k->Emit(config);
+        ASSERT_TRUE(ptx.ok()) << ptx.status();
+        const PtxasResult r = Assemble(
+            *ptxas_, ptx->text, sm, absl::StrCat(k->EntryName(), "_", DTypeName(dtype), "_", sm));
+        EXPECT_EQ(r.exit_code, 0) << k->EntryName() << " " << DTypeName(dtype) << " sm_" << sm
+                                  << ":\n"
+                                  << r.output;
+      }
+    }
+  }
+}
+
 TEST_F(PtxasTest, AssemblesWithExplicitPtxVersions) {
   struct Versioned {
     int sm;

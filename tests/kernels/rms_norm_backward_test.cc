@@ -247,14 +247,55 @@ TEST(KernelContractTest, ExplicitPtxVersionIsHonouredOrRefusedWithTheReason) {
   EXPECT_TRUE(absl::StrContains(too_new.message(), "9.9")) << too_new;
 }
 
-TEST(KernelContractTest, UnsupportedTargetAndDtypeAreInvalidArguments) {
+TEST(KernelContractTest, UnsupportedTargetIsAnInvalidArgument) {
   for (const Kernel* k : AllKernels()) {
     absl::Status sm70 = k->CanImplement({.hidden_dim = 8, .target_sm = 70});
     EXPECT_EQ(sm70.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_TRUE(absl::StrContains(sm70.message(), "sm_70")) << sm70;
-    absl::Status bf16 = k->CanImplement({.hidden_dim = 8, .dtype = DType::kBF16});
+  }
+}
+
+TEST(KernelContractTest, Bf16NeedsSm80AndSaysSo) {
+  for (const Kernel* k : AllKernels()) {
+    absl::Status bf16 = k->CanImplement({.hidden_dim = 8, .dtype = DType::kBF16});  // sm_75
     EXPECT_EQ(bf16.code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_TRUE(absl::StrContains(bf16.message(), "bf16")) << bf16;
+    EXPECT_TRUE(absl::StrContains(bf16.message(), "bf16 needs target sm_80 or newer")) << bf16;
+    EXPECT_TRUE(absl::StrContains(bf16.message(), "sm_75")) << bf16;
+    EXPECT_TRUE(k->CanImplement({.hidden_dim = 8, .dtype = DType::kBF16, .target_sm = 80}).ok());
+    EXPECT_TRUE(k->CanImplement({.hidden_dim = 8, .dtype = DType::kF16}).ok());
+  }
+}
+
+// bf16/f16: x, gamma, dy and dx are 16-bit in memory, all math is f32, rms (small kernel) and
+// grad_gamma (batched kernel) stay f32. The dtype is part of the key and changes the text.
+TEST(KernelContractTest, HalfPrecisionLoadsSixteenBitsAndComputesInF32) {
+  for (const Kernel* k : AllKernels()) {
+    const std::string f32 = EmitText(k->EntryName(), {.hidden_dim = 16, .target_sm = 80});
+    const std::string f16 =
+        EmitText(k->EntryName(), {.hidden_dim = 16, .dtype = DType::kF16, .target_sm = 80});
+    const std::string bf16 =
+        EmitText(k->EntryName(), {.hidden_dim = 16, .dtype = DType::kBF16, .target_sm = 80});
+    EXPECT_NE(f32, f16);
+    EXPECT_NE(f16, bf16);
+    EXPECT_FALSE(absl::StrContains(f32, ".b16"));
+    EXPECT_EQ(Count(f16, "cvt.f32.f16"), 3 * (k->EntryName() == "rms_norm_backward" ? 1 : 2))
+        << f16;
+    EXPECT_TRUE(absl::StrContains(f16, "cvt.rn.f16.f32"));
+    EXPECT_TRUE(absl::StrContains(f16, "st.global.b16"));
+    EXPECT_TRUE(absl::StrContains(bf16, "shl.b32"));  // bf16 -> f32 is the high half
+    EXPECT_TRUE(absl::StrContains(bf16, "cvt.rn.bf16.f32"));
+    EXPECT_TRUE(absl::StrContains(bf16, "st.global.b16"));
+    if (k->EntryName() == "batched_rms_norm_backward") {
+      EXPECT_TRUE(absl::StrContains(bf16, "atom.global.add.f32"));
+      EXPECT_FALSE(absl::StrContains(f16, "ld.global.f32"));  // x, dy, gamma are 16-bit
+      EXPECT_TRUE(absl::StrContains(bf16, ", 4;\n"));         // dgamma offsets stay 4 bytes apart
+    } else {
+      EXPECT_EQ(Count(f16, "ld.global.f32 "), 1);  // the rms, f32 for every dtype
+    }
+    EXPECT_NE(k->ConfigKey({.hidden_dim = 16, .target_sm = 80}),
+              k->ConfigKey({.hidden_dim = 16, .dtype = DType::kF16, .target_sm = 80}));
+    EXPECT_TRUE(absl::StrContains(
+        k->ConfigKey({.hidden_dim = 16, .dtype = DType::kBF16, .target_sm = 80}), "dtype=bf16"));
   }
 }
 

@@ -385,6 +385,14 @@ TEST(VerifierTest, RejectsAnUnsupportedTarget) {
   ExpectRejected(m, "sm_70 is not supported");
 }
 
+TEST(VerifierTest, RejectsBf16BelowSm80) {
+  Module m(PtxVersion{7, 0}, 75);
+  Builder b(&m.AddEntry("k"));
+  b.Cvt(PtxType::kBF16, b.Mov(Value::F32(1.0f)), Rounding::kRn);
+  b.Ret();
+  ExpectRejected(m, "needs sm_80 or newer");
+}
+
 TEST(VerifierTest, RejectsDuplicateEntries) {
   Module m(PtxVersion{7, 0}, 80);
   Builder(&m.AddEntry("k")).Ret();
