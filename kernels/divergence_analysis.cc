@@ -69,11 +69,13 @@ class Analyzer {
     shapes_.assign(f_.num_registers(), Shape{});
     control_.assign(cfg_.num_nodes(), Level::kUniform);
     exit_control_.assign(cfg_.num_nodes(), Level::kUniform);
-    // Both the register shapes and the regions only grow; iterate to the joint fixpoint.
-    for (int round = 0; round < 64; ++round) {
+    // Register shapes are only ever joined upward and region levels only raised, over finite
+    // lattices, so iterating to the joint fixpoint terminates; no round limit could cut it short.
+    bool changed = true;
+    while (changed) {
       const bool shapes_changed = PropagateShapes();
       const bool regions_changed = ComputeRegions();
-      if (!shapes_changed && !regions_changed) break;
+      changed = shapes_changed || regions_changed;
     }
     return Findings();
   }
@@ -189,7 +191,7 @@ class Analyzer {
     bool changed = false;
     const std::vector<Instruction>& code = f_.instructions();
     bool local_change = true;
-    for (int iter = 0; local_change && iter < 256; ++iter) {
+    while (local_change) {
       local_change = false;
       for (size_t i = 0; i < code.size(); ++i) {
         const Instruction& in = code[i];
