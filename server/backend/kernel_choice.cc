@@ -23,7 +23,7 @@ absl::Status CheckNamedKernel(const BatchSpec& spec) {
         "kernel \"", spec.kernel, "\" cannot run a backward batch here; use \"", kBatchedKernel,
         "\", \"", kWarpKernel, "\" or leave kernel empty"));
   }
-  kernels::KernelConfig config = ConfigFor(spec, 75);
+  kernels::KernelConfig config = ConfigFor(spec, kProbeTargetSm);
   if (absl::Status s = kernel->CanImplement(config); !s.ok()) return s;
   if (spec.kernel == kWarpKernel && !spec.rms_provided) {
     return absl::InvalidArgumentError(absl::StrCat(

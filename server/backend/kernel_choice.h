@@ -19,6 +19,10 @@ inline constexpr absl::string_view kBatchedKernel = "batched_rms_norm_backward";
 // the warp kernel), and for the warp kernel without the forward's rms.
 absl::Status CheckNamedKernel(const BatchSpec& spec);
 
+// A target every kernel supports for every dtype: whether a request is valid at all (as opposed
+// to valid but not on this GPU) is judged against it.
+inline constexpr int kProbeTargetSm = 90;
+
 // The KernelConfig a batch implies for `target_sm`.
 kernels::KernelConfig ConfigFor(const BatchSpec& spec, int target_sm);
 

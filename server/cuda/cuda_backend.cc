@@ -182,16 +182,20 @@ class PinnedBuffer {
 
 class CudaBackwardSession : public BackwardSession {
  public:
+  // gamma: hidden_dim elements of spec.dtype as given; gamma_f32: the same as f32 (host paths).
   CudaBackwardSession(std::shared_ptr<const DeviceContext> ctx, const BatchSpec& spec, Plan plan,
                       std::shared_ptr<const LoadedModule> module, const kernels::Kernel* kernel,
-                      kernels::KernelConfig config, std::vector<float> gamma)
+                      kernels::KernelConfig config, std::vector<uint8_t> gamma,
+                      std::vector<float> gamma_f32)
       : ctx_(std::move(ctx)),
         spec_(spec),
         plan_(plan),
         module_(std::move(module)),
         kernel_(kernel),
         config_(config),
+        element_bytes_(backend_internal::ElementBytes(spec.dtype)),
         gamma_(std::move(gamma)),
+        gamma_f32_(std::move(gamma_f32)),
         dgamma_sum_(spec.hidden_dim, 0.0) {}
 
   ~CudaBackwardSession() override {
@@ -216,7 +220,7 @@ class CudaBackwardSession : public BackwardSession {
         !s.ok()) {
       return s;
     }
-    const size_t gamma_bytes = gamma_.size() * sizeof(float);
+    const size_t gamma_bytes = gamma_.size();
     if (absl::Status s = d_gamma_.Reserve(*ctx_, stream_, gamma_bytes); !s.ok()) return s;
     if (absl::Status s = in_.Reserve(*ctx_, gamma_bytes); !s.ok()) return s;
     std::memcpy(in_.get(), gamma_.data(), gamma_bytes);
@@ -226,8 +230,11 @@ class CudaBackwardSession : public BackwardSession {
         !s.ok()) {
       return s;
     }
-    if (plan_ == Plan::kBatched) {
-      if (absl::Status s = d_dgamma_.Reserve(*ctx_, stream_, gamma_bytes); !s.ok()) return s;
+    if (plan_ == Plan::kBatched) {  // grad_gamma is f32 for every dtype
+      if (absl::Status s = d_dgamma_.Reserve(*ctx_, stream_, spec_.hidden_dim * sizeof(float));
+          !s.ok()) {
+        return s;
+      }
     }
     // The staging buffer is reused by the first chunk: the upload must be done by then.
     return ctx_->Check(ctx_->api().cuStreamSynchronize(stream_), "cuStreamSynchronize");
@@ -260,10 +267,8 @@ class CudaBackwardSession : public BackwardSession {
     if (absl::Status s = backend_internal::CheckFinish(spec_, rows_done_, dgamma.size()); !s.ok()) {
       return s;
     }
-    for (size_t i = 0; i < dgamma_sum_.size(); ++i) {
-      const float v = static_cast<float>(dgamma_sum_[i]);
-      std::memcpy(dgamma.data() + i * sizeof(float), &v, sizeof(float));
-    }
+    std::vector<float> rounded(dgamma_sum_.begin(), dgamma_sum_.end());
+    cpu_internal::ConvertFromF32(spec_.dtype, rounded.data(), dgamma.data(), rounded.size());
     return absl::OkStatus();
   }
 
@@ -277,7 +282,7 @@ class CudaBackwardSession : public BackwardSession {
                            absl::Span<const float> rms, uint64_t rows, absl::Span<uint8_t> dx) {
     const cuda::DriverApi& api = ctx_->api();
     const size_t h = spec_.hidden_dim;
-    const size_t data_bytes = rows * h * sizeof(float);
+    const size_t data_bytes = rows * h * element_bytes_;
     const size_t rms_bytes = plan_ == Plan::kWarp ? rows * sizeof(float) : 0;
     const size_t dgamma_bytes = plan_ == Plan::kBatched ? h * sizeof(float) : 0;
     if (absl::Status s = ctx_->MakeCurrent(); !s.ok()) return s;
@@ -352,13 +357,13 @@ class CudaBackwardSession : public BackwardSession {
   void AddHostGradGamma(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
                         absl::Span<const float> rms, uint64_t rows) {
     const size_t h = spec_.hidden_dim;
+    std::vector<float> xf(rows * h), yf(rows * h);
+    cpu_internal::ConvertToF32(spec_.dtype, x.data(), xf.data(), xf.size());
+    cpu_internal::ConvertToF32(spec_.dtype, dy.data(), yf.data(), yf.size());
     for (uint64_t r = 0; r < rows; ++r) {
       const double inv_rms = 1.0 / static_cast<double>(rms[r]);
       for (size_t i = 0; i < h; ++i) {
-        float xv, yv;
-        std::memcpy(&xv, x.data() + (r * h + i) * sizeof(float), sizeof(float));
-        std::memcpy(&yv, dy.data() + (r * h + i) * sizeof(float), sizeof(float));
-        dgamma_sum_[i] += static_cast<double>(yv) * xv * inv_rms;
+        dgamma_sum_[i] += static_cast<double>(yf[r * h + i]) * xf[r * h + i] * inv_rms;
       }
     }
   }
@@ -368,21 +373,21 @@ class CudaBackwardSession : public BackwardSession {
                          absl::Span<const float> rms, uint64_t rows, absl::Span<uint8_t> dx) {
     const size_t n = rows * spec_.hidden_dim;
     std::vector<float> staged(3 * n);
-    std::memcpy(staged.data(), x.data(), n * sizeof(float));
-    std::memcpy(staged.data() + n, dy.data(), n * sizeof(float));
+    cpu_internal::ConvertToF32(spec_.dtype, x.data(), staged.data(), n);
+    cpu_internal::ConvertToF32(spec_.dtype, dy.data(), staged.data() + n, n);
     std::vector<double> partial(spec_.hidden_dim, 0.0);
     cpu_internal::RowBlock block;
     block.x = staged.data();
     block.dy = staged.data() + n;
     block.dx = staged.data() + 2 * n;
-    block.gamma = gamma_.data();
+    block.gamma = gamma_f32_.data();
     block.rms = rms.data();
     block.dgamma = partial.data();
     block.num_rows = rows;
     block.hidden_dim = spec_.hidden_dim;
     block.eps = spec_.eps;
     cpu_internal::BackwardRowsF32(block);
-    std::memcpy(dx.data(), block.dx, n * sizeof(float));
+    cpu_internal::ConvertFromF32(spec_.dtype, block.dx, dx.data(), n);
     for (size_t i = 0; i < partial.size(); ++i) dgamma_sum_[i] += partial[i];
     return absl::OkStatus();
   }
@@ -398,7 +403,7 @@ class CudaBackwardSession : public BackwardSession {
     for (uint64_t first = 0; first < rows; first += piece) {
       const uint64_t n = std::min(piece, rows - first);
       const kernels::LaunchGeometry g = kernel_->Geometry(config_, n);
-      const uint64_t data_offset = first * h * sizeof(float);
+      const uint64_t data_offset = first * h * element_bytes_;
       struct Slot {
         uint64_t u64 = 0;
         uint32_t u32 = 0;
@@ -458,7 +463,9 @@ class CudaBackwardSession : public BackwardSession {
   const std::shared_ptr<const LoadedModule> module_;  // null on the host plan
   const kernels::Kernel* const kernel_;               // null on the host plan
   const kernels::KernelConfig config_;
-  const std::vector<float> gamma_;
+  const size_t element_bytes_;
+  const std::vector<uint8_t> gamma_;
+  const std::vector<float> gamma_f32_;
   CUstream stream_ = nullptr;
   DeviceBuffer d_gamma_, d_x_, d_dy_, d_dx_, d_rms_, d_dgamma_;
   PinnedBuffer in_, out_;
@@ -482,11 +489,6 @@ class CudaBackend : public Backend {
   absl::StatusOr<std::unique_ptr<BackwardSession>> StartBackward(
       const BatchSpec& spec, absl::Span<const uint8_t> gamma) override {
     if (absl::Status s = backend_internal::CheckBatch(spec, gamma.size()); !s.ok()) return s;
-    if (spec.dtype != kernels::DType::kF32) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("dtype ", backend_internal::ElementName(spec.dtype),
-                       " is not supported by the CUDA backend yet; use f32 (or the CPU backend)"));
-    }
     if (absl::Status s = backend_internal::CheckNamedKernel(spec); !s.ok()) return s;
     Plan plan;
     if (spec.kernel.empty()) {
@@ -496,8 +498,9 @@ class CudaBackend : public Backend {
     } else {
       plan = spec.kernel == kWarpKernel ? Plan::kWarp : Plan::kBatched;
     }
+    std::vector<uint8_t> gamma_bytes(gamma.begin(), gamma.end());
     std::vector<float> gamma_f32(spec.hidden_dim);
-    std::memcpy(gamma_f32.data(), gamma.data(), gamma.size());
+    cpu_internal::ConvertToF32(spec.dtype, gamma.data(), gamma_f32.data(), gamma_f32.size());
 
     std::shared_ptr<const LoadedModule> module;
     const kernels::Kernel* kernel = nullptr;
@@ -510,7 +513,8 @@ class CudaBackend : public Backend {
       module = *std::move(m);
     }
     auto session = std::make_unique<CudaBackwardSession>(ctx_, spec, plan, std::move(module), kernel,
-                                                         config, std::move(gamma_f32));
+                                                         config, std::move(gamma_bytes),
+                                                         std::move(gamma_f32));
     if (absl::Status s = session->Init(); !s.ok()) return s;
     return std::unique_ptr<BackwardSession>(std::move(session));
   }
@@ -527,9 +531,9 @@ class CudaBackend : public Backend {
   absl::StatusOr<std::shared_ptr<const LoadedModule>> GetModule(const kernels::Kernel& kernel,
                                                                 const kernels::KernelConfig& config) {
     if (absl::Status s = kernel.CanImplement(config); !s.ok()) {
-      kernels::KernelConfig lowest = config;
-      lowest.target_sm = 75;
-      if (kernel.CanImplement(lowest).ok()) {  // the request is fine; this GPU is not
+      kernels::KernelConfig elsewhere = config;
+      elsewhere.target_sm = backend_internal::kProbeTargetSm;
+      if (kernel.CanImplement(elsewhere).ok()) {  // the request is fine; this GPU is not
         return absl::FailedPreconditionError(absl::StrCat(
             "GPU ", device_.name, " (sm_", target_sm_, ") cannot run ", kernel.EntryName(), ": ",
             s.message()));

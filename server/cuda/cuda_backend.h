@@ -24,7 +24,8 @@
 //
 // Reproducibility: grad_gamma of the batched kernel depends on the order of float atomics
 // within a chunk, so it is not bitwise reproducible (it is within f32 rounding); the CPU
-// backend's is. dtypes: f32 only (bf16/f16 are INVALID_ARGUMENT for now).
+// backend's is. dtypes: f32, f16 and bf16 (bf16 kernels need sm_80): x, dy, gamma and dx travel
+// in the dtype, the kernels compute in f32, rms and the device grad_gamma are f32.
 #ifndef NORMGRAD_SERVER_CUDA_CUDA_BACKEND_H_
 #define NORMGRAD_SERVER_CUDA_CUDA_BACKEND_H_
 

@@ -8,6 +8,7 @@
 //   dx_ri:     inv_rms_r * (|gamma_i dy_ri| + |x_ri| inv_rms_r^2 mean_j |x_rj dy_rj gamma_j|)
 //   dgamma_i:  sum_r |dy_ri x_ri| inv_rms_r
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -144,6 +145,120 @@ TEST(BackendTest, NanAndInfInTheDataAreComputedThrough) {
   const Gradients want = Reference(b);
   for (int i = 16; i < 24; ++i) EXPECT_NEAR(got->dx[i], want.dx[i], 1e-5 * std::fabs(want.dx[i]) + 1e-6);
 }
+
+// bf16 and f16: inputs rounded to the dtype, outputs within the dtype's rounding of the
+// reference computed on the same rounded inputs (CPU: half an ulp of the format; CUDA: one ulp,
+// since f32 arithmetic can move a value across a rounding boundary, plus the f32 term error).
+uint16_t ToHalfBits(kernels::DType dtype, float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  if (dtype == kernels::DType::kBF16) {
+    return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  }
+  const uint32_t sign = (bits >> 16) & 0x8000u;
+  const int32_t exp = static_cast<int32_t>((bits >> 23) & 0xff) - 127 + 15;
+  if (exp <= 0) return static_cast<uint16_t>(sign);  // tiny values: not produced here
+  uint32_t half = (static_cast<uint32_t>(exp) << 10) | ((bits & 0x7fffffu) >> 13);
+  const uint32_t rest = bits & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
+  return static_cast<uint16_t>(sign | half);
+}
+
+float FromHalfBits(kernels::DType dtype, uint16_t h) {
+  uint32_t bits;
+  if (dtype == kernels::DType::kBF16) {
+    bits = uint32_t{h} << 16;
+  } else {
+    const uint32_t sign = (h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1f;
+    const uint32_t mant = h & 0x3ffu;
+    if (exp == 0) {
+      const float v = std::ldexp(static_cast<float>(mant), -24);
+      return sign ? -v : v;
+    }
+    bits = sign | ((exp - 15 + 127) << 23) | (mant << 13);
+  }
+  float v;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
+struct HalfCase {
+  kernels::DType dtype;
+  uint64_t rows;
+  uint32_t hidden;
+  bool with_rms;
+};
+
+class BackendHalfPrecisionTest : public ::testing::TestWithParam<HalfCase> {};
+
+TEST_P(BackendHalfPrecisionTest, MatchesReferenceOnRoundedInputs) {
+  const HalfCase c = GetParam();
+  absl::StatusOr<std::unique_ptr<Backend>> backend = testing::MakeBackendUnderTest();
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  Batch b = MakeBatch(c.rows, c.hidden, c.with_rms);
+  auto round_all = [&](std::vector<float>& v, std::vector<uint16_t>& bits) {
+    bits.resize(v.size());
+    for (size_t i = 0; i < v.size(); ++i) {
+      bits[i] = ToHalfBits(c.dtype, v[i]);
+      v[i] = FromHalfBits(c.dtype, bits[i]);
+    }
+  };
+  std::vector<uint16_t> x16, dy16, g16;
+  round_all(b.x, x16);
+  round_all(b.dy, dy16);
+  round_all(b.gamma, g16);
+  const Gradients want = Reference(b);
+  const TermScales scale = Scales(b);
+
+  BatchSpec spec;
+  spec.num_rows = b.rows;
+  spec.hidden_dim = b.hidden;
+  spec.eps = b.eps;
+  spec.dtype = c.dtype;
+  spec.rms_provided = c.with_rms;
+  auto session = (*backend)->StartBackward(spec, Bytes(g16));
+  ASSERT_TRUE(session.ok()) << session.status();
+  std::vector<uint16_t> dx16(b.x.size()), dgamma16(b.hidden);
+  const uint64_t h = b.hidden;
+  for (uint64_t first = 0; first < b.rows; first += 15) {
+    const uint64_t n = std::min<uint64_t>(15, b.rows - first);
+    absl::Span<const float> rms =
+        c.with_rms ? absl::MakeConstSpan(b.rms).subspan(first, n) : absl::Span<const float>();
+    ASSERT_TRUE((*session)
+                    ->ProcessChunk(Bytes(x16).subspan(first * h * 2, n * h * 2),
+                                   Bytes(dy16).subspan(first * h * 2, n * h * 2), rms, n,
+                                   MutableBytes(dx16).subspan(first * h * 2, n * h * 2))
+                    .ok());
+  }
+  ASSERT_TRUE((*session)->Finish(MutableBytes(dgamma16)).ok());
+  const double half_ulp = c.dtype == kernels::DType::kBF16 ? 1.0 / 256 : 1.0 / 2048;
+  const double relative = IsCpu() ? half_ulp : 2 * half_ulp;
+  int bad = 0;
+  for (size_t i = 0; i < want.dx.size(); ++i) {
+    const double tol = relative * std::fabs(want.dx[i]) + (IsCpu() ? 1e-6 : 1e-5 * scale.dx[i] + 1e-6);
+    if (!(std::fabs(FromHalfBits(c.dtype, dx16[i]) - want.dx[i]) <= tol)) ++bad;
+  }
+  EXPECT_EQ(bad, 0) << "dx elements off";
+  for (size_t i = 0; i < want.dgamma.size(); ++i) {
+    const double tol =
+        relative * std::fabs(want.dgamma[i]) + (IsCpu() ? 1e-6 : 1e-5 * scale.dgamma[i] + 1e-6);
+    EXPECT_LE(std::fabs(FromHalfBits(c.dtype, dgamma16[i]) - want.dgamma[i]), tol) << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Dtypes, BackendHalfPrecisionTest,
+    ::testing::Values(HalfCase{kernels::DType::kBF16, 40, 33, false},
+                      HalfCase{kernels::DType::kF16, 40, 33, false},
+                      HalfCase{kernels::DType::kBF16, 24, 16, true},
+                      HalfCase{kernels::DType::kF16, 24, 16, true},
+                      HalfCase{kernels::DType::kBF16, 20, 96, true},
+                      HalfCase{kernels::DType::kF16, 20, 96, true}),
+    [](const ::testing::TestParamInfo<HalfCase>& info) {
+      return absl::StrCat(info.param.dtype == kernels::DType::kBF16 ? "bf16" : "f16", "_hidden",
+                          info.param.hidden, info.param.with_rms ? "_rms_given" : "_rms_recomputed");
+    });
 
 class BackendRefusalTest : public ::testing::Test {
  protected:

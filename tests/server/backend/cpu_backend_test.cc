@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "hwy/base.h"
 #include "kernels/reference.h"
 #include "server/backend/thread_pool.h"
 #include "tests/server/backend/backend_test_util.h"
@@ -105,98 +104,6 @@ TEST(CpuBackendTest, MisalignedF32BuffersGiveTheSameResult) {
   EXPECT_EQ(0, std::memcmp(dx.data() + 1, aligned->dx.data(), n));
   EXPECT_EQ(0, std::memcmp(dgamma.data(), aligned->dgamma.data(), 37 * 4));
 }
-
-// bf16 and f16: inputs rounded to the dtype, outputs within the dtype's rounding of the
-// reference computed on the same (rounded) inputs.
-struct HalfCase {
-  kernels::DType dtype;
-  double relative;  // half an ulp of the format, plus a margin
-};
-
-class CpuHalfPrecisionTest : public ::testing::TestWithParam<HalfCase> {};
-
-uint16_t ToHalfBits(kernels::DType dtype, float v) {
-  if (dtype == kernels::DType::kBF16) return hwy::BF16FromF32(v).bits;
-  // f16 by round-to-nearest-even, for the normal values these tests use.
-  uint32_t bits;
-  std::memcpy(&bits, &v, 4);
-  const uint32_t sign = (bits >> 16) & 0x8000u;
-  int32_t exp = static_cast<int32_t>((bits >> 23) & 0xff) - 127 + 15;
-  uint32_t mant = bits & 0x7fffffu;
-  if (exp <= 0) return static_cast<uint16_t>(sign);  // flush tiny values (not produced here)
-  uint32_t half = (static_cast<uint32_t>(exp) << 10) | (mant >> 13);
-  const uint32_t rest = mant & 0x1fffu;
-  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
-  return static_cast<uint16_t>(sign | half);
-}
-
-float FromHalfBits(kernels::DType dtype, uint16_t h) {
-  if (dtype == kernels::DType::kBF16) {
-    hwy::bfloat16_t b;
-    b.bits = h;
-    return hwy::F32FromBF16(b);
-  }
-  const uint32_t sign = (h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1f;
-  const uint32_t mant = h & 0x3ffu;
-  float v;
-  if (exp == 0) {
-    v = std::ldexp(static_cast<float>(mant), -24);
-    if (sign) v = -v;
-    return v;
-  }
-  const uint32_t bits = sign | ((exp - 15 + 127) << 23) | (mant << 13);
-  std::memcpy(&v, &bits, 4);
-  return v;
-}
-
-TEST_P(CpuHalfPrecisionTest, MatchesReferenceOnRoundedInputs) {
-  const HalfCase c = GetParam();
-  Batch b = MakeBatch(40, 33, false);
-  auto round_all = [&](std::vector<float>& v, std::vector<uint16_t>& bits) {
-    bits.resize(v.size());
-    for (size_t i = 0; i < v.size(); ++i) {
-      bits[i] = ToHalfBits(c.dtype, v[i]);
-      v[i] = FromHalfBits(c.dtype, bits[i]);
-    }
-  };
-  std::vector<uint16_t> x16, dy16, g16;
-  round_all(b.x, x16);
-  round_all(b.dy, dy16);
-  round_all(b.gamma, g16);
-  std::vector<float> want_dx(b.x.size()), want_dgamma(b.hidden);
-  kernels::ReferenceBackward({b.x, b.dy, b.gamma, {}, b.rows, b.hidden, b.eps},
-                             absl::MakeSpan(want_dx), absl::MakeSpan(want_dgamma));
-
-  std::unique_ptr<Backend> cpu = Cpu(2);
-  BatchSpec spec;
-  spec.num_rows = b.rows;
-  spec.hidden_dim = b.hidden;
-  spec.eps = b.eps;
-  spec.dtype = c.dtype;
-  auto session = cpu->StartBackward(spec, Bytes(g16));
-  ASSERT_TRUE(session.ok()) << session.status();
-  std::vector<uint16_t> dx16(b.x.size()), dgamma16(b.hidden);
-  ASSERT_TRUE((*session)->ProcessChunk(Bytes(x16), Bytes(dy16), {}, b.rows, MutableBytes(dx16)).ok());
-  ASSERT_TRUE((*session)->Finish(MutableBytes(dgamma16)).ok());
-  for (size_t i = 0; i < want_dx.size(); ++i) {
-    EXPECT_LE(std::fabs(FromHalfBits(c.dtype, dx16[i]) - want_dx[i]),
-              c.relative * std::fabs(want_dx[i]) + 1e-6)
-        << i;
-  }
-  for (size_t i = 0; i < want_dgamma.size(); ++i) {
-    EXPECT_LE(std::fabs(FromHalfBits(c.dtype, dgamma16[i]) - want_dgamma[i]),
-              c.relative * std::fabs(want_dgamma[i]) + 1e-6)
-        << i;
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(Dtypes, CpuHalfPrecisionTest,
-                         ::testing::Values(HalfCase{kernels::DType::kBF16, 1.0 / 256},
-                                           HalfCase{kernels::DType::kF16, 1.0 / 2048}),
-                         [](const ::testing::TestParamInfo<HalfCase>& info) {
-                           return info.param.dtype == kernels::DType::kBF16 ? "bf16" : "f16";
-                         });
 
 TEST(CpuBackendTest, DeviceNamesThreadsAndSimdTarget) {
   const DeviceDescription d = Cpu(3)->Device();

@@ -352,18 +352,5 @@ TEST(CudaBackendTest, ChunksFromOtherThreadsMakeTheContextCurrent) {
   ExpectNearReference(b, *got);
 }
 
-TEST(CudaBackendTest, NonF32DtypesAreInvalidArgumentForNow) {
-  std::unique_ptr<Backend> cuda = ScriptedCuda();
-  ASSERT_NE(cuda, nullptr);
-  BatchSpec spec;
-  spec.num_rows = 1;
-  spec.hidden_dim = 4;
-  spec.dtype = kernels::DType::kBF16;
-  std::vector<uint16_t> gamma(4);
-  absl::Status s = cuda->StartBackward(spec, testing::Bytes(gamma)).status();
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("dtype bf16 is not supported by the CUDA backend yet"), std::string::npos);
-}
-
 }  // namespace
 }  // namespace normgrad::server

@@ -35,8 +35,11 @@ std::atomic<int> module_loads{0};
 std::atomic<int> launches{0};
 std::atomic<int> live_modules{0};
 
+enum class Elem { kF32, kBF16, kF16 };
+
 struct Module {
   std::string entry;
+  Elem elem = Elem::kF32;  // x, dy, gamma, dx; guessed from the PTX's 16-bit loads
   std::vector<std::pair<std::string, std::string>> params;  // (type, name) in order
 };
 
@@ -44,6 +47,11 @@ struct Module {
 Module Parse(const char* ptx) {
   Module m;
   const std::string text(ptx);
+  if (text.find("cvt.f32.f16") != std::string::npos) {
+    m.elem = Elem::kF16;
+  } else if (text.find(".u16") != std::string::npos || text.find(".b16") != std::string::npos) {
+    m.elem = Elem::kBF16;
+  }
   size_t at = text.find(".entry ");
   if (at == std::string::npos) return m;
   at += 7;
@@ -69,6 +77,53 @@ struct Function {
 
 bool NoContext() { return current != kContext; }
 
+float F32FromBits(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+uint32_t BitsFromF32(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return bits;
+}
+
+// Element i of a buffer of `elem`, as f32 (f16: normal numbers and zero, what the tests use).
+float LoadElem(Elem elem, const void* base, uint64_t i) {
+  if (elem == Elem::kF32) return static_cast<const float*>(base)[i];
+  const uint16_t h = static_cast<const uint16_t*>(base)[i];
+  if (elem == Elem::kBF16) return F32FromBits(uint32_t{h} << 16);
+  const uint32_t sign = (h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  if (exp == 0) return F32FromBits(sign);
+  return F32FromBits(sign | ((exp - 15 + 127) << 23) | ((h & 0x3ffu) << 13));
+}
+
+// Rounds to nearest even.
+void StoreElem(Elem elem, void* base, uint64_t i, float v) {
+  if (elem == Elem::kF32) {
+    static_cast<float*>(base)[i] = v;
+    return;
+  }
+  const uint32_t bits = BitsFromF32(v);
+  uint16_t out;
+  if (elem == Elem::kBF16) {
+    out = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  } else {
+    const uint32_t sign = (bits >> 16) & 0x8000u;
+    const int32_t exp = static_cast<int32_t>((bits >> 23) & 0xffu) - 127 + 15;
+    if (exp <= 0) {
+      out = static_cast<uint16_t>(sign);
+    } else {
+      uint32_t half = (static_cast<uint32_t>(exp) << 10) | ((bits & 0x7fffffu) >> 13);
+      const uint32_t rest = bits & 0x1fffu;
+      if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
+      out = static_cast<uint16_t>(sign | half);
+    }
+  }
+  static_cast<uint16_t*>(base)[i] = out;
+}
+
 template <typename T>
 T Arg(const Module& m, void** args, const std::string& name) {
   for (size_t i = 0; i < m.params.size(); ++i) {
@@ -81,13 +136,6 @@ T Arg(const Module& m, void** args, const std::string& name) {
   std::abort();  // the model needs a parameter the PTX lacks: the test will crash loudly
 }
 
-template <typename T>
-bool HasArg(const Module& m, const std::string& name) {
-  for (const auto& p : m.params) {
-    if (p.second == name) return true;
-  }
-  return false;
-}
 
 }  // namespace
 
@@ -194,19 +242,19 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned,
   const Module& m = *reinterpret_cast<Module*>(f);
   const bool batched = m.entry == "batched_rms_norm_backward";
   if (!batched && m.entry != "rms_norm_backward") return CUDA_ERROR_NOT_FOUND;
-  const auto* x = reinterpret_cast<const float*>(Arg<uint64_t>(m, args, "input_ptr"));
-  const auto* gamma = reinterpret_cast<const float*>(Arg<uint64_t>(m, args, "gamma_ptr"));
-  const auto* dy = reinterpret_cast<const float*>(Arg<uint64_t>(m, args, "grad_output_ptr"));
-  auto* dx = reinterpret_cast<float*>(Arg<uint64_t>(m, args, "grad_input_ptr"));
+  const void* x = reinterpret_cast<const void*>(Arg<uint64_t>(m, args, "input_ptr"));
+  const void* gamma = reinterpret_cast<const void*>(Arg<uint64_t>(m, args, "gamma_ptr"));
+  const void* dy = reinterpret_cast<const void*>(Arg<uint64_t>(m, args, "grad_output_ptr"));
+  void* dx = reinterpret_cast<void*>(Arg<uint64_t>(m, args, "grad_input_ptr"));
   const uint32_t rows = Arg<uint32_t>(m, args, "num_rows");
   const uint32_t h = Arg<uint32_t>(m, args, "hidden_dim");
   for (uint32_t r = 0; r < rows; ++r) {
-    const float* xr = x + uint64_t{r} * h;
-    const float* yr = dy + uint64_t{r} * h;
+    const uint64_t row = uint64_t{r} * h;
     float sum_sq = 0, sum_xdyg = 0;
     for (uint32_t i = 0; i < h; ++i) {
-      sum_sq += xr[i] * xr[i];
-      sum_xdyg += xr[i] * yr[i] * gamma[i];
+      const float xi = LoadElem(m.elem, x, row + i);
+      sum_sq += xi * xi;
+      sum_xdyg += xi * LoadElem(m.elem, dy, row + i) * LoadElem(m.elem, gamma, i);
     }
     float rms;
     if (batched) {
@@ -217,11 +265,13 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned,
     const float inv = 1.0f / rms;
     const float mean = sum_xdyg / static_cast<float>(h);
     for (uint32_t i = 0; i < h; ++i) {
-      dx[uint64_t{r} * h + i] = inv * (gamma[i] * yr[i] - xr[i] * inv * inv * mean);
-    }
-    if (batched) {
-      auto* dgamma = reinterpret_cast<float*>(Arg<uint64_t>(m, args, "grad_gamma_ptr"));
-      for (uint32_t i = 0; i < h; ++i) dgamma[i] += yr[i] * xr[i] * inv;
+      const float xi = LoadElem(m.elem, x, row + i);
+      const float yi = LoadElem(m.elem, dy, row + i);
+      StoreElem(m.elem, dx, row + i, inv * (LoadElem(m.elem, gamma, i) * yi - xi * inv * inv * mean));
+      if (batched) {
+        auto* dgamma = reinterpret_cast<float*>(Arg<uint64_t>(m, args, "grad_gamma_ptr"));
+        dgamma[i] += yi * xi * inv;
+      }
     }
   }
   return CUDA_SUCCESS;
