@@ -1,7 +1,10 @@
 // Both seed kernels, as kernels/ emits them (the PTX text), executed by the interpreter: dx and
 // (batched) dgamma via atomics match ReferenceBackward within |a - b| <= 1e-5 * max(1, |ref|),
-// and central finite differences of the forward loss within 1e-4 * max(1, |fd|).
+// and central finite differences of the forward loss within 1e-4 * max(1, |fd|). With f16/bf16
+// elements (f32 math, f32 rms and dgamma) dx is compared after its one rounding to the element
+// type: within half an ulp of it plus the f32 error, i.e. 5e-4 (f16) or 4e-3 (bf16) relative.
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -15,6 +18,7 @@ namespace normgrad::ptxsim {
 namespace {
 
 using kernels::BackwardInputs;
+using kernels::DType;
 using kernels::FindKernel;
 using kernels::KernelConfig;
 using kernels::LaunchGeometry;
@@ -28,11 +32,43 @@ struct Shape {
   uint32_t rows;
   int target_sm;
   float eps;
+  DType dtype = DType::kF32;
 };
+
+// Element storage: f32 as is, f16/bf16 rounded to nearest even.
+uint16_t ToBits16(float f, DType dtype) {
+  if (dtype == DType::kF16) {
+    const _Float16 h = static_cast<_Float16>(f);
+    uint16_t bits;
+    std::memcpy(&bits, &h, 2);
+    return bits;
+  }
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+float FromBits16(uint16_t bits, DType dtype) {
+  if (dtype == DType::kF16) {
+    _Float16 h;
+    std::memcpy(&h, &bits, 2);
+    return static_cast<float>(h);
+  }
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+float RoundToElement(float f, DType dtype) {
+  return dtype == DType::kF32 ? f : FromBits16(ToBits16(f, dtype), dtype);
+}
+double DxTolerance(DType dtype) {
+  return dtype == DType::kF32 ? 1e-5 : dtype == DType::kF16 ? 5e-4 : 4e-3;
+}
 
 std::string ShapeName(const ::testing::TestParamInfo<Shape>& info) {
   const Shape& s = info.param;
-  return absl::StrCat(std::string(s.kernel) == "rms_norm_backward" ? "warp" : "batched", "_f32_h",
+  return absl::StrCat(std::string(s.kernel) == "rms_norm_backward" ? "warp" : "batched", "_",
+                      kernels::DTypeName(s.dtype), "_h",
                       s.hidden_dim, "_rows", s.rows, "_sm", s.target_sm,
                       s.eps == 1e-5f ? "" : "_eps1em2");
 }
@@ -62,6 +98,9 @@ Problem MakeProblem(const Shape& s) {
   p.x = Fill(size_t{s.rows} * s.hidden_dim, 1 + s.hidden_dim, -1.0f, 1.0f);
   p.dy = Fill(size_t{s.rows} * s.hidden_dim, 7 + s.hidden_dim, -1.0f, 1.0f);
   p.gamma = Fill(s.hidden_dim, 13 + s.hidden_dim, 0.5f, 1.5f);
+  for (std::vector<float>* v : {&p.x, &p.dy, &p.gamma}) {
+    for (float& f : *v) f = RoundToElement(f, s.dtype);  // what the kernel will read
+  }
   p.rms.resize(s.rows);
   for (uint32_t r = 0; r < s.rows; ++r) {
     double sum = 0;
@@ -85,6 +124,7 @@ Result RunOnInterpreter(const Shape& s, const Problem& p, LaunchReport* report) 
   KernelConfig config;
   config.hidden_dim = s.hidden_dim;
   config.target_sm = s.target_sm;
+  config.dtype = s.dtype;
   absl::StatusOr<kernels::EmittedPtx> ptx = kernel->Emit(config);
   EXPECT_TRUE(ptx.ok()) << ptx.status();
   if (!ptx.ok()) return {};
@@ -92,15 +132,26 @@ Result RunOnInterpreter(const Shape& s, const Problem& p, LaunchReport* report) 
 
   SimHarness sim;
   const size_t n = size_t{p.rows} * p.hidden;
-  float* x = sim.Alloc<float>(n);
-  float* dy = sim.Alloc<float>(n);
-  float* gamma = sim.Alloc<float>(p.hidden);
+  const size_t elem = s.dtype == DType::kF32 ? 4 : 2;
+  // x, dy, gamma, dx in the element type; rms and dgamma are f32 for every dtype.
+  auto store = [&](const std::vector<float>& values) {
+    uint8_t* buffer = sim.Alloc<uint8_t>(values.size() * elem);
+    for (size_t i = 0; i < values.size(); ++i) {
+      if (elem == 4) {
+        std::memcpy(buffer + 4 * i, &values[i], 4);
+      } else {
+        const uint16_t bits = ToBits16(values[i], s.dtype);
+        std::memcpy(buffer + 2 * i, &bits, 2);
+      }
+    }
+    return buffer;
+  };
+  uint8_t* x = store(p.x);
+  uint8_t* dy = store(p.dy);
+  uint8_t* gamma = store(p.gamma);
+  uint8_t* dx = sim.Alloc<uint8_t>(n * elem);
   float* rms = sim.Alloc<float>(p.rows);
-  float* dx = sim.Alloc<float>(n);
   float* dgamma = sim.Alloc<float>(p.hidden);  // zeroed: the batched kernel accumulates
-  std::copy(p.x.begin(), p.x.end(), x);
-  std::copy(p.dy.begin(), p.dy.end(), dy);
-  std::copy(p.gamma.begin(), p.gamma.end(), gamma);
   std::copy(p.rms.begin(), p.rms.end(), rms);
 
   KernelArgs args;
@@ -118,7 +169,16 @@ Result RunOnInterpreter(const Shape& s, const Problem& p, LaunchReport* report) 
                                 {g.block[0], g.block[1], g.block[2]}, args, report, g.shared_bytes);
   EXPECT_TRUE(status.ok()) << status;
   Result out;
-  out.dx.assign(dx, dx + n);
+  out.dx.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (elem == 4) {
+      std::memcpy(&out.dx[i], dx + 4 * i, 4);
+    } else {
+      uint16_t bits;
+      std::memcpy(&bits, dx + 2 * i, 2);
+      out.dx[i] = FromBits16(bits, s.dtype);
+    }
+  }
   out.dgamma.assign(dgamma, dgamma + p.hidden);
   return out;
 }
@@ -151,7 +211,7 @@ TEST_P(SeedKernelOnInterpreter, MatchesReferenceBackward) {
   BackwardInputs in{p.x, p.dy, p.gamma, {}, p.rows, p.hidden, p.eps};
   if (warp_kernel) in.rms = p.rms;  // the warp kernel takes the forward's rms
   kernels::ReferenceBackward(in, absl::MakeSpan(dx), absl::MakeSpan(dgamma));
-  ExpectClose(got.dx, dx, kRelativeTolerance, "dx");
+  ExpectClose(got.dx, dx, DxTolerance(s.dtype), "dx");
   if (!warp_kernel) ExpectClose(got.dgamma, dgamma, kRelativeTolerance, "dgamma");
 }
 
@@ -162,6 +222,20 @@ INSTANTIATE_TEST_SUITE_P(
       for (uint32_t h = 1; h <= 32; ++h) shapes.push_back({"rms_norm_backward", h, 7, 90, 1e-5f});
       shapes.push_back({"rms_norm_backward", 32, 9, 75, 1e-5f});
       shapes.push_back({"rms_norm_backward", 17, 1, 100, 1e-5f});
+      return shapes;
+    }()),
+    ShapeName);
+
+INSTANTIATE_TEST_SUITE_P(
+    HalfPrecisionElements, SeedKernelOnInterpreter,
+    ::testing::ValuesIn([] {
+      std::vector<Shape> shapes;
+      for (DType dtype : {DType::kF16, DType::kBF16}) {
+        for (uint32_t h : {1u, 7u, 32u}) shapes.push_back({"rms_norm_backward", h, 9, 90, 1e-5f, dtype});
+        for (uint32_t h : {1u, 33u, 100u, 896u}) {
+          shapes.push_back({"batched_rms_norm_backward", h, 5, 80, 1e-5f, dtype});
+        }
+      }
       return shapes;
     }()),
     ShapeName);
