@@ -36,8 +36,7 @@ absl::Status CheckBatch(const BatchSpec& spec, size_t gamma_bytes) {
   if (spec.num_rows == 0) return absl::InvalidArgumentError("num_rows must be >= 1, got 0");
   if (spec.hidden_dim == 0) return absl::InvalidArgumentError("hidden_dim must be >= 1, got 0");
   if (!std::isfinite(spec.eps) || !(spec.eps > 0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("eps must be finite and > 0, got ", spec.eps));
+    return absl::InvalidArgumentError(absl::StrCat("eps must be finite and > 0, got ", spec.eps));
   }
   const uint64_t expected = uint64_t{spec.hidden_dim} * ElementBytes(spec.dtype);
   if (gamma_bytes != expected) {
@@ -52,9 +51,8 @@ absl::Status CheckChunk(const BatchSpec& spec, uint64_t rows_done, uint64_t rows
                         size_t dy_bytes, size_t rms_count, size_t dx_bytes) {
   if (rows == 0) return absl::InvalidArgumentError("a chunk must carry at least 1 row, got 0");
   if (rows > spec.num_rows - rows_done) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "chunk of ", rows, " rows after ", rows_done, " rows exceeds num_rows (", spec.num_rows,
-        ")"));
+    return absl::InvalidArgumentError(absl::StrCat("chunk of ", rows, " rows after ", rows_done,
+                                                   " rows exceeds num_rows (", spec.num_rows, ")"));
   }
   if (absl::Status s = CheckBufferBytes("x", x_bytes, rows, spec); !s.ok()) return s;
   if (absl::Status s = CheckBufferBytes("dy", dy_bytes, rows, spec); !s.ok()) return s;
@@ -72,13 +70,13 @@ absl::Status CheckChunk(const BatchSpec& spec, uint64_t rows_done, uint64_t rows
 
 absl::Status CheckFinish(const BatchSpec& spec, uint64_t rows_done, size_t dgamma_bytes) {
   if (rows_done != spec.num_rows) {
-    return absl::InvalidArgumentError(absl::StrCat("batch ended after ", rows_done,
-                                                   " rows; num_rows declared ", spec.num_rows));
+    return absl::InvalidArgumentError(
+        absl::StrCat("batch ended after ", rows_done, " rows; num_rows declared ", spec.num_rows));
   }
   const uint64_t expected = uint64_t{spec.hidden_dim} * ElementBytes(spec.dtype);
   if (dgamma_bytes != expected) {
-    return absl::InvalidArgumentError(absl::StrCat("dgamma has ", dgamma_bytes,
-                                                   " bytes; expected ", expected));
+    return absl::InvalidArgumentError(
+        absl::StrCat("dgamma has ", dgamma_bytes, " bytes; expected ", expected));
   }
   return absl::OkStatus();
 }

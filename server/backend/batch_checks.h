@@ -13,7 +13,7 @@
 
 namespace normgrad::server::backend_internal {
 
-int ElementBytes(kernels::DType dtype);           // 4, 2, 2
+int ElementBytes(kernels::DType dtype);               // 4, 2, 2
 absl::string_view ElementName(kernels::DType dtype);  // "f32", "bf16", "f16"
 
 // num_rows >= 1, hidden_dim >= 1, eps finite and > 0, gamma = hidden_dim elements.

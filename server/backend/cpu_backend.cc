@@ -21,7 +21,8 @@ namespace cpu_internal {
 
 uint64_t RowsPerPartition(uint64_t rows, uint32_t hidden_dim) {
   const uint64_t by_count = (rows + kMaxPartitions - 1) / kMaxPartitions;
-  const uint64_t by_size = (kMinPartitionElements + hidden_dim - 1) / std::max<uint32_t>(hidden_dim, 1);
+  const uint64_t by_size =
+      (kMinPartitionElements + hidden_dim - 1) / std::max<uint32_t>(hidden_dim, 1);
   return std::max<uint64_t>({by_count, by_size, 1});
 }
 
@@ -35,10 +36,7 @@ using kernels::DType;
 class CpuBackwardSession : public BackwardSession {
  public:
   CpuBackwardSession(const BatchSpec& spec, std::vector<float> gamma, ThreadPool* pool)
-      : spec_(spec),
-        gamma_(std::move(gamma)),
-        pool_(pool),
-        dgamma_sum_(spec.hidden_dim, 0.0) {}
+      : spec_(spec), gamma_(std::move(gamma)), pool_(pool), dgamma_sum_(spec.hidden_dim, 0.0) {}
 
   absl::Status ProcessChunk(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
                             absl::Span<const float> rms, uint64_t rows,
@@ -139,8 +137,8 @@ class CpuBackend : public Backend {
 
   DeviceDescription Device() const override {
     DeviceDescription d;
-    d.name = absl::StrCat("cpu: ", pool_.NumThreads(), " threads, ",
-                          cpu_internal::SimdTargetName());
+    d.name =
+        absl::StrCat("cpu: ", pool_.NumThreads(), " threads, ", cpu_internal::SimdTargetName());
     const long pages = sysconf(_SC_PHYS_PAGES);
     const long page_size = sysconf(_SC_PAGESIZE);
     if (pages > 0 && page_size > 0) {

@@ -1,14 +1,14 @@
 #include "server/backend/cpu_rows.h"
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "server/backend/cpu_rows.cc"
-#include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/cache_control.h"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -87,7 +87,8 @@ void BackwardRowsF32Impl(const RowBlock& b) {
       const size_t misalign = reinterpret_cast<uintptr_t>(dx) % (lanes * sizeof(float));
       size_t head = misalign == 0 ? 0 : (lanes * sizeof(float) - misalign) / sizeof(float);
       head = std::min(head, h);
-      for (; i < head; ++i) ScalarElement(x[i], dy[i], gamma[i], inv_rms, correction, dx + i, dgamma + i);
+      for (; i < head; ++i)
+        ScalarElement(x[i], dy[i], gamma[i], inv_rms, correction, dx + i, dgamma + i);
       for (; i + lanes <= h; i += lanes) {
         const auto x0 = hn::PromoteTo(d, hn::LoadU(df, x + i));
         const auto y0 = hn::PromoteTo(d, hn::LoadU(df, dy + i));
@@ -106,7 +107,8 @@ void BackwardRowsF32Impl(const RowBlock& b) {
         hn::StoreU(hn::MulAdd(hn::Mul(y0, x0), inv_v, hn::LoadU(d, dgamma + i)), d, dgamma + i);
       }
     }
-    for (; i < h; ++i) ScalarElement(x[i], dy[i], gamma[i], inv_rms, correction, dx + i, dgamma + i);
+    for (; i < h; ++i)
+      ScalarElement(x[i], dy[i], gamma[i], inv_rms, correction, dx + i, dgamma + i);
   }
   if (b.stream_dx) hwy::FlushStream();
 }
@@ -119,7 +121,8 @@ void PromoteToF32(const T* HWY_RESTRICT src, float* HWY_RESTRICT dst, size_t n) 
   const hn::Rebind<T, decltype(df)> dt;
   const size_t lanes = hn::Lanes(df);
   size_t i = 0;
-  for (; i + lanes <= n; i += lanes) hn::StoreU(hn::PromoteTo(df, hn::LoadU(dt, src + i)), df, dst + i);
+  for (; i + lanes <= n; i += lanes)
+    hn::StoreU(hn::PromoteTo(df, hn::LoadU(dt, src + i)), df, dst + i);
   if (i < n) {
     HWY_ALIGN T in[hn::MaxLanes(df)] = {};
     HWY_ALIGN float out[hn::MaxLanes(df)];
@@ -135,7 +138,8 @@ void DemoteFromF32(const float* HWY_RESTRICT src, T* HWY_RESTRICT dst, size_t n)
   const hn::Rebind<T, decltype(df)> dt;
   const size_t lanes = hn::Lanes(df);
   size_t i = 0;
-  for (; i + lanes <= n; i += lanes) hn::StoreU(hn::DemoteTo(dt, hn::LoadU(df, src + i)), dt, dst + i);
+  for (; i + lanes <= n; i += lanes)
+    hn::StoreU(hn::DemoteTo(dt, hn::LoadU(df, src + i)), dt, dst + i);
   if (i < n) {
     HWY_ALIGN float in[hn::MaxLanes(df)] = {};
     HWY_ALIGN T out[hn::MaxLanes(df)];
@@ -170,7 +174,8 @@ HWY_ATTR HWY_INLINE hn::Vec<hn::Rebind<uint16_t, hn::ScalableTag<float>>> RoundT
   const auto rounded = hn::ShiftRight<16>(hn::Add(bits, hn::Add(lsb, hn::Set(du, 0x7fffu))));
   const auto nan = hn::Or(hn::ShiftRight<16>(bits), hn::Set(du, 0x40u));  // quiet NaN
   const hn::RebindToSigned<decltype(df)> di;  // values are <= 0xffff: the signed demotion is exact
-  return hn::DemoteTo(du16, hn::BitCast(di, hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(v)), nan, rounded)));
+  return hn::DemoteTo(
+      du16, hn::BitCast(di, hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(v)), nan, rounded)));
 }
 
 void DemoteToBF16(const float* HWY_RESTRICT src, uint16_t* HWY_RESTRICT dst, size_t n) {
@@ -178,7 +183,8 @@ void DemoteToBF16(const float* HWY_RESTRICT src, uint16_t* HWY_RESTRICT dst, siz
   const hn::Rebind<uint16_t, decltype(df)> du16;
   const size_t lanes = hn::Lanes(df);
   size_t i = 0;
-  for (; i + lanes <= n; i += lanes) hn::StoreU(RoundToBF16Bits(hn::LoadU(df, src + i)), du16, dst + i);
+  for (; i + lanes <= n; i += lanes)
+    hn::StoreU(RoundToBF16Bits(hn::LoadU(df, src + i)), du16, dst + i);
   if (i < n) {
     HWY_ALIGN float in[hn::MaxLanes(df)] = {};
     HWY_ALIGN uint16_t out[hn::MaxLanes(df)];

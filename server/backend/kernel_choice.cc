@@ -19,15 +19,16 @@ absl::Status CheckNamedKernel(const BatchSpec& spec) {
     return absl::InvalidArgumentError(absl::StrCat("kernel \"", spec.kernel, "\" is unknown"));
   }
   if (spec.kernel != kWarpKernel && spec.kernel != kBatchedKernel) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "kernel \"", spec.kernel, "\" cannot run a backward batch here; use \"", kBatchedKernel,
-        "\", \"", kWarpKernel, "\" or leave kernel empty"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("kernel \"", spec.kernel, "\" cannot run a backward batch here; use \"",
+                     kBatchedKernel, "\", \"", kWarpKernel, "\" or leave kernel empty"));
   }
   kernels::KernelConfig config = ConfigFor(spec, kProbeTargetSm);
   if (absl::Status s = kernel->CanImplement(config); !s.ok()) return s;
   if (spec.kernel == kWarpKernel && !spec.rms_provided) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "kernel \"", kWarpKernel, "\" needs the forward pass's rms (one value per row); none given"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("kernel \"", kWarpKernel,
+                     "\" needs the forward pass's rms (one value per row); none given"));
   }
   return absl::OkStatus();
 }

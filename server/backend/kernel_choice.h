@@ -11,7 +11,7 @@
 namespace normgrad::server::backend_internal {
 
 // The entry names the backends know how to drive.
-inline constexpr absl::string_view kWarpKernel = "rms_norm_backward";          // hidden <= 32, rms given
+inline constexpr absl::string_view kWarpKernel = "rms_norm_backward";  // hidden <= 32, rms given
 inline constexpr absl::string_view kBatchedKernel = "batched_rms_norm_backward";  // any hidden
 
 // OK when spec.kernel is empty, else: INVALID_ARGUMENT for an unknown name, for a kernel the

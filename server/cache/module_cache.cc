@@ -85,8 +85,7 @@ std::shared_ptr<const void> ErasedCache::Find(absl::string_view key) {
 }
 
 void ErasedCache::InsertLocked(const std::string& key, const std::shared_ptr<const void>& value,
-                               uint64_t bytes,
-                               std::vector<std::shared_ptr<const void>>& evicted) {
+                               uint64_t bytes, std::vector<std::shared_ptr<const void>>& evicted) {
   if (options_.max_entries == 0 || bytes > options_.max_bytes) return;  // not retained
   lru_.push_front(Entry{key, value, bytes});
   index_[key] = lru_.begin();

@@ -39,11 +39,11 @@ struct ModuleCacheStats {
   uint64_t hits = 0;
   uint64_t misses = 0;
   uint64_t evictions = 0;
-  uint64_t compiles = 0;        // compile functions actually run (successful or not)
+  uint64_t compiles = 0;  // compile functions actually run (successful or not)
   uint64_t compile_failures = 0;
   uint64_t entries = 0;
   uint64_t bytes = 0;
-  double compile_seconds = 0;   // total time inside compile functions
+  double compile_seconds = 0;  // total time inside compile functions
   uint64_t max_entries = 0;
   uint64_t max_bytes = 0;
 };
@@ -121,12 +121,11 @@ class ModuleCache {
   // reach every waiting request and are not cached: the next request compiles again.
   absl::StatusOr<std::shared_ptr<const T>> GetOrCompile(absl::string_view key,
                                                         const CompileFn& compile) {
-    absl::StatusOr<std::shared_ptr<const void>> erased = impl_.GetOrCompile(
-        key, [&]() -> absl::StatusOr<cache_internal::ErasedCache::Compiled> {
+    absl::StatusOr<std::shared_ptr<const void>> erased =
+        impl_.GetOrCompile(key, [&]() -> absl::StatusOr<cache_internal::ErasedCache::Compiled> {
           absl::StatusOr<Compiled> compiled = compile();
           if (!compiled.ok()) return compiled.status();
-          return cache_internal::ErasedCache::Compiled{std::move(compiled->value),
-                                                       compiled->bytes};
+          return cache_internal::ErasedCache::Compiled{std::move(compiled->value), compiled->bytes};
         });
     if (!erased.ok()) return erased.status();
     return std::static_pointer_cast<const T>(*std::move(erased));

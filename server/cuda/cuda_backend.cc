@@ -77,19 +77,21 @@ absl::StatusOr<std::shared_ptr<const LoadedModule>> LoadModule(
   std::vector<char> log(16 << 10, '\0');
   CUjit_option options[] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
   void* values[] = {log.data(), reinterpret_cast<void*>(static_cast<uintptr_t>(log.size()))};
-  const CUresult r = ctx->api().cuModuleLoadDataEx(&loaded->module, ptx.text.c_str(), 2, options, values);
+  const CUresult r =
+      ctx->api().cuModuleLoadDataEx(&loaded->module, ptx.text.c_str(), 2, options, values);
   if (r != CUDA_SUCCESS) {
     loaded->module = nullptr;
-    const absl::Status s = ctx->Check(
-        r, absl::StrCat("cuModuleLoadDataEx(", ptx.entry, ", sm_", ptx.target_sm, ", PTX ISA ",
-                        ptx.version.ToString(), ")"));
+    const absl::Status s =
+        ctx->Check(r, absl::StrCat("cuModuleLoadDataEx(", ptx.entry, ", sm_", ptx.target_sm,
+                                   ", PTX ISA ", ptx.version.ToString(), ")"));
     std::string text(log.data(), strnlen(log.data(), log.size()));
     while (!text.empty() && (text.back() == '\n' || text.back() == '\0')) text.pop_back();
     const std::string message =
         absl::StrCat(s.message(), "; JIT log: ", text.empty() ? "(empty)" : text);
     // A PTX newer than the driver or no code for this GPU is the GPU's/driver's limit; every
     // other JIT failure is ours (the generator emitted something the JIT refused).
-    if (s.code() == absl::StatusCode::kFailedPrecondition) return absl::FailedPreconditionError(message);
+    if (s.code() == absl::StatusCode::kFailedPrecondition)
+      return absl::FailedPreconditionError(message);
     return absl::InternalError(message);
   }
   if (absl::Status s = ctx->Check(
@@ -250,8 +252,8 @@ class CudaBackwardSession : public BackwardSession {
       return s;
     }
     const auto start = std::chrono::steady_clock::now();
-    absl::Status s = plan_ == Plan::kHost ? HostChunk(x, dy, rms, rows, dx)
-                                          : DeviceChunk(x, dy, rms, rows, dx);
+    absl::Status s =
+        plan_ == Plan::kHost ? HostChunk(x, dy, rms, rows, dx) : DeviceChunk(x, dy, rms, rows, dx);
     compute_seconds_ +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (!s.ok()) {
@@ -303,9 +305,9 @@ class CudaBackwardSession : public BackwardSession {
         !s.ok()) {
       return s;
     }
-    if (absl::Status s = ctx_->Check(
-            api.cuMemcpyHtoDAsync_v2(d_dy_.get(), in + data_bytes, data_bytes, stream_),
-            "cuMemcpyHtoDAsync(dy)");
+    if (absl::Status s =
+            ctx_->Check(api.cuMemcpyHtoDAsync_v2(d_dy_.get(), in + data_bytes, data_bytes, stream_),
+                        "cuMemcpyHtoDAsync(dy)");
         !s.ok()) {
       return s;
     }
@@ -326,8 +328,9 @@ class CudaBackwardSession : public BackwardSession {
     }
     if (absl::Status s = Launch(rows); !s.ok()) return s;
     uint8_t* out = out_.get();
-    if (absl::Status s = ctx_->Check(api.cuMemcpyDtoHAsync_v2(out, d_dx_.get(), data_bytes, stream_),
-                                     "cuMemcpyDtoHAsync(dx)");
+    if (absl::Status s =
+            ctx_->Check(api.cuMemcpyDtoHAsync_v2(out, d_dx_.get(), data_bytes, stream_),
+                        "cuMemcpyDtoHAsync(dx)");
         !s.ok()) {
       return s;
     }
@@ -441,15 +444,15 @@ class CudaBackwardSession : public BackwardSession {
           return absl::InternalError(absl::StrCat("kernel ", module_->entry, " parameter ", p.name,
                                                   " is ", p.ptx_type, "; expected ", want));
         }
-        args[k] = want == "u64" ? static_cast<void*>(&slot.u64)
-                                : want == "u32" ? static_cast<void*>(&slot.u32)
-                                                : static_cast<void*>(&slot.f32);
+        args[k] = want == "u64"   ? static_cast<void*>(&slot.u64)
+                  : want == "u32" ? static_cast<void*>(&slot.u32)
+                                  : static_cast<void*>(&slot.f32);
       }
-      if (absl::Status s = ctx_->Check(
-              ctx_->api().cuLaunchKernel(module_->function, g.grid[0], g.grid[1], g.grid[2],
-                                         g.block[0], g.block[1], g.block[2], g.shared_bytes,
-                                         stream_, args.data(), nullptr),
-              absl::StrCat("cuLaunchKernel(", module_->entry, ")"));
+      if (absl::Status s =
+              ctx_->Check(ctx_->api().cuLaunchKernel(module_->function, g.grid[0], g.grid[1],
+                                                     g.grid[2], g.block[0], g.block[1], g.block[2],
+                                                     g.shared_bytes, stream_, args.data(), nullptr),
+                          absl::StrCat("cuLaunchKernel(", module_->entry, ")"));
           !s.ok()) {
         return s;
       }
@@ -492,9 +495,9 @@ class CudaBackend : public Backend {
     if (absl::Status s = backend_internal::CheckNamedKernel(spec); !s.ok()) return s;
     Plan plan;
     if (spec.kernel.empty()) {
-      plan = !spec.rms_provided                ? Plan::kBatched
-             : spec.hidden_dim <= 32           ? Plan::kWarp
-                                               : Plan::kHost;
+      plan = !spec.rms_provided      ? Plan::kBatched
+             : spec.hidden_dim <= 32 ? Plan::kWarp
+                                     : Plan::kHost;
     } else {
       plan = spec.kernel == kWarpKernel ? Plan::kWarp : Plan::kBatched;
     }
@@ -507,19 +510,21 @@ class CudaBackend : public Backend {
     kernels::KernelConfig config = backend_internal::ConfigFor(spec, target_sm_);
     if (plan != Plan::kHost) {
       kernel = kernels::FindKernel(plan == Plan::kWarp ? kWarpKernel : kBatchedKernel);
-      if (kernel == nullptr) return absl::InternalError("the kernels library lacks a backward kernel");
+      if (kernel == nullptr)
+        return absl::InternalError("the kernels library lacks a backward kernel");
       absl::StatusOr<std::shared_ptr<const LoadedModule>> m = GetModule(*kernel, config);
       if (!m.ok()) return m.status();
       module = *std::move(m);
     }
-    auto session = std::make_unique<CudaBackwardSession>(ctx_, spec, plan, std::move(module), kernel,
-                                                         config, std::move(gamma_bytes),
-                                                         std::move(gamma_f32));
+    auto session =
+        std::make_unique<CudaBackwardSession>(ctx_, spec, plan, std::move(module), kernel, config,
+                                              std::move(gamma_bytes), std::move(gamma_f32));
     if (absl::Status s = session->Init(); !s.ok()) return s;
     return std::unique_ptr<BackwardSession>(std::move(session));
   }
 
-  absl::Status Preload(const kernels::Kernel& kernel, const kernels::KernelConfig& config) override {
+  absl::Status Preload(const kernels::Kernel& kernel,
+                       const kernels::KernelConfig& config) override {
     kernels::KernelConfig for_device = config;
     for_device.target_sm = target_sm_;  // modules are compiled for this backend's GPU
     return GetModule(kernel, for_device).status();
@@ -528,21 +533,20 @@ class CudaBackend : public Backend {
   ModuleCacheStats CacheStats() const override { return cache_.Stats(); }
 
  private:
-  absl::StatusOr<std::shared_ptr<const LoadedModule>> GetModule(const kernels::Kernel& kernel,
-                                                                const kernels::KernelConfig& config) {
+  absl::StatusOr<std::shared_ptr<const LoadedModule>> GetModule(
+      const kernels::Kernel& kernel, const kernels::KernelConfig& config) {
     if (absl::Status s = kernel.CanImplement(config); !s.ok()) {
       kernels::KernelConfig elsewhere = config;
       elsewhere.target_sm = backend_internal::kProbeTargetSm;
       if (kernel.CanImplement(elsewhere).ok()) {  // the request is fine; this GPU is not
-        return absl::FailedPreconditionError(absl::StrCat(
-            "GPU ", device_.name, " (sm_", target_sm_, ") cannot run ", kernel.EntryName(), ": ",
-            s.message()));
+        return absl::FailedPreconditionError(absl::StrCat("GPU ", device_.name, " (sm_", target_sm_,
+                                                          ") cannot run ", kernel.EntryName(), ": ",
+                                                          s.message()));
       }
       return s;
     }
     return cache_.GetOrCompile(
-        kernel.ConfigKey(config),
-        [&]() -> absl::StatusOr<ModuleCache<LoadedModule>::Compiled> {
+        kernel.ConfigKey(config), [&]() -> absl::StatusOr<ModuleCache<LoadedModule>::Compiled> {
           absl::StatusOr<kernels::EmittedPtx> ptx = kernel.Emit(config);
           if (!ptx.ok()) return ptx.status();
           absl::StatusOr<std::shared_ptr<const LoadedModule>> loaded = LoadModule(ctx_, *ptx);
@@ -585,22 +589,25 @@ absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const CudaBackendOptions
         path, ": device ordinal ", options.device_ordinal, " out of range (", count, " devices)"));
   }
   CUdevice device = 0;
-  if (absl::Status s = driver->Check(api.cuDeviceGet(&device, options.device_ordinal), "cuDeviceGet");
+  if (absl::Status s =
+          driver->Check(api.cuDeviceGet(&device, options.device_ordinal), "cuDeviceGet");
       !s.ok()) {
     return unusable(s);
   }
   DeviceDescription d;
   char name[256] = {};
-  if (absl::Status s = driver->Check(api.cuDeviceGetName(name, sizeof(name) - 1, device),
-                                     "cuDeviceGetName");
+  if (absl::Status s =
+          driver->Check(api.cuDeviceGetName(name, sizeof(name) - 1, device), "cuDeviceGetName");
       !s.ok()) {
     return unusable(s);
   }
   d.name = name;
   int major = 0, minor = 0, sms = 0, max_grid_x = 0, pools = 0;
   for (auto [attribute, out, label] :
-       {std::tuple{CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, &major, "compute capability major"},
-        std::tuple{CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, &minor, "compute capability minor"},
+       {std::tuple{CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, &major,
+                   "compute capability major"},
+        std::tuple{CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, &minor,
+                   "compute capability minor"},
         std::tuple{CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, &sms, "multiprocessor count"},
         std::tuple{CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X, &max_grid_x, "max grid dim x"}}) {
     if (absl::Status s = driver->Check(api.cuDeviceGetAttribute(out, attribute, device),
@@ -622,8 +629,8 @@ absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const CudaBackendOptions
   d.sm_count = static_cast<uint32_t>(sms);
 
   CUcontext context = nullptr;
-  if (absl::Status s = driver->Check(api.cuDevicePrimaryCtxRetain(&context, device),
-                                     "cuDevicePrimaryCtxRetain");
+  if (absl::Status s =
+          driver->Check(api.cuDevicePrimaryCtxRetain(&context, device), "cuDevicePrimaryCtxRetain");
       !s.ok()) {
     return unusable(s);
   }
@@ -639,10 +646,9 @@ absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const CudaBackendOptions
       pools != 0) {
     CUmemoryPool pool = nullptr;
     cuuint64_t threshold = std::numeric_limits<cuuint64_t>::max();
-    ctx->stream_ordered =
-        api.cuDeviceGetDefaultMemPool(&pool, device) == CUDA_SUCCESS &&
-        api.cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &threshold) ==
-            CUDA_SUCCESS;
+    ctx->stream_ordered = api.cuDeviceGetDefaultMemPool(&pool, device) == CUDA_SUCCESS &&
+                          api.cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                                                    &threshold) == CUDA_SUCCESS;
   }
   return std::unique_ptr<Backend>(
       new CudaBackend(std::move(ctx), std::move(d), major * 10 + minor, options.cache));

@@ -66,9 +66,10 @@ absl::StatusOr<std::shared_ptr<const CudaDriver>> CudaDriver::Load(const std::st
   std::shared_ptr<CudaDriver> driver(new CudaDriver());
   driver->path_ = path;
   std::string missing;
-#define NORMGRAD_CUDA_RESOLVE(name, required)                                              \
-  driver->api_.name = reinterpret_cast<decltype(&::name)>(dlsym(handle, #name));          \
-  if (driver->api_.name == nullptr && (required)) absl::StrAppend(&missing, missing.empty() ? "" : ", ", #name);
+#define NORMGRAD_CUDA_RESOLVE(name, required)                                    \
+  driver->api_.name = reinterpret_cast<decltype(&::name)>(dlsym(handle, #name)); \
+  if (driver->api_.name == nullptr && (required))                                \
+    absl::StrAppend(&missing, missing.empty() ? "" : ", ", #name);
   NORMGRAD_CUDA_DRIVER_FUNCTIONS(NORMGRAD_CUDA_RESOLVE)
 #undef NORMGRAD_CUDA_RESOLVE
   if (!missing.empty()) {

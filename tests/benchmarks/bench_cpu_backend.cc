@@ -16,8 +16,8 @@
 #include <thread>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "server/backend/backend.h"
 #include "server/backend/cpu_backend.h"
 #include "server/backend/thread_pool.h"
@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
     dy[i] = static_cast<float>((i * 40503u) % 1000) / 500.0f - 1.0f;
   }
   for (uint32_t i = 0; i < hidden; ++i) gamma[i] = 1.0f + static_cast<float>(i % 7) / 10.0f;
-  std::fill(dx.begin(), dx.end(), 0.0f);    // touch every page before timing
+  std::fill(dx.begin(), dx.end(), 0.0f);  // touch every page before timing
   std::fill(copy.begin(), copy.end(), 0.0f);
 
   // Copy bandwidth: each thread copies one contiguous slice.

@@ -7,6 +7,8 @@
 // result: it is held to 1e-5 relative plus 1e-5 of the magnitude of the terms it is made of,
 //   dx_ri:     inv_rms_r * (|gamma_i dy_ri| + |x_ri| inv_rms_r^2 mean_j |x_rj dy_rj gamma_j|)
 //   dgamma_i:  sum_r |dy_ri x_ri| inv_rms_r
+#include "server/backend/backend.h"
+
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -16,7 +18,6 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/reference.h"
-#include "server/backend/backend.h"
 #include "tests/server/backend/backend_test_util.h"
 
 namespace normgrad::server {
@@ -34,8 +35,8 @@ Gradients Reference(const Batch& b) {
   Gradients g;
   g.dx.resize(b.rows * b.hidden);
   g.dgamma.resize(b.hidden);
-  kernels::ReferenceBackward({b.x, b.dy, b.gamma, b.rms, b.rows, b.hidden, b.eps}, absl::MakeSpan(g.dx),
-                             absl::MakeSpan(g.dgamma));
+  kernels::ReferenceBackward({b.x, b.dy, b.gamma, b.rms, b.rows, b.hidden, b.eps},
+                             absl::MakeSpan(g.dx), absl::MakeSpan(g.dgamma));
   return g;
 }
 
@@ -59,8 +60,8 @@ TermScales Scales(const Batch& b) {
     const double rms = b.rms.empty() ? std::sqrt(sum_sq / b.hidden + b.eps) : b.rms[r];
     const double inv = 1.0 / rms;
     for (uint32_t i = 0; i < b.hidden; ++i) {
-      t.dx[r * b.hidden + i] =
-          inv * (std::fabs(double{b.gamma[i]} * dy[i]) + std::fabs(x[i]) * inv * inv * sum_abs / b.hidden);
+      t.dx[r * b.hidden + i] = inv * (std::fabs(double{b.gamma[i]} * dy[i]) +
+                                      std::fabs(x[i]) * inv * inv * sum_abs / b.hidden);
       t.dgamma[i] += std::fabs(double{dy[i]} * x[i]) * inv;
     }
   }
@@ -81,8 +82,8 @@ int CountMismatches(const std::vector<float>& got, const std::vector<float>& wan
   return bad;
 }
 
-class BackendShapeTest
-    : public ::testing::TestWithParam<std::tuple<uint32_t /*hidden*/, uint64_t /*rows*/, bool /*rms*/>> {};
+class BackendShapeTest : public ::testing::TestWithParam<
+                             std::tuple<uint32_t /*hidden*/, uint64_t /*rows*/, bool /*rms*/>> {};
 
 TEST_P(BackendShapeTest, MatchesReferenceWithChunksThatDoNotDivideTheRows) {
   const auto [hidden, rows, with_rms] = GetParam();
@@ -95,7 +96,8 @@ TEST_P(BackendShapeTest, MatchesReferenceWithChunksThatDoNotDivideTheRows) {
   ASSERT_TRUE(got.ok()) << got.status();
   std::string first;
   EXPECT_EQ(CountMismatches(got->dx, want.dx, Scales(b).dx, &first), 0) << "dx " << first;
-  EXPECT_EQ(CountMismatches(got->dgamma, want.dgamma, Scales(b).dgamma, &first), 0) << "dgamma " << first;
+  EXPECT_EQ(CountMismatches(got->dgamma, want.dgamma, Scales(b).dgamma, &first), 0)
+      << "dgamma " << first;
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -117,7 +119,8 @@ TEST(BackendTest, ManyRowsMatchReference) {
   ASSERT_TRUE(got.ok()) << got.status();
   std::string first;
   EXPECT_EQ(CountMismatches(got->dx, want.dx, Scales(b).dx, &first), 0) << "dx " << first;
-  EXPECT_EQ(CountMismatches(got->dgamma, want.dgamma, Scales(b).dgamma, &first), 0) << "dgamma " << first;
+  EXPECT_EQ(CountMismatches(got->dgamma, want.dgamma, Scales(b).dgamma, &first), 0)
+      << "dgamma " << first;
 }
 
 TEST(BackendTest, GradGammaSameBitsForSameInputAndChunking) {
@@ -136,14 +139,15 @@ TEST(BackendTest, NanAndInfInTheDataAreComputedThrough) {
   absl::StatusOr<std::unique_ptr<Backend>> backend = testing::MakeBackendUnderTest();
   ASSERT_TRUE(backend.ok()) << backend.status();
   Batch b = MakeBatch(3, 8, false);
-  b.x[1] = std::nanf("");        // row 0 becomes NaN throughout
-  b.dy[8 + 2] = INFINITY;        // row 1: dx has inf/nan, still computed
+  b.x[1] = std::nanf("");  // row 0 becomes NaN throughout
+  b.dy[8 + 2] = INFINITY;  // row 1: dx has inf/nan, still computed
   absl::StatusOr<Gradients> got = testing::RunF32(**backend, b, 3);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_TRUE(std::isnan(got->dx[0]));
   EXPECT_FALSE(std::isfinite(got->dx[8 + 2]));
   const Gradients want = Reference(b);
-  for (int i = 16; i < 24; ++i) EXPECT_NEAR(got->dx[i], want.dx[i], 1e-5 * std::fabs(want.dx[i]) + 1e-6);
+  for (int i = 16; i < 24; ++i)
+    EXPECT_NEAR(got->dx[i], want.dx[i], 1e-5 * std::fabs(want.dx[i]) + 1e-6);
 }
 
 // bf16 and f16: inputs rounded to the dtype, outputs within the dtype's rounding of the
@@ -236,7 +240,8 @@ TEST_P(BackendHalfPrecisionTest, MatchesReferenceOnRoundedInputs) {
   const double relative = IsCpu() ? half_ulp : 2 * half_ulp;
   int bad = 0;
   for (size_t i = 0; i < want.dx.size(); ++i) {
-    const double tol = relative * std::fabs(want.dx[i]) + (IsCpu() ? 1e-6 : 1e-5 * scale.dx[i] + 1e-6);
+    const double tol =
+        relative * std::fabs(want.dx[i]) + (IsCpu() ? 1e-6 : 1e-5 * scale.dx[i] + 1e-6);
     if (!(std::fabs(FromHalfBits(c.dtype, dx16[i]) - want.dx[i]) <= tol)) ++bad;
   }
   EXPECT_EQ(bad, 0) << "dx elements off";
@@ -247,18 +252,19 @@ TEST_P(BackendHalfPrecisionTest, MatchesReferenceOnRoundedInputs) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Dtypes, BackendHalfPrecisionTest,
-    ::testing::Values(HalfCase{kernels::DType::kBF16, 40, 33, false},
-                      HalfCase{kernels::DType::kF16, 40, 33, false},
-                      HalfCase{kernels::DType::kBF16, 24, 16, true},
-                      HalfCase{kernels::DType::kF16, 24, 16, true},
-                      HalfCase{kernels::DType::kBF16, 20, 96, true},
-                      HalfCase{kernels::DType::kF16, 20, 96, true}),
-    [](const ::testing::TestParamInfo<HalfCase>& info) {
-      return absl::StrCat(info.param.dtype == kernels::DType::kBF16 ? "bf16" : "f16", "_hidden",
-                          info.param.hidden, info.param.with_rms ? "_rms_given" : "_rms_recomputed");
-    });
+INSTANTIATE_TEST_SUITE_P(Dtypes, BackendHalfPrecisionTest,
+                         ::testing::Values(HalfCase{kernels::DType::kBF16, 40, 33, false},
+                                           HalfCase{kernels::DType::kF16, 40, 33, false},
+                                           HalfCase{kernels::DType::kBF16, 24, 16, true},
+                                           HalfCase{kernels::DType::kF16, 24, 16, true},
+                                           HalfCase{kernels::DType::kBF16, 20, 96, true},
+                                           HalfCase{kernels::DType::kF16, 20, 96, true}),
+                         [](const ::testing::TestParamInfo<HalfCase>& info) {
+                           return absl::StrCat(
+                               info.param.dtype == kernels::DType::kBF16 ? "bf16" : "f16",
+                               "_hidden", info.param.hidden,
+                               info.param.with_rms ? "_rms_given" : "_rms_recomputed");
+                         });
 
 class BackendRefusalTest : public ::testing::Test {
  protected:
@@ -335,7 +341,8 @@ TEST_F(BackendRefusalTest, NamedKernelsRunWhenTheyCan) {
     ASSERT_TRUE(got.ok()) << kernel << ": " << got.status();
     const Gradients want = Reference(narrow);
     std::string first;
-    EXPECT_EQ(CountMismatches(got->dx, want.dx, Scales(narrow).dx, &first), 0) << kernel << " " << first;
+    EXPECT_EQ(CountMismatches(got->dx, want.dx, Scales(narrow).dx, &first), 0)
+        << kernel << " " << first;
   }
 }
 
@@ -353,16 +360,19 @@ TEST_F(BackendRefusalTest, RmsGivenToABatchWithoutRmsIsInvalidArgument) {
   std::unique_ptr<BackwardSession> session = Start();
   ASSERT_NE(session, nullptr);
   std::vector<float> rms(4, 1.0f);
-  absl::Status s = session->ProcessChunk(Bytes(batch_.x), Bytes(batch_.dy), rms, 4, MutableBytes(dx_));
+  absl::Status s =
+      session->ProcessChunk(Bytes(batch_.x), Bytes(batch_.dy), rms, 4, MutableBytes(dx_));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(BackendRefusalTest, MoreRowsThanDeclaredIsInvalidArgument) {
   std::unique_ptr<BackwardSession> session = Start();
   ASSERT_NE(session, nullptr);
-  ASSERT_TRUE(session->ProcessChunk(Bytes(batch_.x), Bytes(batch_.dy), {}, 4, MutableBytes(dx_)).ok());
-  absl::Status s = session->ProcessChunk(Bytes(batch_.x).subspan(0, 32), Bytes(batch_.dy).subspan(0, 32),
-                                         {}, 1, MutableBytes(dx_).subspan(0, 32));
+  ASSERT_TRUE(
+      session->ProcessChunk(Bytes(batch_.x), Bytes(batch_.dy), {}, 4, MutableBytes(dx_)).ok());
+  absl::Status s =
+      session->ProcessChunk(Bytes(batch_.x).subspan(0, 32), Bytes(batch_.dy).subspan(0, 32), {}, 1,
+                            MutableBytes(dx_).subspan(0, 32));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("exceeds num_rows (4)"), std::string::npos) << s;
 }
@@ -370,8 +380,9 @@ TEST_F(BackendRefusalTest, MoreRowsThanDeclaredIsInvalidArgument) {
 TEST_F(BackendRefusalTest, FinishBeforeAllRowsIsInvalidArgument) {
   std::unique_ptr<BackwardSession> session = Start();
   ASSERT_NE(session, nullptr);
-  ASSERT_TRUE(session->ProcessChunk(Bytes(batch_.x).subspan(0, 64), Bytes(batch_.dy).subspan(0, 64), {},
-                                    2, MutableBytes(dx_).subspan(0, 64))
+  ASSERT_TRUE(session
+                  ->ProcessChunk(Bytes(batch_.x).subspan(0, 64), Bytes(batch_.dy).subspan(0, 64),
+                                 {}, 2, MutableBytes(dx_).subspan(0, 64))
                   .ok());
   std::vector<float> dgamma(8);
   absl::Status s = session->Finish(MutableBytes(dgamma));

@@ -72,7 +72,8 @@ inline Batch MakeBatch(uint64_t rows, uint32_t hidden, bool with_rms, uint32_t s
     b.rms.resize(rows);
     for (uint64_t r = 0; r < rows; ++r) {
       double sum = 0;
-      for (uint32_t i = 0; i < hidden; ++i) sum += double{b.x[r * hidden + i]} * b.x[r * hidden + i];
+      for (uint32_t i = 0; i < hidden; ++i)
+        sum += double{b.x[r * hidden + i]} * b.x[r * hidden + i];
       b.rms[r] = static_cast<float>(std::sqrt(sum / hidden + b.eps));
     }
   }
@@ -81,7 +82,8 @@ inline Batch MakeBatch(uint64_t rows, uint32_t hidden, bool with_rms, uint32_t s
 
 template <typename T>
 absl::Span<const uint8_t> Bytes(const std::vector<T>& v) {
-  return absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(T));
+  return absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(v.data()),
+                                   v.size() * sizeof(T));
 }
 template <typename T>
 absl::Span<uint8_t> MutableBytes(std::vector<T>& v) {

@@ -24,7 +24,8 @@ using testing::MutableBytes;
 std::unique_ptr<Backend> Cpu(int threads) {
   CpuBackendOptions options;
   options.threads = threads;
-  return NewCpuBackend(options); }
+  return NewCpuBackend(options);
+}
 
 TEST(CpuBackendTest, SameBitsWhateverTheThreadCount) {
   const Batch b = MakeBatch(5003, 896, /*with_rms=*/false);
@@ -36,7 +37,8 @@ TEST(CpuBackendTest, SameBitsWhateverTheThreadCount) {
   }
   for (size_t k = 1; k < results.size(); ++k) {
     EXPECT_EQ(0, std::memcmp(results[0].dgamma.data(), results[k].dgamma.data(), 896 * 4)) << k;
-    EXPECT_EQ(0, std::memcmp(results[0].dx.data(), results[k].dx.data(), results[0].dx.size() * 4)) << k;
+    EXPECT_EQ(0, std::memcmp(results[0].dx.data(), results[k].dx.data(), results[0].dx.size() * 4))
+        << k;
   }
 }
 
@@ -60,9 +62,9 @@ TEST(CpuBackendTest, LargeChunksWrittenWithStreamingStoresGiveTheSameBits) {
 }
 
 TEST(CpuBackendTest, PartitionsDependOnlyOnTheShape) {
-  EXPECT_EQ(cpu_internal::RowsPerPartition(4096, 4096), 64u);     // 64 partitions
-  EXPECT_EQ(cpu_internal::RowsPerPartition(256, 4096), 32u);      // >= 131072 elements each
-  EXPECT_EQ(cpu_internal::RowsPerPartition(100, 896), 147u);      // a single partition
+  EXPECT_EQ(cpu_internal::RowsPerPartition(4096, 4096), 64u);  // 64 partitions
+  EXPECT_EQ(cpu_internal::RowsPerPartition(256, 4096), 32u);   // >= 131072 elements each
+  EXPECT_EQ(cpu_internal::RowsPerPartition(100, 896), 147u);   // a single partition
   EXPECT_EQ(cpu_internal::RowsPerPartition(1, 1), 131072u);
   EXPECT_EQ(cpu_internal::RowsPerPartition(10000000, 8), 156250u);  // at most 64 partitions
 }
@@ -96,8 +98,9 @@ TEST(CpuBackendTest, MisalignedF32BuffersGiveTheSameResult) {
   auto session = cpu->StartBackward(spec, Bytes(b.gamma));
   ASSERT_TRUE(session.ok());
   ASSERT_TRUE((*session)
-                  ->ProcessChunk(absl::MakeConstSpan(x).subspan(1), absl::MakeConstSpan(dy).subspan(1),
-                                 {}, 50, absl::MakeSpan(dx).subspan(1))
+                  ->ProcessChunk(absl::MakeConstSpan(x).subspan(1),
+                                 absl::MakeConstSpan(dy).subspan(1), {}, 50,
+                                 absl::MakeSpan(dx).subspan(1))
                   .ok());
   std::vector<float> dgamma(37);
   ASSERT_TRUE((*session)->Finish(MutableBytes(dgamma)).ok());

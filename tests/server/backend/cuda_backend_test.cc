@@ -90,7 +90,8 @@ void ExpectNearReference(const Batch& b, const Gradients& got) {
   int bad = 0;
   for (uint64_t r = 0; r < b.rows; ++r) {
     float scale = 0;
-    for (uint32_t i = 0; i < b.hidden; ++i) scale = std::max(scale, std::fabs(dx[r * b.hidden + i]));
+    for (uint32_t i = 0; i < b.hidden; ++i)
+      scale = std::max(scale, std::fabs(dx[r * b.hidden + i]));
     for (uint32_t i = 0; i < b.hidden; ++i) {
       const size_t k = r * b.hidden + i;
       if (!(std::fabs(got.dx[k] - dx[k]) <= 1e-5 * (std::fabs(dx[k]) + scale))) ++bad;
@@ -126,7 +127,8 @@ TEST(CudaDriverTest, ResultsConvertToStatusCodesNamingTheCall) {
 }
 
 TEST(CudaDriverTest, ConversionUsesTheDriversErrorNames) {
-  absl::StatusOr<std::shared_ptr<const cuda::CudaDriver>> driver = cuda::CudaDriver::Load(kScripted);
+  absl::StatusOr<std::shared_ptr<const cuda::CudaDriver>> driver =
+      cuda::CudaDriver::Load(kScripted);
   ASSERT_TRUE(driver.ok()) << driver.status();
   absl::Status s = (*driver)->Check(CUDA_ERROR_OUT_OF_MEMORY, "cuMemAllocAsync");
   EXPECT_EQ(s.message(), "cuMemAllocAsync failed: CUDA_ERROR_OUT_OF_MEMORY (out of memory)");
@@ -149,7 +151,8 @@ TEST(CudaDriverTest, MissingLibraryIsFailedPreconditionWithDlerror) {
   absl::StatusOr<std::shared_ptr<const cuda::CudaDriver>> d =
       cuda::CudaDriver::Load("/nonexistent/libcuda.so.1");
   ASSERT_EQ(d.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(d.status().message().find("/nonexistent/libcuda.so.1 not loadable: "), std::string::npos)
+  EXPECT_NE(d.status().message().find("/nonexistent/libcuda.so.1 not loadable: "),
+            std::string::npos)
       << d.status();
 }
 
@@ -174,11 +177,13 @@ TEST(CreateBackendTest, ParsesBackendKinds) {
 
 TEST(CreateBackendTest, AutoFallsBackToCpuAndSaysWhyInOneLine) {
   ::testing::internal::CaptureStderr();
-  absl::StatusOr<std::unique_ptr<Backend>> b = Create(BackendKind::kAuto, "/nonexistent/libcuda.so.1");
+  absl::StatusOr<std::unique_ptr<Backend>> b =
+      Create(BackendKind::kAuto, "/nonexistent/libcuda.so.1");
   const std::string err = ::testing::internal::GetCapturedStderr();
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ((*b)->Name(), "cpu");
-  EXPECT_EQ(err.rfind("normgrad: backend=cpu (auto: /nonexistent/libcuda.so.1 not loadable: ", 0), 0u)
+  EXPECT_EQ(err.rfind("normgrad: backend=cpu (auto: /nonexistent/libcuda.so.1 not loadable: ", 0),
+            0u)
       << err;
   EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
 }

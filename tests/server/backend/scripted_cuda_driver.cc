@@ -136,7 +136,6 @@ T Arg(const Module& m, void** args, const std::string& name) {
   std::abort();  // the model needs a parameter the PTX lacks: the test will crash loudly
 }
 
-
 }  // namespace
 
 extern "C" {
@@ -149,7 +148,9 @@ void normgrad_scripted_cuda_reset() {
   launches = 0;
 }
 
-CUresult cuInit(unsigned int) { return Mode() == "init_fails" ? CUDA_ERROR_NO_DEVICE : CUDA_SUCCESS; }
+CUresult cuInit(unsigned int) {
+  return Mode() == "init_fails" ? CUDA_ERROR_NO_DEVICE : CUDA_SUCCESS;
+}
 CUresult cuDriverGetVersion(int* v) {
   *v = 13000;
   return CUDA_SUCCESS;
@@ -169,16 +170,25 @@ CUresult cuDeviceGetName(char* name, int len, CUdevice) {
 }
 CUresult cuDeviceGetAttribute(int* v, CUdevice_attribute a, CUdevice) {
   switch (a) {
-    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *v = 9; break;
-    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *v = 0; break;
-    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *v = 132; break;
-    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: *v = 1; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR:
+      *v = 9;
+      break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR:
+      *v = 0;
+      break;
+    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT:
+      *v = 132;
+      break;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED:
+      *v = 1;
+      break;
     case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X: {
       const char* g = std::getenv("NORMGRAD_SCRIPTED_CUDA_MAX_GRID_X");
       *v = g != nullptr ? std::atoi(g) : 2147483647;
       break;
     }
-    default: *v = 0;
+    default:
+      *v = 0;
   }
   return CUDA_SUCCESS;
 }
@@ -200,8 +210,8 @@ CUresult cuCtxGetCurrent(CUcontext* c) {
   return CUDA_SUCCESS;
 }
 
-CUresult cuModuleLoadDataEx(CUmodule* module, const void* image, unsigned int n, CUjit_option* options,
-                            void** values) {
+CUresult cuModuleLoadDataEx(CUmodule* module, const void* image, unsigned int n,
+                            CUjit_option* options, void** values) {
   if (NoContext()) return CUDA_ERROR_INVALID_CONTEXT;
   ++module_loads;
   if (Mode() == "jit_error") {
@@ -209,7 +219,8 @@ CUresult cuModuleLoadDataEx(CUmodule* module, const void* image, unsigned int n,
     size_t size = 0;
     for (unsigned i = 0; i < n; ++i) {
       if (options[i] == CU_JIT_ERROR_LOG_BUFFER) log = static_cast<char*>(values[i]);
-      if (options[i] == CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES) size = reinterpret_cast<uintptr_t>(values[i]);
+      if (options[i] == CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES)
+        size = reinterpret_cast<uintptr_t>(values[i]);
     }
     if (log != nullptr && size > 0) {
       std::snprintf(log, size, "ptxas application ptx input, line 7; error   : scripted failure\n");
@@ -267,7 +278,8 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned,
     for (uint32_t i = 0; i < h; ++i) {
       const float xi = LoadElem(m.elem, x, row + i);
       const float yi = LoadElem(m.elem, dy, row + i);
-      StoreElem(m.elem, dx, row + i, inv * (LoadElem(m.elem, gamma, i) * yi - xi * inv * inv * mean));
+      StoreElem(m.elem, dx, row + i,
+                inv * (LoadElem(m.elem, gamma, i) * yi - xi * inv * inv * mean));
       if (batched) {
         auto* dgamma = reinterpret_cast<float*>(Arg<uint64_t>(m, args, "grad_gamma_ptr"));
         dgamma[i] += yi * xi * inv;
@@ -337,7 +349,9 @@ CUresult cuStreamDestroy_v2(CUstream s) {
   delete reinterpret_cast<int*>(s);
   return CUDA_SUCCESS;
 }
-CUresult cuStreamSynchronize(CUstream) { return NoContext() ? CUDA_ERROR_INVALID_CONTEXT : CUDA_SUCCESS; }
+CUresult cuStreamSynchronize(CUstream) {
+  return NoContext() ? CUDA_ERROR_INVALID_CONTEXT : CUDA_SUCCESS;
+}
 CUresult cuEventCreate(CUevent* e, unsigned int) {
   *e = reinterpret_cast<CUevent>(new int(0));
   return CUDA_SUCCESS;
@@ -354,21 +368,39 @@ CUresult cuEventDestroy_v2(CUevent e) {
 }
 CUresult cuGetErrorName(CUresult r, const char** s) {
   switch (r) {
-    case CUDA_ERROR_NO_DEVICE: *s = "CUDA_ERROR_NO_DEVICE"; break;
-    case CUDA_ERROR_INVALID_PTX: *s = "CUDA_ERROR_INVALID_PTX"; break;
-    case CUDA_ERROR_OUT_OF_MEMORY: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
-    case CUDA_ERROR_INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; break;
-    case CUDA_ERROR_INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; break;
-    default: return CUDA_ERROR_INVALID_VALUE;
+    case CUDA_ERROR_NO_DEVICE:
+      *s = "CUDA_ERROR_NO_DEVICE";
+      break;
+    case CUDA_ERROR_INVALID_PTX:
+      *s = "CUDA_ERROR_INVALID_PTX";
+      break;
+    case CUDA_ERROR_OUT_OF_MEMORY:
+      *s = "CUDA_ERROR_OUT_OF_MEMORY";
+      break;
+    case CUDA_ERROR_INVALID_CONTEXT:
+      *s = "CUDA_ERROR_INVALID_CONTEXT";
+      break;
+    case CUDA_ERROR_INVALID_VALUE:
+      *s = "CUDA_ERROR_INVALID_VALUE";
+      break;
+    default:
+      return CUDA_ERROR_INVALID_VALUE;
   }
   return CUDA_SUCCESS;
 }
 CUresult cuGetErrorString(CUresult r, const char** s) {
   switch (r) {
-    case CUDA_ERROR_NO_DEVICE: *s = "no CUDA-capable device is detected"; break;
-    case CUDA_ERROR_INVALID_PTX: *s = "a PTX JIT compilation failed"; break;
-    case CUDA_ERROR_OUT_OF_MEMORY: *s = "out of memory"; break;
-    default: return CUDA_ERROR_INVALID_VALUE;
+    case CUDA_ERROR_NO_DEVICE:
+      *s = "no CUDA-capable device is detected";
+      break;
+    case CUDA_ERROR_INVALID_PTX:
+      *s = "a PTX JIT compilation failed";
+      break;
+    case CUDA_ERROR_OUT_OF_MEMORY:
+      *s = "out of memory";
+      break;
+    default:
+      return CUDA_ERROR_INVALID_VALUE;
   }
   return CUDA_SUCCESS;
 }

@@ -1,14 +1,13 @@
 #include "server/cache/module_cache.h"
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <chrono>
-#include <condition_variable>
-#include <mutex>
 
 #include "absl/status/status.h"
 #include "gtest/gtest.h"
