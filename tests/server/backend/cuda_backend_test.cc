@@ -6,6 +6,7 @@
 #include <dlfcn.h>
 #include <stdlib.h>
 
+#include <atomic>
 #include <cmath>
 #include <string>
 #include <thread>
@@ -316,6 +317,40 @@ TEST(CudaBackendTest, ModulesAreCachedAndUnloadedWithTheBackend) {
     EXPECT_EQ(LiveModules(), live_before + 1);
   }
   EXPECT_EQ(LiveModules(), live_before);
+}
+
+TEST(CudaBackendTest, PreloadCompilesOnceAndSessionsHitTheCache) {
+  std::unique_ptr<Backend> cuda = ScriptedCuda();
+  ASSERT_NE(cuda, nullptr);
+  const kernels::Kernel* batched = kernels::FindKernel("batched_rms_norm_backward");
+  ASSERT_NE(batched, nullptr);
+  kernels::KernelConfig config;
+  config.hidden_dim = 64;
+  config.target_sm = 75;  // the backend compiles for its own GPU (sm_90) whatever is asked
+  ResetCounters();
+  ASSERT_TRUE(cuda->Preload(*batched, config).ok());
+  EXPECT_EQ(ModuleLoads(), 1);
+  ASSERT_TRUE(testing::RunF32(*cuda, MakeBatch(3, 64, false), 3).ok());
+  EXPECT_EQ(ModuleLoads(), 1);
+  EXPECT_EQ(cuda->CacheStats().hits, 1u);
+}
+
+TEST(CudaBackendTest, ConcurrentFirstSessionsLoadTheModuleOnce) {
+  std::unique_ptr<Backend> cuda = ScriptedCuda();
+  ASSERT_NE(cuda, nullptr);
+  ResetCounters();
+  const Batch b = MakeBatch(9, 48, false);
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  for (int i = 0; i < 8; ++i) {
+    threads.emplace_back([&] {
+      if (testing::RunF32(*cuda, b, 4).ok()) ok.fetch_add(1);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(ok.load(), 8);
+  EXPECT_EQ(ModuleLoads(), 1);
+  EXPECT_EQ(cuda->CacheStats().compiles, 1u);
 }
 
 TEST(CudaBackendTest, JitFailureIsInternalWithTheJitLog) {
