@@ -478,6 +478,14 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
         absl::StrCat("max_attempts: must be >= 1, got ", options.max_attempts));
   }
   if (options.chunk_bytes == 0) return absl::InvalidArgumentError("chunk_bytes: must be > 0");
+  if (options.max_attempts > 1 && (options.initial_backoff < absl::Milliseconds(1) ||
+                                   options.max_backoff < options.initial_backoff)) {
+    // gRPC rejects a service config whose retry backoff is not positive.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "initial_backoff: must be >= 1ms and <= max_backoff, got ",
+        absl::FormatDuration(options.initial_backoff), " and ",
+        absl::FormatDuration(options.max_backoff)));
+  }
   absl::StatusOr<client_internal::ResolvedTarget> target = ResolveTarget(options.target);
   if (!target.ok()) return target.status();
 

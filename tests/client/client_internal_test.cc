@@ -7,6 +7,7 @@
 #include "client/src/grpc_status.h"
 #include "client/src/health_wire.h"
 #include "gtest/gtest.h"
+#include "normgrad/client.h"
 
 namespace normgrad::client_internal {
 namespace {
@@ -123,6 +124,31 @@ TEST(GrpcStatusTest, KeepsCodeAndMessageForEveryCode) {
     EXPECT_EQ(static_cast<int>(s.code()), code);
     EXPECT_EQ(s.message(), "server said: x=3");
   }
+}
+
+TEST(ClientCreateTest, RejectsOptionsGrpcWouldMisuseNamingTheOption) {
+  const struct {
+    void (*adjust)(ClientOptions&);
+    const char* field;
+  } cases[] = {
+      {[](ClientOptions& o) { o.max_attempts = 0; }, "max_attempts"},
+      {[](ClientOptions& o) { o.chunk_bytes = 0; }, "chunk_bytes"},
+      {[](ClientOptions& o) { o.initial_backoff = absl::ZeroDuration(); }, "initial_backoff"},
+      {[](ClientOptions& o) { o.max_backoff = absl::Microseconds(1); }, "initial_backoff"},
+      {[](ClientOptions& o) { o.target = "127.0.0.1:1,"; }, "target"},
+  };
+  for (const auto& c : cases) {
+    ClientOptions options;
+    c.adjust(options);
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(options);
+    ASSERT_FALSE(client.ok()) << c.field;
+    EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(client.status().message().rfind(c.field, 0), 0u) << client.status();
+  }
+  ClientOptions no_retries;
+  no_retries.max_attempts = 1;
+  no_retries.initial_backoff = absl::ZeroDuration();  // unused without retries
+  EXPECT_TRUE(Client::Create(no_retries).ok());
 }
 
 }  // namespace

@@ -129,6 +129,21 @@ TEST_F(CliServerTest, EmitPtxWritesTheFileWithTheGpuTargetFlag) {
   EXPECT_NE(s.out.find(".entry batched_rms_norm_backward"), std::string::npos);
 }
 
+TEST_F(CliServerTest, EmitPtxCubinIsAnElfFileOrAFailedPrecondition) {
+  // The server compiles cubins with nvJitLink when it finds one; without it the call fails with
+  // FAILED_PRECONDITION, which the CLI reports as a server error.
+  const Result r = Cli({target_, "emit-ptx", "--kernel=batched_rms_norm_backward",
+                        "--hidden-dim=896", "--target=sm_90", "-o", P("c.ptx"), "--cubin",
+                        P("c.cubin")});
+  if (r.code == kExitOk) {
+    EXPECT_EQ(ReadAll(P("c.cubin")).substr(0, 4), "\x7f" "ELF");
+    EXPECT_NE(r.err.find("cubin sha256"), std::string::npos) << r.err;
+  } else {
+    EXPECT_EQ(r.code, kExitServerError);
+    EXPECT_EQ(r.err.rfind("error: FAILED_PRECONDITION: ", 0), 0u) << r.err;
+  }
+}
+
 TEST_F(CliServerTest, InfoPrintsJsonAndHealthPrintsServing) {
   const Result info = Cli({target_, "info"});
   ASSERT_EQ(info.code, kExitOk) << info.err;
