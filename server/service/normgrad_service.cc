@@ -106,9 +106,11 @@ class BackwardStream final
       if (finish_called_) {
         // Nothing to do: the stream already has its status.
       } else if (!ok) {
-        // The client half-closed (or the call died; then OnCancel follows).
+        // The client half-closed, or the call died (then OnCancel follows or came first).
         reads_done_ = true;
-        if (absl::Status s = validator_.AtEndOfStream(); !s.ok()) {
+        if (context_->IsCancelled()) {
+          FinishLocked(CancelStatus(), actions);
+        } else if (absl::Status s = validator_.AtEndOfStream(); !s.ok()) {
           FinishLocked(s, actions);
         } else {
           Job job;
@@ -158,11 +160,7 @@ class BackwardStream final
     Actions actions;
     {
       absl::MutexLock lock(&mu_);
-      if (!finish_called_) {
-        FinishLocked(absl::CancelledError("the stream was cancelled (by the client, a deadline or "
-                                        "server shutdown)"),
-                   actions);
-      }
+      if (!finish_called_) FinishLocked(CancelStatus(), actions);
     }
     Apply(actions);
   }
@@ -211,6 +209,15 @@ class BackwardStream final
       }
     }
     Apply(actions);
+  }
+
+  // Why the call was cancelled, as far as the server can tell (for the status and metrics).
+  absl::Status CancelStatus() const {
+    if (absl::FromChrono(context_->deadline()) <= absl::Now()) {
+      return absl::DeadlineExceededError("the client's deadline passed");
+    }
+    return absl::CancelledError(
+        "the stream was cancelled (by the client, or by server shutdown after the grace)");
   }
 
   // A reference for someone who found the stream in the registry; false when it is being

@@ -35,10 +35,12 @@ ABSL_FLAG(uint32_t, max_hidden_dim, 65536, "Largest header.hidden_dim accepted."
 ABSL_FLAG(uint64_t, max_num_rows, uint64_t{1} << 32, "Largest header.num_rows accepted.");
 ABSL_FLAG(uint64_t, max_message_bytes, 4ull << 20,
           "Largest request message the server receives (gRPC receive limit).");
-ABSL_FLAG(absl::Duration, stream_idle_timeout, absl::Seconds(30),
+// Durations are string flags parsed with absl::ParseDuration ("30s", "500ms"): absl's Duration
+// flags use a sequence lock whose fences GCC's ThreadSanitizer build rejects.
+ABSL_FLAG(std::string, stream_idle_timeout, "30s",
           "End a stream whose client sends nothing (or reads nothing) for this long, with "
           "DEADLINE_EXCEEDED; 0 disables.");
-ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(30),
+ABSL_FLAG(std::string, shutdown_grace, "30s",
           "On SIGTERM/SIGINT: how long in-flight streams may run before they are cancelled.");
 ABSL_FLAG(std::string, nvjitlink, "",
           "nvJitLink library for EmitPtx cubins; empty: libnvJitLink.so.13, libnvJitLink.so, "
@@ -99,14 +101,26 @@ absl::StatusOr<ServerOptions> ServerOptionsFromFlags() {
   o.batch.max_hidden_dim = absl::GetFlag(FLAGS_max_hidden_dim);
   o.batch.max_num_rows = absl::GetFlag(FLAGS_max_num_rows);
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-  o.stream_idle_timeout = absl::GetFlag(FLAGS_stream_idle_timeout);
+  if (!absl::ParseDuration(absl::GetFlag(FLAGS_stream_idle_timeout), &o.stream_idle_timeout)) {
+    return absl::InvalidArgumentError(absl::StrCat("--stream-idle-timeout=",
+                                                   absl::GetFlag(FLAGS_stream_idle_timeout),
+                                                   " is not a duration such as 30s or 500ms"));
+  }
   o.nvjitlink_path = absl::GetFlag(FLAGS_nvjitlink);
-  if (ShutdownGraceFromFlags() < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("--shutdown-grace must be >= 0");
+  absl::Duration grace;
+  if (!absl::ParseDuration(absl::GetFlag(FLAGS_shutdown_grace), &grace) ||
+      grace < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("--shutdown-grace=",
+                                                   absl::GetFlag(FLAGS_shutdown_grace),
+                                                   " is not a duration >= 0 such as 30s"));
   }
   return o;
 }
 
-absl::Duration ShutdownGraceFromFlags() { return absl::GetFlag(FLAGS_shutdown_grace); }
+absl::Duration ShutdownGraceFromFlags() {
+  absl::Duration grace = absl::Seconds(30);
+  (void)absl::ParseDuration(absl::GetFlag(FLAGS_shutdown_grace), &grace);  // checked above
+  return grace;
+}
 
 }  // namespace normgrad::server

@@ -19,7 +19,7 @@ namespace normgrad::server {
 
 // INVALID_ARGUMENT naming the flag for a value out of range.
 absl::StatusOr<ServerOptions> ServerOptionsFromFlags();
-absl::Duration ShutdownGraceFromFlags();
+absl::Duration ShutdownGraceFromFlags();  // valid after ServerOptionsFromFlags() succeeded
 
 // Flags are documented and accepted with dashes (--max-streams) as well as absl's underscores
 // (--max_streams): returns argv with the dashes of every flag name (before any '=') turned
