@@ -199,9 +199,10 @@ std::string HttpGet(int port, const std::string& path, int* status) {
   return res->body;
 }
 
-double MaxScaledError(const std::vector<float>& got, const std::vector<float>& want) {
+double MaxScaledError(const std::vector<float>& got, const std::vector<float>& want,
+                      double min_scale) {
   if (got.size() != want.size()) return INFINITY;
-  double scale = 0;
+  double scale = min_scale;
   for (float w : want) scale = std::max(scale, std::fabs(double{w}));
   double worst = 0;
   for (size_t i = 0; i < got.size(); ++i) {
@@ -210,6 +211,25 @@ double MaxScaledError(const std::vector<float>& got, const std::vector<float>& w
     if (std::isnan(e)) return INFINITY;
   }
   return worst;
+}
+
+double MaxDxError(const Batch& b, const std::vector<float>& got, const std::vector<float>& want) {
+  double terms = 0;
+  for (uint64_t r = 0; r < b.rows; ++r) {
+    double rms;
+    if (!b.rms.empty()) {
+      rms = b.rms[r];
+    } else {
+      double sum = 0;
+      for (uint32_t i = 0; i < b.hidden; ++i) sum += double{b.x[r * b.hidden + i]} * b.x[r * b.hidden + i];
+      rms = std::sqrt(sum / b.hidden + b.eps);
+    }
+    for (uint32_t i = 0; i < b.hidden; ++i) {
+      const double t = std::fabs(double{b.gamma[i]} * b.dy[r * b.hidden + i]) / rms;
+      if (std::isfinite(t)) terms = std::max(terms, t);
+    }
+  }
+  return MaxScaledError(got, want, terms);
 }
 
 }  // namespace normgrad::server::testing

@@ -65,8 +65,14 @@ std::shared_ptr<grpc::Channel> ChannelFor(int port);
 std::map<std::string, double> ParsePrometheusText(const std::string& text, std::string* error);
 std::string HttpGet(int port, const std::string& path, int* status);
 
-// Largest |a - b| / (|b| + scale) over the elements; scale = largest |b|.
-double MaxScaledError(const std::vector<float>& got, const std::vector<float>& want);
+// Largest |a - b| / (|b| + scale) over the elements; scale = max(largest |b|, min_scale).
+double MaxScaledError(const std::vector<float>& got, const std::vector<float>& want,
+                      double min_scale = 0);
+
+// dx's error relative to the size of the terms it is computed from: the largest
+// |gamma_i * dy_ri| / rms_r of the batch. (For small hidden_dim dx is a difference of nearly
+// equal terms, far smaller than either: an f32 kernel's error is relative to the terms.)
+double MaxDxError(const Batch& batch, const std::vector<float>& got, const std::vector<float>& want);
 
 }  // namespace normgrad::server::testing
 
