@@ -287,6 +287,9 @@ class CudaBackwardSession : public BackwardSession {
     const size_t data_bytes = rows * h * element_bytes_;
     const size_t rms_bytes = plan_ == Plan::kWarp ? rows * sizeof(float) : 0;
     const size_t dgamma_bytes = plan_ == Plan::kBatched ? h * sizeof(float) : 0;
+    // grad_gamma (f32) follows dx in the output staging buffer, 16-byte aligned (dx of a 16-bit
+    // dtype may end mid-float).
+    const size_t dgamma_offset = (data_bytes + 15) / 16 * 16;
     if (absl::Status s = ctx_->MakeCurrent(); !s.ok()) return s;
     for (auto [buffer, bytes] : {std::pair{&d_x_, data_bytes}, std::pair{&d_dy_, data_bytes},
                                  std::pair{&d_dx_, data_bytes}, std::pair{&d_rms_, rms_bytes}}) {
@@ -294,7 +297,7 @@ class CudaBackwardSession : public BackwardSession {
       if (absl::Status s = buffer->Reserve(*ctx_, stream_, bytes); !s.ok()) return s;
     }
     if (absl::Status s = in_.Reserve(*ctx_, 2 * data_bytes + rms_bytes); !s.ok()) return s;
-    if (absl::Status s = out_.Reserve(*ctx_, data_bytes + dgamma_bytes); !s.ok()) return s;
+    if (absl::Status s = out_.Reserve(*ctx_, dgamma_offset + dgamma_bytes); !s.ok()) return s;
 
     uint8_t* in = in_.get();
     std::memcpy(in, x.data(), data_bytes);
@@ -336,7 +339,7 @@ class CudaBackwardSession : public BackwardSession {
     }
     if (dgamma_bytes != 0) {
       if (absl::Status s = ctx_->Check(
-              api.cuMemcpyDtoHAsync_v2(out + data_bytes, d_dgamma_.get(), dgamma_bytes, stream_),
+              api.cuMemcpyDtoHAsync_v2(out + dgamma_offset, d_dgamma_.get(), dgamma_bytes, stream_),
               "cuMemcpyDtoHAsync(grad_gamma)");
           !s.ok()) {
         return s;
@@ -348,7 +351,7 @@ class CudaBackwardSession : public BackwardSession {
     }
     std::memcpy(dx.data(), out, data_bytes);
     if (plan_ == Plan::kBatched) {
-      const float* chunk_dgamma = reinterpret_cast<const float*>(out + data_bytes);
+      const float* chunk_dgamma = reinterpret_cast<const float*>(out + dgamma_offset);
       for (size_t i = 0; i < h; ++i) dgamma_sum_[i] += chunk_dgamma[i];
     } else {
       AddHostGradGamma(x, dy, rms, rows);
