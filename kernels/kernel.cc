@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/rms_norm_backward.h"
+#include "kernels/rms_norm_backward_row_resident.h"
 #include "kernels/targets.h"
 
 namespace normgrad::kernels {
@@ -138,7 +139,11 @@ const Kernel* FindKernel(absl::string_view entry_name) {
 std::vector<const Kernel*> AllKernels() {
   static const RmsNormBackwardKernel* const kSmall = new RmsNormBackwardKernel();
   static const BatchedRmsNormBackwardKernel* const kBatched = new BatchedRmsNormBackwardKernel();
-  return {kSmall, kBatched};
+  static const RowResidentRmsNormBackwardKernel* const kRowResident =
+      new RowResidentRmsNormBackwardKernel();
+  static const RmsNormBackwardDgammaReduceKernel* const kDgammaReduce =
+      new RmsNormBackwardDgammaReduceKernel();
+  return {kSmall, kBatched, kRowResident, kDgammaReduce};
 }
 
 }  // namespace normgrad::kernels

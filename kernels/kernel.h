@@ -49,6 +49,10 @@ struct KernelConfig {
   DType dtype = DType::kF32;
   int target_sm = 75;                       // sm_75 is the lowest CUDA 13's ptxas accepts
   std::optional<PtxVersion> ptx_version;    // empty: lowest that supports target + instructions
+  // Streaming multiprocessors of the device the launch is for (0: unknown). Only Geometry() of
+  // persistent-grid kernels reads it (rms_norm_backward_row_resident sizes its grid from it); it
+  // never changes the emitted PTX, so it is NOT part of ConfigKey().
+  uint32_t sm_count = 0;
 };
 
 struct LaunchGeometry {

@@ -1,0 +1,509 @@
+#include "kernels/rms_norm_backward_row_resident.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/targets.h"
+
+namespace normgrad::kernels {
+namespace {
+
+constexpr uint32_t kFullMask = 0xffffffffu;
+constexpr uint32_t kVectorBytes = 16;
+
+// shfl.sync needs PTX 6.0; cvt to/from .bf16 needs 7.0 (sm_80), as for the seed kernels.
+PtxVersion InstructionsVersion(DType dtype) {
+  return dtype == DType::kBF16 ? PtxVersion{7, 0} : PtxVersion{6, 0};
+}
+
+// Sum over the 32 lanes of a warp by butterfly: every lane ends with the same bits (each step
+// adds the same two values, and f32 addition is commutative).
+Value WarpAllSum(Builder& b, Value v) {
+  Value sum = v;
+  for (uint32_t mask : {16u, 8u, 4u, 2u, 1u}) {
+    const Value other = b.Shfl(ShflMode::kBfly, sum, Value::U32(mask), kFullMask);
+    sum = b.Add(sum, other);
+  }
+  return sum;
+}
+
+// `ld.global.<type>` (scalar or .v4) into existing registers where `guard` holds.
+void GuardedLoad(Builder& b, PtxType type, Address addr, std::vector<Value> dst, Value guard) {
+  Instruction in;
+  in.op = Opcode::kLd;
+  in.type = type;
+  in.space = StateSpace::kGlobal;
+  in.src = {addr.base};
+  in.offset = addr.offset;
+  in.dst = std::move(dst);
+  in.guard = guard;
+  b.Append(std::move(in));
+}
+
+// A 32-bit word of two 16-bit elements (element 2i in the low half) as two f32 values.
+std::pair<Value, Value> UnpackWord(Builder& b, DType dtype, Value word) {
+  if (dtype == DType::kBF16) {
+    // bf16 is the high half of an f32.
+    const Value lo_bits = b.Shl(word, Value::U32(16));
+    const Value lo = b.Bitcast(PtxType::kF32, lo_bits);
+    const Value hi_bits = b.And(word, Value::B32(0xffff0000u));
+    const Value hi = b.Bitcast(PtxType::kF32, hi_bits);
+    return {lo, hi};
+  }
+  // cvt.f32.f16 takes a .b16 register: truncate, reinterpret, convert (exact).
+  const Value lo16 = b.Cvt(PtxType::kU16, word);
+  const Value lo_b16 = b.Bitcast(PtxType::kB16, lo16);
+  const Value lo = b.CvtFrom(PtxType::kF32, PtxType::kF16, lo_b16);
+  const Value hi_word = b.Shr(word, Value::U32(16));
+  const Value hi16 = b.Cvt(PtxType::kU16, hi_word);
+  const Value hi_b16 = b.Bitcast(PtxType::kB16, hi16);
+  const Value hi = b.CvtFrom(PtxType::kF32, PtxType::kF16, hi_b16);
+  return {lo, hi};
+}
+
+// f32 rounded to nearest even in the 16-bit dtype, as a u16 register.
+Value F32ToU16(Builder& b, DType dtype, Value v) {
+  const Value h = b.Cvt(dtype == DType::kF16 ? PtxType::kF16 : PtxType::kBF16, v, Rounding::kRn);
+  return b.Bitcast(PtxType::kU16, h);
+}
+
+// Loads one 16-byte vector slot of a row (V elements starting at `addr`) as it is in memory: the
+// whole vector where `vec`, each element j where `scalar[j]`, 0 elsewhere. f32: four f32
+// registers; f16/bf16: four u32 words of two elements each (element 2i in the low half), so a
+// held row costs one register per two elements.
+std::vector<Value> LoadSlotRaw(Builder& b, DType dtype, Address addr, Value vec,
+                               const std::vector<Value>& scalar) {
+  std::vector<Value> out;
+  if (dtype == DType::kF32) {
+    for (int j = 0; j < 4; ++j) out.push_back(b.Mov(Value::F32(0.0f)));
+    GuardedLoad(b, PtxType::kF32, addr, out, vec);
+    for (int j = 0; j < 4; ++j) {
+      GuardedLoad(b, PtxType::kF32, Address{addr.base, addr.offset + 4 * j}, {out[j]}, scalar[j]);
+    }
+    return out;
+  }
+  std::vector<Value> words;
+  for (int w = 0; w < 4; ++w) words.push_back(b.Mov(Value::U32(0)));
+  GuardedLoad(b, PtxType::kU32, addr, words, vec);
+  std::vector<Value> halves;
+  for (int j = 0; j < 8; ++j) {
+    halves.push_back(b.LdOr(StateSpace::kGlobal, scalar[j],
+                            Address{addr.base, addr.offset + 2 * j}, Value::Imm(PtxType::kU16, 0)));
+  }
+  for (int w = 0; w < 4; ++w) {
+    // Vector path: the loaded word; element path: the two halves (0 where not loaded).
+    const Value lo = b.Cvt(PtxType::kU32, halves[2 * w]);
+    const Value hi_wide = b.Cvt(PtxType::kU32, halves[2 * w + 1]);
+    const Value hi = b.Shl(hi_wide, Value::U32(16));
+    const Value joined = b.Or(lo, hi);
+    out.push_back(b.Selp(words[w], joined, vec));
+  }
+  return out;
+}
+
+// A slot from LoadSlotRaw as V f32 values (exact conversions).
+std::vector<Value> SlotToF32(Builder& b, DType dtype, const std::vector<Value>& raw) {
+  if (dtype == DType::kF32) return raw;
+  std::vector<Value> out;
+  for (const Value& word : raw) {
+    const auto [lo, hi] = UnpackWord(b, dtype, word);
+    out.push_back(lo);
+    out.push_back(hi);
+  }
+  return out;
+}
+
+std::vector<Value> LoadSlot(Builder& b, DType dtype, Address addr, Value vec,
+                            const std::vector<Value>& scalar) {
+  const std::vector<Value> raw = LoadSlotRaw(b, dtype, addr, vec, scalar);
+  return SlotToF32(b, dtype, raw);
+}
+
+// Stores one slot of f32 results in dtype, with the same predicates as LoadSlot.
+void StoreSlot(Builder& b, DType dtype, Address addr, Value vec, const std::vector<Value>& scalar,
+               const std::vector<Value>& values) {
+  if (dtype == DType::kF32) {
+    {
+      auto whole = b.If(vec);
+      b.StV4(StateSpace::kGlobal, addr, values);
+    }
+    for (int j = 0; j < 4; ++j) {
+      auto one = b.If(scalar[j]);
+      b.St(StateSpace::kGlobal, Address{addr.base, addr.offset + 4 * j}, values[j]);
+    }
+    return;
+  }
+  std::vector<Value> halves;
+  for (int j = 0; j < 8; ++j) halves.push_back(F32ToU16(b, dtype, values[j]));
+  std::vector<Value> words;
+  for (int w = 0; w < 4; ++w) {
+    const Value lo = b.Cvt(PtxType::kU32, halves[2 * w]);
+    const Value hi_wide = b.Cvt(PtxType::kU32, halves[2 * w + 1]);
+    const Value hi = b.Shl(hi_wide, Value::U32(16));
+    words.push_back(b.Or(lo, hi));
+  }
+  {
+    auto whole = b.If(vec);
+    b.StV4(StateSpace::kGlobal, addr, words);
+  }
+  for (int j = 0; j < 8; ++j) {
+    auto one = b.If(scalar[j]);
+    b.StAs(StateSpace::kGlobal, PtxType::kB16, Address{addr.base, addr.offset + 2 * j},
+           halves[j]);
+  }
+}
+
+uint32_t CeilDiv(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
+
+// Which path a thread takes for one slot (V columns from col0 + slot_col): `vec` the whole
+// 16-byte vector (the slot lies inside the row and rows are aligned), else `elem[j]` for each
+// column inside the row. Recomputed where needed rather than held (they are cheap, registers
+// are not).
+struct SlotPredicates {
+  Value vec;
+  std::vector<Value> elem;
+};
+SlotPredicates MakeSlotPredicates(Builder& b, Value col0, uint32_t slot_col, uint32_t V,
+                                  Value vec_limit, Value hidden) {
+  SlotPredicates p;
+  const Value col = b.Add(col0, Value::U32(slot_col));
+  const Value slot_end = b.Add(col, Value::U32(V));
+  p.vec = b.Setp(CmpOp::kLe, slot_end, vec_limit);
+  const Value elem_limit = b.Selp(Value::U32(0), hidden, p.vec);
+  for (uint32_t j = 0; j < V; ++j) {
+    const Value c = b.Add(col, Value::U32(j));
+    p.elem.push_back(b.Setp(CmpOp::kLt, c, elem_limit));
+  }
+  return p;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// rms_norm_backward_row_resident
+
+RowTiling RowResidentRmsNormBackwardKernel::TilingFor(const KernelConfig& config) {
+  RowTiling t;
+  t.vector_elements = kVectorBytes / DTypeBytes(config.dtype);
+  const uint32_t hidden = std::max<uint32_t>(config.hidden_dim, 1);
+  t.threads = kMinThreads;
+  while (t.threads < kMaxThreads &&
+         CeilDiv(hidden, t.threads * t.vector_elements) * t.vector_elements >
+             kPreferredElementsPerThread) {
+    t.threads *= 2;
+  }
+  t.vectors_per_thread = CeilDiv(hidden, t.threads * t.vector_elements);
+  return t;
+}
+
+std::vector<KernelParam> RowResidentRmsNormBackwardKernel::Params() const {
+  return {{"input_ptr", "u64"},       {"gamma_ptr", "u64"},
+          {"grad_output_ptr", "u64"}, {"grad_input_ptr", "u64"},
+          {"rms_ptr", "u64"},         {"dgamma_partials_ptr", "u64"},
+          {"num_rows", "u32"},        {"hidden_dim", "u32"},
+          {"eps", "f32"}};
+}
+
+absl::Status RowResidentRmsNormBackwardKernel::CanImplement(const KernelConfig& config) const {
+  if (config.hidden_dim == 0 || config.hidden_dim > kMaxHiddenDim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "hidden_dim ", config.hidden_dim, " is outside 1..", kMaxHiddenDim,
+        ", the limit of rms_norm_backward_row_resident (a row held in registers, at most ",
+        kMaxElementsPerThread, " elements per thread of a ", kMaxThreads,
+        "-thread block); use batched_rms_norm_backward"));
+  }
+  return CheckCommon(config);
+}
+
+LaunchGeometry RowResidentRmsNormBackwardKernel::Geometry(const KernelConfig& config,
+                                                          uint64_t num_rows) const {
+  const RowTiling t = TilingFor(config);
+  const uint64_t sms = config.sm_count == 0 ? kDefaultSmCount : config.sm_count;
+  const uint64_t per_sm = std::clamp<uint64_t>(kResidentThreadsPerSm / t.threads, 1, 8);
+  LaunchGeometry g;
+  g.grid[0] = static_cast<uint32_t>(std::clamp<uint64_t>(std::min(num_rows, sms * per_sm), 1,
+                                                         kMaxGridX));
+  g.block[0] = t.threads;
+  return g;
+}
+
+std::string RowResidentRmsNormBackwardKernel::ConfigKey(const KernelConfig& config) const {
+  const RowTiling t = TilingFor(config);
+  return absl::StrCat(BuiltKernel::ConfigKey(config), "|tile=", t.threads, "x",
+                      t.vectors_per_thread);
+}
+
+absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfig& config) const {
+  if (absl::Status s = CanImplement(config); !s.ok()) return s;
+  absl::StatusOr<PtxVersion> version =
+      ResolvePtxVersion(config.target_sm, config.ptx_version, InstructionsVersion(config.dtype));
+  if (!version.ok()) return version.status();
+  const DType dtype = config.dtype;
+  const RowTiling tiling = TilingFor(config);
+  const uint32_t T = tiling.threads;
+  const uint32_t K = tiling.vectors_per_thread;
+  const uint32_t V = tiling.vector_elements;
+  const uint32_t warps = T / 32;
+  const uint32_t elem_bytes = DTypeBytes(dtype);
+
+  Module m(*version, config.target_sm);
+  Function& f = m.AddEntry(EntryName());
+  const Param input_ptr = f.AddParam(PtxType::kU64, "input_ptr");
+  const Param gamma_ptr = f.AddParam(PtxType::kU64, "gamma_ptr");
+  const Param grad_output_ptr = f.AddParam(PtxType::kU64, "grad_output_ptr");
+  const Param grad_input_ptr = f.AddParam(PtxType::kU64, "grad_input_ptr");
+  const Param rms_ptr = f.AddParam(PtxType::kU64, "rms_ptr");
+  const Param partials_ptr = f.AddParam(PtxType::kU64, "dgamma_partials_ptr");
+  const Param num_rows = f.AddParam(PtxType::kU32, "num_rows");
+  const Param hidden_dim = f.AddParam(PtxType::kU32, "hidden_dim");
+  const Param eps_param = f.AddParam(PtxType::kF32, "eps");
+  // Two f32 per warp: the warp's sum of x^2 and of x*gamma*dy for the current row.
+  const SharedArray warp_sums = f.AddShared("warp_sums", 8 * warps, 16);
+
+  Builder b(&f);
+  const Label row_loop = b.CreateLabel("row_loop");
+  const Label rows_done = b.CreateLabel("rows_done");
+
+  const Value tid = b.Mov(SpecialReg::kTidX);
+  const Value block = b.Mov(SpecialReg::kCtaidX);
+  const Value grid = b.Mov(SpecialReg::kNctaidX);
+  const Value rows = b.LdParam(num_rows);
+  const Value hidden = b.LdParam(hidden_dim);
+  const Value eps = b.LdParam(eps_param);
+  const Value x_base = b.LdParam(input_ptr);
+  const Value gamma_base = b.LdParam(gamma_ptr);
+  const Value dy_base = b.LdParam(grad_output_ptr);
+  const Value dx_base = b.LdParam(grad_input_ptr);
+  const Value rms_base = b.LdParam(rms_ptr);
+  const Value partials_base = b.LdParam(partials_ptr);
+  const Value hidden_f = b.Cvt(PtxType::kF32, hidden, Rounding::kRn);
+  const Value have_rms = b.Setp(CmpOp::kNe, rms_base, Value::U64(0));
+
+  // 16-byte vectors only when every row start of x, dy, dx and gamma is 16-byte aligned:
+  // hidden_dim * elem_bytes % 16 == 0 and the four base pointers aligned. vec_limit is
+  // hidden_dim then, 0 otherwise (no slot passes `slot_end <= vec_limit`).
+  const Value ptr_or1 = b.Or(x_base, dy_base);
+  const Value ptr_or2 = b.Or(ptr_or1, dx_base);
+  const Value ptr_or = b.Or(ptr_or2, gamma_base);
+  const Value ptr_low64 = b.And(ptr_or, Value::U64(kVectorBytes - 1));
+  const Value ptr_low = b.Cvt(PtxType::kU32, ptr_low64);
+  const Value row_bytes32 = b.Mul(hidden, Value::U32(elem_bytes));
+  const Value row_low = b.And(row_bytes32, Value::U32(kVectorBytes - 1));
+  const Value misaligned = b.Or(ptr_low, row_low);
+  const Value aligned = b.Setp(CmpOp::kEq, misaligned, Value::U32(0));
+  const Value vec_limit = b.Selp(hidden, Value::U32(0), aligned);
+
+  // This thread's first column and its byte offset in a row; slot k adds k*T*V columns.
+  const Value col0 = b.Mul(tid, Value::U32(V));
+  const Value thread_bytes = b.MulWide(tid, Value::U32(kVectorBytes));
+  const Value gamma_thread = b.Add(gamma_base, thread_bytes);
+  const Value lane = b.And(tid, Value::U32(31));
+  const Value warp = b.Shr(tid, Value::U32(5));
+  const Value is_lane0 = b.Setp(CmpOp::kEq, lane, Value::U32(0));
+  const Value sums_base = b.AddressOf(warp_sums);
+  const Value warp_off = b.MulWide(warp, Value::U32(8));
+  const Value warp_slot = b.Add(sums_base, warp_off);
+
+  // fp32 grad_gamma accumulators for this thread's columns, over all rows of this block.
+  std::vector<Value> acc;
+  for (uint32_t e = 0; e < K * V; ++e) acc.push_back(b.Mov(Value::F32(0.0f)));
+
+  // Grid-stride loop over rows; the trip count is the same for every thread of the block.
+  const Value row = b.Mov(block);
+  b.Bind(row_loop);
+  b.BraIf(b.Setp(CmpOp::kGe, row, rows), rows_done);
+  {
+    const Value row_elems = b.MulWide(row, hidden);
+    const Value row_off = b.Shl(row_elems, Value::U32(elem_bytes == 4 ? 2 : 1));
+    const Value thread_off = b.Add(row_off, thread_bytes);
+    const Value x_thread = b.Add(x_base, thread_off);
+    const Value dy_thread = b.Add(dy_base, thread_off);
+    const Value dx_thread = b.Add(dx_base, thread_off);
+
+    // x and dy stay in registers until the output; gamma (the same for every row, so cache
+    // resident) is loaded again after the reduction instead of holding it, to save registers.
+    std::vector<std::vector<Value>> x_raw(K), dy_raw(K);
+    const Value sum_sq = b.Mov(Value::F32(0.0f));
+    const Value sum_dot = b.Mov(Value::F32(0.0f));
+    for (uint32_t k = 0; k < K; ++k) {
+      const SlotPredicates p = MakeSlotPredicates(b, col0, k * T * V, V, vec_limit, hidden);
+      const int64_t off = int64_t{k} * T * kVectorBytes;
+      x_raw[k] = LoadSlotRaw(b, dtype, Address{x_thread, off}, p.vec, p.elem);
+      dy_raw[k] = LoadSlotRaw(b, dtype, Address{dy_thread, off}, p.vec, p.elem);
+      const std::vector<Value> gs = LoadSlot(b, dtype, Address{gamma_thread, off}, p.vec, p.elem);
+      const std::vector<Value> xs = SlotToF32(b, dtype, x_raw[k]);
+      const std::vector<Value> dys = SlotToF32(b, dtype, dy_raw[k]);
+      // Per-thread sums in column order.
+      for (uint32_t j = 0; j < V; ++j) {
+        b.FmaTo(sum_sq, xs[j], xs[j]);
+        const Value gdy = b.Mul(gs[j], dys[j]);
+        b.FmaTo(sum_dot, xs[j], gdy);
+      }
+    }
+
+    // Then the warp, then the warps in order.
+    const Value warp_sq = WarpAllSum(b, sum_sq);
+    const Value warp_dot = WarpAllSum(b, sum_dot);
+    {
+      auto lane0 = b.If(is_lane0);
+      b.St(StateSpace::kShared, Address{warp_slot, 0}, warp_sq);
+      b.St(StateSpace::kShared, Address{warp_slot, 4}, warp_dot);
+    }
+    b.BarSync(0);
+    const Value total_sq = b.Ld(StateSpace::kShared, PtxType::kF32, Address{sums_base, 0});
+    const Value total_dot = b.Ld(StateSpace::kShared, PtxType::kF32, Address{sums_base, 4});
+    for (uint32_t w = 1; w < warps; ++w) {
+      const Value sq = b.Ld(StateSpace::kShared, PtxType::kF32, Address{sums_base, 8 * w});
+      b.AddTo(total_sq, sq);
+      const Value dot = b.Ld(StateSpace::kShared, PtxType::kF32, Address{sums_base, 8 * w + 4});
+      b.AddTo(total_dot, dot);
+    }
+    // The next row's stores to warp_sums wait until every warp has read this row's sums.
+    b.BarSync(0);
+
+    // 1/rms: from the forward's rms when given (used as is: it contains eps), else recomputed.
+    const Value mean_sq = b.Div(total_sq, hidden_f, Rounding::kRn);
+    const Value variance = b.Add(mean_sq, eps);
+    const Value rms_recomputed = b.Sqrt(variance, Rounding::kRn);
+    const Value inv_recomputed = b.Rcp(rms_recomputed, Rounding::kRn);
+    const Value rms_off = b.MulWide(row, Value::U32(4));
+    const Value rms_addr = b.Add(rms_base, rms_off);
+    const Value rms_given =
+        b.LdOr(StateSpace::kGlobal, have_rms, Address{rms_addr, 0}, Value::F32(1.0f));
+    const Value inv_given = b.Rcp(rms_given, Rounding::kRn);
+    const Value inv_rms = b.Selp(inv_given, inv_recomputed, have_rms);
+    const Value mean_dot = b.Div(total_dot, hidden_f, Rounding::kRn);
+    const Value mean_inv = b.Mul(mean_dot, inv_rms);
+    const Value correction = b.Mul(mean_inv, inv_rms);
+
+    for (uint32_t k = 0; k < K; ++k) {
+      const SlotPredicates p = MakeSlotPredicates(b, col0, k * T * V, V, vec_limit, hidden);
+      const int64_t off = int64_t{k} * T * kVectorBytes;
+      const std::vector<Value> gs = LoadSlot(b, dtype, Address{gamma_thread, off}, p.vec, p.elem);
+      const std::vector<Value> xs = SlotToF32(b, dtype, x_raw[k]);
+      const std::vector<Value> dys = SlotToF32(b, dtype, dy_raw[k]);
+      std::vector<Value> dx(V);
+      for (uint32_t j = 0; j < V; ++j) {
+        const uint32_t e = k * V + j;
+        const Value gdy = b.Mul(gs[j], dys[j]);
+        const Value xc = b.Mul(xs[j], correction);
+        const Value diff = b.Sub(gdy, xc);
+        dx[j] = b.Mul(inv_rms, diff);
+        // Columns past hidden_dim hold x = dy = 0 and add 0.
+        const Value dyx = b.Mul(dys[j], xs[j]);
+        const Value part = b.Mul(dyx, inv_rms);
+        b.AddTo(acc[e], part);
+      }
+      StoreSlot(b, dtype, Address{dx_thread, off}, p.vec, p.elem, dx);
+    }
+    b.AddTo(row, grid);
+    b.Bra(row_loop);
+  }
+  b.Bind(rows_done);
+
+  // This block's row of partials: partials[block][col] for every col < hidden_dim.
+  const Value part_row_elems = b.MulWide(block, hidden);
+  const Value part_row_off = b.Shl(part_row_elems, Value::U32(2));
+  const Value part_row = b.Add(partials_base, part_row_off);
+  const Value col0_bytes = b.MulWide(col0, Value::U32(4));
+  const Value part_thread = b.Add(part_row, col0_bytes);
+  for (uint32_t k = 0; k < K; ++k) {
+    const Value col = b.Add(col0, Value::U32(k * T * V));
+    for (uint32_t j = 0; j < V; ++j) {
+      const Value c = b.Add(col, Value::U32(j));
+      const Value in_row = b.Setp(CmpOp::kLt, c, hidden);
+      auto guard = b.If(in_row);
+      b.St(StateSpace::kGlobal, Address{part_thread, 4 * (int64_t{k} * T * V + j)},
+           acc[k * V + j]);
+    }
+  }
+  b.Ret();
+  return m;
+}
+
+// ---------------------------------------------------------------------------------------------
+// rms_norm_backward_dgamma_reduce
+
+std::vector<KernelParam> RmsNormBackwardDgammaReduceKernel::Params() const {
+  return {{"dgamma_partials_ptr", "u64"},
+          {"dgamma_ptr", "u64"},
+          {"num_partials", "u32"},
+          {"hidden_dim", "u32"}};
+}
+
+absl::Status RmsNormBackwardDgammaReduceKernel::CanImplement(const KernelConfig& config) const {
+  if (config.hidden_dim == 0 || config.hidden_dim > kMaxHiddenDim) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden_dim ", config.hidden_dim,
+                                                   " is outside 1..", kMaxHiddenDim,
+                                                   ", the limit of rms_norm_backward_dgamma_reduce"));
+  }
+  return CheckCommon(config);
+}
+
+LaunchGeometry RmsNormBackwardDgammaReduceKernel::Geometry(const KernelConfig& config,
+                                                           uint64_t num_rows) const {
+  LaunchGeometry g;
+  g.grid[0] = std::max<uint32_t>(1, CeilDiv(std::max<uint32_t>(config.hidden_dim, 1), kThreads));
+  g.block[0] = kThreads;
+  return g;
+}
+
+absl::StatusOr<Module> RmsNormBackwardDgammaReduceKernel::Build(const KernelConfig& config) const {
+  if (absl::Status s = CanImplement(config); !s.ok()) return s;
+  absl::StatusOr<PtxVersion> version =
+      ResolvePtxVersion(config.target_sm, config.ptx_version, InstructionsVersion(config.dtype));
+  if (!version.ok()) return version.status();
+  const DType dtype = config.dtype;
+
+  Module m(*version, config.target_sm);
+  Function& f = m.AddEntry(EntryName());
+  const Param partials_ptr = f.AddParam(PtxType::kU64, "dgamma_partials_ptr");
+  const Param dgamma_ptr = f.AddParam(PtxType::kU64, "dgamma_ptr");
+  const Param num_partials = f.AddParam(PtxType::kU32, "num_partials");
+  const Param hidden_dim = f.AddParam(PtxType::kU32, "hidden_dim");
+
+  Builder b(&f);
+  const Label exit = b.CreateLabel("exit");
+  const Label loop = b.CreateLabel("sum_loop");
+  const Label done = b.CreateLabel("sum_done");
+
+  const Value tid = b.Mov(SpecialReg::kTidX);
+  const Value ctaid = b.Mov(SpecialReg::kCtaidX);
+  const Value ntid = b.Mov(SpecialReg::kNtidX);
+  const Value col = b.Mad(ctaid, ntid, tid);
+  const Value hidden = b.LdParam(hidden_dim);
+  // No barrier or shuffle follows: threads past hidden_dim may leave.
+  b.BraIf(b.Setp(CmpOp::kGe, col, hidden), exit);
+  const Value count = b.LdParam(num_partials);
+  const Value partials = b.LdParam(partials_ptr);
+  const Value dgamma = b.LdParam(dgamma_ptr);
+  const Value col_off = b.MulWide(col, Value::U32(4));
+  const Value addr = b.Add(partials, col_off);
+  const Value stride = b.MulWide(hidden, Value::U32(4));
+  const Value sum = b.Mov(Value::F32(0.0f));
+  const Value p = b.Mov(Value::U32(0));
+  b.Bind(loop);
+  b.BraIf(b.Setp(CmpOp::kGe, p, count), done);
+  {
+    const Value v = b.Ld(StateSpace::kGlobal, PtxType::kF32, Address{addr, 0});
+    b.AddTo(sum, v);
+    b.AddTo(addr, stride);
+    b.AddTo(p, Value::U32(1));
+    b.Bra(loop);
+  }
+  b.Bind(done);
+  const Value out_off = b.MulWide(col, Value::U32(DTypeBytes(dtype)));
+  const Value out_addr = b.Add(dgamma, out_off);
+  if (dtype == DType::kF32) {
+    b.St(StateSpace::kGlobal, Address{out_addr, 0}, sum);
+  } else {
+    const Value h = F32ToU16(b, dtype, sum);
+    b.StAs(StateSpace::kGlobal, PtxType::kB16, Address{out_addr, 0}, h);
+  }
+  b.Bind(exit);
+  b.Ret();
+  return m;
+}
+
+}  // namespace normgrad::kernels

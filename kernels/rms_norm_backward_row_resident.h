@@ -1,0 +1,114 @@
+// RMSNorm backward that reads x and dy from global memory once, with a reproducible grad_gamma.
+//
+// Two entries, served and cached like the seed's kernels (same math, see rms_norm_backward.h):
+//
+//   `rms_norm_backward_row_resident`: a persistent grid of G blocks (Geometry: about the device's
+//   SM count times the blocks that fit on one SM) takes rows in a grid-stride loop. A block holds
+//   one row in registers (each thread a fixed set of columns) between the two block reductions
+//   (sum x^2 and sum x*gamma*dy: warp shuffles, then shared memory + bar.sync, summed in warp
+//   order) and the output, so x and dy are read once and dx written once. Loads and stores are
+//   16-byte vectors (ld/st.global.v4.f32, or .v4.b32 holding eight f16/bf16) when every row start
+//   is 16-byte aligned, else element by element; the tail of any hidden_dim is element by element.
+//   grad_gamma: each thread accumulates its columns over the block's rows in fp32 registers, and
+//   the block writes one row of `dgamma_partials` (fp32 [G, hidden_dim]) at the end. No atomics.
+//
+//   `rms_norm_backward_dgamma_reduce`: dgamma[i] = sum over p = 0, 1, ..., num_partials-1 of
+//   partials[p][i], in that order, rounded once to the output dtype.
+//
+// Same inputs and the same G give the same bits, run after run. G depends on num_rows and
+// KernelConfig::sm_count, so results are bitwise equal for equal (rows, sm_count), and equal to
+// the reference within the f32 tolerance for any G.
+//
+//   KernelConfig config{.hidden_dim = 4096, .dtype = DType::kBF16, .target_sm = 90,
+//                       .sm_count = 132};
+//   const Kernel* k = FindKernel("rms_norm_backward_row_resident");
+//   LaunchGeometry g = k->Geometry(config, num_rows);   // g.grid[0] = G partial rows
+//   ... launch with (x, gamma, dy, dx, rms or 0, partials, num_rows, hidden_dim, eps), then
+//   FindKernel("rms_norm_backward_dgamma_reduce") with (partials, dgamma, G, hidden_dim).
+#ifndef NORMGRAD_KERNELS_RMS_NORM_BACKWARD_ROW_RESIDENT_H_
+#define NORMGRAD_KERNELS_RMS_NORM_BACKWARD_ROW_RESIDENT_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/kernel.h"
+#include "kernels/ptx_builder.h"
+#include "kernels/rms_norm_backward.h"
+
+namespace normgrad::kernels {
+
+// How a row is spread over a block; baked into the PTX, so part of ConfigKey ("tile=TxK").
+// Thread t holds columns t*V + k*T*V + j for k < K, j < V: K 16-byte vectors per row.
+struct RowTiling {
+  uint32_t threads = 0;             // T = block.x: 128, 256 or 512
+  uint32_t vectors_per_thread = 0;  // K
+  uint32_t vector_elements = 0;     // V: 4 for f32, 8 for f16/bf16 (16 bytes)
+  uint32_t capacity() const { return threads * vectors_per_thread * vector_elements; }
+  uint32_t elements_per_thread() const { return vectors_per_thread * vector_elements; }
+};
+
+// `rms_norm_backward_row_resident`.
+// Params: input_ptr, gamma_ptr, grad_output_ptr, grad_input_ptr, rms_ptr, dgamma_partials_ptr
+//         (u64), num_rows, hidden_dim (u32), eps (f32).
+// rms_ptr == 0: rms recomputed from x and eps; otherwise rms_ptr[row] (f32, the forward's rms,
+// already containing eps) is used as is. dgamma_partials_ptr: f32 [grid.x, hidden_dim], every
+// element written (blocks without rows write zeros).
+// hidden_dim: CanImplement accepts 1..kMaxHiddenDim (32 elements per thread at 512 threads).
+// Above that the row does not fit in registers: callers use batched_rms_norm_backward, which
+// re-reads the row (docs/kernels.md, "Row-resident kernel"). The run-time
+// hidden_dim must be at most the tiling's capacity for config.hidden_dim (equal is the normal
+// use; a smaller one works, a larger one only processes the first capacity() columns).
+class RowResidentRmsNormBackwardKernel : public BuiltKernel {
+ public:
+  // The row is held as x, dy (f32) and the thread's grad_gamma accumulators: 3 registers per
+  // element. 512 threads x 32 elements keeps that under the 128 registers per thread a 512-thread
+  // block may use (checked with ptxas by the tests).
+  static constexpr uint32_t kMaxHiddenDim = 16384;
+  static constexpr uint32_t kPreferredElementsPerThread = 16;
+  static constexpr uint32_t kMaxElementsPerThread = 32;
+  static constexpr uint32_t kMinThreads = 128;
+  static constexpr uint32_t kMaxThreads = 512;
+  // Grid sizing: blocks per SM = max(1, kResidentThreadsPerSm / T), capped at 8.
+  static constexpr uint32_t kResidentThreadsPerSm = 1024;
+  // Used by Geometry when KernelConfig::sm_count is 0 (unknown): an H100 SXM's 132 SMs.
+  static constexpr uint32_t kDefaultSmCount = 132;
+
+  // The tiling for config.hidden_dim and dtype: the smallest power-of-two T in 128..512 with
+  // K*V <= kPreferredElementsPerThread, K = ceil(hidden_dim / (T*V)); T = 512 with up to
+  // kMaxElementsPerThread above 8192 columns.
+  static RowTiling TilingFor(const KernelConfig& config);
+
+  absl::string_view EntryName() const override { return "rms_norm_backward_row_resident"; }
+  std::vector<KernelParam> Params() const override;
+  absl::Status CanImplement(const KernelConfig& config) const override;
+  // block.x = T; grid.x = G = clamp(min(num_rows, sm_count * blocks_per_sm), 1, 2^31-1): the
+  // number of dgamma partial rows. shared_bytes = 0 (the reduction's shared array is static).
+  LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;
+  // BuiltKernel's key plus "|tile=<T>x<K>".
+  std::string ConfigKey(const KernelConfig& config) const override;
+  absl::StatusOr<Module> Build(const KernelConfig& config) const override;
+};
+
+// `rms_norm_backward_dgamma_reduce`: sums the partial rows in a fixed order.
+// Params: dgamma_partials_ptr, dgamma_ptr (u64), num_partials, hidden_dim (u32).
+// dgamma is config.dtype (f32 keeps full precision for callers that add several launches).
+// One thread per column; hidden_dim is a run-time parameter (the key has no tiling).
+class RmsNormBackwardDgammaReduceKernel : public BuiltKernel {
+ public:
+  static constexpr uint32_t kThreads = 256;
+  static constexpr uint32_t kMaxHiddenDim = 1u << 31;
+
+  absl::string_view EntryName() const override { return "rms_norm_backward_dgamma_reduce"; }
+  std::vector<KernelParam> Params() const override;
+  absl::Status CanImplement(const KernelConfig& config) const override;
+  // block.x = 256, grid.x = ceil(hidden_dim / 256) from config.hidden_dim; `num_rows` unused.
+  LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;
+  absl::StatusOr<Module> Build(const KernelConfig& config) const override;
+};
+
+}  // namespace normgrad::kernels
+
+#endif  // NORMGRAD_KERNELS_RMS_NORM_BACKWARD_ROW_RESIDENT_H_

@@ -1,0 +1,235 @@
+// rms_norm_backward_row_resident and rms_norm_backward_dgamma_reduce: configuration contract
+// (limits, tiling in the key, sm_count only in the geometry), emitted forms (16-byte vectors,
+// no atomics, two barriers per row), the divergence analysis, and ptxas for sm_75..sm_100 with
+// a register count that lets the block launch (registers x threads <= 64K) and no spills.
+// ptxas's registers are printed for the record (docs/kernels.md quotes them).
+#include "kernels/rms_norm_backward_row_resident.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <optional>
+#include <regex>
+#include <string>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "gtest/gtest.h"
+#include "kernels/divergence_analysis.h"
+#include "kernels/kernel.h"
+
+namespace normgrad::kernels {
+namespace {
+
+const Kernel& Main() { return *FindKernel("rms_norm_backward_row_resident"); }
+const Kernel& Reduce() { return *FindKernel("rms_norm_backward_dgamma_reduce"); }
+
+int Count(const std::string& text, const std::string& needle) {
+  int n = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
+}
+
+TEST(RowResidentKernelTest, IsRegisteredWithItsParameters) {
+  ASSERT_NE(FindKernel("rms_norm_backward_row_resident"), nullptr);
+  ASSERT_NE(FindKernel("rms_norm_backward_dgamma_reduce"), nullptr);
+  std::vector<std::string> names;
+  for (const KernelParam& p : Main().Params()) names.push_back(p.name + ":" + p.ptx_type);
+  EXPECT_EQ(names, (std::vector<std::string>{
+                       "input_ptr:u64", "gamma_ptr:u64", "grad_output_ptr:u64",
+                       "grad_input_ptr:u64", "rms_ptr:u64", "dgamma_partials_ptr:u64",
+                       "num_rows:u32", "hidden_dim:u32", "eps:f32"}));
+  absl::StatusOr<EmittedPtx> ptx = Main().Emit({.hidden_dim = 4096, .target_sm = 90});
+  ASSERT_TRUE(ptx.ok()) << ptx.status();
+  ASSERT_EQ(ptx->params.size(), Main().Params().size());
+  for (size_t i = 0; i < ptx->params.size(); ++i) {
+    EXPECT_EQ(ptx->params[i].name, Main().Params()[i].name);
+  }
+  names.clear();
+  for (const KernelParam& p : Reduce().Params()) names.push_back(p.name + ":" + p.ptx_type);
+  EXPECT_EQ(names, (std::vector<std::string>{"dgamma_partials_ptr:u64", "dgamma_ptr:u64",
+                                             "num_partials:u32", "hidden_dim:u32"}));
+}
+
+TEST(RowResidentKernelTest, RefusesRowsThatDoNotFitInRegisters) {
+  EXPECT_TRUE(Main().CanImplement({.hidden_dim = 16384}).ok());
+  absl::Status s = Main().CanImplement({.hidden_dim = 16385});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(s.message(), "hidden_dim 16385 is outside 1..16384")) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "batched_rms_norm_backward")) << s;
+  EXPECT_EQ(Main().CanImplement({.hidden_dim = 0}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Main().CanImplement({.hidden_dim = 64, .dtype = DType::kBF16, .target_sm = 75}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Main().Emit({.hidden_dim = 20000}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Reduce().CanImplement({.hidden_dim = 100000}).ok());
+}
+
+TEST(RowResidentKernelTest, TilingHoldsTheWholeRowWithinTheRegisterBudget) {
+  for (DType d : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (uint32_t h = 1; h <= RowResidentRmsNormBackwardKernel::kMaxHiddenDim;
+         h = h < 64 ? h + 1 : h * 2 - 1) {
+      const RowTiling t = RowResidentRmsNormBackwardKernel::TilingFor({.hidden_dim = h, .dtype = d});
+      EXPECT_GE(t.capacity(), h) << h;
+      EXPECT_LE(t.elements_per_thread(), RowResidentRmsNormBackwardKernel::kMaxElementsPerThread);
+      EXPECT_EQ(t.vector_elements * DTypeBytes(d), 16u);
+      EXPECT_TRUE(t.threads == 128 || t.threads == 256 || t.threads == 512) << t.threads;
+      // Not wasteful: one slot less per thread would not hold the row (or T is the minimum).
+      EXPECT_TRUE(t.vectors_per_thread == 1 ||
+                  (t.vectors_per_thread - 1) * t.threads * t.vector_elements < h);
+    }
+  }
+  const RowTiling big = RowResidentRmsNormBackwardKernel::TilingFor({.hidden_dim = 16384});
+  EXPECT_EQ(big.threads, 512u);
+  EXPECT_EQ(big.elements_per_thread(), 32u);
+}
+
+TEST(RowResidentKernelTest, TheKeyNamesTheTilingButNotTheSmCount) {
+  const std::string a = Main().ConfigKey({.hidden_dim = 4096, .target_sm = 90});
+  EXPECT_EQ(a, "rms_norm_backward_row_resident|dtype=f32|sm_90|ptx=7.8|normgrad-ptx/1|tile=256x4");
+  // Same tiling, same key, same bytes.
+  EXPECT_EQ(Main().ConfigKey({.hidden_dim = 4000, .target_sm = 90}), a);
+  EXPECT_EQ(Main().Emit({.hidden_dim = 4000, .target_sm = 90})->text,
+            Main().Emit({.hidden_dim = 4096, .target_sm = 90})->text);
+  EXPECT_NE(Main().ConfigKey({.hidden_dim = 4097, .target_sm = 90}), a);
+  // sm_count changes the grid only.
+  EXPECT_EQ(Main().ConfigKey({.hidden_dim = 4096, .target_sm = 90, .sm_count = 132}), a);
+  EXPECT_EQ(Main().Emit({.hidden_dim = 4096, .target_sm = 90, .sm_count = 132})->text,
+            Main().Emit({.hidden_dim = 4096, .target_sm = 90, .sm_count = 7})->text);
+  // The reduce reads hidden_dim at run time.
+  EXPECT_EQ(Reduce().ConfigKey({.hidden_dim = 1}), Reduce().ConfigKey({.hidden_dim = 4096}));
+}
+
+TEST(RowResidentKernelTest, GeometryIsAPersistentGridSizedBySmCount) {
+  const KernelConfig c{.hidden_dim = 4096, .target_sm = 90, .sm_count = 132};
+  LaunchGeometry g = Main().Geometry(c, 1u << 20);
+  EXPECT_EQ(g.block[0], 256u);
+  EXPECT_EQ(g.grid[0], 132u * 4);  // 1024 resident threads per SM / 256
+  EXPECT_EQ(Main().Geometry(c, 10).grid[0], 10u);  // never more blocks than rows
+  EXPECT_EQ(Main().Geometry(c, 0).grid[0], 1u);
+  EXPECT_EQ(Main().Geometry({.hidden_dim = 16384, .sm_count = 132}, 1u << 20).grid[0], 264u);
+  EXPECT_EQ(Main().Geometry({.hidden_dim = 896, .sm_count = 132}, 1u << 20).grid[0], 132u * 8);
+  // Unknown SM count: the documented default.
+  EXPECT_EQ(Main().Geometry({.hidden_dim = 4096}, 1u << 20).grid[0],
+            RowResidentRmsNormBackwardKernel::kDefaultSmCount * 4);
+  const LaunchGeometry r = Reduce().Geometry({.hidden_dim = 4097}, 0);
+  EXPECT_EQ(r.block[0], 256u);
+  EXPECT_EQ(r.grid[0], 17u);
+  for (uint32_t h : {1u, 33u, 896u, 4097u, 16384u}) {
+    EXPECT_EQ(Main().Geometry({.hidden_dim = h}, 100).block[0] % 32, 0u);
+  }
+}
+
+TEST(RowResidentKernelTest, EmitsVectorAccessesNoAtomicsAndTwoBarriersPerRow) {
+  for (DType d : {DType::kF32, DType::kBF16, DType::kF16}) {
+    absl::StatusOr<EmittedPtx> ptx = Main().Emit({.hidden_dim = 4096, .dtype = d, .target_sm = 80});
+    ASSERT_TRUE(ptx.ok()) << ptx.status();
+    const std::string& t = ptx->text;
+    const std::string v4 = d == DType::kF32 ? ".v4.f32" : ".v4.u32";
+    const uint32_t slots =
+        RowResidentRmsNormBackwardKernel::TilingFor({.hidden_dim = 4096, .dtype = d})
+            .vectors_per_thread;
+    // Per slot: x, dy, gamma before the reduction, gamma again after it (cache hits).
+    EXPECT_EQ(Count(t, "ld.global" + v4), 4 * static_cast<int>(slots));
+    EXPECT_EQ(Count(t, "st.global" + v4), static_cast<int>(slots));  // dx
+    EXPECT_EQ(Count(t, "atom."), 0);
+    EXPECT_EQ(Count(t, "bar.sync"), 2);
+    EXPECT_EQ(Count(t, "shfl.sync.bfly"), 10);
+  }
+  absl::StatusOr<EmittedPtx> reduce = Reduce().Emit({.hidden_dim = 16, .dtype = DType::kBF16,
+                                                     .target_sm = 80});
+  ASSERT_TRUE(reduce.ok());
+  EXPECT_TRUE(absl::StrContains(reduce->text, "cvt.rn.bf16.f32"));
+  EXPECT_EQ(Count(reduce->text, "atom."), 0);
+}
+
+TEST(RowResidentKernelTest, DivergenceAnalysisIsClean) {
+  for (DType d : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (uint32_t h : {1u, 3u, 33u, 896u, 4095u, 4097u, 8193u, 16384u}) {
+      const KernelConfig c{.hidden_dim = h, .dtype = d, .target_sm = 80};
+      for (const Kernel* k : {&Main(), &Reduce()}) {
+        absl::StatusOr<Module> m = static_cast<const BuiltKernel*>(k)->Build(c);
+        ASSERT_TRUE(m.ok()) << m.status();
+        EXPECT_TRUE(CheckDivergence(*m, LaunchAssumptions{}).ok()) << k->EntryName() << " " << h;
+      }
+    }
+  }
+}
+
+// ptxas, as in ptxas_test.cc: PATH, then /usr/local/cuda/bin.
+std::optional<std::string> FindPtxas() {
+  if (const char* path = std::getenv("PATH"); path != nullptr) {
+    for (absl::string_view dir : absl::StrSplit(path, ':', absl::SkipEmpty())) {
+      const std::string candidate = absl::StrCat(dir, "/ptxas");
+      if (access(candidate.c_str(), X_OK) == 0) return candidate;
+    }
+  }
+  if (access("/usr/local/cuda/bin/ptxas", X_OK) == 0) return "/usr/local/cuda/bin/ptxas";
+  return std::nullopt;
+}
+
+std::string Assemble(const std::string& ptxas, const std::string& text, int sm, int* exit_code) {
+  const std::string base = absl::StrCat(::testing::TempDir(), "/normgrad_rr_", getpid(), "_", sm);
+  {
+    std::ofstream f(base + ".ptx", std::ios::binary | std::ios::trunc);
+    f << text;
+  }
+  const std::string cmd = absl::StrCat("'", ptxas, "' -arch=sm_", sm, " -v '", base, ".ptx' -o '",
+                                       base, ".cubin' 2>&1");
+  std::string out;
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) out.append(buf, n);
+  const int status = pclose(pipe);
+  *exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::remove((base + ".ptx").c_str());
+  std::remove((base + ".cubin").c_str());
+  return out;
+}
+
+TEST(RowResidentKernelTest, PtxasAssemblesEveryTargetWithRegistersThatFitTheBlock) {
+  const std::optional<std::string> ptxas = FindPtxas();
+  if (!ptxas.has_value()) GTEST_SKIP() << "ptxas not found on PATH or in /usr/local/cuda/bin";
+  const std::regex used("Used ([0-9]+) registers");
+  for (int sm : {75, 80, 90, 100}) {
+    for (DType d : {DType::kF32, DType::kBF16, DType::kF16}) {
+      if (d == DType::kBF16 && sm < 80) continue;
+      for (uint32_t h : {1u, 896u, 4096u, 4097u, 8192u, 16384u}) {
+        const KernelConfig c{.hidden_dim = h, .dtype = d, .target_sm = sm};
+        absl::StatusOr<EmittedPtx> ptx = Main().Emit(c);
+        ASSERT_TRUE(ptx.ok()) << ptx.status();
+        int code = -1;
+        const std::string out = Assemble(*ptxas, ptx->text, sm, &code);
+        ASSERT_EQ(code, 0) << out;
+        std::smatch match;
+        ASSERT_TRUE(std::regex_search(out, match, used)) << out;
+        int regs = 0;
+        ASSERT_TRUE(absl::SimpleAtoi(match[1].str(), &regs));
+        const uint32_t threads = Main().Geometry(c, 1).block[0];
+        EXPECT_LE(regs * threads, 65536u) << DTypeName(d) << " h" << h << " sm_" << sm;
+        EXPECT_TRUE(absl::StrContains(out, "0 bytes spill stores")) << out;
+        if (sm == 90 && (h == 896 || h == 4096 || h == 16384)) {
+          std::cout << "rms_norm_backward_row_resident " << DTypeName(d) << " hidden_dim=" << h
+                    << " sm_90 block=" << threads << ": " << regs << " registers\n";
+        }
+      }
+      absl::StatusOr<EmittedPtx> reduce = Reduce().Emit({.hidden_dim = 64, .dtype = d,
+                                                         .target_sm = sm});
+      ASSERT_TRUE(reduce.ok()) << reduce.status();
+      int code = -1;
+      const std::string out = Assemble(*ptxas, reduce->text, sm, &code);
+      EXPECT_EQ(code, 0) << out;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace normgrad::kernels
