@@ -25,17 +25,19 @@ struct Result {
   std::string out, err;
 };
 
-Result Cli(const std::vector<std::string>& args, const std::string& env_target = "") {
+Result Cli(const std::vector<std::string>& args, const std::string& env_target = "",
+           bool terminal = false) {
   std::ostringstream out, err;
   CliEnvironment env;
   env.normgrad_target = env_target;
+  env.stderr_is_terminal = terminal;
   const int code = RunCli(args, env, out, err);
   return {code, out.str(), err.str()};
 }
 
-Result Load(const std::vector<std::string>& args) {
+Result Load(const std::vector<std::string>& args, bool terminal = false) {
   std::ostringstream out, err;
-  const int code = RunLoad(args, "", /*progress_terminal=*/false, out, err);
+  const int code = RunLoad(args, "", terminal, out, err);
   return {code, out.str(), err.str()};
 }
 
@@ -82,6 +84,22 @@ TEST_F(CliServerTest, BackwardNpyRoundTripMatchesReference) {
   EXPECT_EQ(dg->shape, (std::vector<uint64_t>{64}));
   ExpectClose(dx->data, b.dx, "dx");
   ExpectClose(dg->data, b.dgamma, "dgamma");
+}
+
+TEST_F(CliServerTest, ProgressBarOnlyOnATerminal) {
+  const Batch b(64, 32, /*seed=*/24);
+  Save("px.npy", {64, 32}, b.x);
+  Save("pg.npy", {32}, b.gamma);
+  const std::vector<std::string> args = {target_, "backward", "--x", P("px.npy"), "--dy",
+                                         P("px.npy"), "--gamma", P("pg.npy"),
+                                         "--chunk-bytes=1024"};  // 8 rows per message
+  const Result tty = Cli(args, "", /*terminal=*/true);
+  ASSERT_EQ(tty.code, kExitOk) << tty.err;
+  EXPECT_NE(tty.err.find("100%  64/64 rows"), std::string::npos) << tty.err;
+  EXPECT_NE(tty.err.find("\r["), std::string::npos);
+  const Result pipe = Cli(args, "", /*terminal=*/false);
+  ASSERT_EQ(pipe.code, kExitOk) << pipe.err;
+  EXPECT_EQ(pipe.err, "");
 }
 
 TEST_F(CliServerTest, BackwardWithRmsUsesIt) {
@@ -175,6 +193,21 @@ TEST_F(LoadServerTest, KnownNumberOfRequestsIsCountedExactly) {
   EXPECT_EQ(CountOf(r.out, "successes"), 60);
   EXPECT_EQ(CountOf(r.out, "errors"), 0);
   EXPECT_NE(r.out.find("\"errors_by_code\":{}"), std::string::npos);
+}
+
+TEST_F(LoadServerTest, LiveProgressLineOnlyOnATerminal) {
+  auto server = StartTestServer();
+  ASSERT_NE(server, nullptr);
+  // Paced so the run outlasts a few 250 ms redraws: 20 requests at 25/s.
+  const std::vector<std::string> args = {"--target=" + Address(*server), "--total=20",
+                                         "--rate=25", "--shapes=2x32", "--format=csv"};
+  const Result tty = Load(args, /*terminal=*/true);
+  ASSERT_EQ(tty.code, 0) << tty.err;
+  EXPECT_NE(tty.err.find("concurrency 8: "), std::string::npos) << tty.err;
+  EXPECT_NE(tty.err.find(" done, 0 errors"), std::string::npos) << tty.err;
+  const Result pipe = Load(args, /*terminal=*/false);
+  ASSERT_EQ(pipe.code, 0) << pipe.err;
+  EXPECT_EQ(pipe.err, "");
 }
 
 TEST_F(LoadServerTest, ConnectionsRateAndEmitPtxAllComplete) {
