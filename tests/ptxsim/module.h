@@ -112,7 +112,7 @@ struct Instruction {
   uint8_t num_dst = 0;
   uint8_t num_src = 0;
   Operand dst[4];               // ld.v4 writes four; shfl/setp write a second predicate
-  Operand src[4];
+  Operand src[5];               // st.v4: the address and four values
   uint32_t target = 0;          // bra: instruction index
   uint32_t line = 0;            // 1-based line in the PTX text
 };
