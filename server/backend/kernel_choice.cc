@@ -18,10 +18,11 @@ absl::Status CheckNamedKernel(const BatchSpec& spec) {
   if (kernel == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("kernel \"", spec.kernel, "\" is unknown"));
   }
-  if (spec.kernel != kWarpKernel && spec.kernel != kBatchedKernel) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("kernel \"", spec.kernel, "\" cannot run a backward batch here; use \"",
-                     kBatchedKernel, "\", \"", kWarpKernel, "\" or leave kernel empty"));
+  if (spec.kernel != kWarpKernel && spec.kernel != kBatchedKernel &&
+      spec.kernel != kRowResidentKernel) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kernel \"", spec.kernel, "\" cannot run a backward batch here; use \"", kRowResidentKernel,
+        "\", \"", kBatchedKernel, "\", \"", kWarpKernel, "\" or leave kernel empty"));
   }
   kernels::KernelConfig config = ConfigFor(spec, kProbeTargetSm);
   if (absl::Status s = kernel->CanImplement(config); !s.ok()) return s;

@@ -20,6 +20,8 @@ namespace normgrad::server {
 namespace {
 
 using backend_internal::kBatchedKernel;
+using backend_internal::kDgammaReduceKernel;
+using backend_internal::kRowResidentKernel;
 using backend_internal::kWarpKernel;
 using cuda::CudaDriver;
 
@@ -104,9 +106,11 @@ absl::StatusOr<std::shared_ptr<const LoadedModule>> LoadModule(
 }
 
 enum class Plan {
-  kBatched,  // batched_rms_norm_backward: dx and grad_gamma (atomics) on the GPU
-  kWarp,     // rms_norm_backward: dx on the GPU with the given rms; grad_gamma on the host
-  kHost,     // rms given, hidden_dim > 32: dx and grad_gamma on the host from the given rms
+  kRowResident,  // rms_norm_backward_row_resident + rms_norm_backward_dgamma_reduce: dx and a
+                 // fixed-order grad_gamma on the GPU, with or without a given rms
+  kBatched,      // batched_rms_norm_backward: dx and grad_gamma (atomics) on the GPU
+  kWarp,         // rms_norm_backward: dx on the GPU with the given rms; grad_gamma on the host
+  kHost,         // rms given, hidden_dim > 32: dx and grad_gamma on the host from the given rms
 };
 
 // Device memory from the stream-ordered pool when available, else cuMemAlloc.
@@ -202,7 +206,7 @@ class CudaBackwardSession : public BackwardSession {
 
   ~CudaBackwardSession() override {
     if (!ctx_->MakeCurrent().ok()) return;  // the context is gone: nothing can be freed
-    for (DeviceBuffer* b : {&d_gamma_, &d_x_, &d_dy_, &d_dx_, &d_rms_, &d_dgamma_}) {
+    for (DeviceBuffer* b : {&d_gamma_, &d_x_, &d_dy_, &d_dx_, &d_rms_, &d_dgamma_, &d_partials_}) {
       b->Release(*ctx_, stream_);
     }
     if (stream_ != nullptr) {
@@ -211,6 +215,14 @@ class CudaBackwardSession : public BackwardSession {
     }
     in_.Release(*ctx_);
     out_.Release(*ctx_);
+  }
+
+  // The reduction for the row-resident plan; set before Init().
+  void SetReduce(std::shared_ptr<const LoadedModule> module, const kernels::Kernel* kernel,
+                 const kernels::KernelConfig& config) {
+    reduce_module_ = std::move(module);
+    reduce_kernel_ = kernel;
+    reduce_config_ = config;
   }
 
   // Stream, gamma upload. Called once before the session is handed out.
@@ -232,7 +244,7 @@ class CudaBackwardSession : public BackwardSession {
         !s.ok()) {
       return s;
     }
-    if (plan_ == Plan::kBatched) {  // grad_gamma is f32 for every dtype
+    if (plan_ == Plan::kBatched || plan_ == Plan::kRowResident) {  // f32 for every dtype
       if (absl::Status s = d_dgamma_.Reserve(*ctx_, stream_, spec_.hidden_dim * sizeof(float));
           !s.ok()) {
         return s;
@@ -285,8 +297,11 @@ class CudaBackwardSession : public BackwardSession {
     const cuda::DriverApi& api = ctx_->api();
     const size_t h = spec_.hidden_dim;
     const size_t data_bytes = rows * h * element_bytes_;
-    const size_t rms_bytes = plan_ == Plan::kWarp ? rows * sizeof(float) : 0;
-    const size_t dgamma_bytes = plan_ == Plan::kBatched ? h * sizeof(float) : 0;
+    const bool rms_to_device =
+        plan_ == Plan::kWarp || (plan_ == Plan::kRowResident && spec_.rms_provided);
+    const bool dgamma_on_device = plan_ == Plan::kBatched || plan_ == Plan::kRowResident;
+    const size_t rms_bytes = rms_to_device ? rows * sizeof(float) : 0;
+    const size_t dgamma_bytes = dgamma_on_device ? h * sizeof(float) : 0;
     // grad_gamma (f32) follows dx in the output staging buffer, 16-byte aligned (dx of a 16-bit
     // dtype may end mid-float).
     const size_t dgamma_offset = (data_bytes + 15) / 16 * 16;
@@ -322,14 +337,18 @@ class CudaBackwardSession : public BackwardSession {
         return s;
       }
     }
-    if (dgamma_bytes != 0) {
+    if (plan_ == Plan::kBatched) {  // the atomics add into it; the reduction overwrites it
       if (absl::Status s = ctx_->Check(api.cuMemsetD32Async(d_dgamma_.get(), 0, h, stream_),
                                        "cuMemsetD32Async(grad_gamma)");
           !s.ok()) {
         return s;
       }
     }
-    if (absl::Status s = Launch(rows); !s.ok()) return s;
+    if (absl::Status s =
+            plan_ == Plan::kRowResident ? LaunchRowResident(rows) : LaunchSeedKernel(rows);
+        !s.ok()) {
+      return s;
+    }
     uint8_t* out = out_.get();
     if (absl::Status s =
             ctx_->Check(api.cuMemcpyDtoHAsync_v2(out, d_dx_.get(), data_bytes, stream_),
@@ -350,7 +369,7 @@ class CudaBackwardSession : public BackwardSession {
       return s;
     }
     std::memcpy(dx.data(), out, data_bytes);
-    if (plan_ == Plan::kBatched) {
+    if (dgamma_on_device) {
       const float* chunk_dgamma = reinterpret_cast<const float*>(out + dgamma_offset);
       for (size_t i = 0; i < h; ++i) dgamma_sum_[i] += chunk_dgamma[i];
     } else {
@@ -398,9 +417,48 @@ class CudaBackwardSession : public BackwardSession {
     return absl::OkStatus();
   }
 
-  // Launches the module's kernel over `rows` rows, in pieces when the grid would exceed the
-  // device's limit. Parameters are filled by name from the kernel's declared list.
-  absl::Status Launch(uint64_t rows) {
+  // A kernel argument, by the parameter's declared PTX type.
+  struct Arg {
+    std::string ptx_type;  // "u64", "u32", "f32"
+    uint64_t u64 = 0;
+    uint32_t u32 = 0;
+    float f32 = 0;
+  };
+  static Arg U64(uint64_t v) { return Arg{"u64", v, 0, 0}; }
+  static Arg U32(uint32_t v) { return Arg{"u32", 0, v, 0}; }
+  static Arg F32(float v) { return Arg{"f32", 0, 0, v}; }
+
+  // One cuLaunchKernel of `module` with its parameters filled by name from `args`.
+  absl::Status LaunchOnce(const LoadedModule& module, const kernels::LaunchGeometry& g,
+                          const std::vector<std::pair<absl::string_view, Arg>>& args) {
+    std::vector<Arg> slots(module.params.size());
+    std::vector<void*> pointers(module.params.size());
+    for (size_t k = 0; k < module.params.size(); ++k) {
+      const kernels::KernelParam& p = module.params[k];
+      auto it =
+          std::find_if(args.begin(), args.end(), [&](const auto& a) { return a.first == p.name; });
+      if (it == args.end()) {
+        return absl::InternalError(absl::StrCat("kernel ", module.entry, " has parameter ", p.name,
+                                                " that the CUDA backend cannot fill"));
+      }
+      slots[k] = it->second;
+      if (p.ptx_type != slots[k].ptx_type) {
+        return absl::InternalError(absl::StrCat("kernel ", module.entry, " parameter ", p.name,
+                                                " is ", p.ptx_type, "; expected ",
+                                                slots[k].ptx_type));
+      }
+      pointers[k] = slots[k].ptx_type == "u64"   ? static_cast<void*>(&slots[k].u64)
+                    : slots[k].ptx_type == "u32" ? static_cast<void*>(&slots[k].u32)
+                                                 : static_cast<void*>(&slots[k].f32);
+    }
+    return ctx_->Check(ctx_->api().cuLaunchKernel(
+                           module.function, g.grid[0], g.grid[1], g.grid[2], g.block[0], g.block[1],
+                           g.block[2], g.shared_bytes, stream_, pointers.data(), nullptr),
+                       absl::StrCat("cuLaunchKernel(", module.entry, ")"));
+  }
+
+  // The seed kernels over `rows` rows, in pieces when the grid would exceed the device's limit.
+  absl::Status LaunchSeedKernel(uint64_t rows) {
     uint64_t piece = std::min<uint64_t>(rows, std::numeric_limits<uint32_t>::max());
     while (piece > 1 && kernel_->Geometry(config_, piece).grid[0] > ctx_->max_grid_x) {
       piece = (piece + 1) / 2;
@@ -408,59 +466,52 @@ class CudaBackwardSession : public BackwardSession {
     const size_t h = spec_.hidden_dim;
     for (uint64_t first = 0; first < rows; first += piece) {
       const uint64_t n = std::min(piece, rows - first);
-      const kernels::LaunchGeometry g = kernel_->Geometry(config_, n);
       const uint64_t data_offset = first * h * element_bytes_;
-      struct Slot {
-        uint64_t u64 = 0;
-        uint32_t u32 = 0;
-        float f32 = 0;
-      };
-      std::vector<Slot> slots(module_->params.size());
-      std::vector<void*> args(module_->params.size());
-      for (size_t k = 0; k < module_->params.size(); ++k) {
-        const kernels::KernelParam& p = module_->params[k];
-        Slot& slot = slots[k];
-        absl::string_view want;
-        if (p.name == "input_ptr") {
-          slot.u64 = d_x_.get() + data_offset, want = "u64";
-        } else if (p.name == "grad_output_ptr") {
-          slot.u64 = d_dy_.get() + data_offset, want = "u64";
-        } else if (p.name == "grad_input_ptr") {
-          slot.u64 = d_dx_.get() + data_offset, want = "u64";
-        } else if (p.name == "gamma_ptr") {
-          slot.u64 = d_gamma_.get(), want = "u64";
-        } else if (p.name == "rms_ptr") {
-          slot.u64 = d_rms_.get() + first * sizeof(float), want = "u64";
-        } else if (p.name == "grad_gamma_ptr") {
-          slot.u64 = d_dgamma_.get(), want = "u64";
-        } else if (p.name == "num_rows") {
-          slot.u32 = static_cast<uint32_t>(n), want = "u32";
-        } else if (p.name == "hidden_dim") {
-          slot.u32 = spec_.hidden_dim, want = "u32";
-        } else if (p.name == "eps") {
-          slot.f32 = spec_.eps, want = "f32";
-        } else {
-          return absl::InternalError(absl::StrCat("kernel ", module_->entry, " has parameter ",
-                                                  p.name, " that the CUDA backend cannot fill"));
-        }
-        if (p.ptx_type != want) {
-          return absl::InternalError(absl::StrCat("kernel ", module_->entry, " parameter ", p.name,
-                                                  " is ", p.ptx_type, "; expected ", want));
-        }
-        args[k] = want == "u64"   ? static_cast<void*>(&slot.u64)
-                  : want == "u32" ? static_cast<void*>(&slot.u32)
-                                  : static_cast<void*>(&slot.f32);
-      }
-      if (absl::Status s =
-              ctx_->Check(ctx_->api().cuLaunchKernel(module_->function, g.grid[0], g.grid[1],
-                                                     g.grid[2], g.block[0], g.block[1], g.block[2],
-                                                     g.shared_bytes, stream_, args.data(), nullptr),
-                          absl::StrCat("cuLaunchKernel(", module_->entry, ")"));
+      if (absl::Status s = LaunchOnce(*module_, kernel_->Geometry(config_, n),
+                                      {{"input_ptr", U64(d_x_.get() + data_offset)},
+                                       {"grad_output_ptr", U64(d_dy_.get() + data_offset)},
+                                       {"grad_input_ptr", U64(d_dx_.get() + data_offset)},
+                                       {"gamma_ptr", U64(d_gamma_.get())},
+                                       {"rms_ptr", U64(d_rms_.get() + first * sizeof(float))},
+                                       {"grad_gamma_ptr", U64(d_dgamma_.get())},
+                                       {"num_rows", U32(static_cast<uint32_t>(n))},
+                                       {"hidden_dim", U32(spec_.hidden_dim)},
+                                       {"eps", F32(spec_.eps)}});
           !s.ok()) {
         return s;
       }
     }
     return absl::OkStatus();
+  }
+
+  // The row-resident kernel (persistent grid: G blocks, G partial rows of grad_gamma), then the
+  // fixed-order reduction of the partials into the f32 chunk grad_gamma.
+  absl::Status LaunchRowResident(uint64_t rows) {
+    const kernels::LaunchGeometry g = kernel_->Geometry(config_, rows);
+    const uint32_t partials = g.grid[0];
+    if (absl::Status s = d_partials_.Reserve(*ctx_, stream_,
+                                             size_t{partials} * spec_.hidden_dim * sizeof(float));
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = LaunchOnce(*module_, g,
+                                    {{"input_ptr", U64(d_x_.get())},
+                                     {"grad_output_ptr", U64(d_dy_.get())},
+                                     {"grad_input_ptr", U64(d_dx_.get())},
+                                     {"gamma_ptr", U64(d_gamma_.get())},
+                                     {"rms_ptr", U64(spec_.rms_provided ? d_rms_.get() : 0)},
+                                     {"dgamma_partials_ptr", U64(d_partials_.get())},
+                                     {"num_rows", U32(static_cast<uint32_t>(rows))},
+                                     {"hidden_dim", U32(spec_.hidden_dim)},
+                                     {"eps", F32(spec_.eps)}});
+        !s.ok()) {
+      return s;
+    }
+    return LaunchOnce(*reduce_module_, reduce_kernel_->Geometry(reduce_config_, partials),
+                      {{"dgamma_partials_ptr", U64(d_partials_.get())},
+                       {"dgamma_ptr", U64(d_dgamma_.get())},
+                       {"num_partials", U32(partials)},
+                       {"hidden_dim", U32(spec_.hidden_dim)}});
   }
 
   const std::shared_ptr<const DeviceContext> ctx_;
@@ -469,11 +520,15 @@ class CudaBackwardSession : public BackwardSession {
   const std::shared_ptr<const LoadedModule> module_;  // null on the host plan
   const kernels::Kernel* const kernel_;               // null on the host plan
   const kernels::KernelConfig config_;
+  // The row-resident plan's grad_gamma reduction (null otherwise).
+  std::shared_ptr<const LoadedModule> reduce_module_;
+  const kernels::Kernel* reduce_kernel_ = nullptr;
+  kernels::KernelConfig reduce_config_;
   const size_t element_bytes_;
   const std::vector<uint8_t> gamma_;
   const std::vector<float> gamma_f32_;
   CUstream stream_ = nullptr;
-  DeviceBuffer d_gamma_, d_x_, d_dy_, d_dx_, d_rms_, d_dgamma_;
+  DeviceBuffer d_gamma_, d_x_, d_dy_, d_dx_, d_rms_, d_dgamma_, d_partials_;
   PinnedBuffer in_, out_;
   std::vector<double> dgamma_sum_;
   uint64_t rows_done_ = 0;
@@ -496,13 +551,21 @@ class CudaBackend : public Backend {
       const BatchSpec& spec, absl::Span<const uint8_t> gamma) override {
     if (absl::Status s = backend_internal::CheckBatch(spec, gamma.size()); !s.ok()) return s;
     if (absl::Status s = backend_internal::CheckNamedKernel(spec); !s.ok()) return s;
+    kernels::KernelConfig config = backend_internal::ConfigFor(spec, target_sm_);
+    config.sm_count = device_.sm_count;  // sizes the row-resident kernel's persistent grid
+    const kernels::Kernel* row_resident = kernels::FindKernel(kRowResidentKernel);
     Plan plan;
     if (spec.kernel.empty()) {
-      plan = !spec.rms_provided      ? Plan::kBatched
-             : spec.hidden_dim <= 32 ? Plan::kWarp
-                                     : Plan::kHost;
+      // The row-resident kernel when it fits (any rms, reproducible grad_gamma); else the
+      // seed kernels; else the host path for a given rms with wide rows.
+      plan = row_resident != nullptr && row_resident->CanImplement(config).ok() ? Plan::kRowResident
+             : !spec.rms_provided                                               ? Plan::kBatched
+             : spec.hidden_dim <= 32                                            ? Plan::kWarp
+                                                                                : Plan::kHost;
     } else {
-      plan = spec.kernel == kWarpKernel ? Plan::kWarp : Plan::kBatched;
+      plan = spec.kernel == kWarpKernel          ? Plan::kWarp
+             : spec.kernel == kRowResidentKernel ? Plan::kRowResident
+                                                 : Plan::kBatched;
     }
     std::vector<uint8_t> gamma_bytes(gamma.begin(), gamma.end());
     std::vector<float> gamma_f32(spec.hidden_dim);
@@ -510,18 +573,37 @@ class CudaBackend : public Backend {
 
     std::shared_ptr<const LoadedModule> module;
     const kernels::Kernel* kernel = nullptr;
-    kernels::KernelConfig config = backend_internal::ConfigFor(spec, target_sm_);
     if (plan != Plan::kHost) {
-      kernel = kernels::FindKernel(plan == Plan::kWarp ? kWarpKernel : kBatchedKernel);
-      if (kernel == nullptr)
+      kernel = kernels::FindKernel(plan == Plan::kWarp          ? kWarpKernel
+                                   : plan == Plan::kRowResident ? kRowResidentKernel
+                                                                : kBatchedKernel);
+      if (kernel == nullptr) {
         return absl::InternalError("the kernels library lacks a backward kernel");
+      }
       absl::StatusOr<std::shared_ptr<const LoadedModule>> m = GetModule(*kernel, config);
       if (!m.ok()) return m.status();
       module = *std::move(m);
     }
+    std::shared_ptr<const LoadedModule> reduce_module;
+    const kernels::Kernel* reduce_kernel = nullptr;
+    kernels::KernelConfig reduce_config = config;
+    if (plan == Plan::kRowResident) {
+      reduce_kernel = kernels::FindKernel(kDgammaReduceKernel);
+      if (reduce_kernel == nullptr) {
+        return absl::InternalError("the kernels library lacks the grad_gamma reduction");
+      }
+      reduce_config.dtype = kernels::DType::kF32;  // the chunk's grad_gamma stays f32
+      absl::StatusOr<std::shared_ptr<const LoadedModule>> m =
+          GetModule(*reduce_kernel, reduce_config);
+      if (!m.ok()) return m.status();
+      reduce_module = *std::move(m);
+    }
     auto session =
         std::make_unique<CudaBackwardSession>(ctx_, spec, plan, std::move(module), kernel, config,
                                               std::move(gamma_bytes), std::move(gamma_f32));
+    if (plan == Plan::kRowResident) {
+      session->SetReduce(std::move(reduce_module), reduce_kernel, reduce_config);
+    }
     if (absl::Status s = session->Init(); !s.ok()) return s;
     return std::unique_ptr<BackwardSession>(std::move(session));
   }
@@ -530,6 +612,7 @@ class CudaBackend : public Backend {
                        const kernels::KernelConfig& config) override {
     kernels::KernelConfig for_device = config;
     for_device.target_sm = target_sm_;  // modules are compiled for this backend's GPU
+    for_device.sm_count = device_.sm_count;
     return GetModule(kernel, for_device).status();
   }
 

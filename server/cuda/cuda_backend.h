@@ -11,21 +11,24 @@
 // issues work first makes the context current on the calling thread (cuCtxSetCurrent).
 //
 // Which kernel runs (BatchSpec::kernel empty = the backend's choice):
-//   rms not given                   batched_rms_norm_backward: dx on the GPU, and each chunk's
-//                                   grad_gamma summed by atomics into a zeroed device buffer,
-//                                   then added on the host (double) in chunk order.
-//   rms given, hidden_dim <= 32     rms_norm_backward (uses the given rms) for dx; the chunk's
-//                                   grad_gamma on the host from x, dy and the given rms.
-//   rms given, hidden_dim > 32      no GPU kernel takes a given rms for wide rows yet: the host
-//                                   path (the CPU backend's Highway rows) computes dx and
-//                                   grad_gamma exactly from the given rms.
-// A named kernel is obeyed: batched_rms_norm_backward with rms given recomputes rms from x and
-// eps (equal to the given one for a consistent forward pass).
+//   hidden_dim <= 16384             rms_norm_backward_row_resident (x and dy read once; the given
+//                                   rms when there is one) writes dx and one f32 grad_gamma
+//                                   partial row per block; rms_norm_backward_dgamma_reduce sums
+//                                   them in a fixed order into the chunk's grad_gamma, which the
+//                                   host adds (double) in chunk order.
+//   wider, rms not given            batched_rms_norm_backward: dx on the GPU, the chunk's
+//                                   grad_gamma by atomics into a zeroed device buffer.
+//   wider, rms given                no GPU kernel takes a given rms for such rows: the host path
+//                                   (the CPU backend's Highway rows) computes dx and grad_gamma
+//                                   exactly from the given rms.
+// A named kernel is obeyed: rms_norm_backward (hidden_dim <= 32, rms given) computes dx on the
+// GPU and the chunk's grad_gamma on the host; batched_rms_norm_backward with rms given
+// recomputes rms from x and eps (equal to the given one for a consistent forward pass).
 //
-// Reproducibility: grad_gamma of the batched kernel depends on the order of float atomics
-// within a chunk, so it is not bitwise reproducible (it is within f32 rounding); the CPU
-// backend's is. dtypes: f32, f16 and bf16 (bf16 kernels need sm_80): x, dy, gamma and dx travel
-// in the dtype, the kernels compute in f32, rms and the device grad_gamma are f32.
+// Reproducibility: with the row-resident kernel, same input, chunking and GPU model (SM count)
+// give the same grad_gamma bits. The batched kernel's atomics do not (within f32 rounding).
+// dtypes: f32, f16 and bf16 (bf16 kernels need sm_80): x, dy, gamma and dx travel in the dtype,
+// the kernels compute in f32, rms and the device grad_gamma are f32.
 #ifndef NORMGRAD_SERVER_CUDA_CUDA_BACKEND_H_
 #define NORMGRAD_SERVER_CUDA_CUDA_BACKEND_H_
 

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -250,16 +251,53 @@ TEST(CudaBackendTest, DescribesTheDevice) {
   EXPECT_EQ(d.sm_count, 132u);
 }
 
-TEST(CudaBackendTest, BatchedKernelMatchesReferenceAcrossChunks) {
+TEST(CudaBackendTest, RowResidentKernelIsTheDefaultAndMatchesReference) {
   std::unique_ptr<Backend> cuda = ScriptedCuda();
   ASSERT_NE(cuda, nullptr);
   const Batch b = MakeBatch(301, 96, /*with_rms=*/false);
+  BatchSpec spec;
+  spec.num_rows = b.rows;
+  spec.hidden_dim = b.hidden;
+  auto session = cuda->StartBackward(spec, testing::Bytes(b.gamma));
+  ASSERT_TRUE(session.ok()) << session.status();
+  EXPECT_EQ((*session)->KernelName(), "rms_norm_backward_row_resident");
+  ResetCounters();
   absl::StatusOr<Gradients> got = testing::RunF32(*cuda, b, 100);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(Launches(), 8);  // 4 chunks: the kernel and the grad_gamma reduction each
+  ExpectNearReference(b, *got);
+}
+
+TEST(CudaBackendTest, RowResidentGradGammaSameBitsRunAfterRun) {
+  std::unique_ptr<Backend> cuda = ScriptedCuda();
+  ASSERT_NE(cuda, nullptr);
+  const Batch b = MakeBatch(700, 64, false);
+  absl::StatusOr<Gradients> first = testing::RunF32(*cuda, b, 256);
+  absl::StatusOr<Gradients> second = testing::RunF32(*cuda, b, 256);
+  ASSERT_TRUE(first.ok() && second.ok());
+  EXPECT_EQ(0, std::memcmp(first->dgamma.data(), second->dgamma.data(), b.hidden * 4));
+}
+
+TEST(CudaBackendTest, GivenRmsIsUsedByTheRowResidentKernel) {
+  std::unique_ptr<Backend> cuda = ScriptedCuda();
+  ASSERT_NE(cuda, nullptr);
+  Batch b = MakeBatch(50, 200, /*with_rms=*/true);
+  for (float& r : b.rms) r *= 1.25f;  // not what x implies: proves the given rms is used
+  absl::StatusOr<Gradients> got = testing::RunF32(*cuda, b, 16);
   ASSERT_TRUE(got.ok()) << got.status();
   ExpectNearReference(b, *got);
 }
 
-TEST(CudaBackendTest, GivenRmsWithNarrowRowsUsesTheWarpKernel) {
+TEST(CudaBackendTest, NamedBatchedKernelMatchesReferenceAcrossChunks) {
+  std::unique_ptr<Backend> cuda = ScriptedCuda();
+  ASSERT_NE(cuda, nullptr);
+  const Batch b = MakeBatch(301, 96, /*with_rms=*/false);
+  absl::StatusOr<Gradients> got = testing::RunF32(*cuda, b, 100, "batched_rms_norm_backward");
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectNearReference(b, *got);
+}
+
+TEST(CudaBackendTest, NamedWarpKernelUsesTheGivenRms) {
   std::unique_ptr<Backend> cuda = ScriptedCuda();
   ASSERT_NE(cuda, nullptr);
   Batch b = MakeBatch(50, 31, /*with_rms=*/true);
@@ -268,21 +306,22 @@ TEST(CudaBackendTest, GivenRmsWithNarrowRowsUsesTheWarpKernel) {
   spec.num_rows = b.rows;
   spec.hidden_dim = b.hidden;
   spec.rms_provided = true;
+  spec.kernel = "rms_norm_backward";
   auto session = cuda->StartBackward(spec, testing::Bytes(b.gamma));
   ASSERT_TRUE(session.ok()) << session.status();
   EXPECT_EQ((*session)->KernelName(), "rms_norm_backward");
-  absl::StatusOr<Gradients> got = testing::RunF32(*cuda, b, 16);
+  absl::StatusOr<Gradients> got = testing::RunF32(*cuda, b, 16, "rms_norm_backward");
   ASSERT_TRUE(got.ok()) << got.status();
   ExpectNearReference(b, *got);
 }
 
-TEST(CudaBackendTest, GivenRmsWithWideRowsIsExactOnTheHostPath) {
+TEST(CudaBackendTest, GivenRmsWithRowsTooWideForRegistersIsExactOnTheHostPath) {
   std::unique_ptr<Backend> cuda = ScriptedCuda();
   ASSERT_NE(cuda, nullptr);
-  Batch b = MakeBatch(40, 896, /*with_rms=*/true);
+  Batch b = MakeBatch(5, 16400, /*with_rms=*/true);  // above the row-resident kernel's 16384
   for (float& r : b.rms) r *= 0.8f;
   ResetCounters();
-  absl::StatusOr<Gradients> got = testing::RunF32(*cuda, b, 15);
+  absl::StatusOr<Gradients> got = testing::RunF32(*cuda, b, 2);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(Launches(), 0);
   ExpectNearReference(b, *got);
@@ -294,7 +333,7 @@ TEST(CudaBackendTest, LaunchesAreSplitAtTheGridLimit) {
   ASSERT_NE(cuda, nullptr);
   const Batch b = MakeBatch(50, 64, false);
   ResetCounters();
-  absl::StatusOr<Gradients> got = testing::RunF32(*cuda, b, 50);
+  absl::StatusOr<Gradients> got = testing::RunF32(*cuda, b, 50, "batched_rms_norm_backward");
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_GE(Launches(), 8);  // 50 rows, at most 7 blocks of one row each per launch
   ExpectNearReference(b, *got);
@@ -309,12 +348,12 @@ TEST(CudaBackendTest, ModulesAreCachedAndUnloadedWithTheBackend) {
     const Batch b = MakeBatch(10, 128, false);
     ASSERT_TRUE(testing::RunF32(*cuda, b, 10).ok());
     ASSERT_TRUE(testing::RunF32(*cuda, b, 3).ok());
-    EXPECT_EQ(ModuleLoads(), 1);
+    EXPECT_EQ(ModuleLoads(), 2);  // the row-resident kernel and the grad_gamma reduction
     const ModuleCacheStats s = cuda->CacheStats();
-    EXPECT_EQ(s.compiles, 1u);
-    EXPECT_EQ(s.hits, 1u);
-    EXPECT_EQ(s.entries, 1u);
-    EXPECT_EQ(LiveModules(), live_before + 1);
+    EXPECT_EQ(s.compiles, 2u);
+    EXPECT_EQ(s.hits, 2u);
+    EXPECT_EQ(s.entries, 2u);
+    EXPECT_EQ(LiveModules(), live_before + 2);
   }
   EXPECT_EQ(LiveModules(), live_before);
 }
@@ -330,7 +369,7 @@ TEST(CudaBackendTest, PreloadCompilesOnceAndSessionsHitTheCache) {
   ResetCounters();
   ASSERT_TRUE(cuda->Preload(*batched, config).ok());
   EXPECT_EQ(ModuleLoads(), 1);
-  ASSERT_TRUE(testing::RunF32(*cuda, MakeBatch(3, 64, false), 3).ok());
+  ASSERT_TRUE(testing::RunF32(*cuda, MakeBatch(3, 64, false), 3, "batched_rms_norm_backward").ok());
   EXPECT_EQ(ModuleLoads(), 1);
   EXPECT_EQ(cuda->CacheStats().hits, 1u);
 }
@@ -349,8 +388,8 @@ TEST(CudaBackendTest, ConcurrentFirstSessionsLoadTheModuleOnce) {
   }
   for (std::thread& t : threads) t.join();
   EXPECT_EQ(ok.load(), 8);
-  EXPECT_EQ(ModuleLoads(), 1);
-  EXPECT_EQ(cuda->CacheStats().compiles, 1u);
+  EXPECT_EQ(ModuleLoads(), 2);  // the row-resident kernel and the reduction, once each
+  EXPECT_EQ(cuda->CacheStats().compiles, 2u);
 }
 
 TEST(CudaBackendTest, JitFailureIsInternalWithTheJitLog) {
@@ -360,7 +399,7 @@ TEST(CudaBackendTest, JitFailureIsInternalWithTheJitLog) {
   const Batch b = MakeBatch(4, 64, false);
   absl::StatusOr<Gradients> got = testing::RunF32(*cuda, b, 4);
   ASSERT_EQ(got.status().code(), absl::StatusCode::kInternal);
-  EXPECT_NE(got.status().message().find("cuModuleLoadDataEx(batched_rms_norm_backward, sm_90"),
+  EXPECT_NE(got.status().message().find("cuModuleLoadDataEx(rms_norm_backward_row_resident, sm_90"),
             std::string::npos)
       << got.status();
   EXPECT_NE(got.status().message().find(

@@ -39,7 +39,7 @@ enum class Elem { kF32, kBF16, kF16 };
 
 struct Module {
   std::string entry;
-  Elem elem = Elem::kF32;  // x, dy, gamma, dx; guessed from the PTX's 16-bit loads
+  Elem elem = Elem::kF32;  // x, dy, gamma, dx; guessed from the PTX's conversions
   std::vector<std::pair<std::string, std::string>> params;  // (type, name) in order
 };
 
@@ -47,10 +47,11 @@ struct Module {
 Module Parse(const char* ptx) {
   Module m;
   const std::string text(ptx);
-  if (text.find("cvt.f32.f16") != std::string::npos) {
-    m.elem = Elem::kF16;
-  } else if (text.find(".u16") != std::string::npos || text.find(".b16") != std::string::npos) {
+  // Every 16-bit kernel rounds its output with cvt.rn.bf16.f32 or cvt.rn.f16.f32.
+  if (text.find("cvt.rn.bf16.f32") != std::string::npos) {
     m.elem = Elem::kBF16;
+  } else if (text.find("cvt.rn.f16.f32") != std::string::npos) {
+    m.elem = Elem::kF16;
   }
   size_t at = text.find(".entry ");
   if (at == std::string::npos) return m;
@@ -251,8 +252,34 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned,
   if (g != nullptr && gx > static_cast<unsigned>(std::atoi(g))) return CUDA_ERROR_INVALID_VALUE;
   ++launches;
   const Module& m = *reinterpret_cast<Module*>(f);
+  if (m.entry == "rms_norm_backward_dgamma_reduce") {
+    const auto* partials =
+        reinterpret_cast<const float*>(Arg<uint64_t>(m, args, "dgamma_partials_ptr"));
+    void* dgamma = reinterpret_cast<void*>(Arg<uint64_t>(m, args, "dgamma_ptr"));
+    const uint32_t n = Arg<uint32_t>(m, args, "num_partials");
+    const uint32_t h = Arg<uint32_t>(m, args, "hidden_dim");
+    for (uint32_t i = 0; i < h; ++i) {
+      float sum = 0;
+      for (uint32_t p = 0; p < n; ++p) sum += partials[uint64_t{p} * h + i];
+      StoreElem(m.elem, dgamma, i, sum);
+    }
+    return CUDA_SUCCESS;
+  }
+  const bool row_resident = m.entry == "rms_norm_backward_row_resident";
   const bool batched = m.entry == "batched_rms_norm_backward";
-  if (!batched && m.entry != "rms_norm_backward") return CUDA_ERROR_NOT_FOUND;
+  if (!batched && !row_resident && m.entry != "rms_norm_backward") return CUDA_ERROR_NOT_FOUND;
+  // rms: the given one (warp kernel; row-resident when rms_ptr != 0), else from x and eps.
+  const float* given_rms =
+      batched ? nullptr : reinterpret_cast<const float*>(Arg<uint64_t>(m, args, "rms_ptr"));
+  // grad_gamma: atomics into one vector (batched), or one partial row per block with rows taken
+  // grid-stride (row-resident: block b has rows b, b + G, ...).
+  float* partials = row_resident
+                        ? reinterpret_cast<float*>(Arg<uint64_t>(m, args, "dgamma_partials_ptr"))
+                        : nullptr;
+  if (row_resident) {
+    const uint32_t h = Arg<uint32_t>(m, args, "hidden_dim");
+    std::memset(partials, 0, uint64_t{gx} * h * sizeof(float));
+  }
   const void* x = reinterpret_cast<const void*>(Arg<uint64_t>(m, args, "input_ptr"));
   const void* gamma = reinterpret_cast<const void*>(Arg<uint64_t>(m, args, "gamma_ptr"));
   const void* dy = reinterpret_cast<const void*>(Arg<uint64_t>(m, args, "grad_output_ptr"));
@@ -267,12 +294,9 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned,
       sum_sq += xi * xi;
       sum_xdyg += xi * LoadElem(m.elem, dy, row + i) * LoadElem(m.elem, gamma, i);
     }
-    float rms;
-    if (batched) {
-      rms = std::sqrt(sum_sq / static_cast<float>(h) + Arg<float>(m, args, "eps"));
-    } else {
-      rms = reinterpret_cast<const float*>(Arg<uint64_t>(m, args, "rms_ptr"))[r];
-    }
+    const float rms = given_rms != nullptr
+                          ? given_rms[r]
+                          : std::sqrt(sum_sq / static_cast<float>(h) + Arg<float>(m, args, "eps"));
     const float inv = 1.0f / rms;
     const float mean = sum_xdyg / static_cast<float>(h);
     for (uint32_t i = 0; i < h; ++i) {
@@ -283,6 +307,8 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned,
       if (batched) {
         auto* dgamma = reinterpret_cast<float*>(Arg<uint64_t>(m, args, "grad_gamma_ptr"));
         dgamma[i] += yi * xi * inv;
+      } else if (row_resident) {
+        partials[uint64_t{r % gx} * h + i] += yi * xi * inv;
       }
     }
   }
