@@ -1,0 +1,550 @@
+// normgrad-gpu-bench: memory bandwidth of the RMSNorm-backward kernels on a real GPU, against the
+// device's own copy bandwidth measured in the same run.
+//
+//   normgrad-gpu-bench [--smoke] [--iters N] [--json out.json] [--dtypes f32,bf16]
+//
+// The driver is loaded the way the server loads it (server/cuda/driver_api.h:
+// $NORMGRAD_CUDA_DRIVER, else libcuda.so.1), so the emulated driver runs the same program at
+// --smoke shapes. For each dtype and shape (rows x hidden: 4096x896, 4096x4096, 16384x4096,
+// 2048x16384; --smoke: 64x896, 8x4096, 2x16384):
+//   - copy: a 16-byte-vector copy kernel over (2 + 1) * rows * hidden elements' worth of bytes
+//     (what the backward kernels move), bandwidth = bytes read + bytes written / time;
+//   - rms_norm_backward_row_resident + rms_norm_backward_dgamma_reduce (timed together), and the
+//     seed's batched_rms_norm_backward (with its grad_gamma memset);
+// bandwidth = (x + dy read + dx written) bytes / median time of N launches (CUDA events), and the
+// fraction of the copy bandwidth. The row-resident kernel's dx and dgamma are checked against
+// ReferenceBackward on the first rows (max relative error in the output). Prints a table; writes
+// JSON with --json. Exit status: 0; 1 with one line on stderr when the device cannot run it; 2
+// for bad arguments; 3 when the row-resident kernel's output is outside the tolerance.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "kernels/kernel.h"
+#include "kernels/ptx_builder.h"
+#include "kernels/reference.h"
+#include "kernels/targets.h"
+#include "server/cuda/driver_api.h"
+
+namespace normgrad::gpu_bench {
+namespace {
+
+using kernels::DType;
+using server::cuda::CudaDriver;
+using server::cuda::DriverApi;
+
+struct Shape {
+  uint32_t rows;
+  uint32_t hidden;
+};
+
+// Exits through main with a message when a driver call fails.
+#define BENCH_CHECK(expr, what)                                            \
+  do {                                                                     \
+    if (absl::Status _s = driver.Check((expr), what); !_s.ok()) return _s; \
+  } while (0)
+
+uint16_t ToBits16(float f, DType dtype) {
+  if (dtype == DType::kF16) {
+    const _Float16 h = static_cast<_Float16>(f);
+    uint16_t bits;
+    std::memcpy(&bits, &h, 2);
+    return bits;
+  }
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+float FromBits16(uint16_t bits, DType dtype) {
+  if (dtype == DType::kF16) {
+    _Float16 h;
+    std::memcpy(&h, &bits, 2);
+    return static_cast<float>(h);
+  }
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Elements of `dtype` as bytes, and back to f32 (what the kernel reads).
+std::vector<uint8_t> Encode(const std::vector<float>& v, DType dtype, std::vector<float>* exact) {
+  const size_t eb = kernels::DTypeBytes(dtype);
+  std::vector<uint8_t> out(v.size() * eb);
+  exact->resize(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (eb == 4) {
+      std::memcpy(&out[4 * i], &v[i], 4);
+      (*exact)[i] = v[i];
+    } else {
+      const uint16_t b = ToBits16(v[i], dtype);
+      std::memcpy(&out[2 * i], &b, 2);
+      (*exact)[i] = FromBits16(b, dtype);
+    }
+  }
+  return out;
+}
+
+std::vector<float> Fill(size_t n, uint32_t seed, float lo, float hi) {
+  std::vector<float> v(n);
+  uint32_t s = seed * 2654435761u + 1;
+  for (float& f : v) {
+    s = s * 1664525u + 1013904223u;
+    f = lo + (hi - lo) * static_cast<float>(s >> 8) / static_cast<float>(1u << 24);
+  }
+  return v;
+}
+
+// A grid-stride copy of n16 16-byte vectors: the device's achievable read+write bandwidth.
+std::string CopyKernelPtx(int target_sm) {
+  using namespace kernels;  // NOLINT: builder vocabulary
+  const PtxVersion version = *ResolvePtxVersion(target_sm, std::nullopt, PtxVersion{6, 0});
+  Module m(version, target_sm);
+  Function& f = m.AddEntry("copy_v4");
+  const Param src_p = f.AddParam(PtxType::kU64, "src");
+  const Param dst_p = f.AddParam(PtxType::kU64, "dst");
+  const Param n_p = f.AddParam(PtxType::kU32, "n16");
+  Builder b(&f);
+  const Label loop = b.CreateLabel("loop");
+  const Label done = b.CreateLabel("done");
+  const Value tid = b.Mov(SpecialReg::kTidX);
+  const Value ctaid = b.Mov(SpecialReg::kCtaidX);
+  const Value ntid = b.Mov(SpecialReg::kNtidX);
+  const Value nctaid = b.Mov(SpecialReg::kNctaidX);
+  const Value stride = b.Mul(ntid, nctaid);
+  const Value i = b.Mad(ctaid, ntid, tid);
+  const Value n = b.LdParam(n_p);
+  const Value src = b.LdParam(src_p);
+  const Value dst = b.LdParam(dst_p);
+  b.Bind(loop);
+  b.BraIf(b.Setp(CmpOp::kGe, i, n), done);
+  const Value off = b.MulWide(i, Value::U32(16));
+  const Value from = b.Add(src, off);
+  const std::vector<Value> v = b.LdV4(StateSpace::kGlobal, PtxType::kF32, Address{from, 0});
+  const Value to = b.Add(dst, off);
+  b.StV4(StateSpace::kGlobal, Address{to, 0}, v);
+  b.AddTo(i, stride);
+  b.Bra(loop);
+  b.Bind(done);
+  b.Ret();
+  return EmitPtx(m);
+}
+
+class Bench {
+ public:
+  Bench(std::shared_ptr<const CudaDriver> driver, int iters)
+      : driver_(std::move(driver)), api_(driver_->api()), iters_(iters) {}
+
+  absl::Status Init() {
+    const CudaDriver& driver = *driver_;
+    BENCH_CHECK(api_.cuInit(0), "cuInit");
+    int count = 0;
+    BENCH_CHECK(api_.cuDeviceGetCount(&count), "cuDeviceGetCount");
+    if (count < 1) return absl::FailedPreconditionError("no CUDA device");
+    BENCH_CHECK(api_.cuDeviceGet(&device_, 0), "cuDeviceGet");
+    char name[256] = {};
+    BENCH_CHECK(api_.cuDeviceGetName(name, sizeof(name), device_), "cuDeviceGetName");
+    name_ = name;
+    int major = 0, minor = 0, sms = 0;
+    BENCH_CHECK(api_.cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                                          device_),
+                "cuDeviceGetAttribute");
+    BENCH_CHECK(api_.cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+                                          device_),
+                "cuDeviceGetAttribute");
+    BENCH_CHECK(api_.cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device_),
+                "cuDeviceGetAttribute");
+    sm_count_ = static_cast<uint32_t>(std::max(sms, 1));
+    // The newest supported target not above the device's compute capability.
+    const int cc = major * 10 + minor;
+    for (int t : kernels::SupportedTargets()) {
+      if (t <= cc) target_sm_ = t;
+    }
+    if (target_sm_ == 0) {
+      return absl::FailedPreconditionError(absl::StrCat("compute capability ", major, ".", minor,
+                                                        " is below sm_75"));
+    }
+    BENCH_CHECK(api_.cuDevicePrimaryCtxRetain(&ctx_, device_), "cuDevicePrimaryCtxRetain");
+    BENCH_CHECK(api_.cuCtxSetCurrent(ctx_), "cuCtxSetCurrent");
+    BENCH_CHECK(api_.cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    BENCH_CHECK(api_.cuEventCreate(&start_, CU_EVENT_DEFAULT), "cuEventCreate");
+    BENCH_CHECK(api_.cuEventCreate(&stop_, CU_EVENT_DEFAULT), "cuEventCreate");
+    return absl::OkStatus();
+  }
+
+  const std::string& name() const { return name_; }
+  int target_sm() const { return target_sm_; }
+  uint32_t sm_count() const { return sm_count_; }
+
+  absl::StatusOr<CUfunction> Load(const std::string& ptx, const std::string& entry) {
+    const CudaDriver& driver = *driver_;
+    CUmodule module = nullptr;
+    BENCH_CHECK(api_.cuModuleLoadDataEx(&module, ptx.c_str(), 0, nullptr, nullptr),
+                absl::StrCat("cuModuleLoadDataEx(", entry, ")"));
+    CUfunction f = nullptr;
+    BENCH_CHECK(api_.cuModuleGetFunction(&f, module, entry.c_str()), "cuModuleGetFunction");
+    return f;
+  }
+
+  absl::StatusOr<CUfunction> LoadKernel(absl::string_view entry, const kernels::KernelConfig& c) {
+    const kernels::Kernel* k = kernels::FindKernel(entry);
+    if (k == nullptr) return absl::InternalError(absl::StrCat("no kernel ", entry));
+    absl::StatusOr<kernels::EmittedPtx> ptx = k->Emit(c);
+    if (!ptx.ok()) return ptx.status();
+    return Load(ptx->text, ptx->entry);
+  }
+
+  absl::StatusOr<CUdeviceptr> Alloc(size_t bytes) {
+    const CudaDriver& driver = *driver_;
+    CUdeviceptr p = 0;
+    BENCH_CHECK(api_.cuMemAlloc_v2(&p, std::max<size_t>(bytes, 16)), "cuMemAlloc");
+    allocations_.push_back(p);
+    return p;
+  }
+  void FreeAll() {
+    for (CUdeviceptr p : allocations_) api_.cuMemFree_v2(p);
+    allocations_.clear();
+  }
+
+  absl::Status Upload(CUdeviceptr dst, const void* src, size_t bytes) {
+    const CudaDriver& driver = *driver_;
+    void* staging = nullptr;
+    BENCH_CHECK(api_.cuMemHostAlloc(&staging, std::max<size_t>(bytes, 16), 0), "cuMemHostAlloc");
+    std::memcpy(staging, src, bytes);
+    absl::Status s = driver.Check(api_.cuMemcpyHtoDAsync_v2(dst, staging, bytes, stream_),
+                                  "cuMemcpyHtoDAsync");
+    if (s.ok()) s = driver.Check(api_.cuStreamSynchronize(stream_), "cuStreamSynchronize");
+    api_.cuMemFreeHost(staging);
+    return s;
+  }
+  absl::Status Download(void* dst, CUdeviceptr src, size_t bytes) {
+    const CudaDriver& driver = *driver_;
+    void* staging = nullptr;
+    BENCH_CHECK(api_.cuMemHostAlloc(&staging, std::max<size_t>(bytes, 16), 0), "cuMemHostAlloc");
+    absl::Status s = driver.Check(api_.cuMemcpyDtoHAsync_v2(staging, src, bytes, stream_),
+                                  "cuMemcpyDtoHAsync");
+    if (s.ok()) s = driver.Check(api_.cuStreamSynchronize(stream_), "cuStreamSynchronize");
+    if (s.ok()) std::memcpy(dst, staging, bytes);
+    api_.cuMemFreeHost(staging);
+    return s;
+  }
+
+  struct Launch {
+    CUfunction f;
+    uint32_t grid;
+    uint32_t block;
+    std::vector<void*> args;
+  };
+
+  // Median milliseconds of `iters_` timed runs of `launches` (one warm-up run first).
+  absl::StatusOr<double> Time(const std::vector<Launch>& launches,
+                              std::function<absl::Status()> before = nullptr) {
+    const CudaDriver& driver = *driver_;
+    std::vector<double> ms;
+    for (int it = -1; it < iters_; ++it) {
+      if (before) {
+        if (absl::Status s = before(); !s.ok()) return s;
+      }
+      BENCH_CHECK(api_.cuEventRecord(start_, stream_), "cuEventRecord");
+      for (const Launch& l : launches) {
+        BENCH_CHECK(api_.cuLaunchKernel(l.f, l.grid, 1, 1, l.block, 1, 1, 0, stream_,
+                                        const_cast<void**>(l.args.data()), nullptr),
+                    "cuLaunchKernel");
+      }
+      BENCH_CHECK(api_.cuEventRecord(stop_, stream_), "cuEventRecord");
+      BENCH_CHECK(api_.cuEventSynchronize(stop_), "cuEventSynchronize");
+      float t = 0;
+      BENCH_CHECK(api_.cuEventElapsedTime(&t, start_, stop_), "cuEventElapsedTime");
+      if (it >= 0) ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+  }
+
+  absl::Status Memset(CUdeviceptr p, size_t words) {
+    const CudaDriver& driver = *driver_;
+    BENCH_CHECK(api_.cuMemsetD32Async(p, 0, words, stream_), "cuMemsetD32Async");
+    return absl::OkStatus();
+  }
+
+ private:
+  std::shared_ptr<const CudaDriver> driver_;
+  const DriverApi& api_;
+  int iters_;
+  CUdevice device_ = 0;
+  CUcontext ctx_ = nullptr;
+  CUstream stream_ = nullptr;
+  CUevent start_ = nullptr, stop_ = nullptr;
+  std::string name_;
+  int target_sm_ = 0;
+  uint32_t sm_count_ = 1;
+  std::vector<CUdeviceptr> allocations_;
+};
+
+struct Row {
+  std::string dtype;
+  Shape shape;
+  double bytes = 0;
+  double copy_ms = 0, row_resident_ms = 0, batched_ms = 0;
+  double max_rel_err_dx = 0, max_rel_err_dgamma = 0;
+  uint32_t grid = 0, block = 0;
+  double GBps(double ms) const { return ms > 0 ? bytes / (ms * 1e-3) / 1e9 : 0; }
+};
+
+absl::StatusOr<Row> RunShape(Bench& bench, DType dtype, Shape shape, CUfunction copy) {
+  Row row;
+  row.dtype = std::string(kernels::DTypeName(dtype));
+  row.shape = shape;
+  const size_t n = size_t{shape.rows} * shape.hidden;
+  const size_t eb = kernels::DTypeBytes(dtype);
+  row.bytes = 3.0 * n * eb;
+
+  std::vector<float> x_exact, dy_exact, gamma_exact;
+  const std::vector<uint8_t> x = Encode(Fill(n, 1, -1, 1), dtype, &x_exact);
+  const std::vector<uint8_t> dy = Encode(Fill(n, 2, -1, 1), dtype, &dy_exact);
+  const std::vector<uint8_t> gamma = Encode(Fill(shape.hidden, 3, 0.5f, 1.5f), dtype, &gamma_exact);
+
+  kernels::KernelConfig config;
+  config.hidden_dim = shape.hidden;
+  config.dtype = dtype;
+  config.target_sm = bench.target_sm();
+  config.sm_count = bench.sm_count();
+  kernels::KernelConfig reduce_config = config;
+  reduce_config.dtype = DType::kF32;  // f32 dgamma (checked exactly below)
+  absl::StatusOr<CUfunction> main_f = bench.LoadKernel("rms_norm_backward_row_resident", config);
+  if (!main_f.ok()) return main_f.status();
+  absl::StatusOr<CUfunction> reduce_f =
+      bench.LoadKernel("rms_norm_backward_dgamma_reduce", reduce_config);
+  if (!reduce_f.ok()) return reduce_f.status();
+  absl::StatusOr<CUfunction> batched_f = bench.LoadKernel("batched_rms_norm_backward", config);
+  if (!batched_f.ok()) return batched_f.status();
+
+  const kernels::LaunchGeometry g =
+      kernels::FindKernel("rms_norm_backward_row_resident")->Geometry(config, shape.rows);
+  const kernels::LaunchGeometry rg =
+      kernels::FindKernel("rms_norm_backward_dgamma_reduce")->Geometry(reduce_config, shape.rows);
+  const kernels::LaunchGeometry bg =
+      kernels::FindKernel("batched_rms_norm_backward")->Geometry(config, shape.rows);
+  row.grid = g.grid[0];
+  row.block = g.block[0];
+
+  absl::StatusOr<CUdeviceptr> d_x = bench.Alloc(n * eb), d_dy = bench.Alloc(n * eb),
+                              d_dx = bench.Alloc(n * eb), d_gamma = bench.Alloc(shape.hidden * eb),
+                              d_partials = bench.Alloc(size_t{g.grid[0]} * shape.hidden * 4),
+                              d_dgamma = bench.Alloc(size_t{shape.hidden} * 4);
+  for (const auto* p : {&d_x, &d_dy, &d_dx, &d_gamma, &d_partials, &d_dgamma}) {
+    if (!p->ok()) return p->status();
+  }
+  // Copy: the same bytes moved as the backward (2n read + n written, as 1.5n read + 1.5n written).
+  const size_t copy_bytes = (n * eb * 3 / 2 + 15) / 16 * 16;
+  absl::StatusOr<CUdeviceptr> c_src = bench.Alloc(copy_bytes), c_dst = bench.Alloc(copy_bytes);
+  if (!c_src.ok()) return c_src.status();
+  if (!c_dst.ok()) return c_dst.status();
+  for (auto [dst, src, bytes] : {std::tuple{*d_x, x.data(), x.size()},
+                                 std::tuple{*d_dy, dy.data(), dy.size()},
+                                 std::tuple{*d_gamma, gamma.data(), gamma.size()}}) {
+    if (absl::Status s = bench.Upload(dst, src, bytes); !s.ok()) return s;
+  }
+
+  uint64_t a_x = *d_x, a_dy = *d_dy, a_dx = *d_dx, a_gamma = *d_gamma, a_part = *d_partials,
+           a_dgamma = *d_dgamma, a_rms = 0, a_src = *c_src, a_dst = *c_dst;
+  uint32_t rows = shape.rows, hidden = shape.hidden, partials = g.grid[0];
+  uint32_t n16 = static_cast<uint32_t>(copy_bytes / 16);
+  float eps = 1e-5f;
+
+  const uint32_t copy_grid = bench.sm_count() * 8;
+  absl::StatusOr<double> copy_ms =
+      bench.Time({{copy, copy_grid, 256, {&a_src, &a_dst, &n16}}});
+  if (!copy_ms.ok()) return copy_ms.status();
+  row.copy_ms = *copy_ms;
+
+  absl::StatusOr<double> rr_ms = bench.Time(
+      {{*main_f, g.grid[0], g.block[0],
+        {&a_x, &a_gamma, &a_dy, &a_dx, &a_rms, &a_part, &rows, &hidden, &eps}},
+       {*reduce_f, rg.grid[0], rg.block[0], {&a_part, &a_dgamma, &partials, &hidden}}});
+  if (!rr_ms.ok()) return rr_ms.status();
+  row.row_resident_ms = *rr_ms;
+
+  // Check the row-resident outputs (the last timed run) on the first rows against the reference.
+  {
+    std::vector<uint8_t> dx(n * eb);
+    std::vector<float> dgamma(shape.hidden);
+    if (absl::Status s = bench.Download(dx.data(), *d_dx, dx.size()); !s.ok()) return s;
+    if (absl::Status s = bench.Download(dgamma.data(), *d_dgamma, dgamma.size() * 4); !s.ok()) {
+      return s;
+    }
+    std::vector<float> want_dx(n), want_dgamma(shape.hidden);
+    kernels::ReferenceBackward({x_exact, dy_exact, gamma_exact, {}, shape.rows, shape.hidden, eps},
+                               absl::MakeSpan(want_dx), absl::MakeSpan(want_dgamma));
+    const size_t check = std::min<size_t>(n, size_t{4} * shape.hidden);
+    for (size_t i = 0; i < check; ++i) {
+      float got;
+      if (eb == 4) {
+        std::memcpy(&got, &dx[4 * i], 4);
+      } else {
+        uint16_t b;
+        std::memcpy(&b, &dx[2 * i], 2);
+        got = FromBits16(b, dtype);
+      }
+      row.max_rel_err_dx = std::max(
+          row.max_rel_err_dx, std::fabs(got - want_dx[i]) / std::max(1.0, static_cast<double>(std::fabs(want_dx[i]))));
+    }
+    for (uint32_t i = 0; i < shape.hidden; ++i) {
+      row.max_rel_err_dgamma =
+          std::max(row.max_rel_err_dgamma, std::fabs(dgamma[i] - want_dgamma[i]) /
+                                               std::max(1.0, static_cast<double>(std::fabs(want_dgamma[i]))));
+    }
+  }
+
+  absl::StatusOr<double> b_ms = bench.Time(
+      {{*batched_f, bg.grid[0], bg.block[0],
+        {&a_x, &a_gamma, &a_dy, &a_dx, &a_dgamma, &rows, &hidden, &eps}}},
+      [&]() { return bench.Memset(*d_dgamma, shape.hidden); });
+  if (!b_ms.ok()) return b_ms.status();
+  row.batched_ms = *b_ms;
+  bench.FreeAll();
+  return row;
+}
+
+std::string Json(const Bench& bench, const std::vector<Row>& rows, int iters) {
+  std::vector<std::string> items;
+  for (const Row& r : rows) {
+    const double copy = r.GBps(r.copy_ms);
+    items.push_back(absl::StrFormat(
+        "    {\"dtype\": \"%s\", \"rows\": %u, \"hidden\": %u, \"bytes\": %.0f, "
+        "\"copy_ms\": %.6f, \"copy_gbps\": %.6g, "
+        "\"row_resident_ms\": %.6f, \"row_resident_gbps\": %.6g, \"row_resident_of_copy\": %.4f, "
+        "\"batched_ms\": %.6f, \"batched_gbps\": %.6g, \"batched_of_copy\": %.4f, "
+        "\"row_resident_grid\": %u, \"row_resident_block\": %u, "
+        "\"max_rel_err_dx\": %.3g, \"max_rel_err_dgamma\": %.3g}",
+        r.dtype, r.shape.rows, r.shape.hidden, r.bytes, r.copy_ms, copy, r.row_resident_ms,
+        r.GBps(r.row_resident_ms), copy > 0 ? r.GBps(r.row_resident_ms) / copy : 0, r.batched_ms,
+        r.GBps(r.batched_ms), copy > 0 ? r.GBps(r.batched_ms) / copy : 0, r.grid, r.block,
+        r.max_rel_err_dx, r.max_rel_err_dgamma));
+  }
+  return absl::StrCat("{\n  \"device\": \"", bench.name(), "\",\n  \"target\": \"sm_",
+                      bench.target_sm(), "\",\n  \"sm_count\": ", bench.sm_count(),
+                      ",\n  \"iters\": ", iters, ",\n  \"results\": [\n",
+                      absl::StrJoin(items, ",\n"), "\n  ]\n}\n");
+}
+
+int Main(int argc, char** argv) {
+  bool smoke = false;
+  int iters = 20;
+  std::string json_path;
+  std::vector<DType> dtypes = {DType::kF32, DType::kBF16};
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--smoke") {
+      smoke = true;
+    } else if (a == "--iters" && i + 1 < argc && absl::SimpleAtoi(argv[i + 1], &iters) &&
+               iters >= 1) {
+      ++i;
+    } else if (a == "--json" && i + 1 < argc) {
+      json_path = argv[++i];
+    } else if (a == "--dtypes" && i + 1 < argc) {
+      dtypes.clear();
+      for (absl::string_view d : absl::StrSplit(argv[++i], ',')) {
+        absl::StatusOr<DType> parsed = kernels::ParseDType(d);
+        if (!parsed.ok()) {
+          std::fprintf(stderr, "normgrad-gpu-bench: %s\n", std::string(parsed.status().message()).c_str());
+          return 2;
+        }
+        dtypes.push_back(*parsed);
+      }
+    } else {
+      std::fprintf(stderr,
+                   "normgrad-gpu-bench: bad argument \"%s\" (usage: [--smoke] [--iters N >= 1] "
+                   "[--json PATH] [--dtypes f32,bf16,f16])\n",
+                   a.c_str());
+      return 2;
+    }
+  }
+  const std::vector<Shape> shapes =
+      smoke ? std::vector<Shape>{{64, 896}, {8, 4096}, {2, 16384}}
+            : std::vector<Shape>{{4096, 896}, {4096, 4096}, {16384, 4096}, {2048, 16384}};
+  if (smoke) iters = std::min(iters, 2);
+
+  const std::string path = server::cuda::ResolveDriverLibrary("");
+  absl::StatusOr<std::shared_ptr<const CudaDriver>> driver = CudaDriver::Load(path);
+  if (!driver.ok()) {
+    std::fprintf(stderr, "normgrad-gpu-bench: %s\n", std::string(driver.status().message()).c_str());
+    return 1;
+  }
+  Bench bench(*driver, iters);
+  if (absl::Status s = bench.Init(); !s.ok()) {
+    std::fprintf(stderr, "normgrad-gpu-bench: %s\n", std::string(s.message()).c_str());
+    return 1;
+  }
+  absl::StatusOr<CUfunction> copy = bench.Load(CopyKernelPtx(bench.target_sm()), "copy_v4");
+  if (!copy.ok()) {
+    std::fprintf(stderr, "normgrad-gpu-bench: %s\n", std::string(copy.status().message()).c_str());
+    return 1;
+  }
+  std::printf("device: %s (sm_%d, %u SMs), median of %d runs\n", bench.name().c_str(),
+              bench.target_sm(), bench.sm_count(), iters);
+  std::printf("%-5s %14s %10s %18s %7s %18s %7s %10s %10s\n", "dtype", "rows x hidden",
+              "copy GB/s", "row_resident GB/s", "/copy", "batched(seed) GB/s", "/copy",
+              "dx err", "dgamma err");
+  std::vector<Row> rows;
+  std::string wrong;  // shapes whose outputs disagree with the reference
+  for (DType d : dtypes) {
+    for (const Shape& s : shapes) {
+      absl::StatusOr<Row> r = RunShape(bench, d, s, *copy);
+      if (!r.ok()) {
+        std::fprintf(stderr, "normgrad-gpu-bench: %s %ux%u: %s\n",
+                     std::string(kernels::DTypeName(d)).c_str(), s.rows, s.hidden,
+                     std::string(r.status().message()).c_str());
+        return 1;
+      }
+      const double copy_gbps = r->GBps(r->copy_ms);
+      std::printf("%-5s %14s %10.1f %18.1f %7.3f %18.1f %7.3f %10.2g %10.2g\n", r->dtype.c_str(),
+                  absl::StrCat(s.rows, "x", s.hidden).c_str(), copy_gbps,
+                  r->GBps(r->row_resident_ms), r->GBps(r->row_resident_ms) / copy_gbps,
+                  r->GBps(r->batched_ms), r->GBps(r->batched_ms) / copy_gbps, r->max_rel_err_dx,
+                  r->max_rel_err_dgamma);
+      std::fflush(stdout);
+      // dx: half an ulp of the element type plus the f32 error; dgamma: f32 sums over many rows.
+      const double dx_bound = d == DType::kF32 ? 1e-5 : d == DType::kF16 ? 5e-4 : 4e-3;
+      if (!(r->max_rel_err_dx <= dx_bound) || !(r->max_rel_err_dgamma <= 1e-3)) {
+        wrong = absl::StrCat(wrong, " ", r->dtype, " ", s.rows, "x", s.hidden);
+      }
+      rows.push_back(*r);
+    }
+  }
+  const std::string json = Json(bench, rows, iters);
+  if (!json_path.empty()) {
+    std::ofstream f(json_path, std::ios::trunc);
+    f << json;
+    if (!f) {
+      std::fprintf(stderr, "normgrad-gpu-bench: cannot write %s\n", json_path.c_str());
+      return 1;
+    }
+  }
+  if (!wrong.empty()) {
+    std::fprintf(stderr, "normgrad-gpu-bench: rms_norm_backward_row_resident disagrees with the "
+                 "reference beyond tolerance at:%s\n", wrong.c_str());
+    return 3;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace normgrad::gpu_bench
+
+int main(int argc, char** argv) { return normgrad::gpu_bench::Main(argc, argv); }
