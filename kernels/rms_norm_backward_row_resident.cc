@@ -69,36 +69,41 @@ Value F32ToU16(Builder& b, DType dtype, Value v) {
 }
 
 // Loads one 16-byte vector slot of a row (V elements starting at `addr`) as it is in memory: the
-// whole vector where `vec`, each element j where `scalar[j]`, 0 elsewhere. f32: four f32
-// registers; f16/bf16: four u32 words of two elements each (element 2i in the low half), so a
-// held row costs one register per two elements.
+// whole vector where `vec`, else each element j where `scalar[j]`, 0 elsewhere. A thread that
+// takes the vector path branches over the element path (and back), so it issues one load. f32:
+// four f32 registers; f16/bf16: four u32 words of two elements each (element 2i in the low
+// half), so a held row costs one register per two elements.
 std::vector<Value> LoadSlotRaw(Builder& b, DType dtype, Address addr, Value vec,
                                const std::vector<Value>& scalar) {
+  const bool f32 = dtype == DType::kF32;
   std::vector<Value> out;
-  if (dtype == DType::kF32) {
-    for (int j = 0; j < 4; ++j) out.push_back(b.Mov(Value::F32(0.0f)));
-    GuardedLoad(b, PtxType::kF32, addr, out, vec);
+  for (int w = 0; w < 4; ++w) out.push_back(b.Mov(f32 ? Value::F32(0.0f) : Value::U32(0)));
+  const Label elements = b.CreateLabel("slot_elements");
+  const Label loaded = b.CreateLabel("slot_loaded");
+  b.BraIfNot(vec, elements);
+  GuardedLoad(b, f32 ? PtxType::kF32 : PtxType::kU32, addr, out, Value());
+  b.Bra(loaded);
+  b.Bind(elements);
+  if (f32) {
     for (int j = 0; j < 4; ++j) {
       GuardedLoad(b, PtxType::kF32, Address{addr.base, addr.offset + 4 * j}, {out[j]}, scalar[j]);
     }
-    return out;
+  } else {
+    std::vector<Value> halves;
+    for (int j = 0; j < 8; ++j) {
+      halves.push_back(b.LdOr(StateSpace::kGlobal, scalar[j],
+                              Address{addr.base, addr.offset + 2 * j},
+                              Value::Imm(PtxType::kU16, 0)));
+    }
+    for (int w = 0; w < 4; ++w) {
+      const Value lo = b.Cvt(PtxType::kU32, halves[2 * w]);
+      const Value hi_wide = b.Cvt(PtxType::kU32, halves[2 * w + 1]);
+      const Value hi = b.Shl(hi_wide, Value::U32(16));
+      const Value joined = b.Or(lo, hi);
+      b.Assign(out[w], joined);
+    }
   }
-  std::vector<Value> words;
-  for (int w = 0; w < 4; ++w) words.push_back(b.Mov(Value::U32(0)));
-  GuardedLoad(b, PtxType::kU32, addr, words, vec);
-  std::vector<Value> halves;
-  for (int j = 0; j < 8; ++j) {
-    halves.push_back(b.LdOr(StateSpace::kGlobal, scalar[j],
-                            Address{addr.base, addr.offset + 2 * j}, Value::Imm(PtxType::kU16, 0)));
-  }
-  for (int w = 0; w < 4; ++w) {
-    // Vector path: the loaded word; element path: the two halves (0 where not loaded).
-    const Value lo = b.Cvt(PtxType::kU32, halves[2 * w]);
-    const Value hi_wide = b.Cvt(PtxType::kU32, halves[2 * w + 1]);
-    const Value hi = b.Shl(hi_wide, Value::U32(16));
-    const Value joined = b.Or(lo, hi);
-    out.push_back(b.Selp(words[w], joined, vec));
-  }
+  b.Bind(loaded);
   return out;
 }
 
@@ -120,22 +125,26 @@ std::vector<Value> LoadSlot(Builder& b, DType dtype, Address addr, Value vec,
   return SlotToF32(b, dtype, raw);
 }
 
-// Stores one slot of f32 results in dtype, with the same predicates as LoadSlot.
+// Stores one slot of f32 results in dtype, with the same predicates (and branches) as LoadSlot.
 void StoreSlot(Builder& b, DType dtype, Address addr, Value vec, const std::vector<Value>& scalar,
                const std::vector<Value>& values) {
+  const Label elements = b.CreateLabel("slot_store_elements");
+  const Label stored = b.CreateLabel("slot_stored");
   if (dtype == DType::kF32) {
-    {
-      auto whole = b.If(vec);
-      b.StV4(StateSpace::kGlobal, addr, values);
-    }
+    b.BraIfNot(vec, elements);
+    b.StV4(StateSpace::kGlobal, addr, values);
+    b.Bra(stored);
+    b.Bind(elements);
     for (int j = 0; j < 4; ++j) {
       auto one = b.If(scalar[j]);
       b.St(StateSpace::kGlobal, Address{addr.base, addr.offset + 4 * j}, values[j]);
     }
+    b.Bind(stored);
     return;
   }
   std::vector<Value> halves;
   for (int j = 0; j < 8; ++j) halves.push_back(F32ToU16(b, dtype, values[j]));
+  b.BraIfNot(vec, elements);
   std::vector<Value> words;
   for (int w = 0; w < 4; ++w) {
     const Value lo = b.Cvt(PtxType::kU32, halves[2 * w]);
@@ -143,15 +152,15 @@ void StoreSlot(Builder& b, DType dtype, Address addr, Value vec, const std::vect
     const Value hi = b.Shl(hi_wide, Value::U32(16));
     words.push_back(b.Or(lo, hi));
   }
-  {
-    auto whole = b.If(vec);
-    b.StV4(StateSpace::kGlobal, addr, words);
-  }
+  b.StV4(StateSpace::kGlobal, addr, words);
+  b.Bra(stored);
+  b.Bind(elements);
   for (int j = 0; j < 8; ++j) {
     auto one = b.If(scalar[j]);
     b.StAs(StateSpace::kGlobal, PtxType::kB16, Address{addr.base, addr.offset + 2 * j},
            halves[j]);
   }
+  b.Bind(stored);
 }
 
 uint32_t CeilDiv(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
