@@ -453,8 +453,8 @@ absl::Status RmsNormBackwardDgammaReduceKernel::CanImplement(const KernelConfig&
 LaunchGeometry RmsNormBackwardDgammaReduceKernel::Geometry(const KernelConfig& config,
                                                            uint64_t num_rows) const {
   LaunchGeometry g;
-  g.grid[0] = std::max<uint32_t>(1, CeilDiv(std::max<uint32_t>(config.hidden_dim, 1), kThreads));
-  g.block[0] = kThreads;
+  g.grid[0] = std::max<uint32_t>(1, CeilDiv(std::max<uint32_t>(config.hidden_dim, 1), 32));
+  g.block[0] = 32 * kGroups;
   return g;
 }
 
@@ -471,43 +471,77 @@ absl::StatusOr<Module> RmsNormBackwardDgammaReduceKernel::Build(const KernelConf
   const Param dgamma_ptr = f.AddParam(PtxType::kU64, "dgamma_ptr");
   const Param num_partials = f.AddParam(PtxType::kU32, "num_partials");
   const Param hidden_dim = f.AddParam(PtxType::kU32, "hidden_dim");
+  const SharedArray group_sums = f.AddShared("group_sums", 4 * 32 * kGroups, 16);
 
   Builder b(&f);
-  const Label exit = b.CreateLabel("exit");
   const Label loop = b.CreateLabel("sum_loop");
   const Label done = b.CreateLabel("sum_done");
+  const Label exit = b.CreateLabel("exit");
 
   const Value tid = b.Mov(SpecialReg::kTidX);
   const Value ctaid = b.Mov(SpecialReg::kCtaidX);
-  const Value ntid = b.Mov(SpecialReg::kNtidX);
-  const Value col = b.Mad(ctaid, ntid, tid);
+  const Value lane = b.And(tid, Value::U32(31));
+  const Value warp = b.Shr(tid, Value::U32(5));
+  const Value col = b.Mad(ctaid, Value::U32(32), lane);
   const Value hidden = b.LdParam(hidden_dim);
-  // No barrier or shuffle follows: threads past hidden_dim may leave.
-  b.BraIf(b.Setp(CmpOp::kGe, col, hidden), exit);
   const Value count = b.LdParam(num_partials);
   const Value partials = b.LdParam(partials_ptr);
   const Value dgamma = b.LdParam(dgamma_ptr);
-  const Value col_off = b.MulWide(col, Value::U32(4));
-  const Value addr = b.Add(partials, col_off);
-  const Value stride = b.MulWide(hidden, Value::U32(4));
+  // Columns past hidden_dim load nothing (their row limit is 0) but take part in the barrier.
+  const Value col_ok = b.Setp(CmpOp::kLt, col, hidden);
+  const Value row_limit = b.Selp(count, Value::U32(0), col_ok);
+
+  // Row p of column col is at partials + (p * hidden + col) * 4; warp w starts at row w.
+  const Value first = b.MulWide(warp, hidden);
+  const Value col64 = b.Cvt(PtxType::kU64, col);
+  const Value first_elem = b.Add(first, col64);
+  const Value first_off = b.Shl(first_elem, Value::U32(2));
+  const Value step = b.MulWide(hidden, Value::U32(4 * kGroups));  // kGroups rows, in bytes
+  std::vector<Value> addr;
+  addr.push_back(b.Add(partials, first_off));
+  for (uint32_t u = 1; u < kUnroll; ++u) addr.push_back(b.Add(addr[u - 1], step));
+  const Value advance = b.MulWide(hidden, Value::U32(4 * kGroups * kUnroll));
   const Value sum = b.Mov(Value::F32(0.0f));
-  const Value p = b.Mov(Value::U32(0));
+  const Value p = b.Mov(warp);
+  // The trip count depends on the warp only; the barrier below is after the loop's exit.
   b.Bind(loop);
   b.BraIf(b.Setp(CmpOp::kGe, p, count), done);
   {
-    const Value v = b.Ld(StateSpace::kGlobal, PtxType::kF32, Address{addr, 0});
-    b.AddTo(sum, v);
-    b.AddTo(addr, stride);
-    b.AddTo(p, Value::U32(1));
+    std::vector<Value> v;
+    for (uint32_t u = 0; u < kUnroll; ++u) {
+      const Value row = b.Add(p, Value::U32(u * kGroups));
+      const Value ok = b.Setp(CmpOp::kLt, row, row_limit);
+      v.push_back(b.LdOr(StateSpace::kGlobal, ok, Address{addr[u], 0}, Value::F32(0.0f)));
+    }
+    // In increasing row order; a row not loaded adds 0.
+    for (uint32_t u = 0; u < kUnroll; ++u) b.AddTo(sum, v[u]);
+    for (uint32_t u = 0; u < kUnroll; ++u) b.AddTo(addr[u], advance);
+    b.AddTo(p, Value::U32(kGroups * kUnroll));
     b.Bra(loop);
   }
   b.Bind(done);
+  const Value sums = b.AddressOf(group_sums);
+  const Value slot_off = b.MulWide(tid, Value::U32(4));  // (warp * 32 + lane) * 4
+  const Value slot = b.Add(sums, slot_off);
+  b.St(StateSpace::kShared, Address{slot, 0}, sum);
+  b.BarSync(0);
+  // Warp 0 adds the groups in order and writes its 32 columns.
+  b.BraIf(b.Setp(CmpOp::kNe, warp, Value::U32(0)), exit);
+  const Value lane_off = b.MulWide(lane, Value::U32(4));
+  const Value lane_slot = b.Add(sums, lane_off);
+  const Value total = b.Ld(StateSpace::kShared, PtxType::kF32, Address{lane_slot, 0});
+  for (uint32_t w = 1; w < kGroups; ++w) {
+    const Value g = b.Ld(StateSpace::kShared, PtxType::kF32, Address{lane_slot, int64_t{128} * w});
+    b.AddTo(total, g);
+  }
   const Value out_off = b.MulWide(col, Value::U32(DTypeBytes(dtype)));
   const Value out_addr = b.Add(dgamma, out_off);
   if (dtype == DType::kF32) {
-    b.St(StateSpace::kGlobal, Address{out_addr, 0}, sum);
+    auto in_row = b.If(col_ok);
+    b.St(StateSpace::kGlobal, Address{out_addr, 0}, total);
   } else {
-    const Value h = F32ToU16(b, dtype, sum);
+    const Value h = F32ToU16(b, dtype, total);
+    auto in_row = b.If(col_ok);
     b.StAs(StateSpace::kGlobal, PtxType::kB16, Address{out_addr, 0}, h);
   }
   b.Bind(exit);

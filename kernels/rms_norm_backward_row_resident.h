@@ -12,8 +12,8 @@
 //   grad_gamma: each thread accumulates its columns over the block's rows in fp32 registers, and
 //   the block writes one row of `dgamma_partials` (fp32 [G, hidden_dim]) at the end. No atomics.
 //
-//   `rms_norm_backward_dgamma_reduce`: dgamma[i] = sum over p = 0, 1, ..., num_partials-1 of
-//   partials[p][i], in that order, rounded once to the output dtype.
+//   `rms_norm_backward_dgamma_reduce`: dgamma[i] = sum over p < num_partials of partials[p][i]
+//   in a fixed order (below), rounded once to the output dtype.
 //
 // Same inputs and the same G give the same bits, run after run. G depends on num_rows and
 // KernelConfig::sm_count, so results are bitwise equal for equal (rows, sm_count), and equal to
@@ -95,16 +95,21 @@ class RowResidentRmsNormBackwardKernel : public BuiltKernel {
 // `rms_norm_backward_dgamma_reduce`: sums the partial rows in a fixed order.
 // Params: dgamma_partials_ptr, dgamma_ptr (u64), num_partials, hidden_dim (u32).
 // dgamma is config.dtype (f32 keeps full precision for callers that add several launches).
-// One thread per column; hidden_dim is a run-time parameter (the key has no tiling).
+// A block of kGroups warps covers 32 columns (one per lane, coalesced); warp w sums the partial
+// rows p = w, w + kGroups, w + 2*kGroups, ... in increasing p (kUnroll loads in flight per step),
+// then warp 0 adds the kGroups sums in order w = 0, 1, ... and rounds once. The order depends only
+// on num_partials: same inputs, same bits. hidden_dim is a run-time parameter (no tiling).
 class RmsNormBackwardDgammaReduceKernel : public BuiltKernel {
  public:
-  static constexpr uint32_t kThreads = 256;
+  static constexpr uint32_t kGroups = 16;  // warps per block
+  static constexpr uint32_t kUnroll = 8;
   static constexpr uint32_t kMaxHiddenDim = 1u << 31;
 
   absl::string_view EntryName() const override { return "rms_norm_backward_dgamma_reduce"; }
   std::vector<KernelParam> Params() const override;
   absl::Status CanImplement(const KernelConfig& config) const override;
-  // block.x = 256, grid.x = ceil(hidden_dim / 256) from config.hidden_dim; `num_rows` unused.
+  // block.x = 32 * kGroups, grid.x = ceil(hidden_dim / 32) from config.hidden_dim; `num_rows`
+  // unused.
   LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;
   absl::StatusOr<Module> Build(const KernelConfig& config) const override;
 };

@@ -119,8 +119,8 @@ TEST(RowResidentKernelTest, GeometryIsAPersistentGridSizedBySmCount) {
   EXPECT_EQ(Main().Geometry({.hidden_dim = 4096}, 1u << 20).grid[0],
             RowResidentRmsNormBackwardKernel::kDefaultSmCount * 4);
   const LaunchGeometry r = Reduce().Geometry({.hidden_dim = 4097}, 0);
-  EXPECT_EQ(r.block[0], 256u);
-  EXPECT_EQ(r.grid[0], 17u);
+  EXPECT_EQ(r.block[0], 512u);
+  EXPECT_EQ(r.grid[0], 129u);  // 32 columns per block
   for (uint32_t h : {1u, 33u, 896u, 4097u, 16384u}) {
     EXPECT_EQ(Main().Geometry({.hidden_dim = h}, 100).block[0] % 32, 0u);
   }

@@ -302,6 +302,24 @@ TEST(RowResidentDeterminism, DxDoesNotDependOnTheGridAndDgammaStaysWithinToleran
   ExpectClose(one.dgamma, many.dgamma, 1e-5, "dgamma across grids");
 }
 
+TEST(RowResidentDgammaReduce, SumsHundredsOfPartialRowsInAFixedOrder) {
+  // 40 SMs x 8 blocks: 300 rows give 300 partial rows, so every warp of the reduce loops several
+  // times over its rows (16 groups x 8 loads per step) and some loads fall past the last row.
+  for (DType d : {DType::kF32, DType::kBF16}) {
+    const Case c{d, 33, 300};
+    const Problem p = MakeProblem(c);
+    const Result a = RunBoth(c, p, 40);
+    const Result b = RunBoth(c, p, 40);
+    ASSERT_TRUE(a.ok && b.ok);
+    EXPECT_EQ(a.partial_rows, 300u);
+    std::vector<float> want_dx(p.x.size()), want_dgamma(c.hidden);
+    kernels::ReferenceBackward({p.x, p.dy, p.gamma, {}, c.rows, c.hidden, 1e-5f},
+                               absl::MakeSpan(want_dx), absl::MakeSpan(want_dgamma));
+    ExpectClose(a.dgamma, want_dgamma, 1e-5, "dgamma");
+    ASSERT_EQ(0, std::memcmp(a.dgamma.data(), b.dgamma.data(), 4 * c.hidden));
+  }
+}
+
 TEST(RowResidentVectorPath, AlignedAndOffsetBuffersGiveTheSameBits) {
   // The 16-byte path and the element path compute the same f32 operations in the same order.
   for (DType d : {DType::kF32, DType::kF16}) {
