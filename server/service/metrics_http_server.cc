@@ -28,12 +28,23 @@ absl::Status SplitHostPort(absl::string_view address, absl::string_view flag, st
 }
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
-    absl::string_view address, MetricsRegistry* registry) {
+    absl::string_view address, MetricsRegistry* registry, const MetricsTlsFiles& tls) {
   std::string host;
   int port = 0;
   if (absl::Status s = SplitHostPort(address, "metrics-listen", &host, &port); !s.ok()) return s;
   std::unique_ptr<MetricsHttpServer> server(new MetricsHttpServer());
-  server->http_ = std::make_unique<httplib::Server>();
+  if (tls.cert_file.empty() && tls.key_file.empty()) {
+    server->http_ = std::make_unique<httplib::Server>();
+  } else {
+    // Debian's cpp-httplib is built with CPPHTTPLIB_OPENSSL_SUPPORT (its pkg-config sets it).
+    auto https = std::make_unique<httplib::SSLServer>(tls.cert_file.c_str(), tls.key_file.c_str());
+    if (!https->is_valid()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--metrics-tls-cert=", tls.cert_file, " / --metrics-tls-key=",
+                       tls.key_file, ": unreadable, not PEM, or the key does not match"));
+    }
+    server->http_ = std::move(https);
+  }
   server->http_->set_read_timeout(5, 0);
   server->http_->set_write_timeout(5, 0);
   server->http_->set_payload_max_length(64 * 1024);

@@ -1,4 +1,5 @@
-// Serves a MetricsRegistry as Prometheus text on GET /metrics (cpp-httplib, its own threads).
+// Serves a MetricsRegistry as Prometheus text on GET /metrics (cpp-httplib, its own threads),
+// over plain HTTP or, given a certificate and key, HTTPS.
 //
 //   absl::StatusOr<std::unique_ptr<MetricsHttpServer>> s =
 //       MetricsHttpServer::Start("127.0.0.1:0", &registry);
@@ -27,10 +28,17 @@ namespace normgrad::server {
 absl::Status SplitHostPort(absl::string_view address, absl::string_view flag, std::string* host,
                            int* port);
 
+// PEM files of the HTTPS certificate and key; both empty: plain HTTP.
+struct MetricsTlsFiles {
+  std::string cert_file;
+  std::string key_file;
+};
+
 class MetricsHttpServer {
  public:
-  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(absl::string_view address,
-                                                                   MetricsRegistry* registry);
+  // INVALID_ARGUMENT naming the flag for an unreadable or unusable certificate or key.
+  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(
+      absl::string_view address, MetricsRegistry* registry, const MetricsTlsFiles& tls = {});
   ~MetricsHttpServer();
   void Stop();
   int port() const { return port_; }

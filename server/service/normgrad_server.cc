@@ -1,8 +1,11 @@
 #include "server/service/normgrad_server.h"
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/impl/server_builder_option.h>
+#include <grpcpp/impl/server_builder_plugin.h>
 
 #include <algorithm>
 #include <utility>
@@ -26,13 +29,58 @@ namespace {
 
 constexpr char kServiceName[] = "normgrad.v1.NormGrad";
 
-void SetServing(grpc::Server* server, MetricsRegistry& metrics, bool serving) {
+void SetHealth(grpc::Server* server, bool serving) {
+  if (server == nullptr) return;
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
   if (health != nullptr) {
     health->SetServingStatus("", serving);
     health->SetServingStatus(kServiceName, serving);
   }
-  metrics.SetGauge("normgrad_serving", {}, serving ? 1 : 0);
+}
+
+// Drops the builder plugins registered process-wide (server reflection): the health port
+// serves the health service and nothing else.
+class WithoutPlugins final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    plugins->clear();
+  }
+};
+
+// The health port's answer to every method but the health service's: UNIMPLEMENTED. (It also
+// gives that server the callback method gRPC requires of a server before it starts.)
+class HealthPortRejecter final : public grpc::CallbackGenericService {
+ public:
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext*) override {
+    class Reject final : public grpc::ServerGenericBidiReactor {
+     public:
+      Reject() {
+        Finish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                            "this port serves grpc.health.v1.Health only; use the main port"));
+      }
+      void OnDone() override { delete this; }
+    };
+    return new Reject();
+  }
+};
+
+// Per-connection bounds shared by both gRPC ports.
+void AddConnectionLimits(const ServerOptions& options, grpc::ServerBuilder& builder) {
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a taken port must fail
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                             static_cast<int>(options.max_streams_per_connection));
+  // Find dead peers (a client that vanished without a FIN) instead of holding their streams.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 60 * 1000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20 * 1000);
+  // Ping-flood protection: a client pinging more often than this without data gets a strike;
+  // after GRPC_ARG_HTTP2_MAX_PING_STRIKES strikes the connection is closed (GOAWAY).
+  builder.AddChannelArgument(
+      GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+      static_cast<int>(absl::ToInt64Milliseconds(options.min_client_ping_interval)));
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 2);
+  // Request headers (metadata) are bounded too: 16 KiB per call.
+  builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, 16 * 1024);
 }
 
 void DescribeServerMetrics(MetricsRegistry& m) {
@@ -99,6 +147,20 @@ absl::Status ValidateOptions(const ServerOptions& o) {
   std::string host;
   int port;
   if (absl::Status s = SplitHostPort(o.listen, "listen", &host, &port); !s.ok()) return s;
+  if (!o.health_listen.empty()) {
+    if (absl::Status s = SplitHostPort(o.health_listen, "health-listen", &host, &port); !s.ok()) {
+      return s;
+    }
+  }
+  if (o.max_streams_per_connection == 0) {
+    return absl::InvalidArgumentError("--max-streams-per-connection must be > 0");
+  }
+  if (o.min_client_ping_interval < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--min-client-ping-interval must be >= 0");
+  }
+  if (o.metrics_tls_cert_file.empty() != o.metrics_tls_key_file.empty()) {
+    return absl::InvalidArgumentError("--metrics-tls-cert and --metrics-tls-key go together");
+  }
   return absl::OkStatus();
 }
 
@@ -140,6 +202,9 @@ NormGradServer::NormGradServer() = default;
 absl::StatusOr<std::unique_ptr<NormGradServer>> NormGradServer::Start(
     const ServerOptions& options, std::unique_ptr<Backend> backend) {
   if (absl::Status s = ValidateOptions(options); !s.ok()) return s;
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      MakeServerCredentials(options.security);
+  if (!credentials.ok()) return credentials.status();
   std::vector<PreloadEntry> preload;
   for (const std::string& text : options.preload) {
     absl::StatusOr<PreloadEntry> entry = ParsePreloadEntry(text);
@@ -208,7 +273,8 @@ absl::StatusOr<std::unique_ptr<NormGradServer>> NormGradServer::Start(
 
   if (!options.metrics_listen.empty()) {
     absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http =
-        MetricsHttpServer::Start(options.metrics_listen, s.metrics_.get());
+        MetricsHttpServer::Start(options.metrics_listen, s.metrics_.get(),
+                                 {options.metrics_tls_cert_file, options.metrics_tls_key_file});
     if (!http.ok()) return http.status();
     s.metrics_http_ = *std::move(http);
     s.metrics_port_ = s.metrics_http_->port();
@@ -220,13 +286,9 @@ absl::StatusOr<std::unique_ptr<NormGradServer>> NormGradServer::Start(
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int selected_port = 0;
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &selected_port);
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a taken port must fail
+  builder.AddListeningPort(options.listen, *credentials, &selected_port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
-  // Find dead peers (a client that vanished without a FIN) instead of holding their streams.
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 60 * 1000);
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20 * 1000);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10 * 1000);
+  AddConnectionLimits(options, builder);
   builder.RegisterService(s.service_.get());
   s.grpc_server_ = builder.BuildAndStart();
   if (s.grpc_server_ == nullptr || selected_port == 0) {
@@ -237,7 +299,30 @@ absl::StatusOr<std::unique_ptr<NormGradServer>> NormGradServer::Start(
   s.port_ = selected_port;
   int ignored;
   (void)SplitHostPort(options.listen, "listen", &s.host_, &ignored);
-  SetServing(s.grpc_server_.get(), *s.metrics_, false);
+  if (!options.health_listen.empty()) {
+    grpc::ServerBuilder health_builder;
+    health_builder.SetOption(std::make_unique<WithoutPlugins>());
+    s.health_port_rejecter_ = std::make_unique<HealthPortRejecter>();
+    health_builder.RegisterCallbackGenericService(s.health_port_rejecter_.get());
+    int health_port = 0;
+    health_builder.AddListeningPort(options.health_listen, grpc::InsecureServerCredentials(),
+                                    &health_port);
+    health_builder.SetMaxReceiveMessageSize(4096);  // a HealthCheckRequest is a service name
+    AddConnectionLimits(options, health_builder);
+    s.health_server_ = health_builder.BuildAndStart();
+    if (s.health_server_ == nullptr || health_port == 0) {
+      s.health_server_.reset();
+      s.grpc_server_->Shutdown(std::chrono::system_clock::now());
+      s.grpc_server_->Wait();
+      s.grpc_server_.reset();
+      return absl::UnavailableError(
+          absl::StrCat("--health-listen=", options.health_listen,
+                       ": cannot listen there (address in use or not local)"));
+    }
+    s.health_port_ = health_port;
+    (void)SplitHostPort(options.health_listen, "health-listen", &s.health_host_, &ignored);
+  }
+  s.SetServing(false);
   if (options.stream_idle_timeout > absl::ZeroDuration()) {
     s.watchdog_ = std::thread([&s] { s.RunWatchdog(); });
   }
@@ -255,7 +340,7 @@ absl::StatusOr<std::unique_ptr<NormGradServer>> NormGradServer::Start(
                                                   entry.config.hidden_dim, ": ", st.message()));
     }
   }
-  SetServing(s.grpc_server_.get(), *s.metrics_, true);
+  s.SetServing(true);
   return server;
 }
 
@@ -264,9 +349,20 @@ NormGradServer::~NormGradServer() { Shutdown(absl::ZeroDuration()); }
 std::string NormGradServer::ReadyLine() const {
   const std::string metrics =
       metrics_port_ > 0 ? absl::StrCat(metrics_host_, ":", metrics_port_) : "off";
-  return absl::StrCat("normgrad-server ready grpc=", host_, ":", port_, " metrics=", metrics,
-                      " backend=", backend_->Name(), " device=\"", backend_->Device().name,
-                      "\"");
+  std::string line =
+      absl::StrCat("normgrad-server ready grpc=", host_, ":", port_, " metrics=", metrics,
+                   " backend=", backend_->Name(), " device=\"", backend_->Device().name, "\"");
+  if (health_port_ > 0) absl::StrAppend(&line, " health=", health_host_, ":", health_port_);
+  if (!options_.security.cert_file.empty()) {
+    absl::StrAppend(&line, options_.security.client_ca_file.empty() ? " tls=on" : " tls=mtls");
+  }
+  return line;
+}
+
+void NormGradServer::SetServing(bool serving) {
+  SetHealth(grpc_server_.get(), serving);
+  SetHealth(health_server_.get(), serving);
+  metrics_->SetGauge("normgrad_serving", {}, serving ? 1 : 0);
 }
 
 size_t NormGradServer::live_streams() const { return streams_->size(); }
@@ -291,7 +387,7 @@ void NormGradServer::Shutdown(absl::Duration grace) {
   shut_down_ = true;
   if (grpc_server_ != nullptr) {
     env_->draining.store(true);
-    SetServing(grpc_server_.get(), *metrics_, false);
+    SetServing(false);
     streams_->WaitUntilEmpty(absl::Now() + grace);
     // Cancels whatever is still running; returns once every call is done.
     grpc_server_->Shutdown(std::chrono::system_clock::now());
@@ -305,6 +401,11 @@ void NormGradServer::Shutdown(absl::Duration grace) {
   if (metrics_http_ != nullptr) metrics_http_->Stop();
   pool_.reset();  // runs what is queued (nothing but finished streams' leftovers), joins
   if (grpc_server_ != nullptr) grpc_server_->Wait();
+  // The health port answers NOT_SERVING until the main port is gone, then closes.
+  if (health_server_ != nullptr) {
+    health_server_->Shutdown(std::chrono::system_clock::now());
+    health_server_->Wait();
+  }
 }
 
 }  // namespace normgrad::server

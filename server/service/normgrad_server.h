@@ -27,8 +27,10 @@
 #include "server/backend/backend.h"
 #include "server/service/admission.h"
 #include "server/service/backward_validator.h"
+#include "server/service/transport_security.h"
 
 namespace grpc {
+class CallbackGenericService;
 class Server;
 }
 
@@ -53,6 +55,20 @@ struct ServerOptions {
   absl::Duration stream_idle_timeout = absl::Seconds(30);  // zero: never
   std::string nvjitlink_path;                   // empty: default search
   int worker_threads = 0;                       // 0: max(2, hardware threads)
+  // TLS / mutual TLS and the bearer token of the main gRPC port (transport_security.h).
+  TransportSecurityOptions security;
+  // HOST:PORT of a second, always plaintext gRPC port serving grpc.health.v1.Health only, with
+  // the main port's status (for probes that cannot speak TLS); empty: none.
+  std::string health_listen;
+  // HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS of every connection: a client opens at most this
+  // many calls at once on one connection (more wait in its transport).
+  uint32_t max_streams_per_connection = 100;
+  // Least time between HTTP/2 pings a client may send without data; pinging faster twice gets
+  // the connection closed with GOAWAY (ENHANCE_YOUR_CALM).
+  absl::Duration min_client_ping_interval = absl::Seconds(10);
+  // PEM certificate and key for the metrics endpoint (HTTPS); both empty: plain HTTP.
+  std::string metrics_tls_cert_file;
+  std::string metrics_tls_key_file;
 };
 
 // One --preload entry, parsed: the kernel and its configuration.
@@ -75,8 +91,10 @@ class NormGradServer {
 
   int port() const { return port_; }
   int metrics_port() const { return metrics_port_; }  // 0 when disabled
+  int health_port() const { return health_port_; }    // 0 without --health-listen
   // One line for people and scripts: "normgrad-server ready grpc=HOST:PORT metrics=HOST:PORT
-  // backend=NAME device=\"...\"" (metrics=off when disabled).
+  // backend=NAME device=\"...\"" (metrics=off when disabled), then " health=HOST:PORT" with
+  // --health-listen and " tls=on|mtls" with TLS.
   std::string ReadyLine() const;
 
   // Health NOT_SERVING, new streams UNAVAILABLE; waits up to `grace` for live streams, cancels
@@ -90,6 +108,7 @@ class NormGradServer {
  private:
   NormGradServer();
   void RunWatchdog();
+  void SetServing(bool serving);
 
   ServerOptions options_;
   std::unique_ptr<Backend> backend_;
@@ -101,11 +120,15 @@ class NormGradServer {
   std::unique_ptr<ServiceEnv> env_;
   std::unique_ptr<NormGradService> service_;
   std::unique_ptr<grpc::Server> grpc_server_;
+  std::unique_ptr<grpc::Server> health_server_;  // --health-listen; health service only
+  std::unique_ptr<grpc::CallbackGenericService> health_port_rejecter_;  // other methods there
   std::unique_ptr<MetricsHttpServer> metrics_http_;
   std::thread watchdog_;
   std::string host_;
   std::string metrics_host_;
+  std::string health_host_;
   int port_ = 0;
+  int health_port_ = 0;
   int metrics_port_ = 0;
 
   absl::Mutex shutdown_mu_;  // serializes Shutdown

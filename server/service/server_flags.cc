@@ -45,6 +45,28 @@ ABSL_FLAG(std::string, shutdown_grace, "30s",
 ABSL_FLAG(std::string, nvjitlink, "",
           "nvJitLink library for EmitPtx cubins; empty: libnvJitLink.so.13, libnvJitLink.so, "
           "/usr/local/cuda/lib64/libnvJitLink.so*.");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM server certificate (chain) for the gRPC port; with --tls-key enables TLS.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle; when set, mutual TLS: every client must present a certificate it "
+          "signed. Needs --tls-cert.");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File holding a bearer token (whitespace trimmed); every call except the health "
+          "service must send \"authorization: Bearer <token>\" or gets UNAUTHENTICATED. Needs "
+          "--tls-cert. The token itself is never accepted on the command line.");
+ABSL_FLAG(std::string, health_listen, "",
+          "HOST:PORT of a second, plaintext gRPC port serving only grpc.health.v1.Health with "
+          "the main port's status (for probes that cannot speak TLS); empty: none.");
+ABSL_FLAG(uint32_t, max_streams_per_connection, 100,
+          "Calls one connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); "
+          "a client's further calls wait in its transport.");
+ABSL_FLAG(std::string, min_client_ping_interval, "10s",
+          "Least interval between a client's HTTP/2 pings without data; a client pinging faster "
+          "has its connection closed (GOAWAY ENHANCE_YOUR_CALM).");
+ABSL_FLAG(std::string, metrics_tls_cert, "",
+          "PEM certificate for the metrics endpoint; with --metrics-tls-key it serves HTTPS.");
+ABSL_FLAG(std::string, metrics_tls_key, "", "PEM private key of --metrics-tls-cert.");
 
 namespace normgrad::server {
 
@@ -107,6 +129,20 @@ absl::StatusOr<ServerOptions> ServerOptionsFromFlags() {
                                                    " is not a duration such as 30s or 500ms"));
   }
   o.nvjitlink_path = absl::GetFlag(FLAGS_nvjitlink);
+  o.security.cert_file = absl::GetFlag(FLAGS_tls_cert);
+  o.security.key_file = absl::GetFlag(FLAGS_tls_key);
+  o.security.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  o.security.token_file = absl::GetFlag(FLAGS_auth_token_file);
+  o.health_listen = absl::GetFlag(FLAGS_health_listen);
+  o.max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);
+  if (!absl::ParseDuration(absl::GetFlag(FLAGS_min_client_ping_interval),
+                           &o.min_client_ping_interval)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--min-client-ping-interval=", absl::GetFlag(FLAGS_min_client_ping_interval),
+        " is not a duration such as 10s"));
+  }
+  o.metrics_tls_cert_file = absl::GetFlag(FLAGS_metrics_tls_cert);
+  o.metrics_tls_key_file = absl::GetFlag(FLAGS_metrics_tls_key);
   absl::Duration grace;
   if (!absl::ParseDuration(absl::GetFlag(FLAGS_shutdown_grace), &grace) ||
       grace < absl::ZeroDuration()) {

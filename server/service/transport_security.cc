@@ -1,0 +1,139 @@
+#include "server/service/transport_security.h"
+
+#include <openssl/crypto.h>
+#include <openssl/sha.h>
+
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+namespace normgrad::server {
+namespace {
+
+constexpr absl::string_view kHealthPathPrefix = "/grpc.health.v1.Health/";
+
+absl::StatusOr<std::string> ReadPemFile(const std::string& path, absl::string_view flag) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", path, ": cannot read it"));
+  }
+  std::stringstream s;
+  s << in.rdbuf();
+  std::string text = s.str();
+  if (!absl::StrContains(text, "-----BEGIN ")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, "=", path, ": not a PEM file (no -----BEGIN line)"));
+  }
+  return text;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--auth-token-file=", path, ": cannot read it"));
+  }
+  std::stringstream s;
+  s << in.rdbuf();
+  std::string token(absl::StripAsciiWhitespace(s.str()));
+  if (token.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--auth-token-file=", path, ": it is empty"));
+  }
+  for (char c : token) {
+    // A metadata value is printable ASCII; a token that is not could never be presented.
+    if (c < 0x20 || c > 0x7e) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--auth-token-file=", path,
+          ": the token must be one line of printable ASCII (found a control or non-ASCII byte)"));
+    }
+  }
+  return token;
+}
+
+bool BearerMatches(absl::string_view presented, absl::string_view token) {
+  const std::string expected = absl::StrCat("Bearer ", token);
+  unsigned char want[SHA256_DIGEST_LENGTH];
+  unsigned char got[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(expected.data()), expected.size(), want);
+  SHA256(reinterpret_cast<const unsigned char*>(presented.data()), presented.size(), got);
+  return CRYPTO_memcmp(want, got, SHA256_DIGEST_LENGTH) == 0;
+}
+
+grpc::Status BearerTokenProcessor::Process(const InputMetadata& auth_metadata,
+                                           grpc::AuthContext* /*context*/,
+                                           OutputMetadata* consumed_auth_metadata,
+                                           OutputMetadata* /*response_metadata*/) {
+  auto path = auth_metadata.find(":path");
+  if (path != auth_metadata.end() &&
+      absl::StartsWith(absl::string_view(path->second.data(), path->second.size()),
+                       kHealthPathPrefix)) {
+    return grpc::Status::OK;  // probes and load balancers check health without a token
+  }
+  auto it = auth_metadata.find("authorization");
+  if (it == auth_metadata.end()) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        "missing bearer token: this server requires the metadata "
+                        "\"authorization: Bearer <token>\"");
+  }
+  const absl::string_view presented(it->second.data(), it->second.size());
+  if (!BearerMatches(presented, token_)) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        "wrong bearer token in the \"authorization\" metadata");
+  }
+  consumed_auth_metadata->insert(std::make_pair(std::string(it->first.data(), it->first.size()),
+                                                std::string(presented)));
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
+    const TransportSecurityOptions& options) {
+  const bool tls = !options.cert_file.empty() || !options.key_file.empty();
+  if (options.cert_file.empty() != options.key_file.empty()) {
+    return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
+  }
+  if (!tls && !options.client_ca_file.empty()) {
+    return absl::InvalidArgumentError("--tls-client-ca needs --tls-cert and --tls-key");
+  }
+  if (!tls && !options.token_file.empty()) {
+    return absl::InvalidArgumentError(
+        "--auth-token-file needs --tls-cert and --tls-key: a bearer token sent over plaintext "
+        "can be read by anyone on the path");
+  }
+  if (!tls) return grpc::InsecureServerCredentials();
+
+  grpc::SslServerCredentialsOptions ssl(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  absl::StatusOr<std::string> cert = ReadPemFile(options.cert_file, "tls-cert");
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadPemFile(options.key_file, "tls-key");
+  if (!key.ok()) return key.status();
+  pair.cert_chain = *std::move(cert);
+  pair.private_key = *std::move(key);
+  ssl.pem_key_cert_pairs.push_back(std::move(pair));
+  if (!options.client_ca_file.empty()) {
+    absl::StatusOr<std::string> ca = ReadPemFile(options.client_ca_file, "tls-client-ca");
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = *std::move(ca);
+    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::SslServerCredentials(ssl);
+  if (creds == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tls-cert=", options.cert_file, " / --tls-key=", options.key_file,
+        ": gRPC refused the certificate and key"));
+  }
+  if (!options.token_file.empty()) {
+    absl::StatusOr<std::string> token = ReadTokenFile(options.token_file);
+    if (!token.ok()) return token.status();
+    creds->SetAuthMetadataProcessor(std::make_shared<BearerTokenProcessor>(*std::move(token)));
+  }
+  return creds;
+}
+
+}  // namespace normgrad::server
