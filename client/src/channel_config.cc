@@ -43,7 +43,8 @@ absl::StatusOr<ResolvedTarget> ResolveTarget(absl::string_view target) {
   for (absl::string_view part : absl::StrSplit(target, ',')) {
     part = absl::StripAsciiWhitespace(part);
     if (part.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("target: empty element in list \"", target, "\""));
+      return absl::InvalidArgumentError(
+          absl::StrCat("target: empty element in list \"", target, "\""));
     }
     const size_t colon = part.rfind(':');
     if (colon == absl::string_view::npos || colon + 1 == part.size()) {

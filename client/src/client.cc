@@ -33,10 +33,14 @@ int ElementBytes(ElementType type) { return type == ElementType::kF32 ? 4 : 2; }
 
 const char* HealthStatusName(HealthStatus status) {
   switch (status) {
-    case HealthStatus::kUnknown: return "UNKNOWN";
-    case HealthStatus::kServing: return "SERVING";
-    case HealthStatus::kNotServing: return "NOT_SERVING";
-    case HealthStatus::kServiceUnknown: return "SERVICE_UNKNOWN";
+    case HealthStatus::kUnknown:
+      return "UNKNOWN";
+    case HealthStatus::kServing:
+      return "SERVING";
+    case HealthStatus::kNotServing:
+      return "NOT_SERVING";
+    case HealthStatus::kServiceUnknown:
+      return "SERVICE_UNKNOWN";
   }
   return "UNKNOWN";
 }
@@ -48,8 +52,9 @@ std::future<absl::StatusOr<Gradients>> Client::BackwardFuture(absl::Span<const f
                                                               const BackwardOptions& options) {
   auto promise = std::make_shared<std::promise<absl::StatusOr<Gradients>>>();
   std::future<absl::StatusOr<Gradients>> future = promise->get_future();
-  BackwardAsync(x, dy, gamma, eps, options,
-                [promise](absl::StatusOr<Gradients> result) { promise->set_value(std::move(result)); });
+  BackwardAsync(x, dy, gamma, eps, options, [promise](absl::StatusOr<Gradients> result) {
+    promise->set_value(std::move(result));
+  });
   return future;
 }
 
@@ -58,9 +63,12 @@ namespace {
 
 v1::DType ToProto(ElementType type) {
   switch (type) {
-    case ElementType::kF32: return v1::DTYPE_F32;
-    case ElementType::kBF16: return v1::DTYPE_BF16;
-    case ElementType::kF16: return v1::DTYPE_F16;
+    case ElementType::kF32:
+      return v1::DTYPE_F32;
+    case ElementType::kBF16:
+      return v1::DTYPE_BF16;
+    case ElementType::kF16:
+      return v1::DTYPE_F16;
   }
   return v1::DTYPE_F32;
 }
@@ -79,8 +87,7 @@ absl::Status ValidateRaw(const RawBackwardArgs& a) {
   const uint64_t tensor = a.num_rows * a.hidden_dim * elem;
   auto check = [](const char* name, uint64_t got, uint64_t want) {
     if (got == want) return absl::OkStatus();
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, ": ", got, " bytes, expected ", want));
+    return absl::InvalidArgumentError(absl::StrCat(name, ": ", got, " bytes, expected ", want));
   };
   absl::Status s = check("x", a.x.size(), tensor);
   if (s.ok()) s = check("dy", a.dy.size(), tensor);
@@ -157,7 +164,8 @@ class ClientImpl final : public Client {
       return;
     }
     if (x.size() % gamma.size() != 0) {
-      done(absl::InvalidArgumentError(absl::StrCat("x: ", x.size(), " elements is not a multiple of hidden_dim ",
+      done(absl::InvalidArgumentError(absl::StrCat("x: ", x.size(),
+                                                   " elements is not a multiple of hidden_dim ",
                                                    gamma.size(), " (gamma's size)")));
       return;
     }
@@ -304,7 +312,8 @@ class ClientImpl final : public Client {
     std::vector<grpc::Slice> slices;
     if (!response.Dump(&slices).ok()) return absl::InternalError("health reply: unreadable");
     std::string bytes;
-    for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    for (const grpc::Slice& s : slices)
+      bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
     absl::StatusOr<int> decoded = DecodeHealthCheckResponse(bytes);
     if (!decoded.ok()) return decoded.status();
     if (*decoded < 0 || *decoded > 3) return HealthStatus::kUnknown;
@@ -363,7 +372,8 @@ void BackwardCall::Start() {
   header->set_dtype(ToProto(a.type));
   header->set_gamma(a.gamma.data(), a.gamma.size());
   header->set_rms_provided(!a.rms.empty());
-  if (!shared_->options.kernel.empty()) header->mutable_options()->set_kernel(shared_->options.kernel);
+  if (!shared_->options.kernel.empty())
+    header->mutable_options()->set_kernel(shared_->options.kernel);
 
   StartWrite(&request_);
   StartRead(&response_);
@@ -419,8 +429,8 @@ absl::Status BackwardCall::TakeResponse() {
     }
     std::memcpy(a.dgamma.data(), response_.grad_gamma().data(), a.dgamma.size());
     const v1::BackwardSummary& s = response_.summary();
-    summary_ = {s.backend(), s.kernel(), s.rows(), s.chunks(), s.compute_seconds(),
-                s.total_seconds()};
+    summary_ = {s.backend(), s.kernel(),          s.rows(),
+                s.chunks(),  s.compute_seconds(), s.total_seconds()};
     final_received_ = true;
   }
   return absl::OkStatus();
@@ -450,9 +460,9 @@ void BackwardCall::OnDone(const grpc::Status& status) {
   absl::Status result = error_;
   if (result.ok()) result = FromGrpcStatus(status);
   if (result.ok() && (!final_received_ || rows_received_ != shared_->args.num_rows)) {
-    result = absl::InternalError(
-        absl::StrCat("server ended the stream after ", rows_received_, " of ",
-                     shared_->args.num_rows, " rows", final_received_ ? "" : " and no grad_gamma"));
+    result = absl::InternalError(absl::StrCat("server ended the stream after ", rows_received_,
+                                              " of ", shared_->args.num_rows, " rows",
+                                              final_received_ ? "" : " and no grad_gamma"));
   }
   // The reactor (and its ClientContext, which holds a reference to the channel) is destroyed
   // before the caller hears about it: once `done` runs the caller may destroy the Client, and
@@ -481,10 +491,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
   if (options.max_attempts > 1 && (options.initial_backoff < absl::Milliseconds(1) ||
                                    options.max_backoff < options.initial_backoff)) {
     // gRPC rejects a service config whose retry backoff is not positive.
-    return absl::InvalidArgumentError(absl::StrCat(
-        "initial_backoff: must be >= 1ms and <= max_backoff, got ",
-        absl::FormatDuration(options.initial_backoff), " and ",
-        absl::FormatDuration(options.max_backoff)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("initial_backoff: must be >= 1ms and <= max_backoff, got ",
+                     absl::FormatDuration(options.initial_backoff), " and ",
+                     absl::FormatDuration(options.max_backoff)));
   }
   absl::StatusOr<client_internal::ResolvedTarget> target = ResolveTarget(options.target);
   if (!target.ok()) return target.status();
@@ -494,7 +504,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
   if (options.max_receive_message_bytes != -1) {
     args.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
   }
-  if (options.max_send_message_bytes != -1) args.SetMaxSendMessageSize(options.max_send_message_bytes);
+  if (options.max_send_message_bytes != -1)
+    args.SetMaxSendMessageSize(options.max_send_message_bytes);
   if (options.own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
 
   std::shared_ptr<grpc::ChannelCredentials> credentials;
@@ -514,10 +525,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
   } else {
     credentials = grpc::InsecureChannelCredentials();
   }
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(target->uri, credentials, args);
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateCustomChannel(target->uri, credentials, args);
   if (channel == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("target: cannot create a channel to \"",
-                                                   options.target, "\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat("target: cannot create a channel to \"", options.target, "\""));
   }
   return std::unique_ptr<Client>(new client_internal::ClientImpl(options, std::move(channel)));
 }

@@ -33,7 +33,7 @@ bool GetVarint(absl::string_view& in, uint64_t& value) {
 std::string EncodeHealthCheckRequest(absl::string_view service) {
   std::string out;
   if (service.empty()) return out;  // proto3: default values are not sent
-  out.push_back(0x0a);               // field 1, length-delimited
+  out.push_back(0x0a);              // field 1, length-delimited
   PutVarint(service.size(), out);
   out.append(service.data(), service.size());
   return out;

@@ -1,11 +1,11 @@
 #include "client/tools/cli.h"
 
+#include <google/protobuf/util/json_util.h>
+
 #include <cmath>
 #include <fstream>
 #include <sstream>
 #include <utility>
-
-#include <google/protobuf/util/json_util.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
@@ -25,7 +25,8 @@ constexpr char kUsage[] =
     "  backward --x X.npy --dy DY.npy --gamma G.npy [--rms RMS.npy] [--eps 1e-5]\n"
     "           [--kernel NAME] [--dx DX.npy] [--dgamma DG.npy]\n"
     "  emit-ptx --kernel NAME --hidden-dim N [--target sm_90] [--ptx-version 8.0]\n"
-    "           [--dtype f32|bf16|f16] [-o FILE] [--cubin FILE]   (server: --server or global --target)\n"
+    "           [--dtype f32|bf16|f16] [-o FILE] [--cubin FILE]   (server: --server or global "
+    "--target)\n"
     "  info     server version, backend, device, limits, cache (JSON)\n"
     "  health   [--service NAME]   grpc.health.v1 check; exit 0 when SERVING, 3 otherwise\n"
     "client flags (any command): --token T --deadline 30s --max-attempts N --chunk-bytes N\n"
@@ -77,7 +78,8 @@ class ProgressBar {
 int Backward(const ParsedArgs& args, const ClientOptions& options, const CliEnvironment& env,
              std::ostream& out, std::ostream& err) {
   for (const char* required : {"x", "dy", "gamma"}) {
-    if (!args.Has(required)) return UsageError(err, absl::StrCat("backward: --", required, " is required"));
+    if (!args.Has(required))
+      return UsageError(err, absl::StrCat("backward: --", required, " is required"));
   }
   float eps = 1e-5f;
   if (args.Has("eps") && !absl::SimpleAtof(args.Get("eps"), &eps)) {
@@ -101,13 +103,13 @@ int Backward(const ParsedArgs& args, const ClientOptions& options, const CliEnvi
                                         " differs from x's ", npy::ShapeString(x->shape)));
   }
   if (gamma->shape.size() != 1 || gamma->shape[0] != hidden) {
-    return UsageError(err, absl::StrCat(args.Get("gamma"), ": shape ",
-                                        npy::ShapeString(gamma->shape), "; expected (", hidden,
-                                        ",) to match x's last dimension"));
+    return UsageError(err,
+                      absl::StrCat(args.Get("gamma"), ": shape ", npy::ShapeString(gamma->shape),
+                                   "; expected (", hidden, ",) to match x's last dimension"));
   }
   if (rows == 0 || hidden == 0) {
-    return UsageError(err, absl::StrCat(args.Get("x"), ": shape ", npy::ShapeString(x->shape),
-                                        " is empty"));
+    return UsageError(
+        err, absl::StrCat(args.Get("x"), ": shape ", npy::ShapeString(x->shape), " is empty"));
   }
   std::vector<float> rms;
   if (args.Has("rms")) {
@@ -115,9 +117,9 @@ int Backward(const ParsedArgs& args, const ClientOptions& options, const CliEnvi
     if (!r.ok()) return UsageError(err, r.status().message());
     const std::vector<uint64_t> row_shape(x->shape.begin(), x->shape.end() - 1);
     if (r->data.size() != rows || (r->shape != row_shape && r->shape.size() != 1)) {
-      return UsageError(err, absl::StrCat(args.Get("rms"), ": shape ", npy::ShapeString(r->shape),
-                                          "; expected ", npy::ShapeString(row_shape),
-                                          " (one value per row)"));
+      return UsageError(
+          err, absl::StrCat(args.Get("rms"), ": shape ", npy::ShapeString(r->shape), "; expected ",
+                            npy::ShapeString(row_shape), " (one value per row)"));
     }
     rms = std::move(r->data);
   }
@@ -244,8 +246,8 @@ int Health(const ParsedArgs& args, const ClientOptions& options, std::ostream& o
 }  // namespace
 
 void AddClientFlags(FlagSpec& spec) {
-  for (const char* name : {"token", "deadline", "max-attempts", "chunk-bytes", "tls-ca",
-                           "tls-cert", "tls-key", "tls-server-name"}) {
+  for (const char* name : {"token", "deadline", "max-attempts", "chunk-bytes", "tls-ca", "tls-cert",
+                           "tls-key", "tls-server-name"}) {
     spec[name] = true;
   }
   spec["tls"] = false;
@@ -255,7 +257,8 @@ absl::StatusOr<ClientOptions> ClientOptionsFromFlags(const ParsedArgs& args, std
   ClientOptions options;
   options.target = std::move(target);
   options.bearer_token = args.Get("token");
-  if (args.Has("deadline") && !absl::ParseDuration(args.Get("deadline"), &options.default_deadline)) {
+  if (args.Has("deadline") &&
+      !absl::ParseDuration(args.Get("deadline"), &options.default_deadline)) {
     return absl::InvalidArgumentError(absl::StrCat("--deadline: \"", args.Get("deadline"),
                                                    "\" is not a duration such as 30s or 500ms"));
   }
@@ -275,10 +278,9 @@ absl::StatusOr<ClientOptions> ClientOptionsFromFlags(const ParsedArgs& args, std
   if (args.Has("tls-cert") != args.Has("tls-key")) {
     return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
   }
-  const std::pair<const char*, std::string*> files[] = {
-      {"tls-ca", &options.tls.root_certs_pem},
-      {"tls-cert", &options.tls.client_cert_pem},
-      {"tls-key", &options.tls.client_key_pem}};
+  const std::pair<const char*, std::string*> files[] = {{"tls-ca", &options.tls.root_certs_pem},
+                                                        {"tls-cert", &options.tls.client_cert_pem},
+                                                        {"tls-key", &options.tls.client_key_pem}};
   for (const auto& [flag, field] : files) {
     if (!args.Has(flag)) continue;
     absl::StatusOr<std::string> pem = ReadFile(args.Get(flag), flag);
@@ -325,21 +327,23 @@ int RunCli(const std::vector<std::string>& args, const CliEnvironment& env, std:
   FlagSpec spec = global;
   spec.erase("help");
   if (command == "backward") {
-    for (const char* f : {"x", "dy", "gamma", "rms", "eps", "kernel", "dx", "dgamma"}) spec[f] = true;
+    for (const char* f : {"x", "dy", "gamma", "rms", "eps", "kernel", "dx", "dgamma"})
+      spec[f] = true;
   } else if (command == "emit-ptx") {
-    for (const char* f : {"kernel", "hidden-dim", "ptx-version", "dtype", "o", "cubin"}) spec[f] = true;
+    for (const char* f : {"kernel", "hidden-dim", "ptx-version", "dtype", "o", "cubin"})
+      spec[f] = true;
   } else if (command == "health") {
     spec["service"] = true;
   } else if (command != "info") {
-    return UsageError(err, absl::StrCat("unknown command \"", command,
-                                        "\" (backward, emit-ptx, info, health)"));
+    return UsageError(
+        err, absl::StrCat("unknown command \"", command, "\" (backward, emit-ptx, info, health)"));
   }
   absl::StatusOr<ParsedArgs> parsed =
       ParseArgs(std::vector<std::string>(args.begin() + command_at + 1, args.end()), spec);
   if (!parsed.ok()) return UsageError(err, absl::StrCat(command, ": ", parsed.status().message()));
   if (!parsed->positional.empty()) {
-    return UsageError(err, absl::StrCat(command, ": unexpected argument \"",
-                                        parsed->positional.front(), "\""));
+    return UsageError(
+        err, absl::StrCat(command, ": unexpected argument \"", parsed->positional.front(), "\""));
   }
   // Command flags override global ones, except --target of emit-ptx (the GPU architecture).
   ParsedArgs merged = *global_args;

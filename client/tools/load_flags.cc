@@ -34,7 +34,8 @@ const char kLoadUsage[] =
     "  --window D                sweep measurement window (default 1s)\n"
     "  --stability-percent P     sweep stability band (default 10)\n"
     "  --max-windows N           sweep windows per step at most (default 10)\n"
-    "  --kernel NAME --gpu-target sm_XX   EmitPtx request (defaults batched_rms_norm_backward, sm_90)\n"
+    "  --kernel NAME --gpu-target sm_XX   EmitPtx request (defaults batched_rms_norm_backward, "
+    "sm_90)\n"
     "  --format summary|json|csv -o FILE --html FILE\n"
     "  client flags: --token --deadline --max-attempts --chunk-bytes --tls --tls-ca --tls-cert\n"
     "                --tls-key --tls-server-name\n";
@@ -59,10 +60,27 @@ absl::StatusOr<std::vector<Shape>> ParseShapes(absl::string_view text) {
 absl::StatusOr<LoadCommand> ParseLoadCommand(const std::vector<std::string>& args,
                                              const std::string& env_target) {
   FlagSpec spec;
-  for (const char* f : {"target", "call", "concurrency", "connections", "total", "duration",
-                        "max-duration", "rate", "rate-dist", "shapes", "warmup",
-                        "concurrency-sweep", "window", "stability-percent", "max-windows",
-                        "kernel", "gpu-target", "format", "o", "html", "seed"}) {
+  for (const char* f : {"target",
+                        "call",
+                        "concurrency",
+                        "connections",
+                        "total",
+                        "duration",
+                        "max-duration",
+                        "rate",
+                        "rate-dist",
+                        "shapes",
+                        "warmup",
+                        "concurrency-sweep",
+                        "window",
+                        "stability-percent",
+                        "max-windows",
+                        "kernel",
+                        "gpu-target",
+                        "format",
+                        "o",
+                        "html",
+                        "seed"}) {
     spec[f] = true;
   }
   spec["help"] = false;
@@ -94,8 +112,8 @@ absl::StatusOr<LoadCommand> ParseLoadCommand(const std::vector<std::string>& arg
   };
   auto duration_flag = [&](const char* name, absl::Duration* value) -> absl::Status {
     if (parsed->Has(name) && !absl::ParseDuration(parsed->Get(name), value)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--", name, ": \"", parsed->Get(name), "\" is not a duration such as 10s or 500ms"));
+      return absl::InvalidArgumentError(absl::StrCat("--", name, ": \"", parsed->Get(name),
+                                                     "\" is not a duration such as 10s or 500ms"));
     }
     return absl::OkStatus();
   };
@@ -144,8 +162,9 @@ absl::StatusOr<LoadCommand> ParseLoadCommand(const std::vector<std::string>& arg
     if (parts.size() < 2 || parts.size() > 3 || !absl::SimpleAtoi(parts[0], &c.sweep_start) ||
         !absl::SimpleAtoi(parts[1], &c.sweep_end) ||
         (parts.size() == 3 && !absl::SimpleAtoi(parts[2], &c.sweep_step))) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--concurrency-sweep: \"", parsed->Get("concurrency-sweep"), "\" is not START:END[:STEP]"));
+      return absl::InvalidArgumentError(absl::StrCat("--concurrency-sweep: \"",
+                                                     parsed->Get("concurrency-sweep"),
+                                                     "\" is not START:END[:STEP]"));
     }
     c.sweep = true;
   }

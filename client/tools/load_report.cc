@@ -13,10 +13,18 @@ std::string JsonString(absl::string_view s) {
   std::string out = "\"";
   for (char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (static_cast<unsigned char>(c) < 0x20) {
           out += absl::StrFormat("\\u%04x", c);
@@ -32,11 +40,20 @@ std::string HtmlEscape(absl::string_view s) {
   std::string out;
   for (char c : s) {
     switch (c) {
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '&': out += "&amp;"; break;
-      case '"': out += "&quot;"; break;
-      default: out += c;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '&':
+        out += "&amp;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -46,24 +63,25 @@ std::string Num(double v) { return absl::StrFormat("%.6g", v); }
 
 std::string RunJson(const RunStats& r) {
   std::vector<std::string> errors, buckets;
-  for (const auto& [code, n] : r.errors_by_code) errors.push_back(absl::StrCat(JsonString(code), ":", n));
+  for (const auto& [code, n] : r.errors_by_code)
+    errors.push_back(absl::StrCat(JsonString(code), ":", n));
   for (const HistogramBucket& b : r.histogram) {
-    buckets.push_back(absl::StrCat("{\"lower_ms\":", Num(b.lower_ms), ",\"upper_ms\":", Num(b.upper_ms),
-                                   ",\"count\":", b.count, "}"));
+    buckets.push_back(absl::StrCat("{\"lower_ms\":", Num(b.lower_ms),
+                                   ",\"upper_ms\":", Num(b.upper_ms), ",\"count\":", b.count, "}"));
   }
-  return absl::StrCat(
-      "{\"concurrency\":", r.concurrency, ",\"requests\":", r.requests,
-      ",\"successes\":", r.successes, ",\"errors\":", r.requests - r.successes,
-      ",\"errors_by_code\":{", absl::StrJoin(errors, ","), "}",
-      ",\"wall_seconds\":", Num(r.wall_seconds),
-      ",\"requests_per_second\":", Num(r.requests_per_second),
-      ",\"successes_per_second\":", Num(r.successes_per_second),
-      ",\"payload_gb_per_second\":", Num(r.payload_gb_per_second),
-      ",\"latency_ms\":{\"min\":", Num(r.min_ms), ",\"mean\":", Num(r.mean_ms),
-      ",\"p50\":", Num(r.p50_ms), ",\"p90\":", Num(r.p90_ms), ",\"p95\":", Num(r.p95_ms),
-      ",\"p99\":", Num(r.p99_ms), ",\"p99.9\":", Num(r.p999_ms), ",\"max\":", Num(r.max_ms), "}",
-      ",\"histogram\":[", absl::StrJoin(buckets, ","), "]",
-      ",\"windows\":", r.windows, ",\"stable\":", r.stable ? "true" : "false", "}");
+  return absl::StrCat("{\"concurrency\":", r.concurrency, ",\"requests\":", r.requests,
+                      ",\"successes\":", r.successes, ",\"errors\":", r.requests - r.successes,
+                      ",\"errors_by_code\":{", absl::StrJoin(errors, ","), "}",
+                      ",\"wall_seconds\":", Num(r.wall_seconds),
+                      ",\"requests_per_second\":", Num(r.requests_per_second),
+                      ",\"successes_per_second\":", Num(r.successes_per_second),
+                      ",\"payload_gb_per_second\":", Num(r.payload_gb_per_second),
+                      ",\"latency_ms\":{\"min\":", Num(r.min_ms), ",\"mean\":", Num(r.mean_ms),
+                      ",\"p50\":", Num(r.p50_ms), ",\"p90\":", Num(r.p90_ms),
+                      ",\"p95\":", Num(r.p95_ms), ",\"p99\":", Num(r.p99_ms),
+                      ",\"p99.9\":", Num(r.p999_ms), ",\"max\":", Num(r.max_ms), "}",
+                      ",\"histogram\":[", absl::StrJoin(buckets, ","), "]",
+                      ",\"windows\":", r.windows, ",\"stable\":", r.stable ? "true" : "false", "}");
 }
 
 // A bar chart of a histogram: x = latency buckets, y = count.
@@ -75,30 +93,33 @@ std::string HistogramSvg(const RunStats& r) {
   for (const HistogramBucket& b : r.histogram) peak = std::max(peak, b.count);
   const int n = static_cast<int>(r.histogram.size());
   const double plot_w = kW - kLeft - 10, plot_h = kH - kBottom - kTop;
-  absl::StrAppend(&svg, absl::StrFormat(
-      "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#333\"/>", kLeft, kH - kBottom,
-      kW - 10, kH - kBottom));
+  absl::StrAppend(&svg,
+                  absl::StrFormat("<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"#333\"/>",
+                                  kLeft, kH - kBottom, kW - 10, kH - kBottom));
   for (int i = 0; i < n; ++i) {
     const HistogramBucket& b = r.histogram[i];
     const double w = plot_w / n;
     const double h = plot_h * b.count / peak;
-    absl::StrAppend(&svg, absl::StrFormat(
-        "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"#4a7ebb\">"
-        "<title>%.3f-%.3f ms: %d</title></rect>",
-        kLeft + i * w + 1, kH - kBottom - h, std::max(1.0, w - 2), h, b.lower_ms, b.upper_ms,
-        b.count));
+    absl::StrAppend(
+        &svg, absl::StrFormat(
+                  "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"#4a7ebb\">"
+                  "<title>%.3f-%.3f ms: %d</title></rect>",
+                  kLeft + i * w + 1, kH - kBottom - h, std::max(1.0, w - 2), h, b.lower_ms,
+                  b.upper_ms, b.count));
   }
   if (n > 0) {
-    absl::StrAppend(&svg, absl::StrFormat(
-        "<text x=\"%d\" y=\"%d\" font-size=\"11\">%.3f ms</text>"
-        "<text x=\"%d\" y=\"%d\" font-size=\"11\" text-anchor=\"end\">%.3f ms</text>",
-        kLeft, kH - kBottom + 15, r.histogram.front().lower_ms, kW - 10, kH - kBottom + 15,
-        r.histogram.back().upper_ms));
+    absl::StrAppend(
+        &svg, absl::StrFormat(
+                  "<text x=\"%d\" y=\"%d\" font-size=\"11\">%.3f ms</text>"
+                  "<text x=\"%d\" y=\"%d\" font-size=\"11\" text-anchor=\"end\">%.3f ms</text>",
+                  kLeft, kH - kBottom + 15, r.histogram.front().lower_ms, kW - 10,
+                  kH - kBottom + 15, r.histogram.back().upper_ms));
   }
-  absl::StrAppend(&svg, absl::StrFormat(
-      "<text x=\"5\" y=\"%d\" font-size=\"11\">%d</text><text x=\"%d\" y=\"%d\" font-size=\"12\" "
-      "text-anchor=\"middle\">latency (successful requests)</text></svg>",
-      kTop + 10, peak, kLeft + static_cast<int>(plot_w / 2), kH - 8));
+  absl::StrAppend(
+      &svg, absl::StrFormat("<text x=\"5\" y=\"%d\" font-size=\"11\">%d</text><text x=\"%d\" "
+                            "y=\"%d\" font-size=\"12\" "
+                            "text-anchor=\"middle\">latency (successful requests)</text></svg>",
+                            kTop + 10, peak, kLeft + static_cast<int>(plot_w / 2), kH - 8));
   return svg;
 }
 
@@ -123,12 +144,14 @@ std::string LineSvg(const std::vector<RunStats>& runs, double (*y)(const RunStat
   std::string dots;
   for (const RunStats& r : runs) {
     absl::StrAppend(&points, absl::StrFormat("%.1f,%.1f ", px(r.concurrency), py(y(r))));
-    absl::StrAppend(&dots, absl::StrFormat(
-        "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"#c0504d\"><title>concurrency %d: %.4g"
-        "</title></circle><text x=\"%.1f\" y=\"%d\" font-size=\"11\" text-anchor=\"middle\">%d"
-        "</text>",
-        px(r.concurrency), py(y(r)), r.concurrency, y(r), px(r.concurrency), kH - kBottom + 15,
-        r.concurrency));
+    absl::StrAppend(
+        &dots,
+        absl::StrFormat(
+            "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"#c0504d\"><title>concurrency %d: %.4g"
+            "</title></circle><text x=\"%.1f\" y=\"%d\" font-size=\"11\" text-anchor=\"middle\">%d"
+            "</text>",
+            px(r.concurrency), py(y(r)), r.concurrency, y(r), px(r.concurrency), kH - kBottom + 15,
+            r.concurrency));
   }
   return absl::StrFormat(
       "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" role=\"img\">"
@@ -145,27 +168,29 @@ std::string LineSvg(const std::vector<RunStats>& runs, double (*y)(const RunStat
 }  // namespace
 
 std::string FormatSummary(const ReportContext& c, const std::vector<RunStats>& runs) {
-  std::string out = absl::StrFormat("normgrad-load: %s against %s, shapes %s, %d connection(s)%s\n",
-                                    c.call, c.target, c.shapes, c.connections,
-                                    c.rate > 0 ? absl::StrFormat(", rate %.4g/s %s", c.rate,
-                                                                 c.poisson ? "poisson" : "constant")
-                                               : "");
+  std::string out = absl::StrFormat(
+      "normgrad-load: %s against %s, shapes %s, %d connection(s)%s\n", c.call, c.target, c.shapes,
+      c.connections,
+      c.rate > 0 ? absl::StrFormat(", rate %.4g/s %s", c.rate, c.poisson ? "poisson" : "constant")
+                 : "");
   if (c.hit_max_duration) out += "note: stopped by --max-duration before the requested amount\n";
   for (const RunStats& r : runs) {
-    absl::StrAppend(&out, absl::StrFormat(
-        "\nConcurrency %d%s\n"
-        "  Requests:      %d (successes %d, errors %d)\n"
-        "  Wall time:     %.3f s\n"
-        "  Requests/sec:  %.2f (successes/sec %.2f)\n"
-        "  Payload:       %.4f GB/s\n"
-        "  Latency (ms):  min %.3f  mean %.3f  p50 %.3f  p90 %.3f  p95 %.3f  p99 %.3f  "
-        "p99.9 %.3f  max %.3f\n",
-        r.concurrency,
-        c.sweep ? absl::StrFormat(" (%d windows, %s)", r.windows, r.stable ? "stable" : "NOT stable")
-                : "",
-        r.requests, r.successes, r.requests - r.successes, r.wall_seconds, r.requests_per_second,
-        r.successes_per_second, r.payload_gb_per_second, r.min_ms, r.mean_ms, r.p50_ms, r.p90_ms,
-        r.p95_ms, r.p99_ms, r.p999_ms, r.max_ms));
+    absl::StrAppend(
+        &out, absl::StrFormat(
+                  "\nConcurrency %d%s\n"
+                  "  Requests:      %d (successes %d, errors %d)\n"
+                  "  Wall time:     %.3f s\n"
+                  "  Requests/sec:  %.2f (successes/sec %.2f)\n"
+                  "  Payload:       %.4f GB/s\n"
+                  "  Latency (ms):  min %.3f  mean %.3f  p50 %.3f  p90 %.3f  p95 %.3f  p99 %.3f  "
+                  "p99.9 %.3f  max %.3f\n",
+                  r.concurrency,
+                  c.sweep ? absl::StrFormat(" (%d windows, %s)", r.windows,
+                                            r.stable ? "stable" : "NOT stable")
+                          : "",
+                  r.requests, r.successes, r.requests - r.successes, r.wall_seconds,
+                  r.requests_per_second, r.successes_per_second, r.payload_gb_per_second, r.min_ms,
+                  r.mean_ms, r.p50_ms, r.p90_ms, r.p95_ms, r.p99_ms, r.p999_ms, r.max_ms));
     if (!r.histogram.empty()) {
       out += "  Latency histogram (ms):\n";
       uint64_t peak = 1;
@@ -189,8 +214,8 @@ std::string FormatJson(const ReportContext& c, const std::vector<RunStats>& runs
   for (const RunStats& r : runs) items.push_back(RunJson(r));
   return absl::StrCat("{\"call\":", JsonString(c.call), ",\"target\":", JsonString(c.target),
                       ",\"shapes\":", JsonString(c.shapes), ",\"connections\":", c.connections,
-                      ",\"rate\":", Num(c.rate), ",\"rate_distribution\":",
-                      JsonString(c.poisson ? "poisson" : "constant"),
+                      ",\"rate\":", Num(c.rate),
+                      ",\"rate_distribution\":", JsonString(c.poisson ? "poisson" : "constant"),
                       ",\"mode\":", JsonString(c.sweep ? "sweep" : "fixed"),
                       ",\"hit_max_duration\":", c.hit_max_duration ? "true" : "false",
                       ",\"runs\":[", absl::StrJoin(items, ","), "]}\n");
@@ -202,13 +227,16 @@ std::string FormatCsv(const std::vector<RunStats>& runs) {
       "successes_per_second,payload_gb_per_second,min_ms,mean_ms,p50_ms,p90_ms,p95_ms,p99_ms,"
       "p99_9_ms,max_ms,windows,stable\n";
   for (const RunStats& r : runs) {
-    absl::StrAppend(&out, absl::StrJoin(
-        {absl::StrCat(r.concurrency), absl::StrCat(r.requests), absl::StrCat(r.successes),
-         absl::StrCat(r.requests - r.successes), Num(r.wall_seconds), Num(r.requests_per_second),
-         Num(r.successes_per_second), Num(r.payload_gb_per_second), Num(r.min_ms), Num(r.mean_ms),
-         Num(r.p50_ms), Num(r.p90_ms), Num(r.p95_ms), Num(r.p99_ms), Num(r.p999_ms), Num(r.max_ms),
-         absl::StrCat(r.windows), std::string(r.stable ? "true" : "false")},
-        ","), "\n");
+    absl::StrAppend(
+        &out,
+        absl::StrJoin({absl::StrCat(r.concurrency), absl::StrCat(r.requests),
+                       absl::StrCat(r.successes), absl::StrCat(r.requests - r.successes),
+                       Num(r.wall_seconds), Num(r.requests_per_second), Num(r.successes_per_second),
+                       Num(r.payload_gb_per_second), Num(r.min_ms), Num(r.mean_ms), Num(r.p50_ms),
+                       Num(r.p90_ms), Num(r.p95_ms), Num(r.p99_ms), Num(r.p999_ms), Num(r.max_ms),
+                       absl::StrCat(r.windows), std::string(r.stable ? "true" : "false")},
+                      ","),
+        "\n");
   }
   return out;
 }
@@ -219,31 +247,35 @@ std::string FormatHtml(const ReportContext& c, const std::vector<RunStats>& runs
       "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
       "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}</style></head><body>\n"
       "<h1>normgrad-load</h1><p>",
-      HtmlEscape(c.call), " against ", HtmlEscape(c.target), ", shapes ", HtmlEscape(c.shapes), ", ",
-      c.connections, " connection(s)",
+      HtmlEscape(c.call), " against ", HtmlEscape(c.target), ", shapes ", HtmlEscape(c.shapes),
+      ", ", c.connections, " connection(s)",
       c.rate > 0 ? absl::StrFormat(", rate %.4g/s (%s)", c.rate, c.poisson ? "poisson" : "constant")
                  : "",
       c.hit_max_duration ? "; stopped by --max-duration" : "", "</p>\n");
-  out += "<table><tr><th>concurrency</th><th>requests</th><th>successes</th><th>errors</th>"
-         "<th>req/s</th><th>GB/s</th><th>p50 ms</th><th>p90 ms</th><th>p99 ms</th>"
-         "<th>p99.9 ms</th><th>max ms</th><th>errors by code</th></tr>\n";
+  out +=
+      "<table><tr><th>concurrency</th><th>requests</th><th>successes</th><th>errors</th>"
+      "<th>req/s</th><th>GB/s</th><th>p50 ms</th><th>p90 ms</th><th>p99 ms</th>"
+      "<th>p99.9 ms</th><th>max ms</th><th>errors by code</th></tr>\n";
   for (const RunStats& r : runs) {
     std::vector<std::string> errors;
     for (const auto& [code, n] : r.errors_by_code) errors.push_back(absl::StrCat(code, " ", n));
-    absl::StrAppend(&out, absl::StrFormat(
-        "<tr><td>%d</td><td>%d</td><td>%d</td><td>%d</td><td>%.2f</td><td>%.4f</td><td>%.3f</td>"
-        "<td>%.3f</td><td>%.3f</td><td>%.3f</td><td>%.3f</td><td>%s</td></tr>\n",
-        r.concurrency, r.requests, r.successes, r.requests - r.successes, r.successes_per_second,
-        r.payload_gb_per_second, r.p50_ms, r.p90_ms, r.p99_ms, r.p999_ms, r.max_ms,
-        HtmlEscape(absl::StrJoin(errors, ", "))));
+    absl::StrAppend(
+        &out,
+        absl::StrFormat("<tr><td>%d</td><td>%d</td><td>%d</td><td>%d</td><td>%.2f</td><td>%.4f</"
+                        "td><td>%.3f</td>"
+                        "<td>%.3f</td><td>%.3f</td><td>%.3f</td><td>%.3f</td><td>%s</td></tr>\n",
+                        r.concurrency, r.requests, r.successes, r.requests - r.successes,
+                        r.successes_per_second, r.payload_gb_per_second, r.p50_ms, r.p90_ms,
+                        r.p99_ms, r.p999_ms, r.max_ms, HtmlEscape(absl::StrJoin(errors, ", "))));
   }
   out += "</table>\n";
   if (c.sweep && !runs.empty()) {
     out += "<h2>Throughput</h2>\n";
-    out += LineSvg(runs, [](const RunStats& r) { return r.successes_per_second; },
-                   "successful requests/s");
+    out += LineSvg(
+        runs, [](const RunStats& r) { return r.successes_per_second; }, "successful requests/s");
     out += "\n<h2>p99 latency</h2>\n";
-    out += LineSvg(runs, [](const RunStats& r) { return r.p99_ms; }, "p99 latency (ms)");
+    out += LineSvg(
+        runs, [](const RunStats& r) { return r.p99_ms; }, "p99 latency (ms)");
     out += "\n";
   }
   for (const RunStats& r : runs) {

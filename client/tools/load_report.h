@@ -12,11 +12,11 @@ namespace normgrad::tools {
 
 // What the run was, for report headers.
 struct ReportContext {
-  std::string call;     // "backward" or "emit-ptx"
-  std::string target;   // as given
-  std::string shapes;   // "64x4096,128x896"
+  std::string call;    // "backward" or "emit-ptx"
+  std::string target;  // as given
+  std::string shapes;  // "64x4096,128x896"
   int connections = 1;
-  double rate = 0;      // 0: as fast as concurrency allows
+  double rate = 0;  // 0: as fast as concurrency allows
   bool poisson = false;
   bool sweep = false;
   bool hit_max_duration = false;  // the run was cut short by --max-duration

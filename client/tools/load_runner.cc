@@ -44,7 +44,8 @@ absl::Status ValidateConfig(const LoadConfig& c) {
           absl::StrCat("--concurrency-sweep: need 1 <= start <= end and step >= 1, got ",
                        c.sweep_start, ":", c.sweep_end, ":", c.sweep_step));
     }
-    if (c.window <= absl::ZeroDuration()) return absl::InvalidArgumentError("--window: must be > 0");
+    if (c.window <= absl::ZeroDuration())
+      return absl::InvalidArgumentError("--window: must be > 0");
   } else if (c.total == 0 && c.duration <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("one of --total or --duration must be set");
   }
@@ -111,11 +112,10 @@ void LoadRunner::Issue(uint64_t index, bool record) {
     request.set_kernel(config_.kernel);
     request.set_hidden_dim(d.shape.hidden_dim);
     request.set_target(config_.gpu_target);
-    client.EmitPtxAsync(request, {},
-                        [this, start, record](absl::StatusOr<v1::EmitPtxResponse> r) {
-                          const uint64_t payload = r.ok() ? r->ptx().size() + r->cubin().size() : 0;
-                          Complete(start, r.status().code(), payload, record);
-                        });
+    client.EmitPtxAsync(request, {}, [this, start, record](absl::StatusOr<v1::EmitPtxResponse> r) {
+      const uint64_t payload = r.ok() ? r->ptx().size() + r->cubin().size() : 0;
+      Complete(start, r.status().code(), payload, record);
+    });
   }
 }
 
@@ -176,9 +176,9 @@ absl::StatusOr<std::vector<RunStats>> LoadRunner::Run() {
     Drive(count, absl::Now() + limit, /*record=*/true);
     const double wall = SecondsSince(start);
     std::vector<RequestRecord> records = TakeRecords();
-    hit_max_duration_ = config_.total > 0 && records.size() < config_.total &&
-                        (config_.duration <= absl::ZeroDuration() ||
-                         config_.duration > config_.max_duration);
+    hit_max_duration_ =
+        config_.total > 0 && records.size() < config_.total &&
+        (config_.duration <= absl::ZeroDuration() || config_.duration > config_.max_duration);
     runs.push_back(Summarize(records, wall, config_.concurrency));
     return runs;
   }

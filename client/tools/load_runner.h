@@ -43,8 +43,8 @@ struct LoadConfig {
   absl::Duration max_duration = absl::Seconds(60);  // hard bound of every phase
   double rate = 0;                                  // requests/s; 0: unpaced
   bool poisson = false;
-  std::vector<Shape> shapes = {{64, 4096}};         // requests cycle through these
-  uint64_t warmup = 0;                              // requests before measuring
+  std::vector<Shape> shapes = {{64, 4096}};  // requests cycle through these
+  uint64_t warmup = 0;                       // requests before measuring
   // EmitPtx requests: kernel, GPU target and dtype; hidden_dim comes from the shapes.
   std::string kernel = "batched_rms_norm_backward";
   std::string gpu_target = "sm_90";

@@ -30,19 +30,19 @@ struct HistogramBucket {
 
 struct RunStats {
   int concurrency = 0;
-  uint64_t requests = 0;   // completed, whatever the outcome
-  uint64_t successes = 0;  // completed with OK
+  uint64_t requests = 0;                           // completed, whatever the outcome
+  uint64_t successes = 0;                          // completed with OK
   std::map<std::string, uint64_t> errors_by_code;  // "RESOURCE_EXHAUSTED" -> count; no "OK"
   double wall_seconds = 0;
-  double requests_per_second = 0;   // requests / wall_seconds
-  double successes_per_second = 0;  // successes / wall_seconds (the throughput)
+  double requests_per_second = 0;    // requests / wall_seconds
+  double successes_per_second = 0;   // successes / wall_seconds (the throughput)
   double payload_gb_per_second = 0;  // payload bytes of successes / wall_seconds / 1e9
   // Latency of successful requests in milliseconds (all zero when there is none).
   double min_ms = 0, mean_ms = 0, p50_ms = 0, p90_ms = 0, p95_ms = 0, p99_ms = 0, p999_ms = 0,
          max_ms = 0;
   std::vector<HistogramBucket> histogram;  // of successful requests' latency
-  int windows = 0;      // measurement windows behind these numbers (sweeps), 0 for a fixed run
-  bool stable = true;   // sweeps: the last windows met the stability rule
+  int windows = 0;     // measurement windows behind these numbers (sweeps), 0 for a fixed run
+  bool stable = true;  // sweeps: the last windows met the stability rule
 };
 
 // Nearest-rank percentile (the smallest value with at least p% of values <= it) of a sorted,

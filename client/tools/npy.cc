@@ -83,7 +83,8 @@ std::string ShapeString(absl::Span<const uint64_t> shape) {
 }
 
 absl::StatusOr<Header> ParseHeader(absl::string_view bytes, absl::string_view name) {
-  if (bytes.size() < kMagicSize + 2 || bytes.substr(0, kMagicSize) != absl::string_view(kMagic, kMagicSize)) {
+  if (bytes.size() < kMagicSize + 2 ||
+      bytes.substr(0, kMagicSize) != absl::string_view(kMagic, kMagicSize)) {
     return Bad(name, "not a .npy file (missing the \\x93NUMPY magic string)");
   }
   Header header;
@@ -160,8 +161,9 @@ absl::StatusOr<Array> ParseF32(absl::string_view bytes, absl::string_view name) 
                                   "' is not supported; need '<f4' (float32, little-endian)"));
   }
   if (header->fortran_order) {
-    return Bad(name, "Fortran-order arrays are not supported; save a C-order array "
-                     "(numpy.ascontiguousarray)");
+    return Bad(name,
+               "Fortran-order arrays are not supported; save a C-order array "
+               "(numpy.ascontiguousarray)");
   }
   const uint64_t elements = header->NumElements();
   const uint64_t have = bytes.size() - header->data_offset;
@@ -179,15 +181,16 @@ absl::StatusOr<Array> ParseF32(absl::string_view bytes, absl::string_view name) 
 
 absl::StatusOr<Array> ReadF32(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open (", std::strerror(errno), ")"));
+  if (!in)
+    return absl::NotFoundError(absl::StrCat(path, ": cannot open (", std::strerror(errno), ")"));
   std::ostringstream contents;
   contents << in.rdbuf();
   return ParseF32(contents.str(), path);
 }
 
 std::string SerializeF32(absl::Span<const uint64_t> shape, absl::Span<const float> data) {
-  std::string dict = absl::StrCat("{'descr': '<f4', 'fortran_order': False, 'shape': ",
-                                  ShapeString(shape), ", }");
+  std::string dict =
+      absl::StrCat("{'descr': '<f4', 'fortran_order': False, 'shape': ", ShapeString(shape), ", }");
   // Magic, version, length field, dictionary, spaces, '\n': a multiple of 64 bytes in total.
   const bool v2 = dict.size() + 1 + 10 > 65535;
   const size_t prefix = v2 ? 12 : 10;

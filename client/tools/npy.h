@@ -21,7 +21,7 @@ namespace normgrad::npy {
 
 struct Header {
   int major_version = 1;
-  std::string descr;            // e.g. "<f4"
+  std::string descr;  // e.g. "<f4"
   bool fortran_order = false;
   std::vector<uint64_t> shape;  // () is a scalar: one element
   uint64_t data_offset = 0;     // bytes before the array data

@@ -102,7 +102,8 @@ TEST(BinariesTest, CliMissingInputFileExits2WithOneLine) {
 }
 
 TEST(BinariesTest, CliUnreachableServerExits1) {
-  const Output o = RunCommand("env NORMGRAD_TARGET=127.0.0.1:1 " + kCli + " health --max-attempts=1");
+  const Output o =
+      RunCommand("env NORMGRAD_TARGET=127.0.0.1:1 " + kCli + " health --max-attempts=1");
   EXPECT_EQ(o.status, 1);
   EXPECT_EQ(o.text.rfind("error: UNAVAILABLE: ", 0), 0u) << o.text;
 }
@@ -130,7 +131,7 @@ TEST(BinariesTest, LoadCountsAgainstAServerWithMaxStreams1) {
   ServerProcess server({"--max-streams=1"});
   ASSERT_GT(server.port(), 0);
   const Output o = RunCommand(kLoad + " --target=" + server.target() +
-                       " --total=40 --concurrency=8 --shapes=256x1024 --format=csv");
+                              " --total=40 --concurrency=8 --shapes=256x1024 --format=csv");
   ASSERT_EQ(o.status, 0) << o.text;
   // concurrency,requests,successes,errors,...
   const size_t row = o.text.find("\n8,40,");
@@ -140,7 +141,7 @@ TEST(BinariesTest, LoadCountsAgainstAServerWithMaxStreams1) {
   EXPECT_EQ(successes + errors, 40);
   EXPECT_GT(errors, 0) << o.text;
   const Output summary = RunCommand(kLoad + " --target=" + server.target() +
-                             " --total=24 --concurrency=8 --shapes=256x1024");
+                                    " --total=24 --concurrency=8 --shapes=256x1024");
   EXPECT_NE(summary.text.find("RESOURCE_EXHAUSTED"), std::string::npos) << summary.text;
 }
 #endif

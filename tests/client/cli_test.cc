@@ -38,7 +38,8 @@ class CliFilesTest : public ::testing::Test {
     Write("g5.npy", {5}, std::vector<float>(5, 1.0f));
     Write("x1d.npy", {12}, std::vector<float>(12, 1.0f));
     Write("dy_other.npy", {4, 3}, std::vector<float>(12, 1.0f));
-    const std::string good = npy::SerializeF32(std::vector<uint64_t>{3, 4}, std::vector<float>(12, 1));
+    const std::string good =
+        npy::SerializeF32(std::vector<uint64_t>{3, 4}, std::vector<float>(12, 1));
     RawWrite("trunc.npy", good.substr(0, good.size() - 5));
     std::string f8 = good;
     f8.replace(f8.find("<f4"), 3, "<f8");
@@ -78,12 +79,19 @@ TEST(CliTest, HelpExits0OnStdout) {
 }
 
 TEST(CliTest, UnknownCommandAndFlagsExit2WithOneLine) {
-  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
-           {"frobnicate"}, {"info", "--bogus"}, {"--bogus", "info"}, {"info", "extra"},
-           {"backward", "--x"}, {"info", "--deadline=soon"}, {"info", "--max-attempts=0"},
-           {"info", "--tls-cert=/nonexistent"}, {"info", "--tls-ca=/nonexistent/ca.pem"},
-           {"emit-ptx"}, {"emit-ptx", "--kernel=k", "--dtype=f64"},
-           {"emit-ptx", "--kernel=k", "--hidden-dim=-3"}}) {
+  for (const std::vector<std::string>& args :
+       std::vector<std::vector<std::string>>{{"frobnicate"},
+                                             {"info", "--bogus"},
+                                             {"--bogus", "info"},
+                                             {"info", "extra"},
+                                             {"backward", "--x"},
+                                             {"info", "--deadline=soon"},
+                                             {"info", "--max-attempts=0"},
+                                             {"info", "--tls-cert=/nonexistent"},
+                                             {"info", "--tls-ca=/nonexistent/ca.pem"},
+                                             {"emit-ptx"},
+                                             {"emit-ptx", "--kernel=k", "--dtype=f64"},
+                                             {"emit-ptx", "--kernel=k", "--hidden-dim=-3"}}) {
     const Result r = RunTool(args);
     EXPECT_EQ(r.code, kExitUsage) << args[0] << " " << r.err;
     EXPECT_EQ(Lines(r.err), 1) << r.err;
@@ -130,7 +138,8 @@ TEST(CliTest, TargetComesFromFlagThenEnvironment) {
   const Result from_env = RunTool({"health", "--max-attempts=1"}, "127.0.0.1:1");
   EXPECT_EQ(from_env.code, kExitServerError);
   EXPECT_NE(from_env.err.find("127.0.0.1:1"), std::string::npos) << from_env.err;
-  const Result from_flag = RunTool({"--target=127.0.0.1:2", "info", "--max-attempts=1"}, "127.0.0.1:1");
+  const Result from_flag =
+      RunTool({"--target=127.0.0.1:2", "info", "--max-attempts=1"}, "127.0.0.1:1");
   EXPECT_EQ(from_flag.code, kExitServerError);
   EXPECT_NE(from_flag.err.find("127.0.0.1:2"), std::string::npos) << from_flag.err;
 }

@@ -104,11 +104,18 @@ TEST(HealthWireTest, DecodesStatusAndSkipsUnknownFields) {
   EXPECT_EQ(*DecodeHealthCheckResponse(""), 0);
   EXPECT_EQ(*DecodeHealthCheckResponse(std::string("\x08\x01", 2)), 1);
   // field 2 (string "ab"), field 3 fixed32, then status NOT_SERVING.
-  EXPECT_EQ(*DecodeHealthCheckResponse(std::string("\x12\x02" "ab" "\x1d\x01\x02\x03\x04\x08\x02", 11)), 2);
+  EXPECT_EQ(*DecodeHealthCheckResponse(std::string("\x12\x02"
+                                                   "ab"
+                                                   "\x1d\x01\x02\x03\x04\x08\x02",
+                                                   11)),
+            2);
 }
 
 TEST(HealthWireTest, RejectsTruncatedMessages) {
-  for (const std::string& bad : {std::string("\x08", 1), std::string("\x12\x05" "ab", 4),
+  for (const std::string& bad : {std::string("\x08", 1),
+                                 std::string("\x12\x05"
+                                             "ab",
+                                             4),
                                  std::string("\x80", 1), std::string("\x1d\x01", 2)}) {
     absl::StatusOr<int> s = DecodeHealthCheckResponse(bad);
     ASSERT_FALSE(s.ok());

@@ -197,8 +197,7 @@ TEST_F(ClientProtocolTest, RowsOutsideTheBatchAreInternal) {
   absl::StatusOr<Gradients> g = Call(Script::kRowsOutOfRange);
   ASSERT_FALSE(g.ok());
   EXPECT_EQ(g.status().code(), absl::StatusCode::kInternal);
-  EXPECT_NE(g.status().message().find("of a 10-row batch"), absl::string_view::npos)
-      << g.status();
+  EXPECT_NE(g.status().message().find("of a 10-row batch"), absl::string_view::npos) << g.status();
 }
 
 }  // namespace

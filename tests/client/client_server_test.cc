@@ -61,7 +61,8 @@ TEST_F(ClientServerTest, ChunkBoundariesDoNotChangeTheResult) {
   const struct {
     uint64_t chunk_bytes;
     uint64_t chunks;
-  } cases[] = {{1, 10}, {64, 10}, {3 * 64, 4}, {5 * 64, 2}, {9 * 64, 2}, {10 * 64, 1}, {1 << 20, 1}};
+  } cases[] = {{1, 10},     {64, 10},     {3 * 64, 4}, {5 * 64, 2},
+               {9 * 64, 2}, {10 * 64, 1}, {1 << 20, 1}};
   for (const auto& c : cases) {
     ClientOptions options;
     options.chunk_bytes = c.chunk_bytes;
@@ -125,8 +126,7 @@ TEST_F(ClientServerTest, ServerErrorsComeBackWithCodeAndMessageUntouched) {
   absl::StatusOr<v1::EmitPtxResponse> ptx = Connect()->EmitPtx(request);
   ASSERT_FALSE(ptx.ok());
   EXPECT_EQ(ptx.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(ptx.status().message().find("no_such_kernel"), absl::string_view::npos)
-      << ptx.status();
+  EXPECT_NE(ptx.status().message().find("no_such_kernel"), absl::string_view::npos) << ptx.status();
 }
 
 TEST_F(ClientServerTest, DeadlineExceededIsReported) {
@@ -169,7 +169,8 @@ TEST_F(ClientServerTest, ThirtyTwoConcurrentFuturesAllMatchTheirReferences) {
   std::vector<std::unique_ptr<Batch>> batches;
   std::vector<std::future<absl::StatusOr<Gradients>>> futures;
   for (int i = 0; i < 32; ++i) batches.push_back(std::make_unique<Batch>(5 + i, 64, 100 + i));
-  for (const auto& b : batches) futures.push_back(client->BackwardFuture(b->x, b->dy, b->gamma, 1e-5f));
+  for (const auto& b : batches)
+    futures.push_back(client->BackwardFuture(b->x, b->dy, b->gamma, 1e-5f));
   for (int i = 0; i < 32; ++i) {
     absl::StatusOr<Gradients> g = futures[i].get();
     ASSERT_TRUE(g.ok()) << "request " << i << ": " << g.status();

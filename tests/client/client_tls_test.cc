@@ -3,7 +3,6 @@
 // with the openssl command-line tool.
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/security/server_credentials.h>
-
 #include <unistd.h>
 
 #include <cstdlib>
@@ -39,7 +38,8 @@ class Certificates {
         "openssl req -x509 -newkey rsa:2048 -nodes -keyout other_ca.key -out other_ca.pem -days 2 "
         "-subj /CN=other-ca;",
         "printf 'subjectAltName=DNS:normgrad.test\\n' > server.ext;",
-        "openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj /CN=normgrad.test;",
+        "openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj "
+        "/CN=normgrad.test;",
         "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem "
         "-days 2 -extfile server.ext;",
         "openssl req -newkey rsa:2048 -nodes -keyout client.key -out client.csr -subj /CN=client;",
@@ -60,7 +60,8 @@ class InfoService final : public v1::NormGrad::CallbackService {
       absl::MutexLock lock(&mu_);
       const auto& metadata = context->client_metadata();
       auto it = metadata.find("authorization");
-      authorization_ = it == metadata.end() ? "" : std::string(it->second.data(), it->second.size());
+      authorization_ =
+          it == metadata.end() ? "" : std::string(it->second.data(), it->second.size());
     }
     response->set_version("tls-test");
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();

@@ -117,14 +117,15 @@ TEST(ReportTest, CsvHasAHeaderAndOneRowPerRun) {
 }
 
 TEST(ReportTest, HtmlIsSelfContainedWithHistogramAndSweepCharts) {
-  std::vector<RunStats> runs = {Summarize(OneToHundredMs(), 1, 1), Summarize(OneToHundredMs(), 1, 2)};
+  std::vector<RunStats> runs = {Summarize(OneToHundredMs(), 1, 1),
+                                Summarize(OneToHundredMs(), 1, 2)};
   ReportContext context{"backward", "a<b", "1x8"};
   context.sweep = true;
   const std::string html = FormatHtml(context, runs);
   EXPECT_NE(html.find("<svg"), std::string::npos);
   EXPECT_NE(html.find("<polyline"), std::string::npos);  // throughput / p99 vs concurrency
   EXPECT_NE(html.find("p99 latency (ms) vs concurrency"), std::string::npos);
-  EXPECT_NE(html.find("<rect"), std::string::npos);  // histogram bars
+  EXPECT_NE(html.find("<rect"), std::string::npos);   // histogram bars
   EXPECT_NE(html.find("a&lt;b"), std::string::npos);  // escaped
   EXPECT_EQ(html.find("<script"), std::string::npos);
   EXPECT_EQ(html.find("http://cdn"), std::string::npos);
@@ -146,7 +147,8 @@ TEST(LoadFlagsTest, ParsesShapesAndRejectsBadOnes) {
   ASSERT_EQ(shapes->size(), 2u);
   EXPECT_EQ((*shapes)[1].rows, 1u);
   EXPECT_EQ((*shapes)[1].hidden_dim, 8u);
-  for (const char* bad : {"", "64", "0x8", "8x0", "axb", "1x2x3"}) EXPECT_FALSE(ParseShapes(bad).ok()) << bad;
+  for (const char* bad : {"", "64", "0x8", "8x0", "axb", "1x2x3"})
+    EXPECT_FALSE(ParseShapes(bad).ok()) << bad;
 }
 
 TEST(LoadFlagsTest, DefaultsAreBoundedAndFlagsLandInTheConfig) {
@@ -156,11 +158,11 @@ TEST(LoadFlagsTest, DefaultsAreBoundedAndFlagsLandInTheConfig) {
   EXPECT_EQ(d->config.max_duration, absl::Seconds(60));
   EXPECT_EQ(d->target_text, "localhost:50051");
 
-  absl::StatusOr<LoadCommand> c = ParseLoadCommand(
-      {"--target=127.0.0.1:5,127.0.0.1:6", "--call", "emit-ptx", "--concurrency=3",
-       "--connections=2", "--duration=2s", "--rate=50", "--rate-dist=poisson",
-       "--concurrency-sweep=1:9:4", "--format=json", "--warmup=5"},
-      "ignored:1");
+  absl::StatusOr<LoadCommand> c =
+      ParseLoadCommand({"--target=127.0.0.1:5,127.0.0.1:6", "--call", "emit-ptx", "--concurrency=3",
+                        "--connections=2", "--duration=2s", "--rate=50", "--rate-dist=poisson",
+                        "--concurrency-sweep=1:9:4", "--format=json", "--warmup=5"},
+                       "ignored:1");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->config.client.target, "127.0.0.1:5,127.0.0.1:6");
   EXPECT_EQ(c->config.call, LoadCall::kEmitPtx);

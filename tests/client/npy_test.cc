@@ -58,8 +58,8 @@ TEST(NpyTest, ParsesVersion2HeadersAndDoubleQuotedKeys) {
 }
 
 TEST(NpyTest, ScalarShapeHoldsOneElementAndZeroDimensionHoldsNone) {
-  absl::StatusOr<Array> scalar =
-      ParseF32(NpyBytes("{'descr': '<f4', 'fortran_order': False, 'shape': (), }", FloatBytes({4})));
+  absl::StatusOr<Array> scalar = ParseF32(
+      NpyBytes("{'descr': '<f4', 'fortran_order': False, 'shape': (), }", FloatBytes({4})));
   ASSERT_TRUE(scalar.ok()) << scalar.status();
   EXPECT_TRUE(scalar->shape.empty());
   EXPECT_EQ(scalar->data.size(), 1u);
@@ -83,8 +83,8 @@ TEST(NpyTest, RejectsOtherDtypesNamingTheDtype) {
 }
 
 TEST(NpyTest, RejectsFortranOrder) {
-  absl::StatusOr<Array> a = ParseF32(
-      NpyBytes("{'descr': '<f4', 'fortran_order': True, 'shape': (2, 2), }", FloatBytes({1, 2, 3, 4})));
+  absl::StatusOr<Array> a = ParseF32(NpyBytes(
+      "{'descr': '<f4', 'fortran_order': True, 'shape': (2, 2), }", FloatBytes({1, 2, 3, 4})));
   ASSERT_FALSE(a.ok());
   EXPECT_NE(a.status().message().find("Fortran"), absl::string_view::npos) << a.status();
 }
@@ -117,12 +117,12 @@ TEST(NpyTest, RejectsTruncatedHeadersAndBadMagic) {
 }
 
 TEST(NpyTest, RejectsMalformedDictionaries) {
-  for (const char* dict : {"{'descr': '<f4', 'shape': (2,), }",                 // missing key
-                           "{'descr': '<f4', 'fortran_order': Maybe, 'shape': (2,), }",
-                           "{'descr': '<f4', 'fortran_order': False, 'shape': [2], }",
-                           "{'descr': '<f4', 'fortran_order': False, 'shape': (-2,), }",
-                           "{'descr': '<f4', 'fortran_order': False, 'shape': (2,), 'x': 1}",
-                           "'descr': '<f4'"}) {
+  for (const char* dict :
+       {"{'descr': '<f4', 'shape': (2,), }",  // missing key
+        "{'descr': '<f4', 'fortran_order': Maybe, 'shape': (2,), }",
+        "{'descr': '<f4', 'fortran_order': False, 'shape': [2], }",
+        "{'descr': '<f4', 'fortran_order': False, 'shape': (-2,), }",
+        "{'descr': '<f4', 'fortran_order': False, 'shape': (2,), 'x': 1}", "'descr': '<f4'"}) {
     EXPECT_FALSE(ParseHeader(NpyBytes(dict, FloatBytes({1, 2}))).ok()) << dict;
   }
 }

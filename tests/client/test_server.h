@@ -29,7 +29,8 @@ inline std::unique_ptr<server::NormGradServer> StartTestServer(
   options.backend.cpu_threads = 2;
   options.worker_threads = 2;
   if (adjust) adjust(options);
-  absl::StatusOr<std::unique_ptr<server::NormGradServer>> s = server::NormGradServer::Start(options);
+  absl::StatusOr<std::unique_ptr<server::NormGradServer>> s =
+      server::NormGradServer::Start(options);
   EXPECT_TRUE(s.ok()) << s.status();
   return s.ok() ? std::move(*s) : nullptr;
 }

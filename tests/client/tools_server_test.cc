@@ -72,9 +72,9 @@ TEST_F(CliServerTest, BackwardNpyRoundTripMatchesReference) {
   Save("x.npy", {2, 150, 64}, b.x);
   Save("dy.npy", {2, 150, 64}, b.dy);
   Save("g.npy", {64}, b.gamma);
-  const Result r = Cli({target_, "backward", "--x", P("x.npy"), "--dy", P("dy.npy"), "--gamma",
-                        P("g.npy"), "--eps=1e-5", "--chunk-bytes=16384", "--dx", P("dx.npy"),
-                        "--dgamma", P("dg.npy")});
+  const Result r =
+      Cli({target_, "backward", "--x", P("x.npy"), "--dy", P("dy.npy"), "--gamma", P("g.npy"),
+           "--eps=1e-5", "--chunk-bytes=16384", "--dx", P("dx.npy"), "--dgamma", P("dg.npy")});
   ASSERT_EQ(r.code, kExitOk) << r.err;
   EXPECT_NE(r.out.find("rows=300 hidden_dim=64 backend=cpu"), std::string::npos) << r.out;
   absl::StatusOr<npy::Array> dx = npy::ReadF32(P("dx.npy"));
@@ -90,9 +90,9 @@ TEST_F(CliServerTest, ProgressBarOnlyOnATerminal) {
   const Batch b(64, 32, /*seed=*/24);
   Save("px.npy", {64, 32}, b.x);
   Save("pg.npy", {32}, b.gamma);
-  const std::vector<std::string> args = {target_, "backward", "--x", P("px.npy"), "--dy",
-                                         P("px.npy"), "--gamma", P("pg.npy"),
-                                         "--chunk-bytes=1024"};  // 8 rows per message
+  const std::vector<std::string> args = {
+      target_,     "backward", "--x",       P("px.npy"),         "--dy",
+      P("px.npy"), "--gamma",  P("pg.npy"), "--chunk-bytes=1024"};  // 8 rows per message
   const Result tty = Cli(args, "", /*terminal=*/true);
   ASSERT_EQ(tty.code, kExitOk) << tty.err;
   EXPECT_NE(tty.err.find("100%  64/64 rows"), std::string::npos) << tty.err;
@@ -141,8 +141,8 @@ TEST_F(CliServerTest, EmitPtxWritesTheFileWithTheGpuTargetFlag) {
   EXPECT_NE(ptx.find(".entry batched_rms_norm_backward"), std::string::npos);
   EXPECT_NE(r.err.find("sha256"), std::string::npos);
   // Without -o the PTX goes to stdout.
-  const Result s = Cli({target_, "emit-ptx", "--kernel=batched_rms_norm_backward",
-                        "--hidden-dim=896"});
+  const Result s =
+      Cli({target_, "emit-ptx", "--kernel=batched_rms_norm_backward", "--hidden-dim=896"});
   ASSERT_EQ(s.code, kExitOk) << s.err;
   EXPECT_NE(s.out.find(".entry batched_rms_norm_backward"), std::string::npos);
 }
@@ -150,11 +150,13 @@ TEST_F(CliServerTest, EmitPtxWritesTheFileWithTheGpuTargetFlag) {
 TEST_F(CliServerTest, EmitPtxCubinIsAnElfFileOrAFailedPrecondition) {
   // The server compiles cubins with nvJitLink when it finds one; without it the call fails with
   // FAILED_PRECONDITION, which the CLI reports as a server error.
-  const Result r = Cli({target_, "emit-ptx", "--kernel=batched_rms_norm_backward",
-                        "--hidden-dim=896", "--target=sm_90", "-o", P("c.ptx"), "--cubin",
-                        P("c.cubin")});
+  const Result r =
+      Cli({target_, "emit-ptx", "--kernel=batched_rms_norm_backward", "--hidden-dim=896",
+           "--target=sm_90", "-o", P("c.ptx"), "--cubin", P("c.cubin")});
   if (r.code == kExitOk) {
-    EXPECT_EQ(ReadAll(P("c.cubin")).substr(0, 4), "\x7f" "ELF");
+    EXPECT_EQ(ReadAll(P("c.cubin")).substr(0, 4),
+              "\x7f"
+              "ELF");
     EXPECT_NE(r.err.find("cubin sha256"), std::string::npos) << r.err;
   } else {
     EXPECT_EQ(r.code, kExitServerError);
@@ -199,8 +201,8 @@ TEST_F(LoadServerTest, LiveProgressLineOnlyOnATerminal) {
   auto server = StartTestServer();
   ASSERT_NE(server, nullptr);
   // Paced so the run outlasts a few 250 ms redraws: 20 requests at 25/s.
-  const std::vector<std::string> args = {"--target=" + Address(*server), "--total=20",
-                                         "--rate=25", "--shapes=2x32", "--format=csv"};
+  const std::vector<std::string> args = {"--target=" + Address(*server), "--total=20", "--rate=25",
+                                         "--shapes=2x32", "--format=csv"};
   const Result tty = Load(args, /*terminal=*/true);
   ASSERT_EQ(tty.code, 0) << tty.err;
   EXPECT_NE(tty.err.find("concurrency 8: "), std::string::npos) << tty.err;
@@ -246,16 +248,16 @@ TEST_F(LoadServerTest, OverloadedServerErrorsAreCountedByCode) {
 TEST_F(LoadServerTest, DurationRunStopsByItselfAndSweepWritesHtml) {
   auto server = StartTestServer();
   ASSERT_NE(server, nullptr);
-  const Result timed = Load({"--target=" + Address(*server), "--duration=300ms",
-                             "--concurrency=2", "--shapes=4x64", "--format=json"});
+  const Result timed = Load({"--target=" + Address(*server), "--duration=300ms", "--concurrency=2",
+                             "--shapes=4x64", "--format=json"});
   ASSERT_EQ(timed.code, 0) << timed.err;
   EXPECT_GT(CountOf(timed.out, "requests"), 0);
   EXPECT_EQ(CountOf(timed.out, "requests"), CountOf(timed.out, "successes"));
 
   const std::string html = ::testing::TempDir() + "/load_sweep.html";
-  const Result sweep = Load({"--target=" + Address(*server), "--concurrency-sweep=1:3:2",
-                             "--window=150ms", "--max-windows=4", "--shapes=4x64",
-                             "--format=csv", "--html=" + html});
+  const Result sweep =
+      Load({"--target=" + Address(*server), "--concurrency-sweep=1:3:2", "--window=150ms",
+            "--max-windows=4", "--shapes=4x64", "--format=csv", "--html=" + html});
   ASSERT_EQ(sweep.code, 0) << sweep.err;
   EXPECT_NE(sweep.out.find("\n1,"), std::string::npos) << sweep.out;
   EXPECT_NE(sweep.out.find("\n3,"), std::string::npos) << sweep.out;

@@ -38,8 +38,8 @@ enum class ElementType { kF32, kBF16, kF16 };
 int ElementBytes(ElementType type);
 
 struct TlsOptions {
-  std::string root_certs_pem;    // PEM contents; empty: the system's roots
-  std::string client_cert_pem;   // both set: mutual TLS
+  std::string root_certs_pem;   // PEM contents; empty: the system's roots
+  std::string client_cert_pem;  // both set: mutual TLS
   std::string client_key_pem;
   std::string server_name_override;  // checked against the certificate instead of the host
 };
@@ -77,7 +77,7 @@ struct ClientOptions {
 // Per-call options of Backward.
 struct BackwardOptions {
   absl::Duration deadline = absl::ZeroDuration();  // zero: ClientOptions::default_deadline
-  std::string kernel;                // empty: the server picks
+  std::string kernel;                              // empty: the server picks
   // Per-row rms from the forward pass (num_rows values); empty: the server recomputes it.
   absl::Span<const float> rms;
   // Caller-owned outputs. When set they must hold num_rows * hidden_dim (dx) and hidden_dim
@@ -102,7 +102,7 @@ struct Gradients {
   std::vector<float> dx;      // empty when BackwardOptions::dx was given
   std::vector<float> dgamma;  // empty when BackwardOptions::dgamma was given
   BackwardSummary summary;
-  int attempts = 1;           // streams started (more than one after UNAVAILABLE retries)
+  int attempts = 1;  // streams started (more than one after UNAVAILABLE retries)
 };
 
 // The byte-level form of a Backward call, for any element type. Spans are caller-owned and must
@@ -145,8 +145,7 @@ class Client {
 
   // dx and dgamma of RMSNorm for x and dy of num_rows = x.size() / gamma.size() rows of
   // hidden_dim = gamma.size() elements. Blocks; do not call it from a callback of this class.
-  virtual absl::StatusOr<Gradients> Backward(absl::Span<const float> x,
-                                             absl::Span<const float> dy,
+  virtual absl::StatusOr<Gradients> Backward(absl::Span<const float> x, absl::Span<const float> dy,
                                              absl::Span<const float> gamma, float eps,
                                              const BackwardOptions& options = {}) = 0;
 
@@ -171,8 +170,7 @@ class Client {
                                                       const CallOptions& options = {}) = 0;
   virtual void EmitPtxAsync(const v1::EmitPtxRequest& request, const CallOptions& options,
                             EmitPtxCallback done) = 0;
-  virtual absl::StatusOr<v1::GetServerInfoResponse> ServerInfo(
-      const CallOptions& options = {}) = 0;
+  virtual absl::StatusOr<v1::GetServerInfoResponse> ServerInfo(const CallOptions& options = {}) = 0;
   // grpc.health.v1.Health/Check for `service` ("" is the server as a whole).
   virtual absl::StatusOr<HealthStatus> Health(const std::string& service = "",
                                               const CallOptions& options = {}) = 0;
