@@ -1247,8 +1247,31 @@ class Launcher {
         });
         return true;
       }
-      case Op::kSetp:
-        break;
+      case Op::kSetp: {
+        if (in.bool_op != BoolOp::kNone || in.num_dst != 1) return false;
+        const Cmp c = static_cast<Cmp>(in.mode);
+        const bool s = IsSigned(t);
+        const int shift = int32 ? 32 : 0;  // moves a 32-bit value's sign bit to bit 63
+        Map<2>(in, exec, r, out, [c, s, m, shift](uint64_t a, uint64_t b, uint64_t) -> uint64_t {
+          const uint64_t ua = a & m, ub = b & m;
+          const int64_t sa = static_cast<int64_t>(ua << shift) >> shift;
+          const int64_t sb = static_cast<int64_t>(ub << shift) >> shift;
+          switch (c) {
+            case Cmp::kEq: return ua == ub;
+            case Cmp::kNe: return ua != ub;
+            case Cmp::kLt: return s ? sa < sb : ua < ub;
+            case Cmp::kLe: return s ? sa <= sb : ua <= ub;
+            case Cmp::kGt: return s ? sa > sb : ua > ub;
+            case Cmp::kGe: return s ? sa >= sb : ua >= ub;
+            case Cmp::kLo: return ua < ub;
+            case Cmp::kLs: return ua <= ub;
+            case Cmp::kHi: return ua > ub;
+            case Cmp::kHs: return ua >= ub;
+            default: return 0;
+          }
+        });
+        return true;
+      }
       default:
         break;
     }
