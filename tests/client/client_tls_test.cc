@@ -1,14 +1,10 @@
 // The client's TLS, mutual TLS and bearer-token options against a small TLS gRPC server in the
-// test (normgrad-server's own TLS is tested with the server). Certificates are made at run time
-// with the openssl command-line tool.
+// test (secure_server_test.cc does the same against normgrad-server). Certificates are made at
+// run time with the openssl command-line tool.
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/security/server_credentials.h>
-#include <unistd.h>
 
-#include <cstdlib>
-#include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -16,39 +12,10 @@
 #include "gtest/gtest.h"
 #include "normgrad/client.h"
 #include "normgrad/v1/normgrad.grpc.pb.h"
+#include "tests/client/test_certificates.h"
 
 namespace normgrad {
 namespace {
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-// A CA, a server certificate for "normgrad.test" and a client certificate, all signed by the CA.
-class Certificates {
- public:
-  static bool Make(const std::string& dir) {
-    const std::string script = absl::StrCat(
-        "set -e; cd '", dir, "';",
-        "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 "
-        "-subj /CN=normgrad-test-ca;",
-        "openssl req -x509 -newkey rsa:2048 -nodes -keyout other_ca.key -out other_ca.pem -days 2 "
-        "-subj /CN=other-ca;",
-        "printf 'subjectAltName=DNS:normgrad.test\\n' > server.ext;",
-        "openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj "
-        "/CN=normgrad.test;",
-        "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem "
-        "-days 2 -extfile server.ext;",
-        "openssl req -newkey rsa:2048 -nodes -keyout client.key -out client.csr -subj /CN=client;",
-        "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem "
-        "-days 2");
-    const std::string command = absl::StrCat("sh -c \"", script, "\" > /dev/null 2>&1");
-    return std::system(command.c_str()) == 0;
-  }
-};
 
 // GetServerInfo only; remembers the authorization metadata it saw.
 class InfoService final : public v1::NormGrad::CallbackService {
@@ -81,18 +48,12 @@ class InfoService final : public v1::NormGrad::CallbackService {
 class ClientTlsTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    // Per process: ctest runs each test as its own process, in parallel.
-    dir_ = new std::string(absl::StrCat(::testing::TempDir(), "/client_tls_test_certs_", getpid()));
-    std::system(absl::StrCat("rm -rf '", *dir_, "' && mkdir -p '", *dir_, "'").c_str());
-    made_ = Certificates::Make(*dir_);
+    certificates_ = new testing::TestCertificates(::testing::TempDir());
   }
-  static void TearDownTestSuite() {
-    std::system(absl::StrCat("rm -rf '", *dir_, "'").c_str());
-    delete dir_;
-  }
+  static void TearDownTestSuite() { delete certificates_; }
 
   void StartServer(bool require_client_cert) {
-    if (!made_) GTEST_SKIP() << "openssl could not make test certificates";
+    if (!certificates_->ok()) GTEST_SKIP() << "openssl could not make test certificates";
     grpc::SslServerCredentialsOptions ssl(
         require_client_cert ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
                             : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
@@ -107,7 +68,7 @@ class ClientTlsTest : public ::testing::Test {
   void TearDown() override {
     if (server_) server_->Shutdown(std::chrono::system_clock::now());
   }
-  static std::string Pem(const std::string& name) { return ReadFile(*dir_ + "/" + name); }
+  static std::string Pem(const std::string& name) { return certificates_->Pem(name); }
 
   ClientOptions TlsOptions() {
     ClientOptions options;
@@ -125,14 +86,12 @@ class ClientTlsTest : public ::testing::Test {
     return (*client)->ServerInfo();
   }
 
-  static std::string* dir_;
-  static bool made_;
+  static testing::TestCertificates* certificates_;
   InfoService service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
 };
-std::string* ClientTlsTest::dir_ = nullptr;
-bool ClientTlsTest::made_ = false;
+testing::TestCertificates* ClientTlsTest::certificates_ = nullptr;
 
 TEST_F(ClientTlsTest, TlsWithTheRightRootCertificateConnects) {
   StartServer(/*require_client_cert=*/false);
