@@ -7,7 +7,7 @@
 //   one row in registers (each thread a fixed set of columns) between the two block reductions
 //   (sum x^2 and sum x*gamma*dy: warp shuffles, then shared memory + bar.sync, summed in warp
 //   order) and the output, so x and dy are read once and dx written once. Loads and stores are
-//   16-byte vectors (ld/st.global.v4.f32, or .v4.b32 holding eight f16/bf16) when every row start
+//   16-byte vectors (ld/st.global.v4.f32, or .v4.u32 holding eight f16/bf16) when every row start
 //   is 16-byte aligned, else element by element; the tail of any hidden_dim is element by element.
 //   grad_gamma: each thread accumulates its columns over the block's rows in fp32 registers, and
 //   the block writes one row of `dgamma_partials` (fp32 [G, hidden_dim]) at the end. No atomics.
