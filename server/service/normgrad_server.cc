@@ -388,9 +388,14 @@ void NormGradServer::Shutdown(absl::Duration grace) {
   if (grpc_server_ != nullptr) {
     env_->draining.store(true);
     SetServing(false);
-    streams_->WaitUntilEmpty(absl::Now() + grace);
-    // Cancels whatever is still running; returns once every call is done.
-    grpc_server_->Shutdown(std::chrono::system_clock::now());
+    const absl::Time deadline = absl::Now() + grace;
+    streams_->WaitUntilEmpty(deadline);
+    // GOAWAY at once; calls the transport accepted meanwhile (new streams, which the draining
+    // service answers UNAVAILABLE before any response so clients retry them elsewhere, and
+    // unary calls) still finish until the deadline; then what is left is cancelled. Returns
+    // once every call is done. (Shutdown(now) here used to cancel those late arrivals: their
+    // clients saw CANCELLED, which they do not retry.)
+    grpc_server_->Shutdown(absl::ToChronoTime(deadline));
     streams_->WaitUntilEmpty(absl::InfiniteFuture());  // workers finish their current chunk
   }
   {
