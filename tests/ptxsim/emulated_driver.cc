@@ -94,7 +94,8 @@ class EmulatedDriver {
   EmulatedDriver()
       : sm_(static_cast<int>(EnvU64("NORMGRAD_EMULATED_SM", 90))),
         total_bytes_(EnvU64("NORMGRAD_EMULATED_MEMORY_MB", 16384) << 20),
-        max_warp_instructions_(EnvU64("NORMGRAD_EMULATED_MAX_WARP_INSTRUCTIONS", uint64_t{1} << 36)),
+        max_warp_instructions_(
+            EnvU64("NORMGRAD_EMULATED_MAX_WARP_INSTRUCTIONS", uint64_t{1} << 36)),
         verbose_(EnvU64("NORMGRAD_EMULATED_CUDA_VERBOSE", 0) != 0) {}
 
   absl::Mutex mu;
@@ -121,7 +122,8 @@ class EmulatedDriver {
 };
 
 EmulatedDriver& Driver() {
-  static EmulatedDriver* driver = new EmulatedDriver();  // never destroyed: threads may outlive exit
+  static EmulatedDriver* driver =
+      new EmulatedDriver();  // never destroyed: threads may outlive exit
   return *driver;
 }
 
@@ -135,7 +137,8 @@ CUresult NeedContext() {
 }
 
 bool ValidStream(CUstream stream) {
-  if (stream == nullptr || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) return true;
+  if (stream == nullptr || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD)
+    return true;
   EmulatedDriver& d = Driver();
   absl::MutexLock lock(&d.mu);
   return d.streams.count(reinterpret_cast<EmuStream*>(stream)) != 0;
@@ -157,16 +160,21 @@ constexpr ErrorText kErrors[] = {
     {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
     {CUDA_ERROR_INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"},
     {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
-    {CUDA_ERROR_NO_BINARY_FOR_GPU, "CUDA_ERROR_NO_BINARY_FOR_GPU", "no kernel image is available for execution on the device"},
+    {CUDA_ERROR_NO_BINARY_FOR_GPU, "CUDA_ERROR_NO_BINARY_FOR_GPU",
+     "no kernel image is available for execution on the device"},
     {CUDA_ERROR_INVALID_PTX, "CUDA_ERROR_INVALID_PTX", "a PTX JIT compilation failed"},
-    {CUDA_ERROR_UNSUPPORTED_PTX_VERSION, "CUDA_ERROR_UNSUPPORTED_PTX_VERSION", "the provided PTX was compiled with an unsupported toolchain."},
+    {CUDA_ERROR_UNSUPPORTED_PTX_VERSION, "CUDA_ERROR_UNSUPPORTED_PTX_VERSION",
+     "the provided PTX was compiled with an unsupported toolchain."},
     {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
     {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
     {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
-    {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"},
+    {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS",
+     "an illegal memory access was encountered"},
     {CUDA_ERROR_MISALIGNED_ADDRESS, "CUDA_ERROR_MISALIGNED_ADDRESS", "misaligned address"},
-    {CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", "too many resources requested for launch"},
-    {CUDA_ERROR_LAUNCH_TIMEOUT, "CUDA_ERROR_LAUNCH_TIMEOUT", "the launch timed out and was terminated"},
+    {CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
+     "too many resources requested for launch"},
+    {CUDA_ERROR_LAUNCH_TIMEOUT, "CUDA_ERROR_LAUNCH_TIMEOUT",
+     "the launch timed out and was terminated"},
     {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
     {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
@@ -208,24 +216,29 @@ CUresult Release(CUdeviceptr dptr) {
 
 CUresult LaunchFailure(Finding finding) {
   switch (finding) {
-    case Finding::kOutOfBounds: return CUDA_ERROR_ILLEGAL_ADDRESS;
-    case Finding::kMisaligned: return CUDA_ERROR_MISALIGNED_ADDRESS;
-    case Finding::kInstructionLimit: return CUDA_ERROR_LAUNCH_TIMEOUT;
-    case Finding::kInvalidLaunch: return CUDA_ERROR_INVALID_VALUE;
-    default: return CUDA_ERROR_LAUNCH_FAILED;
+    case Finding::kOutOfBounds:
+      return CUDA_ERROR_ILLEGAL_ADDRESS;
+    case Finding::kMisaligned:
+      return CUDA_ERROR_MISALIGNED_ADDRESS;
+    case Finding::kInstructionLimit:
+      return CUDA_ERROR_LAUNCH_TIMEOUT;
+    case Finding::kInvalidLaunch:
+      return CUDA_ERROR_INVALID_VALUE;
+    default:
+      return CUDA_ERROR_LAUNCH_FAILED;
   }
 }
 
 }  // namespace
 }  // namespace normgrad::ptxsim
 
+using normgrad::ptxsim::current_context;
 using normgrad::ptxsim::Driver;
-using normgrad::ptxsim::EmulatedDriver;
 using normgrad::ptxsim::EmuEvent;
 using normgrad::ptxsim::EmuFunction;
+using normgrad::ptxsim::EmulatedDriver;
 using normgrad::ptxsim::EmuModule;
 using normgrad::ptxsim::EmuStream;
-using normgrad::ptxsim::current_context;
 using normgrad::ptxsim::NeedContext;
 using normgrad::ptxsim::NeedInit;
 using normgrad::ptxsim::WriteLog;
@@ -302,40 +315,101 @@ NG_EXPORT CUresult CUDAAPI cuDeviceTotalMem(size_t* bytes, CUdevice dev) {
 NG_EXPORT CUresult CUDAAPI cuDeviceGetAttribute(int* pi, CUdevice_attribute attrib, CUdevice dev) {
   if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
   if (dev != 0) return CUDA_ERROR_INVALID_DEVICE;
-  if (pi == nullptr || attrib <= 0 || attrib >= CU_DEVICE_ATTRIBUTE_MAX) return CUDA_ERROR_INVALID_VALUE;
+  if (pi == nullptr || attrib <= 0 || attrib >= CU_DEVICE_ATTRIBUTE_MAX)
+    return CUDA_ERROR_INVALID_VALUE;
   const int sm = Driver().sm_;
   int v = 0;
   switch (attrib) {
-    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: v = sm / 10; break;
-    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: v = sm % 10; break;
-    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: v = 132; break;
-    case CU_DEVICE_ATTRIBUTE_WARP_SIZE: v = 32; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: v = 1024; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X: v = 1024; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y: v = 1024; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z: v = 64; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X: v = 2147483647; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y: v = 65535; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z: v = 65535; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK: v = 49152; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: v = 232448; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: v = 233472; break;
-    case CU_DEVICE_ATTRIBUTE_TOTAL_CONSTANT_MEMORY: v = 65536; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK: v = 65536; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR: v = 65536; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: v = 2048; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR: v = 32; break;
-    case CU_DEVICE_ATTRIBUTE_CLOCK_RATE: v = 1980000; break;
-    case CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE: v = 2619000; break;
-    case CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH: v = 6144; break;
-    case CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE: v = 50 << 20; break;
-    case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS: v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT: v = 2; break;
-    case CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY: v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_COMPUTE_MODE: v = CU_COMPUTEMODE_DEFAULT; break;
-    default: v = 0; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR:
+      v = sm / 10;
+      break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR:
+      v = sm % 10;
+      break;
+    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT:
+      v = 132;
+      break;
+    case CU_DEVICE_ATTRIBUTE_WARP_SIZE:
+      v = 32;
+      break;
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK:
+      v = 1024;
+      break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X:
+      v = 1024;
+      break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y:
+      v = 1024;
+      break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z:
+      v = 64;
+      break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X:
+      v = 2147483647;
+      break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y:
+      v = 65535;
+      break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z:
+      v = 65535;
+      break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK:
+      v = 49152;
+      break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN:
+      v = 232448;
+      break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR:
+      v = 233472;
+      break;
+    case CU_DEVICE_ATTRIBUTE_TOTAL_CONSTANT_MEMORY:
+      v = 65536;
+      break;
+    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK:
+      v = 65536;
+      break;
+    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR:
+      v = 65536;
+      break;
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR:
+      v = 2048;
+      break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR:
+      v = 32;
+      break;
+    case CU_DEVICE_ATTRIBUTE_CLOCK_RATE:
+      v = 1980000;
+      break;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE:
+      v = 2619000;
+      break;
+    case CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH:
+      v = 6144;
+      break;
+    case CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE:
+      v = 50 << 20;
+      break;
+    case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING:
+      v = 1;
+      break;
+    case CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS:
+      v = 1;
+      break;
+    case CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT:
+      v = 2;
+      break;
+    case CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY:
+      v = 1;
+      break;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED:
+      v = 1;
+      break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_MODE:
+      v = CU_COMPUTEMODE_DEFAULT;
+      break;
+    default:
+      v = 0;
+      break;
   }
   *pi = v;
   return CUDA_SUCCESS;
@@ -378,28 +452,44 @@ NG_EXPORT CUresult CUDAAPI cuCtxGetCurrent(CUcontext* pctx) {
   return CUDA_SUCCESS;
 }
 
-NG_EXPORT CUresult CUDAAPI cuModuleLoadDataEx(CUmodule* module, const void* image, unsigned int numOptions,
-                                              CUjit_option* options, void** optionValues) {
+NG_EXPORT CUresult CUDAAPI cuModuleLoadDataEx(CUmodule* module, const void* image,
+                                              unsigned int numOptions, CUjit_option* options,
+                                              void** optionValues) {
   if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
   if (module == nullptr || image == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  if (numOptions > 0 && (options == nullptr || optionValues == nullptr)) return CUDA_ERROR_INVALID_VALUE;
+  if (numOptions > 0 && (options == nullptr || optionValues == nullptr))
+    return CUDA_ERROR_INVALID_VALUE;
   char* error_log = nullptr;
   size_t* error_size = nullptr;
   char* info_log = nullptr;
   size_t* info_size = nullptr;
   for (unsigned int i = 0; i < numOptions; ++i) {
     switch (options[i]) {
-      case CU_JIT_ERROR_LOG_BUFFER: error_log = static_cast<char*>(optionValues[i]); break;
-      case CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES: error_size = reinterpret_cast<size_t*>(&optionValues[i]); break;
-      case CU_JIT_INFO_LOG_BUFFER: info_log = static_cast<char*>(optionValues[i]); break;
-      case CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES: info_size = reinterpret_cast<size_t*>(&optionValues[i]); break;
-      default: break;  // optimization level, targets, ...: nothing to tune in an interpreter
+      case CU_JIT_ERROR_LOG_BUFFER:
+        error_log = static_cast<char*>(optionValues[i]);
+        break;
+      case CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES:
+        error_size = reinterpret_cast<size_t*>(&optionValues[i]);
+        break;
+      case CU_JIT_INFO_LOG_BUFFER:
+        info_log = static_cast<char*>(optionValues[i]);
+        break;
+      case CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES:
+        info_size = reinterpret_cast<size_t*>(&optionValues[i]);
+        break;
+      default:
+        break;  // optimization level, targets, ...: nothing to tune in an interpreter
     }
   }
   const unsigned char* bytes = static_cast<const unsigned char*>(image);
   const uint32_t magic = static_cast<uint32_t>(bytes[0]) | (static_cast<uint32_t>(bytes[1]) << 8) |
-                         (static_cast<uint32_t>(bytes[2]) << 16) | (static_cast<uint32_t>(bytes[3]) << 24);
-  if (std::memcmp(bytes, "\x7f" "ELF", 4) == 0 || magic == 0xba55ed50u || magic == 0x466243b1u) {
+                         (static_cast<uint32_t>(bytes[2]) << 16) |
+                         (static_cast<uint32_t>(bytes[3]) << 24);
+  if (std::memcmp(bytes,
+                  "\x7f"
+                  "ELF",
+                  4) == 0 ||
+      magic == 0xba55ed50u || magic == 0x466243b1u) {
     WriteLog("the emulated device executes PTX text only (no cubin/fatbin)", error_log, error_size);
     return CUDA_ERROR_NO_BINARY_FOR_GPU;
   }
@@ -414,8 +504,8 @@ NG_EXPORT CUresult CUDAAPI cuModuleLoadDataEx(CUmodule* module, const void* imag
       (parsed->version_major == normgrad::ptxsim::kMaxPtxMajor &&
        parsed->version_minor > normgrad::ptxsim::kMaxPtxMinor)) {
     WriteLog(absl::StrCat("ptxsim: PTX ISA ", parsed->version_major, ".", parsed->version_minor,
-                          " is newer than this driver supports (", normgrad::ptxsim::kMaxPtxMajor, ".",
-                          normgrad::ptxsim::kMaxPtxMinor, ")"),
+                          " is newer than this driver supports (", normgrad::ptxsim::kMaxPtxMajor,
+                          ".", normgrad::ptxsim::kMaxPtxMinor, ")"),
              error_log, error_size);
     return CUDA_ERROR_UNSUPPORTED_PTX_VERSION;
   }
@@ -468,11 +558,11 @@ NG_EXPORT CUresult CUDAAPI cuModuleGetFunction(CUfunction* hfunc, CUmodule hmod,
   return CUDA_SUCCESS;
 }
 
-NG_EXPORT CUresult CUDAAPI cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
-                                          unsigned int gridDimZ, unsigned int blockDimX,
-                                          unsigned int blockDimY, unsigned int blockDimZ,
-                                          unsigned int sharedMemBytes, CUstream hStream,
-                                          void** kernelParams, void** extra) {
+NG_EXPORT CUresult CUDAAPI cuLaunchKernel(CUfunction f, unsigned int gridDimX,
+                                          unsigned int gridDimY, unsigned int gridDimZ,
+                                          unsigned int blockDimX, unsigned int blockDimY,
+                                          unsigned int blockDimZ, unsigned int sharedMemBytes,
+                                          CUstream hStream, void** kernelParams, void** extra) {
   if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
   if (!normgrad::ptxsim::ValidStream(hStream)) return CUDA_ERROR_INVALID_HANDLE;
   EmulatedDriver& d = Driver();
@@ -494,7 +584,8 @@ NG_EXPORT CUresult CUDAAPI cuLaunchKernel(CUfunction f, unsigned int gridDimX, u
   normgrad::ptxsim::LaunchReport report;
   const auto start = std::chrono::steady_clock::now();
   absl::Status status = normgrad::ptxsim::Launch(*entry, config, kernelParams, d.memory, &report);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (d.verbose_) {
     std::fprintf(stderr,
                  "[emulated cuda] %s grid (%u,%u,%u) block (%u,%u,%u): %llu warp-instr, %llu "
@@ -536,7 +627,8 @@ NG_EXPORT CUresult CUDAAPI cuDeviceGetDefaultMemPool(CUmemoryPool* pool_out, CUd
   return CUDA_SUCCESS;
 }
 
-NG_EXPORT CUresult CUDAAPI cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void* value) {
+NG_EXPORT CUresult CUDAAPI cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr,
+                                                 void* value) {
   if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
   if (pool != reinterpret_cast<CUmemoryPool>(&Driver().pool)) return CUDA_ERROR_INVALID_HANDLE;
   if (value == nullptr) return CUDA_ERROR_INVALID_VALUE;
@@ -569,13 +661,14 @@ NG_EXPORT CUresult CUDAAPI cuMemFreeHost(void* p) {
   return CUDA_SUCCESS;
 }
 
-NG_EXPORT CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dstDevice, const void* srcHost, size_t ByteCount,
-                                             CUstream hStream) {
+NG_EXPORT CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dstDevice, const void* srcHost,
+                                             size_t ByteCount, CUstream hStream) {
   if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
   if (!normgrad::ptxsim::ValidStream(hStream)) return CUDA_ERROR_INVALID_HANDLE;
   if (ByteCount == 0) return CUDA_SUCCESS;
   if (srcHost == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  if (CUresult r = normgrad::ptxsim::CheckDeviceRange(dstDevice, ByteCount); r != CUDA_SUCCESS) return r;
+  if (CUresult r = normgrad::ptxsim::CheckDeviceRange(dstDevice, ByteCount); r != CUDA_SUCCESS)
+    return r;
   std::memcpy(reinterpret_cast<void*>(dstDevice), srcHost, ByteCount);
   return CUDA_SUCCESS;
 }
@@ -586,12 +679,14 @@ NG_EXPORT CUresult CUDAAPI cuMemcpyDtoHAsync(void* dstHost, CUdeviceptr srcDevic
   if (!normgrad::ptxsim::ValidStream(hStream)) return CUDA_ERROR_INVALID_HANDLE;
   if (ByteCount == 0) return CUDA_SUCCESS;
   if (dstHost == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  if (CUresult r = normgrad::ptxsim::CheckDeviceRange(srcDevice, ByteCount); r != CUDA_SUCCESS) return r;
+  if (CUresult r = normgrad::ptxsim::CheckDeviceRange(srcDevice, ByteCount); r != CUDA_SUCCESS)
+    return r;
   std::memcpy(dstHost, reinterpret_cast<const void*>(srcDevice), ByteCount);
   return CUDA_SUCCESS;
 }
 
-NG_EXPORT CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc, size_t N, CUstream hStream) {
+NG_EXPORT CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc, size_t N,
+                                           CUstream hStream) {
   if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
   if (!normgrad::ptxsim::ValidStream(hStream)) return CUDA_ERROR_INVALID_HANDLE;
   if (N == 0) return CUDA_SUCCESS;
@@ -600,12 +695,14 @@ NG_EXPORT CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char 
   return CUDA_SUCCESS;
 }
 
-NG_EXPORT CUresult CUDAAPI cuMemsetD32Async(CUdeviceptr dstDevice, unsigned int ui, size_t N, CUstream hStream) {
+NG_EXPORT CUresult CUDAAPI cuMemsetD32Async(CUdeviceptr dstDevice, unsigned int ui, size_t N,
+                                            CUstream hStream) {
   if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
   if (!normgrad::ptxsim::ValidStream(hStream)) return CUDA_ERROR_INVALID_HANDLE;
   if (N == 0) return CUDA_SUCCESS;
   if (dstDevice % 4 != 0) return CUDA_ERROR_INVALID_VALUE;
-  if (CUresult r = normgrad::ptxsim::CheckDeviceRange(dstDevice, N * 4); r != CUDA_SUCCESS) return r;
+  if (CUresult r = normgrad::ptxsim::CheckDeviceRange(dstDevice, N * 4); r != CUDA_SUCCESS)
+    return r;
   uint32_t* p = reinterpret_cast<uint32_t*>(dstDevice);
   for (size_t i = 0; i < N; ++i) p[i] = ui;
   return CUDA_SUCCESS;
@@ -613,7 +710,8 @@ NG_EXPORT CUresult CUDAAPI cuMemsetD32Async(CUdeviceptr dstDevice, unsigned int 
 
 NG_EXPORT CUresult CUDAAPI cuStreamCreate(CUstream* phStream, unsigned int Flags) {
   if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
-  if (phStream == nullptr || (Flags & ~CU_STREAM_NON_BLOCKING) != 0) return CUDA_ERROR_INVALID_VALUE;
+  if (phStream == nullptr || (Flags & ~CU_STREAM_NON_BLOCKING) != 0)
+    return CUDA_ERROR_INVALID_VALUE;
   EmuStream* s = new EmuStream{Flags};
   EmulatedDriver& d = Driver();
   absl::MutexLock lock(&d.mu);
@@ -665,10 +763,12 @@ NG_EXPORT CUresult CUDAAPI cuEventSynchronize(CUevent hEvent) {
   if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
   EmulatedDriver& d = Driver();
   absl::MutexLock lock(&d.mu);
-  return d.events.count(reinterpret_cast<EmuEvent*>(hEvent)) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+  return d.events.count(reinterpret_cast<EmuEvent*>(hEvent)) ? CUDA_SUCCESS
+                                                             : CUDA_ERROR_INVALID_HANDLE;
 }
 
-NG_EXPORT CUresult CUDAAPI cuEventElapsedTime_v2(float* pMilliseconds, CUevent hStart, CUevent hEnd) {
+NG_EXPORT CUresult CUDAAPI cuEventElapsedTime_v2(float* pMilliseconds, CUevent hStart,
+                                                 CUevent hEnd) {
   if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
   if (pMilliseconds == nullptr) return CUDA_ERROR_INVALID_VALUE;
   EmulatedDriver& d = Driver();

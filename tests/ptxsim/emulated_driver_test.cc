@@ -17,17 +17,45 @@ namespace {
 using ::testing::HasSubstr;
 
 // Every symbol server/cuda/driver_api.h resolves, plus the unversioned cuEventElapsedTime.
-constexpr const char* kExportedNames[] = {
-    "cuInit", "cuDriverGetVersion", "cuDeviceGetCount", "cuDeviceGet", "cuDeviceGetName",
-    "cuDeviceGetAttribute", "cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRetain",
-    "cuDevicePrimaryCtxRelease_v2", "cuCtxSetCurrent", "cuCtxGetCurrent", "cuModuleLoadDataEx",
-    "cuModuleUnload", "cuModuleGetFunction", "cuLaunchKernel", "cuMemAlloc_v2", "cuMemFree_v2",
-    "cuMemAllocAsync", "cuMemFreeAsync", "cuDeviceGetDefaultMemPool", "cuMemPoolSetAttribute",
-    "cuMemHostAlloc", "cuMemFreeHost", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2",
-    "cuMemsetD8Async", "cuMemsetD32Async", "cuStreamCreate", "cuStreamDestroy_v2",
-    "cuStreamSynchronize", "cuEventCreate", "cuEventRecord", "cuEventSynchronize",
-    "cuEventElapsedTime", "cuEventElapsedTime_v2", "cuEventDestroy_v2", "cuGetErrorName",
-    "cuGetErrorString", "cuMemGetInfo_v2"};
+constexpr const char* kExportedNames[] = {"cuInit",
+                                          "cuDriverGetVersion",
+                                          "cuDeviceGetCount",
+                                          "cuDeviceGet",
+                                          "cuDeviceGetName",
+                                          "cuDeviceGetAttribute",
+                                          "cuDeviceTotalMem_v2",
+                                          "cuDevicePrimaryCtxRetain",
+                                          "cuDevicePrimaryCtxRelease_v2",
+                                          "cuCtxSetCurrent",
+                                          "cuCtxGetCurrent",
+                                          "cuModuleLoadDataEx",
+                                          "cuModuleUnload",
+                                          "cuModuleGetFunction",
+                                          "cuLaunchKernel",
+                                          "cuMemAlloc_v2",
+                                          "cuMemFree_v2",
+                                          "cuMemAllocAsync",
+                                          "cuMemFreeAsync",
+                                          "cuDeviceGetDefaultMemPool",
+                                          "cuMemPoolSetAttribute",
+                                          "cuMemHostAlloc",
+                                          "cuMemFreeHost",
+                                          "cuMemcpyHtoDAsync_v2",
+                                          "cuMemcpyDtoHAsync_v2",
+                                          "cuMemsetD8Async",
+                                          "cuMemsetD32Async",
+                                          "cuStreamCreate",
+                                          "cuStreamDestroy_v2",
+                                          "cuStreamSynchronize",
+                                          "cuEventCreate",
+                                          "cuEventRecord",
+                                          "cuEventSynchronize",
+                                          "cuEventElapsedTime",
+                                          "cuEventElapsedTime_v2",
+                                          "cuEventDestroy_v2",
+                                          "cuGetErrorName",
+                                          "cuGetErrorString",
+                                          "cuMemGetInfo_v2"};
 
 constexpr char kScalePtx[] = R"(
 .version 7.8
@@ -70,7 +98,9 @@ class EmulatedDriverTest : public ::testing::Test {
   void SetUp() override {
     api_.lib = dlopen(NORMGRAD_EMULATED_CUDA_PATH, RTLD_NOW | RTLD_LOCAL);
     ASSERT_NE(api_.lib, nullptr) << dlerror();
-#define NG_LOAD(name, symbol) name = api_.Get<decltype(&::name)>(symbol); ASSERT_NE(name, nullptr) << symbol;
+#define NG_LOAD(name, symbol)                 \
+  name = api_.Get<decltype(&::name)>(symbol); \
+  ASSERT_NE(name, nullptr) << symbol;
     NG_LOAD(cuInit, "cuInit");
     NG_LOAD(cuDriverGetVersion, "cuDriverGetVersion");
     NG_LOAD(cuDeviceGetCount, "cuDeviceGetCount");
@@ -169,11 +199,14 @@ TEST_F(EmulatedDriverTest, ReportsAPlausibleSm90Device) {
   ASSERT_EQ(cuDeviceGetName(name, sizeof(name), 0), CUDA_SUCCESS);
   EXPECT_THAT(std::string(name), HasSubstr("PTX interpreter"));
   int major = 0, minor = -1, sms = 0, warp = 0, threads = 0;
-  ASSERT_EQ(cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, 0), CUDA_SUCCESS);
-  ASSERT_EQ(cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, 0), CUDA_SUCCESS);
+  ASSERT_EQ(cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, 0),
+            CUDA_SUCCESS);
+  ASSERT_EQ(cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, 0),
+            CUDA_SUCCESS);
   ASSERT_EQ(cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, 0), CUDA_SUCCESS);
   ASSERT_EQ(cuDeviceGetAttribute(&warp, CU_DEVICE_ATTRIBUTE_WARP_SIZE, 0), CUDA_SUCCESS);
-  ASSERT_EQ(cuDeviceGetAttribute(&threads, CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK, 0), CUDA_SUCCESS);
+  ASSERT_EQ(cuDeviceGetAttribute(&threads, CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK, 0),
+            CUDA_SUCCESS);
   EXPECT_EQ(major, 9);
   EXPECT_EQ(minor, 0);
   EXPECT_EQ(sms, 132);
@@ -218,7 +251,8 @@ TEST_F(EmulatedDriverTest, AllocCopyLoadLaunchCopyBack) {
   for (uint32_t i = 0; i < kN; ++i) host[i] = static_cast<float>(i);
   ASSERT_EQ(cuMemcpyHtoDAsync(data, host, kN * sizeof(float), stream), CUDA_SUCCESS);
   // A copy that runs past the allocation is refused.
-  EXPECT_EQ(cuMemcpyHtoDAsync(data + 4, host, kN * sizeof(float) + 256, stream), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(cuMemcpyHtoDAsync(data + 4, host, kN * sizeof(float) + 256, stream),
+            CUDA_ERROR_INVALID_VALUE);
 
   CUmodule module = nullptr;
   ASSERT_EQ(cuModuleLoadDataEx(&module, kScalePtx, 0, nullptr, nullptr), CUDA_SUCCESS);
@@ -232,7 +266,8 @@ TEST_F(EmulatedDriverTest, AllocCopyLoadLaunchCopyBack) {
   uint32_t n = kN;
   float factor = 2.5f;
   void* params[] = {&data, &n, &factor};
-  ASSERT_EQ(cuLaunchKernel(fn, (kN + 63) / 64, 1, 1, 64, 1, 1, 0, stream, params, nullptr), CUDA_SUCCESS);
+  ASSERT_EQ(cuLaunchKernel(fn, (kN + 63) / 64, 1, 1, 64, 1, 1, 0, stream, params, nullptr),
+            CUDA_SUCCESS);
   ASSERT_EQ(cuEventRecord(stop, stream), CUDA_SUCCESS);
   std::vector<float> back(kN);
   ASSERT_EQ(cuMemcpyDtoHAsync(back.data(), data, kN * sizeof(float), stream), CUDA_SUCCESS);
@@ -270,7 +305,8 @@ TEST_F(EmulatedDriverTest, BadPtxFailsWithTheParseErrorInTheJitLog) {
 
   std::string too_new = kScalePtx;
   too_new.replace(too_new.find("sm_90"), 5, "sm_100");
-  EXPECT_EQ(cuModuleLoadDataEx(&module, too_new.c_str(), 2, options, values), CUDA_ERROR_INVALID_PTX);
+  EXPECT_EQ(cuModuleLoadDataEx(&module, too_new.c_str(), 2, options, values),
+            CUDA_ERROR_INVALID_PTX);
   EXPECT_THAT(std::string(log), HasSubstr("sm_100"));
 
   std::string newer_isa = kScalePtx;
@@ -278,7 +314,9 @@ TEST_F(EmulatedDriverTest, BadPtxFailsWithTheParseErrorInTheJitLog) {
   EXPECT_EQ(cuModuleLoadDataEx(&module, newer_isa.c_str(), 0, nullptr, nullptr),
             CUDA_ERROR_UNSUPPORTED_PTX_VERSION);
 
-  const char elf[] = "\x7f" "ELF\x02\x01\x01";
+  const char elf[] =
+      "\x7f"
+      "ELF\x02\x01\x01";
   EXPECT_EQ(cuModuleLoadDataEx(&module, elf, 0, nullptr, nullptr), CUDA_ERROR_NO_BINARY_FOR_GPU);
 }
 
@@ -311,7 +349,8 @@ TEST_F(EmulatedDriverTest, ConcurrentThreadsEachWithTheirOwnStreamDoNotInterfere
         void* params[] = {&data, const_cast<uint32_t*>(&n), &factor};
         bool ok = cuMemAlloc(&data, n * sizeof(float)) == CUDA_SUCCESS &&
                   cuMemcpyHtoDAsync(data, host.data(), n * sizeof(float), stream) == CUDA_SUCCESS &&
-                  cuLaunchKernel(fn, (n + 63) / 64, 1, 1, 64, 1, 1, 0, stream, params, nullptr) == CUDA_SUCCESS &&
+                  cuLaunchKernel(fn, (n + 63) / 64, 1, 1, 64, 1, 1, 0, stream, params, nullptr) ==
+                      CUDA_SUCCESS &&
                   cuMemcpyDtoHAsync(host.data(), data, n * sizeof(float), stream) == CUDA_SUCCESS &&
                   cuStreamSynchronize(stream) == CUDA_SUCCESS && cuMemFree(data) == CUDA_SUCCESS;
         for (uint32_t i = 0; ok && i < n; ++i) ok = host[i] == static_cast<float>(i + t) * factor;
@@ -337,10 +376,12 @@ TEST_F(EmulatedDriverTest, OutOfBoundsLaunchIsIllegalAddressAndTheContextStaysUs
   uint32_t n = 200;  // the kernel believes the buffer holds 200 floats; it holds 64
   float factor = 1.0f;
   void* params[] = {&data, &n, &factor};
-  EXPECT_EQ(cuLaunchKernel(fn, 4, 1, 1, 64, 1, 1, 0, nullptr, params, nullptr), CUDA_ERROR_ILLEGAL_ADDRESS);
+  EXPECT_EQ(cuLaunchKernel(fn, 4, 1, 1, 64, 1, 1, 0, nullptr, params, nullptr),
+            CUDA_ERROR_ILLEGAL_ADDRESS);
   n = 64;
   EXPECT_EQ(cuLaunchKernel(fn, 1, 1, 1, 64, 1, 1, 0, nullptr, params, nullptr), CUDA_SUCCESS);
-  EXPECT_EQ(cuLaunchKernel(fn, 1, 1, 1, 2048, 1, 1, 0, nullptr, params, nullptr), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(cuLaunchKernel(fn, 1, 1, 1, 2048, 1, 1, 0, nullptr, params, nullptr),
+            CUDA_ERROR_INVALID_VALUE);
   EXPECT_EQ(cuModuleUnload(module), CUDA_SUCCESS);
   EXPECT_EQ(cuMemFree(data), CUDA_SUCCESS);
 }

@@ -25,15 +25,24 @@ namespace normgrad::ptxsim {
 
 absl::string_view FindingName(Finding finding) {
   switch (finding) {
-    case Finding::kNone: return "none";
-    case Finding::kInvalidLaunch: return "invalid launch";
-    case Finding::kOutOfBounds: return "out-of-bounds access";
-    case Finding::kMisaligned: return "misaligned access";
-    case Finding::kShuffleMask: return "shfl.sync member mask error";
-    case Finding::kBarrier: return "barrier error";
-    case Finding::kUninitializedRegister: return "read of uninitialized register";
-    case Finding::kNonUniformBranch: return "non-uniform bra.uni";
-    case Finding::kInstructionLimit: return "instruction limit exceeded";
+    case Finding::kNone:
+      return "none";
+    case Finding::kInvalidLaunch:
+      return "invalid launch";
+    case Finding::kOutOfBounds:
+      return "out-of-bounds access";
+    case Finding::kMisaligned:
+      return "misaligned access";
+    case Finding::kShuffleMask:
+      return "shfl.sync member mask error";
+    case Finding::kBarrier:
+      return "barrier error";
+    case Finding::kUninitializedRegister:
+      return "read of uninitialized register";
+    case Finding::kNonUniformBranch:
+      return "non-uniform bra.uni";
+    case Finding::kInstructionLimit:
+      return "instruction limit exceeded";
   }
   return "unknown";
 }
@@ -65,7 +74,9 @@ inline uint64_t F64Bits(double d) {
   std::memcpy(&u, &d, 8);
   return u;
 }
-inline float Ftz(float f) { return std::fpclassify(f) == FP_SUBNORMAL ? std::copysign(0.0f, f) : f; }
+inline float Ftz(float f) {
+  return std::fpclassify(f) == FP_SUBNORMAL ? std::copysign(0.0f, f) : f;
+}
 inline float Sat(float f) { return std::isnan(f) ? 0.0f : std::min(1.0f, std::max(0.0f, f)); }
 
 inline uint32_t Popcount(uint32_t v) {
@@ -96,8 +107,8 @@ float HalfToFloat(uint16_t h) {
     std::memcpy(&f, &u, 4);
     return f;
   }
-  uint32_t u = exp == 31 ? (sign | 0x7f800000u | (man << 13))
-                         : (sign | ((exp + 112) << 23) | (man << 13));
+  uint32_t u =
+      exp == 31 ? (sign | 0x7f800000u | (man << 13)) : (sign | ((exp + 112) << 23) | (man << 13));
   std::memcpy(&f, &u, 4);
   return f;
 }
@@ -113,7 +124,7 @@ uint16_t FloatToHalf(float f) {
     return sign | static_cast<uint16_t>(scaled);
   }
   int e;
-  const float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+  const float m = std::frexp(a, &e);         // a = m * 2^e, m in [0.5, 1)
   float mant = std::nearbyint(m * 2048.0f);  // 11 significant bits
   if (mant >= 2048.0f) {
     mant /= 2.0f;
@@ -141,15 +152,20 @@ uint16_t FloatToBf16(float f) {
 template <typename F>
 F RoundLongDouble(long double exact, FloatRound mode) {
   F f = static_cast<F>(exact);  // round to nearest even
-  if (mode == FloatRound::kRn || std::isnan(exact) || static_cast<long double>(f) == exact) return f;
+  if (mode == FloatRound::kRn || std::isnan(exact) || static_cast<long double>(f) == exact)
+    return f;
   const F max = std::numeric_limits<F>::max();
   const F inf = std::numeric_limits<F>::infinity();
   if (std::isinf(f)) {  // overflowed while rounding to nearest
     switch (mode) {
-      case FloatRound::kRz: return exact > 0 ? max : -max;
-      case FloatRound::kRm: return exact > 0 ? max : -inf;
-      case FloatRound::kRp: return exact > 0 ? inf : -max;
-      case FloatRound::kRn: break;
+      case FloatRound::kRz:
+        return exact > 0 ? max : -max;
+      case FloatRound::kRm:
+        return exact > 0 ? max : -inf;
+      case FloatRound::kRp:
+        return exact > 0 ? inf : -max;
+      case FloatRound::kRn:
+        break;
     }
     return f;
   }
@@ -160,9 +176,12 @@ F RoundLongDouble(long double exact, FloatRound mode) {
       if (f < 0 && above) return std::nextafter(f, F{0});
       if (f == 0) return std::copysign(F{0}, static_cast<F>(exact > 0 ? 1 : -1));
       return f;
-    case FloatRound::kRm: return above ? f : std::nextafter(f, -inf);
-    case FloatRound::kRp: return above ? std::nextafter(f, inf) : f;
-    case FloatRound::kRn: break;
+    case FloatRound::kRm:
+      return above ? f : std::nextafter(f, -inf);
+    case FloatRound::kRp:
+      return above ? std::nextafter(f, inf) : f;
+    case FloatRound::kRn:
+      break;
   }
   return f;
 }
@@ -175,10 +194,14 @@ float RoundTwoDoubles(double hi, double lo, FloatRound mode) {
   const float inf = std::numeric_limits<float>::infinity();
   if (std::isinf(f)) {
     switch (mode) {
-      case FloatRound::kRz: return hi > 0 ? max : -max;
-      case FloatRound::kRm: return hi > 0 ? max : -inf;
-      case FloatRound::kRp: return hi > 0 ? inf : -max;
-      case FloatRound::kRn: break;
+      case FloatRound::kRz:
+        return hi > 0 ? max : -max;
+      case FloatRound::kRm:
+        return hi > 0 ? max : -inf;
+      case FloatRound::kRp:
+        return hi > 0 ? inf : -max;
+      case FloatRound::kRn:
+        break;
     }
     return f;
   }
@@ -191,9 +214,12 @@ float RoundTwoDoubles(double hi, double lo, FloatRound mode) {
       if (f < 0 && above) return std::nextafter(f, 0.0f);
       if (f == 0) return above ? 0.0f : -0.0f;
       return f;
-    case FloatRound::kRm: return above ? f : std::nextafter(f, -inf);
-    case FloatRound::kRp: return above ? std::nextafter(f, inf) : f;
-    case FloatRound::kRn: break;
+    case FloatRound::kRm:
+      return above ? f : std::nextafter(f, -inf);
+    case FloatRound::kRp:
+      return above ? std::nextafter(f, inf) : f;
+    case FloatRound::kRn:
+      break;
   }
   return f;
 }
@@ -210,11 +236,19 @@ float DirectedF32(Op op, float a, float b, float c, FloatRound mode) {
   };
   double hi = 0, lo = 0;
   switch (op) {
-    case Op::kAdd: hi = two_sum(da, db, &lo); break;
-    case Op::kSub: hi = two_sum(da, -db, &lo); break;
-    case Op::kMul: hi = da * db; break;  // 48-bit product: exact in double
+    case Op::kAdd:
+      hi = two_sum(da, db, &lo);
+      break;
+    case Op::kSub:
+      hi = two_sum(da, -db, &lo);
+      break;
+    case Op::kMul:
+      hi = da * db;
+      break;  // 48-bit product: exact in double
     case Op::kMad:
-    case Op::kFma: hi = two_sum(da * db, dc, &lo); break;
+    case Op::kFma:
+      hi = two_sum(da * db, dc, &lo);
+      break;
     case Op::kRcp:
     case Op::kDiv: {
       const double num = op == Op::kRcp ? 1.0 : da;
@@ -227,7 +261,8 @@ float DirectedF32(Op op, float a, float b, float c, FloatRound mode) {
       hi = std::sqrt(da);
       if (hi > 0 && std::isfinite(hi)) lo = std::fma(-hi, hi, da) / (2 * hi);
       break;
-    default: break;
+    default:
+      break;
   }
   return RoundTwoDoubles(hi, lo, mode);
 }
@@ -235,11 +270,16 @@ float DirectedF32(Op op, float a, float b, float c, FloatRound mode) {
 // Source value of cvt as double (floats) or int64 (integers, extended per signedness).
 double CvtSourceAsDouble(uint64_t v, Type t) {
   switch (t) {
-    case Type::kF16: return HalfToFloat(static_cast<uint16_t>(v));
-    case Type::kBF16: return Bf16ToFloat(static_cast<uint16_t>(v));
-    case Type::kF32: return AsF32(v);
-    case Type::kF64: return AsF64(v);
-    default: break;
+    case Type::kF16:
+      return HalfToFloat(static_cast<uint16_t>(v));
+    case Type::kBF16:
+      return Bf16ToFloat(static_cast<uint16_t>(v));
+    case Type::kF32:
+      return AsF32(v);
+    case Type::kF64:
+      return AsF64(v);
+    default:
+      break;
   }
   return IsSigned(t) ? static_cast<double>(SignExtend(v, TypeBits(t)))
                      : static_cast<double>(v & Mask(TypeBits(t)));
@@ -247,11 +287,16 @@ double CvtSourceAsDouble(uint64_t v, Type t) {
 
 double RoundIntegral(double d, IntRound r) {
   switch (r) {
-    case IntRound::kRni: return std::nearbyint(d);
-    case IntRound::kRzi: return std::trunc(d);
-    case IntRound::kRmi: return std::floor(d);
-    case IntRound::kRpi: return std::ceil(d);
-    case IntRound::kNone: break;
+    case IntRound::kRni:
+      return std::nearbyint(d);
+    case IntRound::kRzi:
+      return std::trunc(d);
+    case IntRound::kRmi:
+      return std::floor(d);
+    case IntRound::kRpi:
+      return std::ceil(d);
+    case IntRound::kNone:
+      break;
   }
   return d;
 }
@@ -262,7 +307,7 @@ uint64_t Convert(const Instruction& in, uint64_t v) {
   const int db = TypeBits(dt);
   const IntRound ir = static_cast<IntRound>(in.mode);
   if (IsFloat(dt) && in.rounding != FloatRound::kRn && ir == IntRound::kNone) {
-    const long double exact = IsFloat(st) ? static_cast<long double>(CvtSourceAsDouble(v, st))
+    const long double exact = IsFloat(st)    ? static_cast<long double>(CvtSourceAsDouble(v, st))
                               : IsSigned(st) ? static_cast<long double>(SignExtend(v, TypeBits(st)))
                                              : static_cast<long double>(v & Mask(TypeBits(st)));
     if (dt == Type::kF64) return F64Bits(RoundLongDouble<double>(exact, in.rounding));
@@ -319,7 +364,8 @@ uint64_t Convert(const Instruction& in, uint64_t v) {
     if (s_signed) {
       int64_t x = SignExtend(v, sb);
       const int64_t lo = d_signed ? -(int64_t{1} << (db - 1)) : 0;
-      const int64_t hi = d_signed ? static_cast<int64_t>(Mask(db - 1)) : static_cast<int64_t>(Mask(db) >> (db == 64));
+      const int64_t hi = d_signed ? static_cast<int64_t>(Mask(db - 1))
+                                  : static_cast<int64_t>(Mask(db) >> (db == 64));
       x = std::max(lo, std::min(hi, x));
       return static_cast<uint64_t>(x) & Mask(db);
     }
@@ -350,21 +396,36 @@ bool Compare(const Instruction& in, uint64_t a, uint64_t b) {
     }
     const bool unordered = std::isnan(x) || std::isnan(y);
     switch (c) {
-      case Cmp::kEq: return !unordered && x == y;
-      case Cmp::kNe: return !unordered && x != y;
-      case Cmp::kLt: return !unordered && x < y;
-      case Cmp::kLe: return !unordered && x <= y;
-      case Cmp::kGt: return !unordered && x > y;
-      case Cmp::kGe: return !unordered && x >= y;
-      case Cmp::kEqu: return unordered || x == y;
-      case Cmp::kNeu: return unordered || x != y;
-      case Cmp::kLtu: return unordered || x < y;
-      case Cmp::kLeu: return unordered || x <= y;
-      case Cmp::kGtu: return unordered || x > y;
-      case Cmp::kGeu: return unordered || x >= y;
-      case Cmp::kNum: return !unordered;
-      case Cmp::kNan: return unordered;
-      default: return false;
+      case Cmp::kEq:
+        return !unordered && x == y;
+      case Cmp::kNe:
+        return !unordered && x != y;
+      case Cmp::kLt:
+        return !unordered && x < y;
+      case Cmp::kLe:
+        return !unordered && x <= y;
+      case Cmp::kGt:
+        return !unordered && x > y;
+      case Cmp::kGe:
+        return !unordered && x >= y;
+      case Cmp::kEqu:
+        return unordered || x == y;
+      case Cmp::kNeu:
+        return unordered || x != y;
+      case Cmp::kLtu:
+        return unordered || x < y;
+      case Cmp::kLeu:
+        return unordered || x <= y;
+      case Cmp::kGtu:
+        return unordered || x > y;
+      case Cmp::kGeu:
+        return unordered || x >= y;
+      case Cmp::kNum:
+        return !unordered;
+      case Cmp::kNan:
+        return unordered;
+      default:
+        return false;
     }
   }
   const int bits = TypeBits(t);
@@ -372,17 +433,28 @@ bool Compare(const Instruction& in, uint64_t a, uint64_t b) {
   const int64_t sa = SignExtend(a, bits), sb = SignExtend(b, bits);
   const bool s = IsSigned(t);
   switch (c) {
-    case Cmp::kEq: return ua == ub;
-    case Cmp::kNe: return ua != ub;
-    case Cmp::kLt: return s ? sa < sb : ua < ub;
-    case Cmp::kLe: return s ? sa <= sb : ua <= ub;
-    case Cmp::kGt: return s ? sa > sb : ua > ub;
-    case Cmp::kGe: return s ? sa >= sb : ua >= ub;
-    case Cmp::kLo: return ua < ub;
-    case Cmp::kLs: return ua <= ub;
-    case Cmp::kHi: return ua > ub;
-    case Cmp::kHs: return ua >= ub;
-    default: return false;
+    case Cmp::kEq:
+      return ua == ub;
+    case Cmp::kNe:
+      return ua != ub;
+    case Cmp::kLt:
+      return s ? sa < sb : ua < ub;
+    case Cmp::kLe:
+      return s ? sa <= sb : ua <= ub;
+    case Cmp::kGt:
+      return s ? sa > sb : ua > ub;
+    case Cmp::kGe:
+      return s ? sa >= sb : ua >= ub;
+    case Cmp::kLo:
+      return ua < ub;
+    case Cmp::kLs:
+      return ua <= ub;
+    case Cmp::kHi:
+      return ua > ub;
+    case Cmp::kHs:
+      return ua >= ub;
+    default:
+      return false;
   }
 }
 
@@ -401,24 +473,51 @@ uint64_t FloatAlu32(const Instruction& in, uint64_t ra, uint64_t rb, uint64_t rc
     return F32Bits(r);
   }
   switch (in.op) {
-    case Op::kAdd: r = a + b; break;
-    case Op::kSub: r = a - b; break;
-    case Op::kMul: r = a * b; break;
+    case Op::kAdd:
+      r = a + b;
+      break;
+    case Op::kSub:
+      r = a - b;
+      break;
+    case Op::kMul:
+      r = a * b;
+      break;
     case Op::kMad:
-    case Op::kFma: r = std::fma(a, b, c); break;
+    case Op::kFma:
+      r = std::fma(a, b, c);
+      break;
     // .approx/.full are computed exactly: the correctly rounded result is within every error
     // bound PTX documents for them.
-    case Op::kDiv: r = a / b; break;
-    case Op::kMin: r = std::fmin(a, b); break;
-    case Op::kMax: r = std::fmax(a, b); break;
-    case Op::kNeg: return F32Bits(a) ^ 0x80000000u;
-    case Op::kAbs: return F32Bits(a) & 0x7fffffffu;
-    case Op::kSqrt: r = std::sqrt(a); break;
-    case Op::kRsqrt: r = static_cast<float>(1.0 / std::sqrt(static_cast<double>(a))); break;
-    case Op::kRcp: r = 1.0f / a; break;
-    case Op::kEx2: r = static_cast<float>(std::exp2(static_cast<double>(a))); break;
-    case Op::kLg2: r = static_cast<float>(std::log2(static_cast<double>(a))); break;
-    default: break;
+    case Op::kDiv:
+      r = a / b;
+      break;
+    case Op::kMin:
+      r = std::fmin(a, b);
+      break;
+    case Op::kMax:
+      r = std::fmax(a, b);
+      break;
+    case Op::kNeg:
+      return F32Bits(a) ^ 0x80000000u;
+    case Op::kAbs:
+      return F32Bits(a) & 0x7fffffffu;
+    case Op::kSqrt:
+      r = std::sqrt(a);
+      break;
+    case Op::kRsqrt:
+      r = static_cast<float>(1.0 / std::sqrt(static_cast<double>(a)));
+      break;
+    case Op::kRcp:
+      r = 1.0f / a;
+      break;
+    case Op::kEx2:
+      r = static_cast<float>(std::exp2(static_cast<double>(a)));
+      break;
+    case Op::kLg2:
+      r = static_cast<float>(std::log2(static_cast<double>(a)));
+      break;
+    default:
+      break;
   }
   if (in.ftz) r = Ftz(r);
   if (in.sat) r = Sat(r);
@@ -429,20 +528,43 @@ uint64_t FloatAlu64(const Instruction& in, uint64_t ra, uint64_t rb, uint64_t rc
   const double a = AsF64(ra), b = AsF64(rb), c = AsF64(rc);
   double r = 0.0;
   switch (in.op) {
-    case Op::kAdd: r = a + b; break;
-    case Op::kSub: r = a - b; break;
-    case Op::kMul: r = a * b; break;
+    case Op::kAdd:
+      r = a + b;
+      break;
+    case Op::kSub:
+      r = a - b;
+      break;
+    case Op::kMul:
+      r = a * b;
+      break;
     case Op::kMad:
-    case Op::kFma: r = std::fma(a, b, c); break;
-    case Op::kDiv: r = a / b; break;
-    case Op::kMin: r = std::fmin(a, b); break;
-    case Op::kMax: r = std::fmax(a, b); break;
-    case Op::kNeg: return F64Bits(a) ^ (uint64_t{1} << 63);
-    case Op::kAbs: return F64Bits(a) & ~(uint64_t{1} << 63);
-    case Op::kSqrt: r = std::sqrt(a); break;
-    case Op::kRsqrt: r = 1.0 / std::sqrt(a); break;
-    case Op::kRcp: r = 1.0 / a; break;
-    default: break;
+    case Op::kFma:
+      r = std::fma(a, b, c);
+      break;
+    case Op::kDiv:
+      r = a / b;
+      break;
+    case Op::kMin:
+      r = std::fmin(a, b);
+      break;
+    case Op::kMax:
+      r = std::fmax(a, b);
+      break;
+    case Op::kNeg:
+      return F64Bits(a) ^ (uint64_t{1} << 63);
+    case Op::kAbs:
+      return F64Bits(a) & ~(uint64_t{1} << 63);
+    case Op::kSqrt:
+      r = std::sqrt(a);
+      break;
+    case Op::kRsqrt:
+      r = 1.0 / std::sqrt(a);
+      break;
+    case Op::kRcp:
+      r = 1.0 / a;
+      break;
+    default:
+      break;
   }
   if (in.sat) r = std::isnan(r) ? 0.0 : std::min(1.0, std::max(0.0, r));
   return F64Bits(r);
@@ -455,7 +577,8 @@ uint64_t IntAlu(const Instruction& in, uint64_t a, uint64_t b, uint64_t c) {
   const uint64_t m = Mask(bits);
   const MulMode mul = static_cast<MulMode>(in.mode);
   auto clamp_s32 = [](int64_t v) {
-    return static_cast<uint64_t>(std::max<int64_t>(INT32_MIN, std::min<int64_t>(INT32_MAX, v))) & 0xffffffffu;
+    return static_cast<uint64_t>(std::max<int64_t>(INT32_MIN, std::min<int64_t>(INT32_MAX, v))) &
+           0xffffffffu;
   };
   auto product = [&](bool high) -> uint64_t {
     if (bits == 64) {
@@ -465,8 +588,8 @@ uint64_t IntAlu(const Instruction& in, uint64_t a, uint64_t b, uint64_t c) {
             : static_cast<unsigned __int128>(a) * b;
       return static_cast<uint64_t>(high ? p >> 64 : p);
     }
-    const uint64_t p = s ? static_cast<uint64_t>(SignExtend(a, bits) * SignExtend(b, bits))
-                         : (a & m) * (b & m);
+    const uint64_t p =
+        s ? static_cast<uint64_t>(SignExtend(a, bits) * SignExtend(b, bits)) : (a & m) * (b & m);
     return high ? (p >> bits) & m : p & m;
   };
   switch (in.op) {
@@ -488,7 +611,8 @@ uint64_t IntAlu(const Instruction& in, uint64_t a, uint64_t b, uint64_t c) {
                              : (a & m) * (b & m);
         return (p + c) & Mask(2 * bits);
       }
-      if (in.sat) return clamp_s32(static_cast<int64_t>(SignExtend(product(false), 32)) + SignExtend(c, 32));
+      if (in.sat)
+        return clamp_s32(static_cast<int64_t>(SignExtend(product(false), 32)) + SignExtend(c, 32));
       return (product(mul == MulMode::kHi) + c) & m;
     case Op::kDiv:
       if ((b & m) == 0) return m;  // undefined in PTX; all ones, like the hardware's u32 result
@@ -512,16 +636,22 @@ uint64_t IntAlu(const Instruction& in, uint64_t a, uint64_t b, uint64_t c) {
     case Op::kMax:
       return s ? static_cast<uint64_t>(std::max(SignExtend(a, bits), SignExtend(b, bits))) & m
                : std::max(a & m, b & m);
-    case Op::kNeg: return (~a + 1) & m;
+    case Op::kNeg:
+      return (~a + 1) & m;
     case Op::kAbs: {
       const int64_t x = SignExtend(a, bits);
       return static_cast<uint64_t>(x < 0 ? -x : x) & m;
     }
-    case Op::kAnd: return a & b & m;
-    case Op::kOr: return (a | b) & m;
-    case Op::kXor: return (a ^ b) & m;
-    case Op::kNot: return t == Type::kPred ? (a & 1) ^ 1 : ~a & m;
-    case Op::kCnot: return (a & m) == 0 ? 1 : 0;
+    case Op::kAnd:
+      return a & b & m;
+    case Op::kOr:
+      return (a | b) & m;
+    case Op::kXor:
+      return (a ^ b) & m;
+    case Op::kNot:
+      return t == Type::kPred ? (a & 1) ^ 1 : ~a & m;
+    case Op::kCnot:
+      return (a & m) == 0 ? 1 : 0;
     case Op::kShl: {
       const uint64_t n = b & 0xffffffffu;
       return n >= static_cast<uint64_t>(bits) ? 0 : (a << n) & m;
@@ -530,16 +660,20 @@ uint64_t IntAlu(const Instruction& in, uint64_t a, uint64_t b, uint64_t c) {
       const uint64_t n = std::min<uint64_t>(b & 0xffffffffu, bits);
       if (s) {
         const int64_t x = SignExtend(a, bits);
-        return static_cast<uint64_t>(n >= 64 ? (x < 0 ? -1 : 0) : (x >> std::min<uint64_t>(n, 63))) & m;
+        return static_cast<uint64_t>(n >= 64 ? (x < 0 ? -1 : 0)
+                                             : (x >> std::min<uint64_t>(n, 63))) &
+               m;
       }
       return n >= static_cast<uint64_t>(bits) ? 0 : (a & m) >> n;
     }
-    case Op::kPopc: return static_cast<uint64_t>(__builtin_popcountll(a & m));
+    case Op::kPopc:
+      return static_cast<uint64_t>(__builtin_popcountll(a & m));
     case Op::kClz: {
       const uint32_t x = static_cast<uint32_t>(a);
       return x == 0 ? 32 : static_cast<uint64_t>(__builtin_clz(x));
     }
-    default: break;
+    default:
+      break;
   }
   return 0;
 }
@@ -590,18 +724,23 @@ class Launcher {
       return Invalid("grid and block dimensions must be at least 1");
     }
     if (b.z > 64 || g.y > 65535 || g.z > 65535) {
-      return Invalid(absl::StrFormat("block (%u,%u,%u) or grid (%u,%u,%u) exceeds the device limits",
-                                     b.x, b.y, b.z, g.x, g.y, g.z));
+      return Invalid(
+          absl::StrFormat("block (%u,%u,%u) or grid (%u,%u,%u) exceeds the device limits", b.x, b.y,
+                          b.z, g.x, g.y, g.z));
     }
     const uint64_t threads = uint64_t{b.x} * b.y * b.z;
     if (threads > 1024) return Invalid(absl::StrCat("block of ", threads, " threads exceeds 1024"));
     if (entry_.max_threads_per_block != 0 && threads > entry_.max_threads_per_block) {
-      return Invalid(absl::StrCat("block of ", threads, " threads exceeds the entry's .maxntid/.reqntid of ",
+      return Invalid(absl::StrCat("block of ", threads,
+                                  " threads exceeds the entry's .maxntid/.reqntid of ",
                                   entry_.max_threads_per_block));
     }
-    const uint64_t shared = (entry_.static_shared_bytes + 15) / 16 * 16 + uint64_t{config_.dynamic_shared_bytes};
-    if (shared > 227 * 1024) return Invalid(absl::StrCat(shared, " bytes of shared memory exceed 227 KiB"));
-    if (!entry_.params.empty() && params_ == nullptr) return Invalid("kernel parameters are missing");
+    const uint64_t shared =
+        (entry_.static_shared_bytes + 15) / 16 * 16 + uint64_t{config_.dynamic_shared_bytes};
+    if (shared > 227 * 1024)
+      return Invalid(absl::StrCat(shared, " bytes of shared memory exceed 227 KiB"));
+    if (!entry_.params.empty() && params_ == nullptr)
+      return Invalid("kernel parameters are missing");
 
     param_buf_.assign(entry_.param_bytes, 0);
     for (size_t i = 0; i < entry_.params.size(); ++i) {
@@ -677,11 +816,26 @@ class Launcher {
       for (uint32_t lane = 0; lane < lanes; ++lane) {
         uint32_t tx, ty, tz;
         ThreadIndex(w, lane, &tx, &ty, &tz);
-        const uint64_t values[kNumSpecialSlots] = {
-            tx, ty, tz, b.x, b.y, b.z, block_.x, block_.y, block_.z, g.x, g.y, g.z,
-            lane, w, nwarps_,
-            1u << lane, (1u << lane) - 1, (lane == 31 ? 0xffffffffu : (2u << lane) - 1),
-            lane == 31 ? 0u : ~((2u << lane) - 1), ~((1u << lane) - 1)};
+        const uint64_t values[kNumSpecialSlots] = {tx,
+                                                   ty,
+                                                   tz,
+                                                   b.x,
+                                                   b.y,
+                                                   b.z,
+                                                   block_.x,
+                                                   block_.y,
+                                                   block_.z,
+                                                   g.x,
+                                                   g.y,
+                                                   g.z,
+                                                   lane,
+                                                   w,
+                                                   nwarps_,
+                                                   1u << lane,
+                                                   (1u << lane) - 1,
+                                                   (lane == 31 ? 0xffffffffu : (2u << lane) - 1),
+                                                   lane == 31 ? 0u : ~((2u << lane) - 1),
+                                                   ~((1u << lane) - 1)};
         for (uint32_t s = 0; s < kNumSpecialSlots; ++s) r[s * 32 + lane] = values[s] & 0xffffffffu;
       }
       for (uint32_t s = 0; s < kNumSpecialSlots; ++s) d[s] = ws.present;
@@ -706,23 +860,25 @@ class Launcher {
           } else if (g.pc != bar_pc) {
             uint32_t tx, ty, tz;
             ThreadIndex(bar_warp, bar_lane, &tx, &ty, &tz);
-            return Fail(Finding::kBarrier, w, static_cast<uint32_t>(__builtin_ctz(g.mask)),
-                        entry_.code[g.pc].line,
-                        absl::StrFormat("divergent barrier: this thread waits at the bar.sync on "
-                                        "line %u while thread (%u,%u,%u) waits at the bar.sync on "
-                                        "line %u",
-                                        entry_.code[g.pc].line, tx, ty, tz, entry_.code[bar_pc].line));
+            return Fail(
+                Finding::kBarrier, w, static_cast<uint32_t>(__builtin_ctz(g.mask)),
+                entry_.code[g.pc].line,
+                absl::StrFormat("divergent barrier: this thread waits at the bar.sync on "
+                                "line %u while thread (%u,%u,%u) waits at the bar.sync on "
+                                "line %u",
+                                entry_.code[g.pc].line, tx, ty, tz, entry_.code[bar_pc].line));
           }
         }
       }
       if (bar_pc == kNoReg) return absl::OkStatus();  // all threads exited
       for (uint32_t w = 0; w < nwarps_; ++w) {
         if (warps_[w].exited != 0) {
-          return Fail(Finding::kBarrier, w, static_cast<uint32_t>(__builtin_ctz(warps_[w].exited)),
-                      entry_.code[bar_pc].line,
-                      absl::StrFormat("barrier not reached by all threads of the block: this thread "
-                                      "exited while others wait at the bar.sync on line %u",
-                                      entry_.code[bar_pc].line));
+          return Fail(
+              Finding::kBarrier, w, static_cast<uint32_t>(__builtin_ctz(warps_[w].exited)),
+              entry_.code[bar_pc].line,
+              absl::StrFormat("barrier not reached by all threads of the block: this thread "
+                              "exited while others wait at the bar.sync on line %u",
+                              entry_.code[bar_pc].line));
         }
       }
       for (uint32_t w = 0; w < nwarps_; ++w) {
@@ -761,8 +917,8 @@ class Launcher {
             where = absl::StrFormat("%u bytes past the end of the %u-byte allocation at 0x%x",
                                     addr - (r.base + r.size), r.size, r.base);
           } else {
-            where = absl::StrFormat("the access runs past the end of the %u-byte allocation at 0x%x",
-                                    r.size, r.base);
+            where = absl::StrFormat(
+                "the access runs past the end of the %u-byte allocation at 0x%x", r.size, r.base);
           }
         }
         *status = Fail(Finding::kOutOfBounds, warp, lane, in.line,
@@ -845,8 +1001,9 @@ class Launcher {
           why = exiting ? absl::StrFormat("has diverged to an exit (the ret/exit on line %u)", at)
                         : absl::StrFormat("has diverged (it is at line %u)", at);
         }
-        return Fail(Finding::kShuffleMask, w, lane, in.line,
-                    absl::StrFormat("member mask 0x%08x names lane %u, which %s", member, other, why));
+        return Fail(
+            Finding::kShuffleMask, w, lane, in.line,
+            absl::StrFormat("member mask 0x%08x names lane %u, which %s", member, other, why));
       }
     }
     const ShflMode mode = static_cast<ShflMode>(in.mode);
@@ -882,7 +1039,8 @@ class Launcher {
       if ((exec & (1u << j)) == 0) {
         return Fail(Finding::kShuffleMask, w, lane, in.line,
                     absl::StrFormat("reads lane %d, which does not execute this shfl.sync "
-                                    "(the value is undefined)", j));
+                                    "(the value is undefined)",
+                                    j));
       }
       r[in.dst[0].reg * 32 + lane] = a[j] & 0xffffffffu;
       if (in.num_dst > 1) r[in.dst[1].reg * 32 + lane] = pval ? 1 : 0;
@@ -910,18 +1068,27 @@ class Launcher {
         if (in.type == Type::kF64) return F64Bits(AsF64(old) + AsF64(b));
         return (old + b) & m;
       case AtomOp::kMin:
-        return IsSigned(in.type) ? static_cast<uint64_t>(std::min(SignExtend(old, bits), SignExtend(b, bits))) & m
-                                 : std::min(old & m, b & m);
+        return IsSigned(in.type)
+                   ? static_cast<uint64_t>(std::min(SignExtend(old, bits), SignExtend(b, bits))) & m
+                   : std::min(old & m, b & m);
       case AtomOp::kMax:
-        return IsSigned(in.type) ? static_cast<uint64_t>(std::max(SignExtend(old, bits), SignExtend(b, bits))) & m
-                                 : std::max(old & m, b & m);
-      case AtomOp::kExch: return b & m;
-      case AtomOp::kCas: return (old & m) == (b & m) ? c & m : old & m;
-      case AtomOp::kAnd: return old & b & m;
-      case AtomOp::kOr: return (old | b) & m;
-      case AtomOp::kXor: return (old ^ b) & m;
-      case AtomOp::kInc: return (old & m) >= (b & m) ? 0 : (old + 1) & m;
-      case AtomOp::kDec: return ((old & m) == 0 || (old & m) > (b & m)) ? b & m : (old - 1) & m;
+        return IsSigned(in.type)
+                   ? static_cast<uint64_t>(std::max(SignExtend(old, bits), SignExtend(b, bits))) & m
+                   : std::max(old & m, b & m);
+      case AtomOp::kExch:
+        return b & m;
+      case AtomOp::kCas:
+        return (old & m) == (b & m) ? c & m : old & m;
+      case AtomOp::kAnd:
+        return old & b & m;
+      case AtomOp::kOr:
+        return (old | b) & m;
+      case AtomOp::kXor:
+        return (old ^ b) & m;
+      case AtomOp::kInc:
+        return (old & m) >= (b & m) ? 0 : (old + 1) & m;
+      case AtomOp::kDec:
+        return ((old & m) == 0 || (old & m) > (b & m)) ? b & m : (old - 1) & m;
     }
     return old;
   }
@@ -947,7 +1114,8 @@ class Launcher {
             *ptr = next;
             break;
           }
-          if (__atomic_compare_exchange_n(ptr, &o, next, false, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) break;
+          if (__atomic_compare_exchange_n(ptr, &o, next, false, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED))
+            break;
         }
         old = o;
       } else {
@@ -959,7 +1127,8 @@ class Launcher {
             *ptr = next;
             break;
           }
-          if (__atomic_compare_exchange_n(ptr, &o, next, false, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) break;
+          if (__atomic_compare_exchange_n(ptr, &o, next, false, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED))
+            break;
         }
         old = o;
       }
@@ -1060,7 +1229,8 @@ class Launcher {
     const Instruction* code = entry_.code.data();
     while (!ws.groups.empty()) {
       if (++report_->warp_instructions > config_.max_warp_instructions) {
-        return Fail(Finding::kInstructionLimit, w, static_cast<uint32_t>(__builtin_ctz(ws.groups[0].mask)),
+        return Fail(Finding::kInstructionLimit, w,
+                    static_cast<uint32_t>(__builtin_ctz(ws.groups[0].mask)),
                     code[ws.groups[0].pc].line,
                     absl::StrCat("more than ", config_.max_warp_instructions,
                                  " warp-instructions executed (a hang?)"));
@@ -1083,14 +1253,16 @@ class Launcher {
       report_->thread_instructions += static_cast<uint64_t>(Popcount(exec));
       for (int k = 0; k < in.num_src; ++k) {
         const uint32_t slot = in.src[k].reg;
-        if (slot != kNoReg && (d[slot] & exec) != exec) return Uninitialized(in, slot, w, exec & ~d[slot]);
+        if (slot != kNoReg && (d[slot] & exec) != exec)
+          return Uninitialized(in, slot, w, exec & ~d[slot]);
       }
       switch (in.op) {
         case Op::kBra: {
           if (exec == mask) {
             MoveFront(ws.groups, in.target);
           } else if (in.uni && exec != 0) {
-            return Fail(Finding::kNonUniformBranch, w, static_cast<uint32_t>(__builtin_ctz(exec)), in.line,
+            return Fail(Finding::kNonUniformBranch, w, static_cast<uint32_t>(__builtin_ctz(exec)),
+                        in.line,
                         absl::StrFormat("bra.uni taken by lanes 0x%08x of 0x%08x", exec, mask));
           } else if (exec == 0) {
             MoveFront(ws.groups, pc + 1);
@@ -1152,9 +1324,10 @@ class Launcher {
   }
 
   absl::Status Uninitialized(const Instruction& in, uint32_t slot, uint32_t w, uint32_t lanes) {
-    return Fail(Finding::kUninitializedRegister, w, static_cast<uint32_t>(__builtin_ctz(lanes)), in.line,
-                absl::StrFormat("register %s is read before any instruction wrote it in this thread",
-                                entry_.reg_names[slot]));
+    return Fail(
+        Finding::kUninitializedRegister, w, static_cast<uint32_t>(__builtin_ctz(lanes)), in.line,
+        absl::StrFormat("register %s is read before any instruction wrote it in this thread",
+                        entry_.reg_names[slot]));
   }
 
   // out[lane] = f(a, b, c) over the lanes of exec; operands read as 64-bit cells.
@@ -1182,19 +1355,23 @@ class Launcher {
 
   // The instructions the kernels spend their time in, without the generic dispatch per lane.
   // Returns false when `in` is not one of them.
-  static bool ComputeCommon(const Instruction& in, uint32_t exec, const uint64_t* r, uint64_t* out) {
+  static bool ComputeCommon(const Instruction& in, uint32_t exec, const uint64_t* r,
+                            uint64_t* out) {
     const Type t = in.type;
     const MulMode mul = static_cast<MulMode>(in.mode);
     if (t == Type::kF32 && !in.ftz && !in.sat && in.rounding == FloatRound::kRn) {
       switch (in.op) {
         case Op::kAdd:
-          Map<2>(in, exec, r, out, [](uint64_t a, uint64_t b, uint64_t) { return F32Bits(AsF32(a) + AsF32(b)); });
+          Map<2>(in, exec, r, out,
+                 [](uint64_t a, uint64_t b, uint64_t) { return F32Bits(AsF32(a) + AsF32(b)); });
           return true;
         case Op::kSub:
-          Map<2>(in, exec, r, out, [](uint64_t a, uint64_t b, uint64_t) { return F32Bits(AsF32(a) - AsF32(b)); });
+          Map<2>(in, exec, r, out,
+                 [](uint64_t a, uint64_t b, uint64_t) { return F32Bits(AsF32(a) - AsF32(b)); });
           return true;
         case Op::kMul:
-          Map<2>(in, exec, r, out, [](uint64_t a, uint64_t b, uint64_t) { return F32Bits(AsF32(a) * AsF32(b)); });
+          Map<2>(in, exec, r, out,
+                 [](uint64_t a, uint64_t b, uint64_t) { return F32Bits(AsF32(a) * AsF32(b)); });
           return true;
         case Op::kFma:
         case Op::kMad:
@@ -1224,9 +1401,13 @@ class Launcher {
       case Op::kMad:
         if (t == Type::kU32 && mul == MulMode::kWide) {
           if (in.op == Op::kMul) {
-            Map<2>(in, exec, r, out, [](uint64_t a, uint64_t b, uint64_t) { return (a & 0xffffffffu) * (b & 0xffffffffu); });
+            Map<2>(in, exec, r, out, [](uint64_t a, uint64_t b, uint64_t) {
+              return (a & 0xffffffffu) * (b & 0xffffffffu);
+            });
           } else {
-            Map<3>(in, exec, r, out, [](uint64_t a, uint64_t b, uint64_t c) { return (a & 0xffffffffu) * (b & 0xffffffffu) + c; });
+            Map<3>(in, exec, r, out, [](uint64_t a, uint64_t b, uint64_t c) {
+              return (a & 0xffffffffu) * (b & 0xffffffffu) + c;
+            });
           }
           return true;
         }
@@ -1234,7 +1415,8 @@ class Launcher {
           if (in.op == Op::kMul) {
             Map<2>(in, exec, r, out, [m](uint64_t a, uint64_t b, uint64_t) { return (a * b) & m; });
           } else {
-            Map<3>(in, exec, r, out, [m](uint64_t a, uint64_t b, uint64_t c) { return (a * b + c) & m; });
+            Map<3>(in, exec, r, out,
+                   [m](uint64_t a, uint64_t b, uint64_t c) { return (a * b + c) & m; });
           }
           return true;
         }
@@ -1257,17 +1439,28 @@ class Launcher {
           const int64_t sa = static_cast<int64_t>(ua << shift) >> shift;
           const int64_t sb = static_cast<int64_t>(ub << shift) >> shift;
           switch (c) {
-            case Cmp::kEq: return ua == ub;
-            case Cmp::kNe: return ua != ub;
-            case Cmp::kLt: return s ? sa < sb : ua < ub;
-            case Cmp::kLe: return s ? sa <= sb : ua <= ub;
-            case Cmp::kGt: return s ? sa > sb : ua > ub;
-            case Cmp::kGe: return s ? sa >= sb : ua >= ub;
-            case Cmp::kLo: return ua < ub;
-            case Cmp::kLs: return ua <= ub;
-            case Cmp::kHi: return ua > ub;
-            case Cmp::kHs: return ua >= ub;
-            default: return 0;
+            case Cmp::kEq:
+              return ua == ub;
+            case Cmp::kNe:
+              return ua != ub;
+            case Cmp::kLt:
+              return s ? sa < sb : ua < ub;
+            case Cmp::kLe:
+              return s ? sa <= sb : ua <= ub;
+            case Cmp::kGt:
+              return s ? sa > sb : ua > ub;
+            case Cmp::kGe:
+              return s ? sa >= sb : ua >= ub;
+            case Cmp::kLo:
+              return ua < ub;
+            case Cmp::kLs:
+              return ua <= ub;
+            case Cmp::kHi:
+              return ua > ub;
+            case Cmp::kHs:
+              return ua >= ub;
+            default:
+              return 0;
           }
         });
         return true;
@@ -1303,10 +1496,20 @@ class Launcher {
           if (in.bool_op != BoolOp::kNone) {
             const bool c = (Value(in.src[2], r, lane) != 0) != in.src[2].negated;
             switch (in.bool_op) {
-              case BoolOp::kAnd: t = t && c; f = f && c; break;
-              case BoolOp::kOr: t = t || c; f = f || c; break;
-              case BoolOp::kXor: t = t != c; f = f != c; break;
-              case BoolOp::kNone: break;
+              case BoolOp::kAnd:
+                t = t && c;
+                f = f && c;
+                break;
+              case BoolOp::kOr:
+                t = t || c;
+                f = f || c;
+                break;
+              case BoolOp::kXor:
+                t = t != c;
+                f = f != c;
+                break;
+              case BoolOp::kNone:
+                break;
             }
           }
           out[lane] = t ? 1 : 0;
@@ -1367,7 +1570,7 @@ class Launcher {
 
   std::vector<uint8_t> param_buf_;
   std::vector<MemoryRange> ranges_;
-  MemoryRange* cache_ = nullptr;         // the executing instruction's entry of range_cache_
+  MemoryRange* cache_ = nullptr;          // the executing instruction's entry of range_cache_
   std::vector<MemoryRange> range_cache_;  // per instruction: the allocation it touched last
   std::vector<uint8_t> shared_;
   uint32_t nregs_ = 0;

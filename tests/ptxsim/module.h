@@ -21,20 +21,50 @@ namespace normgrad::ptxsim {
 enum class Type : uint8_t {
   kNone,
   kPred,
-  kB8, kB16, kB32, kB64,
-  kU8, kU16, kU32, kU64,
-  kS8, kS16, kS32, kS64,
-  kF16, kBF16, kF32, kF64,
+  kB8,
+  kB16,
+  kB32,
+  kB64,
+  kU8,
+  kU16,
+  kU32,
+  kU64,
+  kS8,
+  kS16,
+  kS32,
+  kS64,
+  kF16,
+  kBF16,
+  kF32,
+  kF64,
 };
 // 1 for .pred.
 constexpr int TypeBits(Type type) {
   switch (type) {
-    case Type::kNone: return 0;
-    case Type::kPred: return 1;
-    case Type::kB8: case Type::kU8: case Type::kS8: return 8;
-    case Type::kB16: case Type::kU16: case Type::kS16: case Type::kF16: case Type::kBF16: return 16;
-    case Type::kB32: case Type::kU32: case Type::kS32: case Type::kF32: return 32;
-    case Type::kB64: case Type::kU64: case Type::kS64: case Type::kF64: return 64;
+    case Type::kNone:
+      return 0;
+    case Type::kPred:
+      return 1;
+    case Type::kB8:
+    case Type::kU8:
+    case Type::kS8:
+      return 8;
+    case Type::kB16:
+    case Type::kU16:
+    case Type::kS16:
+    case Type::kF16:
+    case Type::kBF16:
+      return 16;
+    case Type::kB32:
+    case Type::kU32:
+    case Type::kS32:
+    case Type::kF32:
+      return 32;
+    case Type::kB64:
+    case Type::kU64:
+    case Type::kS64:
+    case Type::kF64:
+      return 64;
   }
   return 0;
 }
@@ -49,12 +79,45 @@ constexpr bool IsSigned(Type type) {
 absl::string_view TypeName(Type type);  // "f32"
 
 enum class Op : uint8_t {
-  kLd, kSt, kMov,
-  kAdd, kSub, kMul, kMad, kFma, kDiv, kRem, kMin, kMax, kNeg, kAbs,
-  kAnd, kOr, kXor, kNot, kCnot, kShl, kShr, kPopc, kClz,
-  kSqrt, kRsqrt, kRcp, kEx2, kLg2,
-  kSetp, kSelp, kCvt, kCvta,
-  kBra, kExit, kBar, kShfl, kAtom, kRed, kNop,
+  kLd,
+  kSt,
+  kMov,
+  kAdd,
+  kSub,
+  kMul,
+  kMad,
+  kFma,
+  kDiv,
+  kRem,
+  kMin,
+  kMax,
+  kNeg,
+  kAbs,
+  kAnd,
+  kOr,
+  kXor,
+  kNot,
+  kCnot,
+  kShl,
+  kShr,
+  kPopc,
+  kClz,
+  kSqrt,
+  kRsqrt,
+  kRcp,
+  kEx2,
+  kLg2,
+  kSetp,
+  kSelp,
+  kCvt,
+  kCvta,
+  kBra,
+  kExit,
+  kBar,
+  kShfl,
+  kAtom,
+  kRed,
+  kNop,
 };
 
 enum class Space : uint8_t { kNone, kParam, kGlobal, kShared, kGeneric };
@@ -62,8 +125,24 @@ enum class Space : uint8_t { kNone, kParam, kGlobal, kShared, kGeneric };
 // Modifier byte: meaning depends on the opcode.
 enum class MulMode : uint8_t { kNone, kLo, kHi, kWide };
 enum class Cmp : uint8_t {
-  kEq, kNe, kLt, kLe, kGt, kGe, kLo, kLs, kHi, kHs,
-  kEqu, kNeu, kLtu, kLeu, kGtu, kGeu, kNum, kNan,
+  kEq,
+  kNe,
+  kLt,
+  kLe,
+  kGt,
+  kGe,
+  kLo,
+  kLs,
+  kHi,
+  kHs,
+  kEqu,
+  kNeu,
+  kLtu,
+  kLeu,
+  kGtu,
+  kGeu,
+  kNum,
+  kNan,
 };
 enum class BoolOp : uint8_t { kNone, kAnd, kOr, kXor };
 enum class ShflMode : uint8_t { kUp, kDown, kBfly, kIdx };
@@ -77,21 +156,35 @@ inline constexpr uint32_t kNoReg = 0xffffffffu;
 
 // Special registers, in slot order.
 enum SpecialSlot : uint32_t {
-  kTidX, kTidY, kTidZ,
-  kNtidX, kNtidY, kNtidZ,
-  kCtaidX, kCtaidY, kCtaidZ,
-  kNctaidX, kNctaidY, kNctaidZ,
-  kLaneId, kWarpId, kNwarpId,
-  kLanemaskEq, kLanemaskLt, kLanemaskLe, kLanemaskGt, kLanemaskGe,
+  kTidX,
+  kTidY,
+  kTidZ,
+  kNtidX,
+  kNtidY,
+  kNtidZ,
+  kCtaidX,
+  kCtaidY,
+  kCtaidZ,
+  kNctaidX,
+  kNctaidY,
+  kNctaidZ,
+  kLaneId,
+  kWarpId,
+  kNwarpId,
+  kLanemaskEq,
+  kLanemaskLt,
+  kLanemaskLe,
+  kLanemaskGt,
+  kLanemaskGe,
   kNumSpecialSlots,
 };
 
 struct Operand {
   enum class Kind : uint8_t { kNone, kReg, kImm, kAddress };
   Kind kind = Kind::kNone;
-  bool negated = false;  // `!%p` (predicate operand of setp's boolean form)
-  uint32_t reg = kNoReg; // kReg: the slot; kAddress: the base register or kNoReg
-  uint64_t imm = 0;      // kImm: bits in the operand's type; kAddress: the byte offset
+  bool negated = false;   // `!%p` (predicate operand of setp's boolean form)
+  uint32_t reg = kNoReg;  // kReg: the slot; kAddress: the base register or kNoReg
+  uint64_t imm = 0;       // kImm: bits in the operand's type; kAddress: the byte offset
 };
 
 struct Instruction {
@@ -105,16 +198,16 @@ struct Instruction {
   FloatRound rounding = FloatRound::kRn;
   bool ftz = false;
   bool sat = false;
-  bool approx = false;          // .approx or .full: executed exactly (see docs/ptxsim.md)
-  bool uni = false;             // bra.uni
+  bool approx = false;  // .approx or .full: executed exactly (see docs/ptxsim.md)
+  bool uni = false;     // bra.uni
   bool guard_negated = false;
-  uint32_t guard = kNoReg;      // @%p / @!%p predicate slot
+  uint32_t guard = kNoReg;  // @%p / @!%p predicate slot
   uint8_t num_dst = 0;
   uint8_t num_src = 0;
-  Operand dst[4];               // ld.v4 writes four; shfl/setp write a second predicate
-  Operand src[5];               // st.v4: the address and four values
-  uint32_t target = 0;          // bra: instruction index
-  uint32_t line = 0;            // 1-based line in the PTX text
+  Operand dst[4];       // ld.v4 writes four; shfl/setp write a second predicate
+  Operand src[5];       // st.v4: the address and four values
+  uint32_t target = 0;  // bra: instruction index
+  uint32_t line = 0;    // 1-based line in the PTX text
 };
 
 struct Param {

@@ -20,24 +20,42 @@ namespace normgrad::ptxsim {
 
 absl::string_view TypeName(Type type) {
   switch (type) {
-    case Type::kNone: return "none";
-    case Type::kPred: return "pred";
-    case Type::kB8: return "b8";
-    case Type::kB16: return "b16";
-    case Type::kB32: return "b32";
-    case Type::kB64: return "b64";
-    case Type::kU8: return "u8";
-    case Type::kU16: return "u16";
-    case Type::kU32: return "u32";
-    case Type::kU64: return "u64";
-    case Type::kS8: return "s8";
-    case Type::kS16: return "s16";
-    case Type::kS32: return "s32";
-    case Type::kS64: return "s64";
-    case Type::kF16: return "f16";
-    case Type::kBF16: return "bf16";
-    case Type::kF32: return "f32";
-    case Type::kF64: return "f64";
+    case Type::kNone:
+      return "none";
+    case Type::kPred:
+      return "pred";
+    case Type::kB8:
+      return "b8";
+    case Type::kB16:
+      return "b16";
+    case Type::kB32:
+      return "b32";
+    case Type::kB64:
+      return "b64";
+    case Type::kU8:
+      return "u8";
+    case Type::kU16:
+      return "u16";
+    case Type::kU32:
+      return "u32";
+    case Type::kU64:
+      return "u64";
+    case Type::kS8:
+      return "s8";
+    case Type::kS16:
+      return "s16";
+    case Type::kS32:
+      return "s32";
+    case Type::kS64:
+      return "s64";
+    case Type::kF16:
+      return "f16";
+    case Type::kBF16:
+      return "bf16";
+    case Type::kF32:
+      return "f32";
+    case Type::kF64:
+      return "f64";
   }
   return "?";
 }
@@ -125,15 +143,17 @@ absl::StatusOr<std::vector<Token>> Lex(absl::string_view text) {
       }
       t.kind = Token::Kind::kIdent;
     } else if (std::isdigit(static_cast<unsigned char>(c))) {
-      const bool hex_like = i + 1 < n && (text[i + 1] == 'x' || text[i + 1] == 'X' ||
-                                          text[i + 1] == 'f' || text[i + 1] == 'F' ||
-                                          text[i + 1] == 'd' || text[i + 1] == 'D') && c == '0';
+      const bool hex_like = i + 1 < n &&
+                            (text[i + 1] == 'x' || text[i + 1] == 'X' || text[i + 1] == 'f' ||
+                             text[i + 1] == 'F' || text[i + 1] == 'd' || text[i + 1] == 'D') &&
+                            c == '0';
       ++i;
       while (i < n) {
         const char d = text[i];
         if (std::isalnum(static_cast<unsigned char>(d)) || d == '.') {
           ++i;
-        } else if ((d == '+' || d == '-') && !hex_like && (text[i - 1] == 'e' || text[i - 1] == 'E')) {
+        } else if ((d == '+' || d == '-') && !hex_like &&
+                   (text[i - 1] == 'e' || text[i - 1] == 'E')) {
           ++i;
         } else {
           break;
@@ -250,11 +270,11 @@ uint64_t TruncateToType(uint64_t v, Type type) {
 struct SynOperand {
   enum class Kind { kReg, kNumber, kAddress, kVector, kSymbol };
   Kind kind = Kind::kReg;
-  bool negated = false;        // !%p
-  bool minus = false;          // -literal
+  bool negated = false;           // !%p
+  bool minus = false;             // -literal
   std::vector<std::string> regs;  // kReg: 1 or 2 (a|b); kVector: 1..4; kAddress: 0 or 1 base
-  std::string text;            // kNumber literal; kSymbol / kAddress symbol
-  int64_t offset = 0;          // kAddress
+  std::string text;               // kNumber literal; kSymbol / kAddress symbol
+  int64_t offset = 0;             // kAddress
   uint32_t line = 0;
 };
 
@@ -278,9 +298,9 @@ struct PendingBranch {
 
 absl::StatusOr<Type> TypeFromSuffix(absl::string_view s) {
   static const std::pair<const char*, Type> kTypes[] = {
-      {"pred", Type::kPred}, {"b8", Type::kB8},   {"b16", Type::kB16}, {"b32", Type::kB32},
-      {"b64", Type::kB64},   {"u8", Type::kU8},   {"u16", Type::kU16}, {"u32", Type::kU32},
-      {"u64", Type::kU64},   {"s8", Type::kS8},   {"s16", Type::kS16}, {"s32", Type::kS32},
+      {"pred", Type::kPred}, {"b8", Type::kB8},   {"b16", Type::kB16},   {"b32", Type::kB32},
+      {"b64", Type::kB64},   {"u8", Type::kU8},   {"u16", Type::kU16},   {"u32", Type::kU32},
+      {"u64", Type::kU64},   {"s8", Type::kS8},   {"s16", Type::kS16},   {"s32", Type::kS32},
       {"s64", Type::kS64},   {"f16", Type::kF16}, {"bf16", Type::kBF16}, {"f32", Type::kF32},
       {"f64", Type::kF64},
   };
@@ -330,8 +350,8 @@ class Parser {
       } else if (t.text == ".address_size") {
         const Token size = Next();
         if (size.text != "64") {
-          return Error(t.line, absl::StrCat(".address_size ", size.text,
-                                            " is not supported (only 64)"));
+          return Error(t.line,
+                       absl::StrCat(".address_size ", size.text, " is not supported (only 64)"));
         }
       } else if (t.text == ".visible" || t.text == ".weak") {
         continue;
@@ -351,8 +371,8 @@ class Parser {
         return Error(t.line, "device functions (.func/.extern) are not supported");
       } else if (t.text == ".global" || t.text == ".const" || t.text == ".shared" ||
                  t.text == ".local") {
-        return Error(t.line, absl::StrCat("module-scope variables (", t.text,
-                                          ") are not supported"));
+        return Error(t.line,
+                     absl::StrCat("module-scope variables (", t.text, ") are not supported"));
       } else {
         return Error(t.line, absl::StrCat("unexpected '", t.text, "' at module scope"));
       }
@@ -407,9 +427,9 @@ class Parser {
     labels_.clear();
     branches_.clear();
     static const char* kSpecialNames[kNumSpecialSlots] = {
-        "%tid.x", "%tid.y", "%tid.z", "%ntid.x", "%ntid.y", "%ntid.z",
-        "%ctaid.x", "%ctaid.y", "%ctaid.z", "%nctaid.x", "%nctaid.y", "%nctaid.z",
-        "%laneid", "%warpid", "%nwarpid",
+        "%tid.x",       "%tid.y",       "%tid.z",       "%ntid.x",      "%ntid.y",
+        "%ntid.z",      "%ctaid.x",     "%ctaid.y",     "%ctaid.z",     "%nctaid.x",
+        "%nctaid.y",    "%nctaid.z",    "%laneid",      "%warpid",      "%nwarpid",
         "%lanemask_eq", "%lanemask_lt", "%lanemask_le", "%lanemask_gt", "%lanemask_ge"};
     for (uint32_t s = 0; s < kNumSpecialSlots; ++s) {
       entry.reg_names.push_back(kSpecialNames[s]);
@@ -420,7 +440,8 @@ class Parser {
     if (Peek().text == "(") {
       Next();
       while (Peek().text != ")") {
-        if (Peek().kind == Token::Kind::kEnd) return Error(Peek().line, "unterminated parameter list");
+        if (Peek().kind == Token::Kind::kEnd)
+          return Error(Peek().line, "unterminated parameter list");
         if (!entry.params.empty()) {
           if (absl::Status s = Expect(","); !s.ok()) return s;
         }
@@ -458,7 +479,8 @@ class Parser {
 
   absl::Status ParseParam(Entry& entry) {
     const Token p = Next();
-    if (p.text != ".param") return Error(p.line, absl::StrCat("expected .param, found '", p.text, "'"));
+    if (p.text != ".param")
+      return Error(p.line, absl::StrCat("expected .param, found '", p.text, "'"));
     Param param;
     uint32_t align = 0;
     while (Peek().kind == Token::Kind::kIdent && absl::StartsWith(Peek().text, ".")) {
@@ -529,7 +551,8 @@ class Parser {
       }
       if (t.kind == Token::Kind::kIdent && Peek(1).text == ":") {
         const std::string label(t.text);
-        if (labels_.count(label) != 0) return Error(t.line, absl::StrCat("duplicate label '", label, "'"));
+        if (labels_.count(label) != 0)
+          return Error(t.line, absl::StrCat("duplicate label '", label, "'"));
         labels_[label] = static_cast<uint32_t>(entry.code.size());
         Next();
         Next();
@@ -552,7 +575,8 @@ class Parser {
         continue;
       }
       if (t.text == ".local" || t.text == ".const" || t.text == ".global" || t.text == ".param") {
-        return Error(t.line, absl::StrCat("variables in ", t.text, " inside an entry are not supported"));
+        return Error(t.line,
+                     absl::StrCat("variables in ", t.text, " inside an entry are not supported"));
       }
       if (absl::Status s = ParseInstruction(entry); !s.ok()) return s;
     }
@@ -589,7 +613,8 @@ class Parser {
                                     ? TypeFromSuffix(type_token.text.substr(1))
                                     : absl::NotFoundError("");
     if (!type.ok()) {
-      return Error(type_token.line, absl::StrCat("unsupported register type '", type_token.text, "'"));
+      return Error(type_token.line,
+                   absl::StrCat("unsupported register type '", type_token.text, "'"));
     }
     while (true) {
       const Token name = Next();
@@ -631,7 +656,8 @@ class Parser {
         absl::StatusOr<uint64_t> a = ParseIntegerLiteral(Next().text);
         if (!a.ok() || *a == 0 || (*a & (*a - 1)) != 0) return Error(m.line, "bad .align");
         align = static_cast<uint32_t>(*a);
-      } else if (absl::StatusOr<Type> t = TypeFromSuffix(m.text.substr(1)); t.ok() && *t != Type::kPred) {
+      } else if (absl::StatusOr<Type> t = TypeFromSuffix(m.text.substr(1));
+                 t.ok() && *t != Type::kPred) {
         type = *t;
       } else {
         return Error(m.line, absl::StrCat("unsupported .shared attribute '", m.text, "'"));
@@ -649,14 +675,16 @@ class Parser {
         dynamic = true;
       } else {
         absl::StatusOr<uint64_t> n = ParseIntegerLiteral(Next().text);
-        if (!n.ok() || *n == 0 || *n > (1u << 20)) return Error(name.line, "bad .shared array size");
+        if (!n.ok() || *n == 0 || *n > (1u << 20))
+          return Error(name.line, "bad .shared array size");
         count = *n;
       }
       if (absl::Status s = Expect("]"); !s.ok()) return s;
     }
     if (absl::Status s = Expect(";"); !s.ok()) return s;
     if (dynamic != is_extern) {
-      return Error(name.line, "only '.extern .shared' arrays may be unsized (dynamic shared memory)");
+      return Error(name.line,
+                   "only '.extern .shared' arrays may be unsized (dynamic shared memory)");
     }
     SharedVar var{0, 0, dynamic};
     if (!dynamic) {
@@ -742,7 +770,8 @@ class Parser {
       while (true) {
         const Token r = Next();
         if (r.kind != Token::Kind::kReg) {
-          return Error(r.line, absl::StrCat("expected a register in vector operand, found '", r.text, "'"));
+          return Error(r.line,
+                       absl::StrCat("expected a register in vector operand, found '", r.text, "'"));
         }
         o.regs.push_back(std::string(r.text));
         const Token sep = Next();
@@ -810,9 +839,9 @@ class Parser {
       const int rb = TypeBits(reg_type);
       const int tb = TypeBits(type);
       if (!(rb == tb || (allow_wider && tb <= 16 && rb > tb))) {
-        return Error(line, absl::StrCat("register ", name, " is .", TypeName(reg_type), " (", rb,
-                                        " bits) but the operand is .", TypeName(type), " (", tb,
-                                        " bits)"));
+        return Error(
+            line, absl::StrCat("register ", name, " is .", TypeName(reg_type), " (", rb,
+                               " bits) but the operand is .", TypeName(type), " (", tb, " bits)"));
       }
     }
     Operand o;
@@ -826,7 +855,8 @@ class Parser {
       return Error(s.line, "destination must be a register");
     }
     absl::StatusOr<Operand> o = RegOperand(s.regs[0], type, s.line, allow_wider);
-    if (o.ok() && o->reg < kNumSpecialSlots) return Error(s.line, "special registers are read-only");
+    if (o.ok() && o->reg < kNumSpecialSlots)
+      return Error(s.line, "special registers are read-only");
     return o;
   }
 
@@ -852,7 +882,8 @@ class Parser {
         } else if (type == Type::kF64) {
           o.imm = DoubleBits(v);
         } else {
-          return Error(s.line, absl::StrCat("literals of type .", TypeName(type), " are not supported"));
+          return Error(s.line,
+                       absl::StrCat("literals of type .", TypeName(type), " are not supported"));
         }
       } else {
         absl::StatusOr<uint64_t> v = ParseIntegerLiteral(s.text);
@@ -869,7 +900,8 @@ class Parser {
         o.imm = sh->second.dynamic ? kDynamicSharedMarker : sh->second.offset;
         return o;
       }
-      return Error(s.line, absl::StrCat("'", s.text, "' is not a register, literal or .shared variable"));
+      return Error(s.line,
+                   absl::StrCat("'", s.text, "' is not a register, literal or .shared variable"));
     }
     return Error(s.line, "expected a register or literal operand");
   }
@@ -880,12 +912,15 @@ class Parser {
     o.kind = Operand::Kind::kAddress;
     o.imm = static_cast<uint64_t>(s.offset);
     if (!s.regs.empty()) {
-      if (space == Space::kParam) return Error(s.line, "ld.param takes a parameter name, not a register");
+      if (space == Space::kParam)
+        return Error(s.line, "ld.param takes a parameter name, not a register");
       absl::StatusOr<uint32_t> slot = RegSlot(s.regs[0], s.line);
       if (!slot.ok()) return slot.status();
       const Type t = entry_->reg_types[*slot];
-      if (t == Type::kPred || (TypeBits(t) != 64 && !(space == Space::kShared && TypeBits(t) == 32))) {
-        return Error(s.line, absl::StrCat("address register ", s.regs[0], " must be 64-bit (32-bit for .shared)"));
+      if (t == Type::kPred ||
+          (TypeBits(t) != 64 && !(space == Space::kShared && TypeBits(t) == 32))) {
+        return Error(s.line, absl::StrCat("address register ", s.regs[0],
+                                          " must be 64-bit (32-bit for .shared)"));
       }
       o.reg = *slot;
       return o;
@@ -895,8 +930,9 @@ class Parser {
         for (const Param& p : entry_->params) {
           if (p.name == s.text) {
             if (s.offset < 0 || s.offset + access_bytes > p.size) {
-              return Error(s.line, absl::StrCat("access of ", access_bytes, " bytes at offset ", s.offset,
-                                                " is outside parameter '", p.name, "' (", p.size, " bytes)"));
+              return Error(s.line, absl::StrCat("access of ", access_bytes, " bytes at offset ",
+                                                s.offset, " is outside parameter '", p.name, "' (",
+                                                p.size, " bytes)"));
             }
             o.imm = p.offset + static_cast<uint64_t>(s.offset);
             return o;
@@ -907,7 +943,9 @@ class Parser {
       auto sh = shared_.find(s.text);
       if (sh != shared_.end() && (space == Space::kShared || space == Space::kGeneric)) {
         if (space == Space::kGeneric) {
-          return Error(s.line, "generic access to a .shared variable by name is not supported; use ld.shared");
+          return Error(
+              s.line,
+              "generic access to a .shared variable by name is not supported; use ld.shared");
         }
         o.imm = (sh->second.dynamic ? kDynamicSharedMarker : sh->second.offset) +
                 static_cast<uint64_t>(s.offset);
@@ -960,7 +998,8 @@ class Parser {
     return absl::OkStatus();
   }
 
-  absl::Status Decode(absl::string_view opcode, const std::vector<SynOperand>& ops, Instruction& in) {
+  absl::Status Decode(absl::string_view opcode, const std::vector<SynOperand>& ops,
+                      Instruction& in) {
     const uint32_t line = in.line;
     std::vector<absl::string_view> parts = absl::StrSplit(opcode, '.');
     const absl::string_view base = parts[0];
@@ -995,12 +1034,15 @@ class Parser {
         in.vec = m == "v2" ? 2 : 4;
       } else if (m == "rn" || m == "rz" || m == "rm" || m == "rp") {
         rn = true;  // a floating-point rounding modifier is present
-        in.rounding = m == "rn" ? FloatRound::kRn : m == "rz" ? FloatRound::kRz
-                      : m == "rm" ? FloatRound::kRm : FloatRound::kRp;
+        in.rounding = m == "rn"   ? FloatRound::kRn
+                      : m == "rz" ? FloatRound::kRz
+                      : m == "rm" ? FloatRound::kRm
+                                  : FloatRound::kRp;
       } else if (m == "rni" || m == "rzi" || m == "rmi" || m == "rpi") {
-        in.mode = static_cast<uint8_t>(m == "rni" ? IntRound::kRni
+        in.mode = static_cast<uint8_t>(m == "rni"   ? IntRound::kRni
                                        : m == "rzi" ? IntRound::kRzi
-                                       : m == "rmi" ? IntRound::kRmi : IntRound::kRpi);
+                                       : m == "rmi" ? IntRound::kRmi
+                                                    : IntRound::kRpi);
       } else if (m == "ftz") {
         in.ftz = true;
       } else if (m == "sat") {
@@ -1041,16 +1083,18 @@ class Parser {
         if (!found || have_cmp) return unsupported(absl::StrCat("bad comparison .", m));
         have_cmp = true;
       } else if (base == "shfl" && (m == "up" || m == "down" || m == "bfly" || m == "idx")) {
-        shfl = m == "up" ? ShflMode::kUp : m == "down" ? ShflMode::kDown
-               : m == "bfly" ? ShflMode::kBfly : ShflMode::kIdx;
+        shfl = m == "up"     ? ShflMode::kUp
+               : m == "down" ? ShflMode::kDown
+               : m == "bfly" ? ShflMode::kBfly
+                             : ShflMode::kIdx;
         have_shfl = true;
       } else if ((base == "atom" || base == "red") &&
                  (m == "add" || m == "min" || m == "max" || m == "exch" || m == "cas" ||
                   m == "and" || m == "or" || m == "xor" || m == "inc" || m == "dec")) {
         static const std::pair<const char*, AtomOp> kAtoms[] = {
-            {"add", AtomOp::kAdd}, {"min", AtomOp::kMin},   {"max", AtomOp::kMax},
+            {"add", AtomOp::kAdd},   {"min", AtomOp::kMin}, {"max", AtomOp::kMax},
             {"exch", AtomOp::kExch}, {"cas", AtomOp::kCas}, {"and", AtomOp::kAnd},
-            {"or", AtomOp::kOr},   {"xor", AtomOp::kXor},   {"inc", AtomOp::kInc},
+            {"or", AtomOp::kOr},     {"xor", AtomOp::kXor}, {"inc", AtomOp::kInc},
             {"dec", AtomOp::kDec}};
         for (const auto& [name, a] : kAtoms) {
           if (m == name) atom = a;
@@ -1067,7 +1111,8 @@ class Parser {
     }
     auto need_ops = [&](size_t n) -> absl::Status {
       if (ops.size() != n) {
-        return Error(line, absl::StrCat("'", opcode, "' takes ", n, " operands, found ", ops.size()));
+        return Error(line,
+                     absl::StrCat("'", opcode, "' takes ", n, " operands, found ", ops.size()));
       }
       return absl::OkStatus();
     };
@@ -1091,8 +1136,8 @@ class Parser {
       in.num_src = static_cast<uint8_t>(std::max<int>(in.num_src, k + 1));
       return absl::OkStatus();
     };
-#define NG_TRY(expr)                      \
-  do {                                    \
+#define NG_TRY(expr)                                   \
+  do {                                                 \
     if (absl::Status s_ = (expr); !s_.ok()) return s_; \
   } while (0)
 
@@ -1111,7 +1156,8 @@ class Parser {
       const SynOperand& value = is_ld ? ops[0] : ops[1];
       NG_TRY(set_src(is_ld ? 0 : 0, Address(is_ld ? ops[1] : ops[0], in.space, bytes)));
       if (in.vec == 1) {
-        if (value.kind == SynOperand::Kind::kVector) return unsupported("vector operand without .v2/.v4");
+        if (value.kind == SynOperand::Kind::kVector)
+          return unsupported("vector operand without .v2/.v4");
         if (is_ld) {
           NG_TRY(set_dst(0, Dst(value, in.type, true)));
         } else {
@@ -1119,7 +1165,8 @@ class Parser {
         }
       } else {
         if (value.kind != SynOperand::Kind::kVector || value.regs.size() != in.vec) {
-          return Error(line, absl::StrCat("'", opcode, "' needs a {..} operand of ", int{in.vec}, " registers"));
+          return Error(line, absl::StrCat("'", opcode, "' needs a {..} operand of ", int{in.vec},
+                                          " registers"));
         }
         for (int k = 0; k < in.vec; ++k) {
           SynOperand r;
@@ -1150,13 +1197,13 @@ class Parser {
       int sources;
     };
     static const Arith kArith[] = {
-        {"add", Op::kAdd, 2},   {"sub", Op::kSub, 2},   {"mul", Op::kMul, 2},
-        {"mad", Op::kMad, 3},   {"fma", Op::kFma, 3},   {"div", Op::kDiv, 2},
-        {"rem", Op::kRem, 2},   {"min", Op::kMin, 2},   {"max", Op::kMax, 2},
-        {"neg", Op::kNeg, 1},   {"abs", Op::kAbs, 1},   {"and", Op::kAnd, 2},
-        {"or", Op::kOr, 2},     {"xor", Op::kXor, 2},   {"not", Op::kNot, 1},
-        {"cnot", Op::kCnot, 1}, {"shl", Op::kShl, 2},   {"shr", Op::kShr, 2},
-        {"popc", Op::kPopc, 1}, {"clz", Op::kClz, 1},   {"sqrt", Op::kSqrt, 1},
+        {"add", Op::kAdd, 2},     {"sub", Op::kSub, 2}, {"mul", Op::kMul, 2},
+        {"mad", Op::kMad, 3},     {"fma", Op::kFma, 3}, {"div", Op::kDiv, 2},
+        {"rem", Op::kRem, 2},     {"min", Op::kMin, 2}, {"max", Op::kMax, 2},
+        {"neg", Op::kNeg, 1},     {"abs", Op::kAbs, 1}, {"and", Op::kAnd, 2},
+        {"or", Op::kOr, 2},       {"xor", Op::kXor, 2}, {"not", Op::kNot, 1},
+        {"cnot", Op::kCnot, 1},   {"shl", Op::kShl, 2}, {"shr", Op::kShr, 2},
+        {"popc", Op::kPopc, 1},   {"clz", Op::kClz, 1}, {"sqrt", Op::kSqrt, 1},
         {"rsqrt", Op::kRsqrt, 1}, {"rcp", Op::kRcp, 1}, {"ex2", Op::kEx2, 1},
         {"lg2", Op::kLg2, 1},
     };
@@ -1166,10 +1213,11 @@ class Parser {
       NG_TRY(need_ops(1 + a.sources));
       NG_TRY(need_type());
       const bool is_float = IsFloat(in.type);
-      const bool logic = a.op == Op::kAnd || a.op == Op::kOr || a.op == Op::kXor || a.op == Op::kNot ||
-                         a.op == Op::kCnot;
+      const bool logic = a.op == Op::kAnd || a.op == Op::kOr || a.op == Op::kXor ||
+                         a.op == Op::kNot || a.op == Op::kCnot;
       if (logic && is_float) return unsupported("logic operations take .b/.u/.s types or .pred");
-      if (in.type == Type::kPred && !logic) return unsupported(".pred is only valid for and/or/xor/not");
+      if (in.type == Type::kPred && !logic)
+        return unsupported(".pred is only valid for and/or/xor/not");
       const bool float_only = a.op == Op::kFma || a.op == Op::kSqrt || a.op == Op::kRsqrt ||
                               a.op == Op::kRcp || a.op == Op::kEx2 || a.op == Op::kLg2;
       if (float_only && !is_float) return unsupported("needs a floating-point type");
@@ -1181,8 +1229,8 @@ class Parser {
         if (in.type == Type::kF64 && (in.approx && a.op != Op::kRsqrt && a.op != Op::kRcp)) {
           return unsupported(".approx f64 is only valid for rcp/rsqrt");
         }
-        const bool needs_rounding = (a.op == Op::kDiv || a.op == Op::kSqrt || a.op == Op::kRcp) &&
-                                    !in.approx;
+        const bool needs_rounding =
+            (a.op == Op::kDiv || a.op == Op::kSqrt || a.op == Op::kRcp) && !in.approx;
         if (needs_rounding && !rn) return unsupported("needs .rn or .approx");
         if ((a.op == Op::kFma || (a.op == Op::kMad && is_float)) && !rn) {
           return unsupported("needs a rounding modifier (.rn)");
@@ -1190,21 +1238,25 @@ class Parser {
         const bool approx_only = a.op == Op::kRsqrt || a.op == Op::kEx2 || a.op == Op::kLg2;
         if (approx_only && !in.approx) return unsupported("needs .approx");
         if (full && a.op != Op::kDiv) return unsupported(".full applies to div only");
-        const bool directed_ok = in.type == Type::kF32 && !in.approx &&
-                                 (a.op == Op::kAdd || a.op == Op::kSub || a.op == Op::kMul ||
-                                  a.op == Op::kDiv || a.op == Op::kSqrt || a.op == Op::kRcp ||
-                                  a.op == Op::kFma || a.op == Op::kMad);
+        const bool directed_ok =
+            in.type == Type::kF32 && !in.approx &&
+            (a.op == Op::kAdd || a.op == Op::kSub || a.op == Op::kMul || a.op == Op::kDiv ||
+             a.op == Op::kSqrt || a.op == Op::kRcp || a.op == Op::kFma || a.op == Op::kMad);
         if (in.rounding != FloatRound::kRn && !directed_ok) {
-          return unsupported("rounding .rz/.rm/.rp is supported on f32 add/sub/mul/div/sqrt/rcp/fma only");
+          return unsupported(
+              "rounding .rz/.rm/.rp is supported on f32 add/sub/mul/div/sqrt/rcp/fma only");
         }
       } else {
-        if (rn || in.approx || in.ftz) return unsupported("rounding/.approx/.ftz apply to floating-point types");
-        if (in.sat && !(in.type == Type::kS32 && (a.op == Op::kAdd || a.op == Op::kSub || a.op == Op::kMad))) {
+        if (rn || in.approx || in.ftz)
+          return unsupported("rounding/.approx/.ftz apply to floating-point types");
+        if (in.sat && !(in.type == Type::kS32 &&
+                        (a.op == Op::kAdd || a.op == Op::kSub || a.op == Op::kMad))) {
           return unsupported(".sat on integers is only valid for add/sub/mad .s32");
         }
         if (a.op == Op::kMul || a.op == Op::kMad) {
           if (mul == MulMode::kNone) return unsupported("integer mul/mad need .lo, .hi or .wide");
-          if (mul == MulMode::kWide && TypeBits(in.type) == 64) return unsupported(".wide needs a 16- or 32-bit type");
+          if (mul == MulMode::kWide && TypeBits(in.type) == 64)
+            return unsupported(".wide needs a 16- or 32-bit type");
         } else if (mul != MulMode::kNone) {
           return unsupported(".lo/.hi/.wide apply to mul/mad only");
         }
@@ -1212,8 +1264,10 @@ class Parser {
       in.mode = static_cast<uint8_t>(mul);
       Type dst_type = in.type;
       if (mul == MulMode::kWide) {
-        dst_type = in.type == Type::kU32 ? Type::kU64 : in.type == Type::kS32 ? Type::kS64
-                   : in.type == Type::kU16 ? Type::kU32 : Type::kS32;
+        dst_type = in.type == Type::kU32   ? Type::kU64
+                   : in.type == Type::kS32 ? Type::kS64
+                   : in.type == Type::kU16 ? Type::kU32
+                                           : Type::kS32;
       }
       NG_TRY(set_dst(0, Dst(ops[0], dst_type)));
       for (int k = 0; k < a.sources; ++k) {
@@ -1234,13 +1288,16 @@ class Parser {
       NG_TRY(need_type());
       in.mode = static_cast<uint8_t>(cmp);
       const bool float_cmp = cmp >= Cmp::kEqu;
-      if (float_cmp && !IsFloat(in.type)) return unsupported("unordered comparisons need a float type");
-      if ((cmp == Cmp::kLo || cmp == Cmp::kLs || cmp == Cmp::kHi || cmp == Cmp::kHs) && IsFloat(in.type)) {
+      if (float_cmp && !IsFloat(in.type))
+        return unsupported("unordered comparisons need a float type");
+      if ((cmp == Cmp::kLo || cmp == Cmp::kLs || cmp == Cmp::kHi || cmp == Cmp::kHs) &&
+          IsFloat(in.type)) {
         return unsupported("lo/ls/hi/hs need an integer type");
       }
       NG_TRY(need_ops(in.bool_op == BoolOp::kNone ? 3 : 4));
       const SynOperand& d = ops[0];
-      if (d.kind != SynOperand::Kind::kReg || d.negated) return Error(line, "setp writes a predicate");
+      if (d.kind != SynOperand::Kind::kReg || d.negated)
+        return Error(line, "setp writes a predicate");
       for (size_t k = 0; k < d.regs.size(); ++k) {
         SynOperand r;
         r.kind = SynOperand::Kind::kReg;
@@ -1276,16 +1333,20 @@ class Parser {
       if (fd && fs) {
         const bool narrowing = TypeBits(in.type) < TypeBits(in.src_type);
         if (ir != IntRound::kNone) {
-          if (in.type != in.src_type) return unsupported("integer rounding between different float types");
+          if (in.type != in.src_type)
+            return unsupported("integer rounding between different float types");
         } else if (narrowing && !rn) {
           return unsupported("narrowing float conversion needs .rn");
         } else if (!narrowing && rn) {
           return unsupported("widening float conversion takes no rounding modifier");
         }
       } else if (fd && !fs) {
-        if (!rn) return unsupported("integer-to-float conversion needs a rounding modifier (.rn/.rz/.rm/.rp)");
+        if (!rn)
+          return unsupported(
+              "integer-to-float conversion needs a rounding modifier (.rn/.rz/.rm/.rp)");
       } else if (!fd && fs) {
-        if (ir == IntRound::kNone) return unsupported("float-to-integer conversion needs .rni/.rzi/.rmi/.rpi");
+        if (ir == IntRound::kNone)
+          return unsupported("float-to-integer conversion needs .rni/.rzi/.rmi/.rpi");
       } else if (rn || ir != IntRound::kNone) {
         return unsupported("integer-to-integer conversion takes no rounding modifier");
       }
@@ -1342,14 +1403,16 @@ class Parser {
       in.op = Op::kShfl;
       if (!sync) return unsupported("shfl without .sync is not supported (removed in sm_70)");
       if (!have_shfl) return unsupported("missing .up/.down/.bfly/.idx");
-      if (types.size() != 1 || TypeBits(types[0]) != 32 || IsFloat(types[0]) || types[0] == Type::kS32) {
+      if (types.size() != 1 || TypeBits(types[0]) != 32 || IsFloat(types[0]) ||
+          types[0] == Type::kS32) {
         return unsupported("shfl.sync needs .b32");
       }
       in.type = Type::kB32;
       in.mode = static_cast<uint8_t>(shfl);
       NG_TRY(need_ops(5));
       const SynOperand& d = ops[0];
-      if (d.kind != SynOperand::Kind::kReg || d.negated) return Error(line, "shfl writes a register");
+      if (d.kind != SynOperand::Kind::kReg || d.negated)
+        return Error(line, "shfl writes a register");
       SynOperand r;
       r.kind = SynOperand::Kind::kReg;
       r.line = line;
@@ -1380,7 +1443,8 @@ class Parser {
       if (IsFloat(in.type) && atom != AtomOp::kAdd && atom != AtomOp::kExch) {
         return unsupported("float atomics support .add and .exch");
       }
-      if (!is_atom && (atom == AtomOp::kExch || atom == AtomOp::kCas)) return unsupported("red has no exch/cas");
+      if (!is_atom && (atom == AtomOp::kExch || atom == AtomOp::kCas))
+        return unsupported("red has no exch/cas");
       const int sources = atom == AtomOp::kCas ? 2 : 1;
       NG_TRY(need_ops((is_atom ? 2 : 1) + sources));
       const int first = is_atom ? 1 : 0;

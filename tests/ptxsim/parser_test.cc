@@ -15,8 +15,8 @@ using ::testing::HasSubstr;
 constexpr char kHeader[] = ".version 7.8\n.target sm_90\n.address_size 64\n";
 
 std::string Module1(absl::string_view body) {
-  return absl::StrCat(kHeader,
-                      ".visible .entry k(\n  .param .u64 out,\n  .param .u32 n\n)\n{\n", body, "}\n");
+  return absl::StrCat(kHeader, ".visible .entry k(\n  .param .u64 out,\n  .param .u32 n\n)\n{\n",
+                      body, "}\n");
 }
 
 TEST(PtxParser, AcceptsConventionalModuleAndDecodesOnce) {
@@ -92,7 +92,8 @@ TEST_P(PtxParserRefuses, WithLineAndReason) {
   absl::StatusOr<Module> module = ParsePtx(Module1(r.body));
   ASSERT_FALSE(module.ok());
   EXPECT_EQ(module.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(module.status().message()), HasSubstr(absl::StrCat("line ", r.line, ":")));
+  EXPECT_THAT(std::string(module.status().message()),
+              HasSubstr(absl::StrCat("line ", r.line, ":")));
   EXPECT_THAT(std::string(module.status().message()), HasSubstr(r.reason));
 }
 
@@ -105,14 +106,15 @@ INSTANTIATE_TEST_SUITE_P(
         Refusal{"UndeclaredRegister", ".reg .b32 %r<2>;\nmov.u32 %r5, 1;\n", 10,
                 "undeclared register '%r5'"},
         Refusal{"UnknownLabel", "bra NOWHERE;\n", 9, "unknown label 'NOWHERE'"},
-        Refusal{"DirectedRoundingOutsideSubset", ".reg .f64 %fd<3>;\nadd.rz.f64 %fd1, %fd1, %fd2;\n", 10,
+        Refusal{"DirectedRoundingOutsideSubset",
+                ".reg .f64 %fd<3>;\nadd.rz.f64 %fd1, %fd1, %fd2;\n", 10,
                 "rounding .rz/.rm/.rp is supported on f32"},
         Refusal{"HalfPrecisionArithmetic", ".reg .f16 %h<3>;\nadd.rn.f16 %h1, %h1, %h2;\n", 10,
                 "f16/bf16 arithmetic is not supported"},
         Refusal{"DivWithoutRounding", ".reg .f32 %f<3>;\ndiv.f32 %f1, %f1, %f2;\n", 10,
                 "needs .rn or .approx"},
-        Refusal{"TypeMismatch", ".reg .f32 %f<3>;\n.reg .b64 %rd<2>;\nadd.f32 %f1, %rd1, %f2;\n", 11,
-                "register %rd1 is .b64"},
+        Refusal{"TypeMismatch", ".reg .f32 %f<3>;\n.reg .b64 %rd<2>;\nadd.f32 %f1, %rd1, %f2;\n",
+                11, "register %rd1 is .b64"},
         Refusal{"MissingSemicolon", ".reg .b32 %r<2>;\nmov.u32 %r1, 1\n}\n", 10, "missing ';'"},
         Refusal{"LocalMemory", ".local .align 4 .b8 stack[16];\n", 9, "not supported"},
         Refusal{"ShflWithoutSync", ".reg .b32 %r<3>;\nshfl.down.b32 %r1, %r2, 1, 31;\n", 10,
@@ -121,7 +123,8 @@ INSTANTIATE_TEST_SUITE_P(
                 "unknown parameter 'nope'"},
         Refusal{"ParamOutOfRange", ".reg .b64 %rd<2>;\nld.param.u64 %rd1, [n];\n", 10,
                 "outside parameter 'n'"},
-        Refusal{"WrongOperandCount", ".reg .b32 %r<3>;\nadd.u32 %r1, %r2;\n", 10, "takes 3 operands"}),
+        Refusal{"WrongOperandCount", ".reg .b32 %r<3>;\nadd.u32 %r1, %r2;\n", 10,
+                "takes 3 operands"}),
     [](const ::testing::TestParamInfo<Refusal>& info) { return std::string(info.param.name); });
 
 TEST(PtxParser, RefusesDeviceFunctionsAndBadHeaders) {
@@ -139,11 +142,13 @@ TEST(PtxParser, RefusesDeviceFunctionsAndBadHeaders) {
 
   absl::StatusOr<Module> garbage = ParsePtx(".version 7.8\n.target sm_90\n#include <x>\n");
   ASSERT_FALSE(garbage.ok());
-  EXPECT_THAT(std::string(garbage.status().message()), HasSubstr("line 3: unexpected character '#'"));
+  EXPECT_THAT(std::string(garbage.status().message()),
+              HasSubstr("line 3: unexpected character '#'"));
 }
 
 TEST(PtxParser, ReadsTargetsWithSuffixAndNulTerminatedImages) {
-  std::string ptx = ".version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry e()\n{\nret;\n}\n";
+  std::string ptx =
+      ".version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry e()\n{\nret;\n}\n";
   ptx.push_back('\0');
   absl::StatusOr<Module> module = ParsePtx(ptx);
   ASSERT_TRUE(module.ok()) << module.status();

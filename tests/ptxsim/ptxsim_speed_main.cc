@@ -63,11 +63,21 @@ int Run(const char* entry, uint32_t rows, uint32_t hidden, int repeats) {
   KernelArgs args;
   const bool warp = std::strcmp(entry, "rms_norm_backward") == 0;
   if (warp) {
-    args.Add(SimHarness::Address(x)).Add(SimHarness::Address(gamma)).Add(SimHarness::Address(rms))
-        .Add(SimHarness::Address(dy)).Add(SimHarness::Address(dx)).Add(rows).Add(hidden);
+    args.Add(SimHarness::Address(x))
+        .Add(SimHarness::Address(gamma))
+        .Add(SimHarness::Address(rms))
+        .Add(SimHarness::Address(dy))
+        .Add(SimHarness::Address(dx))
+        .Add(rows)
+        .Add(hidden);
   } else {
-    args.Add(SimHarness::Address(x)).Add(SimHarness::Address(gamma)).Add(SimHarness::Address(dy))
-        .Add(SimHarness::Address(dx)).Add(SimHarness::Address(dgamma)).Add(rows).Add(hidden)
+    args.Add(SimHarness::Address(x))
+        .Add(SimHarness::Address(gamma))
+        .Add(SimHarness::Address(dy))
+        .Add(SimHarness::Address(dx))
+        .Add(SimHarness::Address(dgamma))
+        .Add(rows)
+        .Add(hidden)
         .Add(1e-5f);
   }
   LaunchConfig launch;
@@ -79,7 +89,8 @@ int Run(const char* entry, uint32_t rows, uint32_t hidden, int repeats) {
   for (int k = 0; k < repeats; ++k) {
     std::fill(dgamma, dgamma + hidden, 0.0f);
     const auto start = std::chrono::steady_clock::now();
-    absl::Status s = Launch(*module->FindEntry(ptx->entry), launch, args.Pointers(), sim.memory(), &report);
+    absl::Status s =
+        Launch(*module->FindEntry(ptx->entry), launch, args.Pointers(), sim.memory(), &report);
     best = std::min(best, Seconds(start));
     if (!s.ok()) {
       std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
@@ -87,8 +98,13 @@ int Run(const char* entry, uint32_t rows, uint32_t hidden, int repeats) {
     }
   }
   std::vector<float> ref_dx(n), ref_dgamma(hidden);
-  normgrad::kernels::BackwardInputs in{absl::MakeConstSpan(x, n), absl::MakeConstSpan(dy, n),
-                                       absl::MakeConstSpan(gamma, hidden), {}, rows, hidden, 1e-5f};
+  normgrad::kernels::BackwardInputs in{absl::MakeConstSpan(x, n),
+                                       absl::MakeConstSpan(dy, n),
+                                       absl::MakeConstSpan(gamma, hidden),
+                                       {},
+                                       rows,
+                                       hidden,
+                                       1e-5f};
   if (warp) in.rms = absl::MakeConstSpan(rms, rows);
   double ref_best = 1e30;
   for (int k = 0; k < repeats; ++k) {

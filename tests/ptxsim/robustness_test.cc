@@ -16,15 +16,24 @@ namespace {
 std::string Mutate(const std::string& text, std::mt19937& rng) {
   std::string out = text;
   auto pos = [&](size_t n) { return std::uniform_int_distribution<size_t>(0, n - 1)(rng); };
-  static const char* kInserts[] = {";", "{", "}", "%r1", "[", "]", "@", "!", "-", "0x", "0f",
-                                   ".v4", ".rz", "bra", "<", ">", ",", "|", "9999999999999"};
+  static const char* kInserts[] = {
+      ";", "{", "}", "%r1",          "[", "]", "@", "!", "-", "0x", "0f", ".v4", ".rz", "bra", "<",
+      ">", ",", "|", "9999999999999"};
   const int edits = 1 + static_cast<int>(pos(3));
   for (int e = 0; e < edits && !out.empty(); ++e) {
     switch (pos(4)) {
-      case 0: out.erase(pos(out.size()), 1 + pos(8)); break;
-      case 1: out.insert(pos(out.size()), kInserts[pos(sizeof(kInserts) / sizeof(kInserts[0]))]); break;
-      case 2: std::swap(out[pos(out.size())], out[pos(out.size())]); break;
-      case 3: out[pos(out.size())] = static_cast<char>(32 + pos(95)); break;
+      case 0:
+        out.erase(pos(out.size()), 1 + pos(8));
+        break;
+      case 1:
+        out.insert(pos(out.size()), kInserts[pos(sizeof(kInserts) / sizeof(kInserts[0]))]);
+        break;
+      case 2:
+        std::swap(out[pos(out.size())], out[pos(out.size())]);
+        break;
+      case 3:
+        out[pos(out.size())] = static_cast<char>(32 + pos(95));
+        break;
     }
   }
   return out;
@@ -33,7 +42,8 @@ std::string Mutate(const std::string& text, std::mt19937& rng) {
 TEST(PtxRobustness, MutatedKernelTextIsRefusedOrRunsWithoutCrashing) {
   kernels::KernelConfig config;
   config.hidden_dim = 40;
-  absl::StatusOr<kernels::EmittedPtx> ptx = kernels::FindKernel("batched_rms_norm_backward")->Emit(config);
+  absl::StatusOr<kernels::EmittedPtx> ptx =
+      kernels::FindKernel("batched_rms_norm_backward")->Emit(config);
   ASSERT_TRUE(ptx.ok()) << ptx.status();
   SimHarness sim;
   constexpr uint32_t kRows = 2;
@@ -43,8 +53,14 @@ TEST(PtxRobustness, MutatedKernelTextIsRefusedOrRunsWithoutCrashing) {
   float* dx = sim.Alloc<float>(kRows * 40);
   float* dgamma = sim.Alloc<float>(40);
   KernelArgs args;
-  args.Add(SimHarness::Address(x)).Add(SimHarness::Address(gamma)).Add(SimHarness::Address(dy))
-      .Add(SimHarness::Address(dx)).Add(SimHarness::Address(dgamma)).Add(kRows).Add(40u).Add(1e-5f);
+  args.Add(SimHarness::Address(x))
+      .Add(SimHarness::Address(gamma))
+      .Add(SimHarness::Address(dy))
+      .Add(SimHarness::Address(dx))
+      .Add(SimHarness::Address(dgamma))
+      .Add(kRows)
+      .Add(40u)
+      .Add(1e-5f);
   std::mt19937 rng(20261202);
   int refused = 0, ran = 0, diagnosed = 0;
   for (int i = 0; i < 3000; ++i) {

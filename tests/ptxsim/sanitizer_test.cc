@@ -27,7 +27,8 @@ std::string Kernel(absl::string_view body) {
   mov.u32 %r1, %tid.x;
   mul.wide.u32 %rd2, %r1, 4;
   add.s64 %rd3, %rd1, %rd2;
-)", body, "}\n");
+)",
+                      body, "}\n");
 }
 
 struct Outcome {
@@ -35,8 +36,8 @@ struct Outcome {
   LaunchReport report;
 };
 
-Outcome RunBroken(const std::string& ptx, uint32_t threads, size_t out_floats, float** out = nullptr,
-            uint64_t limit = uint64_t{1} << 32) {
+Outcome RunBroken(const std::string& ptx, uint32_t threads, size_t out_floats,
+                  float** out = nullptr, uint64_t limit = uint64_t{1} << 32) {
   static SimHarness* sim = new SimHarness();
   float* buffer = sim->Alloc<float>(out_floats);
   if (out != nullptr) *out = buffer;
@@ -54,14 +55,18 @@ TEST(PtxSanitizer, OutOfBoundsStoreNamesKernelBlockThreadAndAddress) {
   ASSERT_FALSE(o.status.ok());
   EXPECT_EQ(o.report.finding, Finding::kOutOfBounds);
   const uint64_t bad = SimHarness::Address(out) + 32 * 4;
-  EXPECT_THAT(std::string(o.status.message()), HasSubstr("out-of-bounds access: global store of 4 bytes"));
+  EXPECT_THAT(std::string(o.status.message()),
+              HasSubstr("out-of-bounds access: global store of 4 bytes"));
   EXPECT_THAT(std::string(o.status.message()), HasSubstr(absl::StrFormat("address 0x%x", bad)));
-  EXPECT_THAT(std::string(o.status.message()), HasSubstr("0 bytes past the end of the 128-byte allocation"));
-  EXPECT_THAT(std::string(o.status.message()), HasSubstr("kernel 'broken', line 14, block (0,0,0), thread (32,0,0)"));
+  EXPECT_THAT(std::string(o.status.message()),
+              HasSubstr("0 bytes past the end of the 128-byte allocation"));
+  EXPECT_THAT(std::string(o.status.message()),
+              HasSubstr("kernel 'broken', line 14, block (0,0,0), thread (32,0,0)"));
 }
 
 TEST(PtxSanitizer, MisalignedLoadIsReported) {
-  Outcome o = RunBroken(Kernel("  ld.global.f32 %f1, [%rd3+2];\n  st.global.f32 [%rd3], %f1;\n  ret;\n"), 32, 64);
+  Outcome o = RunBroken(
+      Kernel("  ld.global.f32 %f1, [%rd3+2];\n  st.global.f32 [%rd3], %f1;\n  ret;\n"), 32, 64);
   ASSERT_FALSE(o.status.ok());
   EXPECT_EQ(o.report.finding, Finding::kMisaligned);
   EXPECT_THAT(std::string(o.status.message()), HasSubstr("is not 4-byte aligned"));
@@ -76,7 +81,8 @@ TEST(PtxSanitizer, ShuffleAfterDivergentExitNamesTheExitedLane) {
   st.global.f32 [%rd3], %f2;
 EXIT:
   ret;
-)"), 32, 64);
+)"),
+                        32, 64);
   ASSERT_FALSE(o.status.ok());
   EXPECT_EQ(o.report.finding, Finding::kShuffleMask);
   // Lanes 16..31 branched to the exit; whether they already left or are about to, the
@@ -98,10 +104,12 @@ SMALL:
 JOIN:
   st.global.f32 [%rd3], %f2;
   ret;
-)"), 32, 64);
+)"),
+                        32, 64);
   ASSERT_FALSE(o.status.ok());
   EXPECT_EQ(o.report.finding, Finding::kShuffleMask);
-  EXPECT_THAT(std::string(o.status.message()), HasSubstr("names lane 0, which has diverged (it is at line 20)"));
+  EXPECT_THAT(std::string(o.status.message()),
+              HasSubstr("names lane 0, which has diverged (it is at line 20)"));
 }
 
 TEST(PtxSanitizer, PartialMaskShuffleOfConvergedLanesIsFine) {
@@ -117,7 +125,8 @@ SMALL:
 JOIN:
   st.global.f32 [%rd3], %f2;
   ret;
-)"), 32, 64, &out);
+)"),
+                        32, 64, &out);
   ASSERT_TRUE(o.status.ok()) << o.status;
   EXPECT_EQ(out[3], 3.0f);
   EXPECT_EQ(out[16], 17.0f);
@@ -132,7 +141,8 @@ SKIP:
   bar.sync 0;
   st.global.f32 [%rd3], 0f00000000;
   ret;
-)"), 64, 128);
+)"),
+                        64, 128);
   ASSERT_FALSE(o.status.ok());
   EXPECT_EQ(o.report.finding, Finding::kBarrier);
   EXPECT_THAT(std::string(o.status.message()), HasSubstr("divergent barrier"));
@@ -147,10 +157,12 @@ TEST(PtxSanitizer, BarrierSkippedByExitingThreadsIsReported) {
   st.global.f32 [%rd3], 0f00000000;
 EXIT:
   ret;
-)"), 64, 128);
+)"),
+                        64, 128);
   ASSERT_FALSE(o.status.ok());
   EXPECT_EQ(o.report.finding, Finding::kBarrier);
-  EXPECT_THAT(std::string(o.status.message()), HasSubstr("barrier not reached by all threads of the block"));
+  EXPECT_THAT(std::string(o.status.message()),
+              HasSubstr("barrier not reached by all threads of the block"));
   EXPECT_THAT(std::string(o.status.message()), HasSubstr("thread (48,0,0)"));
 }
 
@@ -159,10 +171,12 @@ TEST(PtxSanitizer, UninitializedRegisterReadNamesTheRegister) {
   add.f32 %f3, %f1, %f2;
   st.global.f32 [%rd3], %f3;
   ret;
-)"), 32, 64);
+)"),
+                        32, 64);
   ASSERT_FALSE(o.status.ok());
   EXPECT_EQ(o.report.finding, Finding::kUninitializedRegister);
-  EXPECT_THAT(std::string(o.status.message()), HasSubstr("register %f2 is read before any instruction wrote it"));
+  EXPECT_THAT(std::string(o.status.message()),
+              HasSubstr("register %f2 is read before any instruction wrote it"));
   EXPECT_THAT(std::string(o.status.message()), HasSubstr("line 15"));
 }
 
@@ -171,7 +185,8 @@ TEST(PtxSanitizer, RegisterWrittenOnlyUnderAPredicateIsUninitializedElsewhere) {
   @%p1 mov.f32 %f1, 0f3F800000;
   st.global.f32 [%rd3], %f1;
   ret;
-)"), 32, 64);
+)"),
+                        32, 64);
   ASSERT_FALSE(o.status.ok());
   EXPECT_EQ(o.report.finding, Finding::kUninitializedRegister);
   EXPECT_THAT(std::string(o.status.message()), HasSubstr("thread (5,0,0)"));
@@ -190,7 +205,8 @@ TEST(PtxSanitizer, NonUniformBraUniIsReported) {
   st.global.f32 [%rd3], 0f00000000;
 DONE:
   ret;
-)"), 32, 64);
+)"),
+                        32, 64);
   ASSERT_FALSE(o.status.ok());
   EXPECT_EQ(o.report.finding, Finding::kNonUniformBranch);
 }

@@ -68,9 +68,8 @@ double DxTolerance(DType dtype) {
 std::string ShapeName(const ::testing::TestParamInfo<Shape>& info) {
   const Shape& s = info.param;
   return absl::StrCat(std::string(s.kernel) == "rms_norm_backward" ? "warp" : "batched", "_",
-                      kernels::DTypeName(s.dtype), "_h",
-                      s.hidden_dim, "_rows", s.rows, "_sm", s.target_sm,
-                      s.eps == 1e-5f ? "" : "_eps1em2");
+                      kernels::DTypeName(s.dtype), "_h", s.hidden_dim, "_rows", s.rows, "_sm",
+                      s.target_sm, s.eps == 1e-5f ? "" : "_eps1em2");
 }
 
 // Deterministic inputs in [-1, 1) (x, dy) and [0.5, 1.5) (gamma).
@@ -157,11 +156,21 @@ Result RunOnInterpreter(const Shape& s, const Problem& p, LaunchReport* report) 
   KernelArgs args;
   const bool warp_kernel = std::string(s.kernel) == "rms_norm_backward";
   if (warp_kernel) {
-    args.Add(SimHarness::Address(x)).Add(SimHarness::Address(gamma)).Add(SimHarness::Address(rms))
-        .Add(SimHarness::Address(dy)).Add(SimHarness::Address(dx)).Add(p.rows).Add(p.hidden);
+    args.Add(SimHarness::Address(x))
+        .Add(SimHarness::Address(gamma))
+        .Add(SimHarness::Address(rms))
+        .Add(SimHarness::Address(dy))
+        .Add(SimHarness::Address(dx))
+        .Add(p.rows)
+        .Add(p.hidden);
   } else {
-    args.Add(SimHarness::Address(x)).Add(SimHarness::Address(gamma)).Add(SimHarness::Address(dy))
-        .Add(SimHarness::Address(dx)).Add(SimHarness::Address(dgamma)).Add(p.rows).Add(p.hidden)
+    args.Add(SimHarness::Address(x))
+        .Add(SimHarness::Address(gamma))
+        .Add(SimHarness::Address(dy))
+        .Add(SimHarness::Address(dx))
+        .Add(SimHarness::Address(dgamma))
+        .Add(p.rows)
+        .Add(p.hidden)
         .Add(p.eps);
   }
   EXPECT_EQ(ptx->params.size(), warp_kernel ? 7u : 8u);
@@ -215,23 +224,22 @@ TEST_P(SeedKernelOnInterpreter, MatchesReferenceBackward) {
   if (!warp_kernel) ExpectClose(got.dgamma, dgamma, kRelativeTolerance, "dgamma");
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    WarpKernelAllHiddenDims, SeedKernelOnInterpreter,
-    ::testing::ValuesIn([] {
-      std::vector<Shape> shapes;
-      for (uint32_t h = 1; h <= 32; ++h) shapes.push_back({"rms_norm_backward", h, 7, 90, 1e-5f});
-      shapes.push_back({"rms_norm_backward", 32, 9, 75, 1e-5f});
-      shapes.push_back({"rms_norm_backward", 17, 1, 100, 1e-5f});
-      return shapes;
-    }()),
-    ShapeName);
+INSTANTIATE_TEST_SUITE_P(WarpKernelAllHiddenDims, SeedKernelOnInterpreter, ::testing::ValuesIn([] {
+                           std::vector<Shape> shapes;
+                           for (uint32_t h = 1; h <= 32; ++h)
+                             shapes.push_back({"rms_norm_backward", h, 7, 90, 1e-5f});
+                           shapes.push_back({"rms_norm_backward", 32, 9, 75, 1e-5f});
+                           shapes.push_back({"rms_norm_backward", 17, 1, 100, 1e-5f});
+                           return shapes;
+                         }()),
+                         ShapeName);
 
 INSTANTIATE_TEST_SUITE_P(
-    HalfPrecisionElements, SeedKernelOnInterpreter,
-    ::testing::ValuesIn([] {
+    HalfPrecisionElements, SeedKernelOnInterpreter, ::testing::ValuesIn([] {
       std::vector<Shape> shapes;
       for (DType dtype : {DType::kF16, DType::kBF16}) {
-        for (uint32_t h : {1u, 7u, 32u}) shapes.push_back({"rms_norm_backward", h, 9, 90, 1e-5f, dtype});
+        for (uint32_t h : {1u, 7u, 32u})
+          shapes.push_back({"rms_norm_backward", h, 9, 90, 1e-5f, dtype});
         for (uint32_t h : {1u, 33u, 100u, 896u}) {
           shapes.push_back({"batched_rms_norm_backward", h, 5, 80, 1e-5f, dtype});
         }
@@ -241,8 +249,7 @@ INSTANTIATE_TEST_SUITE_P(
     ShapeName);
 
 INSTANTIATE_TEST_SUITE_P(
-    BatchedKernelShapes, SeedKernelOnInterpreter,
-    ::testing::ValuesIn([] {
+    BatchedKernelShapes, SeedKernelOnInterpreter, ::testing::ValuesIn([] {
       std::vector<Shape> shapes;
       for (uint32_t h : {1u, 2u, 3u, 7u, 16u, 31u, 32u, 33u, 63u, 64u, 65u, 100u, 127u, 255u, 256u,
                          257u, 896u, 1024u}) {
@@ -286,7 +293,8 @@ TEST_P(SeedKernelFiniteDifferences, MatchCentralDifferencesOfTheForwardLoss) {
     minus[i] -= h;
     const double fd = (loss(p.x, plus) - loss(p.x, minus)) /
                       (static_cast<double>(plus[i]) - static_cast<double>(minus[i]));
-    EXPECT_LE(std::fabs(got.dgamma[i] - fd), kFiniteDifferenceTolerance * std::max(1.0, std::fabs(fd)))
+    EXPECT_LE(std::fabs(got.dgamma[i] - fd),
+              kFiniteDifferenceTolerance * std::max(1.0, std::fabs(fd)))
         << "dgamma[" << i << "]";
   }
 }

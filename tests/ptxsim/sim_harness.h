@@ -64,7 +64,8 @@ class SimHarness {
 
   absl::Status Run(absl::string_view ptx, absl::string_view entry_name, Dim3 grid, Dim3 block,
                    const KernelArgs& args, LaunchReport* report = nullptr,
-                   uint32_t dynamic_shared = 0, uint64_t max_warp_instructions = uint64_t{1} << 32) {
+                   uint32_t dynamic_shared = 0,
+                   uint64_t max_warp_instructions = uint64_t{1} << 32) {
     absl::StatusOr<Module> module = ParsePtx(ptx);
     if (!module.ok()) return module.status();
     const Entry* entry = module->FindEntry(entry_name);

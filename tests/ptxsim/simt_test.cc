@@ -138,7 +138,8 @@ TEST(PtxSimt, ShuffleModesFollowThePtxLaneRules) {
   ASSERT_TRUE(s.ok()) << s;
   auto val = [](uint32_t t) { return t * 10 + 1; };
   for (uint32_t t = 0; t < 32; ++t) {
-    EXPECT_EQ(out[t], t + 3 <= 31 ? val(t + 3) : val(t)) << "down " << t;  // out of range: own value
+    EXPECT_EQ(out[t], t + 3 <= 31 ? val(t + 3) : val(t))
+        << "down " << t;  // out of range: own value
     EXPECT_EQ(out[32 + t], t + 3 <= 31 ? 1u : 0u) << "down pred " << t;
     EXPECT_EQ(out[64 + t], t >= 2 ? val(t - 2) : val(t)) << "up " << t;
     EXPECT_EQ(out[96 + t], t >= 2 ? 1u : 0u) << "up pred " << t;
@@ -192,7 +193,8 @@ TEST(PtxSimt, BarrierOrdersSharedMemoryAcrossWarps) {
   for (int i = 0; i < 128; ++i) in[i] = static_cast<float>(i) + 0.5f;
   KernelArgs args;
   args.Add(SimHarness::Address(in)).Add(SimHarness::Address(out));
-  absl::Status s = sim.Run(ptx, "reverse", {2, 1, 1}, {64, 1, 1}, args, nullptr, /*dynamic_shared=*/256);
+  absl::Status s =
+      sim.Run(ptx, "reverse", {2, 1, 1}, {64, 1, 1}, args, nullptr, /*dynamic_shared=*/256);
   ASSERT_TRUE(s.ok()) << s;
   for (int b = 0; b < 2; ++b) {
     for (int t = 0; t < 64; ++t) EXPECT_EQ(out[b * 64 + t], 3.0f * in[b * 64 + 63 - t]);
@@ -246,8 +248,10 @@ DONE:
   uint32_t* olds = sim.Alloc<uint32_t>(256);
   uint32_t* per_block = sim.Alloc<uint32_t>(4);
   KernelArgs args;
-  args.Add(SimHarness::Address(sum)).Add(SimHarness::Address(counter))
-      .Add(SimHarness::Address(olds)).Add(SimHarness::Address(per_block));
+  args.Add(SimHarness::Address(sum))
+      .Add(SimHarness::Address(counter))
+      .Add(SimHarness::Address(olds))
+      .Add(SimHarness::Address(per_block));
   absl::Status s = sim.Run(ptx, "atomics", {4, 1, 1}, {64, 1, 1}, args);
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(*sum, 255.0f * 256.0f / 2.0f);  // small integers: exact in any order
@@ -366,7 +370,9 @@ TEST(PtxSimt, FloatArithmeticRoundsLikeTheInstructionSays) {
   b[0] = 1.0f + std::ldexp(1.0f, -12);
   c[0] = -(1.0f + std::ldexp(1.0f, -11));
   KernelArgs args;
-  args.Add(SimHarness::Address(a)).Add(SimHarness::Address(b)).Add(SimHarness::Address(c))
+  args.Add(SimHarness::Address(a))
+      .Add(SimHarness::Address(b))
+      .Add(SimHarness::Address(c))
       .Add(SimHarness::Address(out));
   absl::Status s = sim.Run(ptx, "fp", {1, 1, 1}, {kN, 1, 1}, args);
   ASSERT_TRUE(s.ok()) << s;
@@ -381,7 +387,8 @@ TEST(PtxSimt, FloatArithmeticRoundsLikeTheInstructionSays) {
     const double exact_rsqrt = 1.0 / std::sqrt(static_cast<double>(a[i]));
     EXPECT_LE(std::fabs(o[5] - exact_rsqrt) / exact_rsqrt, std::ldexp(1.0, -22)) << i;
     EXPECT_LE(std::fabs(o[6] - static_cast<double>(a[i]) / b[i]),
-              2 * std::ldexp(std::fabs(a[i] / b[i]), -23)) << i;  // div.full: 2 ulp
+              2 * std::ldexp(std::fabs(a[i] / b[i]), -23))
+        << i;  // div.full: 2 ulp
     int32_t rounded;
     std::memcpy(&rounded, &o[7], 4);
     EXPECT_EQ(rounded, static_cast<int32_t>(std::nearbyint(a[i] / b[i]))) << i;
@@ -446,8 +453,8 @@ TEST(PtxSimt, DirectedRoundingMatchesTheHostFpuInThatMode) {
     const char* name;
     int fe;
   };
-  for (const Mode& mode : {Mode{"rz", FE_TOWARDZERO}, Mode{"rm", FE_DOWNWARD}, Mode{"rp", FE_UPWARD},
-                           Mode{"rn", FE_TONEAREST}}) {
+  for (const Mode& mode : {Mode{"rz", FE_TOWARDZERO}, Mode{"rm", FE_DOWNWARD},
+                           Mode{"rp", FE_UPWARD}, Mode{"rn", FE_TONEAREST}}) {
     std::string ptx = absl::StrCat(kHeader, kTemplate);
     for (size_t at = ptx.find("MODE"); at != std::string::npos; at = ptx.find("MODE")) {
       ptx.replace(at, 4, mode.name);
@@ -469,7 +476,9 @@ TEST(PtxSimt, DirectedRoundingMatchesTheHostFpuInThatMode) {
       c[i] = (i % 5 ? -1.0f : 1.0f) * next() * 1e-3f;
     }
     KernelArgs args;
-    args.Add(SimHarness::Address(a)).Add(SimHarness::Address(b)).Add(SimHarness::Address(c))
+    args.Add(SimHarness::Address(a))
+        .Add(SimHarness::Address(b))
+        .Add(SimHarness::Address(c))
         .Add(SimHarness::Address(out));
     absl::Status s = sim.Run(ptx, "directed", {1, 1, 1}, {kN, 1, 1}, args);
     ASSERT_TRUE(s.ok()) << s;
@@ -478,8 +487,14 @@ TEST(PtxSimt, DirectedRoundingMatchesTheHostFpuInThatMode) {
       const int32_t as_int = static_cast<int32_t>(static_cast<uint32_t>(i) * 98765431u);
       const double wide = static_cast<double>(a[i]) * (1.0 + std::ldexp(1.0, -52));
       std::fesetround(mode.fe);
-      const float want[9] = {va + vb, va - vc, va * vb, va / vb, std::sqrt(std::fabs(va)),
-                             std::fma(va, vb, vc), 1.0f / vb, static_cast<float>(as_int),
+      const float want[9] = {va + vb,
+                             va - vc,
+                             va * vb,
+                             va / vb,
+                             std::sqrt(std::fabs(va)),
+                             std::fma(va, vb, vc),
+                             1.0f / vb,
+                             static_cast<float>(as_int),
                              static_cast<float>(wide)};
       std::fesetround(FE_TONEAREST);
       for (int k = 0; k < 9; ++k) {
@@ -532,14 +547,14 @@ TEST(PtxSimt, IntegerCompareConvertAndSelect) {
   fixed.replace(fixed.find(".reg .b64"), 0, ".reg .f32 %f<2>;\n  ");
   s = sim.Run(fixed, "ints", {1, 1, 1}, {1, 1, 1}, args);
   ASSERT_TRUE(s.ok()) << s;
-  EXPECT_EQ(out[0], 1u);                                // -5 < 3 signed
-  EXPECT_EQ(out[1], 0u);                                // 0xfffffffb > 3 unsigned
-  EXPECT_EQ(static_cast<int32_t>(out[2]), -3);          // arithmetic shift
-  EXPECT_EQ(out[3], 0xfu);                              // logical shift
-  EXPECT_EQ(out[4], 0u);                                // shift >= width clamps
+  EXPECT_EQ(out[0], 1u);                        // -5 < 3 signed
+  EXPECT_EQ(out[1], 0u);                        // 0xfffffffb > 3 unsigned
+  EXPECT_EQ(static_cast<int32_t>(out[2]), -3);  // arithmetic shift
+  EXPECT_EQ(out[3], 0xfu);                      // logical shift
+  EXPECT_EQ(out[4], 0u);                        // shift >= width clamps
   float f;
   std::memcpy(&f, &out[5], 4);
-  EXPECT_EQ(f, 16777216.0f);                            // round to nearest even
+  EXPECT_EQ(f, 16777216.0f);  // round to nearest even
   EXPECT_EQ(out[6], static_cast<uint32_t>((uint64_t{0xfffffffbu} * 3) >> 32));
 }
 
