@@ -94,8 +94,14 @@ timeout 600 "${BIN}/normgrad-gpu-bench" "${BENCH_ARGS[@]}" | tee "${OUT_DIR}/ben
 step "PyTorch's RMSNorm backward on the same shapes"
 TORCH_ARGS=(--kernels-json "${OUT_DIR}/bench.json" --out "${OUT_DIR}/summary.json" --iters "${ITERS}")
 if [[ "${SMOKE}" == 1 ]]; then TORCH_ARGS+=(--allow-cpu); fi
-if timeout 60 python3 -c "import torch" >/dev/null 2>&1; then
-  timeout 600 python3 "${ROOT}/tests/gpu/torch_rmsnorm_bench.py" "${TORCH_ARGS[@]}" \
+TORCH_PY=""
+for py in python3 /usr/bin/python3; do  # a python3 earlier on PATH may lack the system's torch
+  if command -v "${py}" >/dev/null 2>&1 && timeout 60 "${py}" -c "import torch" >/dev/null 2>&1; then
+    TORCH_PY="${py}"; break
+  fi
+done
+if [[ -n "${TORCH_PY}" ]]; then
+  timeout 600 "${TORCH_PY}" "${ROOT}/tests/gpu/torch_rmsnorm_bench.py" "${TORCH_ARGS[@]}" \
     | tee "${OUT_DIR}/summary.txt" || die "the PyTorch comparison failed (see above)"
 else
   echo "python3 cannot import torch: no PyTorch comparison"
