@@ -504,6 +504,11 @@ int Main(int argc, char** argv) {
   std::vector<Row> rows;
   std::string wrong;  // shapes whose outputs disagree with the reference
   for (DType d : dtypes) {
+    if (d == DType::kBF16 && bench.target_sm() < 80) {
+      std::printf("%-5s skipped: bf16 needs sm_80 or newer (device is sm_%d)\n", "bf16",
+                  bench.target_sm());
+      continue;
+    }
     for (const Shape& s : shapes) {
       absl::StatusOr<Row> r = RunShape(bench, d, s, *copy);
       if (!r.ok()) {
