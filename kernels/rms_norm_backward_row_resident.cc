@@ -157,8 +157,7 @@ void StoreSlot(Builder& b, DType dtype, Address addr, Value vec, const std::vect
   b.Bind(elements);
   for (int j = 0; j < 8; ++j) {
     auto one = b.If(scalar[j]);
-    b.StAs(StateSpace::kGlobal, PtxType::kB16, Address{addr.base, addr.offset + 2 * j},
-           halves[j]);
+    b.StAs(StateSpace::kGlobal, PtxType::kB16, Address{addr.base, addr.offset + 2 * j}, halves[j]);
   }
   b.Bind(stored);
 }
@@ -207,11 +206,9 @@ RowTiling RowResidentRmsNormBackwardKernel::TilingFor(const KernelConfig& config
 }
 
 std::vector<KernelParam> RowResidentRmsNormBackwardKernel::Params() const {
-  return {{"input_ptr", "u64"},       {"gamma_ptr", "u64"},
-          {"grad_output_ptr", "u64"}, {"grad_input_ptr", "u64"},
-          {"rms_ptr", "u64"},         {"dgamma_partials_ptr", "u64"},
-          {"num_rows", "u32"},        {"hidden_dim", "u32"},
-          {"eps", "f32"}};
+  return {{"input_ptr", "u64"},      {"gamma_ptr", "u64"},  {"grad_output_ptr", "u64"},
+          {"grad_input_ptr", "u64"}, {"rms_ptr", "u64"},    {"dgamma_partials_ptr", "u64"},
+          {"num_rows", "u32"},       {"hidden_dim", "u32"}, {"eps", "f32"}};
 }
 
 absl::Status RowResidentRmsNormBackwardKernel::CanImplement(const KernelConfig& config) const {
@@ -231,8 +228,8 @@ LaunchGeometry RowResidentRmsNormBackwardKernel::Geometry(const KernelConfig& co
   const uint64_t sms = config.sm_count == 0 ? kDefaultSmCount : config.sm_count;
   const uint64_t per_sm = std::clamp<uint64_t>(kResidentThreadsPerSm / t.threads, 1, 8);
   LaunchGeometry g;
-  g.grid[0] = static_cast<uint32_t>(std::clamp<uint64_t>(std::min(num_rows, sms * per_sm), 1,
-                                                         kMaxGridX));
+  g.grid[0] =
+      static_cast<uint32_t>(std::clamp<uint64_t>(std::min(num_rows, sms * per_sm), 1, kMaxGridX));
   g.block[0] = t.threads;
   return g;
 }
@@ -423,8 +420,7 @@ absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfi
       const Value c = b.Add(col, Value::U32(j));
       const Value in_row = b.Setp(CmpOp::kLt, c, hidden);
       auto guard = b.If(in_row);
-      b.St(StateSpace::kGlobal, Address{part_thread, 4 * (int64_t{k} * T * V + j)},
-           acc[k * V + j]);
+      b.St(StateSpace::kGlobal, Address{part_thread, 4 * (int64_t{k} * T * V + j)}, acc[k * V + j]);
     }
   }
   b.Ret();
@@ -443,9 +439,9 @@ std::vector<KernelParam> RmsNormBackwardDgammaReduceKernel::Params() const {
 
 absl::Status RmsNormBackwardDgammaReduceKernel::CanImplement(const KernelConfig& config) const {
   if (config.hidden_dim == 0 || config.hidden_dim > kMaxHiddenDim) {
-    return absl::InvalidArgumentError(absl::StrCat("hidden_dim ", config.hidden_dim,
-                                                   " is outside 1..", kMaxHiddenDim,
-                                                   ", the limit of rms_norm_backward_dgamma_reduce"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden_dim ", config.hidden_dim, " is outside 1..", kMaxHiddenDim,
+                     ", the limit of rms_norm_backward_dgamma_reduce"));
   }
   return CheckCommon(config);
 }

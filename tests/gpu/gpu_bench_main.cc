@@ -161,12 +161,12 @@ class Bench {
     BENCH_CHECK(api_.cuDeviceGetName(name, sizeof(name), device_), "cuDeviceGetName");
     name_ = name;
     int major = 0, minor = 0, sms = 0;
-    BENCH_CHECK(api_.cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
-                                          device_),
-                "cuDeviceGetAttribute");
-    BENCH_CHECK(api_.cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
-                                          device_),
-                "cuDeviceGetAttribute");
+    BENCH_CHECK(
+        api_.cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device_),
+        "cuDeviceGetAttribute");
+    BENCH_CHECK(
+        api_.cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device_),
+        "cuDeviceGetAttribute");
     BENCH_CHECK(api_.cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device_),
                 "cuDeviceGetAttribute");
     sm_count_ = static_cast<uint32_t>(std::max(sms, 1));
@@ -176,8 +176,8 @@ class Bench {
       if (t <= cc) target_sm_ = t;
     }
     if (target_sm_ == 0) {
-      return absl::FailedPreconditionError(absl::StrCat("compute capability ", major, ".", minor,
-                                                        " is below sm_75"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("compute capability ", major, ".", minor, " is below sm_75"));
     }
     BENCH_CHECK(api_.cuDevicePrimaryCtxRetain(&ctx_, device_), "cuDevicePrimaryCtxRetain");
     BENCH_CHECK(api_.cuCtxSetCurrent(ctx_), "cuCtxSetCurrent");
@@ -226,8 +226,8 @@ class Bench {
     void* staging = nullptr;
     BENCH_CHECK(api_.cuMemHostAlloc(&staging, std::max<size_t>(bytes, 16), 0), "cuMemHostAlloc");
     std::memcpy(staging, src, bytes);
-    absl::Status s = driver.Check(api_.cuMemcpyHtoDAsync_v2(dst, staging, bytes, stream_),
-                                  "cuMemcpyHtoDAsync");
+    absl::Status s =
+        driver.Check(api_.cuMemcpyHtoDAsync_v2(dst, staging, bytes, stream_), "cuMemcpyHtoDAsync");
     if (s.ok()) s = driver.Check(api_.cuStreamSynchronize(stream_), "cuStreamSynchronize");
     api_.cuMemFreeHost(staging);
     return s;
@@ -236,8 +236,8 @@ class Bench {
     const CudaDriver& driver = *driver_;
     void* staging = nullptr;
     BENCH_CHECK(api_.cuMemHostAlloc(&staging, std::max<size_t>(bytes, 16), 0), "cuMemHostAlloc");
-    absl::Status s = driver.Check(api_.cuMemcpyDtoHAsync_v2(staging, src, bytes, stream_),
-                                  "cuMemcpyDtoHAsync");
+    absl::Status s =
+        driver.Check(api_.cuMemcpyDtoHAsync_v2(staging, src, bytes, stream_), "cuMemcpyDtoHAsync");
     if (s.ok()) s = driver.Check(api_.cuStreamSynchronize(stream_), "cuStreamSynchronize");
     if (s.ok()) std::memcpy(dst, staging, bytes);
     api_.cuMemFreeHost(staging);
@@ -355,9 +355,9 @@ absl::StatusOr<Row> RunShape(Bench& bench, DType dtype, Shape shape, CUfunction 
   absl::StatusOr<CUdeviceptr> c_src = bench.Alloc(copy_bytes), c_dst = bench.Alloc(copy_bytes);
   if (!c_src.ok()) return c_src.status();
   if (!c_dst.ok()) return c_dst.status();
-  for (auto [dst, src, bytes] : {std::tuple{*d_x, x.data(), x.size()},
-                                 std::tuple{*d_dy, dy.data(), dy.size()},
-                                 std::tuple{*d_gamma, gamma.data(), gamma.size()}}) {
+  for (auto [dst, src, bytes] :
+       {std::tuple{*d_x, x.data(), x.size()}, std::tuple{*d_dy, dy.data(), dy.size()},
+        std::tuple{*d_gamma, gamma.data(), gamma.size()}}) {
     if (absl::Status s = bench.Upload(dst, src, bytes); !s.ok()) return s;
   }
 
@@ -368,15 +368,16 @@ absl::StatusOr<Row> RunShape(Bench& bench, DType dtype, Shape shape, CUfunction 
   float eps = 1e-5f;
 
   const uint32_t copy_grid = bench.sm_count() * 8;
-  absl::StatusOr<double> copy_ms =
-      bench.Time({{copy, copy_grid, 256, {&a_src, &a_dst, &n16}}});
+  absl::StatusOr<double> copy_ms = bench.Time({{copy, copy_grid, 256, {&a_src, &a_dst, &n16}}});
   if (!copy_ms.ok()) return copy_ms.status();
   row.copy_ms = *copy_ms;
 
-  absl::StatusOr<double> rr_ms = bench.Time(
-      {{*main_f, g.grid[0], g.block[0],
-        {&a_x, &a_gamma, &a_dy, &a_dx, &a_rms, &a_part, &rows, &hidden, &eps}},
-       {*reduce_f, rg.grid[0], rg.block[0], {&a_part, &a_dgamma, &partials, &hidden}}});
+  absl::StatusOr<double> rr_ms =
+      bench.Time({{*main_f,
+                   g.grid[0],
+                   g.block[0],
+                   {&a_x, &a_gamma, &a_dy, &a_dx, &a_rms, &a_part, &rows, &hidden, &eps}},
+                  {*reduce_f, rg.grid[0], rg.block[0], {&a_part, &a_dgamma, &partials, &hidden}}});
   if (!rr_ms.ok()) return rr_ms.status();
   row.row_resident_ms = *rr_ms;
 
@@ -402,19 +403,23 @@ absl::StatusOr<Row> RunShape(Bench& bench, DType dtype, Shape shape, CUfunction 
         got = FromBits16(b, dtype);
       }
       row.max_rel_err_dx = std::max(
-          row.max_rel_err_dx, std::fabs(got - want_dx[i]) / std::max(1.0, static_cast<double>(std::fabs(want_dx[i]))));
+          row.max_rel_err_dx,
+          std::fabs(got - want_dx[i]) / std::max(1.0, static_cast<double>(std::fabs(want_dx[i]))));
     }
     for (uint32_t i = 0; i < shape.hidden; ++i) {
       row.max_rel_err_dgamma =
-          std::max(row.max_rel_err_dgamma, std::fabs(dgamma[i] - want_dgamma[i]) /
-                                               std::max(1.0, static_cast<double>(std::fabs(want_dgamma[i]))));
+          std::max(row.max_rel_err_dgamma,
+                   std::fabs(dgamma[i] - want_dgamma[i]) /
+                       std::max(1.0, static_cast<double>(std::fabs(want_dgamma[i]))));
     }
   }
 
-  absl::StatusOr<double> b_ms = bench.Time(
-      {{*batched_f, bg.grid[0], bg.block[0],
-        {&a_x, &a_gamma, &a_dy, &a_dx, &a_dgamma, &rows, &hidden, &eps}}},
-      [&]() { return bench.Memset(*d_dgamma, shape.hidden); });
+  absl::StatusOr<double> b_ms =
+      bench.Time({{*batched_f,
+                   bg.grid[0],
+                   bg.block[0],
+                   {&a_x, &a_gamma, &a_dy, &a_dx, &a_dgamma, &rows, &hidden, &eps}}},
+                 [&]() { return bench.Memset(*d_dgamma, shape.hidden); });
   if (!b_ms.ok()) return b_ms.status();
   row.batched_ms = *b_ms;
   bench.FreeAll();
@@ -462,7 +467,8 @@ int Main(int argc, char** argv) {
       for (absl::string_view d : absl::StrSplit(argv[++i], ',')) {
         absl::StatusOr<DType> parsed = kernels::ParseDType(d);
         if (!parsed.ok()) {
-          std::fprintf(stderr, "normgrad-gpu-bench: %s\n", std::string(parsed.status().message()).c_str());
+          std::fprintf(stderr, "normgrad-gpu-bench: %s\n",
+                       std::string(parsed.status().message()).c_str());
           return 2;
         }
         dtypes.push_back(*parsed);
@@ -483,7 +489,8 @@ int Main(int argc, char** argv) {
   const std::string path = server::cuda::ResolveDriverLibrary("");
   absl::StatusOr<std::shared_ptr<const CudaDriver>> driver = CudaDriver::Load(path);
   if (!driver.ok()) {
-    std::fprintf(stderr, "normgrad-gpu-bench: %s\n", std::string(driver.status().message()).c_str());
+    std::fprintf(stderr, "normgrad-gpu-bench: %s\n",
+                 std::string(driver.status().message()).c_str());
     return 1;
   }
   Bench bench(*driver, iters);
@@ -498,9 +505,8 @@ int Main(int argc, char** argv) {
   }
   std::printf("device: %s (sm_%d, %u SMs), median of %d runs\n", bench.name().c_str(),
               bench.target_sm(), bench.sm_count(), iters);
-  std::printf("%-5s %14s %10s %18s %7s %18s %7s %10s %10s\n", "dtype", "rows x hidden",
-              "copy GB/s", "row_resident GB/s", "/copy", "batched(seed) GB/s", "/copy",
-              "dx err", "dgamma err");
+  std::printf("%-5s %14s %10s %18s %7s %18s %7s %10s %10s\n", "dtype", "rows x hidden", "copy GB/s",
+              "row_resident GB/s", "/copy", "batched(seed) GB/s", "/copy", "dx err", "dgamma err");
   std::vector<Row> rows;
   std::string wrong;  // shapes whose outputs disagree with the reference
   for (DType d : dtypes) {
@@ -542,8 +548,10 @@ int Main(int argc, char** argv) {
     }
   }
   if (!wrong.empty()) {
-    std::fprintf(stderr, "normgrad-gpu-bench: rms_norm_backward_row_resident disagrees with the "
-                 "reference beyond tolerance at:%s\n", wrong.c_str());
+    std::fprintf(stderr,
+                 "normgrad-gpu-bench: rms_norm_backward_row_resident disagrees with the "
+                 "reference beyond tolerance at:%s\n",
+                 wrong.c_str());
     return 3;
   }
   return 0;

@@ -3,8 +3,6 @@
 // no atomics, two barriers per row), the divergence analysis, and ptxas for sm_75..sm_100 with
 // a register count that lets the block launch (registers x threads <= 64K) and no spills.
 // ptxas's registers are printed for the record (docs/kernels.md quotes them).
-#include "kernels/rms_norm_backward_row_resident.h"
-
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -23,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "kernels/divergence_analysis.h"
 #include "kernels/kernel.h"
+#include "kernels/rms_norm_backward_row_resident.h"
 
 namespace normgrad::kernels {
 namespace {
@@ -41,10 +40,10 @@ TEST(RowResidentKernelTest, IsRegisteredWithItsParameters) {
   ASSERT_NE(FindKernel("rms_norm_backward_dgamma_reduce"), nullptr);
   std::vector<std::string> names;
   for (const KernelParam& p : Main().Params()) names.push_back(p.name + ":" + p.ptx_type);
-  EXPECT_EQ(names, (std::vector<std::string>{
-                       "input_ptr:u64", "gamma_ptr:u64", "grad_output_ptr:u64",
-                       "grad_input_ptr:u64", "rms_ptr:u64", "dgamma_partials_ptr:u64",
-                       "num_rows:u32", "hidden_dim:u32", "eps:f32"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"input_ptr:u64", "gamma_ptr:u64",
+                                             "grad_output_ptr:u64", "grad_input_ptr:u64",
+                                             "rms_ptr:u64", "dgamma_partials_ptr:u64",
+                                             "num_rows:u32", "hidden_dim:u32", "eps:f32"}));
   absl::StatusOr<EmittedPtx> ptx = Main().Emit({.hidden_dim = 4096, .target_sm = 90});
   ASSERT_TRUE(ptx.ok()) << ptx.status();
   ASSERT_EQ(ptx->params.size(), Main().Params().size());
@@ -66,8 +65,7 @@ TEST(RowResidentKernelTest, RefusesRowsThatDoNotFitInRegisters) {
   EXPECT_EQ(Main().CanImplement({.hidden_dim = 0}).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Main().CanImplement({.hidden_dim = 64, .dtype = DType::kBF16, .target_sm = 75}).code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(Main().Emit({.hidden_dim = 20000}).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Main().Emit({.hidden_dim = 20000}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(Reduce().CanImplement({.hidden_dim = 100000}).ok());
 }
 
@@ -75,7 +73,8 @@ TEST(RowResidentKernelTest, TilingHoldsTheWholeRowWithinTheRegisterBudget) {
   for (DType d : {DType::kF32, DType::kBF16, DType::kF16}) {
     for (uint32_t h = 1; h <= RowResidentRmsNormBackwardKernel::kMaxHiddenDim;
          h = h < 64 ? h + 1 : h * 2 - 1) {
-      const RowTiling t = RowResidentRmsNormBackwardKernel::TilingFor({.hidden_dim = h, .dtype = d});
+      const RowTiling t =
+          RowResidentRmsNormBackwardKernel::TilingFor({.hidden_dim = h, .dtype = d});
       EXPECT_GE(t.capacity(), h) << h;
       EXPECT_LE(t.elements_per_thread(), RowResidentRmsNormBackwardKernel::kMaxElementsPerThread);
       EXPECT_EQ(t.vector_elements * DTypeBytes(d), 16u);
@@ -110,7 +109,7 @@ TEST(RowResidentKernelTest, GeometryIsAPersistentGridSizedBySmCount) {
   const KernelConfig c{.hidden_dim = 4096, .target_sm = 90, .sm_count = 132};
   LaunchGeometry g = Main().Geometry(c, 1u << 20);
   EXPECT_EQ(g.block[0], 256u);
-  EXPECT_EQ(g.grid[0], 132u * 4);  // 1024 resident threads per SM / 256
+  EXPECT_EQ(g.grid[0], 132u * 4);                  // 1024 resident threads per SM / 256
   EXPECT_EQ(Main().Geometry(c, 10).grid[0], 10u);  // never more blocks than rows
   EXPECT_EQ(Main().Geometry(c, 0).grid[0], 1u);
   EXPECT_EQ(Main().Geometry({.hidden_dim = 16384, .sm_count = 132}, 1u << 20).grid[0], 264u);
@@ -142,8 +141,8 @@ TEST(RowResidentKernelTest, EmitsVectorAccessesNoAtomicsAndTwoBarriersPerRow) {
     EXPECT_EQ(Count(t, "bar.sync"), 2);
     EXPECT_EQ(Count(t, "shfl.sync.bfly"), 10);
   }
-  absl::StatusOr<EmittedPtx> reduce = Reduce().Emit({.hidden_dim = 16, .dtype = DType::kBF16,
-                                                     .target_sm = 80});
+  absl::StatusOr<EmittedPtx> reduce =
+      Reduce().Emit({.hidden_dim = 16, .dtype = DType::kBF16, .target_sm = 80});
   ASSERT_TRUE(reduce.ok());
   EXPECT_TRUE(absl::StrContains(reduce->text, "cvt.rn.bf16.f32"));
   EXPECT_EQ(Count(reduce->text, "atom."), 0);
@@ -221,8 +220,8 @@ TEST(RowResidentKernelTest, PtxasAssemblesEveryTargetWithRegistersThatFitTheBloc
                     << " sm_90 block=" << threads << ": " << regs << " registers\n";
         }
       }
-      absl::StatusOr<EmittedPtx> reduce = Reduce().Emit({.hidden_dim = 64, .dtype = d,
-                                                         .target_sm = sm});
+      absl::StatusOr<EmittedPtx> reduce =
+          Reduce().Emit({.hidden_dim = 64, .dtype = d, .target_sm = sm});
       ASSERT_TRUE(reduce.ok()) << reduce.status();
       int code = -1;
       const std::string out = Assemble(*ptxas, reduce->text, sm, &code);

@@ -105,7 +105,7 @@ Problem MakeProblem(const Case& c) {
 struct Result {
   bool ok = false;
   std::vector<float> dx;
-  std::vector<float> dgamma;       // f32 reduce
+  std::vector<float> dgamma;        // f32 reduce
   std::vector<uint8_t> dgamma_raw;  // the reduce in the case's dtype, as stored
   uint32_t partial_rows = 0;
 };
@@ -175,9 +175,15 @@ Result RunBoth(const Case& c, const Problem& p, uint32_t sm_count = 1) {
   uint8_t* dgamma_dtype = sim.Alloc<uint8_t>(c.hidden * elem);
 
   KernelArgs args;
-  args.Add(SimHarness::Address(x)).Add(SimHarness::Address(gamma)).Add(SimHarness::Address(dy))
-      .Add(SimHarness::Address(dx)).Add(c.given_rms ? SimHarness::Address(rms) : uint64_t{0})
-      .Add(SimHarness::Address(partials)).Add(c.rows).Add(c.hidden).Add(1e-5f);
+  args.Add(SimHarness::Address(x))
+      .Add(SimHarness::Address(gamma))
+      .Add(SimHarness::Address(dy))
+      .Add(SimHarness::Address(dx))
+      .Add(c.given_rms ? SimHarness::Address(rms) : uint64_t{0})
+      .Add(SimHarness::Address(partials))
+      .Add(c.rows)
+      .Add(c.hidden)
+      .Add(1e-5f);
   absl::Status s = sim.Run(ptx->text, ptx->entry, {g.grid[0], g.grid[1], g.grid[2]},
                            {g.block[0], g.block[1], g.block[2]}, args, nullptr, g.shared_bytes);
   if (!s.ok()) {
@@ -189,8 +195,10 @@ Result RunBoth(const Case& c, const Problem& p, uint32_t sm_count = 1) {
        {std::make_pair(&*reduce_f32, static_cast<void*>(dgamma)),
         std::make_pair(&*reduce_dtype, static_cast<void*>(dgamma_dtype))}) {
     KernelArgs rargs;
-    rargs.Add(SimHarness::Address(partials)).Add(reinterpret_cast<uint64_t>(target))
-        .Add(g.grid[0]).Add(c.hidden);
+    rargs.Add(SimHarness::Address(partials))
+        .Add(reinterpret_cast<uint64_t>(target))
+        .Add(g.grid[0])
+        .Add(c.hidden);
     s = sim.Run(emitted->text, emitted->entry, {rg.grid[0], 1, 1}, {rg.block[0], 1, 1}, rargs);
     if (!s.ok()) {
       ADD_FAILURE() << s;
@@ -240,9 +248,9 @@ TEST_P(RowResidentOnInterpreter, MatchesTheReference) {
   const Result r = RunBoth(c, p);
   ASSERT_TRUE(r.ok);
   std::vector<float> want_dx(p.x.size()), want_dgamma(c.hidden);
-  kernels::ReferenceBackward({p.x, p.dy, p.gamma, c.given_rms ? p.rms : std::vector<float>{},
-                              c.rows, c.hidden, 1e-5f},
-                             absl::MakeSpan(want_dx), absl::MakeSpan(want_dgamma));
+  kernels::ReferenceBackward(
+      {p.x, p.dy, p.gamma, c.given_rms ? p.rms : std::vector<float>{}, c.rows, c.hidden, 1e-5f},
+      absl::MakeSpan(want_dx), absl::MakeSpan(want_dgamma));
   // Against the unrounded reference: half an ulp of the element type plus the f32 error.
   ExpectClose(r.dx, want_dx, DxTolerance(c.dtype), "dx");
   ExpectClose(r.dgamma, want_dgamma, 1e-5, "dgamma");
