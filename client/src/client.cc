@@ -448,8 +448,17 @@ void BackwardCall::OnReadDone(bool ok) {
 }
 
 void BackwardCall::OnDone(const grpc::Status& status) {
-  if (status.error_code() == grpc::StatusCode::UNAVAILABLE && !any_response_ &&
-      attempt_ < client_->options().max_attempts) {
+  // A Backward is a pure function of its request and every attempt rewrites the same outputs,
+  // so the whole stream is retried when the replica went away (UNAVAILABLE, also after partial
+  // responses: the replica died mid-stream) or cancelled the call before answering anything
+  // (CANCELLED: gRPC cancels calls that reach a server after its shutdown began). This client
+  // never cancels a stream itself except for a malformed reply (error_ set): not retried.
+  const bool retryable =
+      error_.ok() && (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                      (status.error_code() == grpc::StatusCode::CANCELLED && !any_response_));
+  const bool time_left =
+      !shared_->has_deadline || std::chrono::system_clock::now() < shared_->deadline;
+  if (retryable && time_left && attempt_ < client_->options().max_attempts) {
     ClientImpl* client = client_;
     std::shared_ptr<Shared> shared = std::move(shared_);
     const int next = attempt_ + 1;

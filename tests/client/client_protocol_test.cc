@@ -1,6 +1,7 @@
 // How the client handles what a server sends on the RmsNormBackward stream, against a scripted
-// server in the test: the whole-call retry on UNAVAILABLE before any response (and none after
-// one), chunks placed by first_row, and malformed replies reported as INTERNAL.
+// server in the test: the whole-call retry on UNAVAILABLE (before or after a response) and on
+// CANCELLED before any response, chunks placed by first_row, and malformed replies reported as
+// INTERNAL.
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
@@ -19,7 +20,8 @@ namespace {
 enum class Script {
   kEchoX,                     // dx := x, dgamma := zeros, summary.chunks = request chunks
   kUnavailableFirstTwo,       // streams 1 and 2: UNAVAILABLE at once; then kEchoX
-  kUnavailableAfterOneChunk,  // one grad_input chunk, then UNAVAILABLE
+  kUnavailableAfterOneChunk,  // stream 1: one grad_input chunk, then UNAVAILABLE; then kEchoX
+  kCancelledFirst,            // stream 1: CANCELLED at once (a server shutting down); then kEchoX
   kShortGradInput,            // grad_input one element short
   kNoFinalMessage,            // every chunk, then OK without grad_gamma
   kRowsOutOfRange,            // first_row past the batch
@@ -28,9 +30,14 @@ enum class Script {
 class ScriptedStream final
     : public grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse> {
  public:
-  ScriptedStream(Script script, int stream_index) : script_(script) {
+  ScriptedStream(Script script, int stream_index)
+      : script_(script), first_stream_(stream_index == 1) {
     if (script_ == Script::kUnavailableFirstTwo && stream_index <= 2) {
       Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "scripted: not yet"));
+      return;
+    }
+    if (script_ == Script::kCancelledFirst && first_stream_) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "scripted: shutting down"));
       return;
     }
     StartRead(&request_);
@@ -71,7 +78,7 @@ class ScriptedStream final
       Finish(grpc::Status::OK);
       return;
     }
-    if (script_ == Script::kUnavailableAfterOneChunk) {
+    if (script_ == Script::kUnavailableAfterOneChunk && first_stream_) {
       Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "scripted: gone mid-stream"));
       return;
     }
@@ -82,6 +89,7 @@ class ScriptedStream final
 
  private:
   Script script_;
+  bool first_stream_;
   v1::BackwardRequest request_;
   v1::BackwardResponse response_;
   uint32_t hidden_ = 0;
@@ -169,12 +177,23 @@ TEST_F(ClientProtocolTest, RetriesStopAtMaxAttempts) {
   EXPECT_EQ(service_.streams.load(), 2);
 }
 
-TEST_F(ClientProtocolTest, UnavailableAfterAResponseIsNotRetried) {
+// A replica that dies mid-stream: the whole (idempotent) call is redone and every output
+// rewritten by the second stream.
+TEST_F(ClientProtocolTest, UnavailableAfterAResponseRetriesTheWholeStream) {
   absl::StatusOr<Gradients> g = Call(Script::kUnavailableAfterOneChunk);
-  ASSERT_FALSE(g.ok());
-  EXPECT_EQ(g.status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_EQ(g.status().message(), "scripted: gone mid-stream");
-  EXPECT_EQ(service_.streams.load(), 1);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->attempts, 2);
+  EXPECT_EQ(service_.streams.load(), 2);
+  EXPECT_EQ(g->dx, x_);
+  EXPECT_EQ(g->summary.chunks, 4u);
+}
+
+TEST_F(ClientProtocolTest, CancelledBeforeAnyResponseRetriesTheWholeStream) {
+  absl::StatusOr<Gradients> g = Call(Script::kCancelledFirst);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->attempts, 2);
+  EXPECT_EQ(service_.streams.load(), 2);
+  EXPECT_EQ(g->dx, x_);
 }
 
 TEST_F(ClientProtocolTest, ShortGradInputIsInternal) {

@@ -295,12 +295,9 @@ TEST_F(ScaleOutTest, RoundRobinSpreadsLoadSoEachOfThreeReplicasServesAtLeastTwen
   EXPECT_EQ(total, kCalls) << "every call is served exactly once across the replicas";
 }
 
-// DISABLED until the client retries a Backward stream that failed with UNAVAILABLE after
-// partial responses (the computation is idempotent; today it retries only before the first
-// response): a replica killed between a call's grad_input message and its status fails that
-// call with "UNAVAILABLE: Connection reset by peer" in about 2 runs of 15. Run it with
-// --gtest_also_run_disabled_tests.
-TEST_F(ScaleOutTest, DISABLED_ReplicaKilledMidLoadLosesNoRequest) {
+// A call whose replica dies before its status (even after its grad_input arrived) is redone
+// whole on another replica by the client.
+TEST_F(ScaleOutTest, ReplicaKilledMidLoadLosesNoRequest) {
   StartReplicas(3);
   std::unique_ptr<Client> client = RoundRobinClient();
   ASSERT_NE(client, nullptr);
@@ -316,14 +313,10 @@ TEST_F(ScaleOutTest, DISABLED_ReplicaKilledMidLoadLosesNoRequest) {
   EXPECT_LE(survivors, kCalls);
 }
 
-// DISABLED until the client stops sending new calls to a draining replica (client-side health
-// checking: "healthCheckConfig" in the channel's service config, so round-robin drops a
-// replica once it reports NOT_SERVING) or retries CANCELLED-before-any-response calls it did
-// not cancel itself. gRPC 1.51's Server::Shutdown cancels ("zombies") calls that reach it
-// after shutdown began and before the client has read the GOAWAY; their clients see
-// "CANCELLED" in most runs here (6 client threads keep one third of the calls on the
-// draining replica). In-flight streams themselves always finish.
-TEST_F(ScaleOutTest, DISABLED_ReplicaSentSigtermMidLoadDrainsWithoutAnyClientError) {
+// In-flight streams finish on the draining replica; calls that reach it while it drains get
+// UNAVAILABLE (or, in the instant gRPC's shutdown begins, CANCELLED) before any response and
+// are redone on another replica by the client.
+TEST_F(ScaleOutTest, ReplicaSentSigtermMidLoadDrainsWithoutAnyClientError) {
   StartReplicas(3);
   std::unique_ptr<Client> client = RoundRobinClient();
   ASSERT_NE(client, nullptr);
