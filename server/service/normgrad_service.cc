@@ -109,7 +109,7 @@ class BackwardStream final
         // The client half-closed, or the call died (then OnCancel follows or came first).
         reads_done_ = true;
         if (context_->IsCancelled()) {
-          FinishLocked(CancelStatus(), actions);
+          FinishLocked(idle_cancel_status_.ok() ? CancelStatus() : idle_cancel_status_, actions);
         } else if (absl::Status s = validator_.AtEndOfStream(); !s.ok()) {
           FinishLocked(s, actions);
         } else {
@@ -139,7 +139,10 @@ class BackwardStream final
       if (done->is_chunk) --chunks_held_;
       if (!ok) {
         if (!finish_called_) {
-          FinishLocked(absl::CancelledError("the client stopped receiving responses"), actions);
+          FinishLocked(idle_cancel_status_.ok()
+                           ? absl::CancelledError("the client stopped receiving responses")
+                           : idle_cancel_status_,
+                       actions);
         }
       } else if (!finish_called_) {
         bytes_out_ += done->payload_bytes;
@@ -160,7 +163,9 @@ class BackwardStream final
     Actions actions;
     {
       absl::MutexLock lock(&mu_);
-      if (!finish_called_) FinishLocked(CancelStatus(), actions);
+      if (!finish_called_) {
+        FinishLocked(idle_cancel_status_.ok() ? CancelStatus() : idle_cancel_status_, actions);
+      }
     }
     Apply(actions);
   }
@@ -192,12 +197,14 @@ class BackwardStream final
       absl::MutexLock lock(&mu_);
       if (finish_called_ || compute_busy_ || now - last_progress_ < timeout) return;
       if (write_in_flight_) {
-        // The client does not read: trailers could not reach it either, so cancel the call.
-        FinishLocked(absl::DeadlineExceededError(absl::StrCat(
-                       "stream idle timeout: the client read no response for ",
-                       absl::FormatDuration(timeout), " (--stream-idle-timeout)")),
-                   actions);
-        actions.try_cancel = true;
+        // The client does not read: trailers could not reach it either (a Finish would wait
+        // behind the stuck write), so cancel the call; OnCancel then finishes with this status.
+        if (idle_cancel_status_.ok()) {
+          idle_cancel_status_ = absl::DeadlineExceededError(
+              absl::StrCat("stream idle timeout: the client read no response for ",
+                           absl::FormatDuration(timeout), " (--stream-idle-timeout)"));
+          actions.try_cancel = true;
+        }
       } else if (read_in_flight_) {
         FinishLocked(absl::DeadlineExceededError(absl::StrCat(
                        "stream idle timeout: no request message for ",
@@ -504,6 +511,7 @@ class BackwardStream final
   bool finish_called_ ABSL_GUARDED_BY(mu_) = false;
   int issuing_ ABSL_GUARDED_BY(mu_) = 0;  // StartRead/StartWrite decided, not yet issued
   std::optional<grpc::Status> deferred_finish_ ABSL_GUARDED_BY(mu_);
+  absl::Status idle_cancel_status_ ABSL_GUARDED_BY(mu_);  // set when the watchdog cancels
   int final_code_ ABSL_GUARDED_BY(mu_) = 2;  // UNKNOWN until decided
   int chunks_held_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reserved_bytes_ = 0;  // guarded by mu_ except in the destructor

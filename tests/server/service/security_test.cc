@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "client/tools/cli.h"
 #include "normgrad/client.h"
 #include "server/service/normgrad_server.h"
 #include "server/service/transport_security.h"
@@ -220,6 +221,31 @@ TEST_F(SecurityTest, BearerTokenMissingOrWrongIsUnauthenticatedWithoutEchoingIt)
                                             ->Backward(batch.x, batch.dy, batch.gamma, batch.eps);
   EXPECT_EQ(anonymous.status().code(), absl::StatusCode::kUnauthenticated)
       << anonymous.status();
+}
+
+// The CLI reads the token from a file (never needing it on the command line) and speaks TLS.
+TEST_F(SecurityTest, CliReadsTheTokenFromAFile) {
+  std::unique_ptr<NormGradServer> server = StartOrDie(TlsOptions(false, true));
+  ASSERT_NE(server, nullptr);
+  const std::string target = absl::StrCat("--target=127.0.0.1:", server->port());
+  auto run = [&](std::vector<std::string> args, std::string* err_text) {
+    std::ostringstream out, err;
+    const int code = tools::RunCli(args, {}, out, err);
+    *err_text = err.str();
+    return code;
+  };
+  std::string err;
+  EXPECT_EQ(run({target, "info", "--tls-ca", Path("ca.pem"), "--token-file", Path("token")},
+                &err),
+            tools::kExitOk)
+      << err;
+  EXPECT_EQ(run({target, "info", "--tls-ca", Path("ca.pem")}, &err), tools::kExitServerError);
+  EXPECT_THAT(err, HasSubstr("UNAUTHENTICATED"));
+  EXPECT_EQ(run({target, "info", "--tls-ca", Path("ca.pem"), "--token-file",
+                 Path("empty_token")},
+                &err),
+            tools::kExitUsage);
+  EXPECT_THAT(err, HasSubstr("--token-file"));
 }
 
 TEST_F(SecurityTest, HealthOnTheMainPortNeedsNoToken) {

@@ -389,6 +389,95 @@ TEST(ServiceIdleTest, StreamThatStopsSendingEndsByTheIdleTimeoutWithAClearStatus
   ExpectMatchesReference(*stub, testing::RandomBatch(30, 8, 24), 7);
 }
 
+TEST(ServiceIdleTest, StreamWhoseClientStopsReadingIsCancelledByTheIdleTimeout) {
+  ServerOptions options = testing::TestServerOptions();
+  options.stream_idle_timeout = absl::Milliseconds(300);
+  std::unique_ptr<NormGradServer> server = StartServer(options);
+  ASSERT_NE(server, nullptr);
+  auto stub = testing::StubFor(server->port());
+  if (testing::TestBackendIsCuda()) {
+    GTEST_SKIP() << "needs 64 MiB of dx to fill the windows; too slow on an emulated driver, "
+                    "and the watchdog does not depend on the backend";
+  }
+  // 64 MiB of dx to send back: far more than HTTP/2 windows hold while nobody reads.
+  const Batch batch = testing::RandomBatch(4096, 4096, 29);
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+  auto stream = stub->RmsNormBackward(&context);
+  std::thread writer([&] {
+    if (!stream->Write(testing::HeaderFor(batch))) return;
+    for (uint64_t first = 0; first < batch.rows; first += 64) {
+      if (!stream->Write(testing::ChunkFor(batch, first, std::min<uint64_t>(64, batch.rows - first)))) {
+        return;
+      }
+    }
+    stream->WritesDone();
+  });
+  // Never read. The server must give up on its own, long before the 60 s client deadline: it
+  // cancels the call (its trailers could not get through the full window anyway), frees the
+  // stream and counts it as DEADLINE_EXCEEDED. (gRPC 1.51's sync client does not always wake a
+  // Write blocked on flow control when the server resets the stream, so the test cancels its
+  // side once the server is done.)
+  ASSERT_TRUE(WaitFor([&] { return server->live_streams() == 1; }, absl::Seconds(30)));
+  const bool server_ended = WaitFor([&] { return server->live_streams() == 0; }, absl::Seconds(30));
+  context.TryCancel();
+  writer.join();
+  stream->Finish();
+  ASSERT_TRUE(server_ended);
+  int code = 0;
+  auto m = testing::ParsePrometheusText(
+      testing::HttpGet(server->metrics_port(), "/metrics", &code), nullptr);
+  EXPECT_EQ(m["normgrad_inflight_bytes"], 0);
+  EXPECT_EQ(m["normgrad_requests_total{method=\"RmsNormBackward\",code=\"DEADLINE_EXCEEDED\"}"], 1);
+  ExpectMatchesReference(*stub, testing::RandomBatch(30, 8, 30), 7);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reflection
+
+TEST_F(ServiceTest, ReflectionListsTheService) {
+  // ServerReflectionInfo by hand: request {list_services: ""} is field 7, an empty string.
+  grpc::GenericStub stub(testing::ChannelFor(server_->port()));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  grpc::CompletionQueue cq;
+  auto call = stub.PrepareCall(&context,
+                               "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                               &cq);
+  void* tag;
+  bool ok;
+  auto step = [&](intptr_t want) {
+    return cq.Next(&tag, &ok) && reinterpret_cast<intptr_t>(tag) == want && ok;
+  };
+  call->StartCall(reinterpret_cast<void*>(1));
+  ASSERT_TRUE(step(1));
+  const std::string request("\x3a\x00", 2);
+  grpc::Slice slice(request);
+  grpc::ByteBuffer out_buffer(&slice, 1);
+  call->Write(out_buffer, reinterpret_cast<void*>(2));
+  ASSERT_TRUE(step(2));
+  grpc::ByteBuffer in_buffer;
+  call->Read(&in_buffer, reinterpret_cast<void*>(3));
+  ASSERT_TRUE(step(3));
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(in_buffer.Dump(&slices).ok());
+  std::string bytes;
+  for (const grpc::Slice& sl : slices) {
+    bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  }
+  EXPECT_THAT(bytes, HasSubstr("normgrad.v1.NormGrad"));
+  EXPECT_THAT(bytes, HasSubstr("grpc.health.v1.Health"));
+  call->WritesDone(reinterpret_cast<void*>(4));
+  ASSERT_TRUE(step(4));
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(5));
+  ASSERT_TRUE(cq.Next(&tag, &ok));
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Admission control
 
