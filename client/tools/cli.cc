@@ -3,11 +3,13 @@
 #include <google/protobuf/util/json_util.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -29,7 +31,8 @@ constexpr char kUsage[] =
     "--target)\n"
     "  info     server version, backend, device, limits, cache (JSON)\n"
     "  health   [--service NAME]   grpc.health.v1 check; exit 0 when SERVING, 3 otherwise\n"
-    "client flags (any command): --token T --deadline 30s --max-attempts N --chunk-bytes N\n"
+    "client flags (any command): --token-file FILE (else $NORMGRAD_TOKEN; --token T is visible\n"
+    "  to other users in the process list) --deadline 30s --max-attempts N --chunk-bytes N\n"
     "  --tls --tls-ca FILE --tls-cert FILE --tls-key FILE --tls-server-name NAME\n"
     "the server is --target, else $NORMGRAD_TARGET, else localhost:50051\n";
 
@@ -246,7 +249,7 @@ int Health(const ParsedArgs& args, const ClientOptions& options, std::ostream& o
 }  // namespace
 
 void AddClientFlags(FlagSpec& spec) {
-  for (const char* name : {"token", "deadline", "max-attempts", "chunk-bytes", "tls-ca", "tls-cert",
+  for (const char* name : {"token", "token-file", "deadline", "max-attempts", "chunk-bytes", "tls-ca", "tls-cert",
                            "tls-key", "tls-server-name"}) {
     spec[name] = true;
   }
@@ -256,7 +259,23 @@ void AddClientFlags(FlagSpec& spec) {
 absl::StatusOr<ClientOptions> ClientOptionsFromFlags(const ParsedArgs& args, std::string target) {
   ClientOptions options;
   options.target = std::move(target);
-  options.bearer_token = args.Get("token");
+  // The token: --token-file (contents, whitespace trimmed), else --token, else $NORMGRAD_TOKEN.
+  if (args.Has("token-file") && args.Has("token")) {
+    return absl::InvalidArgumentError("--token and --token-file exclude each other");
+  }
+  if (args.Has("token-file")) {
+    absl::StatusOr<std::string> token = ReadFile(args.Get("token-file"), "token-file");
+    if (!token.ok()) return token.status();
+    options.bearer_token = std::string(absl::StripAsciiWhitespace(*token));
+    if (options.bearer_token.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--token-file: ", args.Get("token-file"), " is empty"));
+    }
+  } else if (args.Has("token")) {
+    options.bearer_token = args.Get("token");
+  } else if (const char* env = std::getenv("NORMGRAD_TOKEN"); env != nullptr) {
+    options.bearer_token = std::string(absl::StripAsciiWhitespace(env));
+  }
   if (args.Has("deadline") &&
       !absl::ParseDuration(args.Get("deadline"), &options.default_deadline)) {
     return absl::InvalidArgumentError(absl::StrCat("--deadline: \"", args.Get("deadline"),

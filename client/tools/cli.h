@@ -29,8 +29,9 @@ inline constexpr int kExitUsage = 2;
 inline constexpr int kExitNotServing = 3;
 
 // Flags every tool shares to build a ClientOptions (the server address flag is separate):
-// --token, --deadline (an absl duration: "30s", "500ms"), --max-attempts, --chunk-bytes,
-// --tls, --tls-ca FILE, --tls-cert FILE, --tls-key FILE, --tls-server-name NAME.
+// --token-file FILE (contents, trimmed) or --token T, else $NORMGRAD_TOKEN; --deadline (an
+// absl duration: "30s", "500ms"), --max-attempts, --chunk-bytes, --tls, --tls-ca FILE,
+// --tls-cert FILE, --tls-key FILE, --tls-server-name NAME.
 void AddClientFlags(FlagSpec& spec);
 // INVALID_ARGUMENT naming the flag for a bad value; NOT_FOUND for an unreadable TLS file.
 absl::StatusOr<ClientOptions> ClientOptionsFromFlags(const ParsedArgs& args, std::string target);

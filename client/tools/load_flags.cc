@@ -37,8 +37,8 @@ const char kLoadUsage[] =
     "  --kernel NAME --gpu-target sm_XX   EmitPtx request (defaults batched_rms_norm_backward, "
     "sm_90)\n"
     "  --format summary|json|csv -o FILE --html FILE\n"
-    "  client flags: --token --deadline --max-attempts --chunk-bytes --tls --tls-ca --tls-cert\n"
-    "                --tls-key --tls-server-name\n";
+    "  client flags: --token-file (else $NORMGRAD_TOKEN) --token --deadline --max-attempts\n"
+    "                --chunk-bytes --tls --tls-ca --tls-cert --tls-key --tls-server-name\n";
 
 absl::StatusOr<std::vector<Shape>> ParseShapes(absl::string_view text) {
   std::vector<Shape> shapes;
