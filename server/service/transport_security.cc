@@ -1,7 +1,11 @@
 #include "server/service/transport_security.h"
 
+#include <openssl/bio.h>
 #include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
 #include <openssl/sha.h>
+#include <openssl/x509.h>
 
 #include <fstream>
 #include <sstream>
@@ -29,6 +33,32 @@ absl::StatusOr<std::string> ReadPemFile(const std::string& path, absl::string_vi
         absl::StrCat("--", flag, "=", path, ": not a PEM file (no -----BEGIN line)"));
   }
   return text;
+}
+
+// OK when `cert_pem`'s first certificate holds the public half of `key_pem`. Checked at start
+// so that a mismatched pair is one clear line, not a port that fails every handshake.
+absl::Status CheckKeyMatchesCertificate(const std::string& cert_pem, const std::string& key_pem,
+                                        const TransportSecurityOptions& o) {
+  BIO* cert_bio = BIO_new_mem_buf(cert_pem.data(), static_cast<int>(cert_pem.size()));
+  X509* cert = PEM_read_bio_X509(cert_bio, nullptr, nullptr, nullptr);
+  BIO_free(cert_bio);
+  BIO* key_bio = BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size()));
+  EVP_PKEY* key = PEM_read_bio_PrivateKey(key_bio, nullptr, nullptr, nullptr);
+  BIO_free(key_bio);
+  absl::Status status;
+  if (cert == nullptr) {
+    status = absl::InvalidArgumentError(
+        absl::StrCat("--tls-cert=", o.cert_file, ": no readable PEM certificate"));
+  } else if (key == nullptr) {
+    status = absl::InvalidArgumentError(absl::StrCat(
+        "--tls-key=", o.key_file, ": no readable PEM private key (encrypted keys are not supported)"));
+  } else if (X509_check_private_key(cert, key) != 1) {
+    status = absl::InvalidArgumentError(absl::StrCat("--tls-key=", o.key_file,
+                                                     " is not the key of --tls-cert=", o.cert_file));
+  }
+  X509_free(cert);
+  EVP_PKEY_free(key);
+  return status;
 }
 
 }  // namespace
@@ -113,6 +143,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
   if (!cert.ok()) return cert.status();
   absl::StatusOr<std::string> key = ReadPemFile(options.key_file, "tls-key");
   if (!key.ok()) return key.status();
+  if (absl::Status s = CheckKeyMatchesCertificate(*cert, *key, options); !s.ok()) return s;
   pair.cert_chain = *std::move(cert);
   pair.private_key = *std::move(key);
   ssl.pem_key_cert_pairs.push_back(std::move(pair));

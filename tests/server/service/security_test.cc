@@ -328,6 +328,54 @@ TEST_F(SecurityTest, MetricsOverHttpsWithTheServerCertificate) {
   EXPECT_NE(status, 200) << "plain HTTP must not be answered on the HTTPS port";
 }
 
+// A channel with its own connection (not shared through gRPC's process-wide subchannel pool).
+std::shared_ptr<grpc::Channel> OwnConnection(int port) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  return grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", port),
+                                   grpc::InsecureChannelCredentials(), args);
+}
+
+grpc::Status InfoWithin(grpc::Channel* channel, absl::Duration deadline) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  v1::GetServerInfoRequest request;
+  v1::GetServerInfoResponse response;
+  return v1::NormGrad::NewStub(std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}))
+      ->GetServerInfo(&context, request, &response);
+}
+
+// --max-streams-per-connection is the HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: with 1, a
+// connection holding an open stream cannot start a second call (it waits in the client's
+// transport until its deadline), while another connection can.
+TEST(ConnectionLimitsTest, MaxStreamsPerConnectionHoldsFurtherCallsOfThatConnection) {
+  ServerOptions o = testing::TestServerOptions();
+  o.max_streams_per_connection = 1;
+  absl::StatusOr<std::unique_ptr<NormGradServer>> server = NormGradServer::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::shared_ptr<grpc::Channel> busy = OwnConnection((*server)->port());
+  std::unique_ptr<v1::NormGrad::Stub> stub = v1::NormGrad::NewStub(busy);
+  grpc::ClientContext context;
+  auto stream = stub->RmsNormBackward(&context);
+  const testing::Batch batch = testing::RandomBatch(4, 16, 6);
+  ASSERT_TRUE(stream->Write(testing::HeaderFor(batch)));
+  for (int i = 0; i < 500 && (*server)->live_streams() == 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_EQ((*server)->live_streams(), 1u);
+
+  EXPECT_EQ(InfoWithin(busy.get(), absl::Seconds(1)).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  std::shared_ptr<grpc::Channel> other = OwnConnection((*server)->port());
+  grpc::Status s = InfoWithin(other.get(), absl::Seconds(20));
+  EXPECT_TRUE(s.ok()) << s.error_message();
+
+  context.TryCancel();
+  (void)stream->Finish();
+  s = InfoWithin(busy.get(), absl::Seconds(20));
+  EXPECT_TRUE(s.ok()) << "the slot is free again: " << s.error_message();
+}
+
 TEST_F(SecurityTest, StartRefusesUnsafeOrBrokenSecurityOptions) {
   {
     ServerOptions o = testing::TestServerOptions();
@@ -362,6 +410,13 @@ TEST_F(SecurityTest, StartRefusesUnsafeOrBrokenSecurityOptions) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(s.message(), HasSubstr("--tls-key="));
     EXPECT_THAT(s.message(), Not(HasSubstr(kToken)));
+  }
+  {
+    ServerOptions o = TlsOptions(false, false);
+    o.security.key_file = Path("client.key");  // a real key, but not the certificate's
+    absl::Status s = NormGradServer::Start(o).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.message(), HasSubstr("is not the key of --tls-cert="));
   }
   {
     ServerOptions o = testing::TestServerOptions();
