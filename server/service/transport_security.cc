@@ -50,11 +50,12 @@ absl::Status CheckKeyMatchesCertificate(const std::string& cert_pem, const std::
     status = absl::InvalidArgumentError(
         absl::StrCat("--tls-cert=", o.cert_file, ": no readable PEM certificate"));
   } else if (key == nullptr) {
-    status = absl::InvalidArgumentError(absl::StrCat(
-        "--tls-key=", o.key_file, ": no readable PEM private key (encrypted keys are not supported)"));
+    status = absl::InvalidArgumentError(
+        absl::StrCat("--tls-key=", o.key_file,
+                     ": no readable PEM private key (encrypted keys are not supported)"));
   } else if (X509_check_private_key(cert, key) != 1) {
-    status = absl::InvalidArgumentError(absl::StrCat("--tls-key=", o.key_file,
-                                                     " is not the key of --tls-cert=", o.cert_file));
+    status = absl::InvalidArgumentError(
+        absl::StrCat("--tls-key=", o.key_file, " is not the key of --tls-cert=", o.cert_file));
   }
   X509_free(cert);
   EVP_PKEY_free(key);
@@ -66,8 +67,7 @@ absl::Status CheckKeyMatchesCertificate(const std::string& cert_pem, const std::
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--auth-token-file=", path, ": cannot read it"));
+    return absl::InvalidArgumentError(absl::StrCat("--auth-token-file=", path, ": cannot read it"));
   }
   std::stringstream s;
   s << in.rdbuf();
@@ -116,8 +116,8 @@ grpc::Status BearerTokenProcessor::Process(const InputMetadata& auth_metadata,
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         "wrong bearer token in the \"authorization\" metadata");
   }
-  consumed_auth_metadata->insert(std::make_pair(std::string(it->first.data(), it->first.size()),
-                                                std::string(presented)));
+  consumed_auth_metadata->insert(
+      std::make_pair(std::string(it->first.data(), it->first.size()), std::string(presented)));
   return grpc::Status::OK;
 }
 
@@ -155,9 +155,9 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
   }
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::SslServerCredentials(ssl);
   if (creds == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--tls-cert=", options.cert_file, " / --tls-key=", options.key_file,
-        ": gRPC refused the certificate and key"));
+    return absl::InvalidArgumentError(absl::StrCat("--tls-cert=", options.cert_file,
+                                                   " / --tls-key=", options.key_file,
+                                                   ": gRPC refused the certificate and key"));
   }
   if (!options.token_file.empty()) {
     absl::StatusOr<std::string> token = ReadTokenFile(options.token_file);

@@ -5,12 +5,11 @@
 // answer is the right one for its own request), and that a replica sent SIGTERM mid-load
 // drains without any client seeing an error. Every loop is bounded in count and time.
 #include <fcntl.h>
+#include <httplib.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <httplib.h>
 
 #include <algorithm>
 #include <atomic>
@@ -45,10 +44,10 @@ constexpr uint32_t kHidden = 64;
 class Replica {
  public:
   explicit Replica(std::vector<std::string> extra_flags) {
-    std::vector<std::string> args = {NORMGRAD_SERVER_BINARY, "--listen=127.0.0.1:0",
-                                     "--metrics-listen=127.0.0.1:0", "--backend=cpu",
-                                     "--cpu-threads=1", "--worker-threads=2",
-                                     "--shutdown-grace=20s"};
+    std::vector<std::string> args = {
+        NORMGRAD_SERVER_BINARY, "--listen=127.0.0.1:0", "--metrics-listen=127.0.0.1:0",
+        "--backend=cpu",        "--cpu-threads=1",      "--worker-threads=2",
+        "--shutdown-grace=20s"};
     for (std::string& f : extra_flags) args.push_back(std::move(f));
     int out[2];
     if (pipe(out) != 0) return;
@@ -159,8 +158,8 @@ Request MakeRequest(int id) {
   for (float& v : r.gamma) v = u(rng);
   r.dx.resize(r.x.size());
   r.dgamma.resize(kHidden);
-  kernels::ReferenceBackward({r.x, r.dy, r.gamma, {}, kRows, kHidden, 1e-5f},
-                             absl::MakeSpan(r.dx), absl::MakeSpan(r.dgamma));
+  kernels::ReferenceBackward({r.x, r.dy, r.gamma, {}, kRows, kHidden, 1e-5f}, absl::MakeSpan(r.dx),
+                             absl::MakeSpan(r.dgamma));
   return r;
 }
 
@@ -185,8 +184,8 @@ struct Outcome {
 class ScaleOutTest : public ::testing::Test {
  protected:
   void StartReplicas(int n) {
-    for (int i = 0; i < n; ++i) replicas_.push_back(std::make_unique<Replica>(
-        std::vector<std::string>{}));
+    for (int i = 0; i < n; ++i)
+      replicas_.push_back(std::make_unique<Replica>(std::vector<std::string>{}));
     for (auto& r : replicas_) ASSERT_TRUE(r->AwaitReady(absl::Seconds(60)));
   }
 

@@ -17,9 +17,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/tools/cli.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "client/tools/cli.h"
 #include "normgrad/client.h"
 #include "server/service/normgrad_server.h"
 #include "server/service/transport_security.h"
@@ -52,8 +52,7 @@ class SecurityTest : public ::testing::Test {
     char pattern[] = "/tmp/normgrad_security_XXXXXX";
     if (mkdtemp(pattern) == nullptr) return;
     dir_ = new std::string(pattern);
-    const std::string sign =
-        "openssl x509 -req -CAcreateserial -days 2 ";
+    const std::string sign = "openssl x509 -req -CAcreateserial -days 2 ";
     const std::string script = absl::StrCat(
         "set -e; cd '", *dir_, "';",
         "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 "
@@ -205,8 +204,7 @@ TEST_F(SecurityTest, BearerTokenMissingOrWrongIsUnauthenticatedWithoutEchoingIt)
 
   // A prefix of the right token is still wrong (the comparison covers the whole value).
   absl::StatusOr<v1::GetServerInfoResponse> prefix =
-      ClientFor(server->port(), "ca.pem", "", std::string(kToken).substr(0, 10))
-          ->ServerInfo(quick);
+      ClientFor(server->port(), "ca.pem", "", std::string(kToken).substr(0, 10))->ServerInfo(quick);
   EXPECT_EQ(prefix.status().code(), absl::StatusCode::kUnauthenticated) << prefix.status();
 
   std::unique_ptr<Client> good = ClientFor(server->port(), "ca.pem", "", kToken);
@@ -217,10 +215,9 @@ TEST_F(SecurityTest, BearerTokenMissingOrWrongIsUnauthenticatedWithoutEchoingIt)
   EXPECT_TRUE(g.ok()) << g.status();
 
   // Backward streams are checked the same way.
-  absl::StatusOr<Gradients> anonymous = ClientFor(server->port(), "ca.pem")
-                                            ->Backward(batch.x, batch.dy, batch.gamma, batch.eps);
-  EXPECT_EQ(anonymous.status().code(), absl::StatusCode::kUnauthenticated)
-      << anonymous.status();
+  absl::StatusOr<Gradients> anonymous =
+      ClientFor(server->port(), "ca.pem")->Backward(batch.x, batch.dy, batch.gamma, batch.eps);
+  EXPECT_EQ(anonymous.status().code(), absl::StatusCode::kUnauthenticated) << anonymous.status();
 }
 
 // The CLI reads the token from a file (never needing it on the command line) and speaks TLS.
@@ -235,16 +232,14 @@ TEST_F(SecurityTest, CliReadsTheTokenFromAFile) {
     return code;
   };
   std::string err;
-  EXPECT_EQ(run({target, "info", "--tls-ca", Path("ca.pem"), "--token-file", Path("token")},
-                &err),
+  EXPECT_EQ(run({target, "info", "--tls-ca", Path("ca.pem"), "--token-file", Path("token")}, &err),
             tools::kExitOk)
       << err;
   EXPECT_EQ(run({target, "info", "--tls-ca", Path("ca.pem")}, &err), tools::kExitServerError);
   EXPECT_THAT(err, HasSubstr("UNAUTHENTICATED"));
-  EXPECT_EQ(run({target, "info", "--tls-ca", Path("ca.pem"), "--token-file",
-                 Path("empty_token")},
-                &err),
-            tools::kExitUsage);
+  EXPECT_EQ(
+      run({target, "info", "--tls-ca", Path("ca.pem"), "--token-file", Path("empty_token")}, &err),
+      tools::kExitUsage);
   EXPECT_THAT(err, HasSubstr("--token-file"));
 }
 
