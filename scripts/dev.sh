@@ -3,11 +3,18 @@
 #
 #   scripts/dev.sh deps     install the Debian/Ubuntu packages the build needs (apt-get; sudo if not root)
 #   scripts/dev.sh build    deps + configure + build into build/ (binaries in build/bin/)
-#   scripts/dev.sh test     build + run every ctest label that CI runs
+#   scripts/dev.sh test     what CI runs (.ci/run), in stages (docs/testing.md):
+#                           main  build + every ctest label in build/
+#                           asan  the suite under AddressSanitizer+UndefinedBehaviorSanitizer (build-asan/)
+#                           tsan  the concurrent server/client tests under ThreadSanitizer (build-tsan/)
+#                           fuzz  libFuzzer targets (clang, build-fuzz/): seed corpora, then FUZZ_SECONDS each
 #   scripts/dev.sh run [server flags...]   build + run the server (CPU backend when no GPU)
 #
 # Environment: BUILD_DIR (default build), BUILD_TYPE (default RelWithDebInfo),
 # NORMGRAD_SKIP_DEPS=1 skips the package step (for images that already have them).
+# test only: NORMGRAD_CI_STAGES (default "main asan tsan fuzz"), ASAN_BUILD_DIR, TSAN_BUILD_DIR,
+# FUZZ_BUILD_DIR, FUZZ_SECONDS (default 60; e.g. FUZZ_SECONDS=3600 NORMGRAD_CI_STAGES=fuzz for a
+# long fuzzing run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -21,6 +28,7 @@ PACKAGES=(
   libhwy-dev libcpp-httplib-dev libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-numpy python3-yaml openssl
+  clang-14 libclang-rt-14-dev
 )
 
 as_root() {
@@ -50,14 +58,86 @@ build() {
   cmake --build "$BUILD_DIR" -j"$(nproc)"
 }
 
+# ctest with the summary lines on the log (the whole output stays on it too).
+run_ctest() {
+  local dir=$1
+  shift
+  (cd "$dir" && ctest --output-on-failure -j"$(nproc)" --timeout 900 "$@")
+}
+
+# Sanitizer reports fail the run: -fno-sanitize-recover=all (CMakeLists.txt) plus these.
+export ASAN_OPTIONS=${ASAN_OPTIONS:-halt_on_error=1:detect_leaks=1:abort_on_error=0:strict_string_checks=1}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
+TSAN_SUPPRESSIONS="$ROOT/tests/tsan.supp"
+
+stage_main() {
+  build
+  run_ctest "$BUILD_DIR"
+}
+
+# The whole suite under ASan+UBSan, -O1 for speed; benchmarks are not built.
+stage_asan() {
+  local dir=${ASAN_BUILD_DIR:-build-asan}
+  cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g" \
+    -DNORMGRAD_SANITIZE=address,undefined -DNORMGRAD_BUILD_BENCHMARKS=OFF
+  cmake --build "$dir" -j"$(nproc)"
+  run_ctest "$dir"
+}
+
+# Only the tests where our threads meet: the service (in-process server, many streams), hostile
+# clients, the client library against a server, and the emulated driver's concurrent streams.
+TSAN_TARGETS=(service_integration_test hostile_clients_test client_server_test
+  ptxsim_emulated_driver_test)
+stage_tsan() {
+  local dir=${TSAN_BUILD_DIR:-build-tsan}
+  cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g" \
+    -DNORMGRAD_SANITIZE=thread -DNORMGRAD_BUILD_BENCHMARKS=OFF
+  local targets=()
+  for t in "${TSAN_TARGETS[@]}"; do
+    cmake --build "$dir" --target help | grep -q "^$t:" && targets+=("$t")
+  done
+  cmake --build "$dir" -j"$(nproc)" --target "${targets[@]}"
+  TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$TSAN_SUPPRESSIONS" \
+    run_ctest "$dir" -R '^(Service[A-Za-z]*Test|HostileClientTest|ClientServerTest|EmulatedDriverTest)\.'
+}
+
+# libFuzzer targets (tests/fuzz/): replay the committed seeds (ctest -L fuzz), then fuzz each for
+# FUZZ_SECONDS. A crash, a hang past -timeout or memory past -rss_limit_mb fails the stage; the
+# inputs found land in $dir/fuzz-corpus/<target>/ and the final cov:/ft:/exec/s on the log.
+FUZZ_TARGETS=(backward_sequence_fuzzer npy_fuzzer ptx_parser_fuzzer preload_fuzzer)
+stage_fuzz() {
+  local dir=${FUZZ_BUILD_DIR:-build-fuzz}
+  CC=clang-14 CXX=clang++-14 cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_C_FLAGS=-fsanitize=fuzzer-no-link -DCMAKE_CXX_FLAGS=-fsanitize=fuzzer-no-link \
+    -DNORMGRAD_SANITIZE=address,undefined -DNORMGRAD_FUZZ=ON -DNORMGRAD_BUILD_BENCHMARKS=OFF
+  cmake --build "$dir" -j"$(nproc)" --target "${FUZZ_TARGETS[@]}"
+  run_ctest "$dir" -L fuzz
+  for t in "${FUZZ_TARGETS[@]}"; do
+    mkdir -p "$dir/fuzz-corpus/$t"
+    echo "[dev.sh] fuzzing $t for ${FUZZ_SECONDS:-60} s"
+    "$dir/bin/$t" -max_total_time="${FUZZ_SECONDS:-60}" -rss_limit_mb=2048 -timeout=10 \
+      -print_final_stats=1 -artifact_prefix="$dir/fuzz-corpus/$t-" \
+      "$dir/fuzz-corpus/$t" "$ROOT/tests/fuzz/corpus/$t" 2>&1 | tee "$dir/fuzz-$t.log" |
+      grep -E "^#[0-9]+[[:space:]]+(INITED|DONE)|^stat::|ERROR|SUMMARY|Test unit written" || true
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "[dev.sh] $t failed; see $dir/fuzz-$t.log" >&2; return 1; }
+  done
+}
+
 cmd=${1:-build}
 shift || true
 case "$cmd" in
   deps) deps ;;
   build) build "$@" ;;
   test)
-    build
-    (cd "$BUILD_DIR" && ctest --output-on-failure -j"$(nproc)" --timeout 900)
+    deps
+    for stage in ${NORMGRAD_CI_STAGES:-main asan tsan fuzz}; do
+      stage_start=$SECONDS
+      echo "[dev.sh] stage $stage"
+      "stage_$stage"
+      echo "[dev.sh] stage $stage passed in $((SECONDS - stage_start)) s"
+    done
     ;;
   run)
     build
