@@ -94,9 +94,10 @@ stage_tsan() {
   cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g" \
     -DNORMGRAD_SANITIZE=thread -DNORMGRAD_BUILD_BENCHMARKS=OFF
-  local targets=()
+  local targets=() known
+  known=$(cmake --build "$dir" --target help)
   for t in "${TSAN_TARGETS[@]}"; do
-    cmake --build "$dir" --target help | grep -q "^$t:" && targets+=("$t")
+    grep -q "^$t:" <<<"$known" && targets+=("$t")
   done
   cmake --build "$dir" -j"$(nproc)" --target "${targets[@]}"
   TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$TSAN_SUPPRESSIONS" \
