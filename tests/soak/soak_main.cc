@@ -112,7 +112,8 @@ void CheckedBackward(v1::NormGrad::Stub& stub, const std::string& kind, uint64_t
             r.status.ok() || r.status.error_code() == grpc::RESOURCE_EXHAUSTED);
   if (!r.status.ok()) {
     if (r.status.error_code() != grpc::RESOURCE_EXHAUSTED) {
-      std::fprintf(stderr, "soak: %s: %s\n", kind.c_str(), r.status.error_message().c_str());
+      std::fprintf(stderr, "soak: %s: %d %s\n", kind.c_str(), r.status.error_code(),
+                   r.status.error_message().c_str());
     }
     return;
   }
@@ -186,7 +187,11 @@ void BadRequest(v1::NormGrad::Stub& stub, std::mt19937& rng, Tally& tally) {
       break;
   }
   const grpc::Status s = t::SendMessages(stub, messages);
-  tally.Add("bad_request", s.error_code(), s.error_code() == grpc::INVALID_ARGUMENT);
+  // Admission (--max-streams) runs before validation: a full server refuses a bad stream too.
+  tally.Add("bad_request", s.error_code(),
+            s.error_code() == grpc::INVALID_ARGUMENT ||
+                (s.error_code() == grpc::RESOURCE_EXHAUSTED &&
+                 s.error_message().find("--max-streams") != std::string::npos));
 }
 
 void Worker(int id, const Options& options, absl::Time end, Tally& tally) {
