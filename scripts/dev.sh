@@ -6,13 +6,15 @@
 #   scripts/dev.sh test     what CI runs (.ci/run), in stages (docs/testing.md):
 #                           main  build + every ctest label in build/
 #                           asan  the suite under AddressSanitizer+UndefinedBehaviorSanitizer (build-asan/)
-#                           tsan  the concurrent server/client tests under ThreadSanitizer (build-tsan/)
+#                           tsan  the concurrent server/client tests under ThreadSanitizer (build-tsan/);
+#                                 not in the default list yet: Debian's abseil is not instrumented, so
+#                                 TSan cannot see absl::Mutex (docs/testing.md)
 #                           fuzz  libFuzzer targets (clang, build-fuzz/): seed corpora, then FUZZ_SECONDS each
 #   scripts/dev.sh run [server flags...]   build + run the server (CPU backend when no GPU)
 #
 # Environment: BUILD_DIR (default build), BUILD_TYPE (default RelWithDebInfo),
 # NORMGRAD_SKIP_DEPS=1 skips the package step (for images that already have them).
-# test only: NORMGRAD_CI_STAGES (default "main asan tsan fuzz"), ASAN_BUILD_DIR, TSAN_BUILD_DIR,
+# test only: NORMGRAD_CI_STAGES (default "main asan fuzz"; add tsan by hand), ASAN_BUILD_DIR, TSAN_BUILD_DIR,
 # FUZZ_BUILD_DIR, FUZZ_SECONDS (default 60; e.g. FUZZ_SECONDS=3600 NORMGRAD_CI_STAGES=fuzz for a
 # long fuzzing run).
 set -euo pipefail
@@ -133,7 +135,7 @@ case "$cmd" in
   build) build "$@" ;;
   test)
     deps
-    for stage in ${NORMGRAD_CI_STAGES:-main asan tsan fuzz}; do
+    for stage in ${NORMGRAD_CI_STAGES:-main asan fuzz}; do
       stage_start=$SECONDS
       echo "[dev.sh] stage $stage"
       "stage_$stage"
