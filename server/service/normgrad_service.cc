@@ -265,8 +265,13 @@ class BackwardStream final
   };
 
   ~BackwardStream() override {
-    env_->streams->Remove(this);
+    session_.reset();  // backend state goes before the backend may
+    jobs_.clear();
+    writes_.clear();
+    waiting_for_bytes_.reset();
     if (reserved_bytes_ > 0) env_->admission->ReleaseBytes(reserved_bytes_);
+    // Last: once the registry is empty, a draining server may tear down what we used.
+    env_->streams->Remove(this);
   }
 
   void Apply(Actions& a) {
