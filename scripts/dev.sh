@@ -120,11 +120,16 @@ stage_fuzz() {
   for t in "${FUZZ_TARGETS[@]}"; do
     mkdir -p "$dir/fuzz-corpus/$t"
     echo "[dev.sh] fuzzing $t for ${FUZZ_SECONDS:-60} s"
+    local status
+    set +e
     "$dir/bin/$t" -max_total_time="${FUZZ_SECONDS:-60}" -rss_limit_mb=2048 -timeout=10 \
       -print_final_stats=1 -artifact_prefix="$dir/fuzz-corpus/$t-" \
-      "$dir/fuzz-corpus/$t" "$ROOT/tests/fuzz/corpus/$t" 2>&1 | tee "$dir/fuzz-$t.log" |
-      grep -E "^#[0-9]+[[:space:]]+(INITED|DONE)|^stat::|ERROR|SUMMARY|Test unit written" || true
-    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "[dev.sh] $t failed; see $dir/fuzz-$t.log" >&2; return 1; }
+      "$dir/fuzz-corpus/$t" "$ROOT/tests/fuzz/corpus/$t" > "$dir/fuzz-$t.log" 2>&1
+    status=$?
+    set -e
+    grep -E "^#[0-9]+[[:space:]]+(INITED|DONE)|^stat::|ERROR|SUMMARY|Test unit written" \
+      "$dir/fuzz-$t.log" || true
+    [ "$status" -eq 0 ] || { echo "[dev.sh] $t failed (exit $status); see $dir/fuzz-$t.log" >&2; return 1; }
   done
 }
 
