@@ -9,14 +9,14 @@
 #                           tsan  the concurrent server/client tests under ThreadSanitizer (build-tsan/);
 #                                 not in the default list yet: Debian's abseil is not instrumented, so
 #                                 TSan cannot see absl::Mutex (docs/testing.md)
-#                           fuzz  libFuzzer targets (clang, build-fuzz/): seed corpora, then FUZZ_SECONDS each
+#                           fuzz  libFuzzer targets (clang, build-fuzz/): seed corpora, then a fixed input count each
 #   scripts/dev.sh run [server flags...]   build + run the server (CPU backend when no GPU)
 #
 # Environment: BUILD_DIR (default build), BUILD_TYPE (default RelWithDebInfo),
 # NORMGRAD_SKIP_DEPS=1 skips the package step (for images that already have them).
 # test only: NORMGRAD_CI_STAGES (default "main asan fuzz"; add tsan by hand), ASAN_BUILD_DIR, TSAN_BUILD_DIR,
-# FUZZ_BUILD_DIR, FUZZ_SECONDS (default 60; e.g. FUZZ_SECONDS=3600 NORMGRAD_CI_STAGES=fuzz for a
-# long fuzzing run).
+# FUZZ_BUILD_DIR, FUZZ_SECONDS (default 0: a fixed seed and input count per target; e.g.
+# FUZZ_SECONDS=3600 NORMGRAD_CI_STAGES=fuzz for a long fuzzing run by time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -109,7 +109,11 @@ stage_tsan() {
 # libFuzzer targets (tests/fuzz/): replay the committed seeds (ctest -L fuzz), then fuzz each for
 # FUZZ_SECONDS. A crash, a hang past -timeout or memory past -rss_limit_mb fails the stage; the
 # inputs found land in $dir/fuzz-corpus/<target>/ and the final cov:/ft:/exec/s on the log.
+# CI fuzzes a fixed number of inputs from a fixed seed, so a run is reproducible (the same build
+# explores the same inputs); each count takes well under a minute on 2 cores. FUZZ_SECONDS > 0 fuzzes by time instead.
 FUZZ_TARGETS=(backward_sequence_fuzzer npy_fuzzer ptx_parser_fuzzer preload_fuzzer)
+declare -A FUZZ_RUNS=([backward_sequence_fuzzer]=3000000 [npy_fuzzer]=5000000
+  [ptx_parser_fuzzer]=300000 [preload_fuzzer]=300000)
 stage_fuzz() {
   local dir=${FUZZ_BUILD_DIR:-build-fuzz}
   CC=clang-14 CXX=clang++-14 cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
@@ -119,10 +123,15 @@ stage_fuzz() {
   run_ctest "$dir" -L fuzz
   for t in "${FUZZ_TARGETS[@]}"; do
     mkdir -p "$dir/fuzz-corpus/$t"
-    echo "[dev.sh] fuzzing $t for ${FUZZ_SECONDS:-60} s"
-    local status
+    local budget status
+    if [ "${FUZZ_SECONDS:-0}" -gt 0 ]; then
+      budget=(-max_total_time="$FUZZ_SECONDS")
+    else
+      budget=(-runs="${FUZZ_RUNS[$t]}" -seed=1 -max_total_time=300)
+    fi
+    echo "[dev.sh] fuzzing $t: ${budget[*]}"
     set +e
-    "$dir/bin/$t" -max_total_time="${FUZZ_SECONDS:-60}" -rss_limit_mb=2048 -timeout=10 \
+    "$dir/bin/$t" "${budget[@]}" -rss_limit_mb=2048 -timeout=10 \
       -print_final_stats=1 -artifact_prefix="$dir/fuzz-corpus/$t-" \
       "$dir/fuzz-corpus/$t" "$ROOT/tests/fuzz/corpus/$t" > "$dir/fuzz-$t.log" 2>&1
     status=$?

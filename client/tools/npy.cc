@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "absl/strings/ascii.h"
@@ -149,6 +150,15 @@ absl::StatusOr<Header> ParseHeader(absl::string_view bytes, absl::string_view na
   }
   if (!have_descr || !have_order || !have_shape) {
     return bad_dict("needs 'descr', 'fortran_order' and 'shape'");
+  }
+  // Every later size computation (elements * item size) must not wrap around.
+  uint64_t elements = 1;
+  for (uint64_t d : header.shape) {
+    if (d != 0 && elements > (std::numeric_limits<uint64_t>::max() / 16) / d) {
+      return bad_dict(absl::StrCat("shape ", ShapeString(header.shape),
+                                   " has too many elements to address"));
+    }
+    elements *= d;
   }
   return header;
 }

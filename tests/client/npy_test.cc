@@ -102,6 +102,18 @@ TEST(NpyTest, RejectsTruncatedAndOversizedDataWithTheByteCounts) {
   EXPECT_NE(long_data.status().message().find("oversized"), absl::string_view::npos);
 }
 
+// Found by npy_fuzzer: a shape whose element count wraps around 2^64 must be an error, not an
+// allocation of the wrapped size.
+TEST(NpyTest, RejectsShapesWhoseElementCountWouldOverflow) {
+  const std::string dict =
+      "{'descr': '<f4', 'fortran_order': False, 'shape': (4294967296, 4794967296, 16), }";
+  absl::StatusOr<Array> a = ParseF32(NpyBytes(dict, FloatBytes({1, 2, 3, 4})));
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(a.status().message().find("too many elements"), absl::string_view::npos)
+      << a.status();
+}
+
 TEST(NpyTest, RejectsTruncatedHeadersAndBadMagic) {
   const std::string good = SerializeF32(std::vector<uint64_t>{2}, std::vector<float>{1, 2});
   for (size_t cut : {size_t{0}, size_t{5}, size_t{9}, size_t{40}}) {
