@@ -13,13 +13,13 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/src/channel_config.h"
 #include "client/src/chunking.h"
@@ -237,7 +237,7 @@ class ClientImpl final : public Client {
     for (int i = 2; i < attempt; ++i) backoff *= 2;
     backoff = std::min(backoff, options_.max_backoff);
     {
-      absl::MutexLock lock(&rng_mu_);
+      std::lock_guard<std::mutex> lock(rng_mu_);
       backoff *= std::uniform_real_distribution<double>(0.8, 1.2)(rng_);
     }
     // gRPC 1.51's alarm holds its own reference while the callback runs, so the callback may
@@ -346,8 +346,8 @@ class ClientImpl final : public Client {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::NormGrad::Stub> stub_;
   grpc::GenericStub generic_;
-  absl::Mutex rng_mu_;
-  std::mt19937_64 rng_ ABSL_GUARDED_BY(rng_mu_){std::random_device{}()};
+  std::mutex rng_mu_;
+  std::mt19937_64 rng_{std::random_device{}()};  // guarded by rng_mu_
 };
 
 BackwardCall::BackwardCall(ClientImpl* client, std::shared_ptr<Shared> shared, int attempt)

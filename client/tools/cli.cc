@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 #include <utility>
 
@@ -14,7 +15,6 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/tools/npy.h"
 
@@ -59,7 +59,7 @@ class ProgressBar {
  public:
   explicit ProgressBar(std::ostream& err) : err_(err) {}
   void Update(uint64_t done, uint64_t total) {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     constexpr int kWidth = 30;
     const int filled = total == 0 ? kWidth : static_cast<int>(kWidth * done / total);
     err_ << "\r[" << std::string(filled, '#') << std::string(kWidth - filled, '.') << "] "
@@ -68,12 +68,12 @@ class ProgressBar {
     drawn_ = true;
   }
   void Clear() {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (drawn_) err_ << "\r\033[K" << std::flush;
   }
 
  private:
-  absl::Mutex mu_;
+  std::mutex mu_;
   std::ostream& err_;
   bool drawn_ = false;
 };

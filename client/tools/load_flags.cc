@@ -1,7 +1,9 @@
 #include "client/tools/load_flags.h"
 
 #include <atomic>
+#include <chrono>
 #include <fstream>
+#include <future>
 #include <thread>
 
 #include "absl/status/status.h"
@@ -9,7 +11,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/tools/cli.h"
 #include "client/tools/flag_parser.h"
@@ -197,12 +198,13 @@ int RunLoad(const std::vector<std::string>& args, const std::string& env_target,
   }
 
   // Live progress line on a terminal, redrawn a few times a second.
-  absl::Notification done;
+  std::promise<void> done_promise;
+  std::future<void> done = done_promise.get_future();
   std::thread progress;
   if (progress_terminal) {
     progress = std::thread([&] {
       const absl::Time start = absl::Now();
-      while (!done.WaitForNotificationWithTimeout(absl::Milliseconds(250))) {
+      while (done.wait_for(std::chrono::milliseconds(250)) != std::future_status::ready) {
         const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
         const uint64_t n = (*runner)->completed();
         err << absl::StrFormat("\r[%6.1fs] concurrency %d: %d done, %d errors, %.1f req/s   ",
@@ -214,7 +216,7 @@ int RunLoad(const std::vector<std::string>& args, const std::string& env_target,
     });
   }
   absl::StatusOr<std::vector<RunStats>> runs = (*runner)->Run();
-  done.Notify();
+  done_promise.set_value();
   if (progress.joinable()) progress.join();
   if (!runs.ok()) {
     err << "normgrad-load: " << runs.status().message() << "\n";

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <limits>
+#include <mutex>
 #include <random>
 #include <thread>
 #include <utility>
@@ -92,9 +93,12 @@ void LoadRunner::Complete(std::chrono::steady_clock::time_point start, absl::Sta
   const double latency = SecondsSince(start);
   completed_.fetch_add(1);
   if (code != absl::StatusCode::kOk) failed_.fetch_add(1);
-  absl::MutexLock lock(&mu_);
-  if (record) records_.push_back({latency, code, payload});
-  --in_flight_;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (record) records_.push_back({latency, code, payload});
+    --in_flight_;
+  }
+  changed_.notify_all();
 }
 
 void LoadRunner::Issue(uint64_t index, bool record) {
@@ -125,15 +129,14 @@ void LoadRunner::Drive(uint64_t count, absl::Time until, bool record) {
   absl::Time next_arrival = absl::Now();
   for (uint64_t issued = 0; issued < count; ++issued) {
     {
-      absl::MutexLock lock(&mu_);
-      mu_.AwaitWithDeadline(
-          absl::Condition(
-              +[](LoadRunner* r) { return r->stop_ || r->in_flight_ < r->concurrency_; }, this),
-          until);
+      std::unique_lock<std::mutex> lock(mu_);
+      changed_.wait_until(lock, absl::ToChronoTime(until),
+                          [this] { return stop_ || in_flight_ < concurrency_; });
       if (stop_ || in_flight_ >= concurrency_ || absl::Now() >= until) break;
       if (config_.rate > 0) {
         // Pacing: wait for the next arrival time (or stop) while holding the slot.
-        mu_.AwaitWithDeadline(absl::Condition(&stop_), std::min(next_arrival, until));
+        changed_.wait_until(lock, absl::ToChronoTime(std::min(next_arrival, until)),
+                            [this] { return stop_; });
         if (stop_ || absl::Now() >= until) break;
         next_arrival += absl::Seconds(config_.poisson ? exponential(rng) : 1.0 / config_.rate);
       }
@@ -141,20 +144,19 @@ void LoadRunner::Drive(uint64_t count, absl::Time until, bool record) {
     }
     Issue(issued, record);
   }
-  absl::MutexLock lock(&mu_);
-  mu_.Await(absl::Condition(
-      +[](int* in_flight) { return *in_flight == 0; }, &in_flight_));
+  std::unique_lock<std::mutex> lock(mu_);
+  changed_.wait(lock, [this] { return in_flight_ == 0; });
 }
 
 std::vector<RequestRecord> LoadRunner::TakeRecords() {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return std::exchange(records_, {});
 }
 
 absl::StatusOr<std::vector<RunStats>> LoadRunner::Run() {
   std::vector<RunStats> runs;
   auto set_concurrency = [this](int c) {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     concurrency_ = c;
     stop_ = false;
     current_concurrency_.store(c);
@@ -205,9 +207,10 @@ absl::StatusOr<std::vector<RunStats>> LoadRunner::Run() {
       if (IsStable(windows, config_.stability_percent)) break;
     }
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       stop_ = true;
     }
+    changed_.notify_all();
     driver.join();
     TakeRecords();  // completions after the last window are not part of any window
     // The step's numbers: the last (up to) 3 windows together.

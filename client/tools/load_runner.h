@@ -13,13 +13,14 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/tools/load_stats.h"
 #include "normgrad/client.h"
@@ -91,11 +92,12 @@ class LoadRunner {
   std::vector<std::unique_ptr<Client>> clients_;
   std::vector<ShapeData> data_;
 
-  absl::Mutex mu_;
-  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
-  int concurrency_ ABSL_GUARDED_BY(mu_) = 1;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::vector<RequestRecord> records_ ABSL_GUARDED_BY(mu_);
+  std::mutex mu_;
+  std::condition_variable changed_;  // in_flight_, concurrency_ or stop_ changed
+  int in_flight_ = 0;  // guarded by mu_
+  int concurrency_ = 1;  // guarded by mu_
+  bool stop_ = false;  // guarded by mu_
+  std::vector<RequestRecord> records_;  // guarded by mu_
 
   std::atomic<uint64_t> completed_{0};
   std::atomic<uint64_t> failed_{0};

@@ -1,11 +1,13 @@
 #include "server/service/admission.h"
 
+#include <mutex>
+
 #include "absl/strings/str_cat.h"
 
 namespace normgrad::server {
 
 absl::Status AdmissionController::AdmitStream() {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   if (streams_ >= limits_.max_streams) {
     return absl::ResourceExhaustedError(
         absl::StrCat("too many concurrent streams: ", streams_, " of ", limits_.max_streams,
@@ -16,12 +18,12 @@ absl::Status AdmissionController::AdmitStream() {
 }
 
 void AdmissionController::ReleaseStream() {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   if (streams_ > 0) --streams_;
 }
 
 absl::Status AdmissionController::ReserveBytes(uint64_t bytes) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   if (bytes > limits_.max_inflight_bytes - bytes_ || bytes_ > limits_.max_inflight_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "in-flight bytes limit: this chunk needs ", bytes, " bytes, ", bytes_, " of ",
@@ -33,17 +35,17 @@ absl::Status AdmissionController::ReserveBytes(uint64_t bytes) {
 }
 
 void AdmissionController::ReleaseBytes(uint64_t bytes) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   bytes_ = bytes > bytes_ ? 0 : bytes_ - bytes;
 }
 
 uint32_t AdmissionController::active_streams() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return streams_;
 }
 
 uint64_t AdmissionController::inflight_bytes() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return bytes_;
 }
 

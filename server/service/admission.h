@@ -12,10 +12,9 @@
 #define NORMGRAD_SERVER_SERVICE_ADMISSION_H_
 
 #include <cstdint>
+#include <mutex>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
 
 namespace normgrad::server {
 
@@ -39,9 +38,9 @@ class AdmissionController {
 
  private:
   const AdmissionLimits limits_;
-  mutable absl::Mutex mu_;
-  uint32_t streams_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  mutable std::mutex mu_;
+  uint32_t streams_ = 0;  // guarded by mu_
+  uint64_t bytes_ = 0;  // guarded by mu_
 };
 
 }  // namespace normgrad::server

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <limits>
+#include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -48,14 +49,14 @@ std::vector<double> MetricsRegistry::LatencyBuckets() {
 }
 
 void MetricsRegistry::DescribeCounter(const std::string& name, const std::string& help) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   Family& f = families_[name];
   f.type = Type::kCounter;
   f.help = help;
 }
 
 void MetricsRegistry::DescribeGauge(const std::string& name, const std::string& help) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   Family& f = families_[name];
   f.type = Type::kGauge;
   f.help = help;
@@ -63,7 +64,7 @@ void MetricsRegistry::DescribeGauge(const std::string& name, const std::string& 
 
 void MetricsRegistry::DescribeHistogram(const std::string& name, const std::string& help,
                                         std::vector<double> bounds) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   Family& f = families_[name];
   f.type = Type::kHistogram;
   f.help = help;
@@ -93,27 +94,27 @@ MetricsRegistry::Series& MetricsRegistry::SeriesLocked(const std::string& name,
 
 void MetricsRegistry::IncrementCounter(const std::string& name, const Labels& labels,
                                        double delta) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   SeriesLocked(name, labels).value += delta;
 }
 
 void MetricsRegistry::SetCounter(const std::string& name, const Labels& labels, double value) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   SeriesLocked(name, labels).value = value;
 }
 
 void MetricsRegistry::SetGauge(const std::string& name, const Labels& labels, double value) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   SeriesLocked(name, labels).value = value;
 }
 
 void MetricsRegistry::AddGauge(const std::string& name, const Labels& labels, double delta) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   SeriesLocked(name, labels).value += delta;
 }
 
 void MetricsRegistry::Observe(const std::string& name, const Labels& labels, double value) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   const Family& f = families_[name];
   Series& s = SeriesLocked(name, labels);
   for (size_t i = 0; i < f.bounds.size(); ++i) {
@@ -127,19 +128,19 @@ void MetricsRegistry::Observe(const std::string& name, const Labels& labels, dou
 }
 
 void MetricsRegistry::AddCollector(std::function<void(MetricsRegistry&)> collector) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   collectors_.push_back(std::move(collector));
 }
 
 std::string MetricsRegistry::RenderText() {
   std::vector<std::function<void(MetricsRegistry&)>> collectors;
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     collectors = collectors_;
   }
   for (auto& c : collectors) c(*this);
 
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   std::string out;
   for (const auto& [name, f] : families_) {
     const char* type = "untyped";

@@ -14,12 +14,11 @@
 
 #include <functional>
 #include <map>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 
 namespace normgrad::server {
 
@@ -65,12 +64,12 @@ class MetricsRegistry {
   };
 
   Series& SeriesLocked(const std::string& name, const Labels& labels)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+     ;
   static std::string RenderLabels(const Labels& labels);
 
-  absl::Mutex mu_;
-  std::map<std::string, Family> families_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::function<void(MetricsRegistry&)>> collectors_ ABSL_GUARDED_BY(mu_);
+  std::mutex mu_;
+  std::map<std::string, Family> families_;  // guarded by mu_
+  std::vector<std::function<void(MetricsRegistry&)>> collectors_;  // guarded by mu_
 };
 
 }  // namespace normgrad::server

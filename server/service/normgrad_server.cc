@@ -8,6 +8,7 @@
 #include <grpcpp/impl/server_builder_plugin.h>
 
 #include <algorithm>
+#include <mutex>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -371,18 +372,18 @@ void NormGradServer::RunWatchdog() {
   const absl::Duration timeout = options_.stream_idle_timeout;
   const absl::Duration period =
       std::clamp(timeout / 4, absl::Milliseconds(10), absl::Seconds(1));
-  absl::MutexLock lock(&watchdog_mu_);
+  std::unique_lock<std::mutex> lock(watchdog_mu_);
   while (!stopping_) {
-    watchdog_mu_.AwaitWithTimeout(absl::Condition(&stopping_), period);
+    watchdog_wake_.wait_for(lock, absl::ToChronoMilliseconds(period), [this] { return stopping_; });
     if (stopping_) break;
-    watchdog_mu_.Unlock();
+    lock.unlock();
     streams_->CheckIdle(absl::Now(), timeout);
-    watchdog_mu_.Lock();
+    lock.lock();
   }
 }
 
 void NormGradServer::Shutdown(absl::Duration grace) {
-  absl::MutexLock lock(&shutdown_mu_);
+  std::lock_guard<std::mutex> lock(shutdown_mu_);
   if (shut_down_) return;
   shut_down_ = true;
   if (grpc_server_ != nullptr) {
@@ -399,9 +400,10 @@ void NormGradServer::Shutdown(absl::Duration grace) {
     streams_->WaitUntilEmpty(absl::InfiniteFuture());  // workers finish their current chunk
   }
   {
-    absl::MutexLock wl(&watchdog_mu_);
+    std::lock_guard<std::mutex> wl(watchdog_mu_);
     stopping_ = true;
   }
+  watchdog_wake_.notify_all();
   if (watchdog_.joinable()) watchdog_.join();
   if (metrics_http_ != nullptr) metrics_http_->Stop();
   pool_.reset();  // runs what is queued (nothing but finished streams' leftovers), joins

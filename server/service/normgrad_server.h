@@ -14,14 +14,15 @@
 #ifndef NORMGRAD_SERVER_SERVICE_NORMGRAD_SERVER_H_
 #define NORMGRAD_SERVER_SERVICE_NORMGRAD_SERVER_H_
 
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/kernel.h"
 #include "server/backend/backend.h"
@@ -131,10 +132,11 @@ class NormGradServer {
   int health_port_ = 0;
   int metrics_port_ = 0;
 
-  absl::Mutex shutdown_mu_;  // serializes Shutdown
-  absl::Mutex watchdog_mu_;
-  bool stopping_ ABSL_GUARDED_BY(watchdog_mu_) = false;
-  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+  std::mutex shutdown_mu_;  // serializes Shutdown
+  std::mutex watchdog_mu_;
+  std::condition_variable watchdog_wake_;
+  bool stopping_ = false;  // guarded by watchdog_mu_
+  bool shut_down_ = false;  // guarded by shutdown_mu_
 };
 
 }  // namespace normgrad::server

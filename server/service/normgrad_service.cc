@@ -3,6 +3,7 @@
 #include <cstring>
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -77,7 +78,7 @@ class BackwardStream final
     env_->streams->Add(this);
     Actions actions;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       last_progress_ = start_;
       if (env_->draining.load()) {
         FinishLocked(absl::UnavailableError(
@@ -100,7 +101,7 @@ class BackwardStream final
   void OnReadDone(bool ok) override {
     Actions actions;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       read_in_flight_ = false;
       last_progress_ = absl::Now();
       if (finish_called_) {
@@ -128,7 +129,7 @@ class BackwardStream final
   void OnWriteDone(bool ok) override {
     Actions actions;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       write_in_flight_ = false;
       last_progress_ = absl::Now();
       std::unique_ptr<Outgoing> done = std::move(writing_);
@@ -162,7 +163,7 @@ class BackwardStream final
     cancelled_.store(true);
     Actions actions;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       if (!finish_called_) {
         FinishLocked(idle_cancel_status_.ok() ? CancelStatus() : idle_cancel_status_, actions);
       }
@@ -175,7 +176,7 @@ class BackwardStream final
     int code;
     uint64_t bytes_in, bytes_out, rows;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       code = final_code_;
       bytes_in = bytes_in_;
       bytes_out = bytes_out_;
@@ -194,7 +195,7 @@ class BackwardStream final
   void CheckIdle(absl::Time now, absl::Duration timeout) {
     Actions actions;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       if (finish_called_ || compute_busy_ || now - last_progress_ < timeout) return;
       if (write_in_flight_) {
         // The client does not read: trailers could not reach it either (a Finish would wait
@@ -286,7 +287,7 @@ class BackwardStream final
     std::optional<grpc::Status> finish = std::move(a.finish);
     const int issued = int{a.start_read} + int{a.start_write};
     if (issued > 0) {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       issuing_ -= issued;
       if (issuing_ == 0 && deferred_finish_.has_value()) {
         finish = std::move(deferred_finish_);
@@ -297,7 +298,7 @@ class BackwardStream final
     if (a.try_cancel) context_->TryCancel();
   }
 
-  void FinishLocked(const absl::Status& status, Actions& a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void FinishLocked(const absl::Status& status, Actions& a) {
     if (finish_called_) return;
     finish_called_ = true;
     final_code_ = static_cast<int>(status.code());
@@ -316,7 +317,7 @@ class BackwardStream final
     }
   }
 
-  void OnMessageLocked(Actions& a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void OnMessageLocked(Actions& a) {
     const v1::BackwardRequest& message = *request_;
     const uint64_t message_bytes = message.x().size() + message.dy().size() +
                                    message.rms().size() + message.header().gamma().size();
@@ -349,7 +350,7 @@ class BackwardStream final
   // Reserves the bytes of the chunk in waiting_for_bytes_ and queues it. When the budget is
   // short but this stream holds chunks of its own, it waits (without reading further) for
   // their writes to release bytes; with nothing of its own to wait for it fails at once.
-  void AdmitWaitingChunkLocked(Actions& a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void AdmitWaitingChunkLocked(Actions& a) {
     if (!waiting_for_bytes_.has_value() || finish_called_) return;
     if (absl::Status s = env_->admission->ReserveBytes(waiting_for_bytes_->reserved); !s.ok()) {
       if (chunks_held_ == 0) {
@@ -366,7 +367,7 @@ class BackwardStream final
     MaybeStartReadLocked(a);
   }
 
-  void MaybeStartReadLocked(Actions& a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void MaybeStartReadLocked(Actions& a) {
     if (finish_called_ || reads_done_ || read_in_flight_ || waiting_for_bytes_.has_value()) return;
     if (chunks_held_ >= kMaxChunksHeldPerStream) return;  // flow control: resume on a write
     read_in_flight_ = true;
@@ -374,19 +375,19 @@ class BackwardStream final
     a.start_read = true;
   }
 
-  void ScheduleComputeLocked(Actions& a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void ScheduleComputeLocked(Actions& a) {
     if (compute_busy_ || jobs_.empty() || finish_called_) return;
     compute_busy_ = true;
     a.schedule = true;
   }
 
   void PushWriteLocked(std::unique_ptr<Outgoing> out, Actions& a)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      {
     writes_.push_back(std::move(out));
     StartNextWriteLocked(a);
   }
 
-  void StartNextWriteLocked(Actions& a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void StartNextWriteLocked(Actions& a) {
     if (finish_called_ || write_in_flight_ || writes_.empty()) return;
     writing_ = std::move(writes_.front());
     writes_.pop_front();
@@ -400,7 +401,7 @@ class BackwardStream final
     Job job;
     bool have_job = false;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       if (finish_called_ || jobs_.empty()) {
         compute_busy_ = false;
       } else {
@@ -416,7 +417,7 @@ class BackwardStream final
       job.request.reset();  // free x and dy before waiting for the write
       Actions actions;
       {
-        absl::MutexLock lock(&mu_);
+        std::lock_guard<std::mutex> lock(mu_);
         last_progress_ = absl::Now();
         if (!out.ok()) {
           FinishLocked(out.status(), actions);
@@ -468,7 +469,7 @@ class BackwardStream final
         if (!s.ok()) return s;
         out->payload_bytes = dx->size();
         env_->metrics->IncrementCounter("normgrad_chunks_total", {});
-        absl::MutexLock lock(&mu_);
+        std::lock_guard<std::mutex> lock(mu_);
         rows_sent_ += job.chunk.num_rows;
         return out;
       }
@@ -502,52 +503,53 @@ class BackwardStream final
   bool admitted_ = false;  // set in the constructor only
   std::unique_ptr<BackwardSession> session_;  // only the running job touches it
 
-  absl::Mutex mu_;
-  BackwardValidator validator_ ABSL_GUARDED_BY(mu_);
+  std::mutex mu_;
+  BackwardValidator validator_;  // guarded by mu_
   std::unique_ptr<v1::BackwardRequest> request_;  // the read buffer; owned by the read in flight
-  std::deque<Job> jobs_ ABSL_GUARDED_BY(mu_);
-  std::optional<Job> waiting_for_bytes_ ABSL_GUARDED_BY(mu_);  // read, not yet admitted
-  std::deque<std::unique_ptr<Outgoing>> writes_ ABSL_GUARDED_BY(mu_);
+  std::deque<Job> jobs_;  // guarded by mu_
+  std::optional<Job> waiting_for_bytes_;  // read, not yet admitted (guarded by mu_)
+  std::deque<std::unique_ptr<Outgoing>> writes_;  // guarded by mu_
   std::unique_ptr<Outgoing> writing_;  // owned by the write in flight
-  bool read_in_flight_ ABSL_GUARDED_BY(mu_) = false;
-  bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
-  bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
-  bool compute_busy_ ABSL_GUARDED_BY(mu_) = false;
-  bool finish_called_ ABSL_GUARDED_BY(mu_) = false;
-  int issuing_ ABSL_GUARDED_BY(mu_) = 0;  // StartRead/StartWrite decided, not yet issued
-  std::optional<grpc::Status> deferred_finish_ ABSL_GUARDED_BY(mu_);
-  absl::Status idle_cancel_status_ ABSL_GUARDED_BY(mu_);  // set when the watchdog cancels
-  int final_code_ ABSL_GUARDED_BY(mu_) = 2;  // UNKNOWN until decided
-  int chunks_held_ ABSL_GUARDED_BY(mu_) = 0;
+  bool read_in_flight_ = false;  // guarded by mu_
+  bool reads_done_ = false;  // guarded by mu_
+  bool write_in_flight_ = false;  // guarded by mu_
+  bool compute_busy_ = false;  // guarded by mu_
+  bool finish_called_ = false;  // guarded by mu_
+  int issuing_ = 0;  // StartRead/StartWrite decided, not yet issued (guarded by mu_)
+  std::optional<grpc::Status> deferred_finish_;  // guarded by mu_
+  absl::Status idle_cancel_status_;  // set when the watchdog cancels (guarded by mu_)
+  int final_code_ = 2;  // UNKNOWN until decided (guarded by mu_)
+  int chunks_held_ = 0;  // guarded by mu_
   uint64_t reserved_bytes_ = 0;  // guarded by mu_ except in the destructor
-  uint64_t bytes_in_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t bytes_out_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t rows_sent_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Time last_progress_ ABSL_GUARDED_BY(mu_);
-  absl::Time header_time_ ABSL_GUARDED_BY(mu_) = absl::Now();
+  uint64_t bytes_in_ = 0;  // guarded by mu_
+  uint64_t bytes_out_ = 0;  // guarded by mu_
+  uint64_t rows_sent_ = 0;  // guarded by mu_
+  absl::Time last_progress_;  // guarded by mu_
+  absl::Time header_time_ = absl::Now();  // guarded by mu_
 
   friend class StreamRegistry;
 };
 
 void StreamRegistry::Add(BackwardStream* stream) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   streams_.insert(stream);
 }
 
 void StreamRegistry::Remove(BackwardStream* stream) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   streams_.erase(stream);
+  if (streams_.empty()) emptied_.notify_all();
 }
 
 size_t StreamRegistry::size() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return streams_.size();
 }
 
 void StreamRegistry::CheckIdle(absl::Time now, absl::Duration timeout) {
   std::vector<BackwardStream*> held;
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     for (BackwardStream* s : streams_) {
       if (s->TryRef()) held.push_back(s);
     }
@@ -559,9 +561,13 @@ void StreamRegistry::CheckIdle(absl::Time now, absl::Duration timeout) {
 }
 
 bool StreamRegistry::WaitUntilEmpty(absl::Time deadline) {
-  absl::MutexLock lock(&mu_);
-  auto empty = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return streams_.empty(); };
-  mu_.AwaitWithDeadline(absl::Condition(&empty), deadline);
+  std::unique_lock<std::mutex> lock(mu_);
+  auto empty = [this]() { return streams_.empty(); };
+  if (deadline == absl::InfiniteFuture()) {
+    emptied_.wait(lock, empty);
+  } else {
+    emptied_.wait_until(lock, absl::ToChronoTime(deadline), empty);
+  }
   return streams_.empty();
 }
 

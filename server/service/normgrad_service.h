@@ -12,12 +12,12 @@
 #define NORMGRAD_SERVER_SERVICE_NORMGRAD_SERVICE_H_
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <mutex>
 #include <string>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "normgrad/v1/normgrad.grpc.pb.h"
 #include "server/backend/backend.h"
@@ -45,8 +45,9 @@ class StreamRegistry {
   bool WaitUntilEmpty(absl::Time deadline);
 
  private:
-  mutable absl::Mutex mu_;
-  absl::flat_hash_set<BackwardStream*> streams_ ABSL_GUARDED_BY(mu_);
+  mutable std::mutex mu_;
+  std::condition_variable emptied_;
+  absl::flat_hash_set<BackwardStream*> streams_;  // guarded by mu_
 };
 
 struct ServiceConfig {

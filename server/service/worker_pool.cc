@@ -12,25 +12,27 @@ WorkerPool::WorkerPool(int threads) {
 
 WorkerPool::~WorkerPool() {
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
   }
+  work_or_stopping_.notify_all();
   for (std::thread& t : threads_) t.join();
 }
 
 void WorkerPool::Schedule(std::function<void()> task) {
-  absl::MutexLock lock(&mu_);
-  tasks_.push_back(std::move(task));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(task));
+  }
+  work_or_stopping_.notify_one();
 }
-
-bool WorkerPool::HasWorkOrStopping() const { return stopping_ || !tasks_.empty(); }
 
 void WorkerPool::Run() {
   while (true) {
     std::function<void()> task;
     {
-      absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(this, &WorkerPool::HasWorkOrStopping));
+      std::unique_lock<std::mutex> lock(mu_);
+      work_or_stopping_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
       if (tasks_.empty()) return;  // stopping and drained
       task = std::move(tasks_.front());
       tasks_.pop_front();

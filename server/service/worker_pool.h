@@ -9,13 +9,12 @@
 #ifndef NORMGRAD_SERVER_SERVICE_WORKER_POOL_H_
 #define NORMGRAD_SERVER_SERVICE_WORKER_POOL_H_
 
+#include <condition_variable>
 #include <deque>
 #include <functional>
+#include <mutex>
 #include <thread>
 #include <vector>
-
-#include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 
 namespace normgrad::server {
 
@@ -31,11 +30,13 @@ class WorkerPool {
 
  private:
   void Run();
-  bool HasWorkOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  absl::Mutex mu_;
-  std::deque<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // std::mutex, not absl::Mutex, throughout our code: ThreadSanitizer sees pthread locks, while
+  // Debian's abseil is built without it (docs/testing.md).
+  std::mutex mu_;
+  std::condition_variable work_or_stopping_;
+  std::deque<std::function<void()>> tasks_;  // guarded by mu_
+  bool stopping_ = false;                     // guarded by mu_
   std::vector<std::thread> threads_;
 };
 

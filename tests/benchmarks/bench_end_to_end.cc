@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -23,7 +24,6 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "normgrad/v1/normgrad.grpc.pb.h"
 #include "server/service/normgrad_server.h"
@@ -51,7 +51,7 @@ class EchoReactor final : public grpc::ServerBidiReactor<BackwardRequest, Backwa
     bool read = false;
     BackwardResponse* write = nullptr;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       if (!ok) {
         reads_done_ = true;
         auto final = std::make_unique<BackwardResponse>();
@@ -85,7 +85,7 @@ class EchoReactor final : public grpc::ServerBidiReactor<BackwardRequest, Backwa
     bool read = false, finish = false;
     BackwardResponse* write = nullptr;
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       const bool was_final = reads_done_ && queue_.size() == 1;
       queue_.pop_front();
       writing_ = false;
@@ -113,7 +113,7 @@ class EchoReactor final : public grpc::ServerBidiReactor<BackwardRequest, Backwa
   void OnDone() override { delete this; }
 
  private:
-  absl::Mutex mu_;
+  std::mutex mu_;
   BackwardRequest request_;
   std::deque<std::unique_ptr<BackwardResponse>> queue_;
   bool writing_ = false, reads_done_ = false, read_paused_ = false;

@@ -5,7 +5,6 @@
 #include <memory>
 #include <vector>
 
-#include "absl/synchronization/blocking_counter.h"
 #include "gtest/gtest.h"
 #include "normgrad/client.h"
 #include "tests/client/test_server.h"
@@ -183,15 +182,17 @@ TEST_F(ClientServerTest, CallbackFormRunsEachCallbackOnce) {
   std::unique_ptr<Client> client = Connect();
   const Batch b(6, 32, /*seed=*/11);
   constexpr int kCalls = 8;
-  absl::BlockingCounter pending(kCalls);
+  std::atomic<int> pending{kCalls};
+  std::promise<void> all_done;
+  std::future<void> finished = all_done.get_future();
   std::atomic<int> ok{0};
   for (int i = 0; i < kCalls; ++i) {
     client->BackwardAsync(b.x, b.dy, b.gamma, 1e-5f, {}, [&](absl::StatusOr<Gradients> g) {
       if (g.ok() && g->dx.size() == b.x.size()) ok.fetch_add(1);
-      pending.DecrementCount();
+      if (pending.fetch_sub(1) == 1) all_done.set_value();
     });
   }
-  pending.Wait();
+  finished.wait();
   EXPECT_EQ(ok.load(), kCalls);
 }
 

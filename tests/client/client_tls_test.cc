@@ -5,10 +5,10 @@
 #include <grpcpp/security/server_credentials.h>
 
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "gtest/gtest.h"
 #include "normgrad/client.h"
 #include "normgrad/v1/normgrad.grpc.pb.h"
@@ -24,7 +24,7 @@ class InfoService final : public v1::NormGrad::CallbackService {
                                           const v1::GetServerInfoRequest*,
                                           v1::GetServerInfoResponse* response) override {
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       const auto& metadata = context->client_metadata();
       auto it = metadata.find("authorization");
       authorization_ =
@@ -36,12 +36,12 @@ class InfoService final : public v1::NormGrad::CallbackService {
     return reactor;
   }
   std::string authorization() {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     return authorization_;
   }
 
  private:
-  absl::Mutex mu_;
+  std::mutex mu_;
   std::string authorization_;
 };
 

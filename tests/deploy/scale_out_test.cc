@@ -14,9 +14,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -27,7 +29,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
@@ -220,7 +221,8 @@ class ScaleOutTest : public ::testing::Test {
     for (int id = 0; id < count; ++id) requests.push_back(MakeRequest(id));
     std::vector<Outcome> outcomes(count);
     std::atomic<int> next{0};
-    absl::Mutex mu;
+    std::mutex mu;
+    std::condition_variable finished;
     int done = 0;
     std::vector<std::thread> workers;
     for (int t = 0; t < threads; ++t) {
@@ -230,7 +232,7 @@ class ScaleOutTest : public ::testing::Test {
           if (id >= count) return;
           const Request& r = requests[id];
           absl::StatusOr<Gradients> g = client.Backward(r.x, r.dy, r.gamma, 1e-5f);
-          absl::MutexLock lock(&mu);
+          std::lock_guard<std::mutex> lock(mu);
           Outcome& o = outcomes[id];
           ++o.answers;
           o.status = g.status();
@@ -240,13 +242,13 @@ class ScaleOutTest : public ::testing::Test {
             o.dgamma_error = RelativeError(g->dgamma, r.dgamma);
           }
           ++done;
+          finished.notify_all();
         }
       });
     }
     if (trigger) {
-      absl::MutexLock lock(&mu);
-      auto reached = [&] { return done >= trigger_at; };
-      mu.AwaitWithTimeout(absl::Condition(&reached), absl::Seconds(120));
+      std::unique_lock<std::mutex> lock(mu);
+      finished.wait_for(lock, std::chrono::seconds(120), [&] { return done >= trigger_at; });
     }
     if (trigger) trigger();
     for (std::thread& w : workers) w.join();

@@ -27,13 +27,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "tests/ptxsim/interpreter.h"
 #include "tests/ptxsim/memory_map.h"
 #include "tests/ptxsim/parser.h"
@@ -98,17 +98,17 @@ class EmulatedDriver {
             EnvU64("NORMGRAD_EMULATED_MAX_WARP_INSTRUCTIONS", uint64_t{1} << 36)),
         verbose_(EnvU64("NORMGRAD_EMULATED_CUDA_VERBOSE", 0) != 0) {}
 
-  absl::Mutex mu;
-  bool initialized ABSL_GUARDED_BY(mu) = false;
-  int primary_refs ABSL_GUARDED_BY(mu) = 0;
+  std::mutex mu;
+  bool initialized = false;  // guarded by mu
+  int primary_refs = 0;  // guarded by mu
   EmuContext primary;
   EmuPool pool;
   MemoryMap memory;  // device allocations (thread-safe on its own)
-  std::unordered_set<void*> host_allocations ABSL_GUARDED_BY(mu);
-  std::unordered_set<EmuModule*> modules ABSL_GUARDED_BY(mu);
-  std::unordered_set<EmuFunction*> functions ABSL_GUARDED_BY(mu);
-  std::unordered_set<EmuStream*> streams ABSL_GUARDED_BY(mu);
-  std::unordered_set<EmuEvent*> events ABSL_GUARDED_BY(mu);
+  std::unordered_set<void*> host_allocations;  // guarded by mu
+  std::unordered_set<EmuModule*> modules;  // guarded by mu
+  std::unordered_set<EmuFunction*> functions;  // guarded by mu
+  std::unordered_set<EmuStream*> streams;  // guarded by mu
+  std::unordered_set<EmuEvent*> events;  // guarded by mu
 
   const int sm_;
   const uint64_t total_bytes_;
@@ -116,7 +116,7 @@ class EmulatedDriver {
   const bool verbose_;
 
   bool Initialized() {
-    absl::MutexLock lock(&mu);
+    std::lock_guard<std::mutex> lock(mu);
     return initialized;
   }
 };
@@ -140,7 +140,7 @@ bool ValidStream(CUstream stream) {
   if (stream == nullptr || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD)
     return true;
   EmulatedDriver& d = Driver();
-  absl::MutexLock lock(&d.mu);
+  std::lock_guard<std::mutex> lock(d.mu);
   return d.streams.count(reinterpret_cast<EmuStream*>(stream)) != 0;
 }
 
@@ -270,7 +270,7 @@ NG_EXPORT CUresult CUDAAPI cuGetErrorString(CUresult error, const char** pStr) {
 NG_EXPORT CUresult CUDAAPI cuInit(unsigned int Flags) {
   if (Flags != 0) return CUDA_ERROR_INVALID_VALUE;
   EmulatedDriver& d = Driver();
-  absl::MutexLock lock(&d.mu);
+  std::lock_guard<std::mutex> lock(d.mu);
   d.initialized = true;
   return CUDA_SUCCESS;
 }
@@ -420,7 +420,7 @@ NG_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* pctx, CUdevice de
   if (dev != 0) return CUDA_ERROR_INVALID_DEVICE;
   if (pctx == nullptr) return CUDA_ERROR_INVALID_VALUE;
   EmulatedDriver& d = Driver();
-  absl::MutexLock lock(&d.mu);
+  std::lock_guard<std::mutex> lock(d.mu);
   ++d.primary_refs;
   *pctx = reinterpret_cast<CUcontext>(&d.primary);
   return CUDA_SUCCESS;
@@ -430,7 +430,7 @@ NG_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice dev) {
   if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
   if (dev != 0) return CUDA_ERROR_INVALID_DEVICE;
   EmulatedDriver& d = Driver();
-  absl::MutexLock lock(&d.mu);
+  std::lock_guard<std::mutex> lock(d.mu);
   if (d.primary_refs == 0) return CUDA_ERROR_INVALID_CONTEXT;
   --d.primary_refs;
   return CUDA_SUCCESS;
@@ -520,7 +520,7 @@ NG_EXPORT CUresult CUDAAPI cuModuleLoadDataEx(CUmodule* module, const void* imag
   auto owned = std::make_unique<EmuModule>();
   owned->module = *std::move(parsed);
   EmuModule* m = owned.release();
-  absl::MutexLock lock(&d.mu);
+  std::lock_guard<std::mutex> lock(d.mu);
   d.modules.insert(m);
   *module = reinterpret_cast<CUmodule>(m);
   return CUDA_SUCCESS;
@@ -530,7 +530,7 @@ NG_EXPORT CUresult CUDAAPI cuModuleUnload(CUmodule hmod) {
   if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
   EmulatedDriver& d = Driver();
   EmuModule* m = reinterpret_cast<EmuModule*>(hmod);
-  absl::MutexLock lock(&d.mu);
+  std::lock_guard<std::mutex> lock(d.mu);
   if (d.modules.erase(m) == 0) return CUDA_ERROR_INVALID_HANDLE;
   for (auto& [name, f] : m->functions) d.functions.erase(f.get());
   delete m;
@@ -542,7 +542,7 @@ NG_EXPORT CUresult CUDAAPI cuModuleGetFunction(CUfunction* hfunc, CUmodule hmod,
   if (hfunc == nullptr || name == nullptr) return CUDA_ERROR_INVALID_VALUE;
   EmulatedDriver& d = Driver();
   EmuModule* m = reinterpret_cast<EmuModule*>(hmod);
-  absl::MutexLock lock(&d.mu);
+  std::lock_guard<std::mutex> lock(d.mu);
   if (d.modules.count(m) == 0) return CUDA_ERROR_INVALID_HANDLE;
   auto it = m->functions.find(name);
   if (it == m->functions.end()) {
@@ -568,7 +568,7 @@ NG_EXPORT CUresult CUDAAPI cuLaunchKernel(CUfunction f, unsigned int gridDimX,
   EmulatedDriver& d = Driver();
   const normgrad::ptxsim::Entry* entry = nullptr;
   {
-    absl::MutexLock lock(&d.mu);
+    std::lock_guard<std::mutex> lock(d.mu);
     EmuFunction* fn = reinterpret_cast<EmuFunction*>(f);
     if (d.functions.count(fn) == 0) return CUDA_ERROR_INVALID_HANDLE;
     entry = fn->entry;
@@ -644,7 +644,7 @@ NG_EXPORT CUresult CUDAAPI cuMemHostAlloc(void** pp, size_t bytesize, unsigned i
   void* p = std::aligned_alloc(4096, (bytesize + 4095) / 4096 * 4096);
   if (p == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
   EmulatedDriver& d = Driver();
-  absl::MutexLock lock(&d.mu);
+  std::lock_guard<std::mutex> lock(d.mu);
   d.host_allocations.insert(p);
   *pp = p;
   return CUDA_SUCCESS;
@@ -654,7 +654,7 @@ NG_EXPORT CUresult CUDAAPI cuMemFreeHost(void* p) {
   if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
   EmulatedDriver& d = Driver();
   {
-    absl::MutexLock lock(&d.mu);
+    std::lock_guard<std::mutex> lock(d.mu);
     if (d.host_allocations.erase(p) == 0) return CUDA_ERROR_INVALID_VALUE;
   }
   std::free(p);
@@ -714,7 +714,7 @@ NG_EXPORT CUresult CUDAAPI cuStreamCreate(CUstream* phStream, unsigned int Flags
     return CUDA_ERROR_INVALID_VALUE;
   EmuStream* s = new EmuStream{Flags};
   EmulatedDriver& d = Driver();
-  absl::MutexLock lock(&d.mu);
+  std::lock_guard<std::mutex> lock(d.mu);
   d.streams.insert(s);
   *phStream = reinterpret_cast<CUstream>(s);
   return CUDA_SUCCESS;
@@ -724,7 +724,7 @@ NG_EXPORT CUresult CUDAAPI cuStreamDestroy(CUstream hStream) {
   if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
   EmulatedDriver& d = Driver();
   EmuStream* s = reinterpret_cast<EmuStream*>(hStream);
-  absl::MutexLock lock(&d.mu);
+  std::lock_guard<std::mutex> lock(d.mu);
   if (d.streams.erase(s) == 0) return CUDA_ERROR_INVALID_HANDLE;
   delete s;
   return CUDA_SUCCESS;
@@ -741,7 +741,7 @@ NG_EXPORT CUresult CUDAAPI cuEventCreate(CUevent* phEvent, unsigned int Flags) {
   EmuEvent* e = new EmuEvent();
   e->flags = Flags;
   EmulatedDriver& d = Driver();
-  absl::MutexLock lock(&d.mu);
+  std::lock_guard<std::mutex> lock(d.mu);
   d.events.insert(e);
   *phEvent = reinterpret_cast<CUevent>(e);
   return CUDA_SUCCESS;
@@ -751,7 +751,7 @@ NG_EXPORT CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream) {
   if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
   if (!normgrad::ptxsim::ValidStream(hStream)) return CUDA_ERROR_INVALID_HANDLE;
   EmulatedDriver& d = Driver();
-  absl::MutexLock lock(&d.mu);
+  std::lock_guard<std::mutex> lock(d.mu);
   EmuEvent* e = reinterpret_cast<EmuEvent*>(hEvent);
   if (d.events.count(e) == 0) return CUDA_ERROR_INVALID_HANDLE;
   e->recorded = true;
@@ -762,7 +762,7 @@ NG_EXPORT CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream) {
 NG_EXPORT CUresult CUDAAPI cuEventSynchronize(CUevent hEvent) {
   if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
   EmulatedDriver& d = Driver();
-  absl::MutexLock lock(&d.mu);
+  std::lock_guard<std::mutex> lock(d.mu);
   return d.events.count(reinterpret_cast<EmuEvent*>(hEvent)) ? CUDA_SUCCESS
                                                              : CUDA_ERROR_INVALID_HANDLE;
 }
@@ -772,7 +772,7 @@ NG_EXPORT CUresult CUDAAPI cuEventElapsedTime_v2(float* pMilliseconds, CUevent h
   if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
   if (pMilliseconds == nullptr) return CUDA_ERROR_INVALID_VALUE;
   EmulatedDriver& d = Driver();
-  absl::MutexLock lock(&d.mu);
+  std::lock_guard<std::mutex> lock(d.mu);
   EmuEvent* a = reinterpret_cast<EmuEvent*>(hStart);
   EmuEvent* b = reinterpret_cast<EmuEvent*>(hEnd);
   if (d.events.count(a) == 0 || d.events.count(b) == 0) return CUDA_ERROR_INVALID_HANDLE;
@@ -790,7 +790,7 @@ NG_EXPORT CUresult CUDAAPI cuEventDestroy(CUevent hEvent) {
   if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
   EmulatedDriver& d = Driver();
   EmuEvent* e = reinterpret_cast<EmuEvent*>(hEvent);
-  absl::MutexLock lock(&d.mu);
+  std::lock_guard<std::mutex> lock(d.mu);
   if (d.events.erase(e) == 0) return CUDA_ERROR_INVALID_HANDLE;
   delete e;
   return CUDA_SUCCESS;

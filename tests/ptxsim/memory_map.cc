@@ -1,16 +1,17 @@
+#include <mutex>
 #include "tests/ptxsim/memory_map.h"
 
 namespace normgrad::ptxsim {
 
 void MemoryMap::Add(uint64_t base, uint64_t size) {
   if (size == 0) return;
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   ranges_[base] = size;
   bytes_ += size;
 }
 
 bool MemoryMap::Remove(uint64_t base) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = ranges_.find(base);
   if (it == ranges_.end()) return false;
   bytes_ -= it->second;
@@ -19,7 +20,7 @@ bool MemoryMap::Remove(uint64_t base) {
 }
 
 MemoryRange MemoryMap::Find(uint64_t address) const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = ranges_.upper_bound(address);
   if (it == ranges_.begin()) return {};
   --it;
@@ -33,7 +34,7 @@ bool MemoryMap::Contains(uint64_t address, uint64_t size) const {
 }
 
 std::vector<MemoryRange> MemoryMap::Snapshot() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   std::vector<MemoryRange> out;
   out.reserve(ranges_.size());
   for (const auto& [base, size] : ranges_) out.push_back({base, size});
@@ -41,7 +42,7 @@ std::vector<MemoryRange> MemoryMap::Snapshot() const {
 }
 
 uint64_t MemoryMap::BytesInUse() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return bytes_;
 }
 

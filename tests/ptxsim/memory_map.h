@@ -12,9 +12,9 @@
 
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
 
 namespace normgrad::ptxsim {
 
@@ -38,9 +38,9 @@ class MemoryMap {
   uint64_t BytesInUse() const;
 
  private:
-  mutable absl::Mutex mu_;
-  std::map<uint64_t, uint64_t> ranges_ ABSL_GUARDED_BY(mu_);  // base -> size
-  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  mutable std::mutex mu_;
+  std::map<uint64_t, uint64_t> ranges_;  // base -> size (guarded by mu_)
+  uint64_t bytes_ = 0;  // guarded by mu_
 };
 
 }  // namespace normgrad::ptxsim

@@ -3,15 +3,16 @@
 // is printed), every accepted stream returns the reference result, and the server's peak resident
 // memory (VmHWM from /proc/PID/status) stays under its warmed-up peak + --max-inflight-bytes +
 // kOverheadBytes (gRPC's per-stream transport buffers and thread stacks; docs/testing.md).
+#include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
-#include <poll.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <fstream>
+#include <future>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,7 +20,6 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/server/service/service_test_util.h"
@@ -133,11 +133,12 @@ TEST(OverloadTest, StreamsBeyondAdmissionLimitsAreRefusedAcceptedOnesExactMemory
   for (int c = 0; c < 8; ++c) stubs.push_back(testing::StubFor(port));
   std::vector<testing::BackwardResult> results(kStreams);
   std::vector<double> seconds(kStreams);
-  absl::Notification go;
+  std::promise<void> start;
+  std::shared_future<void> go = start.get_future().share();
   std::vector<std::thread> threads;
   for (int i = 0; i < kStreams; ++i) {
     threads.emplace_back([&, i] {
-      go.WaitForNotification();
+      go.wait();
       const absl::Time start = absl::Now();
       results[i] = testing::RunBackward(*stubs[i % stubs.size()], batch, 16, absl::Seconds(120));
       seconds[i] = absl::ToDoubleSeconds(absl::Now() - start);
@@ -151,7 +152,7 @@ TEST(OverloadTest, StreamsBeyondAdmissionLimitsAreRefusedAcceptedOnesExactMemory
       absl::SleepFor(absl::Milliseconds(10));
     }
   });
-  go.Notify();
+  start.set_value();
   for (std::thread& t : threads) t.join();
   done.store(true);
   sampler.join();

@@ -16,7 +16,6 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/barrier.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -676,19 +675,21 @@ TEST(ServiceEmitPtxTest, ConcurrentIdenticalRequestsCompileOnce) {
   auto stub = testing::StubFor(server->port());
   const bool cubin = Info(*stub).nvjitlink_available();  // slower compiles overlap surely
   constexpr int kRequests = 8;
-  absl::Barrier barrier(kRequests);
+  std::promise<void> start;  // all threads send at once
+  std::shared_future<void> go = start.get_future().share();
   std::vector<std::string> digests(kRequests);
   std::vector<std::thread> threads;
   for (int i = 0; i < kRequests; ++i) {
     threads.emplace_back([&, i] {
       auto own = testing::StubFor(server->port());
       v1::EmitPtxResponse r;
-      barrier.Block();
+      go.wait();
       grpc::Status s = Emit(*own, PtxRequest(4096, "sm_80", cubin), &r);
       EXPECT_TRUE(s.ok()) << s.error_message();
       digests[i] = r.digest().sha256();
     });
   }
+  start.set_value();
   for (std::thread& t : threads) t.join();
   for (const std::string& d : digests) EXPECT_EQ(d, digests[0]);
   const v1::CacheStats stats = Info(*stub).ptx_cache();
