@@ -77,6 +77,8 @@ class ErasedCache {
 
  private:
   struct Flight;  // one compile in progress and the requests waiting for it
+  static absl::StatusOr<std::shared_ptr<const void>> OwnCopy(
+      const absl::StatusOr<std::shared_ptr<const void>>& result);
   struct Entry {
     std::string key;
     std::shared_ptr<const void> value;
