@@ -18,6 +18,7 @@
 #include "server/service/metrics.h"
 #include "server/service/metrics_http_server.h"
 #include "server/service/normgrad_service.h"
+#include "server/service/process_memory.h"
 #include "server/service/ptx_service.h"
 #include "server/service/worker_pool.h"
 
@@ -91,6 +92,11 @@ void DescribeServerMetrics(MetricsRegistry& m) {
                   "Bytes held for chunks being computed or written (admission control).");
   m.DescribeGauge("normgrad_backend_info", "Always 1; the labels describe backend and device.");
   m.DescribeGauge("normgrad_device_memory_bytes", "Total memory of the device.");
+  m.DescribeGauge("normgrad_process_resident_bytes", "Resident memory of the server process.");
+  m.DescribeGauge("normgrad_process_heap_in_use_bytes",
+                  "Bytes malloc has handed out and not had back (0 where unknown).");
+  m.DescribeGauge("normgrad_process_heap_free_bytes",
+                  "Bytes malloc holds for reuse without handing them out (0 where unknown).");
   m.DescribeCounter("normgrad_cache_hits_total", "Cache lookups that found the entry.");
   m.DescribeCounter("normgrad_cache_misses_total", "Cache lookups that had to compile.");
   m.DescribeCounter("normgrad_cache_evictions_total", "Entries evicted by the LRU bounds.");
@@ -268,6 +274,12 @@ absl::StatusOr<std::unique_ptr<NormGradServer>> NormGradServer::Start(
       CollectCache(m, "module", b->CacheStats());
       CollectCache(m, "ptx", ptx->CacheStats());
       m.SetGauge("normgrad_inflight_bytes", {}, static_cast<double>(admission->inflight_bytes()));
+      const ProcessMemory memory = ReadProcessMemory();
+      m.SetGauge("normgrad_process_resident_bytes", {}, static_cast<double>(memory.resident_bytes));
+      m.SetGauge("normgrad_process_heap_in_use_bytes", {},
+                 static_cast<double>(memory.heap_in_use_bytes));
+      m.SetGauge("normgrad_process_heap_free_bytes", {},
+                 static_cast<double>(memory.heap_free_bytes));
     });
     s.metrics_->SetGauge("normgrad_inflight_streams", {}, 0);
   }

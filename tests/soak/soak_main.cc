@@ -2,12 +2,16 @@
 // scripts/soak.sh). Workers pick at random: large and small RmsNormBackward batches (every
 // result checked against the CPU reference), EmitPtx, streams cancelled after a random number of
 // messages, and malformed streams. Every --report-every it prints the server's resident memory
-// (VmRSS of --server-pid); at the end the requests by kind and outcome, the wrong gradients and
-// the memory growth after warm-up. Exit status 1 when any gradient was wrong or any outcome was
-// one the kind does not allow.
+// (VmRSS of --server-pid) under load; with --metrics-port it also pauses the workers, waits for
+// the server to go idle and reads its heap in use (normgrad_process_heap_in_use_bytes), which a
+// leak grows and allocator caching does not. At the end: the requests by kind and outcome, the
+// wrong gradients and the memory growth after warm-up. Exit status 1 when any gradient was
+// wrong, any outcome was one the kind does not allow, or the idle heap grew by more than
+// --max-heap-growth after warm-up.
 //
-//   normgrad-soak --port=50051 --server-pid=1234 --duration=10m --workers=4
+//   normgrad-soak --port=50051 --metrics-port=9464 --server-pid=1234 --duration=10m --workers=4
 #include <atomic>
+#include <condition_variable>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -21,6 +25,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -38,7 +43,66 @@ struct Options {
   absl::Duration duration = absl::Minutes(10);
   absl::Duration report_every = absl::Seconds(30);
   int workers = 4;
+  int metrics_port = 0;                     // 0: no idle heap samples
+  uint64_t max_heap_growth = 16ull << 20;  // idle heap in use, end vs first sample after warm-up
 };
+
+// Lets the main thread stop the workers between requests for an idle measurement.
+class Gate {
+ public:
+  void Enter() {
+    std::unique_lock<std::mutex> lock(mu_);
+    changed_.wait(lock, [this] { return !paused_; });
+    ++active_;
+  }
+  void Leave() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --active_;
+    }
+    changed_.notify_all();
+  }
+  void Pause() {
+    std::unique_lock<std::mutex> lock(mu_);
+    paused_ = true;
+    changed_.wait(lock, [this] { return active_ == 0; });
+  }
+  void Resume() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      paused_ = false;
+    }
+    changed_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable changed_;
+  bool paused_ = false;
+  int active_ = 0;
+};
+
+// The server's idle heap in use: workers paused, no stream left on the server. 0 if unknown.
+uint64_t IdleHeapInUse(int metrics_port, Gate& gate) {
+  gate.Pause();
+  uint64_t heap = 0;
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < give_up) {
+    int code = 0;
+    std::string error;
+    std::map<std::string, double> m =
+        t::ParsePrometheusText(t::HttpGet(metrics_port, "/metrics", &code), &error);
+    if (code == 200 && m["normgrad_inflight_streams"] == 0 && m["normgrad_inflight_bytes"] == 0) {
+      absl::SleepFor(absl::Milliseconds(200));  // let finished calls' last frees land
+      m = t::ParsePrometheusText(t::HttpGet(metrics_port, "/metrics", &code), &error);
+      heap = static_cast<uint64_t>(m["normgrad_process_heap_in_use_bytes"]);
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  gate.Resume();
+  return heap;
+}
 
 uint64_t RssBytes(int pid) {
   std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
@@ -194,11 +258,16 @@ void BadRequest(v1::NormGrad::Stub& stub, std::mt19937& rng, Tally& tally) {
                  s.error_message().find("--max-streams") != std::string::npos));
 }
 
-void Worker(int id, const Options& options, absl::Time end, Tally& tally) {
+void Worker(int id, const Options& options, absl::Time end, Tally& tally, Gate& gate) {
   auto stub = t::StubFor(options.port);
   std::mt19937 rng(1000 + id);
   static const uint32_t kSmallHidden[] = {1, 8, 64, 100, 896, 1024};
   while (absl::Now() < end) {
+    gate.Enter();
+    struct Leave {
+      Gate& gate;
+      ~Leave() { gate.Leave(); }
+    } leave{gate};
     const uint32_t pick = rng() % 100;
     if (pick < 10) {
       CheckedBackward(*stub, "large_backward", 512, 4096, 64, false, rng(), tally);
@@ -227,6 +296,11 @@ bool ParseOptions(int argc, char** argv, Options* o) {
       ok = absl::ParseDuration(arg, &o->duration);
     } else if (absl::ConsumePrefix(&arg, "--report-every=")) {
       ok = absl::ParseDuration(arg, &o->report_every) && o->report_every > absl::ZeroDuration();
+    } else if (absl::ConsumePrefix(&arg, "--metrics-port=")) {
+      ok = absl::SimpleAtoi(arg, &o->metrics_port);
+    } else if (absl::ConsumePrefix(&arg, "--max-heap-growth-mib=")) {
+      ok = absl::SimpleAtoi(arg, &o->max_heap_growth);
+      o->max_heap_growth <<= 20;
     } else if (absl::ConsumePrefix(&arg, "--workers=")) {
       ok = absl::SimpleAtoi(arg, &o->workers) && o->workers > 0;
     } else {
@@ -239,8 +313,9 @@ bool ParseOptions(int argc, char** argv, Options* o) {
   }
   if (o->port <= 0 || o->server_pid <= 0) {
     std::fprintf(stderr,
-                 "usage: normgrad-soak --port=N --server-pid=PID [--duration=10m] "
-                 "[--report-every=30s] [--workers=4]\n");
+                 "usage: normgrad-soak --port=N --server-pid=PID [--metrics-port=N] "
+                 "[--duration=10m] [--report-every=30s] [--workers=4] "
+                 "[--max-heap-growth-mib=16]\n");
     return false;
   }
   return true;
@@ -250,32 +325,45 @@ int Main(int argc, char** argv) {
   Options options;
   if (!ParseOptions(argc, argv, &options)) return 2;
   Tally tally;
+  Gate gate;
   const absl::Time start = absl::Now();
   const absl::Time end = start + options.duration;
   std::vector<std::thread> workers;
   for (int i = 0; i < options.workers; ++i) {
-    workers.emplace_back([&, i] { Worker(i, options, end, tally); });
+    workers.emplace_back([&, i] { Worker(i, options, end, tally, gate); });
   }
   // Warm-up: the first 10% of the run (caches fill, allocator pools grow).
   const absl::Duration warm_up = options.duration / 10;
-  std::vector<std::pair<double, uint64_t>> samples;
   uint64_t rss_after_warm_up = 0, peak_after_warm_up = 0;
+  uint64_t heap_after_warm_up = 0, heap_peak_after_warm_up = 0;
   while (true) {
     const absl::Time now = absl::Now();
     const uint64_t rss = RssBytes(options.server_pid);
-    samples.push_back({absl::ToDoubleSeconds(now - start), rss});
-    if (now - start >= warm_up) {
+    const bool warm = now - start >= warm_up;
+    if (warm) {
       if (rss_after_warm_up == 0) rss_after_warm_up = rss;
       peak_after_warm_up = std::max(peak_after_warm_up, rss);
     }
-    std::printf("t=%6.0fs server_rss=%7.1f MiB requests=%llu\n", samples.back().first,
-                rss / 1048576.0, static_cast<unsigned long long>(tally.Total()));
+    std::string heap_text;
+    if (options.metrics_port > 0 && now < end) {
+      const uint64_t heap = IdleHeapInUse(options.metrics_port, gate);
+      heap_text = absl::StrFormat(" idle_heap_in_use=%7.1f MiB", heap / 1048576.0);
+      if (warm) {
+        if (heap_after_warm_up == 0) heap_after_warm_up = heap;
+        heap_peak_after_warm_up = std::max(heap_peak_after_warm_up, heap);
+      }
+    }
+    std::printf("t=%6.0fs server_rss=%7.1f MiB%s requests=%llu\n",
+                absl::ToDoubleSeconds(now - start), rss / 1048576.0, heap_text.c_str(),
+                static_cast<unsigned long long>(tally.Total()));
     std::fflush(stdout);
     if (now >= end) break;
     absl::SleepFor(std::min(options.report_every, end - now));
   }
   for (std::thread& w : workers) w.join();
   const uint64_t final_rss = RssBytes(options.server_pid);
+  const uint64_t final_heap =
+      options.metrics_port > 0 ? IdleHeapInUse(options.metrics_port, gate) : 0;
   uint64_t wrong = 0, unexpected = 0;
   std::printf("\nrequests by kind and outcome (%s, %d workers):\n",
               absl::FormatDuration(options.duration).c_str(), options.workers);
@@ -287,7 +375,20 @@ int Main(int argc, char** argv) {
       "end\n",
       rss_after_warm_up / 1048576.0, absl::FormatDuration(warm_up).c_str(),
       peak_after_warm_up / 1048576.0, final_rss / 1048576.0);
-  return wrong == 0 && unexpected == 0 ? 0 : 1;
+  bool heap_ok = true;
+  if (options.metrics_port > 0) {
+    const double growth = (static_cast<double>(final_heap) - heap_after_warm_up) / 1048576.0;
+    heap_ok = heap_after_warm_up > 0 && final_heap > 0 &&
+              final_heap <= heap_after_warm_up + options.max_heap_growth;
+    std::printf(
+        "server idle heap in use: %.1f MiB after warm-up, %.1f MiB peak, %.1f MiB at the end "
+        "(%+.1f MiB; limit +%llu MiB): %s\n",
+        heap_after_warm_up / 1048576.0, heap_peak_after_warm_up / 1048576.0,
+        final_heap / 1048576.0, growth,
+        static_cast<unsigned long long>(options.max_heap_growth >> 20),
+        heap_ok ? "flat" : "GREW (or unknown)");
+  }
+  return wrong == 0 && unexpected == 0 && heap_ok ? 0 : 1;
 }
 
 }  // namespace

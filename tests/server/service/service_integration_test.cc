@@ -737,6 +737,8 @@ TEST_F(ServiceTest, MetricsEndpointServesParseablePrometheusText) {
   EXPECT_GT(m["normgrad_sent_bytes_total{method=\"RmsNormBackward\"}"], 0);
   EXPECT_GE(m["normgrad_rows_total"], 10);
   EXPECT_EQ(m["normgrad_serving"], 1);
+  EXPECT_GT(m["normgrad_process_resident_bytes"], 0);
+  EXPECT_EQ(m.count("normgrad_process_heap_in_use_bytes"), 1u);
   EXPECT_EQ(m.count("normgrad_cache_compiles_total{cache=\"ptx\"}"), 1u);
   EXPECT_EQ(m.count("normgrad_cache_hits_total{cache=\"module\"}"), 1u);
   bool backend_info = false;

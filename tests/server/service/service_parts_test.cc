@@ -1,11 +1,13 @@
 // The service's gRPC-free parts: metrics rendering, admission accounting, sha256, nvJitLink
 // loading, host:port parsing and --preload entries.
 #include <string>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/service/admission.h"
 #include "server/service/metrics.h"
+#include "server/service/process_memory.h"
 #include "server/service/metrics_http_server.h"
 #include "server/service/normgrad_server.h"
 #include "server/service/nvjitlink.h"
@@ -62,6 +64,21 @@ TEST(AdmissionControllerTest, RefusesStreamsAndBytesBeyondTheLimitsAndNamesTheFl
   EXPECT_TRUE(a.ReserveBytes(40).ok());
   a.ReleaseBytes(100);
   EXPECT_EQ(a.inflight_bytes(), 0u);
+}
+
+TEST(ProcessMemoryTest, HeapInUseFollowsAnAllocationAndItsRelease) {
+  const ProcessMemory before = ReadProcessMemory();
+  EXPECT_GT(before.resident_bytes, 0u);
+  if (before.heap_in_use_bytes == 0) GTEST_SKIP() << "malloc is replaced (sanitizer build)";
+  constexpr size_t kBytes = 64 << 20;
+  std::vector<char> block(kBytes, 1);  // touched: resident too
+  const ProcessMemory held = ReadProcessMemory();
+  EXPECT_GE(held.heap_in_use_bytes, before.heap_in_use_bytes + kBytes);
+  EXPECT_GE(held.resident_bytes, before.resident_bytes + kBytes / 2);
+  block = {};
+  block.shrink_to_fit();
+  const ProcessMemory after = ReadProcessMemory();
+  EXPECT_LT(after.heap_in_use_bytes, held.heap_in_use_bytes - kBytes / 2);
 }
 
 TEST(Sha256Test, KnownAnswers) {
