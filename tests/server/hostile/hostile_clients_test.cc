@@ -223,6 +223,68 @@ TEST_F(HostileClientTest, NonGrpcBytesOnGrpcPortDropTheConnectionAndServerKeepsS
   ExpectServerDrains();
 }
 
+// HTTP/2 frames by hand (RFC 9113 section 4.1): 9-byte header, then the payload.
+std::string Http2Frame(uint8_t type, uint8_t flags, const std::string& payload) {
+  std::string f;
+  const uint32_t n = static_cast<uint32_t>(payload.size());
+  f += static_cast<char>(n >> 16);
+  f += static_cast<char>(n >> 8);
+  f += static_cast<char>(n);
+  f += static_cast<char>(type);
+  f += static_cast<char>(flags);
+  f += std::string(4, '\0');  // stream 0
+  return f + payload;
+}
+
+// The GOAWAY frames (type 7) in what a server sent: error code and debug text of each.
+std::vector<std::pair<uint32_t, std::string>> GoAways(const std::string& bytes) {
+  std::vector<std::pair<uint32_t, std::string>> out;
+  size_t at = 0;
+  while (at + 9 <= bytes.size()) {
+    const auto b = [&](size_t i) { return static_cast<uint32_t>(static_cast<uint8_t>(bytes[i])); };
+    const uint32_t length = b(at) << 16 | b(at + 1) << 8 | b(at + 2);
+    if (at + 9 + length > bytes.size()) break;
+    if (b(at + 3) == 7 && length >= 8) {
+      const size_t p = at + 9;
+      const uint32_t code = b(p + 4) << 24 | b(p + 5) << 16 | b(p + 6) << 8 | b(p + 7);
+      out.push_back({code, bytes.substr(p + 8, length - 8)});
+    }
+    at += 9 + length;
+  }
+  return out;
+}
+
+TEST_F(HostileClientTest, PingFloodGetsGoAwayEnhanceYourCalmAndServerKeepsServing) {
+  // Pings with no call open, far more often than --min-client-ping-interval allows: after two
+  // strikes the server answers GOAWAY ENHANCE_YOUR_CALM (0xb) "too_many_pings" and closes.
+  std::string flood = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + Http2Frame(4, 0, "");
+  for (int i = 0; i < 20; ++i) flood += Http2Frame(6, 0, std::string(8, static_cast<char>(i)));
+  std::string reply;
+  EXPECT_TRUE(SendAndExpectClose(server_->port(), flood, &reply));
+  const auto goaways = GoAways(reply);
+  ASSERT_FALSE(goaways.empty()) << reply.size() << " bytes back, no GOAWAY";
+  EXPECT_EQ(goaways.back().first, 0xbu);
+  EXPECT_THAT(goaways.back().second, HasSubstr("too_many_pings"));
+  ExpectNormalCallWorks(13);
+  ExpectServerDrains();
+}
+
+TEST_F(HostileClientTest, RequestMetadataPastSixteenKibIsRefusedAndServerKeepsServing) {
+  const auto info_with_metadata = [&](size_t bytes) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+    context.AddMetadata("x-padding", std::string(bytes, 'a'));
+    v1::GetServerInfoResponse response;
+    return stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &response);
+  };
+  EXPECT_TRUE(info_with_metadata(8 << 10).ok());  // under the cap: served
+  const grpc::Status refused = info_with_metadata(64 << 10);
+  EXPECT_EQ(refused.error_code(), grpc::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_THAT(refused.error_message(), HasSubstr("metadata size exceeds limit"));
+  ExpectNormalCallWorks(14);
+  ExpectServerDrains();
+}
+
 TEST_F(HostileClientTest, GarbageOnMetricsPortIsRefusedAndMetricsKeepServing) {
   std::string reply;
   EXPECT_TRUE(SendAndExpectClose(server_->metrics_port(),
