@@ -1,18 +1,20 @@
 // The installed shape of the tools: the real `normgrad` and `normgrad-load` executables run as
 // processes (exit statuses and output streams), against a `normgrad-server` process started on
 // 127.0.0.1:0 whose port is read from its ready line.
-#include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include <cstdio>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
+#include "tests/common/child_process.h"
 
 namespace normgrad {
 namespace {
@@ -35,56 +37,35 @@ Output RunCommand(const std::string& command) {
   return out;
 }
 
-// normgrad-server as a child process; the destructor sends SIGTERM and reaps it.
+#ifdef NORMGRAD_SERVER_PATH
+// normgrad-server as a child process, its port read from the ready line within 60 s; the
+// destructor sends SIGTERM and reaps it (SIGKILL if it has not exited after 60 s).
 class ServerProcess {
  public:
   explicit ServerProcess(std::vector<std::string> flags) {
-    int fds[2];
-    if (pipe(fds) != 0) return;
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(fds[1], STDOUT_FILENO);
-      close(fds[0]);
-      std::vector<std::string> args = {NORMGRAD_SERVER_PATH, "--listen=127.0.0.1:0",
-                                       "--metrics_listen=", "--backend=cpu"};
-      args.insert(args.end(), flags.begin(), flags.end());
-      std::vector<char*> argv;
-      for (std::string& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
+    std::vector<std::string> args = {NORMGRAD_SERVER_PATH, "--listen=127.0.0.1:0",
+                                     "--metrics_listen=", "--backend=cpu"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    testing::ChildOptions options;
+    options.stop_signal = SIGTERM;
+    options.stop_grace = absl::Seconds(60);
+    absl::StatusOr<testing::ChildProcess> process =
+        testing::ChildProcess::Start(std::move(args), options);
+    if (!process.ok()) {
+      ADD_FAILURE() << process.status();  // and port() stays 0
+      return;
     }
-    close(fds[1]);
-    // The ready line: "normgrad-server ready grpc=127.0.0.1:PORT ...", within 60 s.
-    std::string line;
-    pollfd p{fds[0], POLLIN, 0};
-    while (line.find('\n') == std::string::npos && poll(&p, 1, 60000) == 1) {
-      char c[256];
-      const ssize_t n = read(fds[0], c, sizeof(c));
-      if (n <= 0) break;
-      line.append(c, n);
-    }
-    close(fds[0]);
-    const size_t at = line.find("grpc=");
-    if (at != std::string::npos) {
-      const size_t colon = line.find(':', at);
-      port_ = std::atoi(line.c_str() + colon + 1);
-    }
-  }
-  ~ServerProcess() {
-    if (pid_ > 0) {
-      kill(pid_, SIGTERM);
-      int status;
-      waitpid(pid_, &status, 0);
-    }
+    process_ = *std::move(process);
+    port_ = process_->AwaitReady(absl::Seconds(60)).grpc_port;
   }
   std::string target() const { return absl::StrCat("127.0.0.1:", port_); }
   int port() const { return port_; }
 
  private:
-  pid_t pid_ = -1;
+  std::optional<testing::ChildProcess> process_;
   int port_ = 0;
 };
+#endif
 
 const std::string kCli = NORMGRAD_CLI_PATH;
 const std::string kLoad = NORMGRAD_LOAD_PATH;

@@ -4,12 +4,9 @@
 // killed with SIGKILL mid-load costs no request (the client retries onto the others; every
 // answer is the right one for its own request), and that a replica sent SIGTERM mid-load
 // drains without any client seeing an error. Every loop is bounded in count and time.
-#include <fcntl.h>
 #include <httplib.h>
-#include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -19,9 +16,11 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -34,6 +33,7 @@
 #include "gtest/gtest.h"
 #include "kernels/reference.h"
 #include "normgrad/client.h"
+#include "tests/common/child_process.h"
 
 namespace normgrad {
 namespace {
@@ -41,80 +41,29 @@ namespace {
 constexpr uint64_t kRows = 16;
 constexpr uint32_t kHidden = 64;
 
-// One normgrad-server process; stdout on a pipe for the ready line, stderr inherited.
+// One normgrad-server process (stdout on a pipe for the ready line, stderr inherited, SIGKILL
+// if still running at the end) and the ports its ready line named.
 class Replica {
  public:
-  explicit Replica(std::vector<std::string> extra_flags) {
-    std::vector<std::string> args = {
-        NORMGRAD_SERVER_BINARY, "--listen=127.0.0.1:0", "--metrics-listen=127.0.0.1:0",
-        "--backend=cpu",        "--cpu-threads=1",      "--worker-threads=2",
-        "--shutdown-grace=20s"};
-    for (std::string& f : extra_flags) args.push_back(std::move(f));
-    int out[2];
-    if (pipe(out) != 0) return;
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(out[1], 1);
-      close(out[0]);
-      std::vector<char*> argv;
-      for (std::string& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    close(out[1]);
-    out_ = out[0];
-  }
-  ~Replica() {
-    if (pid_ > 0 && !exited_) {
-      kill(pid_, SIGKILL);
-      (void)Wait(absl::Seconds(10));
-    }
-    if (out_ >= 0) close(out_);
+  explicit Replica(testing::ChildProcess process) : process_(std::move(process)) {}
+
+  static std::vector<std::string> Args() {
+    return {NORMGRAD_SERVER_BINARY, "--listen=127.0.0.1:0", "--metrics-listen=127.0.0.1:0",
+            "--backend=cpu",        "--cpu-threads=1",      "--worker-threads=2",
+            "--shutdown-grace=20s"};
   }
 
   // Reads the ready line ("... grpc=127.0.0.1:P metrics=127.0.0.1:M ..."); false after `limit`.
   bool AwaitReady(absl::Duration limit) {
-    const absl::Time end = absl::Now() + limit;
-    std::string buffer;
-    while (buffer.find('\n') == std::string::npos) {
-      const int ms = static_cast<int>(absl::ToInt64Milliseconds(end - absl::Now()));
-      if (ms <= 0) return false;
-      pollfd p{out_, POLLIN, 0};
-      if (poll(&p, 1, ms) <= 0) return false;
-      char chunk[1024];
-      const ssize_t n = read(out_, chunk, sizeof(chunk));
-      if (n <= 0) return false;
-      buffer.append(chunk, n);
-    }
-    for (absl::string_view word : absl::StrSplit(buffer.substr(0, buffer.find('\n')), ' ')) {
-      if (absl::ConsumePrefix(&word, "grpc=127.0.0.1:")) (void)absl::SimpleAtoi(word, &port_);
-      if (absl::ConsumePrefix(&word, "metrics=127.0.0.1:")) {
-        (void)absl::SimpleAtoi(word, &metrics_port_);
-      }
-    }
-    return port_ > 0 && metrics_port_ > 0;
+    ready_ = process_.AwaitReady(limit);
+    return ready_.grpc_port > 0 && ready_.metrics_port > 0;
   }
 
-  void Signal(int signal) { kill(pid_, signal); }
-
-  // Exit status as waitpid reports it, or -1 if it has not exited within `limit`.
-  int Wait(absl::Duration limit) {
-    const absl::Time end = absl::Now() + limit;
-    for (int i = 0; i < 100000 && absl::Now() < end; ++i) {
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        exited_ = true;
-        return status;
-      }
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-    return -1;
-  }
+  testing::ChildProcess& process() { return process_; }
 
   // Finished calls of `method` with code OK, from GET /metrics; -1 when unreachable.
   double Served(absl::string_view method = "RmsNormBackward") const {
-    httplib::Client http("127.0.0.1", metrics_port_);
+    httplib::Client http("127.0.0.1", ready_.metrics_port);
     http.set_connection_timeout(5, 0);
     http.set_read_timeout(10, 0);
     httplib::Result res = http.Get("/metrics");
@@ -132,14 +81,11 @@ class Replica {
     return total;
   }
 
-  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
+  std::string address() const { return absl::StrCat("127.0.0.1:", ready_.grpc_port); }
 
  private:
-  pid_t pid_ = -1;
-  int out_ = -1;
-  bool exited_ = false;
-  int port_ = 0;
-  int metrics_port_ = 0;
+  testing::ChildProcess process_;
+  testing::ReadyLine ready_;
 };
 
 // The inputs of request `id` (seeded by id, so that an answer meant for another request
@@ -185,8 +131,11 @@ struct Outcome {
 class ScaleOutTest : public ::testing::Test {
  protected:
   void StartReplicas(int n) {
-    for (int i = 0; i < n; ++i)
-      replicas_.push_back(std::make_unique<Replica>(std::vector<std::string>{}));
+    for (int i = 0; i < n; ++i) {
+      absl::StatusOr<testing::ChildProcess> process = testing::ChildProcess::Start(Replica::Args());
+      ASSERT_TRUE(process.ok()) << process.status();
+      replicas_.push_back(std::make_unique<Replica>(*std::move(process)));
+    }
     for (auto& r : replicas_) ASSERT_TRUE(r->AwaitReady(absl::Seconds(60)));
   }
 
@@ -304,10 +253,10 @@ TEST_F(ScaleOutTest, ReplicaKilledMidLoadLosesNoRequest) {
   ASSERT_NE(client, nullptr);
   constexpr int kCalls = 120;
   std::vector<Outcome> outcomes =
-      RunLoad(*client, kCalls, 6, kCalls / 3, [&] { replicas_[1]->Signal(SIGKILL); });
+      RunLoad(*client, kCalls, 6, kCalls / 3, [&] { replicas_[1]->process().Signal(SIGKILL); });
   ExpectAllAnsweredOnceAndRight(outcomes);
-  const int status = replicas_[1]->Wait(absl::Seconds(10));
-  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  const std::optional<int> status = replicas_[1]->process().WaitExit(absl::Seconds(10));
+  EXPECT_TRUE(status && WIFSIGNALED(*status) && WTERMSIG(*status) == SIGKILL);
   // The survivors served at least the rest (the killed one's served count died with it).
   const double survivors = replicas_[0]->Served() + replicas_[2]->Served();
   EXPECT_GE(survivors, kCalls - kCalls / 3 - 6);
@@ -323,11 +272,11 @@ TEST_F(ScaleOutTest, ReplicaSentSigtermMidLoadDrainsWithoutAnyClientError) {
   ASSERT_NE(client, nullptr);
   constexpr int kCalls = 120;
   std::vector<Outcome> outcomes =
-      RunLoad(*client, kCalls, 6, kCalls / 3, [&] { replicas_[1]->Signal(SIGTERM); });
+      RunLoad(*client, kCalls, 6, kCalls / 3, [&] { replicas_[1]->process().Signal(SIGTERM); });
   ExpectAllAnsweredOnceAndRight(outcomes);
-  const int status = replicas_[1]->Wait(absl::Seconds(30));
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
-      << "a drained replica exits 0, status " << status;
+  const std::optional<int> status = replicas_[1]->process().WaitExit(absl::Seconds(30));
+  EXPECT_TRUE(status && WIFEXITED(*status) && WEXITSTATUS(*status) == 0)
+      << "a drained replica exits 0, status " << status.value_or(-1);
   const double survivors = replicas_[0]->Served() + replicas_[2]->Served();
   EXPECT_GE(survivors, kCalls - kCalls / 3 - 6);
   EXPECT_LE(survivors, kCalls);

@@ -3,29 +3,26 @@
 // is printed), every accepted stream returns the reference result, and the server's peak resident
 // memory (VmHWM from /proc/PID/status) stays under its warmed-up peak + --max-inflight-bytes +
 // kOverheadBytes (gRPC's per-stream transport buffers and thread stacks; docs/testing.md).
-#include <poll.h>
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
-#include <fstream>
 #include <future>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "absl/strings/numbers.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "tests/common/child_process.h"
 #include "tests/server/service/service_test_util.h"
 
 namespace normgrad::server {
 namespace {
+
+using ::normgrad::testing::ChildProcess;
 
 constexpr uint64_t kMaxInflightBytes = 16ull << 20;
 constexpr uint64_t kOverheadBytes = 96ull << 20;
@@ -45,78 +42,14 @@ constexpr bool kSanitized = false;
 constexpr bool kSanitized = false;
 #endif
 
-// normgrad-server with stdout on a pipe; killed on destruction.
-class ServerProcess {
- public:
-  explicit ServerProcess(std::vector<std::string> args) {
-    int out[2];
-    if (pipe(out) != 0) return;
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(out[1], 1);
-      close(out[0]);
-      std::vector<char*> argv;
-      for (std::string& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    close(out[1]);
-    out_ = out[0];
-  }
-  ~ServerProcess() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    if (out_ >= 0) close(out_);
-  }
-
-  // The gRPC port from the ready line, 0 if none within `limit`.
-  int WaitReady(absl::Duration limit) {
-    std::string text;
-    const absl::Time end = absl::Now() + limit;
-    while (absl::Now() < end && text.find('\n') == std::string::npos) {
-      pollfd p{out_, POLLIN, 0};
-      if (poll(&p, 1, 100) <= 0) continue;
-      char buf[1024];
-      const ssize_t n = read(out_, buf, sizeof(buf));
-      if (n <= 0) return 0;
-      text.append(buf, n);
-    }
-    for (absl::string_view field : absl::StrSplit(text, absl::ByAnyChar(" \n"))) {
-      if (absl::ConsumePrefix(&field, "grpc=")) {
-        int port = 0;
-        if (absl::SimpleAtoi(field.substr(field.rfind(':') + 1), &port)) return port;
-      }
-    }
-    return 0;
-  }
-
-  // A "VmHWM:" / "VmRSS:" figure of /proc/PID/status in bytes, 0 if unreadable.
-  uint64_t StatusBytes(const std::string& key) const {
-    std::ifstream in(absl::StrCat("/proc/", pid_, "/status"));
-    std::string line;
-    while (std::getline(in, line)) {
-      if (line.rfind(key, 0) != 0) continue;
-      std::vector<std::string> parts = absl::StrSplit(line, ' ', absl::SkipWhitespace());
-      uint64_t kib = 0;
-      if (parts.size() >= 2 && absl::SimpleAtoi(parts[1], &kib)) return kib * 1024;
-    }
-    return 0;
-  }
-
- private:
-  pid_t pid_ = -1;
-  int out_ = -1;
-};
-
 TEST(OverloadTest, StreamsBeyondAdmissionLimitsAreRefusedAcceptedOnesExactMemoryBounded) {
-  ServerProcess server({NORMGRAD_SERVER_BINARY, "--listen=127.0.0.1:0", "--metrics-listen=",
-                        "--backend=cpu", "--cpu-threads=2", "--max-streams=16",
-                        absl::StrCat("--max-inflight-bytes=", kMaxInflightBytes),
-                        "--stream-idle-timeout=20s"});
-  const int port = server.WaitReady(absl::Seconds(60));
+  // stdout on a pipe for the ready line, stderr inherited; SIGKILL at the end.
+  absl::StatusOr<ChildProcess> server = ChildProcess::Start(
+      {NORMGRAD_SERVER_BINARY, "--listen=127.0.0.1:0", "--metrics-listen=", "--backend=cpu",
+       "--cpu-threads=2", "--max-streams=16",
+       absl::StrCat("--max-inflight-bytes=", kMaxInflightBytes), "--stream-idle-timeout=20s"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int port = server->AwaitReady(absl::Seconds(60)).grpc_port;
   ASSERT_GT(port, 0);
 
   // 64 rows x 1024 f32: 256 KiB of x and of dy per stream, in 16-row chunks of 64 KiB.
@@ -126,7 +59,7 @@ TEST(OverloadTest, StreamsBeyondAdmissionLimitsAreRefusedAcceptedOnesExactMemory
   auto warm_stub = testing::StubFor(port);
   const testing::BackwardResult warm = testing::RunBackward(*warm_stub, batch, 16);
   ASSERT_TRUE(warm.status.ok()) << warm.status.error_message();
-  const uint64_t baseline = server.StatusBytes("VmHWM:");
+  const uint64_t baseline = server->StatusBytes("VmHWM:");
   ASSERT_GT(baseline, 0u);
 
   std::vector<std::unique_ptr<v1::NormGrad::Stub>> stubs;
@@ -148,7 +81,7 @@ TEST(OverloadTest, StreamsBeyondAdmissionLimitsAreRefusedAcceptedOnesExactMemory
   uint64_t peak_rss_sampled = 0;
   std::thread sampler([&] {
     while (!done.load()) {
-      peak_rss_sampled = std::max(peak_rss_sampled, server.StatusBytes("VmRSS:"));
+      peak_rss_sampled = std::max(peak_rss_sampled, server->StatusBytes("VmRSS:"));
       absl::SleepFor(absl::Milliseconds(10));
     }
   });
@@ -156,7 +89,7 @@ TEST(OverloadTest, StreamsBeyondAdmissionLimitsAreRefusedAcceptedOnesExactMemory
   for (std::thread& t : threads) t.join();
   done.store(true);
   sampler.join();
-  const uint64_t peak = server.StatusBytes("VmHWM:");
+  const uint64_t peak = server->StatusBytes("VmHWM:");
 
   int ok = 0, refused = 0;
   std::vector<double> refused_seconds;
