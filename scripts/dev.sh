@@ -85,13 +85,19 @@ stage_asan() {
   run_ctest "$dir"
 }
 
-# Our concurrent parts with our own locks at every handoff: the worker pool, admission, metrics
-# (service_concurrency_test), the module cache under concurrent first use, the CPU backend's
-# thread pool, the emulated driver's streams. Tests that cross gRPC are not here: Debian's gRPC
-# and abseil are not built with -fsanitize=thread, so their handoffs are invisible to TSan and it
-# reports thousands of false races there (docs/testing.md). No suppressions: any report fails.
+# Two parts (docs/testing.md):
+# 1. Our concurrent parts, every handoff one of our own locks: the worker pool, admission, metrics
+#    (service_concurrency_test), the module cache under concurrent first use, the CPU backend's
+#    thread pool, the emulated driver's streams. No suppressions: any report fails.
+# 2. The tests that cross gRPC (the service with many streams, hostile clients, the client library
+#    against a server), with Debian's abseil synchronization library rebuilt with TSan
+#    (scripts/tsan_abseil.sh) so that gRPC's locks are visible. gRPC itself stays uninstrumented,
+#    so tests/tsan/triage.py fails on every report between two accesses of our code and counts
+#    the reports with an access inside gRPC. Skipped, loudly, when the abseil source cannot be
+#    fetched; NORMGRAD_TSAN_GRPC=0 skips it on purpose.
 TSAN_TARGETS=(service_concurrency_test module_cache_test cpu_backend_test
   ptxsim_emulated_driver_test)
+TSAN_GRPC_TARGETS=(service_integration_test hostile_clients_test client_server_test)
 stage_tsan() {
   local dir=${TSAN_BUILD_DIR:-build-tsan}
   cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
@@ -100,6 +106,26 @@ stage_tsan() {
   cmake --build "$dir" -j"$(nproc)" --target "${TSAN_TARGETS[@]}"
   TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1" \
     run_ctest "$dir" -R "^(Concurrent[A-Za-z]*Test|ModuleCacheTest|CpuBackendTest|ThreadPoolTest|EmulatedDriverTest)\\."
+
+  if [ "${NORMGRAD_TSAN_GRPC:-1}" = 0 ]; then
+    echo "[dev.sh] tsan: NORMGRAD_TSAN_GRPC=0, the tests that cross gRPC are not run under TSan"
+    return 0
+  fi
+  local abs_dir
+  abs_dir=$(realpath -m "$dir")
+  if ! bash "$ROOT/scripts/tsan_abseil.sh" "$abs_dir/abseil-tsan"; then
+    echo "[dev.sh] tsan: WARNING: could not rebuild abseil with -fsanitize=thread (above);" \
+      "the tests that cross gRPC were NOT run under TSan" >&2
+    return 0
+  fi
+  cmake --build "$dir" -j"$(nproc)" --target "${TSAN_GRPC_TARGETS[@]}"
+  local logs="$abs_dir/tsan-reports"
+  rm -rf "$logs"
+  mkdir -p "$logs"
+  LD_LIBRARY_PATH="$abs_dir/abseil-tsan/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    TSAN_OPTIONS="halt_on_error=0:exitcode=0:ignore_noninstrumented_modules=1:log_path=$logs/report" \
+    run_ctest "$dir" -R '^(Service[A-Za-z]*Test|HostileClientTest|(Client|Secure|Cli|Load)ServerTest)\.'
+  python3 "$ROOT/tests/tsan/triage.py" "$ROOT" "$logs"
 }
 
 # libFuzzer targets (tests/fuzz/): replay the committed seeds (ctest -L fuzz), then fuzz each for

@@ -123,8 +123,14 @@ class BackwardCall final
   void OnDone(const grpc::Status& status) override;
 
  private:
-  void WriteChunk(uint64_t index);
-  absl::Status TakeResponse();
+  void FillChunkLocked(uint64_t index);
+  absl::Status TakeResponseLocked();
+
+  // The reactions run on gRPC's threads, one write chain and one read chain at a time. Every
+  // reaction takes mu_ before it touches the state, and Start publishes the state under it: the
+  // ordering gRPC gives between a Start* and its reaction is then also visible to
+  // ThreadSanitizer, which cannot see inside Debian's gRPC (docs/testing.md).
+  std::mutex mu_;
 
   ClientImpl* client_;
   std::shared_ptr<Shared> shared_;
@@ -360,27 +366,28 @@ BackwardCall::BackwardCall(ClientImpl* client, std::shared_ptr<Shared> shared, i
       row_bytes_(uint64_t{shared_->args.hidden_dim} * ElementBytes(shared_->args.type)) {}
 
 void BackwardCall::Start() {
-  if (shared_->has_deadline) context_.set_deadline(shared_->deadline);
-  client_->AddMetadata(context_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shared_->has_deadline) context_.set_deadline(shared_->deadline);
+    client_->AddMetadata(context_);
+    const RawBackwardArgs& a = shared_->args;
+    v1::BackwardHeader* header = request_.mutable_header();
+    header->set_num_rows(a.num_rows);
+    header->set_hidden_dim(a.hidden_dim);
+    header->set_eps(a.eps);
+    header->set_dtype(ToProto(a.type));
+    header->set_gamma(a.gamma.data(), a.gamma.size());
+    header->set_rms_provided(!a.rms.empty());
+    if (!shared_->options.kernel.empty())
+      header->mutable_options()->set_kernel(shared_->options.kernel);
+  }
   client_->stub().async()->RmsNormBackward(&context_, this);
-
-  const RawBackwardArgs& a = shared_->args;
-  v1::BackwardHeader* header = request_.mutable_header();
-  header->set_num_rows(a.num_rows);
-  header->set_hidden_dim(a.hidden_dim);
-  header->set_eps(a.eps);
-  header->set_dtype(ToProto(a.type));
-  header->set_gamma(a.gamma.data(), a.gamma.size());
-  header->set_rms_provided(!a.rms.empty());
-  if (!shared_->options.kernel.empty())
-    header->mutable_options()->set_kernel(shared_->options.kernel);
-
   StartWrite(&request_);
   StartRead(&response_);
   StartCall();
 }
 
-void BackwardCall::WriteChunk(uint64_t index) {
+void BackwardCall::FillChunkLocked(uint64_t index) {
   const RawBackwardArgs& a = shared_->args;
   const RowRange range = chunker_.Chunk(index);
   request_.Clear();
@@ -389,20 +396,28 @@ void BackwardCall::WriteChunk(uint64_t index) {
   request_.set_x(a.x.data() + offset, bytes);
   request_.set_dy(a.dy.data() + offset, bytes);
   if (!a.rms.empty()) request_.set_rms(a.rms.data() + range.first_row * 4, range.num_rows * 4);
-  StartWrite(&request_);
 }
 
 void BackwardCall::OnWriteDone(bool ok) {
   if (!ok) return;  // the stream is broken; OnDone reports why
-  if (next_chunk_ < chunker_.num_chunks()) {
-    WriteChunk(next_chunk_++);
+  bool more;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    more = next_chunk_ < chunker_.num_chunks();
+    if (more) {
+      FillChunkLocked(next_chunk_++);
+    } else {
+      request_.Clear();
+    }
+  }
+  if (more) {
+    StartWrite(&request_);
   } else {
-    request_.Clear();
     StartWritesDone();
   }
 }
 
-absl::Status BackwardCall::TakeResponse() {
+absl::Status BackwardCall::TakeResponseLocked() {
   const RawBackwardArgs& a = shared_->args;
   if (final_received_) return absl::InternalError("server sent a message after the final one");
   const bool is_final = !response_.grad_gamma().empty() || response_.has_summary();
@@ -438,9 +453,14 @@ absl::Status BackwardCall::TakeResponse() {
 
 void BackwardCall::OnReadDone(bool ok) {
   if (!ok) return;  // end of stream; OnDone follows
-  any_response_ = true;
-  if (absl::Status s = TakeResponse(); !s.ok()) {
-    error_ = std::move(s);
+  bool malformed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    any_response_ = true;
+    error_ = TakeResponseLocked();
+    malformed = !error_.ok();
+  }
+  if (malformed) {
     context_.TryCancel();
     return;
   }
@@ -453,6 +473,7 @@ void BackwardCall::OnDone(const grpc::Status& status) {
   // responses: the replica died mid-stream) or cancelled the call before answering anything
   // (CANCELLED: gRPC cancels calls that reach a server after its shutdown began). This client
   // never cancels a stream itself except for a malformed reply (error_ set): not retried.
+  std::unique_lock<std::mutex> lock(mu_);
   const bool retryable =
       error_.ok() && (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
                       (status.error_code() == grpc::StatusCode::CANCELLED && !any_response_));
@@ -462,6 +483,7 @@ void BackwardCall::OnDone(const grpc::Status& status) {
     ClientImpl* client = client_;
     std::shared_ptr<Shared> shared = std::move(shared_);
     const int next = attempt_ + 1;
+    lock.unlock();
     delete this;
     client->RetryBackward(std::move(shared), next);
     return;
@@ -479,6 +501,7 @@ void BackwardCall::OnDone(const grpc::Status& status) {
   std::shared_ptr<Shared> shared = std::move(shared_);
   const int attempts = attempt_;
   BackwardSummary summary = std::move(summary_);
+  lock.unlock();
   delete this;
   if (!result.ok()) {
     shared->done(std::move(result));

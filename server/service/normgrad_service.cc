@@ -93,6 +93,7 @@ class BackwardStream final
         read_in_flight_ = true;
         ++issuing_;
         actions.start_read = true;
+        actions.read_into = request_.get();
       }
     }
     Apply(actions);
@@ -256,10 +257,13 @@ class BackwardStream final
     bool is_chunk = false;
     bool is_final = false;
   };
-  // gRPC operations decided under mu_ and issued after it is released.
+  // gRPC operations decided under mu_ and issued after it is released. The buffers are taken
+  // under mu_ too, so that Apply reads no guarded member without it.
   struct Actions {
     bool start_read = false;
     bool start_write = false;
+    v1::BackwardRequest* read_into = nullptr;
+    const v1::BackwardResponse* write_from = nullptr;
     bool schedule = false;
     bool try_cancel = false;
     std::optional<grpc::Status> finish;
@@ -276,8 +280,8 @@ class BackwardStream final
   }
 
   void Apply(Actions& a) {
-    if (a.start_read) StartRead(request_.get());
-    if (a.start_write) StartWrite(&writing_->response);
+    if (a.start_read) StartRead(a.read_into);
+    if (a.start_write) StartWrite(a.write_from);
     if (a.schedule) {
       refs_.fetch_add(1);
       env_->pool->Schedule([this] { RunOneJob(); });
@@ -373,6 +377,7 @@ class BackwardStream final
     read_in_flight_ = true;
     ++issuing_;
     a.start_read = true;
+    a.read_into = request_.get();
   }
 
   void ScheduleComputeLocked(Actions& a) {
@@ -394,6 +399,7 @@ class BackwardStream final
     write_in_flight_ = true;
     ++issuing_;
     a.start_write = true;
+    a.write_from = &writing_->response;
   }
 
   // Runs on the worker pool; holds a reference taken by Apply.
