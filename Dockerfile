@@ -29,6 +29,9 @@ RUN apt-get update -qq \
 COPY --from=build /out/bin/ /usr/local/bin/
 COPY --from=cuda /usr/local/cuda/lib64/libnvJitLink.so.13* /usr/local/lib/normgrad/
 ENV NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute
+# Two malloc arenas: resident memory tracks what is in use (30-minute soak: 69-98 MiB against
+# 106-198 MiB with glibc's default, throughput not lower; docs/testing.md).
+ENV MALLOC_ARENA_MAX=2
 USER 10001:10001
 EXPOSE 50051 9464
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
