@@ -63,8 +63,7 @@ class MetricsRegistry {
     std::map<std::string, Series> series;  // by rendered label set
   };
 
-  Series& SeriesLocked(const std::string& name, const Labels& labels)
-     ;
+  Series& SeriesLocked(const std::string& name, const Labels& labels);  // mu_ held
   static std::string RenderLabels(const Labels& labels);
 
   std::mutex mu_;

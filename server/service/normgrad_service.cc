@@ -111,7 +111,7 @@ class BackwardStream final
         // The client half-closed, or the call died (then OnCancel follows or came first).
         reads_done_ = true;
         if (context_->IsCancelled()) {
-          FinishLocked(idle_cancel_status_.ok() ? CancelStatus() : idle_cancel_status_, actions);
+          FinishLocked(CancelStatusLocked(), actions);
         } else if (absl::Status s = validator_.AtEndOfStream(); !s.ok()) {
           FinishLocked(s, actions);
         } else {
@@ -166,7 +166,7 @@ class BackwardStream final
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!finish_called_) {
-        FinishLocked(idle_cancel_status_.ok() ? CancelStatus() : idle_cancel_status_, actions);
+        FinishLocked(CancelStatusLocked(), actions);
       }
     }
     Apply(actions);
@@ -221,7 +221,9 @@ class BackwardStream final
   }
 
   // Why the call was cancelled, as far as the server can tell (for the status and metrics).
-  absl::Status CancelStatus() const {
+  // Why a call gRPC reports cancelled ended: the watchdog's reason when it cancelled the call.
+  absl::Status CancelStatusLocked() const {
+    if (!idle_cancel_status_.ok()) return idle_cancel_status_;
     if (absl::FromChrono(context_->deadline()) <= absl::Now()) {
       return absl::DeadlineExceededError("the client's deadline passed");
     }
@@ -386,8 +388,7 @@ class BackwardStream final
     a.schedule = true;
   }
 
-  void PushWriteLocked(std::unique_ptr<Outgoing> out, Actions& a)
-      {
+  void PushWriteLocked(std::unique_ptr<Outgoing> out, Actions& a) {
     writes_.push_back(std::move(out));
     StartNextWriteLocked(a);
   }
@@ -568,13 +569,9 @@ void StreamRegistry::CheckIdle(absl::Time now, absl::Duration timeout) {
 
 bool StreamRegistry::WaitUntilEmpty(absl::Time deadline) {
   std::unique_lock<std::mutex> lock(mu_);
-  auto empty = [this]() { return streams_.empty(); };
-  if (deadline == absl::InfiniteFuture()) {
-    emptied_.wait(lock, empty);
-  } else {
-    emptied_.wait_until(lock, absl::ToChronoTime(deadline), empty);
-  }
-  return streams_.empty();
+  // absl::InfiniteFuture() becomes time_point::max(): a wait without end.
+  return emptied_.wait_until(lock, absl::ToChronoTime(deadline),
+                             [this] { return streams_.empty(); });
 }
 
 grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>*

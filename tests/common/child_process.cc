@@ -215,7 +215,11 @@ std::optional<int> ChildProcess::WaitExit(absl::Duration limit) {
 }
 
 uint64_t ChildProcess::StatusBytes(absl::string_view key) const {
-  std::ifstream in(absl::StrCat("/proc/", pid_, "/status"));
+  return ProcStatusBytes(pid_, key);
+}
+
+uint64_t ProcStatusBytes(pid_t pid, absl::string_view key) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
   std::string line;
   while (std::getline(in, line)) {
     if (!absl::StartsWith(line, key)) continue;

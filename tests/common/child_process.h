@@ -53,6 +53,9 @@ struct ReadyLine {
 };
 ReadyLine ParseReadyLine(absl::string_view line);
 
+// A "KEY: N kB" field of /proc/PID/status (e.g. "VmRSS:") in bytes; 0 when absent.
+uint64_t ProcStatusBytes(pid_t pid, absl::string_view key);
+
 class ChildProcess {
  public:
   // Runs argv[0] (a path: no PATH search) with `argv`, in this process's environment. An error

@@ -13,7 +13,6 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
-#include <fstream>
 #include <map>
 #include <mutex>
 #include <random>
@@ -26,10 +25,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "normgrad/v1/normgrad.grpc.pb.h"
+#include "tests/common/child_process.h"
 #include "tests/server/service/service_test_util.h"
 
 namespace normgrad::soak {
@@ -102,18 +102,6 @@ uint64_t IdleHeapInUse(int metrics_port, Gate& gate) {
   }
   gate.Resume();
   return heap;
-}
-
-uint64_t RssBytes(int pid) {
-  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("VmRSS:", 0) != 0) continue;
-    std::vector<std::string> parts = absl::StrSplit(line, ' ', absl::SkipWhitespace());
-    uint64_t kib = 0;
-    if (parts.size() >= 2 && absl::SimpleAtoi(parts[1], &kib)) return kib * 1024;
-  }
-  return 0;
 }
 
 class Tally {
@@ -338,7 +326,7 @@ int Main(int argc, char** argv) {
   uint64_t heap_after_warm_up = 0, heap_peak_after_warm_up = 0;
   while (true) {
     const absl::Time now = absl::Now();
-    const uint64_t rss = RssBytes(options.server_pid);
+    const uint64_t rss = ::normgrad::testing::ProcStatusBytes(options.server_pid, "VmRSS:");
     const bool warm = now - start >= warm_up;
     if (warm) {
       if (rss_after_warm_up == 0) rss_after_warm_up = rss;
@@ -361,7 +349,7 @@ int Main(int argc, char** argv) {
     absl::SleepFor(std::min(options.report_every, end - now));
   }
   for (std::thread& w : workers) w.join();
-  const uint64_t final_rss = RssBytes(options.server_pid);
+  const uint64_t final_rss = ::normgrad::testing::ProcStatusBytes(options.server_pid, "VmRSS:");
   const uint64_t final_heap =
       options.metrics_port > 0 ? IdleHeapInUse(options.metrics_port, gate) : 0;
   uint64_t wrong = 0, unexpected = 0;

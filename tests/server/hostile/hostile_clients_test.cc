@@ -272,10 +272,7 @@ TEST_F(HostileClientTest, PingFloodGetsGoAwayEnhanceYourCalmAndServerKeepsServin
 TEST_F(HostileClientTest, RequestMetadataPastSixteenKibIsRefusedAndServerKeepsServing) {
   // The offender gets a connection of its own (gRPC would otherwise share one between channels
   // to the same address): the server may close it after the refusal, which is its business.
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  auto offender = v1::NormGrad::NewStub(grpc::CreateCustomChannel(
-      absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials(), args));
+  auto offender = v1::NormGrad::NewStub(testing::OwnConnectionFor(server_->port()));
   const auto info_with_metadata = [&](size_t bytes) {
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));

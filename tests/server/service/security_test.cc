@@ -321,14 +321,6 @@ TEST_F(SecurityTest, MetricsOverHttpsWithTheServerCertificate) {
   EXPECT_NE(status, 200) << "plain HTTP must not be answered on the HTTPS port";
 }
 
-// A channel with its own connection (not shared through gRPC's process-wide subchannel pool).
-std::shared_ptr<grpc::Channel> OwnConnection(int port) {
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  return grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", port),
-                                   grpc::InsecureChannelCredentials(), args);
-}
-
 grpc::Status InfoWithin(grpc::Channel* channel, absl::Duration deadline) {
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
@@ -346,7 +338,7 @@ TEST(ConnectionLimitsTest, MaxStreamsPerConnectionHoldsFurtherCallsOfThatConnect
   o.max_streams_per_connection = 1;
   absl::StatusOr<std::unique_ptr<NormGradServer>> server = NormGradServer::Start(o);
   ASSERT_TRUE(server.ok()) << server.status();
-  std::shared_ptr<grpc::Channel> busy = OwnConnection((*server)->port());
+  std::shared_ptr<grpc::Channel> busy = testing::OwnConnectionFor((*server)->port());
   std::unique_ptr<v1::NormGrad::Stub> stub = v1::NormGrad::NewStub(busy);
   grpc::ClientContext context;
   auto stream = stub->RmsNormBackward(&context);
@@ -359,7 +351,7 @@ TEST(ConnectionLimitsTest, MaxStreamsPerConnectionHoldsFurtherCallsOfThatConnect
 
   EXPECT_EQ(InfoWithin(busy.get(), absl::Seconds(1)).error_code(),
             grpc::StatusCode::DEADLINE_EXCEEDED);
-  std::shared_ptr<grpc::Channel> other = OwnConnection((*server)->port());
+  std::shared_ptr<grpc::Channel> other = testing::OwnConnectionFor((*server)->port());
   grpc::Status s = InfoWithin(other.get(), absl::Seconds(20));
   EXPECT_TRUE(s.ok()) << s.error_message();
 

@@ -364,16 +364,26 @@ TEST_F(ServiceTest, ClientDeadlineEndsTheStreamWithDeadlineExceeded) {
   EXPECT_TRUE(WaitFor([&] { return server_->live_streams() == 0; }));
 }
 
-TEST(ServiceIdleTest, StreamThatStopsSendingEndsByTheIdleTimeoutWithAClearStatus) {
-  ServerOptions options = testing::TestServerOptions();
-  options.stream_idle_timeout = absl::Milliseconds(300);
-  std::unique_ptr<NormGradServer> server = StartServer(options);
-  ASSERT_NE(server, nullptr);
-  auto stub = testing::StubFor(server->port());
+// A server whose watchdog ends streams that made no progress for 300 ms.
+class ServiceIdleTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ServerOptions options = testing::TestServerOptions();
+    options.stream_idle_timeout = absl::Milliseconds(300);
+    server_ = StartServer(options);
+    ASSERT_NE(server_, nullptr);
+    stub_ = testing::StubFor(server_->port());
+  }
+
+  std::unique_ptr<NormGradServer> server_;
+  std::unique_ptr<v1::NormGrad::Stub> stub_;
+};
+
+TEST_F(ServiceIdleTest, StreamThatStopsSendingEndsByTheIdleTimeoutWithAClearStatus) {
   const Batch batch = testing::RandomBatch(100, 16, 23);
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
-  auto stream = stub->RmsNormBackward(&context);
+  auto stream = stub_->RmsNormBackward(&context);
   ASSERT_TRUE(stream->Write(testing::HeaderFor(batch)));
   ASSERT_TRUE(stream->Write(testing::ChunkFor(batch, 0, 10)));
   v1::BackwardResponse response;
@@ -384,17 +394,12 @@ TEST(ServiceIdleTest, StreamThatStopsSendingEndsByTheIdleTimeoutWithAClearStatus
   EXPECT_EQ(s.error_code(), grpc::DEADLINE_EXCEEDED) << s.error_message();
   EXPECT_THAT(s.error_message(), HasSubstr("stream idle timeout"));
   EXPECT_THAT(s.error_message(), HasSubstr("after 10 rows"));
-  EXPECT_TRUE(WaitFor([&] { return server->live_streams() == 0; }));
+  EXPECT_TRUE(WaitFor([&] { return server_->live_streams() == 0; }));
   // Others are unaffected.
-  ExpectMatchesReference(*stub, testing::RandomBatch(30, 8, 24), 7);
+  ExpectMatchesReference(*stub_, testing::RandomBatch(30, 8, 24), 7);
 }
 
-TEST(ServiceIdleTest, StreamWhoseClientStopsReadingIsCancelledByTheIdleTimeout) {
-  ServerOptions options = testing::TestServerOptions();
-  options.stream_idle_timeout = absl::Milliseconds(300);
-  std::unique_ptr<NormGradServer> server = StartServer(options);
-  ASSERT_NE(server, nullptr);
-  auto stub = testing::StubFor(server->port());
+TEST_F(ServiceIdleTest, StreamWhoseClientStopsReadingIsCancelledByTheIdleTimeout) {
   if (testing::TestBackendIsCuda()) {
     GTEST_SKIP() << "needs 64 MiB of dx to fill the windows; too slow on an emulated driver, "
                     "and the watchdog does not depend on the backend";
@@ -403,7 +408,7 @@ TEST(ServiceIdleTest, StreamWhoseClientStopsReadingIsCancelledByTheIdleTimeout) 
   const Batch batch = testing::RandomBatch(4096, 4096, 29);
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
-  auto stream = stub->RmsNormBackward(&context);
+  auto stream = stub_->RmsNormBackward(&context);
   std::thread writer([&] {
     if (!stream->Write(testing::HeaderFor(batch))) return;
     for (uint64_t first = 0; first < batch.rows; first += 64) {
@@ -418,18 +423,18 @@ TEST(ServiceIdleTest, StreamWhoseClientStopsReadingIsCancelledByTheIdleTimeout) 
   // stream and counts it as DEADLINE_EXCEEDED. (gRPC 1.51's sync client does not always wake a
   // Write blocked on flow control when the server resets the stream, so the test cancels its
   // side once the server is done.)
-  ASSERT_TRUE(WaitFor([&] { return server->live_streams() == 1; }, absl::Seconds(30)));
-  const bool server_ended = WaitFor([&] { return server->live_streams() == 0; }, absl::Seconds(30));
+  ASSERT_TRUE(WaitFor([&] { return server_->live_streams() == 1; }, absl::Seconds(30)));
+  const bool server_ended = WaitFor([&] { return server_->live_streams() == 0; }, absl::Seconds(30));
   context.TryCancel();
   writer.join();
   stream->Finish();
   ASSERT_TRUE(server_ended);
   int code = 0;
   auto m = testing::ParsePrometheusText(
-      testing::HttpGet(server->metrics_port(), "/metrics", &code), nullptr);
+      testing::HttpGet(server_->metrics_port(), "/metrics", &code), nullptr);
   EXPECT_EQ(m["normgrad_inflight_bytes"], 0);
   EXPECT_EQ(m["normgrad_requests_total{method=\"RmsNormBackward\",code=\"DEADLINE_EXCEEDED\"}"], 1);
-  ExpectMatchesReference(*stub, testing::RandomBatch(30, 8, 30), 7);
+  ExpectMatchesReference(*stub_, testing::RandomBatch(30, 8, 30), 7);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -147,12 +147,19 @@ grpc::Status SendMessages(v1::NormGrad::Stub& stub,
   return stream->Finish();
 }
 
-std::shared_ptr<grpc::Channel> ChannelFor(int port) {
+namespace {
+std::shared_ptr<grpc::Channel> LoopbackChannel(int port, bool own_connection) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
+  if (own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   return grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", port),
                                    grpc::InsecureChannelCredentials(), args);
 }
+}  // namespace
+
+std::shared_ptr<grpc::Channel> ChannelFor(int port) { return LoopbackChannel(port, false); }
+
+std::shared_ptr<grpc::Channel> OwnConnectionFor(int port) { return LoopbackChannel(port, true); }
 
 std::unique_ptr<v1::NormGrad::Stub> StubFor(int port) {
   return v1::NormGrad::NewStub(ChannelFor(port));

@@ -60,6 +60,9 @@ grpc::Status SendMessages(v1::NormGrad::Stub& stub, const std::vector<v1::Backwa
 
 std::unique_ptr<v1::NormGrad::Stub> StubFor(int port);
 std::shared_ptr<grpc::Channel> ChannelFor(int port);
+// A channel with a connection of its own, not shared with other channels to the same address
+// through gRPC's process-wide subchannel pool: for clients the server may disconnect.
+std::shared_ptr<grpc::Channel> OwnConnectionFor(int port);
 
 // "name{a=\"b\"}" (exactly as rendered) -> value; comment lines skipped. Empty on a bad line.
 std::map<std::string, double> ParsePrometheusText(const std::string& text, std::string* error);
