@@ -69,6 +69,8 @@ run_ctest() {
 # Sanitizer reports fail the run: -fno-sanitize-recover=all (CMakeLists.txt) plus these.
 export ASAN_OPTIONS=${ASAN_OPTIONS:-halt_on_error=1:detect_leaks=1:abort_on_error=0:strict_string_checks=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
+# Leaks in libraries that are not ours and are not leaks (each entry says why): tests/lsan.supp.
+export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$ROOT/tests/lsan.supp:print_suppressions=0}
 
 stage_main() {
   build
