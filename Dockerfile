@@ -34,7 +34,10 @@ ENV NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute
 ENV MALLOC_ARENA_MAX=2
 USER 10001:10001
 EXPOSE 50051 9464
+# The probe's flags come from NORMGRAD_HEALTH_ARGS when set: a TLS server is probed on its
+# plaintext --health-listen port (-e NORMGRAD_HEALTH_ARGS=--target=127.0.0.1:50052) or over TLS
+# (--target=... --tls-ca FILE); docs/operations.md, "Running the image".
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
-  CMD ["normgrad", "health", "--target=127.0.0.1:50051"]
+  CMD ["sh", "-c", "exec normgrad health ${NORMGRAD_HEALTH_ARGS:---target=127.0.0.1:50051}"]
 ENTRYPOINT ["normgrad-server"]
 CMD ["--listen=0.0.0.0:50051", "--metrics-listen=0.0.0.0:9464", "--backend=auto", "--nvjitlink=/usr/local/lib/normgrad/libnvJitLink.so.13"]
