@@ -118,8 +118,10 @@ class HealthcheckTest(unittest.TestCase):
         self.assertEqual((out.returncode, out.stdout.strip()), (0, "SERVING"), out.stderr)
 
     def test_tls_server_is_serving_over_tls_with_the_ca(self):
-        out = run_probe(self.bin_dir,
-                        f"--target=localhost:{self.server.grpc_port} --tls-ca {self.cert}")
+        # An IP target and the certificate's name: no name lookup. Resolving "localhost", the
+        # c-ares library gRPC uses leaks 10 bytes (ares_gethostbyname), which fails the asan stage.
+        out = run_probe(self.bin_dir, f"--target=127.0.0.1:{self.server.grpc_port} "
+                        f"--tls-ca {self.cert} --tls-server-name localhost")
         self.assertEqual((out.returncode, out.stdout.strip()), (0, "SERVING"), out.stderr)
 
     def test_plaintext_probe_of_the_tls_port_fails(self):
