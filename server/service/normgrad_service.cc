@@ -90,10 +90,7 @@ class BackwardStream final
         admitted_ = true;
         env_->metrics->AddGauge("normgrad_inflight_streams", {}, 1);
         request_ = std::make_unique<v1::BackwardRequest>();
-        read_in_flight_ = true;
-        ++issuing_;
-        actions.start_read = true;
-        actions.read_into = request_.get();
+        MaybeStartReadLocked(actions);  // the first read: nothing held, nothing in flight
       }
     }
     Apply(actions);
@@ -220,8 +217,8 @@ class BackwardStream final
     Apply(actions);
   }
 
-  // Why the call was cancelled, as far as the server can tell (for the status and metrics).
-  // Why a call gRPC reports cancelled ended: the watchdog's reason when it cancelled the call.
+  // Why a call gRPC reports cancelled ended, as far as the server can tell (for the status and
+  // metrics): the watchdog's reason when it cancelled the call, else the deadline or a cancel.
   absl::Status CancelStatusLocked() const {
     if (!idle_cancel_status_.ok()) return idle_cancel_status_;
     if (absl::FromChrono(context_->deadline()) <= absl::Now()) {
