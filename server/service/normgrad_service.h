@@ -72,7 +72,8 @@ struct ServiceEnv {
 // Describes every metric the service records (called once by the server).
 void DescribeServiceMetrics(MetricsRegistry& metrics);
 
-// Records one finished RPC: requests_total, latency, bytes.
+// Records one finished RPC: latency, bytes, then requests_total (a scrape that counts the call
+// also sees the rest).
 void RecordRpc(MetricsRegistry& metrics, const char* method, int code, double seconds,
                uint64_t bytes_in, uint64_t bytes_out);
 

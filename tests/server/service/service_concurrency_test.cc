@@ -10,10 +10,12 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/service/admission.h"
 #include "server/service/metrics.h"
+#include "server/service/normgrad_service.h"
 #include "server/service/worker_pool.h"
 #include "tests/server/service/service_test_util.h"
 
@@ -147,6 +149,50 @@ TEST(ConcurrentMetricsTest, RecordingFromManyThreadsWhileRenderingLosesNoUpdate)
   EXPECT_EQ(values["t_latency_seconds_bucket{method=\"B\",le=\"0.001\"}"], per_method / 4);
   EXPECT_GT(renders.load(), 0);
   EXPECT_EQ(values["t_collected"], collected.load() - 1);
+}
+
+// A scrape must never count a call before its latency and bytes: dashboards divide one by the
+// other, and a test that waits for requests_total then reads the rest relies on it.
+TEST(ConcurrentMetricsTest, AScrapeThatCountsACallAlsoSeesItsLatencyAndBytes) {
+  MetricsRegistry m;
+  DescribeServiceMetrics(m);
+  constexpr int kPerThread = 3000;
+  constexpr uint64_t kBytesIn = 100, kBytesOut = 40;
+  std::atomic<bool> done{false};
+  std::atomic<int> scrapes{0}, behind{0};
+  std::string first_behind;
+  std::thread scraper([&] {
+    while (!done.load()) {
+      auto v = testing::ParsePrometheusText(m.RenderText(), nullptr);
+      const double calls = v["normgrad_requests_total{method=\"RmsNormBackward\",code=\"OK\"}"];
+      const double timed = v["normgrad_request_duration_seconds_count{method=\"RmsNormBackward\"}"];
+      const double in = v["normgrad_received_bytes_total{method=\"RmsNormBackward\"}"];
+      const double out = v["normgrad_sent_bytes_total{method=\"RmsNormBackward\"}"];
+      if (timed < calls || in < calls * kBytesIn || out < calls * kBytesOut) {
+        if (behind.fetch_add(1) == 0) {
+          first_behind = absl::StrCat(calls, " calls; ", timed, " timed, ", in, " bytes in, ",
+                                      out, " bytes out");
+        }
+      }
+      scrapes.fetch_add(1);
+    }
+  });
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < kPerThread; ++i) {
+        RecordRpc(m, "RmsNormBackward", 0, 0.001, kBytesIn, kBytesOut);
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  done.store(true);
+  scraper.join();
+  EXPECT_GT(scrapes.load(), 0);
+  EXPECT_EQ(behind.load(), 0) << "first scrape with the count ahead: " << first_behind;
+  auto v = testing::ParsePrometheusText(m.RenderText(), nullptr);
+  EXPECT_EQ(v["normgrad_requests_total{method=\"RmsNormBackward\",code=\"OK\"}"],
+            kThreads * kPerThread);
 }
 
 }  // namespace
