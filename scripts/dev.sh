@@ -6,8 +6,9 @@
 #   scripts/dev.sh test     what CI runs (.ci/run), in stages (docs/testing.md):
 #                           main  build + every ctest label in build/
 #                           asan  the suite under AddressSanitizer+UndefinedBehaviorSanitizer (build-asan/)
-#                           tsan  our concurrent parts under ThreadSanitizer (build-tsan/); not the tests
-#                                 that cross gRPC, whose Debian build TSan cannot see into (docs/testing.md)
+#                           tsan  ThreadSanitizer (build-tsan/): our concurrent parts, any report fails; then
+#                                 the tests that cross gRPC, where a race between two accesses of our
+#                                 code fails (gRPC itself is uninstrumented; docs/testing.md)
 #                           fuzz  libFuzzer targets (clang, build-fuzz/): seed corpora, then a fixed input count each
 #   scripts/dev.sh run [server flags...]   build + run the server (CPU backend when no GPU)
 #
