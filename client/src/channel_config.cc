@@ -6,10 +6,8 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "absl/time/time.h"
 
 namespace normgrad::client_internal {
 namespace {
@@ -19,11 +17,6 @@ bool HasScheme(absl::string_view target) {
     if (absl::StartsWith(target, scheme)) return true;
   }
   return false;
-}
-
-// "0.05s" as the service config's google.protobuf.Duration JSON form wants it.
-std::string JsonDuration(absl::Duration d) {
-  return absl::StrFormat("%.3fs", absl::ToDoubleSeconds(d));
 }
 
 }  // namespace
@@ -68,26 +61,8 @@ absl::StatusOr<ResolvedTarget> ResolveTarget(absl::string_view target) {
                         true};
 }
 
-std::string ServiceConfigJson(const ResolvedTarget& target, const ClientOptions& options) {
-  std::string config = "{";
-  if (target.round_robin) absl::StrAppend(&config, R"("loadBalancingConfig":[{"round_robin":{}}])");
-  if (options.max_attempts > 1) {
-    if (target.round_robin) config += ",";
-    // gRPC caps maxAttempts at 5 whatever the config says.
-    absl::StrAppend(
-        &config,
-        // RmsNormBackward is left out: gRPC stops retrying a stream at its first response, so
-        // the client retries that call as a whole instead (see client.cc).
-        R"("methodConfig":[{"name":[{"service":"normgrad.v1.NormGrad","method":"EmitPtx"},)",
-        R"({"service":"normgrad.v1.NormGrad","method":"GetServerInfo"},)",
-        R"({"service":"grpc.health.v1.Health"}],"retryPolicy":{)",
-        absl::StrFormat(R"("maxAttempts":%d,"initialBackoff":"%s","maxBackoff":"%s",)",
-                        options.max_attempts, JsonDuration(options.initial_backoff),
-                        JsonDuration(options.max_backoff)),
-        R"("backoffMultiplier":2,"retryableStatusCodes":["UNAVAILABLE"]}}])");
-  }
-  config += "}";
-  return config;
+std::string ServiceConfigJson(const ResolvedTarget& target) {
+  return target.round_robin ? R"({"loadBalancingConfig":[{"round_robin":{}}]})" : "{}";
 }
 
 }  // namespace normgrad::client_internal

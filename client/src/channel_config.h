@@ -21,9 +21,9 @@ struct ResolvedTarget {
 // target, an empty list element, a missing port or a list mixing IPv4 and IPv6.
 absl::StatusOr<ResolvedTarget> ResolveTarget(absl::string_view target);
 
-// The service config JSON: the load-balancing policy, and a retryPolicy on UNAVAILABLE for the
-// unary methods (EmitPtx, GetServerInfo, grpc.health.v1.Health) when options.max_attempts > 1.
-std::string ServiceConfigJson(const ResolvedTarget& target, const ClientOptions& options);
+// The service config JSON: round-robin for an address list, else gRPC's default (pick-first).
+// It carries no retryPolicy: retries are the client's own (client.cc).
+std::string ServiceConfigJson(const ResolvedTarget& target);
 
 }  // namespace normgrad::client_internal
 

@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -229,16 +231,16 @@ class ClientImpl final : public Client {
     shared->args = args;
     shared->options = options;
     shared->done = std::move(done);
-    const absl::Duration deadline = DeadlineFor(options.deadline);
-    if (deadline != absl::InfiniteDuration()) {
-      shared->has_deadline = true;
-      shared->deadline = absl::ToChronoTime(absl::Now() + deadline);
-    }
+    SetDeadline(options.deadline, shared->has_deadline, shared->deadline);
     (new BackwardCall(this, std::move(shared), 1))->Start();
   }
 
-  // Starts attempt `attempt` after a jittered exponential backoff.
-  void RetryBackward(std::shared_ptr<BackwardCall::Shared> shared, int attempt) {
+  // Schedules `then` (attempt `attempt`, >= 2) on a gRPC thread after a backoff:
+  // initial_backoff doubling per attempt up to max_backoff, jittered by +-20%. Returns false,
+  // scheduling nothing, when the backoff would end at or past the call's deadline: the caller
+  // then reports the last failure at once instead of a DEADLINE_EXCEEDED later.
+  bool ScheduleRetry(int attempt, bool has_deadline,
+                     std::chrono::system_clock::time_point deadline, std::function<void()> then) {
     absl::Duration backoff = options_.initial_backoff;
     for (int i = 2; i < attempt; ++i) backoff *= 2;
     backoff = std::min(backoff, options_.max_backoff);
@@ -246,14 +248,47 @@ class ClientImpl final : public Client {
       std::lock_guard<std::mutex> lock(rng_mu_);
       backoff *= std::uniform_real_distribution<double>(0.8, 1.2)(rng_);
     }
+    const absl::Time at = absl::Now() + backoff;
+    if (has_deadline && at >= absl::FromChrono(deadline)) return false;
     // gRPC 1.51's alarm holds its own reference while the callback runs, so the callback may
     // delete the grpc::Alarm it belongs to.
     auto* alarm = new grpc::Alarm;
-    alarm->Set(absl::ToChronoTime(absl::Now() + backoff),
-               [this, alarm, shared = std::move(shared), attempt](bool) mutable {
-                 (new BackwardCall(this, std::move(shared), attempt))->Start();
-                 delete alarm;
-               });
+    alarm->Set(absl::ToChronoTime(at), [alarm, then = std::move(then)](bool) {
+      then();
+      delete alarm;
+    });
+    return true;
+  }
+
+  // The absolute deadline of a call that starts now; has_deadline false for none.
+  void SetDeadline(absl::Duration per_call, bool& has_deadline,
+                   std::chrono::system_clock::time_point& deadline) const {
+    const absl::Duration d = DeadlineFor(per_call);
+    has_deadline = d != absl::InfiniteDuration();
+    if (has_deadline) deadline = absl::ToChronoTime(absl::Now() + d);
+  }
+
+  // One unary call with the client's retries: `issue` starts an attempt on a fresh context
+  // (deadline and metadata set) and hands its status to the callback it is given. An attempt
+  // that fails with UNAVAILABLE is repeated after a backoff while attempts and time are left;
+  // `done` gets the last status, after that attempt's context is destroyed.
+  using UnaryIssue =
+      std::function<void(grpc::ClientContext*, std::function<void(grpc::Status)>)>;
+  void UnaryWithRetries(absl::Duration per_call, UnaryIssue issue,
+                        std::function<void(grpc::Status)> done) {
+    auto call = std::make_shared<UnaryCall>();
+    call->issue = std::move(issue);
+    call->done = std::move(done);
+    SetDeadline(per_call, call->has_deadline, call->deadline);
+    StartUnaryAttempt(std::move(call));
+  }
+
+  grpc::Status UnaryWithRetriesSync(absl::Duration per_call, UnaryIssue issue) {
+    std::promise<grpc::Status> promise;
+    std::future<grpc::Status> future = promise.get_future();
+    UnaryWithRetries(per_call, std::move(issue),
+                     [&promise](grpc::Status s) { promise.set_value(std::move(s)); });
+    return future.get();
   }
 
   absl::StatusOr<v1::EmitPtxResponse> EmitPtx(const v1::EmitPtxRequest& request,
@@ -268,52 +303,51 @@ class ClientImpl final : public Client {
 
   void EmitPtxAsync(const v1::EmitPtxRequest& request, const CallOptions& options,
                     EmitPtxCallback done) override {
-    struct State {
-      grpc::ClientContext context;
+    struct Exchange {
       v1::EmitPtxRequest request;
       v1::EmitPtxResponse response;
-      EmitPtxCallback done;
     };
-    auto* state = new State;
-    state->request = request;
-    state->done = std::move(done);
-    PrepareContext(state->context, options.deadline);
-    stub_->async()->EmitPtx(&state->context, &state->request, &state->response,
-                            [state](grpc::Status status) {
-                              // Context first, callback last (see BackwardCall::OnDone).
-                              EmitPtxCallback done = std::move(state->done);
-                              v1::EmitPtxResponse response = std::move(state->response);
-                              delete state;
-                              if (!status.ok()) {
-                                done(FromGrpcStatus(status));
-                              } else {
-                                done(std::move(response));
-                              }
-                            });
+    auto exchange = std::make_shared<Exchange>();
+    exchange->request = request;
+    UnaryWithRetries(
+        options.deadline,
+        [this, exchange](grpc::ClientContext* context, std::function<void(grpc::Status)> then) {
+          stub_->async()->EmitPtx(context, &exchange->request, &exchange->response,
+                                  std::move(then));
+        },
+        [exchange, done = std::move(done)](grpc::Status status) {
+          if (!status.ok()) {
+            done(FromGrpcStatus(status));
+          } else {
+            done(std::move(exchange->response));
+          }
+        });
   }
 
   absl::StatusOr<v1::GetServerInfoResponse> ServerInfo(const CallOptions& options) override {
-    grpc::ClientContext context;
-    PrepareContext(context, options.deadline);
+    const v1::GetServerInfoRequest request;
     v1::GetServerInfoResponse response;
-    const grpc::Status status = stub_->GetServerInfo(&context, {}, &response);
+    const grpc::Status status = UnaryWithRetriesSync(
+        options.deadline,
+        [&](grpc::ClientContext* context, std::function<void(grpc::Status)> then) {
+          stub_->async()->GetServerInfo(context, &request, &response, std::move(then));
+        });
     if (!status.ok()) return FromGrpcStatus(status);
     return response;
   }
 
   absl::StatusOr<HealthStatus> Health(const std::string& service,
                                       const CallOptions& options) override {
-    grpc::ClientContext context;
-    PrepareContext(context, options.deadline);
     const std::string encoded = EncodeHealthCheckRequest(service);
     grpc::Slice slice(encoded);
-    grpc::ByteBuffer request(&slice, 1);
+    const grpc::ByteBuffer request(&slice, 1);  // each attempt sends a copy
     grpc::ByteBuffer response;
-    std::promise<grpc::Status> promise;
-    auto future = promise.get_future();
-    generic_.UnaryCall(&context, kHealthCheckMethod, grpc::StubOptions(), &request, &response,
-                       [&promise](grpc::Status s) { promise.set_value(std::move(s)); });
-    const grpc::Status status = future.get();
+    const grpc::Status status = UnaryWithRetriesSync(
+        options.deadline,
+        [&](grpc::ClientContext* context, std::function<void(grpc::Status)> then) {
+          generic_.UnaryCall(context, kHealthCheckMethod, grpc::StubOptions(), &request,
+                             &response, std::move(then));
+        });
     if (!status.ok()) return FromGrpcStatus(status);
     std::vector<grpc::Slice> slices;
     if (!response.Dump(&slices).ok()) return absl::InternalError("health reply: unreadable");
@@ -330,14 +364,6 @@ class ClientImpl final : public Client {
     return per_call == absl::ZeroDuration() ? options_.default_deadline : per_call;
   }
 
-  void PrepareContext(grpc::ClientContext& context, absl::Duration per_call) const {
-    const absl::Duration deadline = DeadlineFor(per_call);
-    if (deadline != absl::InfiniteDuration()) {
-      context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
-    }
-    AddMetadata(context);
-  }
-
   void AddMetadata(grpc::ClientContext& context) const {
     if (!options_.bearer_token.empty()) {
       context.AddMetadata("authorization", absl::StrCat("Bearer ", options_.bearer_token));
@@ -348,6 +374,48 @@ class ClientImpl final : public Client {
   v1::NormGrad::Stub& stub() { return *stub_; }
 
  private:
+  struct UnaryCall {
+    UnaryIssue issue;  // set before the first attempt, then only read
+    std::chrono::system_clock::time_point deadline;
+    bool has_deadline = false;
+    // Each attempt's start and its callback run on different threads, ordered by gRPC in ways
+    // ThreadSanitizer cannot see (docs/testing.md): what they share is under mu.
+    std::mutex mu;
+    std::function<void(grpc::Status)> done;
+    int attempt = 0;
+    std::unique_ptr<grpc::ClientContext> context;  // the current attempt's
+  };
+
+  void StartUnaryAttempt(std::shared_ptr<UnaryCall> call) {
+    grpc::ClientContext* context;
+    {
+      std::lock_guard<std::mutex> lock(call->mu);
+      ++call->attempt;
+      call->context = std::make_unique<grpc::ClientContext>();
+      if (call->has_deadline) call->context->set_deadline(call->deadline);
+      AddMetadata(*call->context);
+      context = call->context.get();
+    }
+    const UnaryIssue& issue = call->issue;
+    issue(context, [this, call](grpc::Status status) mutable {
+      std::function<void(grpc::Status)> done;
+      {
+        std::lock_guard<std::mutex> lock(call->mu);
+        // Context first, callback last (see BackwardCall::OnDone); a retry gets a new one.
+        call->context.reset();
+        if (status.error_code() == grpc::StatusCode::UNAVAILABLE &&
+            call->attempt < options_.max_attempts &&
+            ScheduleRetry(call->attempt + 1, call->has_deadline, call->deadline,
+                          [this, call] { StartUnaryAttempt(call); })) {
+          return;
+        }
+        done = std::move(call->done);
+      }
+      call.reset();
+      done(std::move(status));
+    });
+  }
+
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::NormGrad::Stub> stub_;
@@ -477,16 +545,17 @@ void BackwardCall::OnDone(const grpc::Status& status) {
   const bool retryable =
       error_.ok() && (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
                       (status.error_code() == grpc::StatusCode::CANCELLED && !any_response_));
-  const bool time_left =
-      !shared_->has_deadline || std::chrono::system_clock::now() < shared_->deadline;
-  if (retryable && time_left && attempt_ < client_->options().max_attempts) {
+  if (retryable && attempt_ < client_->options().max_attempts) {
     ClientImpl* client = client_;
-    std::shared_ptr<Shared> shared = std::move(shared_);
+    std::shared_ptr<Shared> shared = shared_;
     const int next = attempt_ + 1;
-    lock.unlock();
-    delete this;
-    client->RetryBackward(std::move(shared), next);
-    return;
+    if (client->ScheduleRetry(next, shared->has_deadline, shared->deadline, [client, shared, next] {
+          (new BackwardCall(client, shared, next))->Start();
+        })) {
+      lock.unlock();
+      delete this;
+      return;
+    }
   }
   absl::Status result = error_;
   if (result.ok()) result = FromGrpcStatus(status);
@@ -532,7 +601,14 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
   if (!target.ok()) return target.status();
 
   grpc::ChannelArguments args;
-  args.SetServiceConfigJSON(client_internal::ServiceConfigJson(*target, options));
+  args.SetServiceConfigJSON(client_internal::ServiceConfigJson(*target));
+  // Every retry is the client's own (UnaryWithRetries, BackwardCall::OnDone), so gRPC's retry
+  // layer is off, transparent retries included. With it on, gRPC 1.51 could transparently
+  // replay a Backward stream that met a dying connection on another replica after it had
+  // already failed the stream's first write to us: the header reached the new replica, the
+  // client (told the write failed) sent nothing more, and the call hung until the server's
+  // idle timeout (docs/client.md).
+  args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
   if (options.max_receive_message_bytes != -1) {
     args.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
   }

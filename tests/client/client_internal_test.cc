@@ -76,22 +76,11 @@ TEST(ResolveTargetTest, RejectsEmptyTargetsElementsMissingPortsAndMixedFamilies)
   }
 }
 
-TEST(ServiceConfigTest, RetriesUnaryMethodsOnUnavailableButNotTheStream) {
-  ClientOptions options;
-  options.max_attempts = 4;
-  const std::string json = ServiceConfigJson({"ipv4:1.2.3.4:1,1.2.3.4:2", true}, options);
-  EXPECT_NE(json.find("\"round_robin\""), std::string::npos) << json;
-  EXPECT_NE(json.find("\"maxAttempts\":4"), std::string::npos) << json;
-  EXPECT_NE(json.find("\"UNAVAILABLE\""), std::string::npos);
-  EXPECT_NE(json.find("\"EmitPtx\""), std::string::npos);
-  EXPECT_NE(json.find("grpc.health.v1.Health"), std::string::npos);
-  EXPECT_EQ(json.find("RmsNormBackward"), std::string::npos);
-}
-
-TEST(ServiceConfigTest, OneAttemptAndOneAddressGiveAnEmptyConfig) {
-  ClientOptions options;
-  options.max_attempts = 1;
-  EXPECT_EQ(ServiceConfigJson({"localhost:1", false}, options), "{}");
+TEST(ServiceConfigTest, RoundRobinForAListAndNoRetryPolicy) {
+  // Retries are the client's own (ClientRetryTest); gRPC's retry layer is off.
+  EXPECT_EQ(ServiceConfigJson({"ipv4:1.2.3.4:1,1.2.3.4:2", true}),
+            R"({"loadBalancingConfig":[{"round_robin":{}}]})");
+  EXPECT_EQ(ServiceConfigJson({"localhost:1", false}), "{}");
 }
 
 TEST(HealthWireTest, RequestEncodingMatchesProtobuf) {

@@ -1,7 +1,7 @@
-// How the client handles what a server sends on the RmsNormBackward stream, against a scripted
-// server in the test: the whole-call retry on UNAVAILABLE (before or after a response) and on
+// How the client handles what a server sends, against a scripted server in the test: on the
+// RmsNormBackward stream, the whole-call retry on UNAVAILABLE (before or after a response) and on
 // CANCELLED before any response, chunks placed by first_row, and malformed replies reported as
-// INTERNAL.
+// INTERNAL; the unary calls' retries on UNAVAILABLE.
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
@@ -104,8 +104,36 @@ class ScriptedService final : public v1::NormGrad::CallbackService {
       grpc::CallbackServerContext*) override {
     return new ScriptedStream(script, ++streams);
   }
+  // The unary methods: the first `unary_failures` calls end with `unary_code`, the rest answer.
+  grpc::ServerUnaryReactor* EmitPtx(grpc::CallbackServerContext* context,
+                                    const v1::EmitPtxRequest* request,
+                                    v1::EmitPtxResponse* response) override {
+    response->set_entry(request->kernel());
+    return Unary(context);
+  }
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
+                                          const v1::GetServerInfoRequest*,
+                                          v1::GetServerInfoResponse* response) override {
+    response->set_backend("scripted");
+    return Unary(context);
+  }
+
   std::atomic<Script> script{Script::kEchoX};
   std::atomic<int> streams{0};
+  std::atomic<int> unary_calls{0};
+  std::atomic<int> unary_failures{0};
+  std::atomic<grpc::StatusCode> unary_code{grpc::StatusCode::UNAVAILABLE};
+
+ private:
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (++unary_calls <= unary_failures.load()) {
+      reactor->Finish(grpc::Status(unary_code.load(), "scripted: unary not yet"));
+    } else {
+      reactor->Finish(grpc::Status::OK);
+    }
+    return reactor;
+  }
 };
 
 class ClientProtocolTest : public ::testing::Test {
@@ -217,6 +245,69 @@ TEST_F(ClientProtocolTest, RowsOutsideTheBatchAreInternal) {
   ASSERT_FALSE(g.ok());
   EXPECT_EQ(g.status().code(), absl::StatusCode::kInternal);
   EXPECT_NE(g.status().message().find("of a 10-row batch"), absl::string_view::npos) << g.status();
+}
+
+
+// Unary calls get the client's own retries too (gRPC's retry layer is off, see client.cc):
+// UNAVAILABLE is retried within max_attempts, other codes are not.
+TEST_F(ClientProtocolTest, UnaryCallsRetryOnUnavailableUntilTheyGetThrough) {
+  service_.unary_failures = 2;  // max_attempts is 3
+  v1::EmitPtxRequest request;
+  request.set_kernel("rms_norm_backward");
+  absl::StatusOr<v1::EmitPtxResponse> ptx = client_->EmitPtx(request);
+  ASSERT_TRUE(ptx.ok()) << ptx.status();
+  EXPECT_EQ(ptx->entry(), "rms_norm_backward");
+  EXPECT_EQ(service_.unary_calls.load(), 3);
+
+  service_.unary_calls = 0;
+  absl::StatusOr<v1::GetServerInfoResponse> info = client_->ServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->backend(), "scripted");
+  EXPECT_EQ(service_.unary_calls.load(), 3);
+}
+
+TEST_F(ClientProtocolTest, UnaryRetriesStopAtMaxAttemptsAndSkipOtherCodes) {
+  service_.unary_failures = 100;
+  absl::StatusOr<v1::GetServerInfoResponse> info = client_->ServerInfo();
+  ASSERT_FALSE(info.ok());
+  EXPECT_EQ(info.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(info.status().message(), "scripted: unary not yet");
+  EXPECT_EQ(service_.unary_calls.load(), 3);
+
+  service_.unary_calls = 0;
+  service_.unary_code = grpc::StatusCode::FAILED_PRECONDITION;
+  absl::StatusOr<v1::EmitPtxResponse> ptx = client_->EmitPtx(v1::EmitPtxRequest());
+  ASSERT_FALSE(ptx.ok());
+  EXPECT_EQ(ptx.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(service_.unary_calls.load(), 1);
+}
+
+TEST_F(ClientProtocolTest, NoRetryWhoseBackoffWouldOutlastTheDeadline) {
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", port_);
+  options.max_attempts = 5;
+  options.initial_backoff = absl::Milliseconds(300);
+  options.max_backoff = absl::Milliseconds(300);
+  absl::StatusOr<std::unique_ptr<Client>> slow = Client::Create(options);
+  ASSERT_TRUE(slow.ok());
+  service_.unary_failures = 100;
+  CallOptions call;
+  call.deadline = absl::Milliseconds(100);
+  absl::StatusOr<v1::GetServerInfoResponse> info = (*slow)->ServerInfo(call);
+  ASSERT_FALSE(info.ok());
+  // The backoff (240-360 ms) would outlast the deadline: no retry, and the caller hears the
+  // server's UNAVAILABLE at once rather than a DEADLINE_EXCEEDED later.
+  EXPECT_EQ(info.status().code(), absl::StatusCode::kUnavailable) << info.status();
+  EXPECT_EQ(service_.unary_calls.load(), 1);
+
+  // The same for the stream.
+  service_.script = Script::kUnavailableFirstTwo;
+  BackwardOptions backward;
+  backward.deadline = absl::Milliseconds(100);
+  absl::StatusOr<Gradients> g = (*slow)->Backward(x_, dy_, gamma_, 1e-5f, backward);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kUnavailable) << g.status();
+  EXPECT_EQ(service_.streams.load(), 1);
 }
 
 }  // namespace

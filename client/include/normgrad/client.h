@@ -56,11 +56,11 @@ struct ClientOptions {
   std::string bearer_token;
   // Deadline of a call that does not set its own; absl::InfiniteDuration() for none.
   absl::Duration default_deadline = absl::Seconds(60);
-  // Attempts (first one included) for a call that fails with UNAVAILABLE. Unary calls retry
-  // through gRPC's service-config retryPolicy. Backward retries the whole stream itself (gRPC's
-  // own retries stop covering a stream at its first response): on UNAVAILABLE, even after
-  // partial responses (the outputs are rewritten; on_progress then counts again from 0), and
-  // on a CANCELLED that came before any response (a replica shutting down). 1 disables retries.
+  // Attempts (first one included) for a call that fails with UNAVAILABLE; the client retries
+  // itself (gRPC's retry layer is off), with a jittered exponential backoff, and never past the
+  // call's deadline. Backward retries the whole stream: on UNAVAILABLE, even after partial
+  // responses (the outputs are rewritten; on_progress then counts again from 0), and on a
+  // CANCELLED that came before any response (a replica shutting down). 1 disables retries.
   int max_attempts = 3;
   absl::Duration initial_backoff = absl::Milliseconds(50);
   absl::Duration max_backoff = absl::Seconds(1);
