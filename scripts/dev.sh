@@ -93,14 +93,16 @@ stage_asan() {
 #    (service_concurrency_test), the module cache under concurrent first use, the CPU backend's
 #    thread pool, the emulated driver's streams. No suppressions: any report fails.
 # 2. The tests that cross gRPC (the service with many streams, hostile clients, the client library
-#    against a server), with Debian's abseil synchronization library rebuilt with TSan
-#    (scripts/tsan_abseil.sh) so that gRPC's locks are visible. gRPC itself stays uninstrumented,
-#    so tests/tsan/triage.py fails on every report between two accesses of our code and counts
-#    the reports with an access inside gRPC. Skipped, loudly, when the abseil source cannot be
-#    fetched; NORMGRAD_TSAN_GRPC=0 skips it on purpose.
+#    against a server and against a scripted one for its retries), with Debian's abseil
+#    synchronization library rebuilt with TSan (scripts/tsan_abseil.sh) so that gRPC's locks are
+#    visible. gRPC itself stays uninstrumented, so tests/tsan/triage.py fails on every report
+#    between two accesses of our code and counts the reports with an access inside gRPC.
+#    Skipped, loudly, when the abseil source cannot be fetched; NORMGRAD_TSAN_GRPC=0 skips it
+#    on purpose.
 TSAN_TARGETS=(service_concurrency_test module_cache_test cpu_backend_test
   ptxsim_emulated_driver_test)
-TSAN_GRPC_TARGETS=(service_integration_test hostile_clients_test client_server_test)
+TSAN_GRPC_TARGETS=(service_integration_test hostile_clients_test client_server_test
+  client_scripted_server_test)
 stage_tsan() {
   local dir=${TSAN_BUILD_DIR:-build-tsan}
   cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
@@ -127,7 +129,7 @@ stage_tsan() {
   mkdir -p "$logs"
   LD_LIBRARY_PATH="$abs_dir/abseil-tsan/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
     TSAN_OPTIONS="halt_on_error=0:exitcode=0:ignore_noninstrumented_modules=1:log_path=$logs/report" \
-    run_ctest "$dir" -R '^(Service[A-Za-z]*Test|HostileClientTest|(Client|Secure|Cli|Load)ServerTest)\.'
+    run_ctest "$dir" -R '^(Service[A-Za-z]*Test|HostileClientTest|(Client|Secure|Cli|Load)ServerTest|ClientProtocolTest)\.'
   python3 "$ROOT/tests/tsan/triage.py" "$ROOT" "$logs"
 }
 

@@ -150,6 +150,33 @@ class BackwardCall final
   absl::Status error_;  // a malformed reply seen in OnReadDone; the call is cancelled
 };
 
+// One unary call (EmitPtx, GetServerInfo, Health) with the client's retries.
+struct UnaryCall {
+  // Ties the RPC to `context` and `reactor` (the reactor then starts it).
+  using Prepare = std::function<void(grpc::ClientContext*, grpc::ClientUnaryReactor*)>;
+  Prepare prepare;
+  std::function<void(grpc::Status)> done;
+  std::chrono::system_clock::time_point deadline;
+  bool has_deadline = false;
+};
+
+// One attempt of a UnaryCall, on a fresh context. Deletes itself in OnDone, after handing the
+// status on (or scheduling the next attempt when it was UNAVAILABLE).
+class UnaryAttempt final : public grpc::ClientUnaryReactor {
+ public:
+  UnaryAttempt(ClientImpl* client, std::shared_ptr<UnaryCall> call, int attempt)
+      : client_(client), call_(std::move(call)), attempt_(attempt) {}
+  void Start();
+  void OnDone(const grpc::Status& status) override;
+
+ private:
+  std::mutex mu_;  // as BackwardCall's: Start and OnDone run on different threads
+  ClientImpl* client_;
+  std::shared_ptr<UnaryCall> call_;
+  int attempt_;
+  grpc::ClientContext context_;
+};
+
 class ClientImpl final : public Client {
  public:
   ClientImpl(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
@@ -239,8 +266,8 @@ class ClientImpl final : public Client {
   // initial_backoff doubling per attempt up to max_backoff, jittered by +-20%. Returns false,
   // scheduling nothing, when the backoff would end at or past the call's deadline: the caller
   // then reports the last failure at once instead of a DEADLINE_EXCEEDED later.
-  bool ScheduleRetry(int attempt, bool has_deadline,
-                     std::chrono::system_clock::time_point deadline, std::function<void()> then) {
+  bool ScheduleRetry(int attempt, bool has_deadline, std::chrono::system_clock::time_point deadline,
+                     std::function<void()> then) {
     absl::Duration backoff = options_.initial_backoff;
     for (int i = 2; i < attempt; ++i) backoff *= 2;
     backoff = std::min(backoff, options_.max_backoff);
@@ -268,25 +295,20 @@ class ClientImpl final : public Client {
     if (has_deadline) deadline = absl::ToChronoTime(absl::Now() + d);
   }
 
-  // One unary call with the client's retries: `issue` starts an attempt on a fresh context
-  // (deadline and metadata set) and hands its status to the callback it is given. An attempt
-  // that fails with UNAVAILABLE is repeated after a backoff while attempts and time are left;
-  // `done` gets the last status, after that attempt's context is destroyed.
-  using UnaryIssue =
-      std::function<void(grpc::ClientContext*, std::function<void(grpc::Status)>)>;
-  void UnaryWithRetries(absl::Duration per_call, UnaryIssue issue,
+  // Starts a unary call with the client's retries; `done` gets the last attempt's status.
+  void UnaryWithRetries(absl::Duration per_call, UnaryCall::Prepare prepare,
                         std::function<void(grpc::Status)> done) {
     auto call = std::make_shared<UnaryCall>();
-    call->issue = std::move(issue);
+    call->prepare = std::move(prepare);
     call->done = std::move(done);
     SetDeadline(per_call, call->has_deadline, call->deadline);
-    StartUnaryAttempt(std::move(call));
+    (new UnaryAttempt(this, std::move(call), 1))->Start();
   }
 
-  grpc::Status UnaryWithRetriesSync(absl::Duration per_call, UnaryIssue issue) {
+  grpc::Status UnaryWithRetriesSync(absl::Duration per_call, UnaryCall::Prepare prepare) {
     std::promise<grpc::Status> promise;
     std::future<grpc::Status> future = promise.get_future();
-    UnaryWithRetries(per_call, std::move(issue),
+    UnaryWithRetries(per_call, std::move(prepare),
                      [&promise](grpc::Status s) { promise.set_value(std::move(s)); });
     return future.get();
   }
@@ -311,9 +333,8 @@ class ClientImpl final : public Client {
     exchange->request = request;
     UnaryWithRetries(
         options.deadline,
-        [this, exchange](grpc::ClientContext* context, std::function<void(grpc::Status)> then) {
-          stub_->async()->EmitPtx(context, &exchange->request, &exchange->response,
-                                  std::move(then));
+        [this, exchange](grpc::ClientContext* context, grpc::ClientUnaryReactor* reactor) {
+          stub_->async()->EmitPtx(context, &exchange->request, &exchange->response, reactor);
         },
         [exchange, done = std::move(done)](grpc::Status status) {
           if (!status.ok()) {
@@ -328,9 +349,8 @@ class ClientImpl final : public Client {
     const v1::GetServerInfoRequest request;
     v1::GetServerInfoResponse response;
     const grpc::Status status = UnaryWithRetriesSync(
-        options.deadline,
-        [&](grpc::ClientContext* context, std::function<void(grpc::Status)> then) {
-          stub_->async()->GetServerInfo(context, &request, &response, std::move(then));
+        options.deadline, [&](grpc::ClientContext* context, grpc::ClientUnaryReactor* reactor) {
+          stub_->async()->GetServerInfo(context, &request, &response, reactor);
         });
     if (!status.ok()) return FromGrpcStatus(status);
     return response;
@@ -343,10 +363,9 @@ class ClientImpl final : public Client {
     const grpc::ByteBuffer request(&slice, 1);  // each attempt sends a copy
     grpc::ByteBuffer response;
     const grpc::Status status = UnaryWithRetriesSync(
-        options.deadline,
-        [&](grpc::ClientContext* context, std::function<void(grpc::Status)> then) {
-          generic_.UnaryCall(context, kHealthCheckMethod, grpc::StubOptions(), &request,
-                             &response, std::move(then));
+        options.deadline, [&](grpc::ClientContext* context, grpc::ClientUnaryReactor* reactor) {
+          generic_.PrepareUnaryCall(context, kHealthCheckMethod, grpc::StubOptions(), &request,
+                                    &response, reactor);
         });
     if (!status.ok()) return FromGrpcStatus(status);
     std::vector<grpc::Slice> slices;
@@ -374,48 +393,6 @@ class ClientImpl final : public Client {
   v1::NormGrad::Stub& stub() { return *stub_; }
 
  private:
-  struct UnaryCall {
-    UnaryIssue issue;  // set before the first attempt, then only read
-    std::chrono::system_clock::time_point deadline;
-    bool has_deadline = false;
-    // Each attempt's start and its callback run on different threads, ordered by gRPC in ways
-    // ThreadSanitizer cannot see (docs/testing.md): what they share is under mu.
-    std::mutex mu;
-    std::function<void(grpc::Status)> done;
-    int attempt = 0;
-    std::unique_ptr<grpc::ClientContext> context;  // the current attempt's
-  };
-
-  void StartUnaryAttempt(std::shared_ptr<UnaryCall> call) {
-    grpc::ClientContext* context;
-    {
-      std::lock_guard<std::mutex> lock(call->mu);
-      ++call->attempt;
-      call->context = std::make_unique<grpc::ClientContext>();
-      if (call->has_deadline) call->context->set_deadline(call->deadline);
-      AddMetadata(*call->context);
-      context = call->context.get();
-    }
-    const UnaryIssue& issue = call->issue;
-    issue(context, [this, call](grpc::Status status) mutable {
-      std::function<void(grpc::Status)> done;
-      {
-        std::lock_guard<std::mutex> lock(call->mu);
-        // Context first, callback last (see BackwardCall::OnDone); a retry gets a new one.
-        call->context.reset();
-        if (status.error_code() == grpc::StatusCode::UNAVAILABLE &&
-            call->attempt < options_.max_attempts &&
-            ScheduleRetry(call->attempt + 1, call->has_deadline, call->deadline,
-                          [this, call] { StartUnaryAttempt(call); })) {
-          return;
-        }
-        done = std::move(call->done);
-      }
-      call.reset();
-      done(std::move(status));
-    });
-  }
-
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::NormGrad::Stub> stub_;
@@ -423,6 +400,39 @@ class ClientImpl final : public Client {
   std::mutex rng_mu_;
   std::mt19937_64 rng_{std::random_device{}()};  // guarded by rng_mu_
 };
+
+void UnaryAttempt::Start() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (call_->has_deadline) context_.set_deadline(call_->deadline);
+    client_->AddMetadata(context_);
+    call_->prepare(&context_, this);
+  }
+  StartCall();
+}
+
+void UnaryAttempt::OnDone(const grpc::Status& status) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE &&
+      attempt_ < client_->options().max_attempts) {
+    ClientImpl* client = client_;
+    std::shared_ptr<UnaryCall> call = call_;
+    const int next = attempt_ + 1;
+    if (client->ScheduleRetry(next, call->has_deadline, call->deadline, [client, call, next] {
+          (new UnaryAttempt(client, call, next))->Start();
+        })) {
+      lock.unlock();
+      delete this;
+      return;
+    }
+  }
+  // Context first, callback last (see BackwardCall::OnDone).
+  std::shared_ptr<UnaryCall> call = std::move(call_);
+  grpc::Status result = status;
+  lock.unlock();
+  delete this;
+  call->done(std::move(result));
+}
 
 BackwardCall::BackwardCall(ClientImpl* client, std::shared_ptr<Shared> shared, int attempt)
     : client_(client),

@@ -247,7 +247,6 @@ TEST_F(ClientProtocolTest, RowsOutsideTheBatchAreInternal) {
   EXPECT_NE(g.status().message().find("of a 10-row batch"), absl::string_view::npos) << g.status();
 }
 
-
 // Unary calls get the client's own retries too (gRPC's retry layer is off, see client.cc):
 // UNAVAILABLE is retried within max_attempts, other codes are not.
 TEST_F(ClientProtocolTest, UnaryCallsRetryOnUnavailableUntilTheyGetThrough) {
