@@ -287,6 +287,17 @@ class ClientImpl final : public Client {
     return true;
   }
 
+  // After attempt `attempt` of a call failed in a way worth retrying: schedules attempt
+  // `attempt + 1` (a new Attempt, BackwardCall or UnaryAttempt, on the call's `state`) when
+  // attempts and time are left, and says whether it did.
+  template <typename Attempt, typename State>
+  bool RetryLater(const std::shared_ptr<State>& state, int attempt) {
+    if (attempt >= options_.max_attempts) return false;
+    const int next = attempt + 1;
+    return ScheduleRetry(next, state->has_deadline, state->deadline,
+                         [this, state, next] { (new Attempt(this, state, next))->Start(); });
+  }
+
   // The absolute deadline of a call that starts now; has_deadline false for none.
   void SetDeadline(absl::Duration per_call, bool& has_deadline,
                    std::chrono::system_clock::time_point& deadline) const {
@@ -414,17 +425,10 @@ void UnaryAttempt::Start() {
 void UnaryAttempt::OnDone(const grpc::Status& status) {
   std::unique_lock<std::mutex> lock(mu_);
   if (status.error_code() == grpc::StatusCode::UNAVAILABLE &&
-      attempt_ < client_->options().max_attempts) {
-    ClientImpl* client = client_;
-    std::shared_ptr<UnaryCall> call = call_;
-    const int next = attempt_ + 1;
-    if (client->ScheduleRetry(next, call->has_deadline, call->deadline, [client, call, next] {
-          (new UnaryAttempt(client, call, next))->Start();
-        })) {
-      lock.unlock();
-      delete this;
-      return;
-    }
+      client_->RetryLater<UnaryAttempt>(call_, attempt_)) {
+    lock.unlock();
+    delete this;
+    return;
   }
   // Context first, callback last (see BackwardCall::OnDone).
   std::shared_ptr<UnaryCall> call = std::move(call_);
@@ -555,17 +559,10 @@ void BackwardCall::OnDone(const grpc::Status& status) {
   const bool retryable =
       error_.ok() && (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
                       (status.error_code() == grpc::StatusCode::CANCELLED && !any_response_));
-  if (retryable && attempt_ < client_->options().max_attempts) {
-    ClientImpl* client = client_;
-    std::shared_ptr<Shared> shared = shared_;
-    const int next = attempt_ + 1;
-    if (client->ScheduleRetry(next, shared->has_deadline, shared->deadline, [client, shared, next] {
-          (new BackwardCall(client, shared, next))->Start();
-        })) {
-      lock.unlock();
-      delete this;
-      return;
-    }
+  if (retryable && client_->RetryLater<BackwardCall>(shared_, attempt_)) {
+    lock.unlock();
+    delete this;
+    return;
   }
   absl::Status result = error_;
   if (result.ok()) result = FromGrpcStatus(status);
