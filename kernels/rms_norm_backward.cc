@@ -4,24 +4,11 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/divergence_analysis.h"
-#include "kernels/targets.h"
-#include "kernels/verifier.h"
+#include "kernels/kernel_params.h"
+#include "kernels/status_macros.h"
 
 namespace normgrad::kernels {
 namespace {
-
-// shfl.sync (member-mask shuffles) first appeared in PTX ISA 6.0.
-constexpr PtxVersion kShflSyncVersion{6, 0};
-constexpr uint32_t kFullMask = 0xffffffffu;
-
-std::vector<KernelParam> ToKernelParams(const Function& f) {
-  std::vector<KernelParam> out;
-  for (const ParamDecl& p : f.params()) {
-    out.push_back(KernelParam{p.name, std::string(PtxTypeName(p.type))});
-  }
-  return out;
-}
 
 // Sum over the 32 lanes of a warp, in a fixed order, broadcast from lane 0 so every lane holds the
 // same bits. All five steps always run: lanes holding no element contribute 0.
@@ -32,11 +19,6 @@ Value WarpSum(Builder& b, Value v) {
     sum = b.Add(sum, other);
   }
   return b.Shfl(ShflMode::kIdx, sum, Value::U32(0), kFullMask);
-}
-
-// PTX ISA version the element type's instructions need: cvt to/from .bf16 is PTX 7.0 (sm_80).
-PtxVersion InstructionsVersion(DType dtype) {
-  return dtype == DType::kBF16 ? PtxVersion{7, 0} : kShflSyncVersion;
 }
 
 PtxType StorageType(DType dtype) {
@@ -106,66 +88,7 @@ uint32_t ElementShift(DType dtype) { return dtype == DType::kF32 ? 2 : 1; }
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
-// BuiltKernel
-
-absl::Status BuiltKernel::CheckCommon(const KernelConfig& config) const {
-  if (config.dtype == DType::kBF16 && config.target_sm < 80) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("dtype bf16 needs target sm_80 or newer (cvt.rn.bf16.f32); target is sm_",
-                     config.target_sm));
-  }
-  absl::StatusOr<PtxVersion> v =
-      ResolvePtxVersion(config.target_sm, config.ptx_version, InstructionsVersion(config.dtype));
-  return v.status();
-}
-
-std::string BuiltKernel::ConfigKey(const KernelConfig& config) const {
-  absl::StatusOr<PtxVersion> v =
-      ResolvePtxVersion(config.target_sm, config.ptx_version, InstructionsVersion(config.dtype));
-  const std::string version =
-      v.ok() ? v->ToString()
-             : (config.ptx_version.has_value() ? config.ptx_version->ToString() : "invalid");
-  return absl::StrCat(EntryName(), "|dtype=", DTypeName(config.dtype), "|sm_", config.target_sm,
-                      "|ptx=", version, "|", kGeneratorVersion);
-}
-
-absl::StatusOr<EmittedPtx> BuiltKernel::Emit(const KernelConfig& config) const {
-  absl::StatusOr<Module> module = Build(config);
-  if (!module.ok()) return module.status();
-  if (absl::Status s = Verify(*module); !s.ok()) {
-    return absl::InternalError(absl::StrCat(EntryName(), " failed verification: ", s.message()));
-  }
-  if (absl::Status s = CheckDivergence(*module, LaunchAssumptions{}); !s.ok()) {
-    return absl::InternalError(
-        absl::StrCat(EntryName(), " failed divergence analysis: ", s.message()));
-  }
-  EmittedPtx out;
-  out.text = EmitPtx(*module);
-  out.entry = std::string(EntryName());
-  out.params = ToKernelParams(module->functions().front());
-  out.version = module->version();
-  out.target_sm = module->target_sm();
-  out.config_key = ConfigKey(config);
-  return out;
-}
-
-// ---------------------------------------------------------------------------------------------
 // rms_norm_backward
-
-std::vector<KernelParam> RmsNormBackwardKernel::Params() const {
-  return {{"input_ptr", "u64"},       {"gamma_ptr", "u64"},      {"rms_ptr", "u64"},
-          {"grad_output_ptr", "u64"}, {"grad_input_ptr", "u64"}, {"num_rows", "u32"},
-          {"hidden_dim", "u32"}};
-}
-
-absl::Status RmsNormBackwardKernel::CanImplement(const KernelConfig& config) const {
-  if (config.hidden_dim == 0 || config.hidden_dim > kMaxHiddenDim) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "hidden_dim ", config.hidden_dim, " is outside 1..", kMaxHiddenDim,
-        ", the limit of rms_norm_backward (one warp per row); use batched_rms_norm_backward"));
-  }
-  return CheckCommon(config);
-}
 
 LaunchGeometry RmsNormBackwardKernel::Geometry(const KernelConfig& config,
                                                uint64_t num_rows) const {
@@ -177,20 +100,15 @@ LaunchGeometry RmsNormBackwardKernel::Geometry(const KernelConfig& config,
 }
 
 absl::StatusOr<Module> RmsNormBackwardKernel::Build(const KernelConfig& config) const {
-  if (absl::Status s = CanImplement(config); !s.ok()) return s;
-  absl::StatusOr<PtxVersion> version =
-      ResolvePtxVersion(config.target_sm, config.ptx_version, InstructionsVersion(config.dtype));
-  if (!version.ok()) return version.status();
-
-  Module m(*version, config.target_sm);
-  Function& f = m.AddEntry(EntryName());
-  const Param input_ptr = f.AddParam(PtxType::kU64, "input_ptr");
-  const Param gamma_ptr = f.AddParam(PtxType::kU64, "gamma_ptr");
-  const Param rms_ptr = f.AddParam(PtxType::kU64, "rms_ptr");
-  const Param grad_output_ptr = f.AddParam(PtxType::kU64, "grad_output_ptr");
-  const Param grad_input_ptr = f.AddParam(PtxType::kU64, "grad_input_ptr");
-  const Param num_rows = f.AddParam(PtxType::kU32, "num_rows");
-  const Param hidden_dim = f.AddParam(PtxType::kU32, "hidden_dim");
+  NORMGRAD_ASSIGN_OR_RETURN(Module m, StartModule(config));
+  Function& f = m.mutable_functions().front();
+  const Param input_ptr = AddKernelParam(f, KernelParamId::kInput);
+  const Param gamma_ptr = AddKernelParam(f, KernelParamId::kGamma);
+  const Param rms_ptr = AddKernelParam(f, KernelParamId::kRms);
+  const Param grad_output_ptr = AddKernelParam(f, KernelParamId::kGradOutput);
+  const Param grad_input_ptr = AddKernelParam(f, KernelParamId::kGradInput);
+  const Param num_rows = AddKernelParam(f, KernelParamId::kNumRows);
+  const Param hidden_dim = AddKernelParam(f, KernelParamId::kHiddenDim);
 
   Builder b(&f);
   const Label exit = b.CreateLabel("exit");
@@ -249,22 +167,6 @@ absl::StatusOr<Module> RmsNormBackwardKernel::Build(const KernelConfig& config) 
 // ---------------------------------------------------------------------------------------------
 // batched_rms_norm_backward
 
-std::vector<KernelParam> BatchedRmsNormBackwardKernel::Params() const {
-  return {{"input_ptr", "u64"},       {"gamma_ptr", "u64"},
-          {"grad_output_ptr", "u64"}, {"grad_input_ptr", "u64"},
-          {"grad_gamma_ptr", "u64"},  {"num_rows", "u32"},
-          {"hidden_dim", "u32"},      {"eps", "f32"}};
-}
-
-absl::Status BatchedRmsNormBackwardKernel::CanImplement(const KernelConfig& config) const {
-  if (config.hidden_dim == 0 || config.hidden_dim > kMaxHiddenDim) {
-    return absl::InvalidArgumentError(absl::StrCat("hidden_dim ", config.hidden_dim,
-                                                   " is outside 1..", kMaxHiddenDim,
-                                                   ", the limit of batched_rms_norm_backward"));
-  }
-  return CheckCommon(config);
-}
-
 LaunchGeometry BatchedRmsNormBackwardKernel::Geometry(const KernelConfig& config,
                                                       uint64_t num_rows) const {
   LaunchGeometry g;
@@ -274,21 +176,16 @@ LaunchGeometry BatchedRmsNormBackwardKernel::Geometry(const KernelConfig& config
 }
 
 absl::StatusOr<Module> BatchedRmsNormBackwardKernel::Build(const KernelConfig& config) const {
-  if (absl::Status s = CanImplement(config); !s.ok()) return s;
-  absl::StatusOr<PtxVersion> version =
-      ResolvePtxVersion(config.target_sm, config.ptx_version, InstructionsVersion(config.dtype));
-  if (!version.ok()) return version.status();
-
-  Module m(*version, config.target_sm);
-  Function& f = m.AddEntry(EntryName());
-  const Param input_ptr = f.AddParam(PtxType::kU64, "input_ptr");
-  const Param gamma_ptr = f.AddParam(PtxType::kU64, "gamma_ptr");
-  const Param grad_output_ptr = f.AddParam(PtxType::kU64, "grad_output_ptr");
-  const Param grad_input_ptr = f.AddParam(PtxType::kU64, "grad_input_ptr");
-  const Param grad_gamma_ptr = f.AddParam(PtxType::kU64, "grad_gamma_ptr");
-  const Param num_rows = f.AddParam(PtxType::kU32, "num_rows");
-  const Param hidden_dim = f.AddParam(PtxType::kU32, "hidden_dim");
-  const Param eps_param = f.AddParam(PtxType::kF32, "eps");
+  NORMGRAD_ASSIGN_OR_RETURN(Module m, StartModule(config));
+  Function& f = m.mutable_functions().front();
+  const Param input_ptr = AddKernelParam(f, KernelParamId::kInput);
+  const Param gamma_ptr = AddKernelParam(f, KernelParamId::kGamma);
+  const Param grad_output_ptr = AddKernelParam(f, KernelParamId::kGradOutput);
+  const Param grad_input_ptr = AddKernelParam(f, KernelParamId::kGradInput);
+  const Param grad_gamma_ptr = AddKernelParam(f, KernelParamId::kGradGamma);
+  const Param num_rows = AddKernelParam(f, KernelParamId::kNumRows);
+  const Param hidden_dim = AddKernelParam(f, KernelParamId::kHiddenDim);
+  const Param eps_param = AddKernelParam(f, KernelParamId::kEps);
 
   Builder b(&f);
   const Label exit = b.CreateLabel("exit");

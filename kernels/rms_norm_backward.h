@@ -20,29 +20,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/built_kernel.h"
 #include "kernels/kernel.h"
 #include "kernels/ptx_builder.h"
 
 namespace normgrad::kernels {
-
-// Kernel objects are stateless (FindKernel returns process-lifetime singletons): every method may
-// be called concurrently from any thread.
-//
-// What every builder-made kernel shares: Emit() = CanImplement + Build + Verify + divergence
-// analysis + EmitPtx, and a ConfigKey of entry, dtype, target, PTX version and generator version.
-// Both seed kernels read every parameter at run time, so hidden_dim and eps are not in the key.
-class BuiltKernel : public Kernel {
- public:
-  std::string ConfigKey(const KernelConfig& config) const override;
-  absl::StatusOr<EmittedPtx> Emit(const KernelConfig& config) const override;
-
-  // The verified module (before text emission): what tests and the analysis look at.
-  virtual absl::StatusOr<Module> Build(const KernelConfig& config) const = 0;
-
- protected:
-  // Target, dtype, explicit PTX version; shared by both kernels' CanImplement.
-  absl::Status CheckCommon(const KernelConfig& config) const;
-};
 
 // `rms_norm_backward`: hidden_dim <= 32, one warp per row, rms from the forward pass (already
 // containing eps; used as is), writes grad_input only.
@@ -56,13 +38,19 @@ class RmsNormBackwardKernel : public BuiltKernel {
   static constexpr uint32_t kMaxHiddenDim = 32;
   static constexpr uint32_t kRowsPerBlock = 8;
 
-  absl::string_view EntryName() const override { return "rms_norm_backward"; }
-  std::vector<KernelParam> Params() const override;
-  absl::Status CanImplement(const KernelConfig& config) const override;
+  static constexpr absl::string_view kEntryName = "rms_norm_backward";
+
+  absl::string_view EntryName() const override { return kEntryName; }
   // grid.x = ceil(num_rows / kRowsPerBlock) (at least 1, at most 2^31-1); callers split row
   // ranges above kRowsPerBlock * (2^31-1) or above the u32 num_rows parameter.
   LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;
   absl::StatusOr<Module> Build(const KernelConfig& config) const override;
+
+ protected:
+  uint32_t MaxHiddenDim() const override { return kMaxHiddenDim; }
+  absl::string_view HiddenDimLimitNote() const override {
+    return " (one warp per row); use batched_rms_norm_backward";
+  }
 };
 
 // `batched_rms_norm_backward`: any hidden_dim, one 32-thread block per row, rms recomputed from x
@@ -74,17 +62,17 @@ class BatchedRmsNormBackwardKernel : public BuiltKernel {
  public:
   static constexpr uint32_t kMaxHiddenDim = 1u << 31;  // keeps the strided index below 2^32
 
-  absl::string_view EntryName() const override { return "batched_rms_norm_backward"; }
-  std::vector<KernelParam> Params() const override;
-  absl::Status CanImplement(const KernelConfig& config) const override;
+  static constexpr absl::string_view kEntryName = "batched_rms_norm_backward";
+
+  absl::string_view EntryName() const override { return kEntryName; }
   // grid.x = num_rows (at least 1); block.x = 32. grid.x is capped at 2^31-1: callers split
   // launches (offsetting the row pointers) when num_rows exceeds it.
   LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;
   absl::StatusOr<Module> Build(const KernelConfig& config) const override;
-};
 
-// Largest grid.x a launch may have.
-inline constexpr uint32_t kMaxGridX = 0x7fffffffu;
+ protected:
+  uint32_t MaxHiddenDim() const override { return kMaxHiddenDim; }
+};
 
 }  // namespace normgrad::kernels
 

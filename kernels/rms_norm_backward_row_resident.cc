@@ -4,18 +4,13 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/targets.h"
+#include "kernels/kernel_params.h"
+#include "kernels/status_macros.h"
 
 namespace normgrad::kernels {
 namespace {
 
-constexpr uint32_t kFullMask = 0xffffffffu;
 constexpr uint32_t kVectorBytes = 16;
-
-// shfl.sync needs PTX 6.0; cvt to/from .bf16 needs 7.0 (sm_80), as for the seed kernels.
-PtxVersion InstructionsVersion(DType dtype) {
-  return dtype == DType::kBF16 ? PtxVersion{7, 0} : PtxVersion{6, 0};
-}
 
 // Sum over the 32 lanes of a warp by butterfly: every lane ends with the same bits (each step
 // adds the same two values, and f32 addition is commutative).
@@ -26,19 +21,6 @@ Value WarpAllSum(Builder& b, Value v) {
     sum = b.Add(sum, other);
   }
   return sum;
-}
-
-// `ld.global.<type>` (scalar or .v4) into existing registers where `guard` holds.
-void GuardedLoad(Builder& b, PtxType type, Address addr, std::vector<Value> dst, Value guard) {
-  Instruction in;
-  in.op = Opcode::kLd;
-  in.type = type;
-  in.space = StateSpace::kGlobal;
-  in.src = {addr.base};
-  in.offset = addr.offset;
-  in.dst = std::move(dst);
-  in.guard = guard;
-  b.Append(std::move(in));
 }
 
 // A 32-bit word of two 16-bit elements (element 2i in the low half) as two f32 values.
@@ -62,12 +44,6 @@ std::pair<Value, Value> UnpackWord(Builder& b, DType dtype, Value word) {
   return {lo, hi};
 }
 
-// f32 rounded to nearest even in the 16-bit dtype, as a u16 register.
-Value F32ToU16(Builder& b, DType dtype, Value v) {
-  const Value h = b.Cvt(dtype == DType::kF16 ? PtxType::kF16 : PtxType::kBF16, v, Rounding::kRn);
-  return b.Bitcast(PtxType::kU16, h);
-}
-
 // Loads one 16-byte vector slot of a row (V elements starting at `addr`) as it is in memory: the
 // whole vector where `vec`, else each element j where `scalar[j]`, 0 elsewhere. A thread that
 // takes the vector path branches over the element path (and back), so it issues one load. f32:
@@ -81,12 +57,13 @@ std::vector<Value> LoadSlotRaw(Builder& b, DType dtype, Address addr, Value vec,
   const Label elements = b.CreateLabel("slot_elements");
   const Label loaded = b.CreateLabel("slot_loaded");
   b.BraIfNot(vec, elements);
-  GuardedLoad(b, f32 ? PtxType::kF32 : PtxType::kU32, addr, out, Value());
+  b.LdInto(StateSpace::kGlobal, f32 ? PtxType::kF32 : PtxType::kU32, addr, out);
   b.Bra(loaded);
   b.Bind(elements);
   if (f32) {
     for (int j = 0; j < 4; ++j) {
-      GuardedLoad(b, PtxType::kF32, Address{addr.base, addr.offset + 4 * j}, {out[j]}, scalar[j]);
+      b.LdInto(StateSpace::kGlobal, PtxType::kF32, Address{addr.base, addr.offset + 4 * j},
+               {out[j]}, scalar[j]);
     }
   } else {
     std::vector<Value> halves;
@@ -205,21 +182,11 @@ RowTiling RowResidentRmsNormBackwardKernel::TilingFor(const KernelConfig& config
   return t;
 }
 
-std::vector<KernelParam> RowResidentRmsNormBackwardKernel::Params() const {
-  return {{"input_ptr", "u64"},      {"gamma_ptr", "u64"},  {"grad_output_ptr", "u64"},
-          {"grad_input_ptr", "u64"}, {"rms_ptr", "u64"},    {"dgamma_partials_ptr", "u64"},
-          {"num_rows", "u32"},       {"hidden_dim", "u32"}, {"eps", "f32"}};
-}
-
-absl::Status RowResidentRmsNormBackwardKernel::CanImplement(const KernelConfig& config) const {
-  if (config.hidden_dim == 0 || config.hidden_dim > kMaxHiddenDim) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "hidden_dim ", config.hidden_dim, " is outside 1..", kMaxHiddenDim,
-        ", the limit of rms_norm_backward_row_resident (a row held in registers, at most ",
-        kMaxElementsPerThread, " elements per thread of a ", kMaxThreads,
-        "-thread block); use batched_rms_norm_backward"));
-  }
-  return CheckCommon(config);
+absl::string_view RowResidentRmsNormBackwardKernel::HiddenDimLimitNote() const {
+  static const std::string* const kNote = new std::string(absl::StrCat(
+      " (a row held in registers, at most ", kMaxElementsPerThread, " elements per thread of a ",
+      kMaxThreads, "-thread block); use batched_rms_norm_backward"));
+  return *kNote;
 }
 
 LaunchGeometry RowResidentRmsNormBackwardKernel::Geometry(const KernelConfig& config,
@@ -241,10 +208,7 @@ std::string RowResidentRmsNormBackwardKernel::ConfigKey(const KernelConfig& conf
 }
 
 absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfig& config) const {
-  if (absl::Status s = CanImplement(config); !s.ok()) return s;
-  absl::StatusOr<PtxVersion> version =
-      ResolvePtxVersion(config.target_sm, config.ptx_version, InstructionsVersion(config.dtype));
-  if (!version.ok()) return version.status();
+  NORMGRAD_ASSIGN_OR_RETURN(Module m, StartModule(config));
   const DType dtype = config.dtype;
   const RowTiling tiling = TilingFor(config);
   const uint32_t T = tiling.threads;
@@ -253,17 +217,16 @@ absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfi
   const uint32_t warps = T / 32;
   const uint32_t elem_bytes = DTypeBytes(dtype);
 
-  Module m(*version, config.target_sm);
-  Function& f = m.AddEntry(EntryName());
-  const Param input_ptr = f.AddParam(PtxType::kU64, "input_ptr");
-  const Param gamma_ptr = f.AddParam(PtxType::kU64, "gamma_ptr");
-  const Param grad_output_ptr = f.AddParam(PtxType::kU64, "grad_output_ptr");
-  const Param grad_input_ptr = f.AddParam(PtxType::kU64, "grad_input_ptr");
-  const Param rms_ptr = f.AddParam(PtxType::kU64, "rms_ptr");
-  const Param partials_ptr = f.AddParam(PtxType::kU64, "dgamma_partials_ptr");
-  const Param num_rows = f.AddParam(PtxType::kU32, "num_rows");
-  const Param hidden_dim = f.AddParam(PtxType::kU32, "hidden_dim");
-  const Param eps_param = f.AddParam(PtxType::kF32, "eps");
+  Function& f = m.mutable_functions().front();
+  const Param input_ptr = AddKernelParam(f, KernelParamId::kInput);
+  const Param gamma_ptr = AddKernelParam(f, KernelParamId::kGamma);
+  const Param grad_output_ptr = AddKernelParam(f, KernelParamId::kGradOutput);
+  const Param grad_input_ptr = AddKernelParam(f, KernelParamId::kGradInput);
+  const Param rms_ptr = AddKernelParam(f, KernelParamId::kRms);
+  const Param partials_ptr = AddKernelParam(f, KernelParamId::kDgammaPartials);
+  const Param num_rows = AddKernelParam(f, KernelParamId::kNumRows);
+  const Param hidden_dim = AddKernelParam(f, KernelParamId::kHiddenDim);
+  const Param eps_param = AddKernelParam(f, KernelParamId::kEps);
   // Two f32 per warp: the warp's sum of x^2 and of x*gamma*dy for the current row.
   const SharedArray warp_sums = f.AddShared("warp_sums", 8 * warps, 16);
 
@@ -430,22 +393,6 @@ absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfi
 // ---------------------------------------------------------------------------------------------
 // rms_norm_backward_dgamma_reduce
 
-std::vector<KernelParam> RmsNormBackwardDgammaReduceKernel::Params() const {
-  return {{"dgamma_partials_ptr", "u64"},
-          {"dgamma_ptr", "u64"},
-          {"num_partials", "u32"},
-          {"hidden_dim", "u32"}};
-}
-
-absl::Status RmsNormBackwardDgammaReduceKernel::CanImplement(const KernelConfig& config) const {
-  if (config.hidden_dim == 0 || config.hidden_dim > kMaxHiddenDim) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("hidden_dim ", config.hidden_dim, " is outside 1..", kMaxHiddenDim,
-                     ", the limit of rms_norm_backward_dgamma_reduce"));
-  }
-  return CheckCommon(config);
-}
-
 LaunchGeometry RmsNormBackwardDgammaReduceKernel::Geometry(const KernelConfig& config,
                                                            uint64_t num_rows) const {
   LaunchGeometry g;
@@ -455,18 +402,14 @@ LaunchGeometry RmsNormBackwardDgammaReduceKernel::Geometry(const KernelConfig& c
 }
 
 absl::StatusOr<Module> RmsNormBackwardDgammaReduceKernel::Build(const KernelConfig& config) const {
-  if (absl::Status s = CanImplement(config); !s.ok()) return s;
-  absl::StatusOr<PtxVersion> version =
-      ResolvePtxVersion(config.target_sm, config.ptx_version, InstructionsVersion(config.dtype));
-  if (!version.ok()) return version.status();
+  NORMGRAD_ASSIGN_OR_RETURN(Module m, StartModule(config));
   const DType dtype = config.dtype;
 
-  Module m(*version, config.target_sm);
-  Function& f = m.AddEntry(EntryName());
-  const Param partials_ptr = f.AddParam(PtxType::kU64, "dgamma_partials_ptr");
-  const Param dgamma_ptr = f.AddParam(PtxType::kU64, "dgamma_ptr");
-  const Param num_partials = f.AddParam(PtxType::kU32, "num_partials");
-  const Param hidden_dim = f.AddParam(PtxType::kU32, "hidden_dim");
+  Function& f = m.mutable_functions().front();
+  const Param partials_ptr = AddKernelParam(f, KernelParamId::kDgammaPartials);
+  const Param dgamma_ptr = AddKernelParam(f, KernelParamId::kDgamma);
+  const Param num_partials = AddKernelParam(f, KernelParamId::kNumPartials);
+  const Param hidden_dim = AddKernelParam(f, KernelParamId::kHiddenDim);
   const SharedArray group_sums = f.AddShared("group_sums", 4 * 32 * kGroups, 16);
 
   Builder b(&f);

@@ -34,9 +34,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/built_kernel.h"
 #include "kernels/kernel.h"
 #include "kernels/ptx_builder.h"
-#include "kernels/rms_norm_backward.h"
 
 namespace normgrad::kernels {
 
@@ -81,15 +81,19 @@ class RowResidentRmsNormBackwardKernel : public BuiltKernel {
   // kMaxElementsPerThread above 8192 columns.
   static RowTiling TilingFor(const KernelConfig& config);
 
-  absl::string_view EntryName() const override { return "rms_norm_backward_row_resident"; }
-  std::vector<KernelParam> Params() const override;
-  absl::Status CanImplement(const KernelConfig& config) const override;
+  static constexpr absl::string_view kEntryName = "rms_norm_backward_row_resident";
+
+  absl::string_view EntryName() const override { return kEntryName; }
   // block.x = T; grid.x = G = clamp(min(num_rows, sm_count * blocks_per_sm), 1, 2^31-1): the
   // number of dgamma partial rows. shared_bytes = 0 (the reduction's shared array is static).
   LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;
   // BuiltKernel's key plus "|tile=<T>x<K>".
   std::string ConfigKey(const KernelConfig& config) const override;
   absl::StatusOr<Module> Build(const KernelConfig& config) const override;
+
+ protected:
+  uint32_t MaxHiddenDim() const override { return kMaxHiddenDim; }
+  absl::string_view HiddenDimLimitNote() const override;
 };
 
 // `rms_norm_backward_dgamma_reduce`: sums the partial rows in a fixed order.
@@ -105,13 +109,16 @@ class RmsNormBackwardDgammaReduceKernel : public BuiltKernel {
   static constexpr uint32_t kUnroll = 8;
   static constexpr uint32_t kMaxHiddenDim = 1u << 31;
 
-  absl::string_view EntryName() const override { return "rms_norm_backward_dgamma_reduce"; }
-  std::vector<KernelParam> Params() const override;
-  absl::Status CanImplement(const KernelConfig& config) const override;
+  static constexpr absl::string_view kEntryName = "rms_norm_backward_dgamma_reduce";
+
+  absl::string_view EntryName() const override { return kEntryName; }
   // block.x = 32 * kGroups, grid.x = ceil(hidden_dim / 32) from config.hidden_dim; `num_rows`
   // unused.
   LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;
   absl::StatusOr<Module> Build(const KernelConfig& config) const override;
+
+ protected:
+  uint32_t MaxHiddenDim() const override { return kMaxHiddenDim; }
 };
 
 }  // namespace normgrad::kernels

@@ -11,17 +11,23 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/kernel.h"
+#include "kernels/kernel_registry.h"
+#include "kernels/launch.h"
 #include "kernels/reference.h"
+#include "tests/ptxsim/backward_problem.h"
 #include "tests/ptxsim/sim_harness.h"
+#include "tests/ptxsim/sim_launcher.h"
 
 namespace normgrad::ptxsim {
 namespace {
 
-using kernels::BackwardInputs;
+using kernels::BackwardArgs;
+using kernels::BackwardPlan;
 using kernels::DType;
 using kernels::FindKernel;
 using kernels::KernelConfig;
-using kernels::LaunchGeometry;
+using kernel_testing::BackwardProblem;
+using kernel_testing::DxTolerance;
 
 constexpr double kRelativeTolerance = 1e-5;
 constexpr double kFiniteDifferenceTolerance = 1e-4;
@@ -35,193 +41,117 @@ struct Shape {
   DType dtype = DType::kF32;
 };
 
-// Element storage: f32 as is, f16/bf16 rounded to nearest even.
-uint16_t ToBits16(float f, DType dtype) {
-  if (dtype == DType::kF16) {
-    const _Float16 h = static_cast<_Float16>(f);
-    uint16_t bits;
-    std::memcpy(&bits, &h, 2);
-    return bits;
-  }
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-float FromBits16(uint16_t bits, DType dtype) {
-  if (dtype == DType::kF16) {
-    _Float16 h;
-    std::memcpy(&h, &bits, 2);
-    return static_cast<float>(h);
-  }
-  const uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-float RoundToElement(float f, DType dtype) {
-  return dtype == DType::kF32 ? f : FromBits16(ToBits16(f, dtype), dtype);
-}
-double DxTolerance(DType dtype) {
-  return dtype == DType::kF32 ? 1e-5 : dtype == DType::kF16 ? 5e-4 : 4e-3;
-}
+bool IsWarpKernel(const Shape& s) { return std::string(s.kernel) == "rms_norm_backward"; }
 
 std::string ShapeName(const ::testing::TestParamInfo<Shape>& info) {
   const Shape& s = info.param;
-  return absl::StrCat(std::string(s.kernel) == "rms_norm_backward" ? "warp" : "batched", "_",
-                      kernels::DTypeName(s.dtype), "_h", s.hidden_dim, "_rows", s.rows, "_sm",
-                      s.target_sm, s.eps == 1e-5f ? "" : "_eps1em2");
+  return absl::StrCat(IsWarpKernel(s) ? "warp" : "batched", "_", kernels::DTypeName(s.dtype),
+                      "_h", s.hidden_dim, "_rows", s.rows, "_sm", s.target_sm,
+                      s.eps == 1e-5f ? "" : "_eps1em2");
 }
 
-// Deterministic inputs in [-1, 1) (x, dy) and [0.5, 1.5) (gamma).
-std::vector<float> Fill(size_t n, uint32_t seed, float lo, float hi) {
-  std::vector<float> v(n);
-  uint32_t s = seed * 2654435761u + 1;
-  for (float& f : v) {
-    s = s * 1664525u + 1013904223u;
-    f = lo + (hi - lo) * static_cast<float>(s >> 8) / static_cast<float>(1u << 24);
-  }
-  return v;
-}
-
-struct Problem {
-  std::vector<float> x, dy, gamma, rms;
-  uint32_t rows = 0, hidden = 0;
-  float eps = 1e-5f;
-};
-
-Problem MakeProblem(const Shape& s) {
-  Problem p;
-  p.rows = s.rows;
-  p.hidden = s.hidden_dim;
-  p.eps = s.eps;
-  p.x = Fill(size_t{s.rows} * s.hidden_dim, 1 + s.hidden_dim, -1.0f, 1.0f);
-  p.dy = Fill(size_t{s.rows} * s.hidden_dim, 7 + s.hidden_dim, -1.0f, 1.0f);
-  p.gamma = Fill(s.hidden_dim, 13 + s.hidden_dim, 0.5f, 1.5f);
-  for (std::vector<float>* v : {&p.x, &p.dy, &p.gamma}) {
-    for (float& f : *v) f = RoundToElement(f, s.dtype);  // what the kernel will read
-  }
-  p.rms.resize(s.rows);
-  for (uint32_t r = 0; r < s.rows; ++r) {
-    double sum = 0;
-    for (uint32_t i = 0; i < s.hidden_dim; ++i) {
-      const double v = p.x[size_t{r} * s.hidden_dim + i];
-      sum += v * v;
-    }
-    p.rms[r] = static_cast<float>(std::sqrt(sum / s.hidden_dim + s.eps));
-  }
-  return p;
+BackwardProblem MakeProblem(const Shape& s) {
+  return kernel_testing::MakeBackwardProblem(s.dtype, s.rows, s.hidden_dim, s.eps);
 }
 
 struct Result {
   std::vector<float> dx, dgamma;
+  std::vector<LaunchReport> reports;  // one per launch
 };
 
-// Emits the kernel's PTX, launches it with the kernel's own geometry, returns dx (and dgamma).
-Result RunOnInterpreter(const Shape& s, const Problem& p, LaunchReport* report) {
+// Runs the kernel's BackwardPlan on the interpreter (the launches the CUDA backend makes), with
+// the device's grid limit lowered to `max_grid_x` when given; returns dx (and dgamma).
+Result RunOnInterpreter(const Shape& s, const BackwardProblem& p,
+                        uint32_t max_grid_x = kernels::kMaxGridX) {
   const kernels::Kernel* kernel = FindKernel(s.kernel);
   EXPECT_NE(kernel, nullptr);
+  if (kernel == nullptr) return {};
   KernelConfig config;
   config.hidden_dim = s.hidden_dim;
   config.target_sm = s.target_sm;
   config.dtype = s.dtype;
-  absl::StatusOr<kernels::EmittedPtx> ptx = kernel->Emit(config);
-  EXPECT_TRUE(ptx.ok()) << ptx.status();
-  if (!ptx.ok()) return {};
-  const LaunchGeometry g = kernel->Geometry(config, s.rows);
-
+  absl::StatusOr<BackwardPlan> plan = BackwardPlan::Create(*kernel, config);
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  if (!plan.ok()) return {};
   SimHarness sim;
+  absl::StatusOr<SimLauncher> launcher = SimLauncher::ForPlan(&sim, *plan);
+  EXPECT_TRUE(launcher.ok()) << launcher.status();
+  if (!launcher.ok()) return {};
+  launcher->set_max_grid_x(max_grid_x);
+
   const size_t n = size_t{p.rows} * p.hidden;
-  const size_t elem = s.dtype == DType::kF32 ? 4 : 2;
+  const size_t elem = kernels::DTypeBytes(s.dtype);
   // x, dy, gamma, dx in the element type; rms and dgamma are f32 for every dtype.
   auto store = [&](const std::vector<float>& values) {
-    uint8_t* buffer = sim.Alloc<uint8_t>(values.size() * elem);
-    for (size_t i = 0; i < values.size(); ++i) {
-      if (elem == 4) {
-        std::memcpy(buffer + 4 * i, &values[i], 4);
-      } else {
-        const uint16_t bits = ToBits16(values[i], s.dtype);
-        std::memcpy(buffer + 2 * i, &bits, 2);
-      }
-    }
-    return buffer;
+    const std::vector<uint8_t> bytes = kernel_testing::EncodeElements(values, s.dtype);
+    uint8_t* buffer = sim.Alloc<uint8_t>(bytes.size());
+    std::copy(bytes.begin(), bytes.end(), buffer);
+    return SimHarness::Address(buffer);
   };
-  uint8_t* x = store(p.x);
-  uint8_t* dy = store(p.dy);
-  uint8_t* gamma = store(p.gamma);
+  BackwardArgs args;
+  args.x = store(p.x);
+  args.dy = store(p.dy);
+  args.gamma = store(p.gamma);
   uint8_t* dx = sim.Alloc<uint8_t>(n * elem);
+  args.dx = SimHarness::Address(dx);
   float* rms = sim.Alloc<float>(p.rows);
-  float* dgamma = sim.Alloc<float>(p.hidden);  // zeroed: the batched kernel accumulates
   std::copy(p.rms.begin(), p.rms.end(), rms);
-
-  KernelArgs args;
-  const bool warp_kernel = std::string(s.kernel) == "rms_norm_backward";
-  if (warp_kernel) {
-    args.Add(SimHarness::Address(x))
-        .Add(SimHarness::Address(gamma))
-        .Add(SimHarness::Address(rms))
-        .Add(SimHarness::Address(dy))
-        .Add(SimHarness::Address(dx))
-        .Add(p.rows)
-        .Add(p.hidden);
-  } else {
-    args.Add(SimHarness::Address(x))
-        .Add(SimHarness::Address(gamma))
-        .Add(SimHarness::Address(dy))
-        .Add(SimHarness::Address(dx))
-        .Add(SimHarness::Address(dgamma))
-        .Add(p.rows)
-        .Add(p.hidden)
-        .Add(p.eps);
-  }
-  EXPECT_EQ(ptx->params.size(), warp_kernel ? 7u : 8u);
-  absl::Status status = sim.Run(ptx->text, ptx->entry, {g.grid[0], g.grid[1], g.grid[2]},
-                                {g.block[0], g.block[1], g.block[2]}, args, report, g.shared_bytes);
+  args.rms = plan->reads_rms() ? SimHarness::Address(rms) : 0;
+  float* dgamma = sim.Alloc<float>(p.hidden);  // zeroed: the batched kernel accumulates
+  args.dgamma = SimHarness::Address(dgamma);
+  args.rows = p.rows;
+  args.hidden_dim = p.hidden;
+  args.eps = p.eps;
+  EXPECT_EQ(plan->dgamma_output(), IsWarpKernel(s) ? kernels::DgammaOutput::kNone
+                                                   : kernels::DgammaOutput::kAccumulated);
+  const absl::Status status = plan->Run(args, *launcher);
   EXPECT_TRUE(status.ok()) << status;
   Result out;
-  out.dx.resize(n);
-  for (size_t i = 0; i < n; ++i) {
-    if (elem == 4) {
-      std::memcpy(&out.dx[i], dx + 4 * i, 4);
-    } else {
-      uint16_t bits;
-      std::memcpy(&bits, dx + 2 * i, 2);
-      out.dx[i] = FromBits16(bits, s.dtype);
-    }
-  }
+  out.dx = kernel_testing::DecodeElements(absl::MakeConstSpan(dx, n * elem), s.dtype);
   out.dgamma.assign(dgamma, dgamma + p.hidden);
+  out.reports = launcher->reports();
   return out;
 }
 
 void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, double tolerance,
                  const char* what) {
-  ASSERT_EQ(got.size(), want.size());
-  int reported = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double bound = tolerance * std::max(1.0, std::fabs(static_cast<double>(want[i])));
-    if (std::fabs(static_cast<double>(got[i]) - want[i]) > bound && reported++ < 5) {
-      ADD_FAILURE() << what << "[" << i << "] = " << got[i] << ", expected " << want[i]
-                    << " (bound " << bound << ")";
-    }
-  }
+  const absl::Status s = kernel_testing::CheckClose(got, want, tolerance, what);
+  EXPECT_TRUE(s.ok()) << s.message();
 }
 
 class SeedKernelOnInterpreter : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(SeedKernelOnInterpreter, MatchesReferenceBackward) {
   const Shape& s = GetParam();
-  const Problem p = MakeProblem(s);
-  LaunchReport report;
-  const Result got = RunOnInterpreter(s, p, &report);
-  EXPECT_EQ(report.finding, Finding::kNone);
-  EXPECT_GT(report.thread_instructions, 0u);
+  const BackwardProblem p = MakeProblem(s);
+  const Result got = RunOnInterpreter(s, p);
+  ASSERT_EQ(got.reports.size(), 1u);
+  EXPECT_EQ(got.reports[0].finding, Finding::kNone);
+  EXPECT_GT(got.reports[0].thread_instructions, 0u);
 
-  const bool warp_kernel = std::string(s.kernel) == "rms_norm_backward";
-  std::vector<float> dx(p.x.size()), dgamma(p.hidden);
-  BackwardInputs in{p.x, p.dy, p.gamma, {}, p.rows, p.hidden, p.eps};
-  if (warp_kernel) in.rms = p.rms;  // the warp kernel takes the forward's rms
-  kernels::ReferenceBackward(in, absl::MakeSpan(dx), absl::MakeSpan(dgamma));
-  ExpectClose(got.dx, dx, DxTolerance(s.dtype), "dx");
-  if (!warp_kernel) ExpectClose(got.dgamma, dgamma, kRelativeTolerance, "dgamma");
+  // The warp kernel takes the forward's rms.
+  const kernel_testing::BackwardReference want = kernel_testing::ReferenceFor(p, IsWarpKernel(s));
+  ExpectClose(got.dx, want.dx, DxTolerance(s.dtype), "dx");
+  if (!IsWarpKernel(s)) ExpectClose(got.dgamma, want.dgamma, kRelativeTolerance, "dgamma");
+}
+
+// A device whose grid.x limit is below what the rows need: the plan launches in pieces, each
+// with its rows' pointers, and the result is the same as one launch.
+TEST(SeedKernelPieces, ALowGridLimitSplitsTheLaunchWithoutChangingTheResult) {
+  for (const Shape& s : {Shape{"batched_rms_norm_backward", 33, 7, 90, 1e-5f},
+                         Shape{"rms_norm_backward", 17, 29, 90, 1e-5f, DType::kF16}}) {
+    const BackwardProblem p = MakeProblem(s);
+    const Result whole = RunOnInterpreter(s, p);
+    const Result pieces = RunOnInterpreter(s, p, /*max_grid_x=*/2);
+    // batched: one block per row, so 7 rows in pieces of 2; warp: 8 rows per block, 29 rows
+    // in pieces of 15 and 14 rows (2 blocks each).
+    EXPECT_EQ(whole.reports.size(), 1u) << s.kernel;
+    EXPECT_EQ(pieces.reports.size(), IsWarpKernel(s) ? 2u : 4u) << s.kernel;
+    EXPECT_EQ(pieces.dx, whole.dx) << s.kernel;
+    ExpectClose(pieces.dgamma, whole.dgamma, kRelativeTolerance, "dgamma");
+    ExpectClose(pieces.dx, kernel_testing::ReferenceFor(p, IsWarpKernel(s)).dx,
+                DxTolerance(s.dtype), "dx");
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(WarpKernelAllHiddenDims, SeedKernelOnInterpreter, ::testing::ValuesIn([] {
@@ -270,8 +200,8 @@ class SeedKernelFiniteDifferences : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(SeedKernelFiniteDifferences, MatchCentralDifferencesOfTheForwardLoss) {
   const Shape& s = GetParam();
-  const Problem p = MakeProblem(s);
-  const Result got = RunOnInterpreter(s, p, nullptr);
+  const BackwardProblem p = MakeProblem(s);
+  const Result got = RunOnInterpreter(s, p);
   ASSERT_EQ(got.dx.size(), p.x.size());
   auto loss = [&](const std::vector<float>& x, const std::vector<float>& gamma) {
     return kernels::ReferenceForwardLoss(x, gamma, p.dy, p.rows, p.hidden, p.eps);
@@ -286,7 +216,7 @@ TEST_P(SeedKernelFiniteDifferences, MatchCentralDifferencesOfTheForwardLoss) {
     EXPECT_LE(std::fabs(got.dx[i] - fd), kFiniteDifferenceTolerance * std::max(1.0, std::fabs(fd)))
         << "dx[" << i << "]";
   }
-  if (std::string(s.kernel) == "rms_norm_backward") return;
+  if (IsWarpKernel(s)) return;
   for (uint32_t i = 0; i < p.hidden; ++i) {
     std::vector<float> plus = p.gamma, minus = p.gamma;
     plus[i] += h;

@@ -66,6 +66,14 @@ class SimHarness {
                    const KernelArgs& args, LaunchReport* report = nullptr,
                    uint32_t dynamic_shared = 0,
                    uint64_t max_warp_instructions = uint64_t{1} << 32) {
+    return Run(ptx, entry_name, grid, block, args.Pointers(), report, dynamic_shared,
+               max_warp_instructions);
+  }
+
+  // The same with an argument array packed elsewhere (kernels::PackArgs).
+  absl::Status Run(absl::string_view ptx, absl::string_view entry_name, Dim3 grid, Dim3 block,
+                   void* const* args, LaunchReport* report = nullptr, uint32_t dynamic_shared = 0,
+                   uint64_t max_warp_instructions = uint64_t{1} << 32) {
     absl::StatusOr<Module> module = ParsePtx(ptx);
     if (!module.ok()) return module.status();
     const Entry* entry = module->FindEntry(entry_name);
@@ -75,7 +83,7 @@ class SimHarness {
     config.block = block;
     config.dynamic_shared_bytes = dynamic_shared;
     config.max_warp_instructions = max_warp_instructions;
-    return Launch(*entry, config, args.Pointers(), memory_, report);
+    return Launch(*entry, config, args, memory_, report);
   }
 
  private:

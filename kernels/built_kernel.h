@@ -1,0 +1,71 @@
+// What every builder-made kernel shares: Emit() = CanImplement + Build + Verify + divergence
+// analysis + EmitPtx; CanImplement's hidden_dim range, target, dtype and PTX-version checks; the
+// opening of every Build (the module at the resolved PTX version with the kernel's entry); the
+// parameter list, taken from what Build declares (kernels/kernel_params.h), never written twice.
+//
+//   class MyKernel : public BuiltKernel {
+//     absl::string_view EntryName() const override { return "my_kernel"; }
+//     uint32_t MaxHiddenDim() const override { return 4096; }
+//     absl::StatusOr<Module> Build(const KernelConfig& config) const override {
+//       NORMGRAD_ASSIGN_OR_RETURN(Module m, StartModule(config));
+//       Function& f = m.mutable_functions().front();
+//       const Param n = AddKernelParam(f, KernelParamId::kNumRows);
+//       ...
+//     }
+//   };
+#ifndef NORMGRAD_KERNELS_BUILT_KERNEL_H_
+#define NORMGRAD_KERNELS_BUILT_KERNEL_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kernels/kernel.h"
+#include "kernels/ptx_builder.h"
+
+namespace normgrad::kernels {
+
+// Kernel objects are stateless (the registry holds process-lifetime singletons): every method
+// may be called concurrently from any thread.
+class BuiltKernel : public Kernel {
+ public:
+  // The entry's parameters as Build declares them (built once per process at a small config:
+  // no kernel of ours declares different parameters for different configs).
+  std::vector<KernelParam> Params() const final;
+  // hidden_dim in 1..MaxHiddenDim() (INVALID_ARGUMENT: "hidden_dim H is outside 1..M, the
+  // limit of <entry><HiddenDimLimitNote()>"), bf16 only on sm_80+, then the PTX version.
+  absl::Status CanImplement(const KernelConfig& config) const final;
+  // Entry, dtype, target, PTX version and generator version. Both seed kernels read every
+  // parameter at run time, so hidden_dim and eps are not in the key.
+  std::string ConfigKey(const KernelConfig& config) const override;
+  absl::StatusOr<EmittedPtx> Emit(const KernelConfig& config) const override;
+
+  // The verified module (before text emission): what tests and the analysis look at.
+  virtual absl::StatusOr<Module> Build(const KernelConfig& config) const = 0;
+
+ protected:
+  virtual uint32_t MaxHiddenDim() const = 0;
+  // Appended to the hidden_dim message: why the limit, and what to use instead.
+  virtual absl::string_view HiddenDimLimitNote() const { return ""; }
+
+  // Build's opening: CanImplement, then a module at the lowest PTX version the target and the
+  // dtype's instructions allow (or the requested one) with one entry named EntryName().
+  absl::StatusOr<Module> StartModule(const KernelConfig& config) const;
+};
+
+// Every lane of a warp, for shfl.sync.
+inline constexpr uint32_t kFullMask = 0xffffffffu;
+
+// The PTX ISA version a dtype's instructions need: shfl.sync (member mask) is 6.0; cvt to and
+// from .bf16 is 7.0 (sm_80).
+PtxVersion InstructionsVersion(DType dtype);
+
+// f32 rounded to nearest even in a 16-bit dtype (f16 or bf16), as a u16 register.
+Value F32ToU16(Builder& b, DType dtype, Value v);
+
+}  // namespace normgrad::kernels
+
+#endif  // NORMGRAD_KERNELS_BUILT_KERNEL_H_

@@ -1,0 +1,225 @@
+#include "kernels/launch.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/kernel_params.h"
+#include "kernels/kernel_registry.h"
+#include "kernels/rms_norm_backward.h"
+#include "kernels/rms_norm_backward_row_resident.h"
+#include "kernels/status_macros.h"
+
+namespace normgrad::kernels {
+namespace {
+
+// Where each parameter's value lives in KernelParamValues.
+void* ValueSlot(KernelParamValues& v, KernelParamId id) {
+  switch (id) {
+    case KernelParamId::kInput:
+      return &v.input;
+    case KernelParamId::kGamma:
+      return &v.gamma;
+    case KernelParamId::kRms:
+      return &v.rms;
+    case KernelParamId::kGradOutput:
+      return &v.grad_output;
+    case KernelParamId::kGradInput:
+      return &v.grad_input;
+    case KernelParamId::kGradGamma:
+      return &v.grad_gamma;
+    case KernelParamId::kDgammaPartials:
+      return &v.dgamma_partials;
+    case KernelParamId::kDgamma:
+      return &v.dgamma;
+    case KernelParamId::kNumRows:
+      return &v.num_rows;
+    case KernelParamId::kNumPartials:
+      return &v.num_partials;
+    case KernelParamId::kHiddenDim:
+      return &v.hidden_dim;
+    case KernelParamId::kEps:
+      return &v.eps;
+  }
+  return nullptr;
+}
+
+// The id of `param` when it is ours with our type; INTERNAL otherwise (a kernel's Build and
+// kernel_params.cc disagree, or the list did not come from one of our kernels).
+absl::StatusOr<KernelParamId> IdOf(const KernelParam& param) {
+  const std::optional<KernelParamId> id = FindKernelParam(param.name);
+  if (!id.has_value()) {
+    return absl::InternalError(
+        absl::StrCat("kernel parameter ", param.name, " is not one the launch contract fills"));
+  }
+  const absl::string_view want = PtxTypeName(SpecOf(*id).type);
+  if (param.ptx_type != want) {
+    return absl::InternalError(absl::StrCat("kernel parameter ", param.name, " is .",
+                                            param.ptx_type, "; the launch contract fills .", want));
+  }
+  return *id;
+}
+
+size_t SlotBytes(KernelParamId id) { return PtxTypeBits(SpecOf(id).type) / 8; }
+
+uint32_t CeilDivU32(uint64_t a, uint64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
+
+}  // namespace
+
+absl::StatusOr<PackedArgs> PackArgs(absl::Span<const KernelParam> params,
+                                    const KernelParamValues& values) {
+  PackedArgs packed;
+  packed.storage_.assign(params.size(), 0);
+  packed.pointers_.resize(params.size());
+  KernelParamValues source = values;
+  for (size_t k = 0; k < params.size(); ++k) {
+    NORMGRAD_ASSIGN_OR_RETURN(const KernelParamId id, IdOf(params[k]));
+    std::memcpy(&packed.storage_[k], ValueSlot(source, id), SlotBytes(id));
+    packed.pointers_[k] = &packed.storage_[k];
+  }
+  return packed;
+}
+
+absl::StatusOr<KernelParamValues> UnpackArgs(absl::Span<const KernelParam> params,
+                                             void* const* args) {
+  KernelParamValues values;
+  for (size_t k = 0; k < params.size(); ++k) {
+    NORMGRAD_ASSIGN_OR_RETURN(const KernelParamId id, IdOf(params[k]));
+    std::memcpy(ValueSlot(values, id), args[k], SlotBytes(id));
+  }
+  return values;
+}
+
+// ---------------------------------------------------------------------------------------------
+// BackwardPlan
+
+BackwardPlan::BackwardPlan(Kind kind, std::vector<Step> steps)
+    : kind_(kind),
+      steps_(std::move(steps)),
+      dgamma_output_(kind == Kind::kRowResident ? DgammaOutput::kWritten
+                     : kind == Kind::kBatched   ? DgammaOutput::kAccumulated
+                                                : DgammaOutput::kNone),
+      reads_rms_(kind != Kind::kBatched),
+      requires_rms_(kind == Kind::kWarp) {}
+
+absl::StatusOr<BackwardPlan> BackwardPlan::Create(const Kernel& kernel,
+                                                  const KernelConfig& config) {
+  NORMGRAD_RETURN_IF_ERROR(kernel.CanImplement(config));
+  if (dynamic_cast<const RowResidentRmsNormBackwardKernel*>(&kernel) != nullptr) {
+    const Kernel* reduce = FindKernel(RmsNormBackwardDgammaReduceKernel::kEntryName);
+    if (reduce == nullptr) return absl::InternalError("the grad_gamma reduction is not registered");
+    KernelConfig reduce_config = config;
+    reduce_config.dtype = DType::kF32;  // the chunk's grad_gamma stays f32
+    NORMGRAD_RETURN_IF_ERROR(reduce->CanImplement(reduce_config));
+    return BackwardPlan(Kind::kRowResident, {{&kernel, config}, {reduce, reduce_config}});
+  }
+  if (dynamic_cast<const BatchedRmsNormBackwardKernel*>(&kernel) != nullptr) {
+    return BackwardPlan(Kind::kBatched, {{&kernel, config}});
+  }
+  if (dynamic_cast<const RmsNormBackwardKernel*>(&kernel) != nullptr) {
+    return BackwardPlan(Kind::kWarp, {{&kernel, config}});
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(kernel.EntryName(), " is not a backward kernel a plan can run"));
+}
+
+uint64_t BackwardPlan::WorkspaceBytes(uint64_t rows) const {
+  if (kind_ != Kind::kRowResident) return 0;
+  const Step& main = steps_.front();
+  const uint64_t partial_rows = main.kernel->Geometry(main.config, rows).grid[0];
+  return partial_rows * main.config.hidden_dim * sizeof(float);
+}
+
+absl::Status BackwardPlan::CanImplement(const BackwardArgs& args) const {
+  const KernelConfig& config = steps_.front().config;
+  if (args.hidden_dim != config.hidden_dim) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden_dim ", args.hidden_dim,
+                                                   " differs from the plan's ", config.hidden_dim));
+  }
+  if (kind_ == Kind::kRowResident && args.rows > std::numeric_limits<uint32_t>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rows ", args.rows, " exceed ", std::numeric_limits<uint32_t>::max(),
+                     ", the most one launch of ", kernel().EntryName(), " takes"));
+  }
+  if (requires_rms_ && args.rms == 0 && args.rows != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kernel().EntryName(), " needs the forward's rms; rms is not given"));
+  }
+  if (WorkspaceBytes(args.rows) != 0 && args.workspace == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("workspace of ", WorkspaceBytes(args.rows),
+                                                   " bytes for ", args.rows, " rows is not given"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BackwardPlan::Run(const BackwardArgs& args, KernelLauncher& launcher) const {
+  NORMGRAD_RETURN_IF_ERROR(CanImplement(args));
+  if (args.rows == 0) return absl::OkStatus();
+  return kind_ == Kind::kRowResident ? RunRowResident(args, launcher) : RunInPieces(args, launcher);
+}
+
+absl::Status BackwardPlan::LaunchStep(size_t step, const LaunchGeometry& geometry,
+                                      const KernelParamValues& values,
+                                      KernelLauncher& launcher) const {
+  NORMGRAD_ASSIGN_OR_RETURN(PackedArgs packed, PackArgs(launcher.Params(step), values));
+  return launcher.Launch(step, geometry, packed.pointers());
+}
+
+// The row-resident kernel (persistent grid: G blocks, G partial rows of grad_gamma in the
+// workspace), then the fixed-order reduction of the partials into the f32 dgamma.
+absl::Status BackwardPlan::RunRowResident(const BackwardArgs& args,
+                                          KernelLauncher& launcher) const {
+  const Step& main = steps_[0];
+  const Step& reduce = steps_[1];
+  const LaunchGeometry g = main.kernel->Geometry(main.config, args.rows);
+  KernelParamValues v;
+  v.input = args.x;
+  v.gamma = args.gamma;
+  v.grad_output = args.dy;
+  v.grad_input = args.dx;
+  v.rms = args.rms;
+  v.dgamma_partials = args.workspace;
+  v.num_rows = static_cast<uint32_t>(args.rows);
+  v.hidden_dim = args.hidden_dim;
+  v.eps = args.eps;
+  NORMGRAD_RETURN_IF_ERROR(LaunchStep(0, g, v, launcher));
+  KernelParamValues r;
+  r.dgamma_partials = args.workspace;
+  r.dgamma = args.dgamma;
+  r.num_partials = g.grid[0];
+  r.hidden_dim = args.hidden_dim;
+  return LaunchStep(1, reduce.kernel->Geometry(reduce.config, g.grid[0]), r, launcher);
+}
+
+// The seed kernels over args.rows rows, in pieces of at most 2^32-1 rows (their u32 num_rows)
+// whose grid fits the device's grid.x limit; each piece's row pointers offset to its first row.
+absl::Status BackwardPlan::RunInPieces(const BackwardArgs& args, KernelLauncher& launcher) const {
+  const Step& step = steps_.front();
+  const uint32_t max_grid_x = std::max<uint32_t>(launcher.MaxGridX(), 1);
+  uint64_t piece = std::min<uint64_t>(args.rows, std::numeric_limits<uint32_t>::max());
+  while (piece > 1 && step.kernel->Geometry(step.config, piece).grid[0] > max_grid_x) {
+    piece = CeilDivU32(piece, 2);
+  }
+  const uint64_t row_bytes = uint64_t{args.hidden_dim} * DTypeBytes(step.config.dtype);
+  for (uint64_t first = 0; first < args.rows; first += piece) {
+    const uint64_t n = std::min(piece, args.rows - first);
+    const uint64_t offset = first * row_bytes;
+    KernelParamValues v;
+    v.input = args.x + offset;
+    v.grad_output = args.dy + offset;
+    v.grad_input = args.dx + offset;
+    v.gamma = args.gamma;
+    v.rms = args.rms == 0 ? 0 : args.rms + first * sizeof(float);
+    v.grad_gamma = args.dgamma;
+    v.num_rows = static_cast<uint32_t>(n);
+    v.hidden_dim = args.hidden_dim;
+    v.eps = args.eps;
+    NORMGRAD_RETURN_IF_ERROR(LaunchStep(0, step.kernel->Geometry(step.config, n), v, launcher));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace normgrad::kernels
