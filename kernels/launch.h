@@ -47,7 +47,8 @@ struct KernelParamValues {
 };
 
 // The ordered argument array cuLaunchKernel takes (`void** kernelParams`): one pointer per
-// parameter, each to a value of the parameter's PTX type. Owns the values; movable.
+// parameter, each to an 8-byte slot holding the value of the parameter's PTX type in its low
+// bytes (so a caller may copy the slots to replay a launch). Owns the values; movable.
 class PackedArgs {
  public:
   void** pointers() { return pointers_.data(); }

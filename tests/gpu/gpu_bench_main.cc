@@ -24,6 +24,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -36,10 +37,13 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "kernels/kernel.h"
+#include "kernels/kernel_registry.h"
+#include "kernels/launch.h"
 #include "kernels/ptx_builder.h"
-#include "kernels/reference.h"
+#include "kernels/ptx_printer.h"
 #include "kernels/targets.h"
 #include "server/cuda/driver_api.h"
+#include "tests/ptxsim/backward_problem.h"
 
 namespace normgrad::gpu_bench {
 namespace {
@@ -58,57 +62,6 @@ struct Shape {
   do {                                                                     \
     if (absl::Status _s = driver.Check((expr), what); !_s.ok()) return _s; \
   } while (0)
-
-uint16_t ToBits16(float f, DType dtype) {
-  if (dtype == DType::kF16) {
-    const _Float16 h = static_cast<_Float16>(f);
-    uint16_t bits;
-    std::memcpy(&bits, &h, 2);
-    return bits;
-  }
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-float FromBits16(uint16_t bits, DType dtype) {
-  if (dtype == DType::kF16) {
-    _Float16 h;
-    std::memcpy(&h, &bits, 2);
-    return static_cast<float>(h);
-  }
-  const uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// Elements of `dtype` as bytes, and back to f32 (what the kernel reads).
-std::vector<uint8_t> Encode(const std::vector<float>& v, DType dtype, std::vector<float>* exact) {
-  const size_t eb = kernels::DTypeBytes(dtype);
-  std::vector<uint8_t> out(v.size() * eb);
-  exact->resize(v.size());
-  for (size_t i = 0; i < v.size(); ++i) {
-    if (eb == 4) {
-      std::memcpy(&out[4 * i], &v[i], 4);
-      (*exact)[i] = v[i];
-    } else {
-      const uint16_t b = ToBits16(v[i], dtype);
-      std::memcpy(&out[2 * i], &b, 2);
-      (*exact)[i] = FromBits16(b, dtype);
-    }
-  }
-  return out;
-}
-
-std::vector<float> Fill(size_t n, uint32_t seed, float lo, float hi) {
-  std::vector<float> v(n);
-  uint32_t s = seed * 2654435761u + 1;
-  for (float& f : v) {
-    s = s * 1664525u + 1013904223u;
-    f = lo + (hi - lo) * static_cast<float>(s >> 8) / static_cast<float>(1u << 24);
-  }
-  return v;
-}
 
 // A grid-stride copy of n16 16-byte vectors: the device's achievable read+write bandwidth.
 std::string CopyKernelPtx(int target_sm) {
@@ -201,14 +154,6 @@ class Bench {
     return f;
   }
 
-  absl::StatusOr<CUfunction> LoadKernel(absl::string_view entry, const kernels::KernelConfig& c) {
-    const kernels::Kernel* k = kernels::FindKernel(entry);
-    if (k == nullptr) return absl::InternalError(absl::StrCat("no kernel ", entry));
-    absl::StatusOr<kernels::EmittedPtx> ptx = k->Emit(c);
-    if (!ptx.ok()) return ptx.status();
-    return Load(ptx->text, ptx->entry);
-  }
-
   absl::StatusOr<CUdeviceptr> Alloc(size_t bytes) {
     const CudaDriver& driver = *driver_;
     CUdeviceptr p = 0;
@@ -244,11 +189,11 @@ class Bench {
     return s;
   }
 
+  // One launch to replay: its function, geometry and a copy of its argument values.
   struct Launch {
     CUfunction f;
-    uint32_t grid;
-    uint32_t block;
-    std::vector<void*> args;
+    kernels::LaunchGeometry g;
+    std::vector<uint64_t> slots;  // one 8-byte slot per parameter (kernels::PackedArgs' layout)
   };
 
   // Median milliseconds of `iters_` timed runs of `launches` (one warm-up run first).
@@ -262,8 +207,12 @@ class Bench {
       }
       BENCH_CHECK(api_.cuEventRecord(start_, stream_), "cuEventRecord");
       for (const Launch& l : launches) {
-        BENCH_CHECK(api_.cuLaunchKernel(l.f, l.grid, 1, 1, l.block, 1, 1, 0, stream_,
-                                        const_cast<void**>(l.args.data()), nullptr),
+        std::vector<uint64_t> slots = l.slots;
+        std::vector<void*> args;
+        for (uint64_t& slot : slots) args.push_back(&slot);
+        BENCH_CHECK(api_.cuLaunchKernel(l.f, l.g.grid[0], l.g.grid[1], l.g.grid[2], l.g.block[0],
+                                        l.g.block[1], l.g.block[2], l.g.shared_bytes, stream_,
+                                        args.data(), nullptr),
                     "cuLaunchKernel");
       }
       BENCH_CHECK(api_.cuEventRecord(stop_, stream_), "cuEventRecord");
@@ -296,6 +245,50 @@ class Bench {
   std::vector<CUdeviceptr> allocations_;
 };
 
+// A plan with its steps' modules loaded; Record() turns one request into the launches Time()
+// replays (the same launches, geometry and arguments the CUDA backend makes).
+struct LoadedPlan : public kernels::KernelLauncher {
+  std::optional<kernels::BackwardPlan> plan;
+  std::vector<CUfunction> functions;  // per step
+  std::vector<std::vector<kernels::KernelParam>> params;
+  std::vector<Bench::Launch> recorded;
+
+  absl::StatusOr<std::vector<Bench::Launch>> Record(const kernels::BackwardArgs& args) {
+    recorded.clear();
+    if (absl::Status s = plan->Run(args, *this); !s.ok()) return s;
+    return recorded;
+  }
+  absl::Span<const kernels::KernelParam> Params(size_t step) const override { return params[step]; }
+  absl::Status Launch(size_t step, const kernels::LaunchGeometry& g, void** args) override {
+    Bench::Launch l{functions[step], g, {}};
+    for (size_t k = 0; k < params[step].size(); ++k) {
+      l.slots.push_back(*static_cast<const uint64_t*>(args[k]));
+    }
+    recorded.push_back(std::move(l));
+    return absl::OkStatus();
+  }
+};
+
+// The plan of backward kernel `entry` at `c`, with every step's module loaded.
+absl::StatusOr<LoadedPlan> LoadPlan(Bench& bench, absl::string_view entry,
+                                    const kernels::KernelConfig& c) {
+  const kernels::Kernel* k = kernels::FindKernel(entry);
+  if (k == nullptr) return absl::InternalError(absl::StrCat("no kernel ", entry));
+  LoadedPlan loaded;
+  absl::StatusOr<kernels::BackwardPlan> plan = kernels::BackwardPlan::Create(*k, c);
+  if (!plan.ok()) return plan.status();
+  loaded.plan = *std::move(plan);
+  for (const kernels::BackwardPlan::Step& step : loaded.plan->steps()) {
+    absl::StatusOr<kernels::EmittedPtx> ptx = step.kernel->Emit(step.config);
+    if (!ptx.ok()) return ptx.status();
+    absl::StatusOr<CUfunction> f = bench.Load(ptx->text, ptx->entry);
+    if (!f.ok()) return f.status();
+    loaded.functions.push_back(*f);
+    loaded.params.push_back(ptx->params);
+  }
+  return loaded;
+}
+
 struct Row {
   std::string dtype;
   Shape shape;
@@ -314,41 +307,30 @@ absl::StatusOr<Row> RunShape(Bench& bench, DType dtype, Shape shape, CUfunction 
   const size_t eb = kernels::DTypeBytes(dtype);
   row.bytes = 3.0 * n * eb;
 
-  std::vector<float> x_exact, dy_exact, gamma_exact;
-  const std::vector<uint8_t> x = Encode(Fill(n, 1, -1, 1), dtype, &x_exact);
-  const std::vector<uint8_t> dy = Encode(Fill(n, 2, -1, 1), dtype, &dy_exact);
-  const std::vector<uint8_t> gamma = Encode(Fill(shape.hidden, 3, 0.5f, 1.5f), dtype, &gamma_exact);
+  const kernel_testing::BackwardProblem p =
+      kernel_testing::MakeBackwardProblem(dtype, shape.rows, shape.hidden);
+  const std::vector<uint8_t> x = kernel_testing::EncodeElements(p.x, dtype);
+  const std::vector<uint8_t> dy = kernel_testing::EncodeElements(p.dy, dtype);
+  const std::vector<uint8_t> gamma = kernel_testing::EncodeElements(p.gamma, dtype);
 
   kernels::KernelConfig config;
   config.hidden_dim = shape.hidden;
   config.dtype = dtype;
   config.target_sm = bench.target_sm();
   config.sm_count = bench.sm_count();
-  kernels::KernelConfig reduce_config = config;
-  reduce_config.dtype = DType::kF32;  // f32 dgamma (checked exactly below)
-  absl::StatusOr<CUfunction> main_f = bench.LoadKernel("rms_norm_backward_row_resident", config);
-  if (!main_f.ok()) return main_f.status();
-  absl::StatusOr<CUfunction> reduce_f =
-      bench.LoadKernel("rms_norm_backward_dgamma_reduce", reduce_config);
-  if (!reduce_f.ok()) return reduce_f.status();
-  absl::StatusOr<CUfunction> batched_f = bench.LoadKernel("batched_rms_norm_backward", config);
-  if (!batched_f.ok()) return batched_f.status();
+  absl::StatusOr<LoadedPlan> row_resident =
+      LoadPlan(bench, "rms_norm_backward_row_resident", config);
+  if (!row_resident.ok()) return row_resident.status();
+  absl::StatusOr<LoadedPlan> batched = LoadPlan(bench, "batched_rms_norm_backward", config);
+  if (!batched.ok()) return batched.status();
 
-  const kernels::LaunchGeometry g =
-      kernels::FindKernel("rms_norm_backward_row_resident")->Geometry(config, shape.rows);
-  const kernels::LaunchGeometry rg =
-      kernels::FindKernel("rms_norm_backward_dgamma_reduce")->Geometry(reduce_config, shape.rows);
-  const kernels::LaunchGeometry bg =
-      kernels::FindKernel("batched_rms_norm_backward")->Geometry(config, shape.rows);
-  row.grid = g.grid[0];
-  row.block = g.block[0];
-
+  const uint64_t workspace_bytes = row_resident->plan->WorkspaceBytes(shape.rows);
   absl::StatusOr<CUdeviceptr> d_x = bench.Alloc(n * eb), d_dy = bench.Alloc(n * eb),
                               d_dx = bench.Alloc(n * eb), d_gamma = bench.Alloc(shape.hidden * eb),
-                              d_partials = bench.Alloc(size_t{g.grid[0]} * shape.hidden * 4),
+                              d_workspace = bench.Alloc(workspace_bytes),
                               d_dgamma = bench.Alloc(size_t{shape.hidden} * 4);
-  for (const auto* p : {&d_x, &d_dy, &d_dx, &d_gamma, &d_partials, &d_dgamma}) {
-    if (!p->ok()) return p->status();
+  for (const auto* d : {&d_x, &d_dy, &d_dx, &d_gamma, &d_workspace, &d_dgamma}) {
+    if (!d->ok()) return d->status();
   }
   // Copy: the same bytes moved as the backward (2n read + n written, as 1.5n read + 1.5n written).
   const size_t copy_bytes = (n * eb * 3 / 2 + 15) / 16 * 16;
@@ -361,23 +343,33 @@ absl::StatusOr<Row> RunShape(Bench& bench, DType dtype, Shape shape, CUfunction 
     if (absl::Status s = bench.Upload(dst, src, bytes); !s.ok()) return s;
   }
 
-  uint64_t a_x = *d_x, a_dy = *d_dy, a_dx = *d_dx, a_gamma = *d_gamma, a_part = *d_partials,
-           a_dgamma = *d_dgamma, a_rms = 0, a_src = *c_src, a_dst = *c_dst;
-  uint32_t rows = shape.rows, hidden = shape.hidden, partials = g.grid[0];
-  uint32_t n16 = static_cast<uint32_t>(copy_bytes / 16);
-  float eps = 1e-5f;
+  kernels::BackwardArgs args;
+  args.x = *d_x;
+  args.dy = *d_dy;
+  args.dx = *d_dx;
+  args.gamma = *d_gamma;
+  args.dgamma = *d_dgamma;
+  args.workspace = *d_workspace;
+  args.rows = shape.rows;
+  args.hidden_dim = shape.hidden;
+  args.eps = p.eps;
+  const kernels::LaunchGeometry g =
+      row_resident->plan->kernel().Geometry(row_resident->plan->steps()[0].config, shape.rows);
+  row.grid = g.grid[0];
+  row.block = g.block[0];
 
   const uint32_t copy_grid = bench.sm_count() * 8;
-  absl::StatusOr<double> copy_ms = bench.Time({{copy, copy_grid, 256, {&a_src, &a_dst, &n16}}});
+  const uint32_t n16 = static_cast<uint32_t>(copy_bytes / 16);
+  kernels::LaunchGeometry copy_g;
+  copy_g.grid[0] = copy_grid;
+  copy_g.block[0] = 256;
+  absl::StatusOr<double> copy_ms = bench.Time({{copy, copy_g, {*c_src, *c_dst, n16}}});
   if (!copy_ms.ok()) return copy_ms.status();
   row.copy_ms = *copy_ms;
 
-  absl::StatusOr<double> rr_ms =
-      bench.Time({{*main_f,
-                   g.grid[0],
-                   g.block[0],
-                   {&a_x, &a_gamma, &a_dy, &a_dx, &a_rms, &a_part, &rows, &hidden, &eps}},
-                  {*reduce_f, rg.grid[0], rg.block[0], {&a_part, &a_dgamma, &partials, &hidden}}});
+  absl::StatusOr<std::vector<Bench::Launch>> rr_launches = row_resident->Record(args);
+  if (!rr_launches.ok()) return rr_launches.status();
+  absl::StatusOr<double> rr_ms = bench.Time(*rr_launches);
   if (!rr_ms.ok()) return rr_ms.status();
   row.row_resident_ms = *rr_ms;
 
@@ -389,37 +381,18 @@ absl::StatusOr<Row> RunShape(Bench& bench, DType dtype, Shape shape, CUfunction 
     if (absl::Status s = bench.Download(dgamma.data(), *d_dgamma, dgamma.size() * 4); !s.ok()) {
       return s;
     }
-    std::vector<float> want_dx(n), want_dgamma(shape.hidden);
-    kernels::ReferenceBackward({x_exact, dy_exact, gamma_exact, {}, shape.rows, shape.hidden, eps},
-                               absl::MakeSpan(want_dx), absl::MakeSpan(want_dgamma));
+    const kernel_testing::BackwardReference want = kernel_testing::ReferenceFor(p, false);
     const size_t check = std::min<size_t>(n, size_t{4} * shape.hidden);
-    for (size_t i = 0; i < check; ++i) {
-      float got;
-      if (eb == 4) {
-        std::memcpy(&got, &dx[4 * i], 4);
-      } else {
-        uint16_t b;
-        std::memcpy(&b, &dx[2 * i], 2);
-        got = FromBits16(b, dtype);
-      }
-      row.max_rel_err_dx = std::max(
-          row.max_rel_err_dx,
-          std::fabs(got - want_dx[i]) / std::max(1.0, static_cast<double>(std::fabs(want_dx[i]))));
-    }
-    for (uint32_t i = 0; i < shape.hidden; ++i) {
-      row.max_rel_err_dgamma =
-          std::max(row.max_rel_err_dgamma,
-                   std::fabs(dgamma[i] - want_dgamma[i]) /
-                       std::max(1.0, static_cast<double>(std::fabs(want_dgamma[i]))));
-    }
+    const std::vector<float> got_dx = kernel_testing::DecodeElements(dx, dtype);
+    row.max_rel_err_dx = kernel_testing::MaxRelativeError(
+        absl::MakeConstSpan(got_dx).first(check), absl::MakeConstSpan(want.dx).first(check));
+    row.max_rel_err_dgamma = kernel_testing::MaxRelativeError(dgamma, want.dgamma);
   }
 
+  absl::StatusOr<std::vector<Bench::Launch>> b_launches = batched->Record(args);
+  if (!b_launches.ok()) return b_launches.status();
   absl::StatusOr<double> b_ms =
-      bench.Time({{*batched_f,
-                   bg.grid[0],
-                   bg.block[0],
-                   {&a_x, &a_gamma, &a_dy, &a_dx, &a_dgamma, &rows, &hidden, &eps}}},
-                 [&]() { return bench.Memset(*d_dgamma, shape.hidden); });
+      bench.Time(*b_launches, [&]() { return bench.Memset(*d_dgamma, shape.hidden); });
   if (!b_ms.ok()) return b_ms.status();
   row.batched_ms = *b_ms;
   bench.FreeAll();

@@ -1,7 +1,8 @@
 // A stand-in CUDA driver library for the CUDA backend's tests on machines without a GPU. It
 // exports the symbols of server/cuda/driver_api.h; "device" memory is host memory, and
 // cuLaunchKernel runs a C++ model of the two backward kernels, chosen by the entry name found
-// in the loaded PTX (parameters by the names the PTX declares). Behaviour is scripted by
+// in the loaded PTX (its arguments read back with the kernels' own launch contract,
+// kernels::UnpackArgs, from the parameter list the PTX declares). Behaviour is scripted by
 // environment, read at every call:
 //   NORMGRAD_SCRIPTED_CUDA=ok|init_fails|no_devices|jit_error|oom     (default ok)
 //   NORMGRAD_SCRIPTED_CUDA_MAX_GRID_X=N                             (default 2147483647)
@@ -20,11 +21,37 @@
 #include <string>
 #include <vector>
 
+#include "kernels/launch.h"
+
 namespace {
 
 std::string Mode() {
   const char* m = std::getenv("NORMGRAD_SCRIPTED_CUDA");
   return m != nullptr ? m : "ok";
+}
+
+// cuGetErrorName / cuGetErrorString for the results this driver produces (a description only
+// where the tests read one); CUDA_ERROR_INVALID_VALUE for any other.
+CUresult DescribeResult(CUresult r, bool description, const char** out) {
+  struct Known {
+    CUresult result;
+    const char* name;
+    const char* description;
+  };
+  static constexpr Known kKnown[] = {
+      {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
+      {CUDA_ERROR_INVALID_PTX, "CUDA_ERROR_INVALID_PTX", "a PTX JIT compilation failed"},
+      {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+      {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", nullptr},
+      {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", nullptr},
+  };
+  for (const Known& k : kKnown) {
+    const char* text = description ? k.description : k.name;
+    if (k.result != r || text == nullptr) continue;
+    *out = text;
+    return CUDA_SUCCESS;
+  }
+  return CUDA_ERROR_INVALID_VALUE;
 }
 
 int DummyContextStorage;
@@ -40,7 +67,7 @@ enum class Elem { kF32, kBF16, kF16 };
 struct Module {
   std::string entry;
   Elem elem = Elem::kF32;  // x, dy, gamma, dx; guessed from the PTX's conversions
-  std::vector<std::pair<std::string, std::string>> params;  // (type, name) in order
+  std::vector<normgrad::kernels::KernelParam> params;  // as declared, in order
 };
 
 // Parses ".entry NAME(" and the ".param .TYPE NAME" lines that follow it.
@@ -66,7 +93,7 @@ Module Parse(const char* ptx) {
     std::string type = text.substr(p + 1, type_end - p - 1);  // skip the '.'
     size_t name_start = type_end + 1;
     size_t name_end = text.find_first_of(",) \n", name_start);
-    m.params.emplace_back(type, text.substr(name_start, name_end - name_start));
+    m.params.push_back({text.substr(name_start, name_end - name_start), type});
     p = text.find(".param ", name_end);
   }
   return m;
@@ -126,15 +153,8 @@ void StoreElem(Elem elem, void* base, uint64_t i, float v) {
 }
 
 template <typename T>
-T Arg(const Module& m, void** args, const std::string& name) {
-  for (size_t i = 0; i < m.params.size(); ++i) {
-    if (m.params[i].second == name) {
-      T v;
-      std::memcpy(&v, args[i], sizeof(T));
-      return v;
-    }
-  }
-  std::abort();  // the model needs a parameter the PTX lacks: the test will crash loudly
+T* Ptr(uint64_t address) {
+  return reinterpret_cast<T*>(address);
 }
 
 }  // namespace
@@ -252,16 +272,18 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned,
   if (g != nullptr && gx > static_cast<unsigned>(std::atoi(g))) return CUDA_ERROR_INVALID_VALUE;
   ++launches;
   const Module& m = *reinterpret_cast<Module*>(f);
+  // A parameter the launch contract does not know, or of another type: the backend's packing
+  // and the kernel disagree.
+  const absl::StatusOr<normgrad::kernels::KernelParamValues> unpacked =
+      normgrad::kernels::UnpackArgs(m.params, args);
+  if (!unpacked.ok()) return CUDA_ERROR_INVALID_VALUE;
+  const normgrad::kernels::KernelParamValues& v = *unpacked;
   if (m.entry == "rms_norm_backward_dgamma_reduce") {
-    const auto* partials =
-        reinterpret_cast<const float*>(Arg<uint64_t>(m, args, "dgamma_partials_ptr"));
-    void* dgamma = reinterpret_cast<void*>(Arg<uint64_t>(m, args, "dgamma_ptr"));
-    const uint32_t n = Arg<uint32_t>(m, args, "num_partials");
-    const uint32_t h = Arg<uint32_t>(m, args, "hidden_dim");
-    for (uint32_t i = 0; i < h; ++i) {
+    const float* partials = Ptr<const float>(v.dgamma_partials);
+    for (uint32_t i = 0; i < v.hidden_dim; ++i) {
       float sum = 0;
-      for (uint32_t p = 0; p < n; ++p) sum += partials[uint64_t{p} * h + i];
-      StoreElem(m.elem, dgamma, i, sum);
+      for (uint32_t p = 0; p < v.num_partials; ++p) sum += partials[uint64_t{p} * v.hidden_dim + i];
+      StoreElem(m.elem, Ptr<void>(v.dgamma), i, sum);
     }
     return CUDA_SUCCESS;
   }
@@ -269,24 +291,17 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned,
   const bool batched = m.entry == "batched_rms_norm_backward";
   if (!batched && !row_resident && m.entry != "rms_norm_backward") return CUDA_ERROR_NOT_FOUND;
   // rms: the given one (warp kernel; row-resident when rms_ptr != 0), else from x and eps.
-  const float* given_rms =
-      batched ? nullptr : reinterpret_cast<const float*>(Arg<uint64_t>(m, args, "rms_ptr"));
+  const float* given_rms = batched ? nullptr : Ptr<const float>(v.rms);
   // grad_gamma: atomics into one vector (batched), or one partial row per block with rows taken
   // grid-stride (row-resident: block b has rows b, b + G, ...).
-  float* partials = row_resident
-                        ? reinterpret_cast<float*>(Arg<uint64_t>(m, args, "dgamma_partials_ptr"))
-                        : nullptr;
-  if (row_resident) {
-    const uint32_t h = Arg<uint32_t>(m, args, "hidden_dim");
-    std::memset(partials, 0, uint64_t{gx} * h * sizeof(float));
-  }
-  const void* x = reinterpret_cast<const void*>(Arg<uint64_t>(m, args, "input_ptr"));
-  const void* gamma = reinterpret_cast<const void*>(Arg<uint64_t>(m, args, "gamma_ptr"));
-  const void* dy = reinterpret_cast<const void*>(Arg<uint64_t>(m, args, "grad_output_ptr"));
-  void* dx = reinterpret_cast<void*>(Arg<uint64_t>(m, args, "grad_input_ptr"));
-  const uint32_t rows = Arg<uint32_t>(m, args, "num_rows");
-  const uint32_t h = Arg<uint32_t>(m, args, "hidden_dim");
-  for (uint32_t r = 0; r < rows; ++r) {
+  const uint32_t h = v.hidden_dim;
+  float* partials = row_resident ? Ptr<float>(v.dgamma_partials) : nullptr;
+  if (row_resident) std::memset(partials, 0, uint64_t{gx} * h * sizeof(float));
+  const void* x = Ptr<const void>(v.input);
+  const void* gamma = Ptr<const void>(v.gamma);
+  const void* dy = Ptr<const void>(v.grad_output);
+  void* dx = Ptr<void>(v.grad_input);
+  for (uint32_t r = 0; r < v.num_rows; ++r) {
     const uint64_t row = uint64_t{r} * h;
     float sum_sq = 0, sum_xdyg = 0;
     for (uint32_t i = 0; i < h; ++i) {
@@ -294,9 +309,8 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned,
       sum_sq += xi * xi;
       sum_xdyg += xi * LoadElem(m.elem, dy, row + i) * LoadElem(m.elem, gamma, i);
     }
-    const float rms = given_rms != nullptr
-                          ? given_rms[r]
-                          : std::sqrt(sum_sq / static_cast<float>(h) + Arg<float>(m, args, "eps"));
+    const float rms =
+        given_rms != nullptr ? given_rms[r] : std::sqrt(sum_sq / static_cast<float>(h) + v.eps);
     const float inv = 1.0f / rms;
     const float mean = sum_xdyg / static_cast<float>(h);
     for (uint32_t i = 0; i < h; ++i) {
@@ -305,8 +319,7 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned,
       StoreElem(m.elem, dx, row + i,
                 inv * (LoadElem(m.elem, gamma, i) * yi - xi * inv * inv * mean));
       if (batched) {
-        auto* dgamma = reinterpret_cast<float*>(Arg<uint64_t>(m, args, "grad_gamma_ptr"));
-        dgamma[i] += yi * xi * inv;
+        Ptr<float>(v.grad_gamma)[i] += yi * xi * inv;
       } else if (row_resident) {
         partials[uint64_t{r % gx} * h + i] += yi * xi * inv;
       }
@@ -392,44 +405,8 @@ CUresult cuEventDestroy_v2(CUevent e) {
   delete reinterpret_cast<int*>(e);
   return CUDA_SUCCESS;
 }
-CUresult cuGetErrorName(CUresult r, const char** s) {
-  switch (r) {
-    case CUDA_ERROR_NO_DEVICE:
-      *s = "CUDA_ERROR_NO_DEVICE";
-      break;
-    case CUDA_ERROR_INVALID_PTX:
-      *s = "CUDA_ERROR_INVALID_PTX";
-      break;
-    case CUDA_ERROR_OUT_OF_MEMORY:
-      *s = "CUDA_ERROR_OUT_OF_MEMORY";
-      break;
-    case CUDA_ERROR_INVALID_CONTEXT:
-      *s = "CUDA_ERROR_INVALID_CONTEXT";
-      break;
-    case CUDA_ERROR_INVALID_VALUE:
-      *s = "CUDA_ERROR_INVALID_VALUE";
-      break;
-    default:
-      return CUDA_ERROR_INVALID_VALUE;
-  }
-  return CUDA_SUCCESS;
-}
-CUresult cuGetErrorString(CUresult r, const char** s) {
-  switch (r) {
-    case CUDA_ERROR_NO_DEVICE:
-      *s = "no CUDA-capable device is detected";
-      break;
-    case CUDA_ERROR_INVALID_PTX:
-      *s = "a PTX JIT compilation failed";
-      break;
-    case CUDA_ERROR_OUT_OF_MEMORY:
-      *s = "out of memory";
-      break;
-    default:
-      return CUDA_ERROR_INVALID_VALUE;
-  }
-  return CUDA_SUCCESS;
-}
+CUresult cuGetErrorName(CUresult r, const char** s) { return DescribeResult(r, false, s); }
+CUresult cuGetErrorString(CUresult r, const char** s) { return DescribeResult(r, true, s); }
 CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
   *free_bytes = size_t{79} << 30;
   *total = size_t{80} << 30;

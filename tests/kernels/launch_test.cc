@@ -1,0 +1,294 @@
+// The launch contract (kernels/launch.h): argument packing from a built kernel's own parameter
+// list, and what each BackwardPlan launches, checked with a launcher that records instead of
+// running (the interpreter runs the same plans in tests/ptxsim).
+#include "kernels/launch.h"
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "kernels/kernel.h"
+#include "kernels/kernel_params.h"
+#include "kernels/kernel_registry.h"
+
+namespace normgrad::kernels {
+namespace {
+
+constexpr char kRowResident[] = "rms_norm_backward_row_resident";
+constexpr char kReduce[] = "rms_norm_backward_dgamma_reduce";
+constexpr char kBatched[] = "batched_rms_norm_backward";
+constexpr char kWarp[] = "rms_norm_backward";
+
+// Every field a different value, so that a value in the wrong slot shows.
+KernelParamValues DistinctValues() {
+  KernelParamValues v;
+  v.input = 0x1000;
+  v.gamma = 0x2000;
+  v.rms = 0x3000;
+  v.grad_output = 0x4000;
+  v.grad_input = 0x5000;
+  v.grad_gamma = 0x6000;
+  v.dgamma_partials = 0x7000;
+  v.dgamma = 0x8000;
+  v.num_rows = 11;
+  v.num_partials = 12;
+  v.hidden_dim = 13;
+  v.eps = 0.25f;
+  return v;
+}
+
+TEST(KernelParamTable, EveryIdHasOneEntryAndItsNameFindsIt) {
+  for (int i = 0; i < kNumKernelParamIds; ++i) {
+    const KernelParamId id = static_cast<KernelParamId>(i);
+    ASSERT_EQ(SpecOf(id).id, id) << i;
+    ASSERT_EQ(FindKernelParam(SpecOf(id).name), id) << SpecOf(id).name;
+  }
+  EXPECT_FALSE(FindKernelParam("no_such_param").has_value());
+}
+
+TEST(PackArgs, FillsEveryKernelsParametersInItsOwnOrder) {
+  const KernelParamValues values = DistinctValues();
+  for (const Kernel* k : AllKernels()) {
+    const std::vector<KernelParam> params = k->Params();
+    ASSERT_FALSE(params.empty()) << k->EntryName();
+    absl::StatusOr<PackedArgs> packed = PackArgs(params, values);
+    ASSERT_TRUE(packed.ok()) << k->EntryName() << ": " << packed.status();
+    ASSERT_EQ(packed->size(), params.size());
+    // Reading the array back gives the values of exactly the declared parameters.
+    absl::StatusOr<KernelParamValues> back = UnpackArgs(params, packed->pointers());
+    ASSERT_TRUE(back.ok()) << back.status();
+    for (size_t i = 0; i < params.size(); ++i) {
+      uint64_t slot = 0;
+      std::memcpy(&slot, packed->pointers()[i], sizeof(slot));
+      const std::string& name = params[i].name;
+      if (name == "input_ptr") {
+        EXPECT_EQ(slot, values.input);
+      } else if (name == "grad_output_ptr") {
+        EXPECT_EQ(slot, values.grad_output);
+      } else if (name == "num_rows") {
+        EXPECT_EQ(slot, values.num_rows);  // u32 in the low bytes of a zeroed slot
+      }
+      if (name == "eps") {
+        float eps;
+        std::memcpy(&eps, packed->pointers()[i], sizeof(eps));
+        EXPECT_EQ(eps, values.eps);
+      }
+    }
+    EXPECT_EQ(back->hidden_dim, values.hidden_dim) << k->EntryName();
+  }
+}
+
+TEST(PackArgs, TheRowResidentKernelsArrayIsInItsDeclarationOrder) {
+  const std::vector<KernelParam> params = FindKernel(kRowResident)->Params();
+  absl::StatusOr<PackedArgs> packed = PackArgs(params, DistinctValues());
+  ASSERT_TRUE(packed.ok()) << packed.status();
+  std::vector<uint64_t> slots;
+  for (size_t i = 0; i < packed->size(); ++i) {
+    uint64_t slot = 0;
+    std::memcpy(&slot, packed->pointers()[i], 4 * (params[i].ptx_type == "u64" ? 2 : 1));
+    slots.push_back(slot);
+  }
+  uint32_t eps_bits;
+  const float eps = 0.25f;
+  std::memcpy(&eps_bits, &eps, 4);
+  // x, gamma, dy, dx, rms, partials, rows, hidden, eps: the order Build declares.
+  EXPECT_EQ(slots, (std::vector<uint64_t>{0x1000, 0x2000, 0x4000, 0x5000, 0x3000, 0x7000, 11, 13,
+                                          eps_bits}));
+}
+
+TEST(PackArgs, AParameterTheContractDoesNotKnowIsAnInternalErrorNamingIt) {
+  absl::StatusOr<PackedArgs> unknown =
+      PackArgs({{"input_ptr", "u64"}, {"scale_ptr", "u64"}}, DistinctValues());
+  ASSERT_EQ(unknown.status().code(), absl::StatusCode::kInternal);
+  EXPECT_NE(unknown.status().message().find("scale_ptr"), absl::string_view::npos);
+
+  absl::StatusOr<PackedArgs> mistyped = PackArgs({{"num_rows", "u64"}}, DistinctValues());
+  ASSERT_EQ(mistyped.status().code(), absl::StatusCode::kInternal);
+  EXPECT_NE(mistyped.status().message().find("num_rows is .u64"), absl::string_view::npos)
+      << mistyped.status();
+}
+
+// Records launches: step, geometry and the argument values.
+class RecordingLauncher : public KernelLauncher {
+ public:
+  explicit RecordingLauncher(const BackwardPlan& plan, uint32_t max_grid_x = kMaxGridX)
+      : max_grid_x_(max_grid_x) {
+    for (const BackwardPlan::Step& step : plan.steps()) params_.push_back(step.kernel->Params());
+  }
+  struct Launched {
+    size_t step;
+    LaunchGeometry geometry;
+    KernelParamValues values;
+  };
+  const std::vector<Launched>& launched() const { return launched_; }
+
+  absl::Span<const KernelParam> Params(size_t step) const override { return params_[step]; }
+  uint32_t MaxGridX() const override { return max_grid_x_; }
+  absl::Status Launch(size_t step, const LaunchGeometry& g, void** args) override {
+    absl::StatusOr<KernelParamValues> v = UnpackArgs(params_[step], args);
+    if (!v.ok()) return v.status();
+    launched_.push_back({step, g, *v});
+    return absl::OkStatus();
+  }
+
+ private:
+  uint32_t max_grid_x_;
+  std::vector<std::vector<KernelParam>> params_;
+  std::vector<Launched> launched_;
+};
+
+KernelConfig Config(uint32_t hidden, DType dtype = DType::kF32) {
+  KernelConfig c;
+  c.hidden_dim = hidden;
+  c.dtype = dtype;
+  c.target_sm = 90;
+  c.sm_count = 4;
+  return c;
+}
+
+BackwardArgs Args(uint64_t rows, uint32_t hidden) {
+  BackwardArgs a;
+  a.x = 0x10000;
+  a.dy = 0x20000;
+  a.dx = 0x30000;
+  a.gamma = 0x40000;
+  a.rms = 0x50000;
+  a.dgamma = 0x60000;
+  a.workspace = 0x70000;
+  a.rows = rows;
+  a.hidden_dim = hidden;
+  a.eps = 1e-3f;
+  return a;
+}
+
+TEST(BackwardPlan, RowResidentLaunchesTheKernelThenTheF32ReduceOfItsPartialRows) {
+  const KernelConfig config = Config(896, DType::kBF16);
+  absl::StatusOr<BackwardPlan> plan = BackwardPlan::Create(*FindKernel(kRowResident), config);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->steps().size(), 2u);
+  EXPECT_EQ(plan->steps()[1].kernel->EntryName(), kReduce);
+  EXPECT_EQ(plan->steps()[1].config.dtype, DType::kF32);
+  EXPECT_EQ(plan->dgamma_output(), DgammaOutput::kWritten);
+  EXPECT_TRUE(plan->reads_rms());
+  EXPECT_FALSE(plan->requires_rms());
+
+  const uint64_t rows = 1000;
+  const uint32_t partial_rows = FindKernel(kRowResident)->Geometry(config, rows).grid[0];
+  EXPECT_EQ(plan->WorkspaceBytes(rows), uint64_t{partial_rows} * 896 * sizeof(float));
+
+  RecordingLauncher launcher(*plan);
+  ASSERT_TRUE(plan->Run(Args(rows, 896), launcher).ok());
+  ASSERT_EQ(launcher.launched().size(), 2u);
+  const auto& main = launcher.launched()[0];
+  const auto& reduce = launcher.launched()[1];
+  EXPECT_EQ(main.step, 0u);
+  EXPECT_EQ(main.geometry.grid[0], partial_rows);
+  EXPECT_EQ(main.values.input, 0x10000u);
+  EXPECT_EQ(main.values.rms, 0x50000u);
+  EXPECT_EQ(main.values.dgamma_partials, 0x70000u);
+  EXPECT_EQ(main.values.num_rows, rows);
+  EXPECT_EQ(main.values.eps, 1e-3f);
+  EXPECT_EQ(reduce.step, 1u);
+  EXPECT_EQ(reduce.values.dgamma_partials, 0x70000u);
+  EXPECT_EQ(reduce.values.dgamma, 0x60000u);
+  EXPECT_EQ(reduce.values.num_partials, partial_rows);
+  EXPECT_EQ(reduce.values.hidden_dim, 896u);
+}
+
+TEST(BackwardPlan, SeedKernelsLaunchInPiecesBelowTheDevicesGridLimit) {
+  // batched: one block per row. 10 rows under a limit of 3 blocks: pieces of 3, 3, 3, 1 rows
+  // (halving from 10: 5, then 3), each with its rows' pointers.
+  const KernelConfig config = Config(100, DType::kF16);
+  absl::StatusOr<BackwardPlan> plan = BackwardPlan::Create(*FindKernel(kBatched), config);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->dgamma_output(), DgammaOutput::kAccumulated);
+  EXPECT_FALSE(plan->reads_rms());
+  EXPECT_EQ(plan->WorkspaceBytes(10), 0u);
+  RecordingLauncher launcher(*plan, /*max_grid_x=*/3);
+  ASSERT_TRUE(plan->Run(Args(10, 100), launcher).ok());
+  const std::vector<uint32_t> want_rows = {3, 3, 3, 1};
+  ASSERT_EQ(launcher.launched().size(), want_rows.size());
+  uint64_t first = 0;
+  for (size_t i = 0; i < want_rows.size(); ++i) {
+    const auto& l = launcher.launched()[i];
+    EXPECT_EQ(l.values.num_rows, want_rows[i]) << i;
+    EXPECT_LE(l.geometry.grid[0], 3u) << i;
+    const uint64_t offset = first * 100 * 2;  // f16 rows of 100
+    EXPECT_EQ(l.values.input, 0x10000 + offset) << i;
+    EXPECT_EQ(l.values.grad_output, 0x20000 + offset) << i;
+    EXPECT_EQ(l.values.grad_input, 0x30000 + offset) << i;
+    EXPECT_EQ(l.values.gamma, 0x40000u) << i;
+    EXPECT_EQ(l.values.grad_gamma, 0x60000u) << i;
+    first += want_rows[i];
+  }
+}
+
+TEST(BackwardPlan, TheWarpKernelReadsTheGivenRmsOfEachPiecesRows) {
+  absl::StatusOr<BackwardPlan> plan = BackwardPlan::Create(*FindKernel(kWarp), Config(32));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->dgamma_output(), DgammaOutput::kNone);
+  EXPECT_TRUE(plan->requires_rms());
+  // 8 rows per block under a limit of 1 block: halving 20 rows gives pieces of 5.
+  RecordingLauncher launcher(*plan, /*max_grid_x=*/1);
+  ASSERT_TRUE(plan->Run(Args(20, 32), launcher).ok());
+  ASSERT_EQ(launcher.launched().size(), 4u);
+  uint64_t first = 0;
+  for (const auto& l : launcher.launched()) {
+    EXPECT_EQ(l.values.rms, 0x50000 + first * sizeof(float));
+    first += l.values.num_rows;
+  }
+  EXPECT_EQ(first, 20u);
+}
+
+TEST(BackwardPlan, CanImplementNamesTheFieldAndTheNumbers) {
+  absl::StatusOr<BackwardPlan> row = BackwardPlan::Create(*FindKernel(kRowResident), Config(64));
+  absl::StatusOr<BackwardPlan> warp = BackwardPlan::Create(*FindKernel(kWarp), Config(16));
+  ASSERT_TRUE(row.ok() && warp.ok());
+  struct Case {
+    const BackwardPlan& plan;
+    BackwardArgs args;
+    std::string want;
+  };
+  BackwardArgs other_hidden = Args(4, 65);
+  BackwardArgs no_workspace = Args(4, 64);
+  no_workspace.workspace = 0;
+  BackwardArgs too_many_rows = Args(uint64_t{1} << 32, 64);
+  BackwardArgs no_rms = Args(4, 16);
+  no_rms.rms = 0;
+  for (const Case& c : {Case{*row, other_hidden, "hidden_dim 65 differs from the plan's 64"},
+                        Case{*row, no_workspace, "workspace of"},
+                        Case{*row, too_many_rows, "rows 4294967296 exceed 4294967295"},
+                        Case{*warp, no_rms, "needs the forward's rms"}}) {
+    const absl::Status s = c.plan.CanImplement(c.args);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.want;
+    EXPECT_NE(s.message().find(c.want), absl::string_view::npos) << s;
+    RecordingLauncher launcher(c.plan);
+    EXPECT_EQ(c.plan.Run(c.args, launcher).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(launcher.launched().empty());
+  }
+}
+
+TEST(BackwardPlan, CreateRefusesWhatTheKernelRefusesAndTheReduceAlone) {
+  EXPECT_EQ(BackwardPlan::Create(*FindKernel(kWarp), Config(33)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  KernelConfig bf16_on_turing = Config(64, DType::kBF16);
+  bf16_on_turing.target_sm = 75;
+  EXPECT_EQ(BackwardPlan::Create(*FindKernel(kRowResident), bf16_on_turing).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  const absl::Status reduce = BackwardPlan::Create(*FindKernel(kReduce), Config(64)).status();
+  EXPECT_EQ(reduce.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(reduce.message().find("not a backward kernel"), absl::string_view::npos) << reduce;
+}
+
+TEST(BackwardPlan, NoRowsLaunchNothing) {
+  absl::StatusOr<BackwardPlan> plan = BackwardPlan::Create(*FindKernel(kRowResident), Config(64));
+  ASSERT_TRUE(plan.ok());
+  RecordingLauncher launcher(*plan);
+  EXPECT_TRUE(plan->Run(Args(0, 64), launcher).ok());
+  EXPECT_TRUE(launcher.launched().empty());
+}
+
+}  // namespace
+}  // namespace normgrad::kernels
