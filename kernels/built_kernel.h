@@ -38,8 +38,9 @@ class BuiltKernel : public Kernel {
   // hidden_dim in 1..MaxHiddenDim() (INVALID_ARGUMENT: "hidden_dim H is outside 1..M, the
   // limit of <entry><HiddenDimLimitNote()>"), bf16 only on sm_80+, then the PTX version.
   absl::Status CanImplement(const KernelConfig& config) const final;
-  // Entry, dtype, target, PTX version and generator version. Both seed kernels read every
-  // parameter at run time, so hidden_dim and eps are not in the key.
+  // Entry, dtype, target, PTX version and generator version: the key of a kernel that reads
+  // every parameter (hidden_dim, eps, ...) at run time. A kernel that bakes more into its PTX
+  // adds it (the row-resident kernel's tiling).
   std::string ConfigKey(const KernelConfig& config) const override;
   absl::StatusOr<EmittedPtx> Emit(const KernelConfig& config) const override;
 

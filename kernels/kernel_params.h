@@ -5,10 +5,12 @@
 // to know it.
 //
 //   Function& f = m.AddEntry(EntryName());
-//   const Param x = AddKernelParam(f, KernelParamId::kInput);   // .param .u64 input_ptr
+//   const auto [x, rows] = AddKernelParams(f, {KernelParamId::kInput, KernelParamId::kNumRows});
 #ifndef NORMGRAD_KERNELS_KERNEL_PARAMS_H_
 #define NORMGRAD_KERNELS_KERNEL_PARAMS_H_
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 
@@ -45,6 +47,15 @@ std::optional<KernelParamId> FindKernelParam(absl::string_view name);
 
 // Declares parameter `id` on `f` (next in order) and returns its handle.
 Param AddKernelParam(Function& f, KernelParamId id);
+
+// Declares the entry's whole parameter list in order:
+//   const auto [x, n] = AddKernelParams(f, {KernelParamId::kInput, KernelParamId::kNumRows});
+template <size_t N>
+std::array<Param, N> AddKernelParams(Function& f, const KernelParamId (&ids)[N]) {
+  std::array<Param, N> params;
+  for (size_t i = 0; i < N; ++i) params[i] = AddKernelParam(f, ids[i]);
+  return params;
+}
 
 }  // namespace normgrad::kernels
 

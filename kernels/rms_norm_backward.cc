@@ -102,13 +102,11 @@ LaunchGeometry RmsNormBackwardKernel::Geometry(const KernelConfig& config,
 absl::StatusOr<Module> RmsNormBackwardKernel::Build(const KernelConfig& config) const {
   NORMGRAD_ASSIGN_OR_RETURN(Module m, StartModule(config));
   Function& f = m.mutable_functions().front();
-  const Param input_ptr = AddKernelParam(f, KernelParamId::kInput);
-  const Param gamma_ptr = AddKernelParam(f, KernelParamId::kGamma);
-  const Param rms_ptr = AddKernelParam(f, KernelParamId::kRms);
-  const Param grad_output_ptr = AddKernelParam(f, KernelParamId::kGradOutput);
-  const Param grad_input_ptr = AddKernelParam(f, KernelParamId::kGradInput);
-  const Param num_rows = AddKernelParam(f, KernelParamId::kNumRows);
-  const Param hidden_dim = AddKernelParam(f, KernelParamId::kHiddenDim);
+  const auto [input_ptr, gamma_ptr, rms_ptr, grad_output_ptr, grad_input_ptr, num_rows,
+              hidden_dim] =
+      AddKernelParams(f, {KernelParamId::kInput, KernelParamId::kGamma, KernelParamId::kRms,
+                          KernelParamId::kGradOutput, KernelParamId::kGradInput,
+                          KernelParamId::kNumRows, KernelParamId::kHiddenDim});
 
   Builder b(&f);
   const Label exit = b.CreateLabel("exit");
@@ -178,14 +176,11 @@ LaunchGeometry BatchedRmsNormBackwardKernel::Geometry(const KernelConfig& config
 absl::StatusOr<Module> BatchedRmsNormBackwardKernel::Build(const KernelConfig& config) const {
   NORMGRAD_ASSIGN_OR_RETURN(Module m, StartModule(config));
   Function& f = m.mutable_functions().front();
-  const Param input_ptr = AddKernelParam(f, KernelParamId::kInput);
-  const Param gamma_ptr = AddKernelParam(f, KernelParamId::kGamma);
-  const Param grad_output_ptr = AddKernelParam(f, KernelParamId::kGradOutput);
-  const Param grad_input_ptr = AddKernelParam(f, KernelParamId::kGradInput);
-  const Param grad_gamma_ptr = AddKernelParam(f, KernelParamId::kGradGamma);
-  const Param num_rows = AddKernelParam(f, KernelParamId::kNumRows);
-  const Param hidden_dim = AddKernelParam(f, KernelParamId::kHiddenDim);
-  const Param eps_param = AddKernelParam(f, KernelParamId::kEps);
+  const auto [input_ptr, gamma_ptr, grad_output_ptr, grad_input_ptr, grad_gamma_ptr, num_rows,
+              hidden_dim, eps_param] =
+      AddKernelParams(f, {KernelParamId::kInput, KernelParamId::kGamma, KernelParamId::kGradOutput,
+                          KernelParamId::kGradInput, KernelParamId::kGradGamma,
+                          KernelParamId::kNumRows, KernelParamId::kHiddenDim, KernelParamId::kEps});
 
   Builder b(&f);
   const Label exit = b.CreateLabel("exit");

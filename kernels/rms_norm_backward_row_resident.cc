@@ -218,15 +218,12 @@ absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfi
   const uint32_t elem_bytes = DTypeBytes(dtype);
 
   Function& f = m.mutable_functions().front();
-  const Param input_ptr = AddKernelParam(f, KernelParamId::kInput);
-  const Param gamma_ptr = AddKernelParam(f, KernelParamId::kGamma);
-  const Param grad_output_ptr = AddKernelParam(f, KernelParamId::kGradOutput);
-  const Param grad_input_ptr = AddKernelParam(f, KernelParamId::kGradInput);
-  const Param rms_ptr = AddKernelParam(f, KernelParamId::kRms);
-  const Param partials_ptr = AddKernelParam(f, KernelParamId::kDgammaPartials);
-  const Param num_rows = AddKernelParam(f, KernelParamId::kNumRows);
-  const Param hidden_dim = AddKernelParam(f, KernelParamId::kHiddenDim);
-  const Param eps_param = AddKernelParam(f, KernelParamId::kEps);
+  const auto [input_ptr, gamma_ptr, grad_output_ptr, grad_input_ptr, rms_ptr, partials_ptr,
+              num_rows, hidden_dim, eps_param] =
+      AddKernelParams(
+          f, {KernelParamId::kInput, KernelParamId::kGamma, KernelParamId::kGradOutput,
+              KernelParamId::kGradInput, KernelParamId::kRms, KernelParamId::kDgammaPartials,
+              KernelParamId::kNumRows, KernelParamId::kHiddenDim, KernelParamId::kEps});
   // Two f32 per warp: the warp's sum of x^2 and of x*gamma*dy for the current row.
   const SharedArray warp_sums = f.AddShared("warp_sums", 8 * warps, 16);
 
@@ -406,10 +403,9 @@ absl::StatusOr<Module> RmsNormBackwardDgammaReduceKernel::Build(const KernelConf
   const DType dtype = config.dtype;
 
   Function& f = m.mutable_functions().front();
-  const Param partials_ptr = AddKernelParam(f, KernelParamId::kDgammaPartials);
-  const Param dgamma_ptr = AddKernelParam(f, KernelParamId::kDgamma);
-  const Param num_partials = AddKernelParam(f, KernelParamId::kNumPartials);
-  const Param hidden_dim = AddKernelParam(f, KernelParamId::kHiddenDim);
+  const auto [partials_ptr, dgamma_ptr, num_partials, hidden_dim] =
+      AddKernelParams(f, {KernelParamId::kDgammaPartials, KernelParamId::kDgamma,
+                          KernelParamId::kNumPartials, KernelParamId::kHiddenDim});
   const SharedArray group_sums = f.AddShared("group_sums", 4 * 32 * kGroups, 16);
 
   Builder b(&f);
