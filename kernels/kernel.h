@@ -100,10 +100,6 @@ class Kernel {
   virtual absl::StatusOr<EmittedPtx> Emit(const KernelConfig& config) const = 0;
 };
 
-// Registry of every kernel normgrad serves; nullptr for an unknown name.
-const Kernel* FindKernel(absl::string_view entry_name);
-std::vector<const Kernel*> AllKernels();
-
 // Bumped whenever emission changes for an unchanged config; part of every ConfigKey.
 inline constexpr absl::string_view kGeneratorVersion = "normgrad-ptx/1";
 

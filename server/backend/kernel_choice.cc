@@ -1,6 +1,7 @@
 #include "server/backend/kernel_choice.h"
 
 #include "absl/strings/str_cat.h"
+#include "kernels/kernel_registry.h"
 
 namespace normgrad::server::backend_internal {
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/kernel_registry.h"
 #include "server/backend/batch_checks.h"
 #include "server/backend/cpu_rows.h"
 #include "server/backend/kernel_choice.h"

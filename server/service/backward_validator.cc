@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/kernel.h"
+#include "kernels/kernel_registry.h"
 
 namespace normgrad::server {
 namespace {

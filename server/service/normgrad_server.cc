@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "kernels/kernel_registry.h"
 #include "server/service/metrics.h"
 #include "server/service/metrics_http_server.h"
 #include "server/service/normgrad_service.h"

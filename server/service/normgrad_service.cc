@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kernels/kernel_registry.h"
 #include "server/service/status_conversion.h"
 
 namespace normgrad::server {

@@ -20,6 +20,7 @@
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 #include "kernels/kernel.h"
+#include "kernels/kernel_registry.h"
 #include "kernels/ptx_builder.h"
 #include "kernels/targets.h"
 #include "kernels/verifier.h"

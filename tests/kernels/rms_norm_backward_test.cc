@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/kernel.h"
+#include "kernels/kernel_registry.h"
 #include "kernels/targets.h"
 
 namespace normgrad::kernels {

@@ -21,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "kernels/divergence_analysis.h"
 #include "kernels/kernel.h"
+#include "kernels/kernel_registry.h"
 #include "kernels/rms_norm_backward_row_resident.h"
 
 namespace normgrad::kernels {

@@ -7,6 +7,7 @@
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "kernels/kernel.h"
+#include "kernels/kernel_registry.h"
 #include "kernels/ptx_builder.h"
 #include "kernels/rms_norm_backward.h"
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kernels/kernel.h"
+#include "kernels/kernel_registry.h"
 #include "kernels/reference.h"
 #include "tests/ptxsim/sim_harness.h"
 

@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "kernels/kernel.h"
+#include "kernels/kernel_registry.h"
 #include "tests/ptxsim/sim_harness.h"
 
 namespace normgrad::ptxsim {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/kernel_registry.h"
 #include "kernels/reference.h"
 #include "server/backend/backend.h"
 #include "server/cuda/driver_api.h"

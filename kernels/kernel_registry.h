@@ -1,0 +1,24 @@
+// The registry of every kernel normgrad serves, by entry name. Kernels are process-lifetime
+// singletons, stateless, safe to use from any thread.
+//
+//   const Kernel* k = FindKernel("batched_rms_norm_backward");   // nullptr for an unknown name
+//   for (const Kernel* each : AllKernels()) names.push_back(std::string(each->EntryName()));
+#ifndef NORMGRAD_KERNELS_KERNEL_REGISTRY_H_
+#define NORMGRAD_KERNELS_KERNEL_REGISTRY_H_
+
+#include <vector>
+
+#include "absl/strings/string_view.h"
+#include "kernels/kernel.h"
+
+namespace normgrad::kernels {
+
+// The kernel whose entry is `entry_name`; nullptr for an unknown name.
+const Kernel* FindKernel(absl::string_view entry_name);
+
+// Every kernel, in a fixed order (the order `normgrad-ptx --list` prints).
+std::vector<const Kernel*> AllKernels();
+
+}  // namespace normgrad::kernels
+
+#endif  // NORMGRAD_KERNELS_KERNEL_REGISTRY_H_
