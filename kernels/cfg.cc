@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/ptx_printer.h"
 
 namespace normgrad::kernels {
 namespace {

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "kernels/ptx_builder.h"
+#include "kernels/ptx_ir.h"
 
 namespace normgrad::kernels {
 

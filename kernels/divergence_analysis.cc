@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/cfg.h"
+#include "kernels/ptx_printer.h"
 
 namespace normgrad::kernels {
 namespace {

@@ -28,7 +28,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "kernels/ptx_builder.h"
+#include "kernels/ptx_ir.h"
 
 namespace normgrad::kernels {
 

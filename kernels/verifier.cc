@@ -6,6 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cfg.h"
+#include "kernels/ptx_printer.h"
+#include "kernels/status_macros.h"
 #include "kernels/targets.h"
 
 namespace normgrad::kernels {
@@ -181,14 +183,9 @@ class FunctionVerifier {
     return absl::OkStatus();
   }
 
-#define NG_RETURN_IF_ERROR(expr)                       \
-  do {                                                 \
-    if (absl::Status _s = (expr); !_s.ok()) return _s; \
-  } while (0)
-
   absl::Status CheckInstruction(const Instruction& in) const {
     if (in.guard.valid()) {
-      NG_RETURN_IF_ERROR(CheckValue(in.guard, "guard"));
+      NORMGRAD_RETURN_IF_ERROR(CheckValue(in.guard, "guard"));
       if (!in.guard.is_register() || in.guard.type() != PtxType::kPred) {
         return absl::InvalidArgumentError("guard must be a .pred register");
       }
@@ -210,7 +207,7 @@ class FunctionVerifier {
         }
         return absl::OkStatus();
       case Opcode::kLdParam:
-        NG_RETURN_IF_ERROR(ExpectCounts(in, 1, 0));
+        NORMGRAD_RETURN_IF_ERROR(ExpectCounts(in, 1, 0));
         if (in.param >= f_.params().size()) {
           return absl::InvalidArgumentError(
               absl::StrCat("loads parameter #", in.param, ", which is not declared"));
@@ -230,9 +227,9 @@ class FunctionVerifier {
           return absl::InvalidArgumentError("expects an address and 1, 2 or 4 destinations");
         }
         if (t == PtxType::kPred) return absl::InvalidArgumentError("cannot load a .pred");
-        NG_RETURN_IF_ERROR(ExpectAddress(in.src[0]));
-        NG_RETURN_IF_ERROR(ExpectAlignedOffset(in, in.dst.size()));
-        for (const Value& d : in.dst) NG_RETURN_IF_ERROR(ExpectDst(d, t, "destination"));
+        NORMGRAD_RETURN_IF_ERROR(ExpectAddress(in.src[0]));
+        NORMGRAD_RETURN_IF_ERROR(ExpectAlignedOffset(in, in.dst.size()));
+        for (const Value& d : in.dst) NORMGRAD_RETURN_IF_ERROR(ExpectDst(d, t, "destination"));
         return NoRounding(in);
       case Opcode::kSt:
         if (in.space == StateSpace::kParam) {
@@ -243,13 +240,13 @@ class FunctionVerifier {
         }
         if (!in.dst.empty()) return absl::InvalidArgumentError("has no destination");
         if (t == PtxType::kPred) return absl::InvalidArgumentError("cannot store a .pred");
-        NG_RETURN_IF_ERROR(ExpectAddress(in.src[0]));
-        NG_RETURN_IF_ERROR(ExpectAlignedOffset(in, in.src.size() - 1));
+        NORMGRAD_RETURN_IF_ERROR(ExpectAddress(in.src[0]));
+        NORMGRAD_RETURN_IF_ERROR(ExpectAlignedOffset(in, in.src.size() - 1));
         for (size_t k = 1; k < in.src.size(); ++k)
-          NG_RETURN_IF_ERROR(Expect(in.src[k], t, "value"));
+          NORMGRAD_RETURN_IF_ERROR(Expect(in.src[k], t, "value"));
         return NoRounding(in);
       case Opcode::kAtomAdd:
-        NG_RETURN_IF_ERROR(ExpectCounts(in, 1, 2));
+        NORMGRAD_RETURN_IF_ERROR(ExpectCounts(in, 1, 2));
         if (t != PtxType::kU32 && t != PtxType::kS32 && t != PtxType::kU64 && t != PtxType::kF32 &&
             t != PtxType::kF64) {
           return absl::InvalidArgumentError(
@@ -258,27 +255,27 @@ class FunctionVerifier {
         if (in.space == StateSpace::kParam) {
           return absl::InvalidArgumentError("atom.add needs .global or .shared");
         }
-        NG_RETURN_IF_ERROR(ExpectAddress(in.src[0]));
-        NG_RETURN_IF_ERROR(ExpectAlignedOffset(in, 1));
-        NG_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
-        NG_RETURN_IF_ERROR(Expect(in.src[1], t, "value"));
+        NORMGRAD_RETURN_IF_ERROR(ExpectAddress(in.src[0]));
+        NORMGRAD_RETURN_IF_ERROR(ExpectAlignedOffset(in, 1));
+        NORMGRAD_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[1], t, "value"));
         return NoRounding(in);
       case Opcode::kMov:
-        NG_RETURN_IF_ERROR(ExpectCounts(in, 1, 1));
-        NG_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
-        NG_RETURN_IF_ERROR(Expect(in.src[0], t, "source"));
+        NORMGRAD_RETURN_IF_ERROR(ExpectCounts(in, 1, 1));
+        NORMGRAD_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[0], t, "source"));
         return NoRounding(in);
       case Opcode::kAdd:
       case Opcode::kSub:
       case Opcode::kMin:
       case Opcode::kMax:
-        NG_RETURN_IF_ERROR(ExpectCounts(in, 1, 2));
+        NORMGRAD_RETURN_IF_ERROR(ExpectCounts(in, 1, 2));
         if (t == PtxType::kPred || IsBits(t)) {
           return absl::InvalidArgumentError(absl::StrCat("has no .", PtxTypeName(t), " form"));
         }
-        NG_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
-        NG_RETURN_IF_ERROR(Expect(in.src[0], t, "first operand"));
-        NG_RETURN_IF_ERROR(Expect(in.src[1], t, "second operand"));
+        NORMGRAD_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[0], t, "first operand"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[1], t, "second operand"));
         if (IsFloat(t) && (in.op == Opcode::kAdd || in.op == Opcode::kSub)) {
           if (in.rounding != Rounding::kNone && !IsIeeeRounding(in.rounding)) {
             return absl::InvalidArgumentError("float add/sub take .rn/.rz/.rm/.rp only");
@@ -289,7 +286,7 @@ class FunctionVerifier {
       case Opcode::kMul:
       case Opcode::kMad: {
         const size_t nsrc = in.op == Opcode::kMul ? 2 : 3;
-        NG_RETURN_IF_ERROR(ExpectCounts(in, 1, nsrc));
+        NORMGRAD_RETURN_IF_ERROR(ExpectCounts(in, 1, nsrc));
         if (t == PtxType::kPred || IsBits(t)) {
           return absl::InvalidArgumentError(absl::StrCat("has no .", PtxTypeName(t), " form"));
         }
@@ -308,7 +305,7 @@ class FunctionVerifier {
           if (in.mul_mode == MulMode::kNone) {
             return absl::InvalidArgumentError("integer multiply needs .lo, .hi or .wide");
           }
-          NG_RETURN_IF_ERROR(NoRounding(in));
+          NORMGRAD_RETURN_IF_ERROR(NoRounding(in));
           if (in.mul_mode == MulMode::kWide) {
             if (PtxTypeBits(t) != 16 && PtxTypeBits(t) != 32) {
               return absl::InvalidArgumentError(".wide needs a 16- or 32-bit source type");
@@ -317,32 +314,32 @@ class FunctionVerifier {
                                  : (PtxTypeBits(t) == 16 ? PtxType::kU32 : PtxType::kU64);
           }
         }
-        NG_RETURN_IF_ERROR(ExpectDst(in.dst[0], result, "destination"));
-        NG_RETURN_IF_ERROR(Expect(in.src[0], t, "first operand"));
-        NG_RETURN_IF_ERROR(Expect(in.src[1], t, "second operand"));
-        if (nsrc == 3) NG_RETURN_IF_ERROR(Expect(in.src[2], result, "addend"));
+        NORMGRAD_RETURN_IF_ERROR(ExpectDst(in.dst[0], result, "destination"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[0], t, "first operand"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[1], t, "second operand"));
+        if (nsrc == 3) NORMGRAD_RETURN_IF_ERROR(Expect(in.src[2], result, "addend"));
         return absl::OkStatus();
       }
       case Opcode::kFma:
-        NG_RETURN_IF_ERROR(ExpectCounts(in, 1, 3));
+        NORMGRAD_RETURN_IF_ERROR(ExpectCounts(in, 1, 3));
         if (t != PtxType::kF32 && t != PtxType::kF64) {
           return absl::InvalidArgumentError("fma is for .f32 and .f64");
         }
         if (!IsIeeeRounding(in.rounding)) {
           return absl::InvalidArgumentError("fma needs .rn, .rz, .rm or .rp");
         }
-        NG_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
-        for (const Value& v : in.src) NG_RETURN_IF_ERROR(Expect(v, t, "operand"));
+        NORMGRAD_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
+        for (const Value& v : in.src) NORMGRAD_RETURN_IF_ERROR(Expect(v, t, "operand"));
         return absl::OkStatus();
       case Opcode::kDiv:
       case Opcode::kRem:
-        NG_RETURN_IF_ERROR(ExpectCounts(in, 1, 2));
+        NORMGRAD_RETURN_IF_ERROR(ExpectCounts(in, 1, 2));
         if (t == PtxType::kPred || IsBits(t)) {
           return absl::InvalidArgumentError(absl::StrCat("has no .", PtxTypeName(t), " form"));
         }
-        NG_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
-        NG_RETURN_IF_ERROR(Expect(in.src[0], t, "dividend"));
-        NG_RETURN_IF_ERROR(Expect(in.src[1], t, "divisor"));
+        NORMGRAD_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[0], t, "dividend"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[1], t, "divisor"));
         if (IsFloat(t)) {
           if (in.op == Opcode::kRem) return absl::InvalidArgumentError("rem is integer only");
           const bool ok = IsIeeeRounding(in.rounding) ||
@@ -357,22 +354,22 @@ class FunctionVerifier {
         return NoRounding(in);
       case Opcode::kNeg:
       case Opcode::kAbs:
-        NG_RETURN_IF_ERROR(ExpectCounts(in, 1, 1));
+        NORMGRAD_RETURN_IF_ERROR(ExpectCounts(in, 1, 1));
         if (!IsSigned(t) && !IsFloat(t)) {
           return absl::InvalidArgumentError(absl::StrCat("has no .", PtxTypeName(t), " form"));
         }
-        NG_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
-        NG_RETURN_IF_ERROR(Expect(in.src[0], t, "operand"));
+        NORMGRAD_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[0], t, "operand"));
         return NoRounding(in);
       case Opcode::kSqrt:
       case Opcode::kRcp:
       case Opcode::kRsqrt: {
-        NG_RETURN_IF_ERROR(ExpectCounts(in, 1, 1));
+        NORMGRAD_RETURN_IF_ERROR(ExpectCounts(in, 1, 1));
         if (t != PtxType::kF32 && t != PtxType::kF64) {
           return absl::InvalidArgumentError("is for .f32 and .f64");
         }
-        NG_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
-        NG_RETURN_IF_ERROR(Expect(in.src[0], t, "operand"));
+        NORMGRAD_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[0], t, "operand"));
         if (in.op == Opcode::kRsqrt) {
           if (in.rounding != Rounding::kApprox) {
             return absl::InvalidArgumentError("rsqrt exists only as .approx");
@@ -388,13 +385,13 @@ class FunctionVerifier {
         return absl::OkStatus();
       }
       case Opcode::kCvt: {
-        NG_RETURN_IF_ERROR(ExpectCounts(in, 1, 1));
+        NORMGRAD_RETURN_IF_ERROR(ExpectCounts(in, 1, 1));
         const PtxType from = in.src_type;
         if (t == PtxType::kPred || from == PtxType::kPred || IsBits(t) || IsBits(from)) {
           return absl::InvalidArgumentError("cvt converts between integer and float types only");
         }
-        NG_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
-        NG_RETURN_IF_ERROR(Expect(in.src[0], from, "source"));
+        NORMGRAD_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[0], from, "source"));
         if (IsFloat(from) && !IsFloat(t)) {
           return absl::InvalidArgumentError(
               "float-to-integer cvt (needs .rni/.rzi) is not supported by this builder");
@@ -414,44 +411,44 @@ class FunctionVerifier {
       case Opcode::kXor:
       case Opcode::kNot: {
         const size_t nsrc = in.op == Opcode::kNot ? 1 : 2;
-        NG_RETURN_IF_ERROR(ExpectCounts(in, 1, nsrc));
+        NORMGRAD_RETURN_IF_ERROR(ExpectCounts(in, 1, nsrc));
         if (!IsBits(t) && t != PtxType::kPred) {
           return absl::InvalidArgumentError("logic operations take .bN or .pred");
         }
-        NG_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
-        for (const Value& v : in.src) NG_RETURN_IF_ERROR(Expect(v, t, "operand"));
+        NORMGRAD_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
+        for (const Value& v : in.src) NORMGRAD_RETURN_IF_ERROR(Expect(v, t, "operand"));
         return NoRounding(in);
       }
       case Opcode::kShl:
       case Opcode::kShr:
-        NG_RETURN_IF_ERROR(ExpectCounts(in, 1, 2));
+        NORMGRAD_RETURN_IF_ERROR(ExpectCounts(in, 1, 2));
         if (!IsInt(t) || PtxTypeBits(t) < 16) {
           return absl::InvalidArgumentError("shifts take 16/32/64-bit integer types");
         }
         if (in.op == Opcode::kShl && !IsBits(t)) {
           return absl::InvalidArgumentError("shl takes .b16/.b32/.b64");
         }
-        NG_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
-        NG_RETURN_IF_ERROR(Expect(in.src[0], t, "operand"));
-        NG_RETURN_IF_ERROR(Expect(in.src[1], PtxType::kU32, "shift amount"));
+        NORMGRAD_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[0], t, "operand"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[1], PtxType::kU32, "shift amount"));
         return NoRounding(in);
       case Opcode::kSetp:
-        NG_RETURN_IF_ERROR(ExpectCounts(in, 1, 2));
+        NORMGRAD_RETURN_IF_ERROR(ExpectCounts(in, 1, 2));
         if (t == PtxType::kPred) return absl::InvalidArgumentError("setp cannot compare .pred");
         if (IsBits(t) && in.cmp != CmpOp::kEq && in.cmp != CmpOp::kNe) {
           return absl::InvalidArgumentError(".bN comparisons are eq/ne only");
         }
-        NG_RETURN_IF_ERROR(ExpectDst(in.dst[0], PtxType::kPred, "destination"));
-        NG_RETURN_IF_ERROR(Expect(in.src[0], t, "first operand"));
-        NG_RETURN_IF_ERROR(Expect(in.src[1], t, "second operand"));
+        NORMGRAD_RETURN_IF_ERROR(ExpectDst(in.dst[0], PtxType::kPred, "destination"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[0], t, "first operand"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[1], t, "second operand"));
         return NoRounding(in);
       case Opcode::kSelp:
-        NG_RETURN_IF_ERROR(ExpectCounts(in, 1, 3));
+        NORMGRAD_RETURN_IF_ERROR(ExpectCounts(in, 1, 3));
         if (t == PtxType::kPred) return absl::InvalidArgumentError("selp cannot select .pred");
-        NG_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
-        NG_RETURN_IF_ERROR(Expect(in.src[0], t, "first operand"));
-        NG_RETURN_IF_ERROR(Expect(in.src[1], t, "second operand"));
-        NG_RETURN_IF_ERROR(Expect(in.src[2], PtxType::kPred, "selector"));
+        NORMGRAD_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[0], t, "first operand"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[1], t, "second operand"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[2], PtxType::kPred, "selector"));
         return NoRounding(in);
       case Opcode::kBra:
         if (!in.dst.empty() || !in.src.empty()) {
@@ -466,18 +463,18 @@ class FunctionVerifier {
           return absl::InvalidArgumentError("shfl.sync expects d[|p], a, b, c, membermask");
         }
         if (t != PtxType::kB32) return absl::InvalidArgumentError("shfl.sync is .b32 only");
-        NG_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
+        NORMGRAD_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
         if (in.dst.size() == 2) {
-          NG_RETURN_IF_ERROR(ExpectDst(in.dst[1], PtxType::kPred, "predicate destination"));
+          NORMGRAD_RETURN_IF_ERROR(ExpectDst(in.dst[1], PtxType::kPred, "predicate destination"));
         }
-        NG_RETURN_IF_ERROR(Expect(in.src[0], t, "value"));
-        NG_RETURN_IF_ERROR(Expect(in.src[1], t, "lane/delta"));
-        NG_RETURN_IF_ERROR(Expect(in.src[2], t, "clamp"));
-        NG_RETURN_IF_ERROR(Expect(in.src[3], t, "member mask"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[0], t, "value"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[1], t, "lane/delta"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[2], t, "clamp"));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[3], t, "member mask"));
         return NoRounding(in);
       case Opcode::kBarSync:
-        NG_RETURN_IF_ERROR(ExpectCounts(in, 0, 1));
-        NG_RETURN_IF_ERROR(Expect(in.src[0], PtxType::kU32, "barrier id"));
+        NORMGRAD_RETURN_IF_ERROR(ExpectCounts(in, 0, 1));
+        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[0], PtxType::kU32, "barrier id"));
         if (in.src[0].is_immediate() && in.src[0].bits() > 15) {
           return absl::InvalidArgumentError("barrier id must be 0..15");
         }
@@ -564,8 +561,6 @@ class FunctionVerifier {
     }
     return absl::OkStatus();
   }
-
-#undef NG_RETURN_IF_ERROR
 
   const Function& f_;
 };

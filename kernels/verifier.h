@@ -17,7 +17,7 @@
 #define NORMGRAD_KERNELS_VERIFIER_H_
 
 #include "absl/status/status.h"
-#include "kernels/ptx_builder.h"
+#include "kernels/ptx_ir.h"
 
 namespace normgrad::kernels {
 

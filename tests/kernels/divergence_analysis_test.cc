@@ -9,6 +9,7 @@
 #include "kernels/kernel.h"
 #include "kernels/kernel_registry.h"
 #include "kernels/ptx_builder.h"
+#include "kernels/ptx_printer.h"
 #include "kernels/rms_norm_backward.h"
 #include "kernels/verifier.h"
 

@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
+#include "kernels/ptx_printer.h"
 #include "kernels/verifier.h"
 
 namespace normgrad::kernels {

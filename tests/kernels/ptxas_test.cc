@@ -22,6 +22,7 @@
 #include "kernels/kernel.h"
 #include "kernels/kernel_registry.h"
 #include "kernels/ptx_builder.h"
+#include "kernels/ptx_printer.h"
 #include "kernels/targets.h"
 #include "kernels/verifier.h"
 

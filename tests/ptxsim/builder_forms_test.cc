@@ -6,6 +6,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/ptx_builder.h"
+#include "kernels/ptx_printer.h"
 #include "kernels/verifier.h"
 #include "tests/ptxsim/sim_harness.h"
 

@@ -1,0 +1,27 @@
+// PTX text from the IR (kernels/ptx_ir.h): EmitPtx() writes a whole module in the conventional
+// layout (header, one `.visible .entry` each with its `.reg` and `.shared` declarations, one
+// instruction per line); InstructionText() writes one instruction, for messages and tests.
+//
+//   if (absl::Status s = Verify(module); !s.ok()) return s;   // kernels/verifier.h
+//   std::string text = EmitPtx(module);                       // deterministic bytes
+//   InstructionText(f, f.instructions()[3]);                  // "@%p1 bra $L_done_0"
+#ifndef NORMGRAD_KERNELS_PTX_PRINTER_H_
+#define NORMGRAD_KERNELS_PTX_PRINTER_H_
+
+#include <string>
+
+#include "kernels/ptx_ir.h"
+
+namespace normgrad::kernels {
+
+// One instruction as emitted, without indentation or ';' ("@%p1 bra $L_exit_0"); a label is
+// "$L_exit_0:".
+std::string InstructionText(const Function& function, const Instruction& inst);
+
+// The module as PTX text. Deterministic: equal modules give equal bytes. Expects a module that
+// passed Verify(); for a broken one the text is still produced but may not assemble.
+std::string EmitPtx(const Module& module);
+
+}  // namespace normgrad::kernels
+
+#endif  // NORMGRAD_KERNELS_PTX_PRINTER_H_
