@@ -2,6 +2,7 @@
 // the seed's text heuristic (a literal `bra exit` inside a loop) misses or gets wrong.
 #include "kernels/divergence_analysis.h"
 
+#include <initializer_list>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -24,39 +25,60 @@ std::vector<DivergenceFinding> Analyze(const Function& f, LaunchAssumptions a = 
   return r.ok() ? *r : std::vector<DivergenceFinding>{};
 }
 
-// An entry with a u64 `data` and a u32 `n` parameter; tests add the body.
+// The findings in the entry of kernel `entry` built for `hidden_dim`.
+std::vector<DivergenceFinding> AnalyzeKernel(absl::string_view entry, uint32_t hidden_dim,
+                                             LaunchAssumptions a = {}) {
+  const auto* k = dynamic_cast<const BuiltKernel*>(FindKernel(entry));
+  if (k == nullptr) {
+    ADD_FAILURE() << entry << " is not a built kernel";
+    return {};
+  }
+  absl::StatusOr<Module> m = k->Build({.hidden_dim = hidden_dim});
+  if (!m.ok()) {
+    ADD_FAILURE() << entry << " hidden_dim " << hidden_dim << ": " << m.status();
+    return {};
+  }
+  return Analyze(m->functions()[0], a);
+}
+
+// An entry with a u64 `data` and a u32 `n` parameter and a builder at its end; tests add the
+// body.
 struct Entry {
   Module m{PtxVersion{7, 0}, 80};
-  Function* f;
-  Param data;
-  Param n;
-  Entry() : f(&m.AddEntry("k")) {
-    data = f->AddParam(PtxType::kU64, "data");
-    n = f->AddParam(PtxType::kU32, "n");
+  Function& f = m.AddEntry("k");
+  Param data = f.AddParam(PtxType::kU64, "data");
+  Param n = f.AddParam(PtxType::kU32, "n");
+  Builder b{&f};
+
+  // Ends the body with `ret`, expects Verify to accept the entry and returns its findings.
+  std::vector<DivergenceFinding> RetAndAnalyze() {
+    b.Ret();
+    EXPECT_TRUE(Verify(m).ok()) << Verify(m) << "\n" << EmitPtx(m);
+    return Analyze(f);
   }
-  void ExpectValid() { EXPECT_TRUE(Verify(m).ok()) << Verify(m) << "\n" << EmitPtx(m); }
 };
+
+// `@skip_if bra skip; bar.sync 0; skip:`: a barrier that only the threads where `skip_if` is false
+// reach.
+void BarrierUnless(Builder& b, Value skip_if) {
+  const Label skip = b.CreateLabel("skip");
+  b.BraIf(skip_if, skip);
+  b.BarSync();
+  b.Bind(skip);
+}
 
 // ---- The seed's tests, ported --------------------------------------------------------------
 
 TEST(DivergenceAnalysisTest, RmsNormBackwardIsBarrierAndShuffleSafe) {
-  const auto* k = dynamic_cast<const BuiltKernel*>(FindKernel("rms_norm_backward"));
-  ASSERT_NE(k, nullptr);
   for (uint32_t hidden : {1u, 16u, 32u}) {
-    absl::StatusOr<Module> m = k->Build({.hidden_dim = hidden});
-    ASSERT_TRUE(m.ok()) << m.status();
-    std::vector<DivergenceFinding> findings = Analyze(m->functions()[0]);
+    std::vector<DivergenceFinding> findings = AnalyzeKernel("rms_norm_backward", hidden);
     EXPECT_TRUE(findings.empty()) << findings[0].message;
   }
 }
 
 TEST(DivergenceAnalysisTest, BatchedRmsNormBackwardIsBarrierAndShuffleSafe) {
-  const auto* k = dynamic_cast<const BuiltKernel*>(FindKernel("batched_rms_norm_backward"));
-  ASSERT_NE(k, nullptr);
   for (uint32_t hidden : {1u, 128u, 896u}) {
-    absl::StatusOr<Module> m = k->Build({.hidden_dim = hidden});
-    ASSERT_TRUE(m.ok()) << m.status();
-    std::vector<DivergenceFinding> findings = Analyze(m->functions()[0]);
+    std::vector<DivergenceFinding> findings = AnalyzeKernel("batched_rms_norm_backward", hidden);
     EXPECT_TRUE(findings.empty()) << findings[0].message;
   }
 }
@@ -64,11 +86,8 @@ TEST(DivergenceAnalysisTest, BatchedRmsNormBackwardIsBarrierAndShuffleSafe) {
 // ---- What makes the small kernel safe is the launch geometry ---------------------------------
 
 TEST(DivergenceAnalysisTest, SmallKernelShufflesNeedWholeWarps) {
-  const auto* k = dynamic_cast<const BuiltKernel*>(FindKernel("rms_norm_backward"));
-  absl::StatusOr<Module> m = k->Build({.hidden_dim = 32});
-  ASSERT_TRUE(m.ok());
   std::vector<DivergenceFinding> findings =
-      Analyze(m->functions()[0], LaunchAssumptions{.block_x_multiple_of_32 = false});
+      AnalyzeKernel("rms_norm_backward", 32, LaunchAssumptions{.block_x_multiple_of_32 = false});
   ASSERT_EQ(findings.size(), 6u);  // 5 shfl.down + 1 shfl.idx
   for (const DivergenceFinding& f : findings) {
     EXPECT_EQ(f.hazard, DivergenceHazard::kShuffleUnderDivergence);
@@ -77,12 +96,9 @@ TEST(DivergenceAnalysisTest, SmallKernelShufflesNeedWholeWarps) {
 }
 
 TEST(DivergenceAnalysisTest, SmallKernelRowTestIsWarpUniformOnlyForOneDimensionalBlocks) {
-  const auto* k = dynamic_cast<const BuiltKernel*>(FindKernel("rms_norm_backward"));
-  absl::StatusOr<Module> m = k->Build({.hidden_dim = 32});
-  ASSERT_TRUE(m.ok());
   // With 2-D blocks tid.x no longer tells the warp: the row exit becomes lane-dependent.
   std::vector<DivergenceFinding> findings =
-      Analyze(m->functions()[0], LaunchAssumptions{.one_dimensional_block = false});
+      AnalyzeKernel("rms_norm_backward", 32, LaunchAssumptions{.one_dimensional_block = false});
   ASSERT_FALSE(findings.empty());
   EXPECT_TRUE(findings[0].after_exit) << findings[0].message;
 }
@@ -105,7 +121,7 @@ TEST(DivergenceAnalysisTest, GeometryKeepsTheAssumptionsTheAnalysisUses) {
 // is a multiple of 32 when blocks are whole warps, so gtid >> 5 is warp-uniform.
 TEST(DivergenceAnalysisTest, SeedStyleGlobalWarpIndexIsWarpUniform) {
   Entry e;
-  Builder b(e.f);
+  Builder& b = e.b;
   Label exit = b.CreateLabel("exit");
   Value tid = b.Mov(SpecialReg::kTidX);
   Value ctaid = b.Mov(SpecialReg::kCtaidX);
@@ -124,25 +140,17 @@ TEST(DivergenceAnalysisTest, SeedStyleGlobalWarpIndexIsWarpUniform) {
   b.BraIfNot(valid_lane, exit);
   b.St(StateSpace::kGlobal, Address{base}, t);
   b.Bind(exit);
-  b.Ret();
-  e.ExpectValid();
-  EXPECT_TRUE(Analyze(*e.f).empty());
+  EXPECT_TRUE(e.RetAndAnalyze().empty());
 }
 
 // ---- Cases the seed's heuristic misses ------------------------------------------------------
 
 TEST(DivergenceAnalysisTest, FindsBarrierInsideThreadDependentBranch) {
   Entry e;
-  Builder b(e.f);
-  Label join = b.CreateLabel("join");
-  Value tid = b.Mov(SpecialReg::kTidX);
-  b.BraIf(b.Setp(CmpOp::kGe, tid, Value::U32(16)), join);
-  b.BarSync();  // only threads 0..15 get here
-  b.Bind(join);
-  b.St(StateSpace::kGlobal, Address{b.LdParam(e.data)}, tid);  // everyone continues here
-  b.Ret();
-  e.ExpectValid();
-  std::vector<DivergenceFinding> findings = Analyze(*e.f);
+  Value tid = e.b.Mov(SpecialReg::kTidX);
+  BarrierUnless(e.b, e.b.Setp(CmpOp::kGe, tid, Value::U32(16)));  // only threads 0..15 wait
+  e.b.St(StateSpace::kGlobal, Address{e.b.LdParam(e.data)}, tid);  // everyone continues here
+  std::vector<DivergenceFinding> findings = e.RetAndAnalyze();
   ASSERT_EQ(findings.size(), 1u);
   EXPECT_EQ(findings[0].hazard, DivergenceHazard::kBarrierUnderDivergence);
   EXPECT_FALSE(findings[0].after_exit);
@@ -152,7 +160,7 @@ TEST(DivergenceAnalysisTest, FindsBarrierInsideThreadDependentBranch) {
 
 TEST(DivergenceAnalysisTest, FindsBarrierAfterExitThroughALabelNotNamedExit) {
   Entry e;
-  Builder b(e.f);
+  Builder& b = e.b;
   Label early_out = b.CreateLabel("early_out");
   Value tid = b.Mov(SpecialReg::kTidX);
   b.BraIf(b.Setp(CmpOp::kGe, tid, b.LdParam(e.n)), early_out);
@@ -162,9 +170,7 @@ TEST(DivergenceAnalysisTest, FindsBarrierAfterExitThroughALabelNotNamedExit) {
   b.Ret();  // threads with tid >= n are gone
   b.Bind(rest);
   b.BarSync();
-  b.Ret();
-  e.ExpectValid();
-  std::vector<DivergenceFinding> findings = Analyze(*e.f);
+  std::vector<DivergenceFinding> findings = e.RetAndAnalyze();
   ASSERT_EQ(findings.size(), 1u);
   EXPECT_TRUE(findings[0].after_exit);
   EXPECT_TRUE(absl::StrContains(findings[0].message, "exit")) << findings[0].message;
@@ -172,7 +178,7 @@ TEST(DivergenceAnalysisTest, FindsBarrierAfterExitThroughALabelNotNamedExit) {
 
 TEST(DivergenceAnalysisTest, FindsFullMaskShuffleAfterALaneDependentExit) {
   Entry e;
-  Builder b(e.f);
+  Builder& b = e.b;
   Value tid = b.Mov(SpecialReg::kTidX);
   Value p = b.Setp(CmpOp::kGe, tid, b.LdParam(e.n));
   {
@@ -181,56 +187,45 @@ TEST(DivergenceAnalysisTest, FindsFullMaskShuffleAfterALaneDependentExit) {
   }
   Value x = b.Cvt(PtxType::kF32, tid, Rounding::kRn);
   b.Shfl(ShflMode::kDown, x, Value::U32(1), kFull);
-  b.Ret();
-  e.ExpectValid();
-  std::vector<DivergenceFinding> findings = Analyze(*e.f);
+  std::vector<DivergenceFinding> findings = e.RetAndAnalyze();
   ASSERT_EQ(findings.size(), 1u);
   EXPECT_EQ(findings[0].hazard, DivergenceHazard::kShuffleUnderDivergence);
   EXPECT_TRUE(findings[0].after_exit);
 }
 
-TEST(DivergenceAnalysisTest, FindsBarrierInALoopWithThreadDependentTripCount) {
-  Entry e;
-  Builder b(e.f);
+// A loop `for (i = start; i < n; i += step) bar.sync;`.
+void BarrierLoop(Entry& e, Value start, uint32_t step) {
+  Builder& b = e.b;
   Label loop = b.CreateLabel("loop");
   Label done = b.CreateLabel("done");
-  Value i = b.Mov(SpecialReg::kTidX);
+  Value i = b.Mov(start);
   Value n = b.LdParam(e.n);
   b.Bind(loop);
   b.BraIf(b.Setp(CmpOp::kGe, i, n), done);
   b.BarSync();
-  b.AddTo(i, Value::U32(32));
+  b.AddTo(i, Value::U32(step));
   b.Bra(loop);
   b.Bind(done);
-  b.Ret();
-  e.ExpectValid();
-  std::vector<DivergenceFinding> findings = Analyze(*e.f);
+}
+
+TEST(DivergenceAnalysisTest, FindsBarrierInALoopWithThreadDependentTripCount) {
+  Entry e;
+  BarrierLoop(e, Value::Special(SpecialReg::kTidX), 32);
+  std::vector<DivergenceFinding> findings = e.RetAndAnalyze();
   ASSERT_EQ(findings.size(), 1u);
   EXPECT_EQ(findings[0].hazard, DivergenceHazard::kBarrierUnderDivergence);
 }
 
 TEST(DivergenceAnalysisTest, AcceptsBarrierInALoopWithUniformTripCount) {
   Entry e;
-  Builder b(e.f);
-  Label loop = b.CreateLabel("loop");
-  Label done = b.CreateLabel("done");
-  Value i = b.Mov(Value::U32(0));
-  Value n = b.LdParam(e.n);
-  b.Bind(loop);
-  b.BraIf(b.Setp(CmpOp::kGe, i, n), done);
-  b.BarSync();
-  b.AddTo(i, Value::U32(1));
-  b.Bra(loop);
-  b.Bind(done);
-  b.BarSync();
-  b.Ret();
-  e.ExpectValid();
-  EXPECT_TRUE(Analyze(*e.f).empty());
+  BarrierLoop(e, Value::U32(0), 1);
+  e.b.BarSync();
+  EXPECT_TRUE(e.RetAndAnalyze().empty());
 }
 
 TEST(DivergenceAnalysisTest, AcceptsBarrierAfterADivergentBranchReconverges) {
   Entry e;
-  Builder b(e.f);
+  Builder& b = e.b;
   Label join = b.CreateLabel("join");
   Value tid = b.Mov(SpecialReg::kTidX);
   Value base = b.LdParam(e.data);
@@ -238,30 +233,24 @@ TEST(DivergenceAnalysisTest, AcceptsBarrierAfterADivergentBranchReconverges) {
   b.St(StateSpace::kGlobal, Address{base}, tid);
   b.Bind(join);
   b.BarSync();  // every thread arrives here
-  b.Ret();
-  e.ExpectValid();
-  EXPECT_TRUE(Analyze(*e.f).empty());
+  EXPECT_TRUE(e.RetAndAnalyze().empty());
 }
 
 TEST(DivergenceAnalysisTest, FindsBarrierUnderADivergentGuard) {
   Entry e;
-  Builder b(e.f);
-  Value tid = b.Mov(SpecialReg::kTidX);
-  Value p = b.Setp(CmpOp::kLt, tid, Value::U32(8));
+  Value p = e.b.Setp(CmpOp::kLt, e.b.Mov(SpecialReg::kTidX), Value::U32(8));
   {
-    auto g = b.If(p);
-    b.BarSync();
+    auto g = e.b.If(p);
+    e.b.BarSync();
   }
-  b.Ret();
-  e.ExpectValid();
-  std::vector<DivergenceFinding> findings = Analyze(*e.f);
+  std::vector<DivergenceFinding> findings = e.RetAndAnalyze();
   ASSERT_EQ(findings.size(), 1u);
   EXPECT_TRUE(absl::StrContains(findings[0].message, "guard")) << findings[0].message;
 }
 
 TEST(DivergenceAnalysisTest, WarpUniformBranchAllowsShufflesButNotBarriers) {
   Entry e;
-  Builder b(e.f);
+  Builder& b = e.b;
   Label skip = b.CreateLabel("skip");
   Value tid = b.Mov(SpecialReg::kTidX);
   Value warp = b.Shr(tid, Value::U32(5));
@@ -270,105 +259,80 @@ TEST(DivergenceAnalysisTest, WarpUniformBranchAllowsShufflesButNotBarriers) {
   b.Shfl(ShflMode::kBfly, x, Value::U32(1), kFull);  // whole warps: fine
   b.BarSync();                                       // warp 0 never arrives: not fine
   b.Bind(skip);
-  b.Ret();
-  e.ExpectValid();
-  std::vector<DivergenceFinding> findings = Analyze(*e.f);
+  std::vector<DivergenceFinding> findings = e.RetAndAnalyze();
   ASSERT_EQ(findings.size(), 1u);
   EXPECT_EQ(findings[0].hazard, DivergenceHazard::kBarrierUnderDivergence);
 }
 
 TEST(DivergenceAnalysisTest, BlockUniformBranchAllowsBarriers) {
   Entry e;
-  Builder b(e.f);
-  Label skip = b.CreateLabel("skip");
-  Value block = b.Mov(SpecialReg::kCtaidX);
-  b.BraIf(b.Setp(CmpOp::kGe, block, b.LdParam(e.n)), skip);
-  b.BarSync();
-  b.Bind(skip);
-  b.Ret();
-  e.ExpectValid();
-  EXPECT_TRUE(Analyze(*e.f).empty());
+  Value block = e.b.Mov(SpecialReg::kCtaidX);
+  BarrierUnless(e.b, e.b.Setp(CmpOp::kGe, block, e.b.LdParam(e.n)));
+  EXPECT_TRUE(e.RetAndAnalyze().empty());
 }
 
 TEST(DivergenceAnalysisTest, ValueJoinedAfterDivergenceIsDivergent) {
   // x = 0; if (tid < 16) x = 1; (join) if (x == 1) bar.sync  -- x differs per thread.
   Entry e;
-  Builder b(e.f);
+  Builder& b = e.b;
   Label join = b.CreateLabel("join");
-  Label skip = b.CreateLabel("skip");
   Value tid = b.Mov(SpecialReg::kTidX);
   Value x = b.Mov(Value::U32(0));
   b.BraIf(b.Setp(CmpOp::kGe, tid, Value::U32(16)), join);
   b.Assign(x, Value::U32(1));
   b.Bind(join);
-  b.BraIf(b.Setp(CmpOp::kNe, x, Value::U32(1)), skip);
-  b.BarSync();
-  b.Bind(skip);
-  b.Ret();
-  e.ExpectValid();
-  EXPECT_EQ(Analyze(*e.f).size(), 1u);
+  BarrierUnless(b, b.Setp(CmpOp::kNe, x, Value::U32(1)));
+  EXPECT_EQ(e.RetAndAnalyze().size(), 1u);
 }
 
 TEST(DivergenceAnalysisTest, BroadcastAndUniformLoadsAreUniformEnough) {
   Entry e;
-  Builder b(e.f);
-  Label skip = b.CreateLabel("skip");
-  Label skip2 = b.CreateLabel("skip2");
+  Builder& b = e.b;
   Value tid = b.Mov(SpecialReg::kTidX);
   Value base = b.LdParam(e.data);
   // A load from a block-uniform address is block-uniform: a barrier under it is fine.
   Value flag = b.Ld(StateSpace::kGlobal, PtxType::kU32, Address{base});
-  b.BraIf(b.Setp(CmpOp::kEq, flag, Value::U32(0)), skip);
-  b.BarSync();
-  b.Bind(skip);
+  BarrierUnless(b, b.Setp(CmpOp::kEq, flag, Value::U32(0)));
   // shfl.idx from lane 0 is warp-uniform: a full-mask shuffle under it is fine.
+  Label skip = b.CreateLabel("skip2");
   Value mine = b.Cvt(PtxType::kF32, tid, Rounding::kRn);
   Value lane0 = b.Shfl(ShflMode::kIdx, mine, Value::U32(0), kFull);
-  b.BraIf(b.Setp(CmpOp::kGt, lane0, Value::F32(0.0f)), skip2);
+  b.BraIf(b.Setp(CmpOp::kGt, lane0, Value::F32(0.0f)), skip);
   b.Shfl(ShflMode::kDown, mine, Value::U32(1), kFull);
-  b.Bind(skip2);
-  b.Ret();
-  e.ExpectValid();
-  std::vector<DivergenceFinding> findings = Analyze(*e.f);
+  b.Bind(skip);
+  std::vector<DivergenceFinding> findings = e.RetAndAnalyze();
   EXPECT_TRUE(findings.empty()) << findings[0].message;
 }
 
 TEST(DivergenceAnalysisTest, ThreadIndexedLoadIsDivergent) {
   Entry e;
-  Builder b(e.f);
-  Label skip = b.CreateLabel("skip");
+  Builder& b = e.b;
   Value tid = b.Mov(SpecialReg::kTidX);
   Value base = b.LdParam(e.data);
   Value v =
       b.Ld(StateSpace::kGlobal, PtxType::kU32, Address{b.Add(base, b.MulWide(tid, Value::U32(4)))});
-  b.BraIf(b.Setp(CmpOp::kEq, v, Value::U32(0)), skip);
-  b.BarSync();
-  b.Bind(skip);
-  b.Ret();
-  e.ExpectValid();
-  EXPECT_EQ(Analyze(*e.f).size(), 1u);
+  BarrierUnless(b, b.Setp(CmpOp::kEq, v, Value::U32(0)));
+  EXPECT_EQ(e.RetAndAnalyze().size(), 1u);
 }
 
 TEST(DivergenceAnalysisTest, PartialMaskShuffleUnderDivergenceIsNotReported) {
   Entry e;
-  Builder b(e.f);
+  Builder& b = e.b;
   Label skip = b.CreateLabel("skip");
   Value tid = b.Mov(SpecialReg::kTidX);
   b.BraIf(b.Setp(CmpOp::kGe, b.And(tid, Value::U32(31)), Value::U32(16)), skip);
   Value x = b.Cvt(PtxType::kF32, tid, Rounding::kRn);
   b.Shfl(ShflMode::kDown, x, Value::U32(1), 0x0000ffffu);  // names only the lanes that are here
   b.Bind(skip);
-  b.Ret();
-  e.ExpectValid();
-  EXPECT_TRUE(Analyze(*e.f).empty());
+  EXPECT_TRUE(e.RetAndAnalyze().empty());
 }
 
 // The block reduction a multi-warp kernel needs: each warp's lane 0 writes its partial to shared
 // memory, every thread passes bar.sync, warp 0 reads the partials and shuffles them.
 TEST(DivergenceAnalysisTest, AcceptsASharedMemoryBlockReduction) {
   Entry e;
-  SharedArray partials = e.f->AddShared("partials", 32 * 4, 16);
-  Builder b(e.f);
+  Builder& b = e.b;
+  SharedArray partials = e.f.AddShared("partials", 32 * 4, 16);
   Label not_lane0 = b.CreateLabel("not_lane0");
   Label done = b.CreateLabel("done");
   Value tid = b.Mov(SpecialReg::kTidX);
@@ -386,21 +350,15 @@ TEST(DivergenceAnalysisTest, AcceptsASharedMemoryBlockReduction) {
                     Address{b.Add(smem, b.MulWide(lane, Value::U32(4)))});
   b.Shfl(ShflMode::kDown, mine, Value::U32(16), kFull);  // warp 0 is whole here
   b.Bind(done);
-  b.Ret();
-  e.ExpectValid();
-  std::vector<DivergenceFinding> findings = Analyze(*e.f);
+  std::vector<DivergenceFinding> findings = e.RetAndAnalyze();
   EXPECT_TRUE(findings.empty()) << findings[0].message;
 }
 
 TEST(DivergenceAnalysisTest, CheckDivergenceReportsFailedPrecondition) {
   Entry e;
-  Builder b(e.f);
-  Label join = b.CreateLabel("join");
-  Value tid = b.Mov(SpecialReg::kTidX);
-  b.BraIf(b.Setp(CmpOp::kGe, tid, Value::U32(16)), join);
-  b.BarSync();
-  b.Bind(join);
-  b.Ret();
+  Value tid = e.b.Mov(SpecialReg::kTidX);
+  BarrierUnless(e.b, e.b.Setp(CmpOp::kGe, tid, Value::U32(16)));
+  e.b.Ret();
   absl::Status s = CheckDivergence(e.m, LaunchAssumptions{});
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(absl::StrContains(s.message(), "entry k, instruction 3 (bar.sync 0)")) << s;

@@ -21,10 +21,10 @@
 #include "gtest/gtest.h"
 #include "kernels/kernel.h"
 #include "kernels/kernel_registry.h"
-#include "kernels/ptx_builder.h"
 #include "kernels/ptx_printer.h"
 #include "kernels/targets.h"
 #include "kernels/verifier.h"
+#include "tests/kernels/instruction_forms.h"
 
 namespace normgrad::kernels {
 namespace {
@@ -192,7 +192,7 @@ std::vector<PtxVersion> KnownPtxVersions() {
 
 TEST_F(PtxasTest, TheDefaultVersionIsTheLowestPtxasAccepts) {
   // The version just below each target's default must be refused by ptxas itself: the table in
-  // kernels/kernel.cc is the real minimum, not a guess.
+  // kernels/targets.cc is the real minimum, not a guess.
   const Kernel* k = FindKernel("batched_rms_norm_backward");
   const std::vector<PtxVersion> known = KnownPtxVersions();
   for (int sm : SupportedTargets()) {
@@ -210,111 +210,13 @@ TEST_F(PtxasTest, TheDefaultVersionIsTheLowestPtxasAccepts) {
   }
 }
 
-// Every instruction form the builder can emit (docs/kernels.md lists them) in one verified
+// Every instruction form the builder can emit (tests/kernels/instruction_forms.h) in one verified
 // module: ptxas must accept all of it, so Verify() never lets through what ptxas refuses.
 TEST_F(PtxasTest, EveryBuilderFormAssembles) {
-  Module m(PtxVersion{7, 0}, 80);
-  Function& f = m.AddEntry("all_forms");
-  const Param p64 = f.AddParam(PtxType::kU64, "ptr");
-  const Param p32 = f.AddParam(PtxType::kU32, "n");
-  const Param pf = f.AddParam(PtxType::kF32, "scale");
-  Builder b(&f);
-  const Label done = b.CreateLabel("done");
-  const Label uni = b.CreateLabel("uni");
-  const Value ptr = b.LdParam(p64);
-  const Value n = b.LdParam(p32);
-  const Value scale = b.LdParam(pf);
-  const Value tid = b.Mov(SpecialReg::kTidX);
-  for (SpecialReg r : {SpecialReg::kTidY, SpecialReg::kNtidX, SpecialReg::kCtaidX,
-                       SpecialReg::kNctaidX, SpecialReg::kLaneId, SpecialReg::kWarpId}) {
-    b.Mov(r);
-  }
-  const Value s = b.Mov(Value::S32(-3));
-  const Value d = b.Mov(Value::U64(16));
-  const Value x = b.Ld(StateSpace::kGlobal, PtxType::kF32, Address{ptr, 4});
-  const std::vector<Value> v4 = b.LdV4(StateSpace::kGlobal, PtxType::kF32, Address{ptr, 16});
-  const Value xd = b.Cvt(PtxType::kF64, x);
-  const Value ok = b.Setp(CmpOp::kLt, tid, n);
-  const Value guarded = b.LdOr(StateSpace::kGlobal, ok, Address{ptr}, Value::F32(0.0f));
-  // Integer arithmetic.
-  const Value u1 = b.Add(tid, n);
-  const Value u2 = b.Sub(u1, Value::U32(1));
-  const Value u3 = b.Mul(u2, u1);
-  const Value u4 = b.MulHi(u3, u2);
-  const Value u5 = b.Mad(u4, u3, u2);
-  const Value w1 = b.MulWide(u5, Value::U32(8));
-  const Value w2 = b.MadWide(u5, u4, w1);
-  const Value u6 = b.Div(u5, Value::U32(3));
-  const Value u7 = b.Rem(u6, Value::U32(5));
-  const Value u8 = b.Min(u7, u6);
-  const Value u9 = b.Max(u8, u5);
-  const Value s1 = b.Neg(s);
-  const Value s2 = b.Abs(s1);
-  const Value s3 = b.Shr(s2, Value::U32(1));
-  const Value d1 = b.Add(d, w2);
-  const Value d2 = b.Mul(d1, d);
-  const Value d3 = b.Cvt(PtxType::kU64, u9);
-  // Bitwise.
-  const Value a1 = b.And(u9, Value::U32(255));
-  const Value a2 = b.Or(a1, Value::B32(0x100));
-  const Value a3 = b.Xor(a2, u8);
-  const Value a4 = b.Not(a3);
-  const Value a5 = b.Shl(a4, Value::U32(2));
-  const Value a6 = b.Shr(a5, Value::U32(3));
-  const Value d4 = b.Shl(d3, Value::U32(2));
-  // Float arithmetic with each rounding form.
-  const Value f1 = b.Add(x, scale);
-  const Value f2 = b.Sub(f1, v4[0]);
-  const Value f3 = b.Mul(f2, v4[1]);
-  const Value f4 = b.Fma(f3, v4[2], v4[3]);
-  const Value f5 = b.Div(f4, scale, Rounding::kRn);
-  const Value f6 = b.Div(f5, scale, Rounding::kApprox);
-  const Value f7 = b.Div(f6, scale, Rounding::kFull);
-  const Value f8 = b.Sqrt(f7, Rounding::kRn);
-  const Value f9 = b.Sqrt(f8, Rounding::kApprox);
-  const Value f10 = b.Rsqrt(f9);
-  const Value f11 = b.Rcp(f10, Rounding::kRn);
-  const Value f12 = b.Rcp(f11, Rounding::kApprox);
-  const Value f13 = b.Min(f12, guarded);
-  const Value f14 = b.Max(f13, x);
-  const Value f15 = b.Neg(f14);
-  const Value f16 = b.Abs(f15);
-  const Value f17 = b.Cvt(PtxType::kF32, a6, Rounding::kRn);
-  const Value f18 = b.Cvt(PtxType::kF32, s3, Rounding::kRz);
-  const Value f19 = b.Cvt(PtxType::kF32, b.Fma(xd, xd, xd), Rounding::kRn);
-  const Value f20 = b.Add(b.Add(f16, f17), b.Add(f18, f19));
-  // Comparison, selection, shuffles, atomics, stores.
-  for (CmpOp op : {CmpOp::kEq, CmpOp::kNe, CmpOp::kLt, CmpOp::kLe, CmpOp::kGt, CmpOp::kGe}) {
-    b.Setp(op, f20, x);
-  }
-  const Value pick = b.Selp(f20, x, b.Setp(CmpOp::kEq, a6, Value::U32(0)));
-  const Value sh1 = b.Shfl(ShflMode::kDown, pick, Value::U32(16), 0xffffffffu);
-  const Value sh2 = b.Shfl(ShflMode::kUp, sh1, Value::U32(1), 0xffffffffu);
-  const Value sh3 = b.Shfl(ShflMode::kBfly, sh2, Value::U32(2), 0xffffffffu);
-  const Value sh4 = b.Shfl(ShflMode::kIdx, sh3, Value::U32(0), 0xffffffffu);
-  b.AtomAdd(StateSpace::kGlobal, Address{ptr, 8}, sh4);
-  b.AtomAdd(StateSpace::kGlobal, Address{ptr, 12}, u9);
-  const Value smem = b.AddressOf(f.AddShared("scratch", 256, 16));
-  b.St(StateSpace::kShared, Address{smem, 4}, sh4);
-  b.BarSync(0);
-  const Value from_shared = b.Ld(StateSpace::kShared, PtxType::kF32, Address{smem, 8});
-  b.AtomAdd(StateSpace::kShared, Address{smem, 12}, from_shared);
-  b.StV4(StateSpace::kShared, Address{smem, 16}, v4);
-  b.St(StateSpace::kGlobal, Address{b.Add(ptr, d4), -4}, sh4);
-  b.StV4(StateSpace::kGlobal, Address{ptr, 32}, v4);
-  b.St(StateSpace::kGlobal, Address{ptr}, b.Cvt(PtxType::kU32, d2));
-  b.BraIf(ok, done);
-  b.Bra(uni, /*uniform=*/true);
-  b.Bind(uni);
-  {
-    auto guard = b.IfNot(ok);
-    b.Exit();
-  }
-  b.Bind(done);
-  b.Ret();
+  const Module m = EveryInstructionFormModule();
   ASSERT_TRUE(Verify(m).ok()) << Verify(m);
   const std::string text = EmitPtx(m);
-  const PtxasResult r = Assemble(*ptxas_, text, 80, "all_forms");
+  const PtxasResult r = Assemble(*ptxas_, text, kEveryFormTargetSm, "all_forms");
   EXPECT_EQ(r.exit_code, 0) << r.output << "\n" << text;
 }
 

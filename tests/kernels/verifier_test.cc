@@ -15,18 +15,14 @@
 namespace normgrad::kernels {
 namespace {
 
-// A tiny valid entry: out[tid] = 1.0 for tid < n. Tests break one thing in it.
+// A tiny valid entry `k` with parameters `out` (u64) and `n` (u32) and a builder at its end.
+// Tests break one thing in it.
 struct Fixture {
   Module m{PtxVersion{7, 0}, 80};
-  Function* f = nullptr;
-  Param out;
-  Param n;
-
-  Fixture() {
-    f = &m.AddEntry("k");
-    out = f->AddParam(PtxType::kU64, "out");
-    n = f->AddParam(PtxType::kU32, "n");
-  }
+  Function& f = m.AddEntry("k");
+  Param out = f.AddParam(PtxType::kU64, "out");
+  Param n = f.AddParam(PtxType::kU32, "n");
+  Builder b{&f};
 };
 
 void ExpectRejected(const Module& m, absl::string_view needle) {
@@ -35,6 +31,8 @@ void ExpectRejected(const Module& m, absl::string_view needle) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(s.message(), needle)) << s.message();
 }
+
+void ExpectAccepted(const Module& m) { EXPECT_TRUE(Verify(m).ok()) << Verify(m); }
 
 TEST(VerifierTest, AcceptsBothKernelsForEveryTarget) {
   for (const Kernel* k : AllKernels()) {
@@ -48,47 +46,185 @@ TEST(VerifierTest, AcceptsBothKernelsForEveryTarget) {
   }
 }
 
-TEST(VerifierTest, RejectsReadBeforeWrite) {
+// One broken entry per row: what `build` writes into a fresh Fixture (a `ret` follows unless the
+// case is about the end of the entry), and a part of the message Verify must give.
+struct BrokenEntry {
+  const char* name;
+  void (*build)(Fixture& fx);
+  const char* needle;
+  bool ends_with_ret = true;
+};
+
+const BrokenEntry kBrokenEntries[] = {
+    // Definite assignment.
+    {"ReadBeforeWrite",
+     [](Fixture& fx) { fx.b.Add(fx.f.NewRegister(PtxType::kU32), Value::U32(1)); },
+     "reads %r1 before it is written"},
+    {"AValueWrittenOnOnlyOnePath",
+     [](Fixture& fx) {
+       Value tid = fx.b.Mov(SpecialReg::kTidX);
+       Value maybe = fx.f.NewRegister(PtxType::kU32);
+       Label skip = fx.b.CreateLabel("skip");
+       fx.b.BraIf(fx.b.Setp(CmpOp::kLt, tid, Value::U32(4)), skip);
+       fx.b.Assign(maybe, Value::U32(7));
+       fx.b.Bind(skip);
+       fx.b.Add(maybe, tid);  // on the taken branch `maybe` was never written
+     },
+     "before it is written on every path"},
+    {"APredicatedWriteThatDefinesNothing",
+     [](Fixture& fx) {
+       Value p = fx.b.Setp(CmpOp::kLt, fx.b.Mov(SpecialReg::kTidX), Value::U32(4));
+       Value x = fx.f.NewRegister(PtxType::kU32);
+       {
+         auto g = fx.b.If(p);
+         fx.b.Assign(x, Value::U32(1));
+       }
+       fx.b.Add(x, x);
+     },
+     "before it is written"},
+    // Operand types.
+    {"OperandTypeMismatch",
+     [](Fixture& fx) {
+       Value u = fx.b.Mov(Value::U32(1));
+       fx.b.Add(u, fx.b.Mov(Value::F32(1.0f)));  // add.u32 with an f32 operand
+     },
+     "second operand has type .f32, incompatible with .u32"},
+    {"AFloatImmediateInAnIntegerInstruction",
+     [](Fixture& fx) { fx.b.Mul(fx.b.Mov(Value::U32(1)), Value::F32(2.0f)); },
+     "incompatible with .u32"},
+    {"AShuffleOfA64BitValue",
+     [](Fixture& fx) {
+       fx.b.Shfl(ShflMode::kDown, fx.b.Mov(Value::U64(1)), Value::U32(1), 0xffffffffu);
+     },
+     "has type .u64, incompatible with .b32"},
+    {"OrderedComparisonOfBitTypes",
+     [](Fixture& fx) { fx.b.Setp(CmpOp::kLt, fx.b.Mov(Value::B32(1)), Value::B32(2)); },
+     "eq/ne only"},
+    // Labels and parameters.
+    {"AnUnboundBranchTarget", [](Fixture& fx) { fx.b.Bra(fx.b.CreateLabel("nowhere")); },
+     "not bound"},
+    {"ALabelBoundTwice",
+     [](Fixture& fx) {
+       Label l = fx.b.CreateLabel("twice");
+       fx.b.Bind(l);
+       fx.b.Bind(l);
+     },
+     "bound twice"},
+    {"ABranchToALabelNeverCreated", [](Fixture& fx) { fx.b.Bra(Label{42}); }, "never created"},
+    {"AnUndeclaredParameter", [](Fixture& fx) { fx.b.LdParam(Param{7, PtxType::kU64}); },
+     "parameter #7, which is not declared"},
+    {"AParameterLoadedWithTheWrongType",
+     [](Fixture& fx) { fx.b.LdParam(Param{fx.n.index, PtxType::kU64}); },  // n is .u32
+     "declared .u32"},
+    {"ADuplicateParameterName", [](Fixture& fx) { fx.f.AddParam(PtxType::kU32, "n"); },
+     "declared twice"},
+    {"AnInvalidParameterName", [](Fixture& fx) { fx.f.AddParam(PtxType::kU32, "9lives"); },
+     "not a PTX identifier"},
+    // Rounding and multiply modes.
+    {"FloatDivisionWithoutRounding",
+     [](Fixture& fx) {
+       Value x = fx.b.Mov(Value::F32(1.0f));
+       fx.b.Div(x, x);  // div.f32 without .rn/.approx/.full is not PTX
+     },
+     "float div needs"},
+    {"SqrtWithoutRounding",
+     [](Fixture& fx) { fx.b.Sqrt(fx.b.Mov(Value::F32(1.0f)), Rounding::kNone); },
+     "needs an explicit"},
+    {"ExactRsqrt",
+     [](Fixture& fx) {
+       fx.b.Rsqrt(fx.b.Mov(Value::F32(1.0f)));
+       fx.f.mutable_instructions().back().rounding = Rounding::kRn;  // rsqrt.rn does not exist
+     },
+     "rsqrt exists only as .approx"},
+    {"IntToFloatConversionWithoutRounding",
+     [](Fixture& fx) { fx.b.Cvt(PtxType::kF32, fx.b.Mov(Value::U32(3))); }, "cvt.f32.u32 needs"},
+    {"AnIntegerMultiplyWithoutMode",
+     [](Fixture& fx) {
+       Value u = fx.b.Mov(Value::U32(3));
+       fx.b.Mul(u, u);
+       fx.f.mutable_instructions().back().mul_mode = MulMode::kNone;
+     },
+     "needs .lo, .hi or .wide"},
+    {"WideMultiplyOfA64BitValue",
+     [](Fixture& fx) {
+       Value d = fx.b.Mov(Value::U64(3));
+       fx.b.MulWide(d, d);
+     },
+     ".wide needs a 16- or 32-bit source type"},
+    // Guards, addresses, register handles.
+    {"ANonPredicateGuard",
+     [](Fixture& fx) {
+       Value u = fx.b.Mov(Value::U32(1));
+       auto g = fx.b.If(u);
+       fx.b.Add(u, u);
+     },
+     "guard must be a .pred register"},
+    {"ANon64BitAddress",
+     [](Fixture& fx) {
+       fx.b.Ld(StateSpace::kGlobal, PtxType::kF32, Address{fx.b.Mov(Value::U32(0))});
+     },
+     "a 64-bit integer is required"},
+    {"AMisalignedVectorOffset",
+     [](Fixture& fx) {  // a 16-byte access at +8
+       fx.b.LdV4(StateSpace::kGlobal, PtxType::kF32, Address{fx.b.LdParam(fx.out), 8});
+     },
+     "offset 8 is not a multiple of the access size 16 bytes"},
+    {"AMisalignedScalarOffset",
+     [](Fixture& fx) {
+       fx.b.St(StateSpace::kGlobal, Address{fx.b.LdParam(fx.out), 2}, Value::F32(0.0f));
+     },
+     "offset 2 is not a multiple of the access size 4 bytes"},
+    {"AStaleRegisterHandle",
+     [](Fixture& fx) {
+       fx.b.Mov(Value::U32(0));
+       fx.b.Add(Value::Register(0, PtxType::kF32), Value::F32(1.0f));  // register 0 is .u32
+     },
+     "register %r1 is .u32"},
+    {"ARegisterThatDoesNotExist",
+     [](Fixture& fx) { fx.b.Mov(Value::Register(99, PtxType::kU32)); }, "does not exist"},
+    {"AnImmediateDestination", [](Fixture& fx) { fx.b.Assign(Value::U32(5), Value::U32(6)); },
+     "destination must be a register"},
+    // Shared arrays.
+    {"ASharedArrayNamedLikeAParameter", [](Fixture& fx) { fx.f.AddShared("n", 16); },
+     "already used"},
+    {"ASharedArrayWithABadAlignment", [](Fixture& fx) { fx.f.AddShared("buf", 16, 3); },
+     "power-of-two alignment"},
+    {"TooMuchStaticSharedMemory",
+     [](Fixture& fx) {
+       fx.f.AddShared("a", 32 * 1024);
+       fx.f.AddShared("b", 32 * 1024);
+     },
+     "65536 bytes of static shared memory exceed 49152"},
+    {"ASharedSymbolOutsideMov",
+     [](Fixture& fx) {
+       SharedArray buf = fx.f.AddShared("buf", 16);
+       fx.b.Add(fx.b.Mov(Value::U64(0)), Value::SharedSymbol(buf.index));  // only for mov
+     },
+     "read with mov.u64"},
+    {"AnUndeclaredSharedArray", [](Fixture& fx) { fx.b.Mov(Value::SharedSymbol(3)); },
+     "shared array #3, which is not declared"},
+    // The end of the entry.
+    {"FallingOffTheEnd", [](Fixture& fx) { fx.b.Mov(Value::U32(0)); }, "without ret or exit",
+     /*ends_with_ret=*/false},
+};
+
+class VerifierRejectsTest : public ::testing::TestWithParam<BrokenEntry> {};
+
+TEST_P(VerifierRejectsTest, WithAMessageNamingTheProblem) {
   Fixture fx;
-  Builder b(fx.f);
-  Value never_written = fx.f->NewRegister(PtxType::kU32);
-  b.Add(never_written, Value::U32(1));
-  b.Ret();
-  ExpectRejected(fx.m, "reads %r1 before it is written");
+  GetParam().build(fx);
+  if (GetParam().ends_with_ret) fx.b.Ret();
+  ExpectRejected(fx.m, GetParam().needle);
 }
 
-TEST(VerifierTest, RejectsAValueWrittenOnOnlyOnePath) {
-  Fixture fx;
-  Builder b(fx.f);
-  Value tid = b.Mov(SpecialReg::kTidX);
-  Value maybe = fx.f->NewRegister(PtxType::kU32);
-  Label skip = b.CreateLabel("skip");
-  b.BraIf(b.Setp(CmpOp::kLt, tid, Value::U32(4)), skip);
-  b.Assign(maybe, Value::U32(7));
-  b.Bind(skip);
-  b.Add(maybe, tid);  // on the taken branch `maybe` was never written
-  b.Ret();
-  ExpectRejected(fx.m, "before it is written on every path");
-}
-
-TEST(VerifierTest, APredicatedWriteDoesNotDefineARegister) {
-  Fixture fx;
-  Builder b(fx.f);
-  Value tid = b.Mov(SpecialReg::kTidX);
-  Value p = b.Setp(CmpOp::kLt, tid, Value::U32(4));
-  Value x = fx.f->NewRegister(PtxType::kU32);
-  {
-    auto g = b.If(p);
-    b.Assign(x, Value::U32(1));
-  }
-  b.Add(x, x);
-  b.Ret();
-  ExpectRejected(fx.m, "before it is written");
-}
+INSTANTIATE_TEST_SUITE_P(BrokenEntries, VerifierRejectsTest, ::testing::ValuesIn(kBrokenEntries),
+                         [](const ::testing::TestParamInfo<BrokenEntry>& info) {
+                           return std::string(info.param.name);
+                         });
 
 TEST(VerifierTest, AcceptsALoopCarriedRegisterWrittenBeforeTheLoop) {
   Fixture fx;
-  Builder b(fx.f);
+  Builder& b = fx.b;
   Value i = b.Mov(Value::U32(0));
   Label loop = b.CreateLabel("loop");
   Label done = b.CreateLabel("done");
@@ -98,283 +234,20 @@ TEST(VerifierTest, AcceptsALoopCarriedRegisterWrittenBeforeTheLoop) {
   b.Bra(loop);
   b.Bind(done);
   b.Ret();
-  EXPECT_TRUE(Verify(fx.m).ok()) << Verify(fx.m);
-}
-
-TEST(VerifierTest, RejectsOperandTypeMismatch) {
-  Fixture fx;
-  Builder b(fx.f);
-  Value u = b.Mov(Value::U32(1));
-  Value x = b.Mov(Value::F32(1.0f));
-  b.Add(u, x);  // add.u32 with an f32 operand
-  b.Ret();
-  ExpectRejected(fx.m, "second operand has type .f32, incompatible with .u32");
-}
-
-TEST(VerifierTest, RejectsAFloatImmediateInAnIntegerInstruction) {
-  Fixture fx;
-  Builder b(fx.f);
-  Value u = b.Mov(Value::U32(1));
-  b.Mul(u, Value::F32(2.0f));
-  b.Ret();
-  ExpectRejected(fx.m, "incompatible with .u32");
+  ExpectAccepted(fx.m);
 }
 
 TEST(VerifierTest, AcceptsSameSizeIntegerAndBitTypes) {
   Fixture fx;
-  Builder b(fx.f);
-  Value u = b.Mov(Value::U32(1));
-  Value s = b.Mov(Value::S32(-1));
-  b.Add(u, s);                 // u32 and s32 registers mix like PTX allows
-  b.And(u, Value::B32(0xff));  // and.b32 on a u32 value
-  b.Ret();
-  EXPECT_TRUE(Verify(fx.m).ok()) << Verify(fx.m);
+  Value u = fx.b.Mov(Value::U32(1));
+  Value s = fx.b.Mov(Value::S32(-1));
+  fx.b.Add(u, s);                 // u32 and s32 registers mix like PTX allows
+  fx.b.And(u, Value::B32(0xff));  // and.b32 on a u32 value
+  fx.b.Ret();
+  ExpectAccepted(fx.m);
 }
 
-TEST(VerifierTest, RejectsAnUnboundBranchTarget) {
-  Fixture fx;
-  Builder b(fx.f);
-  Label nowhere = b.CreateLabel("nowhere");
-  b.Bra(nowhere);
-  b.Ret();
-  ExpectRejected(fx.m, "not bound");
-}
-
-TEST(VerifierTest, RejectsALabelBoundTwice) {
-  Fixture fx;
-  Builder b(fx.f);
-  Label l = b.CreateLabel("twice");
-  b.Bind(l);
-  b.Bind(l);
-  b.Ret();
-  ExpectRejected(fx.m, "bound twice");
-}
-
-TEST(VerifierTest, RejectsABranchToALabelNeverCreated) {
-  Fixture fx;
-  Builder b(fx.f);
-  b.Bra(Label{42});
-  b.Ret();
-  ExpectRejected(fx.m, "never created");
-}
-
-TEST(VerifierTest, RejectsAnUndeclaredParameter) {
-  Fixture fx;
-  Builder b(fx.f);
-  b.LdParam(Param{7, PtxType::kU64});
-  b.Ret();
-  ExpectRejected(fx.m, "parameter #7, which is not declared");
-}
-
-TEST(VerifierTest, RejectsAParameterLoadedWithTheWrongType) {
-  Fixture fx;
-  Builder b(fx.f);
-  b.LdParam(Param{fx.n.index, PtxType::kU64});  // n is .u32
-  b.Ret();
-  ExpectRejected(fx.m, "declared .u32");
-}
-
-TEST(VerifierTest, RejectsDuplicateAndInvalidParameterNames) {
-  {
-    Fixture fx;
-    fx.f->AddParam(PtxType::kU32, "n");
-    Builder(fx.f).Ret();
-    ExpectRejected(fx.m, "declared twice");
-  }
-  {
-    Fixture fx;
-    fx.f->AddParam(PtxType::kU32, "9lives");
-    Builder(fx.f).Ret();
-    ExpectRejected(fx.m, "not a PTX identifier");
-  }
-}
-
-TEST(VerifierTest, RejectsFloatDivisionWithoutRounding) {
-  Fixture fx;
-  Builder b(fx.f);
-  Value x = b.Mov(Value::F32(1.0f));
-  b.Div(x, x);  // div.f32 without .rn/.approx/.full is not PTX
-  b.Ret();
-  ExpectRejected(fx.m, "float div needs");
-}
-
-TEST(VerifierTest, RejectsSqrtWithoutRoundingAndExactRsqrt) {
-  {
-    Fixture fx;
-    Builder b(fx.f);
-    Value x = b.Mov(Value::F32(1.0f));
-    b.Sqrt(x, Rounding::kNone);
-    b.Ret();
-    ExpectRejected(fx.m, "needs an explicit");
-  }
-  {
-    Fixture fx;
-    Builder b(fx.f);
-    Value x = b.Mov(Value::F32(1.0f));
-    Value r = b.Rsqrt(x);
-    fx.f->mutable_instructions().back().rounding = Rounding::kRn;  // rsqrt.rn does not exist
-    (void)r;
-    b.Ret();
-    ExpectRejected(fx.m, "rsqrt exists only as .approx");
-  }
-}
-
-TEST(VerifierTest, RejectsIntToFloatConversionWithoutRounding) {
-  Fixture fx;
-  Builder b(fx.f);
-  Value u = b.Mov(Value::U32(3));
-  b.Cvt(PtxType::kF32, u);
-  b.Ret();
-  ExpectRejected(fx.m, "cvt.f32.u32 needs");
-}
-
-TEST(VerifierTest, RejectsAnIntegerMultiplyWithoutMode) {
-  Fixture fx;
-  Builder b(fx.f);
-  Value u = b.Mov(Value::U32(3));
-  b.Mul(u, u);
-  fx.f->mutable_instructions().back().mul_mode = MulMode::kNone;
-  b.Ret();
-  ExpectRejected(fx.m, "needs .lo, .hi or .wide");
-}
-
-TEST(VerifierTest, RejectsWideMultiplyOfA64BitValue) {
-  Fixture fx;
-  Builder b(fx.f);
-  Value d = b.Mov(Value::U64(3));
-  b.MulWide(d, d);
-  b.Ret();
-  ExpectRejected(fx.m, ".wide needs a 16- or 32-bit source type");
-}
-
-TEST(VerifierTest, RejectsANonPredicateGuard) {
-  Fixture fx;
-  Builder b(fx.f);
-  Value u = b.Mov(Value::U32(1));
-  {
-    auto g = b.If(u);
-    b.Add(u, u);
-  }
-  b.Ret();
-  ExpectRejected(fx.m, "guard must be a .pred register");
-}
-
-TEST(VerifierTest, RejectsANon64BitAddress) {
-  Fixture fx;
-  Builder b(fx.f);
-  Value u = b.Mov(Value::U32(0));
-  b.Ld(StateSpace::kGlobal, PtxType::kF32, Address{u});
-  b.Ret();
-  ExpectRejected(fx.m, "a 64-bit integer is required");
-}
-
-TEST(VerifierTest, RejectsAMisalignedConstantOffset) {
-  {
-    Fixture fx;
-    Builder b(fx.f);
-    Value base = b.LdParam(fx.out);
-    b.LdV4(StateSpace::kGlobal, PtxType::kF32, Address{base, 8});  // a 16-byte access at +8
-    b.Ret();
-    ExpectRejected(fx.m, "offset 8 is not a multiple of the access size 16 bytes");
-  }
-  {
-    Fixture fx;
-    Builder b(fx.f);
-    Value base = b.LdParam(fx.out);
-    b.St(StateSpace::kGlobal, Address{base, 2}, Value::F32(0.0f));
-    b.Ret();
-    ExpectRejected(fx.m, "offset 2 is not a multiple of the access size 4 bytes");
-  }
-}
-
-TEST(VerifierTest, RejectsAStaleRegisterHandle) {
-  Fixture fx;
-  Builder b(fx.f);
-  b.Mov(Value::U32(0));
-  b.Add(Value::Register(0, PtxType::kF32), Value::F32(1.0f));  // register 0 is .u32
-  b.Ret();
-  ExpectRejected(fx.m, "register %r1 is .u32");
-}
-
-TEST(VerifierTest, RejectsARegisterThatDoesNotExist) {
-  Fixture fx;
-  Builder b(fx.f);
-  b.Mov(Value::Register(99, PtxType::kU32));
-  b.Ret();
-  ExpectRejected(fx.m, "does not exist");
-}
-
-TEST(VerifierTest, RejectsAnImmediateDestination) {
-  Fixture fx;
-  Builder b(fx.f);
-  b.Assign(Value::U32(5), Value::U32(6));
-  b.Ret();
-  ExpectRejected(fx.m, "destination must be a register");
-}
-
-TEST(VerifierTest, RejectsAShuffleOfA64BitValue) {
-  Fixture fx;
-  Builder b(fx.f);
-  Value d = b.Mov(Value::U64(1));
-  b.Shfl(ShflMode::kDown, d, Value::U32(1), 0xffffffffu);
-  b.Ret();
-  ExpectRejected(fx.m, "has type .u64, incompatible with .b32");
-}
-
-TEST(VerifierTest, RejectsOrderedComparisonOfBitTypes) {
-  Fixture fx;
-  Builder b(fx.f);
-  Value r = b.Mov(Value::B32(1));
-  b.Setp(CmpOp::kLt, r, Value::B32(2));
-  b.Ret();
-  ExpectRejected(fx.m, "eq/ne only");
-}
-
-TEST(VerifierTest, RejectsBadSharedArrays) {
-  {
-    Fixture fx;
-    fx.f->AddShared("n", 16);  // clashes with the parameter n
-    Builder(fx.f).Ret();
-    ExpectRejected(fx.m, "already used");
-  }
-  {
-    Fixture fx;
-    fx.f->AddShared("buf", 16, 3);
-    Builder(fx.f).Ret();
-    ExpectRejected(fx.m, "power-of-two alignment");
-  }
-  {
-    Fixture fx;
-    fx.f->AddShared("a", 32 * 1024);
-    fx.f->AddShared("b", 32 * 1024);
-    Builder(fx.f).Ret();
-    ExpectRejected(fx.m, "65536 bytes of static shared memory exceed 49152");
-  }
-  {
-    Fixture fx;
-    SharedArray buf = fx.f->AddShared("buf", 16);
-    Builder b(fx.f);
-    Value x = b.Mov(Value::U64(0));
-    b.Add(x, Value::SharedSymbol(buf.index));  // symbols are only for mov
-    b.Ret();
-    ExpectRejected(fx.m, "read with mov.u64");
-  }
-  {
-    Fixture fx;
-    Builder b(fx.f);
-    b.Mov(Value::SharedSymbol(3));
-    b.Ret();
-    ExpectRejected(fx.m, "shared array #3, which is not declared");
-  }
-}
-
-TEST(VerifierTest, RejectsFallingOffTheEnd) {
-  Fixture fx;
-  Builder b(fx.f);
-  b.Mov(Value::U32(0));
-  ExpectRejected(fx.m, "without ret or exit");
-}
-
+// Module-level checks: the target, the version, bf16, entry names.
 TEST(VerifierTest, RejectsAVersionBelowTheTargetsMinimum) {
   Module m(PtxVersion{7, 0}, 90);  // sm_90 needs 7.8
   Builder(&m.AddEntry("k")).Ret();
@@ -404,11 +277,10 @@ TEST(VerifierTest, RejectsDuplicateEntries) {
 
 TEST(VerifierTest, MessageNamesTheInstructionIndexAndText) {
   Fixture fx;
-  Builder b(fx.f);
-  Value u = b.Mov(Value::U32(1));
-  Value x = b.Mov(Value::F32(1.0f));
-  b.Sub(u, x);
-  b.Ret();
+  Value u = fx.b.Mov(Value::U32(1));
+  Value x = fx.b.Mov(Value::F32(1.0f));
+  fx.b.Sub(u, x);
+  fx.b.Ret();
   absl::Status s = Verify(fx.m);
   ASSERT_FALSE(s.ok());
   EXPECT_TRUE(absl::StrContains(s.message(), "entry k, instruction 2 (sub.u32 %r2, %r1, %f1)"))
