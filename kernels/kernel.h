@@ -1,4 +1,5 @@
-// The life cycle every normgrad kernel shares (modelled on CUTLASS's operations):
+// The life cycle every normgrad kernel shares (modelled on CUTLASS's operations). Kernels are
+// found in kernels/kernel_registry.h; kernels/launch.h turns a backward kernel into launches.
 //
 //   const Kernel* k = FindKernel("batched_rms_norm_backward");
 //   KernelConfig config{.hidden_dim = 896, .target_sm = 90};
@@ -60,6 +61,8 @@ struct LaunchGeometry {
   uint32_t block[3] = {1, 1, 1};
   uint32_t shared_bytes = 0;
 };
+// Largest grid.x a launch may have (any CUDA device of sm_30 or newer).
+inline constexpr uint32_t kMaxGridX = 0x7fffffffu;
 
 // Parameter of a kernel entry, in declaration order (the order cuLaunchKernel expects).
 struct KernelParam {
@@ -81,6 +84,7 @@ class Kernel {
   virtual ~Kernel() = default;
 
   virtual absl::string_view EntryName() const = 0;
+  // The entry's parameters in declaration order, as the emitted PTX declares them.
   virtual std::vector<KernelParam> Params() const = 0;
 
   // Cheap validity check of `config` (no emission): INVALID_ARGUMENT naming the field, the

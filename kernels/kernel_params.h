@@ -15,7 +15,7 @@
 #include <optional>
 
 #include "absl/strings/string_view.h"
-#include "kernels/ptx_builder.h"
+#include "kernels/ptx_ir.h"
 
 namespace normgrad::kernels {
 
