@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -12,10 +13,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/kernel_registry.h"
+#include "kernels/launch.h"
+#include "kernels/status_macros.h"
 #include "server/backend/batch_checks.h"
-#include "server/backend/cpu_rows.h"
 #include "server/backend/kernel_choice.h"
 #include "server/cuda/driver_api.h"
+#include "server/host_rows/host_rows.h"
 
 namespace normgrad::server {
 namespace {
@@ -72,7 +75,7 @@ struct LoadedModule {
 // cuModuleLoadDataEx with the JIT error log captured; a failure carries the log.
 absl::StatusOr<std::shared_ptr<const LoadedModule>> LoadModule(
     const std::shared_ptr<const DeviceContext>& ctx, const kernels::EmittedPtx& ptx) {
-  if (absl::Status s = ctx->MakeCurrent(); !s.ok()) return s;
+  NORMGRAD_RETURN_IF_ERROR(ctx->MakeCurrent());
   auto loaded = std::make_shared<LoadedModule>();
   loaded->ctx = ctx;
   loaded->entry = ptx.entry;
@@ -97,22 +100,11 @@ absl::StatusOr<std::shared_ptr<const LoadedModule>> LoadModule(
       return absl::FailedPreconditionError(message);
     return absl::InternalError(message);
   }
-  if (absl::Status s = ctx->Check(
-          ctx->api().cuModuleGetFunction(&loaded->function, loaded->module, ptx.entry.c_str()),
-          absl::StrCat("cuModuleGetFunction(", ptx.entry, ")"));
-      !s.ok()) {
-    return s;
-  }
+  NORMGRAD_RETURN_IF_ERROR(ctx->Check(
+      ctx->api().cuModuleGetFunction(&loaded->function, loaded->module, ptx.entry.c_str()),
+      absl::StrCat("cuModuleGetFunction(", ptx.entry, ")")));
   return std::shared_ptr<const LoadedModule>(std::move(loaded));
 }
-
-enum class Plan {
-  kRowResident,  // rms_norm_backward_row_resident + rms_norm_backward_dgamma_reduce: dx and a
-                 // fixed-order grad_gamma on the GPU, with or without a given rms
-  kBatched,      // batched_rms_norm_backward: dx and grad_gamma (atomics) on the GPU
-  kWarp,         // rms_norm_backward: dx on the GPU with the given rms; grad_gamma on the host
-  kHost,         // rms given, hidden_dim > 32: dx and grad_gamma on the host from the given rms
-};
 
 // Device memory from the stream-ordered pool when available, else cuMemAlloc.
 class DeviceBuffer {
@@ -165,10 +157,7 @@ class PinnedBuffer {
     if (bytes <= capacity_) return absl::OkStatus();
     Release(ctx);
     void* p = nullptr;
-    if (absl::Status s = ctx.Check(ctx.api().cuMemHostAlloc(&p, bytes, 0), "cuMemHostAlloc");
-        !s.ok()) {
-      return s;
-    }
+    NORMGRAD_RETURN_IF_ERROR(ctx.Check(ctx.api().cuMemHostAlloc(&p, bytes, 0), "cuMemHostAlloc"));
     ptr_ = static_cast<uint8_t*>(p);
     capacity_ = bytes;
     return absl::OkStatus();
@@ -187,19 +176,27 @@ class PinnedBuffer {
   size_t capacity_ = 0;
 };
 
-class CudaBackwardSession : public BackwardSession {
+// How a session computes: on the GPU through a kernels::BackwardPlan (which kernels, in which
+// order, with which workspace), or on the host for a given rms with rows no GPU kernel takes it
+// for (hidden_dim > 32 without the row-resident kernel): dx and grad_gamma from the CPU
+// backend's rows, exactly from the given rms.
+//
+// Device memory of a chunk: x, dy, dx (and rms) in device buffers grown to the largest chunk,
+// the plan's workspace, and the chunk's f32 grad_gamma, which the host adds (double) in chunk
+// order. Where the plan leaves grad_gamma to the caller (DgammaOutput::kNone), the host computes
+// it from the chunk and the given rms.
+class CudaBackwardSession : public BackwardSession, private kernels::KernelLauncher {
  public:
+  // plan: null for the host path; modules: one per plan step, loaded in the device's context.
   // gamma: hidden_dim elements of spec.dtype as given; gamma_f32: the same as f32 (host paths).
-  CudaBackwardSession(std::shared_ptr<const DeviceContext> ctx, const BatchSpec& spec, Plan plan,
-                      std::shared_ptr<const LoadedModule> module, const kernels::Kernel* kernel,
-                      kernels::KernelConfig config, std::vector<uint8_t> gamma,
-                      std::vector<float> gamma_f32)
+  CudaBackwardSession(std::shared_ptr<const DeviceContext> ctx, const BatchSpec& spec,
+                      std::optional<kernels::BackwardPlan> plan,
+                      std::vector<std::shared_ptr<const LoadedModule>> modules,
+                      std::vector<uint8_t> gamma, std::vector<float> gamma_f32)
       : ctx_(std::move(ctx)),
         spec_(spec),
-        plan_(plan),
-        module_(std::move(module)),
-        kernel_(kernel),
-        config_(config),
+        plan_(std::move(plan)),
+        modules_(std::move(modules)),
         element_bytes_(backend_internal::ElementBytes(spec.dtype)),
         gamma_(std::move(gamma)),
         gamma_f32_(std::move(gamma_f32)),
@@ -207,7 +204,7 @@ class CudaBackwardSession : public BackwardSession {
 
   ~CudaBackwardSession() override {
     if (!ctx_->MakeCurrent().ok()) return;  // the context is gone: nothing can be freed
-    for (DeviceBuffer* b : {&d_gamma_, &d_x_, &d_dy_, &d_dx_, &d_rms_, &d_dgamma_, &d_partials_}) {
+    for (DeviceBuffer* b : {&d_gamma_, &d_x_, &d_dy_, &d_dx_, &d_rms_, &d_dgamma_, &d_workspace_}) {
       b->Release(*ctx_, stream_);
     }
     if (stream_ != nullptr) {
@@ -218,55 +215,36 @@ class CudaBackwardSession : public BackwardSession {
     out_.Release(*ctx_);
   }
 
-  // The reduction for the row-resident plan; set before Init().
-  void SetReduce(std::shared_ptr<const LoadedModule> module, const kernels::Kernel* kernel,
-                 const kernels::KernelConfig& config) {
-    reduce_module_ = std::move(module);
-    reduce_kernel_ = kernel;
-    reduce_config_ = config;
-  }
-
   // Stream, gamma upload. Called once before the session is handed out.
   absl::Status Init() {
-    if (plan_ == Plan::kHost) return absl::OkStatus();
-    if (absl::Status s = ctx_->MakeCurrent(); !s.ok()) return s;
-    if (absl::Status s = ctx_->Check(ctx_->api().cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING),
-                                     "cuStreamCreate");
-        !s.ok()) {
-      return s;
-    }
+    if (!plan_.has_value()) return absl::OkStatus();
+    const cuda::DriverApi& api = ctx_->api();
+    NORMGRAD_RETURN_IF_ERROR(ctx_->MakeCurrent());
+    NORMGRAD_RETURN_IF_ERROR(
+        ctx_->Check(api.cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate"));
     const size_t gamma_bytes = gamma_.size();
-    if (absl::Status s = d_gamma_.Reserve(*ctx_, stream_, gamma_bytes); !s.ok()) return s;
-    if (absl::Status s = in_.Reserve(*ctx_, gamma_bytes); !s.ok()) return s;
+    NORMGRAD_RETURN_IF_ERROR(d_gamma_.Reserve(*ctx_, stream_, gamma_bytes));
+    NORMGRAD_RETURN_IF_ERROR(in_.Reserve(*ctx_, gamma_bytes));
     std::memcpy(in_.get(), gamma_.data(), gamma_bytes);
-    if (absl::Status s = ctx_->Check(
-            ctx_->api().cuMemcpyHtoDAsync_v2(d_gamma_.get(), in_.get(), gamma_bytes, stream_),
-            "cuMemcpyHtoDAsync(gamma)");
-        !s.ok()) {
-      return s;
-    }
-    if (plan_ == Plan::kBatched || plan_ == Plan::kRowResident) {  // f32 for every dtype
-      if (absl::Status s = d_dgamma_.Reserve(*ctx_, stream_, spec_.hidden_dim * sizeof(float));
-          !s.ok()) {
-        return s;
-      }
+    NORMGRAD_RETURN_IF_ERROR(
+        ctx_->Check(api.cuMemcpyHtoDAsync_v2(d_gamma_.get(), in_.get(), gamma_bytes, stream_),
+                    "cuMemcpyHtoDAsync(gamma)"));
+    if (plan_->dgamma_output() != kernels::DgammaOutput::kNone) {  // f32 for every dtype
+      NORMGRAD_RETURN_IF_ERROR(d_dgamma_.Reserve(*ctx_, stream_, spec_.hidden_dim * sizeof(float)));
     }
     // The staging buffer is reused by the first chunk: the upload must be done by then.
-    return ctx_->Check(ctx_->api().cuStreamSynchronize(stream_), "cuStreamSynchronize");
+    return ctx_->Check(api.cuStreamSynchronize(stream_), "cuStreamSynchronize");
   }
 
   absl::Status ProcessChunk(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
                             absl::Span<const float> rms, uint64_t rows,
                             absl::Span<uint8_t> dx) override {
     if (!broken_.ok()) return broken_;
-    if (absl::Status s = backend_internal::CheckChunk(spec_, rows_done_, rows, x.size(), dy.size(),
-                                                      rms.size(), dx.size());
-        !s.ok()) {
-      return s;
-    }
+    NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckChunk(spec_, rows_done_, rows, x.size(),
+                                                          dy.size(), rms.size(), dx.size()));
     const auto start = std::chrono::steady_clock::now();
     absl::Status s =
-        plan_ == Plan::kHost ? HostChunk(x, dy, rms, rows, dx) : DeviceChunk(x, dy, rms, rows, dx);
+        plan_.has_value() ? DeviceChunk(x, dy, rms, rows, dx) : HostChunk(x, dy, rms, rows, dx);
     compute_seconds_ +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (!s.ok()) {
@@ -279,96 +257,94 @@ class CudaBackwardSession : public BackwardSession {
 
   absl::Status Finish(absl::Span<uint8_t> dgamma) override {
     if (!broken_.ok()) return broken_;
-    if (absl::Status s = backend_internal::CheckFinish(spec_, rows_done_, dgamma.size()); !s.ok()) {
-      return s;
-    }
+    NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckFinish(spec_, rows_done_, dgamma.size()));
     std::vector<float> rounded(dgamma_sum_.begin(), dgamma_sum_.end());
-    cpu_internal::ConvertFromF32(spec_.dtype, rounded.data(), dgamma.data(), rounded.size());
+    host_rows::ConvertFromF32(spec_.dtype, rounded.data(), dgamma.data(), rounded.size());
     return absl::OkStatus();
   }
 
   absl::string_view KernelName() const override {
-    return plan_ == Plan::kHost ? absl::string_view("cpu_highway") : module_->entry;
+    return plan_.has_value() ? plan_->kernel().EntryName() : absl::string_view("cpu_highway");
   }
   double ComputeSeconds() const override { return compute_seconds_; }
 
  private:
+  // kernels::KernelLauncher: the plan's launches, on this session's stream.
+  absl::Span<const kernels::KernelParam> Params(size_t step) const override {
+    return modules_[step]->params;
+  }
+  uint32_t MaxGridX() const override { return ctx_->max_grid_x; }
+  absl::Status Launch(size_t step, const kernels::LaunchGeometry& g, void** args) override {
+    const LoadedModule& m = *modules_[step];
+    return ctx_->Check(
+        ctx_->api().cuLaunchKernel(m.function, g.grid[0], g.grid[1], g.grid[2], g.block[0],
+                                   g.block[1], g.block[2], g.shared_bytes, stream_, args, nullptr),
+        absl::StrCat("cuLaunchKernel(", m.entry, ")"));
+  }
+
   absl::Status DeviceChunk(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
                            absl::Span<const float> rms, uint64_t rows, absl::Span<uint8_t> dx) {
     const cuda::DriverApi& api = ctx_->api();
+    const kernels::BackwardPlan& plan = *plan_;
     const size_t h = spec_.hidden_dim;
     const size_t data_bytes = rows * h * element_bytes_;
-    const bool rms_to_device =
-        plan_ == Plan::kWarp || (plan_ == Plan::kRowResident && spec_.rms_provided);
-    const bool dgamma_on_device = plan_ == Plan::kBatched || plan_ == Plan::kRowResident;
+    const bool rms_to_device = plan.requires_rms() || (plan.reads_rms() && spec_.rms_provided);
+    const bool dgamma_on_device = plan.dgamma_output() != kernels::DgammaOutput::kNone;
     const size_t rms_bytes = rms_to_device ? rows * sizeof(float) : 0;
     const size_t dgamma_bytes = dgamma_on_device ? h * sizeof(float) : 0;
+    const size_t workspace_bytes = plan.WorkspaceBytes(rows);
     // grad_gamma (f32) follows dx in the output staging buffer, 16-byte aligned (dx of a 16-bit
     // dtype may end mid-float).
     const size_t dgamma_offset = (data_bytes + 15) / 16 * 16;
-    if (absl::Status s = ctx_->MakeCurrent(); !s.ok()) return s;
+    NORMGRAD_RETURN_IF_ERROR(ctx_->MakeCurrent());
     for (auto [buffer, bytes] : {std::pair{&d_x_, data_bytes}, std::pair{&d_dy_, data_bytes},
-                                 std::pair{&d_dx_, data_bytes}, std::pair{&d_rms_, rms_bytes}}) {
-      if (bytes == 0) continue;
-      if (absl::Status s = buffer->Reserve(*ctx_, stream_, bytes); !s.ok()) return s;
+                                 std::pair{&d_dx_, data_bytes}, std::pair{&d_rms_, rms_bytes},
+                                 std::pair{&d_workspace_, workspace_bytes}}) {
+      if (bytes != 0) NORMGRAD_RETURN_IF_ERROR(buffer->Reserve(*ctx_, stream_, bytes));
     }
-    if (absl::Status s = in_.Reserve(*ctx_, 2 * data_bytes + rms_bytes); !s.ok()) return s;
-    if (absl::Status s = out_.Reserve(*ctx_, dgamma_offset + dgamma_bytes); !s.ok()) return s;
+    NORMGRAD_RETURN_IF_ERROR(in_.Reserve(*ctx_, 2 * data_bytes + rms_bytes));
+    NORMGRAD_RETURN_IF_ERROR(out_.Reserve(*ctx_, dgamma_offset + dgamma_bytes));
 
     uint8_t* in = in_.get();
     std::memcpy(in, x.data(), data_bytes);
     std::memcpy(in + data_bytes, dy.data(), data_bytes);
     if (rms_bytes != 0) std::memcpy(in + 2 * data_bytes, rms.data(), rms_bytes);
-    if (absl::Status s = ctx_->Check(api.cuMemcpyHtoDAsync_v2(d_x_.get(), in, data_bytes, stream_),
-                                     "cuMemcpyHtoDAsync(x)");
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s =
-            ctx_->Check(api.cuMemcpyHtoDAsync_v2(d_dy_.get(), in + data_bytes, data_bytes, stream_),
-                        "cuMemcpyHtoDAsync(dy)");
-        !s.ok()) {
-      return s;
-    }
+    NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
+        api.cuMemcpyHtoDAsync_v2(d_x_.get(), in, data_bytes, stream_), "cuMemcpyHtoDAsync(x)"));
+    NORMGRAD_RETURN_IF_ERROR(
+        ctx_->Check(api.cuMemcpyHtoDAsync_v2(d_dy_.get(), in + data_bytes, data_bytes, stream_),
+                    "cuMemcpyHtoDAsync(dy)"));
     if (rms_bytes != 0) {
-      if (absl::Status s = ctx_->Check(
-              api.cuMemcpyHtoDAsync_v2(d_rms_.get(), in + 2 * data_bytes, rms_bytes, stream_),
-              "cuMemcpyHtoDAsync(rms)");
-          !s.ok()) {
-        return s;
-      }
+      NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
+          api.cuMemcpyHtoDAsync_v2(d_rms_.get(), in + 2 * data_bytes, rms_bytes, stream_),
+          "cuMemcpyHtoDAsync(rms)"));
     }
-    if (plan_ == Plan::kBatched) {  // the atomics add into it; the reduction overwrites it
-      if (absl::Status s = ctx_->Check(api.cuMemsetD32Async(d_dgamma_.get(), 0, h, stream_),
-                                       "cuMemsetD32Async(grad_gamma)");
-          !s.ok()) {
-        return s;
-      }
+    if (plan.dgamma_output() == kernels::DgammaOutput::kAccumulated) {  // atomics add into it
+      NORMGRAD_RETURN_IF_ERROR(ctx_->Check(api.cuMemsetD32Async(d_dgamma_.get(), 0, h, stream_),
+                                           "cuMemsetD32Async(grad_gamma)"));
     }
-    if (absl::Status s =
-            plan_ == Plan::kRowResident ? LaunchRowResident(rows) : LaunchSeedKernel(rows);
-        !s.ok()) {
-      return s;
-    }
+    kernels::BackwardArgs args;
+    args.x = d_x_.get();
+    args.dy = d_dy_.get();
+    args.dx = d_dx_.get();
+    args.gamma = d_gamma_.get();
+    args.rms = rms_bytes != 0 ? d_rms_.get() : 0;
+    args.dgamma = d_dgamma_.get();
+    args.workspace = d_workspace_.get();
+    args.rows = rows;
+    args.hidden_dim = spec_.hidden_dim;
+    args.eps = spec_.eps;
+    NORMGRAD_RETURN_IF_ERROR(plan.Run(args, *this));
+
     uint8_t* out = out_.get();
-    if (absl::Status s =
-            ctx_->Check(api.cuMemcpyDtoHAsync_v2(out, d_dx_.get(), data_bytes, stream_),
-                        "cuMemcpyDtoHAsync(dx)");
-        !s.ok()) {
-      return s;
-    }
+    NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
+        api.cuMemcpyDtoHAsync_v2(out, d_dx_.get(), data_bytes, stream_), "cuMemcpyDtoHAsync(dx)"));
     if (dgamma_bytes != 0) {
-      if (absl::Status s = ctx_->Check(
-              api.cuMemcpyDtoHAsync_v2(out + dgamma_offset, d_dgamma_.get(), dgamma_bytes, stream_),
-              "cuMemcpyDtoHAsync(grad_gamma)");
-          !s.ok()) {
-        return s;
-      }
+      NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
+          api.cuMemcpyDtoHAsync_v2(out + dgamma_offset, d_dgamma_.get(), dgamma_bytes, stream_),
+          "cuMemcpyDtoHAsync(grad_gamma)"));
     }
-    if (absl::Status s = ctx_->Check(api.cuStreamSynchronize(stream_), "cuStreamSynchronize");
-        !s.ok()) {
-      return s;
-    }
+    NORMGRAD_RETURN_IF_ERROR(ctx_->Check(api.cuStreamSynchronize(stream_), "cuStreamSynchronize"));
     std::memcpy(dx.data(), out, data_bytes);
     if (dgamma_on_device) {
       const float* chunk_dgamma = reinterpret_cast<const float*>(out + dgamma_offset);
@@ -384,8 +360,8 @@ class CudaBackwardSession : public BackwardSession {
                         absl::Span<const float> rms, uint64_t rows) {
     const size_t h = spec_.hidden_dim;
     std::vector<float> xf(rows * h), yf(rows * h);
-    cpu_internal::ConvertToF32(spec_.dtype, x.data(), xf.data(), xf.size());
-    cpu_internal::ConvertToF32(spec_.dtype, dy.data(), yf.data(), yf.size());
+    host_rows::ConvertToF32(spec_.dtype, x.data(), xf.data(), xf.size());
+    host_rows::ConvertToF32(spec_.dtype, dy.data(), yf.data(), yf.size());
     for (uint64_t r = 0; r < rows; ++r) {
       const double inv_rms = 1.0 / static_cast<double>(rms[r]);
       for (size_t i = 0; i < h; ++i) {
@@ -399,10 +375,10 @@ class CudaBackwardSession : public BackwardSession {
                          absl::Span<const float> rms, uint64_t rows, absl::Span<uint8_t> dx) {
     const size_t n = rows * spec_.hidden_dim;
     std::vector<float> staged(3 * n);
-    cpu_internal::ConvertToF32(spec_.dtype, x.data(), staged.data(), n);
-    cpu_internal::ConvertToF32(spec_.dtype, dy.data(), staged.data() + n, n);
+    host_rows::ConvertToF32(spec_.dtype, x.data(), staged.data(), n);
+    host_rows::ConvertToF32(spec_.dtype, dy.data(), staged.data() + n, n);
     std::vector<double> partial(spec_.hidden_dim, 0.0);
-    cpu_internal::RowBlock block;
+    host_rows::RowBlock block;
     block.x = staged.data();
     block.dy = staged.data() + n;
     block.dx = staged.data() + 2 * n;
@@ -412,124 +388,21 @@ class CudaBackwardSession : public BackwardSession {
     block.num_rows = rows;
     block.hidden_dim = spec_.hidden_dim;
     block.eps = spec_.eps;
-    cpu_internal::BackwardRowsF32(block);
-    cpu_internal::ConvertFromF32(spec_.dtype, block.dx, dx.data(), n);
+    host_rows::BackwardRowsF32(block);
+    host_rows::ConvertFromF32(spec_.dtype, block.dx, dx.data(), n);
     for (size_t i = 0; i < partial.size(); ++i) dgamma_sum_[i] += partial[i];
     return absl::OkStatus();
   }
 
-  // A kernel argument, by the parameter's declared PTX type.
-  struct Arg {
-    std::string ptx_type;  // "u64", "u32", "f32"
-    uint64_t u64 = 0;
-    uint32_t u32 = 0;
-    float f32 = 0;
-  };
-  static Arg U64(uint64_t v) { return Arg{"u64", v, 0, 0}; }
-  static Arg U32(uint32_t v) { return Arg{"u32", 0, v, 0}; }
-  static Arg F32(float v) { return Arg{"f32", 0, 0, v}; }
-
-  // One cuLaunchKernel of `module` with its parameters filled by name from `args`.
-  absl::Status LaunchOnce(const LoadedModule& module, const kernels::LaunchGeometry& g,
-                          const std::vector<std::pair<absl::string_view, Arg>>& args) {
-    std::vector<Arg> slots(module.params.size());
-    std::vector<void*> pointers(module.params.size());
-    for (size_t k = 0; k < module.params.size(); ++k) {
-      const kernels::KernelParam& p = module.params[k];
-      auto it =
-          std::find_if(args.begin(), args.end(), [&](const auto& a) { return a.first == p.name; });
-      if (it == args.end()) {
-        return absl::InternalError(absl::StrCat("kernel ", module.entry, " has parameter ", p.name,
-                                                " that the CUDA backend cannot fill"));
-      }
-      slots[k] = it->second;
-      if (p.ptx_type != slots[k].ptx_type) {
-        return absl::InternalError(absl::StrCat("kernel ", module.entry, " parameter ", p.name,
-                                                " is ", p.ptx_type, "; expected ",
-                                                slots[k].ptx_type));
-      }
-      pointers[k] = slots[k].ptx_type == "u64"   ? static_cast<void*>(&slots[k].u64)
-                    : slots[k].ptx_type == "u32" ? static_cast<void*>(&slots[k].u32)
-                                                 : static_cast<void*>(&slots[k].f32);
-    }
-    return ctx_->Check(ctx_->api().cuLaunchKernel(
-                           module.function, g.grid[0], g.grid[1], g.grid[2], g.block[0], g.block[1],
-                           g.block[2], g.shared_bytes, stream_, pointers.data(), nullptr),
-                       absl::StrCat("cuLaunchKernel(", module.entry, ")"));
-  }
-
-  // The seed kernels over `rows` rows, in pieces when the grid would exceed the device's limit.
-  absl::Status LaunchSeedKernel(uint64_t rows) {
-    uint64_t piece = std::min<uint64_t>(rows, std::numeric_limits<uint32_t>::max());
-    while (piece > 1 && kernel_->Geometry(config_, piece).grid[0] > ctx_->max_grid_x) {
-      piece = (piece + 1) / 2;
-    }
-    const size_t h = spec_.hidden_dim;
-    for (uint64_t first = 0; first < rows; first += piece) {
-      const uint64_t n = std::min(piece, rows - first);
-      const uint64_t data_offset = first * h * element_bytes_;
-      if (absl::Status s = LaunchOnce(*module_, kernel_->Geometry(config_, n),
-                                      {{"input_ptr", U64(d_x_.get() + data_offset)},
-                                       {"grad_output_ptr", U64(d_dy_.get() + data_offset)},
-                                       {"grad_input_ptr", U64(d_dx_.get() + data_offset)},
-                                       {"gamma_ptr", U64(d_gamma_.get())},
-                                       {"rms_ptr", U64(d_rms_.get() + first * sizeof(float))},
-                                       {"grad_gamma_ptr", U64(d_dgamma_.get())},
-                                       {"num_rows", U32(static_cast<uint32_t>(n))},
-                                       {"hidden_dim", U32(spec_.hidden_dim)},
-                                       {"eps", F32(spec_.eps)}});
-          !s.ok()) {
-        return s;
-      }
-    }
-    return absl::OkStatus();
-  }
-
-  // The row-resident kernel (persistent grid: G blocks, G partial rows of grad_gamma), then the
-  // fixed-order reduction of the partials into the f32 chunk grad_gamma.
-  absl::Status LaunchRowResident(uint64_t rows) {
-    const kernels::LaunchGeometry g = kernel_->Geometry(config_, rows);
-    const uint32_t partials = g.grid[0];
-    if (absl::Status s = d_partials_.Reserve(*ctx_, stream_,
-                                             size_t{partials} * spec_.hidden_dim * sizeof(float));
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = LaunchOnce(*module_, g,
-                                    {{"input_ptr", U64(d_x_.get())},
-                                     {"grad_output_ptr", U64(d_dy_.get())},
-                                     {"grad_input_ptr", U64(d_dx_.get())},
-                                     {"gamma_ptr", U64(d_gamma_.get())},
-                                     {"rms_ptr", U64(spec_.rms_provided ? d_rms_.get() : 0)},
-                                     {"dgamma_partials_ptr", U64(d_partials_.get())},
-                                     {"num_rows", U32(static_cast<uint32_t>(rows))},
-                                     {"hidden_dim", U32(spec_.hidden_dim)},
-                                     {"eps", F32(spec_.eps)}});
-        !s.ok()) {
-      return s;
-    }
-    return LaunchOnce(*reduce_module_, reduce_kernel_->Geometry(reduce_config_, partials),
-                      {{"dgamma_partials_ptr", U64(d_partials_.get())},
-                       {"dgamma_ptr", U64(d_dgamma_.get())},
-                       {"num_partials", U32(partials)},
-                       {"hidden_dim", U32(spec_.hidden_dim)}});
-  }
-
   const std::shared_ptr<const DeviceContext> ctx_;
   const BatchSpec spec_;
-  const Plan plan_;
-  const std::shared_ptr<const LoadedModule> module_;  // null on the host plan
-  const kernels::Kernel* const kernel_;               // null on the host plan
-  const kernels::KernelConfig config_;
-  // The row-resident plan's grad_gamma reduction (null otherwise).
-  std::shared_ptr<const LoadedModule> reduce_module_;
-  const kernels::Kernel* reduce_kernel_ = nullptr;
-  kernels::KernelConfig reduce_config_;
+  const std::optional<kernels::BackwardPlan> plan_;                 // empty: the host path
+  const std::vector<std::shared_ptr<const LoadedModule>> modules_;  // one per plan step
   const size_t element_bytes_;
   const std::vector<uint8_t> gamma_;
   const std::vector<float> gamma_f32_;
   CUstream stream_ = nullptr;
-  DeviceBuffer d_gamma_, d_x_, d_dy_, d_dx_, d_rms_, d_dgamma_, d_partials_;
+  DeviceBuffer d_gamma_, d_x_, d_dy_, d_dx_, d_rms_, d_dgamma_, d_workspace_;
   PinnedBuffer in_, out_;
   std::vector<double> dgamma_sum_;
   uint64_t rows_done_ = 0;
@@ -550,62 +423,30 @@ class CudaBackend : public Backend {
 
   absl::StatusOr<std::unique_ptr<BackwardSession>> StartBackward(
       const BatchSpec& spec, absl::Span<const uint8_t> gamma) override {
-    if (absl::Status s = backend_internal::CheckBatch(spec, gamma.size()); !s.ok()) return s;
-    if (absl::Status s = backend_internal::CheckNamedKernel(spec); !s.ok()) return s;
+    NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckBatch(spec, gamma.size()));
+    NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckNamedKernel(spec));
     kernels::KernelConfig config = backend_internal::ConfigFor(spec, target_sm_);
     config.sm_count = device_.sm_count;  // sizes the row-resident kernel's persistent grid
-    const kernels::Kernel* row_resident = kernels::FindKernel(kRowResidentKernel);
-    Plan plan;
-    if (spec.kernel.empty()) {
-      // The row-resident kernel when it fits (any rms, reproducible grad_gamma); else the
-      // seed kernels; else the host path for a given rms with wide rows.
-      plan = row_resident != nullptr && row_resident->CanImplement(config).ok() ? Plan::kRowResident
-             : !spec.rms_provided                                               ? Plan::kBatched
-             : spec.hidden_dim <= 32                                            ? Plan::kWarp
-                                                                                : Plan::kHost;
-    } else {
-      plan = spec.kernel == kWarpKernel          ? Plan::kWarp
-             : spec.kernel == kRowResidentKernel ? Plan::kRowResident
-                                                 : Plan::kBatched;
-    }
     std::vector<uint8_t> gamma_bytes(gamma.begin(), gamma.end());
     std::vector<float> gamma_f32(spec.hidden_dim);
-    cpu_internal::ConvertToF32(spec.dtype, gamma.data(), gamma_f32.data(), gamma_f32.size());
+    host_rows::ConvertToF32(spec.dtype, gamma.data(), gamma_f32.data(), gamma_f32.size());
 
-    std::shared_ptr<const LoadedModule> module;
-    const kernels::Kernel* kernel = nullptr;
-    if (plan != Plan::kHost) {
-      kernel = kernels::FindKernel(plan == Plan::kWarp          ? kWarpKernel
-                                   : plan == Plan::kRowResident ? kRowResidentKernel
-                                                                : kBatchedKernel);
-      if (kernel == nullptr) {
-        return absl::InternalError("the kernels library lacks a backward kernel");
+    NORMGRAD_ASSIGN_OR_RETURN(const kernels::Kernel* kernel, ChooseKernel(spec, config));
+    std::optional<kernels::BackwardPlan> plan;
+    std::vector<std::shared_ptr<const LoadedModule>> modules;
+    if (kernel != nullptr) {
+      NORMGRAD_RETURN_IF_ERROR(CheckRunsOnThisGpu(*kernel, config));
+      NORMGRAD_ASSIGN_OR_RETURN(plan, kernels::BackwardPlan::Create(*kernel, config));
+      for (const kernels::BackwardPlan::Step& step : plan->steps()) {
+        NORMGRAD_ASSIGN_OR_RETURN(std::shared_ptr<const LoadedModule> m,
+                                  GetModule(*step.kernel, step.config));
+        modules.push_back(std::move(m));
       }
-      absl::StatusOr<std::shared_ptr<const LoadedModule>> m = GetModule(*kernel, config);
-      if (!m.ok()) return m.status();
-      module = *std::move(m);
-    }
-    std::shared_ptr<const LoadedModule> reduce_module;
-    const kernels::Kernel* reduce_kernel = nullptr;
-    kernels::KernelConfig reduce_config = config;
-    if (plan == Plan::kRowResident) {
-      reduce_kernel = kernels::FindKernel(kDgammaReduceKernel);
-      if (reduce_kernel == nullptr) {
-        return absl::InternalError("the kernels library lacks the grad_gamma reduction");
-      }
-      reduce_config.dtype = kernels::DType::kF32;  // the chunk's grad_gamma stays f32
-      absl::StatusOr<std::shared_ptr<const LoadedModule>> m =
-          GetModule(*reduce_kernel, reduce_config);
-      if (!m.ok()) return m.status();
-      reduce_module = *std::move(m);
     }
     auto session =
-        std::make_unique<CudaBackwardSession>(ctx_, spec, plan, std::move(module), kernel, config,
+        std::make_unique<CudaBackwardSession>(ctx_, spec, std::move(plan), std::move(modules),
                                               std::move(gamma_bytes), std::move(gamma_f32));
-    if (plan == Plan::kRowResident) {
-      session->SetReduce(std::move(reduce_module), reduce_kernel, reduce_config);
-    }
-    if (absl::Status s = session->Init(); !s.ok()) return s;
+    NORMGRAD_RETURN_IF_ERROR(session->Init());
     return std::unique_ptr<BackwardSession>(std::move(session));
   }
 
@@ -620,25 +461,52 @@ class CudaBackend : public Backend {
   ModuleCacheStats CacheStats() const override { return cache_.Stats(); }
 
  private:
+  // The request's kernel (BatchSpec::kernel, or the backend's choice: the row-resident kernel
+  // when it fits, any rms, reproducible grad_gamma; else the seed kernels); nullptr for the host
+  // path (a given rms with rows too wide for every GPU kernel that takes one).
+  absl::StatusOr<const kernels::Kernel*> ChooseKernel(const BatchSpec& spec,
+                                                      const kernels::KernelConfig& config) const {
+    absl::string_view name = spec.kernel;
+    if (name.empty()) {
+      const kernels::Kernel* row_resident = kernels::FindKernel(kRowResidentKernel);
+      name = row_resident != nullptr && row_resident->CanImplement(config).ok() ? kRowResidentKernel
+             : !spec.rms_provided                                               ? kBatchedKernel
+             : spec.hidden_dim <= 32                                            ? kWarpKernel
+                                                                                : "";
+      if (name.empty()) return nullptr;
+    }
+    const kernels::Kernel* kernel = kernels::FindKernel(name);
+    if (kernel == nullptr) {
+      return absl::InternalError(absl::StrCat("the kernels library lacks ", name));
+    }
+    return kernel;
+  }
+
+  // CanImplement's status, except FAILED_PRECONDITION when the request is fine but this GPU
+  // cannot run the kernel (bf16 below sm_80, say).
+  absl::Status CheckRunsOnThisGpu(const kernels::Kernel& kernel,
+                                  const kernels::KernelConfig& config) const {
+    absl::Status s = kernel.CanImplement(config);
+    if (s.ok()) return s;
+    kernels::KernelConfig elsewhere = config;
+    elsewhere.target_sm = backend_internal::kProbeTargetSm;
+    if (kernel.CanImplement(elsewhere).ok()) {
+      return absl::FailedPreconditionError(absl::StrCat("GPU ", device_.name, " (sm_", target_sm_,
+                                                        ") cannot run ", kernel.EntryName(), ": ",
+                                                        s.message()));
+    }
+    return s;
+  }
+
   absl::StatusOr<std::shared_ptr<const LoadedModule>> GetModule(
       const kernels::Kernel& kernel, const kernels::KernelConfig& config) {
-    if (absl::Status s = kernel.CanImplement(config); !s.ok()) {
-      kernels::KernelConfig elsewhere = config;
-      elsewhere.target_sm = backend_internal::kProbeTargetSm;
-      if (kernel.CanImplement(elsewhere).ok()) {  // the request is fine; this GPU is not
-        return absl::FailedPreconditionError(absl::StrCat("GPU ", device_.name, " (sm_", target_sm_,
-                                                          ") cannot run ", kernel.EntryName(), ": ",
-                                                          s.message()));
-      }
-      return s;
-    }
+    NORMGRAD_RETURN_IF_ERROR(CheckRunsOnThisGpu(kernel, config));
     return cache_.GetOrCompile(
         kernel.ConfigKey(config), [&]() -> absl::StatusOr<ModuleCache<LoadedModule>::Compiled> {
-          absl::StatusOr<kernels::EmittedPtx> ptx = kernel.Emit(config);
-          if (!ptx.ok()) return ptx.status();
-          absl::StatusOr<std::shared_ptr<const LoadedModule>> loaded = LoadModule(ctx_, *ptx);
-          if (!loaded.ok()) return loaded.status();
-          return ModuleCache<LoadedModule>::Compiled{*std::move(loaded), ptx->text.size()};
+          NORMGRAD_ASSIGN_OR_RETURN(const kernels::EmittedPtx ptx, kernel.Emit(config));
+          NORMGRAD_ASSIGN_OR_RETURN(std::shared_ptr<const LoadedModule> loaded,
+                                    LoadModule(ctx_, ptx));
+          return ModuleCache<LoadedModule>::Compiled{std::move(loaded), ptx.text.size()};
         });
   }
 
@@ -648,46 +516,28 @@ class CudaBackend : public Backend {
   ModuleCache<LoadedModule> cache_;
 };
 
-}  // namespace
-
-absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const CudaBackendOptions& options) {
-  const std::string path = cuda::ResolveDriverLibrary(options.driver_library);
-  absl::StatusOr<std::shared_ptr<const CudaDriver>> loaded = CudaDriver::Load(path);
-  if (!loaded.ok()) return loaded.status();
-  std::shared_ptr<const CudaDriver> driver = *std::move(loaded);
+// Device set-up on a loaded driver (see cuda_backend.h); any failure means no usable GPU.
+absl::StatusOr<std::unique_ptr<Backend>> OpenDevice(std::shared_ptr<const CudaDriver> driver,
+                                                    const CudaBackendOptions& options) {
   const cuda::DriverApi& api = driver->api();
-  // Start-up failures all mean "no usable GPU here".
-  auto unusable = [&](const absl::Status& s) {
-    return absl::FailedPreconditionError(absl::StrCat(path, ": ", s.message()));
-  };
-  if (absl::Status s = driver->Check(api.cuInit(0), "cuInit"); !s.ok()) return unusable(s);
+  NORMGRAD_RETURN_IF_ERROR(driver->Check(api.cuInit(0), "cuInit"));
   int driver_version = 0;
-  if (absl::Status s = driver->Check(api.cuDriverGetVersion(&driver_version), "cuDriverGetVersion");
-      !s.ok()) {
-    return unusable(s);
-  }
+  NORMGRAD_RETURN_IF_ERROR(
+      driver->Check(api.cuDriverGetVersion(&driver_version), "cuDriverGetVersion"));
   int count = 0;
-  if (absl::Status s = driver->Check(api.cuDeviceGetCount(&count), "cuDeviceGetCount"); !s.ok()) {
-    return unusable(s);
-  }
-  if (count < 1) return absl::FailedPreconditionError(absl::StrCat(path, ": no CUDA device"));
+  NORMGRAD_RETURN_IF_ERROR(driver->Check(api.cuDeviceGetCount(&count), "cuDeviceGetCount"));
+  if (count < 1) return absl::FailedPreconditionError("no CUDA device");
   if (options.device_ordinal < 0 || options.device_ordinal >= count) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        path, ": device ordinal ", options.device_ordinal, " out of range (", count, " devices)"));
+    return absl::FailedPreconditionError(absl::StrCat("device ordinal ", options.device_ordinal,
+                                                      " out of range (", count, " devices)"));
   }
   CUdevice device = 0;
-  if (absl::Status s =
-          driver->Check(api.cuDeviceGet(&device, options.device_ordinal), "cuDeviceGet");
-      !s.ok()) {
-    return unusable(s);
-  }
+  NORMGRAD_RETURN_IF_ERROR(
+      driver->Check(api.cuDeviceGet(&device, options.device_ordinal), "cuDeviceGet"));
   DeviceDescription d;
   char name[256] = {};
-  if (absl::Status s =
-          driver->Check(api.cuDeviceGetName(name, sizeof(name) - 1, device), "cuDeviceGetName");
-      !s.ok()) {
-    return unusable(s);
-  }
+  NORMGRAD_RETURN_IF_ERROR(
+      driver->Check(api.cuDeviceGetName(name, sizeof(name) - 1, device), "cuDeviceGetName"));
   d.name = name;
   int major = 0, minor = 0, sms = 0, max_grid_x = 0, pools = 0;
   for (auto [attribute, out, label] :
@@ -697,17 +547,12 @@ absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const CudaBackendOptions
                    "compute capability minor"},
         std::tuple{CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, &sms, "multiprocessor count"},
         std::tuple{CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X, &max_grid_x, "max grid dim x"}}) {
-    if (absl::Status s = driver->Check(api.cuDeviceGetAttribute(out, attribute, device),
-                                       absl::StrCat("cuDeviceGetAttribute(", label, ")"));
-        !s.ok()) {
-      return unusable(s);
-    }
+    NORMGRAD_RETURN_IF_ERROR(driver->Check(api.cuDeviceGetAttribute(out, attribute, device),
+                                           absl::StrCat("cuDeviceGetAttribute(", label, ")")));
   }
   size_t total = 0;
-  if (absl::Status s = driver->Check(api.cuDeviceTotalMem_v2(&total, device), "cuDeviceTotalMem");
-      !s.ok()) {
-    return unusable(s);
-  }
+  NORMGRAD_RETURN_IF_ERROR(
+      driver->Check(api.cuDeviceTotalMem_v2(&total, device), "cuDeviceTotalMem"));
   d.compute_capability_major = major;
   d.compute_capability_minor = minor;
   d.total_memory_bytes = total;
@@ -716,14 +561,11 @@ absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const CudaBackendOptions
   d.sm_count = static_cast<uint32_t>(sms);
 
   CUcontext context = nullptr;
-  if (absl::Status s =
-          driver->Check(api.cuDevicePrimaryCtxRetain(&context, device), "cuDevicePrimaryCtxRetain");
-      !s.ok()) {
-    return unusable(s);
-  }
+  NORMGRAD_RETURN_IF_ERROR(
+      driver->Check(api.cuDevicePrimaryCtxRetain(&context, device), "cuDevicePrimaryCtxRetain"));
   auto ctx = std::make_shared<DeviceContext>(driver, device, context);
   ctx->max_grid_x = max_grid_x > 0 ? static_cast<uint32_t>(max_grid_x) : 65535u;
-  if (absl::Status s = ctx->MakeCurrent(); !s.ok()) return unusable(s);
+  NORMGRAD_RETURN_IF_ERROR(ctx->MakeCurrent());
 
   // Stream-ordered allocation with a raised release threshold, when the driver and device
   // have memory pools; otherwise plain cuMemAlloc.
@@ -739,6 +581,18 @@ absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const CudaBackendOptions
   }
   return std::unique_ptr<Backend>(
       new CudaBackend(std::move(ctx), std::move(d), major * 10 + minor, options.cache));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const CudaBackendOptions& options) {
+  const std::string path = cuda::ResolveDriverLibrary(options.driver_library);
+  NORMGRAD_ASSIGN_OR_RETURN(std::shared_ptr<const CudaDriver> driver, CudaDriver::Load(path));
+  absl::StatusOr<std::unique_ptr<Backend>> backend = OpenDevice(std::move(driver), options);
+  if (!backend.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(path, ": ", backend.status().message()));
+  }
+  return backend;
 }
 
 }  // namespace normgrad::server
