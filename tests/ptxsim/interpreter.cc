@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/casts.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -53,31 +54,18 @@ namespace {
 // host addresses (what device pointers are here) stay below 2^47.
 constexpr uint64_t kSharedWindow = uint64_t{1} << 48;
 
-inline float AsF32(uint64_t v) {
-  const uint32_t u = static_cast<uint32_t>(v);
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint64_t F32Bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-inline double AsF64(uint64_t v) {
-  double d;
-  std::memcpy(&d, &v, 8);
-  return d;
-}
-inline uint64_t F64Bits(double d) {
-  uint64_t u;
-  std::memcpy(&u, &d, 8);
-  return u;
-}
+inline float AsF32(uint64_t v) { return absl::bit_cast<float>(static_cast<uint32_t>(v)); }
+inline uint64_t F32Bits(float f) { return absl::bit_cast<uint32_t>(f); }
+inline double AsF64(uint64_t v) { return absl::bit_cast<double>(v); }
+inline uint64_t F64Bits(double d) { return absl::bit_cast<uint64_t>(d); }
 inline float Ftz(float f) {
   return std::fpclassify(f) == FP_SUBNORMAL ? std::copysign(0.0f, f) : f;
 }
-inline float Sat(float f) { return std::isnan(f) ? 0.0f : std::min(1.0f, std::max(0.0f, f)); }
+// .sat: clamps to [0, 1], NaN to 0.
+template <typename F>
+F Sat(F f) {
+  return std::isnan(f) ? F{0} : std::min(F{1}, std::max(F{0}, f));
+}
 
 inline uint32_t Popcount(uint32_t v) {
   v = v - ((v >> 1) & 0x55555555u);
@@ -98,23 +86,12 @@ float HalfToFloat(uint16_t h) {
   const uint32_t sign = (h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1f;
   const uint32_t man = h & 0x3ff;
-  float f;
-  if (exp == 0) {
-    f = std::ldexp(static_cast<float>(man), -24);
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    u |= sign;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-  uint32_t u =
-      exp == 31 ? (sign | 0x7f800000u | (man << 13)) : (sign | ((exp + 112) << 23) | (man << 13));
-  std::memcpy(&f, &u, 4);
-  return f;
+  if (exp == 0) return AsF32(F32Bits(std::ldexp(static_cast<float>(man), -24)) | sign);
+  return AsF32(exp == 31 ? (sign | 0x7f800000u | (man << 13))
+                         : (sign | ((exp + 112) << 23) | (man << 13)));
 }
 uint16_t FloatToHalf(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
+  const uint32_t u = static_cast<uint32_t>(F32Bits(f));
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   if (std::isnan(f)) return sign | 0x7e00u;
   const float a = std::fabs(f);
@@ -133,95 +110,69 @@ uint16_t FloatToHalf(float f) {
   const uint32_t exp = static_cast<uint32_t>(e - 1 + 15);
   return sign | static_cast<uint16_t>((exp << 10) | (static_cast<uint32_t>(mant) & 0x3ffu));
 }
-float Bf16ToFloat(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+float Bf16ToFloat(uint16_t b) { return AsF32(static_cast<uint32_t>(b) << 16); }
 uint16_t FloatToBf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
+  const uint32_t u = static_cast<uint32_t>(F32Bits(f));
   if (std::isnan(f)) return static_cast<uint16_t>((u >> 16) | 0x40u);
   const uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>((u + rounding) >> 16);
+}
+
+// The exact value of a result rounded toward zero / -inf / +inf (mode), from `nearest`, that value
+// rounded to nearest even (and not equal to it): infinity when it overflowed, else the
+// representable neighbour on the side `exact_above` says is the exact value's.
+template <typename F>
+F RoundFromNearest(F nearest, bool exact_above, FloatRound mode) {
+  const F max = std::numeric_limits<F>::max();
+  const F inf = std::numeric_limits<F>::infinity();
+  if (std::isinf(nearest)) {  // overflowed while rounding to nearest: the sign is the exact one's
+    const bool positive = nearest > 0;
+    switch (mode) {
+      case FloatRound::kRz:
+        return positive ? max : -max;
+      case FloatRound::kRm:
+        return positive ? max : -inf;
+      case FloatRound::kRp:
+        return positive ? inf : -max;
+      case FloatRound::kRn:
+        break;
+    }
+    return nearest;
+  }
+  switch (mode) {
+    case FloatRound::kRz:
+      if (nearest > 0 && !exact_above) return std::nextafter(nearest, F{0});
+      if (nearest < 0 && exact_above) return std::nextafter(nearest, F{0});
+      if (nearest == 0) return exact_above ? F{0} : -F{0};
+      return nearest;
+    case FloatRound::kRm:
+      return exact_above ? nearest : std::nextafter(nearest, -inf);
+    case FloatRound::kRp:
+      return exact_above ? std::nextafter(nearest, inf) : nearest;
+    case FloatRound::kRn:
+      break;
+  }
+  return nearest;
 }
 
 // `exact` (representable in long double: every integer up to 64 bits, every f32/f64) rounded to
 // F in `mode`.
 template <typename F>
 F RoundLongDouble(long double exact, FloatRound mode) {
-  F f = static_cast<F>(exact);  // round to nearest even
+  const F f = static_cast<F>(exact);  // round to nearest even
   if (mode == FloatRound::kRn || std::isnan(exact) || static_cast<long double>(f) == exact)
     return f;
-  const F max = std::numeric_limits<F>::max();
-  const F inf = std::numeric_limits<F>::infinity();
-  if (std::isinf(f)) {  // overflowed while rounding to nearest
-    switch (mode) {
-      case FloatRound::kRz:
-        return exact > 0 ? max : -max;
-      case FloatRound::kRm:
-        return exact > 0 ? max : -inf;
-      case FloatRound::kRp:
-        return exact > 0 ? inf : -max;
-      case FloatRound::kRn:
-        break;
-    }
-    return f;
-  }
-  const bool above = exact > static_cast<long double>(f);  // the exact value lies above f
-  switch (mode) {
-    case FloatRound::kRz:
-      if (f > 0 && !above) return std::nextafter(f, F{0});
-      if (f < 0 && above) return std::nextafter(f, F{0});
-      if (f == 0) return std::copysign(F{0}, static_cast<F>(exact > 0 ? 1 : -1));
-      return f;
-    case FloatRound::kRm:
-      return above ? f : std::nextafter(f, -inf);
-    case FloatRound::kRp:
-      return above ? std::nextafter(f, inf) : f;
-    case FloatRound::kRn:
-      break;
-  }
-  return f;
+  return RoundFromNearest(f, exact > static_cast<long double>(f), mode);
 }
 
 // hi + lo (two doubles, |lo| tiny against hi or hi already exact) rounded to f32 in `mode`.
 float RoundTwoDoubles(double hi, double lo, FloatRound mode) {
   if (std::isnan(hi) || std::isinf(hi)) return static_cast<float>(hi);
-  float f = static_cast<float>(hi);
-  const float max = std::numeric_limits<float>::max();
-  const float inf = std::numeric_limits<float>::infinity();
-  if (std::isinf(f)) {
-    switch (mode) {
-      case FloatRound::kRz:
-        return hi > 0 ? max : -max;
-      case FloatRound::kRm:
-        return hi > 0 ? max : -inf;
-      case FloatRound::kRp:
-        return hi > 0 ? inf : -max;
-      case FloatRound::kRn:
-        break;
-    }
-    return f;
-  }
+  const float f = static_cast<float>(hi);
+  if (std::isinf(f)) return RoundFromNearest(f, /*exact_above=*/false, mode);  // overflowed
   const double side = (hi - static_cast<double>(f)) + lo;  // hi - f is exact (Sterbenz)
   if (side == 0) return f;
-  const bool above = side > 0;
-  switch (mode) {
-    case FloatRound::kRz:
-      if (f > 0 && !above) return std::nextafter(f, 0.0f);
-      if (f < 0 && above) return std::nextafter(f, 0.0f);
-      if (f == 0) return above ? 0.0f : -0.0f;
-      return f;
-    case FloatRound::kRm:
-      return above ? f : std::nextafter(f, -inf);
-    case FloatRound::kRp:
-      return above ? std::nextafter(f, inf) : f;
-    case FloatRound::kRn:
-      break;
-  }
-  return f;
+  return RoundFromNearest(f, side > 0, mode);
 }
 
 // f32 add/sub/mul/div/sqrt/rcp/fma with .rz/.rm/.rp: the exact result as hi + lo (error-free
@@ -377,6 +328,35 @@ uint64_t Convert(const Instruction& in, uint64_t v) {
   return x & Mask(db);
 }
 
+// An integer setp: ua, ub are the operands masked to the type's width, sa, sb the same
+// sign-extended; the signed comparisons use them when `is_signed`.
+inline bool CompareInts(Cmp c, bool is_signed, uint64_t ua, uint64_t ub, int64_t sa, int64_t sb) {
+  switch (c) {
+    case Cmp::kEq:
+      return ua == ub;
+    case Cmp::kNe:
+      return ua != ub;
+    case Cmp::kLt:
+      return is_signed ? sa < sb : ua < ub;
+    case Cmp::kLe:
+      return is_signed ? sa <= sb : ua <= ub;
+    case Cmp::kGt:
+      return is_signed ? sa > sb : ua > ub;
+    case Cmp::kGe:
+      return is_signed ? sa >= sb : ua >= ub;
+    case Cmp::kLo:
+      return ua < ub;
+    case Cmp::kLs:
+      return ua <= ub;
+    case Cmp::kHi:
+      return ua > ub;
+    case Cmp::kHs:
+      return ua >= ub;
+    default:
+      return false;
+  }
+}
+
 bool Compare(const Instruction& in, uint64_t a, uint64_t b) {
   const Cmp c = static_cast<Cmp>(in.mode);
   const Type t = in.type;
@@ -429,32 +409,43 @@ bool Compare(const Instruction& in, uint64_t a, uint64_t b) {
     }
   }
   const int bits = TypeBits(t);
-  const uint64_t ua = a & Mask(bits), ub = b & Mask(bits);
-  const int64_t sa = SignExtend(a, bits), sb = SignExtend(b, bits);
-  const bool s = IsSigned(t);
-  switch (c) {
-    case Cmp::kEq:
-      return ua == ub;
-    case Cmp::kNe:
-      return ua != ub;
-    case Cmp::kLt:
-      return s ? sa < sb : ua < ub;
-    case Cmp::kLe:
-      return s ? sa <= sb : ua <= ub;
-    case Cmp::kGt:
-      return s ? sa > sb : ua > ub;
-    case Cmp::kGe:
-      return s ? sa >= sb : ua >= ub;
-    case Cmp::kLo:
-      return ua < ub;
-    case Cmp::kLs:
-      return ua <= ub;
-    case Cmp::kHi:
-      return ua > ub;
-    case Cmp::kHs:
-      return ua >= ub;
+  return CompareInts(c, IsSigned(t), a & Mask(bits), b & Mask(bits), SignExtend(a, bits),
+                     SignExtend(b, bits));
+}
+
+// A float result rounded to nearest (.approx and .full are computed the same way: the correctly
+// rounded result is within every error bound PTX documents for them). neg/abs are not here: they
+// change the sign bit only.
+template <typename F>
+F RoundToNearestResult(Op op, F a, F b, F c) {
+  switch (op) {
+    case Op::kAdd:
+      return a + b;
+    case Op::kSub:
+      return a - b;
+    case Op::kMul:
+      return a * b;
+    case Op::kMad:
+    case Op::kFma:
+      return std::fma(a, b, c);
+    case Op::kDiv:
+      return a / b;
+    case Op::kMin:
+      return std::fmin(a, b);
+    case Op::kMax:
+      return std::fmax(a, b);
+    case Op::kSqrt:
+      return std::sqrt(a);
+    case Op::kRsqrt:
+      return static_cast<F>(1.0 / std::sqrt(static_cast<double>(a)));
+    case Op::kRcp:
+      return F{1} / a;
+    case Op::kEx2:  // f32 only (the parser refuses f64)
+      return static_cast<F>(std::exp2(static_cast<double>(a)));
+    case Op::kLg2:  // likewise
+      return static_cast<F>(std::log2(static_cast<double>(a)));
     default:
-      return false;
+      return F{0};
   }
 }
 
@@ -465,109 +456,32 @@ uint64_t FloatAlu32(const Instruction& in, uint64_t ra, uint64_t rb, uint64_t rc
     b = Ftz(b);
     c = Ftz(c);
   }
-  float r = 0.0f;
-  if (in.rounding != FloatRound::kRn) {
-    r = DirectedF32(in.op, a, b, c, in.rounding);
-    if (in.ftz) r = Ftz(r);
-    if (in.sat) r = Sat(r);
-    return F32Bits(r);
-  }
-  switch (in.op) {
-    case Op::kAdd:
-      r = a + b;
-      break;
-    case Op::kSub:
-      r = a - b;
-      break;
-    case Op::kMul:
-      r = a * b;
-      break;
-    case Op::kMad:
-    case Op::kFma:
-      r = std::fma(a, b, c);
-      break;
-    // .approx/.full are computed exactly: the correctly rounded result is within every error
-    // bound PTX documents for them.
-    case Op::kDiv:
-      r = a / b;
-      break;
-    case Op::kMin:
-      r = std::fmin(a, b);
-      break;
-    case Op::kMax:
-      r = std::fmax(a, b);
-      break;
-    case Op::kNeg:
-      return F32Bits(a) ^ 0x80000000u;
-    case Op::kAbs:
-      return F32Bits(a) & 0x7fffffffu;
-    case Op::kSqrt:
-      r = std::sqrt(a);
-      break;
-    case Op::kRsqrt:
-      r = static_cast<float>(1.0 / std::sqrt(static_cast<double>(a)));
-      break;
-    case Op::kRcp:
-      r = 1.0f / a;
-      break;
-    case Op::kEx2:
-      r = static_cast<float>(std::exp2(static_cast<double>(a)));
-      break;
-    case Op::kLg2:
-      r = static_cast<float>(std::log2(static_cast<double>(a)));
-      break;
-    default:
-      break;
-  }
+  if (in.op == Op::kNeg) return F32Bits(a) ^ 0x80000000u;
+  if (in.op == Op::kAbs) return F32Bits(a) & 0x7fffffffu;
+  // .rz/.rm/.rp: the parser allows them on add/sub/mul/div/sqrt/rcp/fma/mad only.
+  float r = in.rounding != FloatRound::kRn ? DirectedF32(in.op, a, b, c, in.rounding)
+                                           : RoundToNearestResult(in.op, a, b, c);
   if (in.ftz) r = Ftz(r);
   if (in.sat) r = Sat(r);
   return F32Bits(r);
 }
 
 uint64_t FloatAlu64(const Instruction& in, uint64_t ra, uint64_t rb, uint64_t rc) {
-  const double a = AsF64(ra), b = AsF64(rb), c = AsF64(rc);
-  double r = 0.0;
-  switch (in.op) {
-    case Op::kAdd:
-      r = a + b;
-      break;
-    case Op::kSub:
-      r = a - b;
-      break;
-    case Op::kMul:
-      r = a * b;
-      break;
-    case Op::kMad:
-    case Op::kFma:
-      r = std::fma(a, b, c);
-      break;
-    case Op::kDiv:
-      r = a / b;
-      break;
-    case Op::kMin:
-      r = std::fmin(a, b);
-      break;
-    case Op::kMax:
-      r = std::fmax(a, b);
-      break;
-    case Op::kNeg:
-      return F64Bits(a) ^ (uint64_t{1} << 63);
-    case Op::kAbs:
-      return F64Bits(a) & ~(uint64_t{1} << 63);
-    case Op::kSqrt:
-      r = std::sqrt(a);
-      break;
-    case Op::kRsqrt:
-      r = 1.0 / std::sqrt(a);
-      break;
-    case Op::kRcp:
-      r = 1.0 / a;
-      break;
-    default:
-      break;
-  }
-  if (in.sat) r = std::isnan(r) ? 0.0 : std::min(1.0, std::max(0.0, r));
+  if (in.op == Op::kNeg) return ra ^ (uint64_t{1} << 63);
+  if (in.op == Op::kAbs) return ra & ~(uint64_t{1} << 63);
+  double r = RoundToNearestResult(in.op, AsF64(ra), AsF64(rb), AsF64(rc));
+  if (in.sat) r = Sat(r);
   return F64Bits(r);
+}
+
+// min (or max) of a and b as `bits`-bit integers, signed or not.
+inline uint64_t IntMinMax(bool max, bool is_signed, int bits, uint64_t a, uint64_t b) {
+  const uint64_t m = Mask(bits);
+  if (is_signed) {
+    const int64_t x = SignExtend(a, bits), y = SignExtend(b, bits);
+    return static_cast<uint64_t>(max ? std::max(x, y) : std::min(x, y)) & m;
+  }
+  return max ? std::max(a & m, b & m) : std::min(a & m, b & m);
 }
 
 uint64_t IntAlu(const Instruction& in, uint64_t a, uint64_t b, uint64_t c) {
@@ -631,11 +545,8 @@ uint64_t IntAlu(const Instruction& in, uint64_t a, uint64_t b, uint64_t c) {
       }
       return (a & m) % (b & m);
     case Op::kMin:
-      return s ? static_cast<uint64_t>(std::min(SignExtend(a, bits), SignExtend(b, bits))) & m
-               : std::min(a & m, b & m);
     case Op::kMax:
-      return s ? static_cast<uint64_t>(std::max(SignExtend(a, bits), SignExtend(b, bits))) & m
-               : std::max(a & m, b & m);
+      return IntMinMax(in.op == Op::kMax, s, bits, a, b);
     case Op::kNeg:
       return (~a + 1) & m;
     case Op::kAbs: {
@@ -779,22 +690,20 @@ class Launcher {
     return absl::InvalidArgumentError(absl::StrCat("launch of '", entry_.name, "': ", why));
   }
 
-  void ThreadIndex(uint32_t warp, uint32_t lane, uint32_t* tx, uint32_t* ty, uint32_t* tz) const {
+  // The thread's index in its block (%tid).
+  Dim3 ThreadIndex(uint32_t warp, uint32_t lane) const {
     const uint32_t t = warp * 32 + lane;
     const Dim3& b = config_.block;
-    *tx = t % b.x;
-    *ty = (t / b.x) % b.y;
-    *tz = t / (b.x * b.y);
+    return {t % b.x, (t / b.x) % b.y, t / (b.x * b.y)};
   }
 
   absl::Status Fail(Finding finding, uint32_t warp, uint32_t lane, uint32_t line,
                     absl::string_view what) {
     report_->finding = finding;
-    uint32_t tx, ty, tz;
-    ThreadIndex(warp, lane, &tx, &ty, &tz);
+    const Dim3 t = ThreadIndex(warp, lane);
     const std::string message = absl::StrFormat(
         "%s: %s [kernel '%s', line %u, block (%u,%u,%u), thread (%u,%u,%u)]", FindingName(finding),
-        what, entry_.name, line, block_.x, block_.y, block_.z, tx, ty, tz);
+        what, entry_.name, line, block_.x, block_.y, block_.z, t.x, t.y, t.z);
     if (finding == Finding::kInstructionLimit) return absl::DeadlineExceededError(message);
     return absl::InternalError(message);
   }
@@ -814,11 +723,10 @@ class Launcher {
       uint64_t* r = &regs_[size_t{w} * nregs_ * 32];
       uint32_t* d = &defined_[size_t{w} * nregs_];
       for (uint32_t lane = 0; lane < lanes; ++lane) {
-        uint32_t tx, ty, tz;
-        ThreadIndex(w, lane, &tx, &ty, &tz);
-        const uint64_t values[kNumSpecialSlots] = {tx,
-                                                   ty,
-                                                   tz,
+        const Dim3 t = ThreadIndex(w, lane);
+        const uint64_t values[kNumSpecialSlots] = {t.x,
+                                                   t.y,
+                                                   t.z,
                                                    b.x,
                                                    b.y,
                                                    b.z,
@@ -858,15 +766,14 @@ class Launcher {
             bar_warp = w;
             bar_lane = static_cast<uint32_t>(__builtin_ctz(g.mask));
           } else if (g.pc != bar_pc) {
-            uint32_t tx, ty, tz;
-            ThreadIndex(bar_warp, bar_lane, &tx, &ty, &tz);
+            const Dim3 t = ThreadIndex(bar_warp, bar_lane);
             return Fail(
                 Finding::kBarrier, w, static_cast<uint32_t>(__builtin_ctz(g.mask)),
                 entry_.code[g.pc].line,
                 absl::StrFormat("divergent barrier: this thread waits at the bar.sync on "
                                 "line %u while thread (%u,%u,%u) waits at the bar.sync on "
                                 "line %u",
-                                entry_.code[g.pc].line, tx, ty, tz, entry_.code[bar_pc].line));
+                                entry_.code[g.pc].line, t.x, t.y, t.z, entry_.code[bar_pc].line));
           }
         }
       }
@@ -889,75 +796,76 @@ class Launcher {
     }
   }
 
-  // Checks a global access and returns its host pointer (nullptr after setting *status).
+  // "global load of 4 bytes at address 0x..." / "shared store of 8 bytes at offset 16".
+  static std::string DescribeAccess(bool shared, bool store, uint32_t size, uint64_t at) {
+    return shared ? absl::StrFormat("shared %s of %u bytes at offset %u", store ? "store" : "load",
+                                    size, at)
+                  : absl::StrFormat("global %s of %u bytes at address 0x%x",
+                                    store ? "store" : "load", size, at);
+  }
+
+  // True when [addr, addr + size) lies inside `r`.
+  static bool Holds(const MemoryRange& r, uint64_t addr, uint32_t size) {
+    return addr >= r.base && addr - r.base < r.size && r.size - (addr - r.base) >= size;
+  }
+
+  // The host pointer of an aligned global access; nullptr after setting *status to its
+  // out-of-bounds finding.
   uint8_t* GlobalPointer(uint64_t addr, uint32_t size, bool store, const Instruction& in,
                          uint32_t warp, uint32_t lane, absl::Status* status) {
-    if ((addr & (size - 1)) != 0) {
-      *status = Fail(Finding::kMisaligned, warp, lane, in.line,
-                     absl::StrFormat("global %s of %u bytes at address 0x%x is not %u-byte aligned",
-                                     store ? "store" : "load", size, addr, size));
-      return nullptr;
+    if (Holds(*cache_, addr, size)) return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(addr));
+    auto it = std::upper_bound(ranges_.begin(), ranges_.end(), addr,
+                               [](uint64_t a, const MemoryRange& r) { return a < r.base; });
+    if (it != ranges_.begin() && Holds(*(it - 1), addr, size)) {
+      *cache_ = *(it - 1);
+      return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(addr));
     }
-    if (!InCachedRange(addr, size)) {
-      auto it = std::upper_bound(ranges_.begin(), ranges_.end(), addr,
-                                 [](uint64_t a, const MemoryRange& r) { return a < r.base; });
-      bool ok = false;
-      if (it != ranges_.begin()) {
-        const MemoryRange& r = *(it - 1);
-        if (addr - r.base < r.size && r.size - (addr - r.base) >= size) {
-          *cache_ = r;
-          ok = true;
-        }
-      }
-      if (!ok) {
-        std::string where = "no allocation contains it";
-        if (it != ranges_.begin()) {
-          const MemoryRange& r = *(it - 1);
-          if (addr >= r.base + r.size) {
-            where = absl::StrFormat("%u bytes past the end of the %u-byte allocation at 0x%x",
-                                    addr - (r.base + r.size), r.size, r.base);
-          } else {
-            where = absl::StrFormat(
-                "the access runs past the end of the %u-byte allocation at 0x%x", r.size, r.base);
-          }
-        }
-        *status = Fail(Finding::kOutOfBounds, warp, lane, in.line,
-                       absl::StrFormat("global %s of %u bytes at address 0x%x: %s",
-                                       store ? "store" : "load", size, addr, where));
-        return nullptr;
+    std::string where = "no allocation contains it";
+    if (it != ranges_.begin()) {
+      const MemoryRange& r = *(it - 1);
+      if (addr >= r.base + r.size) {
+        where = absl::StrFormat("%u bytes past the end of the %u-byte allocation at 0x%x",
+                                addr - (r.base + r.size), r.size, r.base);
+      } else {
+        where = absl::StrFormat("the access runs past the end of the %u-byte allocation at 0x%x",
+                                r.size, r.base);
       }
     }
-    return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(addr));
+    *status = Fail(Finding::kOutOfBounds, warp, lane, in.line,
+                   absl::StrCat(DescribeAccess(false, store, size, addr), ": ", where));
+    return nullptr;
   }
 
+  // The same for an aligned access at `offset` in the block's shared memory.
   uint8_t* SharedPointer(uint64_t offset, uint32_t size, bool store, const Instruction& in,
                          uint32_t warp, uint32_t lane, absl::Status* status) {
-    if ((offset & (size - 1)) != 0) {
-      *status = Fail(Finding::kMisaligned, warp, lane, in.line,
-                     absl::StrFormat("shared %s of %u bytes at offset %u is not %u-byte aligned",
-                                     store ? "store" : "load", size, offset, size));
-      return nullptr;
-    }
-    if (offset >= shared_.size() || shared_.size() - offset < size) {
-      *status = Fail(Finding::kOutOfBounds, warp, lane, in.line,
-                     absl::StrFormat("shared %s of %u bytes at offset %u outside the block's %u "
-                                     "bytes of shared memory",
-                                     store ? "store" : "load", size, offset, shared_.size()));
-      return nullptr;
-    }
-    return shared_.data() + offset;
+    if (offset < shared_.size() && shared_.size() - offset >= size) return shared_.data() + offset;
+    *status = Fail(Finding::kOutOfBounds, warp, lane, in.line,
+                   absl::StrFormat("%s outside the block's %u bytes of shared memory",
+                                   DescribeAccess(true, store, size, offset), shared_.size()));
+    return nullptr;
   }
 
-  uint8_t* Pointer(Space space, uint64_t addr, uint32_t size, bool store, const Instruction& in,
-                   uint32_t warp, uint32_t lane, absl::Status* status) {
-    if (space == Space::kGeneric) {
-      if (addr >= kSharedWindow && addr - kSharedWindow < (uint64_t{1} << 32)) {
-        return SharedPointer(addr - kSharedWindow, size, store, in, warp, lane, status);
-      }
-      space = Space::kGlobal;
+  // The host pointer of lane's access of `size` bytes at in.src[0] (a load unless `store`);
+  // nullptr after setting *status to its finding. Alignment is checked first, then bounds.
+  uint8_t* Pointer(const Instruction& in, uint32_t size, bool store, const uint64_t* r,
+                   uint32_t warp, int lane, absl::Status* status) {
+    const uint32_t thread_lane = static_cast<uint32_t>(lane);
+    uint64_t addr = Address(in.src[0], r, lane);
+    bool shared = in.space == Space::kShared;
+    if (in.space == Space::kGeneric && addr >= kSharedWindow &&
+        addr - kSharedWindow < (uint64_t{1} << 32)) {
+      shared = true;
+      addr -= kSharedWindow;
     }
-    if (space == Space::kShared) return SharedPointer(addr, size, store, in, warp, lane, status);
-    return GlobalPointer(addr, size, store, in, warp, lane, status);
+    if ((addr & (size - 1)) != 0) {
+      *status = Fail(Finding::kMisaligned, warp, thread_lane, in.line,
+                     absl::StrFormat("%s is not %u-byte aligned",
+                                     DescribeAccess(shared, store, size, addr), size));
+      return nullptr;
+    }
+    return shared ? SharedPointer(addr, size, store, in, warp, thread_lane, status)
+                  : GlobalPointer(addr, size, store, in, warp, thread_lane, status);
   }
 
   absl::Status Shuffle(const Instruction& in, uint32_t w, uint32_t group_mask, uint32_t exec,
@@ -1068,13 +976,8 @@ class Launcher {
         if (in.type == Type::kF64) return F64Bits(AsF64(old) + AsF64(b));
         return (old + b) & m;
       case AtomOp::kMin:
-        return IsSigned(in.type)
-                   ? static_cast<uint64_t>(std::min(SignExtend(old, bits), SignExtend(b, bits))) & m
-                   : std::min(old & m, b & m);
       case AtomOp::kMax:
-        return IsSigned(in.type)
-                   ? static_cast<uint64_t>(std::max(SignExtend(old, bits), SignExtend(b, bits))) & m
-                   : std::max(old & m, b & m);
+        return IntMinMax(op == AtomOp::kMax, IsSigned(in.type), bits, old, b);
       case AtomOp::kExch:
         return b & m;
       case AtomOp::kCas:
@@ -1093,55 +996,39 @@ class Launcher {
     return old;
   }
 
+  // Applies atomic `in` to *ptr and returns the value before. Shared memory belongs to the block,
+  // whose threads run one at a time; global memory may be shared with concurrent launches.
+  template <typename T>
+  static T AtomicUpdate(T* ptr, bool shared, const Instruction& in, uint64_t b, uint64_t c) {
+    if (shared) {
+      const T old = *ptr;
+      *ptr = static_cast<T>(AtomicNew(in, old, b, c));
+      return old;
+    }
+    T old = __atomic_load_n(ptr, __ATOMIC_RELAXED);
+    while (!__atomic_compare_exchange_n(ptr, &old, static_cast<T>(AtomicNew(in, old, b, c)), false,
+                                        __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {
+    }
+    return old;
+  }
+
   absl::Status Atomic(const Instruction& in, uint32_t w, uint32_t exec, uint64_t* r, uint32_t* d) {
     const uint32_t size = static_cast<uint32_t>(TypeBits(in.type) / 8);
     for (uint32_t m = exec; m; m &= m - 1) {
       const int lane = __builtin_ctz(m);
-      const uint64_t addr = Address(in.src[0], r, lane);
       absl::Status status;
-      uint8_t* p = Pointer(in.space, addr, size, true, in, w, static_cast<uint32_t>(lane), &status);
+      uint8_t* p = Pointer(in, size, /*store=*/true, r, w, lane, &status);
       if (p == nullptr) return status;
       const bool shared = in.space == Space::kShared;
       const uint64_t b = Value(in.src[1], r, lane);
       const uint64_t c = in.num_src > 2 ? Value(in.src[2], r, lane) : 0;
-      uint64_t old;
-      if (size == 4) {
-        uint32_t* ptr = reinterpret_cast<uint32_t*>(p);
-        uint32_t o = shared ? *ptr : __atomic_load_n(ptr, __ATOMIC_RELAXED);
-        while (true) {
-          const uint32_t next = static_cast<uint32_t>(AtomicNew(in, o, b, c));
-          if (shared) {
-            *ptr = next;
-            break;
-          }
-          if (__atomic_compare_exchange_n(ptr, &o, next, false, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED))
-            break;
-        }
-        old = o;
-      } else {
-        uint64_t* ptr = reinterpret_cast<uint64_t*>(p);
-        uint64_t o = shared ? *ptr : __atomic_load_n(ptr, __ATOMIC_RELAXED);
-        while (true) {
-          const uint64_t next = AtomicNew(in, o, b, c);
-          if (shared) {
-            *ptr = next;
-            break;
-          }
-          if (__atomic_compare_exchange_n(ptr, &o, next, false, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED))
-            break;
-        }
-        old = o;
-      }
+      const uint64_t old = size == 4
+                               ? AtomicUpdate(reinterpret_cast<uint32_t*>(p), shared, in, b, c)
+                               : AtomicUpdate(reinterpret_cast<uint64_t*>(p), shared, in, b, c);
       if (in.op == Op::kAtom) r[in.dst[0].reg * 32 + lane] = old & reg_mask_[in.dst[0].reg];
     }
     if (in.op == Op::kAtom) d[in.dst[0].reg] |= exec;
     return absl::OkStatus();
-  }
-
-  // True when [addr, addr + size) lies in the allocation of the last successful lookup.
-  bool InCachedRange(uint64_t addr, uint32_t size) const {
-    return addr >= cache_->base && addr - cache_->base < cache_->size &&
-           cache_->size - (addr - cache_->base) >= size;
   }
 
   absl::Status Load(const Instruction& in, uint32_t w, uint32_t exec, uint64_t* r, uint32_t* d) {
@@ -1152,7 +1039,7 @@ class Launcher {
       for (uint32_t m = exec; m; m &= m - 1) {
         const int lane = __builtin_ctz(m);
         const uint64_t addr = Address(in.src[0], r, lane);
-        if ((addr & 3) == 0 && InCachedRange(addr, 4)) {
+        if ((addr & 3) == 0 && Holds(*cache_, addr, 4)) {
           uint32_t v;
           std::memcpy(&v, reinterpret_cast<const void*>(static_cast<uintptr_t>(addr)), 4);
           out[lane] = v;
@@ -1169,13 +1056,12 @@ class Launcher {
     const bool sign = IsSigned(in.type) && elem < 8;
     for (uint32_t m = exec; m; m &= m - 1) {
       const int lane = __builtin_ctz(m);
-      const uint64_t addr = Address(in.src[0], r, lane);
       const uint8_t* p;
       if (in.space == Space::kParam) {
-        p = param_buf_.data() + addr;  // bounds checked when parsed
+        p = param_buf_.data() + Address(in.src[0], r, lane);  // bounds checked when parsed
       } else {
         absl::Status status;
-        p = Pointer(in.space, addr, size, false, in, w, static_cast<uint32_t>(lane), &status);
+        p = Pointer(in, size, /*store=*/false, r, w, lane, &status);
         if (p == nullptr) return status;
       }
       for (uint32_t k = 0; k < in.vec; ++k) {
@@ -1196,7 +1082,7 @@ class Launcher {
       for (uint32_t m = exec; m; m &= m - 1) {
         const int lane = __builtin_ctz(m);
         const uint64_t addr = Address(in.src[0], r, lane);
-        if ((addr & 3) == 0 && InCachedRange(addr, 4)) {
+        if ((addr & 3) == 0 && Holds(*cache_, addr, 4)) {
           const uint32_t v = static_cast<uint32_t>(Value(in.src[1], r, lane));
           std::memcpy(reinterpret_cast<void*>(static_cast<uintptr_t>(addr)), &v, 4);
         } else {
@@ -1210,9 +1096,8 @@ class Launcher {
     const uint32_t size = elem * in.vec;
     for (uint32_t m = exec; m; m &= m - 1) {
       const int lane = __builtin_ctz(m);
-      const uint64_t addr = Address(in.src[0], r, lane);
       absl::Status status;
-      uint8_t* p = Pointer(in.space, addr, size, true, in, w, static_cast<uint32_t>(lane), &status);
+      uint8_t* p = Pointer(in, size, /*store=*/true, r, w, lane, &status);
       if (p == nullptr) return status;
       for (uint32_t k = 0; k < in.vec; ++k) {
         const uint64_t v = Value(in.src[1 + k], r, lane);
@@ -1438,30 +1323,7 @@ class Launcher {
           const uint64_t ua = a & m, ub = b & m;
           const int64_t sa = static_cast<int64_t>(ua << shift) >> shift;
           const int64_t sb = static_cast<int64_t>(ub << shift) >> shift;
-          switch (c) {
-            case Cmp::kEq:
-              return ua == ub;
-            case Cmp::kNe:
-              return ua != ub;
-            case Cmp::kLt:
-              return s ? sa < sb : ua < ub;
-            case Cmp::kLe:
-              return s ? sa <= sb : ua <= ub;
-            case Cmp::kGt:
-              return s ? sa > sb : ua > ub;
-            case Cmp::kGe:
-              return s ? sa >= sb : ua >= ub;
-            case Cmp::kLo:
-              return ua < ub;
-            case Cmp::kLs:
-              return ua <= ub;
-            case Cmp::kHi:
-              return ua > ub;
-            case Cmp::kHs:
-              return ua >= ub;
-            default:
-              return 0;
-          }
+          return CompareInts(c, s, ua, ub, sa, sb);
         });
         return true;
       }

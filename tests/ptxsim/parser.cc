@@ -4,10 +4,13 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "absl/base/casts.h"
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -18,44 +21,23 @@
 
 namespace normgrad::ptxsim {
 
+namespace {
+
+// Every type suffix the parser knows and the type it names ("f32" -> kF32), once.
+constexpr std::pair<absl::string_view, Type> kTypeSuffixes[] = {
+    {"pred", Type::kPred}, {"b8", Type::kB8},   {"b16", Type::kB16},   {"b32", Type::kB32},
+    {"b64", Type::kB64},   {"u8", Type::kU8},   {"u16", Type::kU16},   {"u32", Type::kU32},
+    {"u64", Type::kU64},   {"s8", Type::kS8},   {"s16", Type::kS16},   {"s32", Type::kS32},
+    {"s64", Type::kS64},   {"f16", Type::kF16}, {"bf16", Type::kBF16}, {"f32", Type::kF32},
+    {"f64", Type::kF64},
+};
+
+}  // namespace
+
 absl::string_view TypeName(Type type) {
-  switch (type) {
-    case Type::kNone:
-      return "none";
-    case Type::kPred:
-      return "pred";
-    case Type::kB8:
-      return "b8";
-    case Type::kB16:
-      return "b16";
-    case Type::kB32:
-      return "b32";
-    case Type::kB64:
-      return "b64";
-    case Type::kU8:
-      return "u8";
-    case Type::kU16:
-      return "u16";
-    case Type::kU32:
-      return "u32";
-    case Type::kU64:
-      return "u64";
-    case Type::kS8:
-      return "s8";
-    case Type::kS16:
-      return "s16";
-    case Type::kS32:
-      return "s32";
-    case Type::kS64:
-      return "s64";
-    case Type::kF16:
-      return "f16";
-    case Type::kBF16:
-      return "bf16";
-    case Type::kF32:
-      return "f32";
-    case Type::kF64:
-      return "f64";
+  if (type == Type::kNone) return "none";
+  for (const auto& [name, t] : kTypeSuffixes) {
+    if (t == type) return name;
   }
   return "?";
 }
@@ -211,37 +193,25 @@ absl::StatusOr<uint64_t> ParseIntegerLiteral(absl::string_view s) {
   return static_cast<uint64_t>(v);
 }
 
-uint32_t FloatBits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-uint64_t DoubleBits(double d) {
-  uint64_t u;
-  std::memcpy(&u, &d, 8);
-  return u;
+// The value of a 0f (Float = float, Bits = uint32_t) or 0d (double, uint64_t) literal: its bits
+// in hex after the two-character prefix.
+template <typename Float, typename Bits>
+absl::StatusOr<double> ParseHexFloatLiteral(absl::string_view s, absl::string_view type_name) {
+  Bits bits = 0;
+  if (!absl::SimpleHexAtoi(s.substr(2), &bits)) {
+    return absl::InvalidArgumentError(absl::StrCat("bad ", type_name, " hex literal '", s, "'"));
+  }
+  return static_cast<double>(absl::bit_cast<Float>(bits));
 }
 
 // Float literal -> double value (0f/0d hex forms are exact).
 absl::StatusOr<double> ParseFloatLiteral(absl::string_view s, bool* is_float_literal) {
   *is_float_literal = true;
   if (s.size() == 10 && s[0] == '0' && (s[1] == 'f' || s[1] == 'F')) {
-    uint32_t bits = 0;
-    if (!absl::SimpleHexAtoi(s.substr(2), &bits)) {
-      return absl::InvalidArgumentError(absl::StrCat("bad f32 hex literal '", s, "'"));
-    }
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return static_cast<double>(f);
+    return ParseHexFloatLiteral<float, uint32_t>(s, "f32");
   }
   if (s.size() == 18 && s[0] == '0' && (s[1] == 'd' || s[1] == 'D')) {
-    uint64_t bits = 0;
-    if (!absl::SimpleHexAtoi(s.substr(2), &bits)) {
-      return absl::InvalidArgumentError(absl::StrCat("bad f64 hex literal '", s, "'"));
-    }
-    double d;
-    std::memcpy(&d, &bits, 8);
-    return d;
+    return ParseHexFloatLiteral<double, uint64_t>(s, "f64");
   }
   if (s.find_first_of(".eE") != absl::string_view::npos && !absl::StartsWithIgnoreCase(s, "0x")) {
     std::string text(s);
@@ -278,6 +248,15 @@ struct SynOperand {
   uint32_t line = 0;
 };
 
+// One register of a split operand ({%a, %b} or %p|%q) as an operand of its own.
+SynOperand RegisterOperand(const std::string& name, uint32_t line) {
+  SynOperand o;
+  o.kind = SynOperand::Kind::kReg;
+  o.regs.push_back(name);
+  o.line = line;
+  return o;
+}
+
 struct RangeDecl {
   std::string prefix;
   uint32_t count;
@@ -297,14 +276,7 @@ struct PendingBranch {
 };
 
 absl::StatusOr<Type> TypeFromSuffix(absl::string_view s) {
-  static const std::pair<const char*, Type> kTypes[] = {
-      {"pred", Type::kPred}, {"b8", Type::kB8},   {"b16", Type::kB16},   {"b32", Type::kB32},
-      {"b64", Type::kB64},   {"u8", Type::kU8},   {"u16", Type::kU16},   {"u32", Type::kU32},
-      {"u64", Type::kU64},   {"s8", Type::kS8},   {"s16", Type::kS16},   {"s32", Type::kS32},
-      {"s64", Type::kS64},   {"f16", Type::kF16}, {"bf16", Type::kBF16}, {"f32", Type::kF32},
-      {"f64", Type::kF64},
-  };
-  for (const auto& [name, type] : kTypes) {
+  for (const auto& [name, type] : kTypeSuffixes) {
     if (s == name) return type;
   }
   return absl::NotFoundError(s);
@@ -404,6 +376,19 @@ class Parser {
     }
     return absl::OkStatus();
   }
+  // The next token, which must be of `kind`; else INVALID_ARGUMENT "line N: expected <what>".
+  absl::StatusOr<Token> NextOfKind(Token::Kind kind, absl::string_view what) {
+    const Token t = Next();
+    if (t.kind != kind) return Error(t.line, absl::StrCat("expected ", what));
+    return t;
+  }
+  // The N of `.align N` (a power of two) into *align, after its .align token `m`.
+  absl::Status ParseAlign(const Token& m, uint32_t* align) {
+    absl::StatusOr<uint64_t> a = ParseIntegerLiteral(Next().text);
+    if (!a.ok() || *a == 0 || (*a & (*a - 1)) != 0) return Error(m.line, "bad .align");
+    *align = static_cast<uint32_t>(*a);
+    return absl::OkStatus();
+  }
   void SkipLine(uint32_t line) {
     while (Peek().kind != Token::Kind::kEnd && Peek().line == line) Next();
   }
@@ -416,9 +401,9 @@ class Parser {
   absl::StatusOr<Entry> ParseEntry(uint32_t line) {
     Entry entry;
     entry.line = line;
-    const Token name = Next();
-    if (name.kind != Token::Kind::kIdent) return Error(name.line, "expected the entry's name");
-    entry.name = std::string(name.text);
+    absl::StatusOr<Token> name = NextOfKind(Token::Kind::kIdent, "the entry's name");
+    if (!name.ok()) return name.status();
+    entry.name = std::string(name->text);
     entry_ = &entry;
     decls_.clear();
     ranges_.clear();
@@ -486,9 +471,7 @@ class Parser {
     while (Peek().kind == Token::Kind::kIdent && absl::StartsWith(Peek().text, ".")) {
       const Token m = Next();
       if (m.text == ".align") {
-        absl::StatusOr<uint64_t> a = ParseIntegerLiteral(Next().text);
-        if (!a.ok() || *a == 0 || (*a & (*a - 1)) != 0) return Error(m.line, "bad .align");
-        align = static_cast<uint32_t>(*a);
+        if (absl::Status s = ParseAlign(m, &align); !s.ok()) return s;
       } else if (m.text == ".ptr" || m.text == ".global" || m.text == ".shared" ||
                  m.text == ".const" || m.text == ".local") {
         continue;
@@ -653,9 +636,7 @@ class Parser {
     while (Peek().kind == Token::Kind::kIdent && absl::StartsWith(Peek().text, ".")) {
       const Token m = Next();
       if (m.text == ".align") {
-        absl::StatusOr<uint64_t> a = ParseIntegerLiteral(Next().text);
-        if (!a.ok() || *a == 0 || (*a & (*a - 1)) != 0) return Error(m.line, "bad .align");
-        align = static_cast<uint32_t>(*a);
+        if (absl::Status s = ParseAlign(m, &align); !s.ok()) return s;
       } else if (absl::StatusOr<Type> t = TypeFromSuffix(m.text.substr(1));
                  t.ok() && *t != Type::kPred) {
         type = *t;
@@ -784,19 +765,19 @@ class Parser {
       return o;
     }
     if (t.text == "!") {
-      const Token r = Next();
-      if (r.kind != Token::Kind::kReg) return Error(r.line, "expected a predicate after '!'");
+      absl::StatusOr<Token> r = NextOfKind(Token::Kind::kReg, "a predicate after '!'");
+      if (!r.ok()) return r.status();
       o.kind = SynOperand::Kind::kReg;
       o.negated = true;
-      o.regs.push_back(std::string(r.text));
+      o.regs.push_back(std::string(r->text));
       return o;
     }
     if (t.text == "-") {
-      const Token num = Next();
-      if (num.kind != Token::Kind::kNumber) return Error(num.line, "expected a number after '-'");
+      absl::StatusOr<Token> num = NextOfKind(Token::Kind::kNumber, "a number after '-'");
+      if (!num.ok()) return num.status();
       o.kind = SynOperand::Kind::kNumber;
       o.minus = true;
-      o.text = std::string(num.text);
+      o.text = std::string(num->text);
       return o;
     }
     if (t.kind == Token::Kind::kReg) {
@@ -804,9 +785,9 @@ class Parser {
       o.regs.push_back(std::string(t.text));
       if (Peek().text == "|") {
         Next();
-        const Token r = Next();
-        if (r.kind != Token::Kind::kReg) return Error(r.line, "expected a predicate after '|'");
-        o.regs.push_back(std::string(r.text));
+        absl::StatusOr<Token> r = NextOfKind(Token::Kind::kReg, "a predicate after '|'");
+        if (!r.ok()) return r.status();
+        o.regs.push_back(std::string(r->text));
       }
       return o;
     }
@@ -878,9 +859,9 @@ class Parser {
         if (!d.ok()) return Error(s.line, d.status().message());
         double v = s.minus ? -*d : *d;
         if (type == Type::kF32) {
-          o.imm = FloatBits(static_cast<float>(v));
+          o.imm = absl::bit_cast<uint32_t>(static_cast<float>(v));
         } else if (type == Type::kF64) {
-          o.imm = DoubleBits(v);
+          o.imm = absl::bit_cast<uint64_t>(v);
         } else {
           return Error(s.line,
                        absl::StrCat("literals of type .", TypeName(type), " are not supported"));
@@ -969,9 +950,9 @@ class Parser {
         Next();
         negated = true;
       }
-      const Token p = Next();
-      if (p.kind != Token::Kind::kReg) return Error(p.line, "expected a predicate after '@'");
-      absl::StatusOr<Operand> guard = RegOperand(std::string(p.text), Type::kPred, p.line, false);
+      absl::StatusOr<Token> p = NextOfKind(Token::Kind::kReg, "a predicate after '@'");
+      if (!p.ok()) return p.status();
+      absl::StatusOr<Operand> guard = RegOperand(std::string(p->text), Type::kPred, p->line, false);
       if (!guard.ok()) return guard.status();
       in.guard = guard->reg;
       in.guard_negated = negated;
@@ -1136,6 +1117,17 @@ class Parser {
       in.num_src = static_cast<uint8_t>(std::max<int>(in.num_src, k + 1));
       return absl::OkStatus();
     };
+    // ops[0] as the destination of `dst_type`, ops[1 + k] as source k of src_types[k].
+    auto set_dst_and_srcs = [&](Type dst_type,
+                                std::initializer_list<Type> src_types) -> absl::Status {
+      if (absl::Status s = set_dst(0, Dst(ops[0], dst_type)); !s.ok()) return s;
+      int k = 0;
+      for (Type t : src_types) {
+        if (absl::Status s = set_src(k, Src(ops[1 + k], t)); !s.ok()) return s;
+        ++k;
+      }
+      return absl::OkStatus();
+    };
 #define NG_TRY(expr)                                   \
   do {                                                 \
     if (absl::Status s_ = (expr); !s_.ok()) return s_; \
@@ -1169,10 +1161,7 @@ class Parser {
                                           " registers"));
         }
         for (int k = 0; k < in.vec; ++k) {
-          SynOperand r;
-          r.kind = SynOperand::Kind::kReg;
-          r.regs.push_back(value.regs[k]);
-          r.line = line;
+          const SynOperand r = RegisterOperand(value.regs[k], line);
           if (is_ld) {
             NG_TRY(set_dst(k, Dst(r, in.type, true)));
           } else {
@@ -1187,8 +1176,7 @@ class Parser {
       NG_TRY(need_ops(2));
       if (types.size() != 1) return unsupported("expected exactly one type suffix");
       in.type = types[0];
-      NG_TRY(set_dst(0, Dst(ops[0], in.type)));
-      NG_TRY(set_src(0, Src(ops[1], in.type)));
+      NG_TRY(set_dst_and_srcs(in.type, {in.type}));
       return absl::OkStatus();
     }
     struct Arith {
@@ -1299,11 +1287,7 @@ class Parser {
       if (d.kind != SynOperand::Kind::kReg || d.negated)
         return Error(line, "setp writes a predicate");
       for (size_t k = 0; k < d.regs.size(); ++k) {
-        SynOperand r;
-        r.kind = SynOperand::Kind::kReg;
-        r.regs.push_back(d.regs[k]);
-        r.line = line;
-        NG_TRY(set_dst(static_cast<int>(k), Dst(r, Type::kPred)));
+        NG_TRY(set_dst(static_cast<int>(k), Dst(RegisterOperand(d.regs[k], line), Type::kPred)));
       }
       NG_TRY(set_src(0, Src(ops[1], in.type)));
       NG_TRY(set_src(1, Src(ops[2], in.type)));
@@ -1314,10 +1298,7 @@ class Parser {
       in.op = Op::kSelp;
       NG_TRY(need_ops(4));
       NG_TRY(need_type());
-      NG_TRY(set_dst(0, Dst(ops[0], in.type)));
-      NG_TRY(set_src(0, Src(ops[1], in.type)));
-      NG_TRY(set_src(1, Src(ops[2], in.type)));
-      NG_TRY(set_src(2, Src(ops[3], Type::kPred)));
+      NG_TRY(set_dst_and_srcs(in.type, {in.type, in.type, Type::kPred}));
       return absl::OkStatus();
     }
     if (base == "cvt") {
@@ -1368,8 +1349,7 @@ class Parser {
       }
       in.type = Type::kU64;
       in.mode = to ? 1 : 0;
-      NG_TRY(set_dst(0, Dst(ops[0], in.type)));
-      NG_TRY(set_src(0, Src(ops[1], in.type)));
+      NG_TRY(set_dst_and_srcs(in.type, {in.type}));
       return absl::OkStatus();
     }
     if (base == "bra") {
@@ -1413,19 +1393,11 @@ class Parser {
       const SynOperand& d = ops[0];
       if (d.kind != SynOperand::Kind::kReg || d.negated)
         return Error(line, "shfl writes a register");
-      SynOperand r;
-      r.kind = SynOperand::Kind::kReg;
-      r.line = line;
-      r.regs.push_back(d.regs[0]);
-      NG_TRY(set_dst(0, Dst(r, Type::kB32)));
+      NG_TRY(set_dst(0, Dst(RegisterOperand(d.regs[0], line), Type::kB32)));
       if (d.regs.size() == 2) {
-        r.regs[0] = d.regs[1];
-        NG_TRY(set_dst(1, Dst(r, Type::kPred)));
+        NG_TRY(set_dst(1, Dst(RegisterOperand(d.regs[1], line), Type::kPred)));
       }
-      NG_TRY(set_src(0, Src(ops[1], Type::kB32)));
-      NG_TRY(set_src(1, Src(ops[2], Type::kB32)));
-      NG_TRY(set_src(2, Src(ops[3], Type::kB32)));
-      NG_TRY(set_src(3, Src(ops[4], Type::kB32)));
+      for (int k = 0; k < 4; ++k) NG_TRY(set_src(k, Src(ops[1 + k], Type::kB32)));
       return absl::OkStatus();
     }
     if (base == "atom" || base == "red") {
