@@ -13,8 +13,8 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/time/time.h"
-#include "server/service/normgrad_server.h"
-#include "server/service/server_flags.h"
+#include "server/process/normgrad_server.h"
+#include "server/process/server_flags.h"
 
 namespace {
 

@@ -1,6 +1,8 @@
-// The compute interface the gRPC service drives. Two real implementations: CUDA (Driver API
-// loaded at run time) and CPU (multi-threaded, Highway SIMD). No gRPC types cross it, so the
-// GPU path builds and is tested on machines without gRPC libraries.
+// The compute interface the gRPC service drives, with two real implementations: CUDA
+// (server/cuda/, Driver API loaded at run time) and CPU (server/cpu/, multi-threaded, Highway
+// SIMD). No gRPC types cross it, so the GPU path builds and is tested on machines without gRPC
+// libraries. This folder holds the interface and what both implementations share (batch_checks.h,
+// kernel_choice.h), never an implementation: CreateBackend (server/backend_factory/) picks one.
 //
 //   absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend(options);
 //   auto session = (*backend)->StartBackward(spec, gamma_bytes);   // validates, compiles
@@ -85,22 +87,6 @@ class Backend {
   // Statistics of the backend's module cache (all zeros on the CPU backend).
   virtual ModuleCacheStats CacheStats() const = 0;
 };
-
-enum class BackendKind { kAuto, kCuda, kCpu };
-absl::StatusOr<BackendKind> ParseBackendKind(absl::string_view text);  // "auto|cuda|cpu"
-
-struct BackendOptions {
-  BackendKind kind = BackendKind::kAuto;
-  std::string cuda_driver_library;  // empty: $NORMGRAD_CUDA_DRIVER, else "libcuda.so.1"
-  int device_ordinal = 0;
-  int cpu_threads = 0;              // 0: hardware concurrency
-  uint64_t cache_max_entries = 256;
-  uint64_t cache_max_bytes = 256ull << 20;
-};
-
-// kAuto: CUDA when a driver loads and a device is usable, else CPU; logs one line to stderr
-// saying which it chose and why. kCuda with no usable GPU: FAILED_PRECONDITION saying why.
-absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const BackendOptions& options);
 
 }  // namespace normgrad::server
 

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
 
 namespace normgrad::server::backend_internal {
 namespace {
@@ -54,9 +55,9 @@ absl::Status CheckChunk(const BatchSpec& spec, uint64_t rows_done, uint64_t rows
     return absl::InvalidArgumentError(absl::StrCat("chunk of ", rows, " rows after ", rows_done,
                                                    " rows exceeds num_rows (", spec.num_rows, ")"));
   }
-  if (absl::Status s = CheckBufferBytes("x", x_bytes, rows, spec); !s.ok()) return s;
-  if (absl::Status s = CheckBufferBytes("dy", dy_bytes, rows, spec); !s.ok()) return s;
-  if (absl::Status s = CheckBufferBytes("dx", dx_bytes, rows, spec); !s.ok()) return s;
+  NORMGRAD_RETURN_IF_ERROR(CheckBufferBytes("x", x_bytes, rows, spec));
+  NORMGRAD_RETURN_IF_ERROR(CheckBufferBytes("dy", dy_bytes, rows, spec));
+  NORMGRAD_RETURN_IF_ERROR(CheckBufferBytes("dx", dx_bytes, rows, spec));
   const uint64_t expected_rms = spec.rms_provided ? rows : 0;
   if (rms_count != expected_rms) {
     return absl::InvalidArgumentError(

@@ -1,5 +1,7 @@
-// Argument checks every backend applies in the same words (internal to server/backend and
-// server/cuda). The service validates the stream first; these keep a backend safe on its own.
+// Argument checks every backend applies in the same words (internal to the backends: server/cpu
+// and server/cuda). The service validates the stream first; these keep a backend safe on its own.
+//
+//   NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckBatch(spec, gamma.size()));
 #ifndef NORMGRAD_SERVER_BACKEND_BATCH_CHECKS_H_
 #define NORMGRAD_SERVER_BACKEND_BATCH_CHECKS_H_
 

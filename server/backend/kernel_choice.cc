@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/kernel_registry.h"
+#include "kernels/status_macros.h"
 
 namespace normgrad::server::backend_internal {
 
@@ -26,7 +27,7 @@ absl::Status CheckNamedKernel(const BatchSpec& spec) {
         "\", \"", kBatchedKernel, "\", \"", kWarpKernel, "\" or leave kernel empty"));
   }
   kernels::KernelConfig config = ConfigFor(spec, kProbeTargetSm);
-  if (absl::Status s = kernel->CanImplement(config); !s.ok()) return s;
+  NORMGRAD_RETURN_IF_ERROR(kernel->CanImplement(config));
   if (spec.kernel == kWarpKernel && !spec.rms_provided) {
     return absl::InvalidArgumentError(
         absl::StrCat("kernel \"", kWarpKernel,

@@ -1,5 +1,11 @@
-// Which kernel a batch runs, and whether a kernel named in the request can run it (internal to
-// the backends, so that CPU and CUDA refuse the same requests in the same words).
+// The kernels a backend can be asked to run (their entry names), whether a kernel named in a
+// request can run the batch, and the KernelConfig a batch implies. Internal to the backends
+// (server/cpu, server/cuda), so that CPU and CUDA refuse the same requests in the same words.
+// Which kernel runs when none is named is the CUDA backend's choice (cuda_backend.h); the CPU
+// backend computes the same math with host_rows whatever is named.
+//
+//   NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckNamedKernel(spec));
+//   kernels::KernelConfig config = backend_internal::ConfigFor(spec, target_sm);
 #ifndef NORMGRAD_SERVER_BACKEND_KERNEL_CHOICE_H_
 #define NORMGRAD_SERVER_BACKEND_KERNEL_CHOICE_H_
 

@@ -32,6 +32,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "kernels/status_macros.h"
 
 namespace normgrad::server {
 
@@ -123,14 +124,13 @@ class ModuleCache {
   // reach every waiting request and are not cached: the next request compiles again.
   absl::StatusOr<std::shared_ptr<const T>> GetOrCompile(absl::string_view key,
                                                         const CompileFn& compile) {
-    absl::StatusOr<std::shared_ptr<const void>> erased =
-        impl_.GetOrCompile(key, [&]() -> absl::StatusOr<cache_internal::ErasedCache::Compiled> {
-          absl::StatusOr<Compiled> compiled = compile();
-          if (!compiled.ok()) return compiled.status();
-          return cache_internal::ErasedCache::Compiled{std::move(compiled->value), compiled->bytes};
-        });
-    if (!erased.ok()) return erased.status();
-    return std::static_pointer_cast<const T>(*std::move(erased));
+    auto compile_erased = [&]() -> absl::StatusOr<cache_internal::ErasedCache::Compiled> {
+      NORMGRAD_ASSIGN_OR_RETURN(Compiled compiled, compile());
+      return cache_internal::ErasedCache::Compiled{std::move(compiled.value), compiled.bytes};
+    };
+    NORMGRAD_ASSIGN_OR_RETURN(std::shared_ptr<const void> erased,
+                              impl_.GetOrCompile(key, compile_erased));
+    return std::static_pointer_cast<const T>(std::move(erased));
   }
 
   // The cached value for `key` (counts a hit and refreshes it), or nullptr (counts nothing).

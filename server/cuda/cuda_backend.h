@@ -19,8 +19,8 @@
 //   wider, rms not given            batched_rms_norm_backward: dx on the GPU, the chunk's
 //                                   grad_gamma by atomics into a zeroed device buffer.
 //   wider, rms given                no GPU kernel takes a given rms for such rows: the host path
-//                                   (the CPU backend's Highway rows) computes dx and grad_gamma
-//                                   exactly from the given rms.
+//                                   (server/host_rows/, as the CPU backend) computes dx and
+//                                   grad_gamma exactly from the given rms.
 // A named kernel is obeyed: rms_norm_backward (hidden_dim <= 32, rms given) computes dx on the
 // GPU and the chunk's grad_gamma on the host; batched_rms_norm_backward with rms given
 // recomputes rms from x and eps (equal to the given one for a consistent forward pass).

@@ -4,33 +4,22 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "kernels/kernel.h"
-#include "kernels/kernel_registry.h"
+#include "kernels/status_macros.h"
+#include "server/proto_conversion/proto_conversion.h"
 
 namespace normgrad::server {
-namespace {
-
-std::string KnownKernelNames() {
-  std::vector<std::string> names;
-  for (const kernels::Kernel* k : kernels::AllKernels()) names.emplace_back(k->EntryName());
-  return names.empty() ? "none" : absl::StrJoin(names, ", ");
-}
-
-}  // namespace
 
 BackwardValidator::BackwardValidator(const BackwardLimits& limits) : limits_(limits) {}
 
 absl::StatusOr<AcceptedMessage> BackwardValidator::Accept(const v1::BackwardRequest& message) {
   AcceptedMessage accepted;
   if (!has_header_) {
-    if (absl::Status s = AcceptHeader(message); !s.ok()) return s;
+    NORMGRAD_RETURN_IF_ERROR(AcceptHeader(message));
     accepted.is_header = true;
     return accepted;
   }
-  absl::StatusOr<RowChunk> chunk = AcceptChunk(message);
-  if (!chunk.ok()) return chunk.status();
-  accepted.chunk = *chunk;
+  NORMGRAD_ASSIGN_OR_RETURN(accepted.chunk, AcceptChunk(message));
   return accepted;
 }
 
@@ -63,24 +52,7 @@ absl::Status BackwardValidator::AcceptHeader(const v1::BackwardRequest& message)
         absl::StrCat("header.hidden_dim is ", h.hidden_dim(), ", above the server's limit of ",
                      limits_.max_hidden_dim, " (--max-hidden-dim)"));
   }
-  kernels::DType dtype;
-  switch (h.dtype()) {
-    case v1::DTYPE_UNSPECIFIED:
-    case v1::DTYPE_F32:
-      dtype = kernels::DType::kF32;
-      break;
-    case v1::DTYPE_BF16:
-      dtype = kernels::DType::kBF16;
-      break;
-    case v1::DTYPE_F16:
-      dtype = kernels::DType::kF16;
-      break;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          "header.dtype is ", static_cast<int>(h.dtype()),
-          ", not a known DType (DTYPE_UNSPECIFIED = 0, DTYPE_F32 = 1, DTYPE_BF16 = 2, "
-          "DTYPE_F16 = 3)"));
-  }
+  NORMGRAD_ASSIGN_OR_RETURN(const kernels::DType dtype, DTypeFromProto(h.dtype(), "header.dtype"));
   const uint64_t element_bytes = kernels::DTypeBytes(dtype);
   if (!h.rms_provided() && !(std::isfinite(h.eps()) && h.eps() > 0.0f)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -94,12 +66,8 @@ absl::Status BackwardValidator::AcceptHeader(const v1::BackwardRequest& message)
   }
   const std::string& kernel_name = h.options().kernel();
   if (!kernel_name.empty()) {
-    const kernels::Kernel* kernel = kernels::FindKernel(kernel_name);
-    if (kernel == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("header.options.kernel \"", kernel_name,
-                                                     "\" is unknown; known: ",
-                                                     KnownKernelNames()));
-    }
+    NORMGRAD_ASSIGN_OR_RETURN(const kernels::Kernel* kernel,
+                              KernelNamed(kernel_name, "header.options.kernel"));
     kernels::KernelConfig config;
     config.hidden_dim = h.hidden_dim();
     config.dtype = dtype;

@@ -8,9 +8,11 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "kernels/kernel_registry.h"
+#include "kernels/status_macros.h"
+#include "server/proto_conversion/proto_conversion.h"
 #include "server/service/status_conversion.h"
 
 namespace normgrad::server {
@@ -19,29 +21,6 @@ namespace {
 constexpr char kBackwardMethod[] = "RmsNormBackward";
 constexpr char kEmitPtxMethod[] = "EmitPtx";
 constexpr char kServerInfoMethod[] = "GetServerInfo";
-
-const char* CodeName(int code) {
-  static const char* const kNames[] = {
-      "OK",           "CANCELLED",         "UNKNOWN",        "INVALID_ARGUMENT",
-      "DEADLINE_EXCEEDED", "NOT_FOUND",    "ALREADY_EXISTS", "PERMISSION_DENIED",
-      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-      "UNIMPLEMENTED", "INTERNAL",         "UNAVAILABLE",    "DATA_LOSS",
-      "UNAUTHENTICATED"};
-  return code >= 0 && code <= 16 ? kNames[code] : "UNKNOWN";
-}
-
-void FillCacheStats(const ModuleCacheStats& s, v1::CacheStats* out) {
-  out->set_hits(s.hits);
-  out->set_misses(s.misses);
-  out->set_evictions(s.evictions);
-  out->set_compiles(s.compiles);
-  out->set_compile_failures(s.compile_failures);
-  out->set_entries(s.entries);
-  out->set_bytes(s.bytes);
-  out->set_compile_seconds(s.compile_seconds);
-  out->set_max_entries(s.max_entries);
-  out->set_max_bytes(s.max_bytes);
-}
 
 }  // namespace
 
@@ -57,7 +36,7 @@ void DescribeServiceMetrics(MetricsRegistry& m) {
   m.DescribeCounter("normgrad_chunks_total", "Row chunks computed.");
 }
 
-void RecordRpc(MetricsRegistry& m, const char* method, int code, double seconds,
+void RecordRpc(MetricsRegistry& m, const char* method, absl::StatusCode code, double seconds,
                uint64_t bytes_in, uint64_t bytes_out) {
   m.Observe("normgrad_request_duration_seconds", {{"method", method}}, seconds);
   m.IncrementCounter("normgrad_received_bytes_total", {{"method", method}},
@@ -65,7 +44,8 @@ void RecordRpc(MetricsRegistry& m, const char* method, int code, double seconds,
   m.IncrementCounter("normgrad_sent_bytes_total", {{"method", method}},
                      static_cast<double>(bytes_out));
   // Last, so a scrape that counts the call also sees its latency and bytes.
-  m.IncrementCounter("normgrad_requests_total", {{"method", method}, {"code", CodeName(code)}});
+  m.IncrementCounter("normgrad_requests_total",
+                     {{"method", method}, {"code", absl::StatusCodeToString(code)}});
 }
 
 // One RmsNormBackward stream. Lifetime: reference counted; gRPC holds one reference until
@@ -173,7 +153,7 @@ class BackwardStream final
 
   void OnDone() override {
     const double seconds = absl::ToDoubleSeconds(absl::Now() - start_);
-    int code;
+    absl::StatusCode code;
     uint64_t bytes_in, bytes_out, rows;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -306,7 +286,7 @@ class BackwardStream final
   void FinishLocked(const absl::Status& status, Actions& a) {
     if (finish_called_) return;
     finish_called_ = true;
-    final_code_ = static_cast<int>(status.code());
+    final_code_ = status.code();
     if (a.start_read) {
       a.start_read = false;
       --issuing_;
@@ -444,11 +424,10 @@ class BackwardStream final
     switch (job.kind) {
       case Job::kStart: {
         const std::string& gamma = job.request->header().gamma();
-        absl::StatusOr<std::unique_ptr<BackwardSession>> session = env_->backend->StartBackward(
-            spec, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(gamma.data()),
-                                      gamma.size()));
-        if (!session.ok()) return session.status();
-        session_ = *std::move(session);
+        NORMGRAD_ASSIGN_OR_RETURN(
+            session_, env_->backend->StartBackward(
+                          spec, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(gamma.data()),
+                                                    gamma.size())));
         return std::unique_ptr<Outgoing>();
       }
       case Job::kChunk: {
@@ -467,12 +446,11 @@ class BackwardStream final
           std::memcpy(rms_copy.data(), r.rms().data(), r.rms().size());
           rms = rms_copy;
         }
-        absl::Status s = session_->ProcessChunk(
+        NORMGRAD_RETURN_IF_ERROR(session_->ProcessChunk(
             absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(r.x().data()), r.x().size()),
             absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(r.dy().data()), r.dy().size()),
             rms, job.chunk.num_rows,
-            absl::MakeSpan(reinterpret_cast<uint8_t*>(dx->data()), dx->size()));
-        if (!s.ok()) return s;
+            absl::MakeSpan(reinterpret_cast<uint8_t*>(dx->data()), dx->size())));
         out->payload_bytes = dx->size();
         env_->metrics->IncrementCounter("normgrad_chunks_total", {});
         std::lock_guard<std::mutex> lock(mu_);
@@ -484,9 +462,8 @@ class BackwardStream final
         out->is_final = true;
         std::string* dgamma = out->response.mutable_grad_gamma();
         dgamma->resize(validator_.row_bytes());
-        absl::Status s = session_->Finish(
-            absl::MakeSpan(reinterpret_cast<uint8_t*>(dgamma->data()), dgamma->size()));
-        if (!s.ok()) return s;
+        NORMGRAD_RETURN_IF_ERROR(session_->Finish(
+            absl::MakeSpan(reinterpret_cast<uint8_t*>(dgamma->data()), dgamma->size())));
         v1::BackwardSummary* summary = out->response.mutable_summary();
         summary->set_backend(std::string(env_->backend->Name()));
         summary->set_kernel(std::string(session_->KernelName()));
@@ -524,7 +501,7 @@ class BackwardStream final
   int issuing_ = 0;  // StartRead/StartWrite decided, not yet issued (guarded by mu_)
   std::optional<grpc::Status> deferred_finish_;  // guarded by mu_
   absl::Status idle_cancel_status_;  // set when the watchdog cancels (guarded by mu_)
-  int final_code_ = 2;  // UNKNOWN until decided (guarded by mu_)
+  absl::StatusCode final_code_ = absl::StatusCode::kUnknown;  // until decided (guarded by mu_)
   int chunks_held_ = 0;  // guarded by mu_
   uint64_t reserved_bytes_ = 0;  // guarded by mu_ except in the destructor
   uint64_t bytes_in_ = 0;  // guarded by mu_
@@ -586,7 +563,7 @@ grpc::ServerUnaryReactor* NormGradService::EmitPtx(grpc::CallbackServerContext* 
   ServiceEnv* env = env_;
   if (env->draining.load()) {
     absl::Status s = absl::UnavailableError("the server is shutting down; retry elsewhere");
-    RecordRpc(*env->metrics, kEmitPtxMethod, static_cast<int>(s.code()), 0, 0, 0);
+    RecordRpc(*env->metrics, kEmitPtxMethod, s.code(), 0, 0, 0);
     reactor->Finish(ToGrpcStatus(s));
     return reactor;
   }
@@ -595,7 +572,7 @@ grpc::ServerUnaryReactor* NormGradService::EmitPtx(grpc::CallbackServerContext* 
     absl::StatusOr<v1::EmitPtxResponse> r = env->ptx->Emit(*request);
     absl::Status status = r.status();
     if (r.ok()) *response = *std::move(r);
-    RecordRpc(*env->metrics, kEmitPtxMethod, static_cast<int>(status.code()),
+    RecordRpc(*env->metrics, kEmitPtxMethod, status.code(),
               absl::ToDoubleSeconds(absl::Now() - start), request->ByteSizeLong(),
               status.ok() ? response->ByteSizeLong() : 0);
     reactor->Finish(ToGrpcStatus(status));
@@ -609,15 +586,7 @@ grpc::ServerUnaryReactor* NormGradService::GetServerInfo(grpc::CallbackServerCon
   const absl::Time start = absl::Now();
   response->set_version(env_->config.version);
   response->set_backend(std::string(env_->backend->Name()));
-  const DeviceDescription d = env_->backend->Device();
-  v1::DeviceInfo* device = response->mutable_device();
-  device->set_name(d.name);
-  device->set_compute_capability_major(d.compute_capability_major);
-  device->set_compute_capability_minor(d.compute_capability_minor);
-  device->set_total_memory_bytes(d.total_memory_bytes);
-  device->set_driver_version(d.driver_version);
-  device->set_max_ptx_version(d.max_ptx_version);
-  device->set_sm_count(d.sm_count);
+  ToProto(env_->backend->Device(), response->mutable_device());
   v1::Limits* limits = response->mutable_limits();
   limits->set_max_concurrent_streams(env_->admission->limits().max_streams);
   limits->set_max_inflight_bytes(env_->admission->limits().max_inflight_bytes);
@@ -626,14 +595,12 @@ grpc::ServerUnaryReactor* NormGradService::GetServerInfo(grpc::CallbackServerCon
   limits->set_max_message_bytes(env_->config.max_message_bytes);
   limits->set_stream_idle_timeout_seconds(
       absl::ToDoubleSeconds(env_->config.stream_idle_timeout));
-  FillCacheStats(env_->backend->CacheStats(), response->mutable_cache());
-  FillCacheStats(env_->ptx->CacheStats(), response->mutable_ptx_cache());
+  ToProto(env_->backend->CacheStats(), response->mutable_cache());
+  ToProto(env_->ptx->CacheStats(), response->mutable_ptx_cache());
   response->set_nvjitlink_available(env_->ptx->has_nvjitlink());
-  for (const kernels::Kernel* k : kernels::AllKernels()) {
-    response->add_kernels(std::string(k->EntryName()));
-  }
-  RecordRpc(*env_->metrics, kServerInfoMethod, 0, absl::ToDoubleSeconds(absl::Now() - start), 0,
-            response->ByteSizeLong());
+  for (std::string& name : KernelNames()) response->add_kernels(std::move(name));
+  RecordRpc(*env_->metrics, kServerInfoMethod, absl::StatusCode::kOk,
+            absl::ToDoubleSeconds(absl::Now() - start), 0, response->ByteSizeLong());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

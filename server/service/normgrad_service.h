@@ -2,12 +2,12 @@
 // stream (BackwardStream, in the .cc) and unary reactors for EmitPtx and GetServerInfo.
 //
 // Threading contract (gRPC's callback model): no reaction blocks. Chunk compute, session start
-// (which may compile) and EmitPtx run on the WorkerPool; a stream has at most one task there at a
+// (which may compile) and EmitPtx run on a ThreadPool; a stream has at most one task there at a
 // time, one read and one write in flight, and holds at most kMaxChunksHeldPerStream row chunks
 // (received but whose response is not yet written) before it stops reading: flow control reaches
 // the client through HTTP/2 windows instead of server memory.
 //
-// The service does not own its collaborators; NormGradServer (normgrad_server.h) wires them.
+// The service does not own its collaborators; NormGradServer (server/process/) wires them.
 #ifndef NORMGRAD_SERVER_SERVICE_NORMGRAD_SERVICE_H_
 #define NORMGRAD_SERVER_SERVICE_NORMGRAD_SERVICE_H_
 
@@ -18,14 +18,15 @@
 #include <string>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "normgrad/v1/normgrad.grpc.pb.h"
 #include "server/backend/backend.h"
+#include "server/metrics/metrics.h"
+#include "server/ptx/ptx_service.h"
 #include "server/service/admission.h"
 #include "server/service/backward_validator.h"
-#include "server/service/metrics.h"
-#include "server/service/ptx_service.h"
-#include "server/service/worker_pool.h"
+#include "server/thread_pool/thread_pool.h"
 
 namespace normgrad::server {
 
@@ -64,7 +65,7 @@ struct ServiceEnv {
   PtxService* ptx = nullptr;
   AdmissionController* admission = nullptr;
   MetricsRegistry* metrics = nullptr;
-  WorkerPool* pool = nullptr;
+  ThreadPool* pool = nullptr;  // blocking work: chunk compute, session start, EmitPtx
   StreamRegistry* streams = nullptr;
   std::atomic<bool> draining{false};
 };
@@ -74,7 +75,7 @@ void DescribeServiceMetrics(MetricsRegistry& metrics);
 
 // Records one finished RPC: latency, bytes, then requests_total (a scrape that counts the call
 // also sees the rest).
-void RecordRpc(MetricsRegistry& metrics, const char* method, int code, double seconds,
+void RecordRpc(MetricsRegistry& metrics, const char* method, absl::StatusCode code, double seconds,
                uint64_t bytes_in, uint64_t bytes_out);
 
 class NormGradService final : public v1::NormGrad::CallbackService {

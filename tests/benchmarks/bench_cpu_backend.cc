@@ -19,8 +19,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "server/backend/backend.h"
-#include "server/backend/cpu_backend.h"
-#include "server/backend/thread_pool.h"
+#include "server/cpu/cpu_backend.h"
+#include "server/thread_pool/thread_pool.h"
 
 namespace {
 
@@ -75,7 +75,7 @@ int main(int argc, char** argv) {
   std::fill(copy.begin(), copy.end(), 0.0f);
 
   // Copy bandwidth: each thread copies one contiguous slice.
-  normgrad::server::ThreadPool pool(threads);
+  normgrad::server::ThreadPool pool(threads - 1);  // plus the thread that calls ParallelFor
   const uint64_t slice = (n + threads - 1) / threads;
   auto copy_once = [&] {
     const auto start = std::chrono::steady_clock::now();

@@ -26,7 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "normgrad/v1/normgrad.grpc.pb.h"
-#include "server/service/normgrad_server.h"
+#include "server/process/normgrad_server.h"
 
 ABSL_FLAG(uint64_t, rows, 4096, "Rows of the large batch.");
 ABSL_FLAG(uint32_t, hidden, 4096, "hidden_dim of the large batch.");

@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/reference.h"
-#include "server/service/normgrad_server.h"
+#include "server/process/normgrad_server.h"
 
 namespace normgrad::testing {
 

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "absl/strings/str_split.h"
-#include "server/service/normgrad_server.h"
+#include "server/process/normgrad_server.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const absl::string_view text(reinterpret_cast<const char*>(data), size);

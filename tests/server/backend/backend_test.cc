@@ -20,16 +20,11 @@
 #include "kernels/reference.h"
 #include "tests/server/backend/backend_test_util.h"
 
-namespace normgrad::server {
+// In the test utilities' namespace: Batch, MakeBatch, RunF32... without qualification.
+namespace normgrad::server::testing {
 namespace {
 
-using testing::Batch;
-using testing::Bytes;
-using testing::Gradients;
-using testing::MakeBatch;
-using testing::MutableBytes;
-
-bool IsCpu() { return testing::BackendUnderTestName() == "cpu"; }
+bool IsCpu() { return BackendUnderTestName() == "cpu"; }
 
 Gradients Reference(const Batch& b) {
   Gradients g;
@@ -82,22 +77,34 @@ int CountMismatches(const std::vector<float>& got, const std::vector<float>& wan
   return bad;
 }
 
+// dx and grad_gamma of `got` within the tolerance described at the top.
+void ExpectNearReference(const Batch& b, const Gradients& got) {
+  const Gradients want = Reference(b);
+  const TermScales scale = Scales(b);
+  std::string first;
+  EXPECT_EQ(CountMismatches(got.dx, want.dx, scale.dx, &first), 0) << "dx " << first;
+  EXPECT_EQ(CountMismatches(got.dgamma, want.dgamma, scale.dgamma, &first), 0)
+      << "dgamma " << first;
+}
+
+// INVALID_ARGUMENT with `text` in the message.
+void ExpectInvalidArgument(const absl::Status& s, const std::string& text) {
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find(text), std::string::npos) << s;
+}
+
 class BackendShapeTest : public ::testing::TestWithParam<
                              std::tuple<uint32_t /*hidden*/, uint64_t /*rows*/, bool /*rms*/>> {};
 
 TEST_P(BackendShapeTest, MatchesReferenceWithChunksThatDoNotDivideTheRows) {
   const auto [hidden, rows, with_rms] = GetParam();
-  absl::StatusOr<std::unique_ptr<Backend>> backend = testing::MakeBackendUnderTest();
+  absl::StatusOr<std::unique_ptr<Backend>> backend = MakeBackendUnderTest();
   ASSERT_TRUE(backend.ok()) << backend.status();
   const Batch b = MakeBatch(rows, hidden, with_rms);
-  const Gradients want = Reference(b);
   const uint64_t chunk = std::max<uint64_t>(1, rows / 3 + 1);  // 3 chunks, the last shorter
-  absl::StatusOr<Gradients> got = testing::RunF32(**backend, b, chunk);
+  absl::StatusOr<Gradients> got = RunF32(**backend, b, chunk);
   ASSERT_TRUE(got.ok()) << got.status();
-  std::string first;
-  EXPECT_EQ(CountMismatches(got->dx, want.dx, Scales(b).dx, &first), 0) << "dx " << first;
-  EXPECT_EQ(CountMismatches(got->dgamma, want.dgamma, Scales(b).dgamma, &first), 0)
-      << "dgamma " << first;
+  ExpectNearReference(b, *got);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -111,37 +118,33 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 TEST(BackendTest, ManyRowsMatchReference) {
-  absl::StatusOr<std::unique_ptr<Backend>> backend = testing::MakeBackendUnderTest();
+  absl::StatusOr<std::unique_ptr<Backend>> backend = MakeBackendUnderTest();
   ASSERT_TRUE(backend.ok()) << backend.status();
   const Batch b = MakeBatch(20011, 96, /*with_rms=*/false);
-  const Gradients want = Reference(b);
-  absl::StatusOr<Gradients> got = testing::RunF32(**backend, b, 4099);
+  absl::StatusOr<Gradients> got = RunF32(**backend, b, 4099);
   ASSERT_TRUE(got.ok()) << got.status();
-  std::string first;
-  EXPECT_EQ(CountMismatches(got->dx, want.dx, Scales(b).dx, &first), 0) << "dx " << first;
-  EXPECT_EQ(CountMismatches(got->dgamma, want.dgamma, Scales(b).dgamma, &first), 0)
-      << "dgamma " << first;
+  ExpectNearReference(b, *got);
 }
 
 TEST(BackendTest, GradGammaSameBitsForSameInputAndChunking) {
   // CPU: fixed partitions; CUDA: the default row-resident kernel's fixed-order partial rows.
-  absl::StatusOr<std::unique_ptr<Backend>> backend = testing::MakeBackendUnderTest();
+  absl::StatusOr<std::unique_ptr<Backend>> backend = MakeBackendUnderTest();
   ASSERT_TRUE(backend.ok()) << backend.status();
   const Batch b = MakeBatch(3001, 896, false);
-  absl::StatusOr<Gradients> first = testing::RunF32(**backend, b, 1000);
-  absl::StatusOr<Gradients> second = testing::RunF32(**backend, b, 1000);
+  absl::StatusOr<Gradients> first = RunF32(**backend, b, 1000);
+  absl::StatusOr<Gradients> second = RunF32(**backend, b, 1000);
   ASSERT_TRUE(first.ok() && second.ok());
   EXPECT_EQ(0, std::memcmp(first->dgamma.data(), second->dgamma.data(), b.hidden * 4));
   EXPECT_EQ(0, std::memcmp(first->dx.data(), second->dx.data(), first->dx.size() * 4));
 }
 
 TEST(BackendTest, NanAndInfInTheDataAreComputedThrough) {
-  absl::StatusOr<std::unique_ptr<Backend>> backend = testing::MakeBackendUnderTest();
+  absl::StatusOr<std::unique_ptr<Backend>> backend = MakeBackendUnderTest();
   ASSERT_TRUE(backend.ok()) << backend.status();
   Batch b = MakeBatch(3, 8, false);
   b.x[1] = std::nanf("");  // row 0 becomes NaN throughout
   b.dy[8 + 2] = INFINITY;  // row 1: dx has inf/nan, still computed
-  absl::StatusOr<Gradients> got = testing::RunF32(**backend, b, 3);
+  absl::StatusOr<Gradients> got = RunF32(**backend, b, 3);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_TRUE(std::isnan(got->dx[0]));
   EXPECT_FALSE(std::isfinite(got->dx[8 + 2]));
@@ -198,7 +201,7 @@ class BackendHalfPrecisionTest : public ::testing::TestWithParam<HalfCase> {};
 
 TEST_P(BackendHalfPrecisionTest, MatchesReferenceOnRoundedInputs) {
   const HalfCase c = GetParam();
-  absl::StatusOr<std::unique_ptr<Backend>> backend = testing::MakeBackendUnderTest();
+  absl::StatusOr<std::unique_ptr<Backend>> backend = MakeBackendUnderTest();
   ASSERT_TRUE(backend.ok()) << backend.status();
   Batch b = MakeBatch(c.rows, c.hidden, c.with_rms);
   auto round_all = [&](std::vector<float>& v, std::vector<uint16_t>& bits) {
@@ -269,13 +272,19 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, BackendHalfPrecisionTest,
 class BackendRefusalTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    absl::StatusOr<std::unique_ptr<Backend>> backend = testing::MakeBackendUnderTest();
+    absl::StatusOr<std::unique_ptr<Backend>> backend = MakeBackendUnderTest();
     ASSERT_TRUE(backend.ok()) << backend.status();
     backend_ = *std::move(backend);
     batch_ = MakeBatch(4, 8, false);
     spec_.num_rows = 4;
     spec_.hidden_dim = 8;
   }
+
+  // StartBackward's status for spec_ with `gamma` (the batch's when not given).
+  absl::Status StartStatus(const std::vector<float>& gamma) {
+    return backend_->StartBackward(spec_, Bytes(gamma)).status();
+  }
+  absl::Status StartStatus() { return StartStatus(batch_.gamma); }
 
   std::unique_ptr<BackwardSession> Start() {
     absl::StatusOr<std::unique_ptr<BackwardSession>> s =
@@ -291,53 +300,40 @@ class BackendRefusalTest : public ::testing::Test {
 };
 
 TEST_F(BackendRefusalTest, GammaOfWrongLengthIsInvalidArgument) {
-  std::vector<float> gamma(7);
-  absl::StatusOr<std::unique_ptr<BackwardSession>> s = backend_->StartBackward(spec_, Bytes(gamma));
-  ASSERT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(s.status().message().find("gamma has 28 bytes"), std::string::npos) << s.status();
+  ExpectInvalidArgument(StartStatus(std::vector<float>(7)), "gamma has 28 bytes");
 }
 
 TEST_F(BackendRefusalTest, ZeroRowsOrBadEpsIsInvalidArgument) {
   spec_.num_rows = 0;
-  EXPECT_EQ(backend_->StartBackward(spec_, Bytes(batch_.gamma)).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(StartStatus().code(), absl::StatusCode::kInvalidArgument);
   spec_.num_rows = 4;
   spec_.eps = -1;
-  EXPECT_EQ(backend_->StartBackward(spec_, Bytes(batch_.gamma)).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(StartStatus().code(), absl::StatusCode::kInvalidArgument);
   spec_.eps = NAN;
-  EXPECT_EQ(backend_->StartBackward(spec_, Bytes(batch_.gamma)).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(StartStatus().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(BackendRefusalTest, UnknownKernelIsInvalidArgument) {
   spec_.kernel = "no_such_kernel";
-  absl::Status s = backend_->StartBackward(spec_, Bytes(batch_.gamma)).status();
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("no_such_kernel"), std::string::npos) << s;
+  ExpectInvalidArgument(StartStatus(), "no_such_kernel");
 }
 
 TEST_F(BackendRefusalTest, WarpKernelRefusesHiddenDimAbove32) {
-  Batch wide = MakeBatch(2, 33, /*with_rms=*/true);
   spec_.hidden_dim = 33;
   spec_.rms_provided = true;
   spec_.kernel = "rms_norm_backward";
-  absl::Status s = backend_->StartBackward(spec_, Bytes(wide.gamma)).status();
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("33"), std::string::npos) << s;
+  ExpectInvalidArgument(StartStatus(MakeBatch(2, 33, /*with_rms=*/true).gamma), "33");
 }
 
 TEST_F(BackendRefusalTest, WarpKernelWithoutRmsIsInvalidArgument) {
   spec_.kernel = "rms_norm_backward";
-  absl::Status s = backend_->StartBackward(spec_, Bytes(batch_.gamma)).status();
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("needs the forward pass's rms"), std::string::npos) << s;
+  ExpectInvalidArgument(StartStatus(), "needs the forward pass's rms");
 }
 
 TEST_F(BackendRefusalTest, NamedKernelsRunWhenTheyCan) {
   Batch narrow = MakeBatch(5, 16, /*with_rms=*/true);
   for (const char* kernel : {"rms_norm_backward", "batched_rms_norm_backward"}) {
-    absl::StatusOr<Gradients> got = testing::RunF32(*backend_, narrow, 2, kernel);
+    absl::StatusOr<Gradients> got = RunF32(*backend_, narrow, 2, kernel);
     ASSERT_TRUE(got.ok()) << kernel << ": " << got.status();
     const Gradients want = Reference(narrow);
     std::string first;
@@ -350,10 +346,9 @@ TEST_F(BackendRefusalTest, ChunkWithMismatchedSizesIsInvalidArgument) {
   std::unique_ptr<BackwardSession> session = Start();
   ASSERT_NE(session, nullptr);
   absl::Span<const uint8_t> x = Bytes(batch_.x);
-  absl::Status s = session->ProcessChunk(x.subspan(0, 60), Bytes(batch_.dy).subspan(0, 64), {}, 2,
-                                         MutableBytes(dx_).subspan(0, 64));
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("x has 60 bytes"), std::string::npos) << s;
+  ExpectInvalidArgument(session->ProcessChunk(x.subspan(0, 60), Bytes(batch_.dy).subspan(0, 64), {},
+                                              2, MutableBytes(dx_).subspan(0, 64)),
+                        "x has 60 bytes");
 }
 
 TEST_F(BackendRefusalTest, RmsGivenToABatchWithoutRmsIsInvalidArgument) {
@@ -370,11 +365,10 @@ TEST_F(BackendRefusalTest, MoreRowsThanDeclaredIsInvalidArgument) {
   ASSERT_NE(session, nullptr);
   ASSERT_TRUE(
       session->ProcessChunk(Bytes(batch_.x), Bytes(batch_.dy), {}, 4, MutableBytes(dx_)).ok());
-  absl::Status s =
+  ExpectInvalidArgument(
       session->ProcessChunk(Bytes(batch_.x).subspan(0, 32), Bytes(batch_.dy).subspan(0, 32), {}, 1,
-                            MutableBytes(dx_).subspan(0, 32));
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("exceeds num_rows (4)"), std::string::npos) << s;
+                            MutableBytes(dx_).subspan(0, 32)),
+      "exceeds num_rows (4)");
 }
 
 TEST_F(BackendRefusalTest, FinishBeforeAllRowsIsInvalidArgument) {
@@ -385,10 +379,8 @@ TEST_F(BackendRefusalTest, FinishBeforeAllRowsIsInvalidArgument) {
                                  {}, 2, MutableBytes(dx_).subspan(0, 64))
                   .ok());
   std::vector<float> dgamma(8);
-  absl::Status s = session->Finish(MutableBytes(dgamma));
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("after 2 rows; num_rows declared 4"), std::string::npos) << s;
+  ExpectInvalidArgument(session->Finish(MutableBytes(dgamma)), "after 2 rows; num_rows declared 4");
 }
 
 }  // namespace
-}  // namespace normgrad::server
+}  // namespace normgrad::server::testing

@@ -21,7 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "server/backend/backend.h"
+#include "server/backend_factory/backend_factory.h"
 
 namespace normgrad::server::testing {
 

@@ -46,6 +46,39 @@ void WaitForMisses(const Cache& cache, uint64_t n) {
   }
 }
 
+// What `n` threads got when they all asked for key "k" at once. The one compile, which returns
+// `compiled` (as a value of 8 bytes, or the error), is held open until every thread has asked
+// (bounded wait), so that the others really are concurrent first requests, not later hits.
+struct ConcurrentFirstRequests {
+  int compiles = 0;
+  std::vector<std::string> results;  // per thread: the value, or the status as text
+};
+ConcurrentFirstRequests AskAtOnce(Cache& cache, int n,
+                                  const absl::StatusOr<std::string>& compiled) {
+  std::atomic<int> compiles{0};
+  Gate release;
+  auto compile = [&]() -> absl::StatusOr<Cache::Compiled> {
+    compiles.fetch_add(1);
+    release.Wait();
+    if (!compiled.ok()) return compiled.status();
+    return Cache::Compiled{std::make_shared<const std::string>(*compiled), 8};
+  };
+  ConcurrentFirstRequests out;
+  out.results.resize(n);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < n; ++i) {
+    threads.emplace_back([&, i] {
+      absl::StatusOr<std::shared_ptr<const std::string>> v = cache.GetOrCompile("k", compile);
+      out.results[i] = v.ok() ? **v : v.status().ToString();
+    });
+  }
+  WaitForMisses(cache, n);
+  release.Open();
+  for (std::thread& t : threads) t.join();
+  out.compiles = compiles.load();
+  return out;
+}
+
 Cache::CompileFn Returns(std::string value, uint64_t bytes, int* calls = nullptr) {
   return [value, bytes, calls]() -> absl::StatusOr<Cache::Compiled> {
     if (calls != nullptr) ++*calls;
@@ -166,29 +199,9 @@ TEST(ModuleCacheTest, EvictedValueStaysAliveWhileHeld) {
 TEST(ModuleCacheTest, ConcurrentFirstRequestsCompileOnce) {
   constexpr int kThreads = 16;
   Cache cache({.max_entries = 4, .max_bytes = 1000});
-  std::atomic<int> compiles{0};
-  Gate release;
-  auto slow_compile = [&]() -> absl::StatusOr<Cache::Compiled> {
-    compiles.fetch_add(1);
-    // Hold the compile open until every thread has asked (bounded wait), so that the others
-    // really are concurrent first requests rather than later hits.
-    release.Wait();
-    return Cache::Compiled{std::make_shared<const std::string>("module"), 8};
-  };
-  std::vector<std::thread> threads;
-  std::vector<std::string> results(kThreads);
-  for (int i = 0; i < kThreads; ++i) {
-    threads.emplace_back([&, i] {
-      absl::StatusOr<std::shared_ptr<const std::string>> v = cache.GetOrCompile("k", slow_compile);
-      results[i] = v.ok() ? **v : v.status().ToString();
-    });
-  }
-  // Wait (bounded) until all threads have registered as misses, then let the compile finish.
-  WaitForMisses(cache, kThreads);
-  release.Open();
-  for (std::thread& t : threads) t.join();
-  EXPECT_EQ(compiles.load(), 1);
-  for (const std::string& r : results) EXPECT_EQ(r, "module");
+  const ConcurrentFirstRequests asked = AskAtOnce(cache, kThreads, std::string("module"));
+  EXPECT_EQ(asked.compiles, 1);
+  for (const std::string& r : asked.results) EXPECT_EQ(r, "module");
   ModuleCacheStats s = cache.Stats();
   EXPECT_EQ(s.compiles, 1u);
   EXPECT_EQ(s.misses, static_cast<uint64_t>(kThreads));
@@ -198,25 +211,10 @@ TEST(ModuleCacheTest, ConcurrentFirstRequestsCompileOnce) {
 TEST(ModuleCacheTest, ConcurrentRequestsShareOneFailure) {
   constexpr int kThreads = 8;
   Cache cache({.max_entries = 4, .max_bytes = 1000});
-  std::atomic<int> compiles{0};
-  Gate release;
-  auto failing = [&]() -> absl::StatusOr<Cache::Compiled> {
-    compiles.fetch_add(1);
-    release.Wait();
-    return absl::InternalError("jit failed");
-  };
-  std::vector<std::thread> threads;
-  std::atomic<int> failures{0};
-  for (int i = 0; i < kThreads; ++i) {
-    threads.emplace_back([&] {
-      if (!cache.GetOrCompile("k", failing).ok()) failures.fetch_add(1);
-    });
-  }
-  WaitForMisses(cache, kThreads);
-  release.Open();
-  for (std::thread& t : threads) t.join();
-  EXPECT_EQ(compiles.load(), 1);
-  EXPECT_EQ(failures.load(), kThreads);
+  const ConcurrentFirstRequests asked =
+      AskAtOnce(cache, kThreads, absl::InternalError("jit failed"));
+  EXPECT_EQ(asked.compiles, 1);
+  for (const std::string& r : asked.results) EXPECT_EQ(r, "INTERNAL: jit failed");
   EXPECT_EQ(cache.Stats().entries, 0u);
 }
 

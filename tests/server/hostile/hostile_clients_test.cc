@@ -23,7 +23,7 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/service/normgrad_server.h"
+#include "server/process/normgrad_server.h"
 #include "tests/server/service/service_test_util.h"
 
 namespace normgrad::server {

@@ -19,8 +19,8 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/service/normgrad_server.h"
-#include "server/service/sha256.h"
+#include "server/process/normgrad_server.h"
+#include "server/ptx/sha256.h"
 #include "tests/server/service/service_test_util.h"
 
 namespace normgrad::server {
@@ -47,6 +47,28 @@ bool WaitFor(F done, absl::Duration limit = absl::Seconds(20)) {
     absl::SleepFor(absl::Milliseconds(10));
   }
   return done();
+}
+
+// A client that sends the header and 10 rows of `batch`, then nothing more (without
+// half-closing), and reads until the stream ends; its deadline is `deadline` from now.
+struct StalledStream {
+  int responses = 0;
+  grpc::Status status;
+};
+StalledStream SendTenRowsThenStall(v1::NormGrad::Stub& stub, const Batch& batch,
+                                   absl::Duration deadline) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  auto stream = stub.RmsNormBackward(&context);
+  StalledStream out;
+  if (testing::WriteHeaderAndRows(*stream, batch, 10)) {
+    v1::BackwardResponse response;
+    while (stream->Read(&response)) ++out.responses;
+  } else {
+    ADD_FAILURE() << "the header or the first rows could not be written";
+  }
+  out.status = stream->Finish();
+  return out;
 }
 
 // grpc.health.v1.Health/Check by hand (no generated health stubs in the Debian packages):
@@ -333,8 +355,7 @@ TEST_F(ServiceTest, CancelledStreamEndsAndReleasesItsMemory) {
   const Batch batch = testing::RandomBatch(100, 256, 21);
   grpc::ClientContext context;
   auto stream = stub_->RmsNormBackward(&context);
-  ASSERT_TRUE(stream->Write(testing::HeaderFor(batch)));
-  ASSERT_TRUE(stream->Write(testing::ChunkFor(batch, 0, 10)));
+  ASSERT_TRUE(testing::WriteHeaderAndRows(*stream, batch, 10));
   v1::BackwardResponse response;
   ASSERT_TRUE(stream->Read(&response));
   EXPECT_EQ(response.num_rows(), 10u);
@@ -351,16 +372,9 @@ TEST_F(ServiceTest, CancelledStreamEndsAndReleasesItsMemory) {
 }
 
 TEST_F(ServiceTest, ClientDeadlineEndsTheStreamWithDeadlineExceeded) {
-  const Batch batch = testing::RandomBatch(100, 16, 22);
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(300)));
-  auto stream = stub_->RmsNormBackward(&context);
-  ASSERT_TRUE(stream->Write(testing::HeaderFor(batch)));
-  ASSERT_TRUE(stream->Write(testing::ChunkFor(batch, 0, 10)));
-  v1::BackwardResponse response;
-  while (stream->Read(&response)) {
-  }
-  EXPECT_EQ(stream->Finish().error_code(), grpc::DEADLINE_EXCEEDED);
+  const StalledStream stalled =
+      SendTenRowsThenStall(*stub_, testing::RandomBatch(100, 16, 22), absl::Milliseconds(300));
+  EXPECT_EQ(stalled.status.error_code(), grpc::DEADLINE_EXCEEDED);
   EXPECT_TRUE(WaitFor([&] { return server_->live_streams() == 0; }));
 }
 
@@ -380,17 +394,10 @@ class ServiceIdleTest : public ::testing::Test {
 };
 
 TEST_F(ServiceIdleTest, StreamThatStopsSendingEndsByTheIdleTimeoutWithAClearStatus) {
-  const Batch batch = testing::RandomBatch(100, 16, 23);
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
-  auto stream = stub_->RmsNormBackward(&context);
-  ASSERT_TRUE(stream->Write(testing::HeaderFor(batch)));
-  ASSERT_TRUE(stream->Write(testing::ChunkFor(batch, 0, 10)));
-  v1::BackwardResponse response;
-  int responses = 0;
-  while (stream->Read(&response)) ++responses;
-  grpc::Status s = stream->Finish();
-  EXPECT_EQ(responses, 1);
+  const StalledStream stalled =
+      SendTenRowsThenStall(*stub_, testing::RandomBatch(100, 16, 23), absl::Seconds(30));
+  const grpc::Status& s = stalled.status;
+  EXPECT_EQ(stalled.responses, 1);
   EXPECT_EQ(s.error_code(), grpc::DEADLINE_EXCEEDED) << s.error_message();
   EXPECT_THAT(s.error_message(), HasSubstr("stream idle timeout"));
   EXPECT_THAT(s.error_message(), HasSubstr("after 10 rows"));
@@ -543,8 +550,7 @@ TEST(ServiceShutdownTest, DrainLetsInFlightStreamsFinishAndRefusesNewOnes) {
   const Batch batch = testing::RandomBatch(40, 32, 27);
   grpc::ClientContext context;
   auto stream = stub->RmsNormBackward(&context);
-  ASSERT_TRUE(stream->Write(testing::HeaderFor(batch)));
-  ASSERT_TRUE(stream->Write(testing::ChunkFor(batch, 0, 15)));
+  ASSERT_TRUE(testing::WriteHeaderAndRows(*stream, batch, 15));
   v1::BackwardResponse response;
   ASSERT_TRUE(stream->Read(&response));
 

@@ -91,6 +91,11 @@ v1::BackwardRequest ChunkFor(const Batch& b, uint64_t first_row, uint64_t rows) 
   return m;
 }
 
+bool WriteHeaderAndRows(ClientBackwardStream& stream, const Batch& batch, uint64_t rows) {
+  if (!stream.Write(HeaderFor(batch))) return false;
+  return rows == 0 || stream.Write(ChunkFor(batch, 0, rows));
+}
+
 BackwardResult RunBackward(v1::NormGrad::Stub& stub, const Batch& b, uint64_t rows_per_chunk,
                            absl::Duration deadline) {
   BackwardResult result;

@@ -15,7 +15,7 @@
 
 #include "absl/time/time.h"
 #include "normgrad/v1/normgrad.grpc.pb.h"
-#include "server/service/normgrad_server.h"
+#include "server/process/normgrad_server.h"
 
 namespace normgrad::server::testing {
 
@@ -40,6 +40,13 @@ void ReferenceFor(const Batch& batch, std::vector<float>& dx, std::vector<float>
 
 v1::BackwardRequest HeaderFor(const Batch& batch);
 v1::BackwardRequest ChunkFor(const Batch& batch, uint64_t first_row, uint64_t rows);
+
+// An RmsNormBackward stream a test drives by hand (stub.RmsNormBackward(&context)).
+using ClientBackwardStream = grpc::ClientReaderWriter<v1::BackwardRequest, v1::BackwardResponse>;
+
+// Writes the header of `batch`, then its first `rows` rows as one chunk (none when 0); false
+// when a write fails.
+bool WriteHeaderAndRows(ClientBackwardStream& stream, const Batch& batch, uint64_t rows);
 
 struct BackwardResult {
   grpc::Status status;

@@ -1,0 +1,177 @@
+#include "server/cpu/cpu_backend.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
+#include "server/backend/batch_checks.h"
+#include "server/backend/kernel_choice.h"
+#include "server/host_rows/host_rows.h"
+#include "server/thread_pool/thread_pool.h"
+
+namespace normgrad::server {
+namespace cpu_internal {
+
+uint64_t RowsPerPartition(uint64_t rows, uint32_t hidden_dim) {
+  const uint64_t by_count = (rows + kMaxPartitions - 1) / kMaxPartitions;
+  const uint64_t by_size =
+      (kMinPartitionElements + hidden_dim - 1) / std::max<uint32_t>(hidden_dim, 1);
+  return std::max<uint64_t>({by_count, by_size, 1});
+}
+
+}  // namespace cpu_internal
+
+namespace {
+
+using backend_internal::ElementBytes;
+using kernels::DType;
+
+class CpuBackwardSession : public BackwardSession {
+ public:
+  CpuBackwardSession(const BatchSpec& spec, std::vector<float> gamma, ThreadPool* pool)
+      : spec_(spec), gamma_(std::move(gamma)), pool_(pool), dgamma_sum_(spec.hidden_dim, 0.0) {}
+
+  absl::Status ProcessChunk(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
+                            absl::Span<const float> rms, uint64_t rows,
+                            absl::Span<uint8_t> dx) override {
+    NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckChunk(spec_, rows_done_, rows, x.size(),
+                                                          dy.size(), rms.size(), dx.size()));
+    const auto start = std::chrono::steady_clock::now();
+    const size_t h = spec_.hidden_dim;
+    const uint64_t rows_per_part = cpu_internal::RowsPerPartition(rows, spec_.hidden_dim);
+    const size_t parts = (rows + rows_per_part - 1) / rows_per_part;
+    partials_.resize(parts * h);
+    // f32 buffers that are 4-byte aligned are used in place; anything else is staged as f32.
+    const bool in_place = spec_.dtype == DType::kF32 && IsFloatAligned(x.data()) &&
+                          IsFloatAligned(dy.data()) && IsFloatAligned(dx.data());
+    const size_t elem_bytes = ElementBytes(spec_.dtype);
+    // Chunks far larger than the caches: dx goes straight to memory (see RowBlock).
+    const bool stream_dx = in_place && dx.size() >= cpu_internal::kStreamDxBytes;
+
+    pool_->ParallelFor(parts, [&](size_t p) {
+      const uint64_t first = p * rows_per_part;
+      const size_t n = std::min<uint64_t>(rows_per_part, rows - first);
+      const size_t offset = first * h;  // elements
+      double* partial = partials_.data() + p * h;
+      std::fill(partial, partial + h, 0.0);
+      host_rows::RowBlock block;
+      block.gamma = gamma_.data();
+      block.rms = spec_.rms_provided ? rms.data() + first : nullptr;
+      block.dgamma = partial;
+      block.num_rows = n;
+      block.hidden_dim = h;
+      block.eps = spec_.eps;
+      block.stream_dx = stream_dx;
+      if (in_place) {
+        block.x = reinterpret_cast<const float*>(x.data()) + offset;
+        block.dy = reinterpret_cast<const float*>(dy.data()) + offset;
+        block.dx = reinterpret_cast<float*>(dx.data()) + offset;
+        host_rows::BackwardRowsF32(block);
+        return;
+      }
+      std::vector<float> staged(3 * n * h);
+      float* sx = staged.data();
+      float* sdy = sx + n * h;
+      float* sdx = sdy + n * h;
+      host_rows::ConvertToF32(spec_.dtype, x.data() + offset * elem_bytes, sx, n * h);
+      host_rows::ConvertToF32(spec_.dtype, dy.data() + offset * elem_bytes, sdy, n * h);
+      block.x = sx;
+      block.dy = sdy;
+      block.dx = sdx;
+      host_rows::BackwardRowsF32(block);
+      host_rows::ConvertFromF32(spec_.dtype, sdx, dx.data() + offset * elem_bytes, n * h);
+    });
+
+    // Fixed order: partition 0, 1, ... into the batch's accumulator.
+    for (size_t p = 0; p < parts; ++p) {
+      const double* partial = partials_.data() + p * h;
+      for (size_t i = 0; i < h; ++i) dgamma_sum_[i] += partial[i];
+    }
+    rows_done_ += rows;
+    compute_seconds_ +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return absl::OkStatus();
+  }
+
+  absl::Status Finish(absl::Span<uint8_t> dgamma) override {
+    NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckFinish(spec_, rows_done_, dgamma.size()));
+    std::vector<float> rounded(dgamma_sum_.begin(), dgamma_sum_.end());
+    host_rows::ConvertFromF32(spec_.dtype, rounded.data(), dgamma.data(), rounded.size());
+    return absl::OkStatus();
+  }
+
+  absl::string_view KernelName() const override { return "cpu_highway"; }
+  double ComputeSeconds() const override { return compute_seconds_; }
+
+ private:
+  static bool IsFloatAligned(const void* p) {
+    return reinterpret_cast<uintptr_t>(p) % alignof(float) == 0;
+  }
+
+  const BatchSpec spec_;
+  const std::vector<float> gamma_;
+  ThreadPool* const pool_;
+  std::vector<double> dgamma_sum_;  // the batch's grad_gamma so far
+  std::vector<double> partials_;    // per partition of the current chunk
+  uint64_t rows_done_ = 0;
+  double compute_seconds_ = 0;
+};
+
+class CpuBackend : public Backend {
+ public:
+  // The thread that calls ProcessChunk is one of `threads`: the pool has threads - 1 workers.
+  explicit CpuBackend(int threads) : threads_(threads), pool_(threads - 1) {}
+
+  absl::string_view Name() const override { return "cpu"; }
+
+  DeviceDescription Device() const override {
+    DeviceDescription d;
+    d.name = absl::StrCat("cpu: ", threads_, " threads, ", host_rows::SimdTargetName());
+    const long pages = sysconf(_SC_PHYS_PAGES);
+    const long page_size = sysconf(_SC_PAGESIZE);
+    if (pages > 0 && page_size > 0) {
+      d.total_memory_bytes = static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size);
+    }
+    d.sm_count = static_cast<uint32_t>(threads_);
+    return d;
+  }
+
+  absl::StatusOr<std::unique_ptr<BackwardSession>> StartBackward(
+      const BatchSpec& spec, absl::Span<const uint8_t> gamma) override {
+    NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckBatch(spec, gamma.size()));
+    // A named kernel is honoured for its validity rules (the CPU computes the same math).
+    NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckNamedKernel(spec));
+    std::vector<float> gamma_f32(spec.hidden_dim);
+    host_rows::ConvertToF32(spec.dtype, gamma.data(), gamma_f32.data(), gamma_f32.size());
+    return std::unique_ptr<BackwardSession>(
+        new CpuBackwardSession(spec, std::move(gamma_f32), &pool_));
+  }
+
+  absl::Status Preload(const kernels::Kernel&, const kernels::KernelConfig&) override {
+    return absl::OkStatus();
+  }
+
+  ModuleCacheStats CacheStats() const override { return ModuleCacheStats{}; }
+
+ private:
+  const int threads_;
+  mutable ThreadPool pool_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> NewCpuBackend(const CpuBackendOptions& options) {
+  int threads = options.threads;
+  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::make_unique<CpuBackend>(threads);
+}
+
+}  // namespace normgrad::server

@@ -1,0 +1,49 @@
+// The CPU backend: multi-threaded over row partitions (a ThreadPool), each partition's rows
+// through host_rows (Google Highway, the best SIMD target of the machine, picked at run time).
+// The default when no usable GPU is found.
+//
+//   std::unique_ptr<Backend> cpu = NewCpuBackend({.threads = 4});
+//
+// Accuracy: dx and grad_gamma are computed in double from the inputs and rounded once, so
+// they agree with kernels::ReferenceBackward to within an ulp or two of the output type.
+//
+// Determinism: the rows of a chunk are cut into partitions by a rule that depends only on the
+// chunk's shape (rows, hidden_dim), never on the thread count or on timing; each partition
+// sums its rows' grad_gamma in row order into its own double buffer, and the buffers are added
+// into the batch's accumulator in partition order, chunk after chunk. Same input and chunking
+// therefore give the same bits whatever the thread count. (On another machine Highway may pick
+// a different vector width, which changes the order of each row's two sums: bits may then
+// differ in the last place.)
+//
+// dtypes: f32 natively; bf16 and f16 are converted to f32 on load and rounded back on store.
+#ifndef NORMGRAD_SERVER_CPU_CPU_BACKEND_H_
+#define NORMGRAD_SERVER_CPU_CPU_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "server/backend/backend.h"
+
+namespace normgrad::server {
+
+struct CpuBackendOptions {
+  int threads = 0;  // 0: std::thread::hardware_concurrency()
+};
+
+std::unique_ptr<Backend> NewCpuBackend(const CpuBackendOptions& options);
+
+namespace cpu_internal {
+
+// Rows per partition for a chunk of `rows` x `hidden_dim`: at most kMaxPartitions
+// partitions, each of at least kMinPartitionElements elements (or one row). Shape only.
+inline constexpr uint64_t kMaxPartitions = 64;
+inline constexpr uint64_t kMinPartitionElements = 131072;
+uint64_t RowsPerPartition(uint64_t rows, uint32_t hidden_dim);
+
+// dx of a chunk at least this large is written with non-temporal stores.
+inline constexpr uint64_t kStreamDxBytes = 8ull << 20;
+
+}  // namespace cpu_internal
+}  // namespace normgrad::server
+
+#endif  // NORMGRAD_SERVER_CPU_CPU_BACKEND_H_

@@ -1,0 +1,52 @@
+// RMSNorm backward over rows held in host memory, and the f32 <-> bf16/f16 conversions (Google
+// Highway, dynamic dispatch to the best SIMD target the machine supports). Shared by both
+// backends: the CPU backend runs every chunk through it; the CUDA backend uses it for what it
+// computes on the host (cuda_backend.h says when) and to convert gamma and grad_gamma.
+//
+//   host_rows::RowBlock block;  // pointers to num_rows rows of f32 x, dy, dx; gamma; dgamma
+//   host_rows::BackwardRowsF32(block);
+//
+// Accuracy: the per-row sums (sum x^2, sum x*dy*gamma), dx and the grad_gamma partials are
+// computed in double from f32 inputs, and dx is rounded to f32 once, as ReferenceBackward
+// does; only the summation order differs (SIMD lanes), so dx agrees with the reference to
+// within an ulp or two of f32.
+#ifndef NORMGRAD_SERVER_HOST_ROWS_HOST_ROWS_H_
+#define NORMGRAD_SERVER_HOST_ROWS_HOST_ROWS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "kernels/kernel.h"
+
+namespace normgrad::server::host_rows {
+
+// Rows [0, num_rows) of one partition, all pointers already offset to its first row.
+struct RowBlock {
+  const float* x = nullptr;      // num_rows * hidden_dim
+  const float* dy = nullptr;     // num_rows * hidden_dim
+  const float* gamma = nullptr;  // hidden_dim
+  const float* rms = nullptr;    // num_rows, or nullptr to recompute from x and eps
+  float* dx = nullptr;           // num_rows * hidden_dim (written)
+  double* dgamma = nullptr;      // hidden_dim; each row's dy*x/rms is added in row order
+  size_t num_rows = 0;
+  size_t hidden_dim = 0;
+  float eps = 0;
+  // Write dx with non-temporal stores (for chunks much larger than the caches: saves the
+  // read-for-ownership of dx and keeps x/dy in cache).
+  bool stream_dx = false;
+};
+
+void BackwardRowsF32(const RowBlock& block);
+
+// Element conversions for the non-f32 dtypes (f32 <-> bf16/f16, round to nearest even).
+// `src`/`dst` hold n elements of `dtype` as little-endian bytes.
+void ConvertToF32(kernels::DType dtype, const uint8_t* src, float* dst, size_t n);
+void ConvertFromF32(kernels::DType dtype, const float* src, uint8_t* dst, size_t n);
+
+// Name of the SIMD target the dispatcher picked on this machine ("AVX3", "AVX2", ...).
+std::string SimdTargetName();
+
+}  // namespace normgrad::server::host_rows
+
+#endif  // NORMGRAD_SERVER_HOST_ROWS_HOST_ROWS_H_

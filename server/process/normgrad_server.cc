@@ -1,0 +1,462 @@
+#include "server/process/normgrad_server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/generic/async_generic_service.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/impl/server_builder_option.h>
+#include <grpcpp/impl/server_builder_plugin.h>
+
+#include <algorithm>
+#include <mutex>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "kernels/kernel_registry.h"
+#include "kernels/status_macros.h"
+#include "server/metrics/metrics.h"
+#include "server/metrics/metrics_http_server.h"
+#include "server/process/process_memory.h"
+#include "server/ptx/ptx_service.h"
+#include "server/service/normgrad_service.h"
+#include "server/thread_pool/thread_pool.h"
+
+#ifndef NORMGRAD_VERSION
+#define NORMGRAD_VERSION "0.0.0"
+#endif
+
+namespace normgrad::server {
+namespace {
+
+constexpr char kServiceName[] = "normgrad.v1.NormGrad";
+
+void SetHealth(grpc::Server* server, bool serving) {
+  if (server == nullptr) return;
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  if (health != nullptr) {
+    health->SetServingStatus("", serving);
+    health->SetServingStatus(kServiceName, serving);
+  }
+}
+
+// Drops the builder plugins registered process-wide (server reflection): the health port
+// serves the health service and nothing else.
+class WithoutPlugins final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    plugins->clear();
+  }
+};
+
+// The health port's answer to every method but the health service's: UNIMPLEMENTED. (It also
+// gives that server the callback method gRPC requires of a server before it starts.)
+class HealthPortRejecter final : public grpc::CallbackGenericService {
+ public:
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext*) override {
+    class Reject final : public grpc::ServerGenericBidiReactor {
+     public:
+      Reject() {
+        Finish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                            "this port serves grpc.health.v1.Health only; use the main port"));
+      }
+      void OnDone() override { delete this; }
+    };
+    return new Reject();
+  }
+};
+
+// Per-connection bounds shared by both gRPC ports.
+void AddConnectionLimits(const ServerOptions& options, grpc::ServerBuilder& builder) {
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a taken port must fail
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                             static_cast<int>(options.max_streams_per_connection));
+  // Find dead peers (a client that vanished without a FIN) instead of holding their streams.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 60 * 1000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20 * 1000);
+  // Ping-flood protection: a client pinging more often than this without data gets a strike;
+  // after GRPC_ARG_HTTP2_MAX_PING_STRIKES strikes the connection is closed (GOAWAY).
+  builder.AddChannelArgument(
+      GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+      static_cast<int>(absl::ToInt64Milliseconds(options.min_client_ping_interval)));
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 2);
+  // Request headers (metadata) are bounded too: 16 KiB per call.
+  builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, 16 * 1024);
+}
+
+void DescribeServerMetrics(MetricsRegistry& m) {
+  m.DescribeGauge("normgrad_serving", "1 when health is SERVING, 0 while starting or draining.");
+  m.DescribeGauge("normgrad_inflight_streams", "RmsNormBackward streams admitted and not done.");
+  m.DescribeGauge("normgrad_inflight_bytes",
+                  "Bytes held for chunks being computed or written (admission control).");
+  m.DescribeGauge("normgrad_backend_info", "Always 1; the labels describe backend and device.");
+  m.DescribeGauge("normgrad_device_memory_bytes", "Total memory of the device.");
+  m.DescribeGauge("normgrad_process_resident_bytes", "Resident memory of the server process.");
+  m.DescribeGauge("normgrad_process_heap_in_use_bytes",
+                  "Bytes malloc has handed out and not had back (0 where unknown).");
+  m.DescribeGauge("normgrad_process_heap_free_bytes",
+                  "Bytes malloc holds for reuse without handing them out (0 where unknown).");
+  m.DescribeCounter("normgrad_cache_hits_total", "Cache lookups that found the entry.");
+  m.DescribeCounter("normgrad_cache_misses_total", "Cache lookups that had to compile.");
+  m.DescribeCounter("normgrad_cache_evictions_total", "Entries evicted by the LRU bounds.");
+  m.DescribeCounter("normgrad_cache_compiles_total", "Compile functions run.");
+  m.DescribeCounter("normgrad_cache_compile_failures_total", "Compile functions that failed.");
+  m.DescribeCounter("normgrad_cache_compile_seconds_total", "Time spent compiling.");
+  m.DescribeGauge("normgrad_cache_entries", "Entries in the cache.");
+  m.DescribeGauge("normgrad_cache_bytes", "Bytes accounted to the cache's entries.");
+  DescribeServiceMetrics(m);
+}
+
+void CollectCache(MetricsRegistry& m, const char* cache, const ModuleCacheStats& s) {
+  const MetricsRegistry::Labels l = {{"cache", cache}};
+  m.SetCounter("normgrad_cache_hits_total", l, static_cast<double>(s.hits));
+  m.SetCounter("normgrad_cache_misses_total", l, static_cast<double>(s.misses));
+  m.SetCounter("normgrad_cache_evictions_total", l, static_cast<double>(s.evictions));
+  m.SetCounter("normgrad_cache_compiles_total", l, static_cast<double>(s.compiles));
+  m.SetCounter("normgrad_cache_compile_failures_total", l,
+               static_cast<double>(s.compile_failures));
+  m.SetCounter("normgrad_cache_compile_seconds_total", l, s.compile_seconds);
+  m.SetGauge("normgrad_cache_entries", l, static_cast<double>(s.entries));
+  m.SetGauge("normgrad_cache_bytes", l, static_cast<double>(s.bytes));
+}
+
+absl::Status ValidateOptions(const ServerOptions& o) {
+  if (o.max_message_bytes < 4096) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-message-bytes=", o.max_message_bytes, " is below the minimum of 4096"));
+  }
+  if (o.max_message_bytes > (2ull << 30) - 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--max-message-bytes=", o.max_message_bytes,
+                                                   " is above protobuf's 2 GiB ceiling"));
+  }
+  if (o.batch.max_hidden_dim == 0 || o.batch.max_num_rows == 0) {
+    return absl::InvalidArgumentError("--max-hidden-dim and --max-num-rows must be > 0");
+  }
+  // One row of x and dy (plus rms and framing) must fit in one message.
+  const uint64_t one_row = 2 * uint64_t{o.batch.max_hidden_dim} * 4 + 4 + 64;
+  if (one_row > o.max_message_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-hidden-dim=", o.batch.max_hidden_dim, " needs messages of at least ", one_row,
+        " bytes for one row of x and dy, above --max-message-bytes=", o.max_message_bytes));
+  }
+  if (o.admission.max_streams == 0) {
+    return absl::InvalidArgumentError("--max-streams must be > 0");
+  }
+  if (o.admission.max_inflight_bytes < 3 * one_row) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-inflight-bytes=", o.admission.max_inflight_bytes,
+        " cannot hold even one row of the largest hidden_dim (", 3 * one_row, " bytes)"));
+  }
+  if (o.stream_idle_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--stream-idle-timeout must be >= 0");
+  }
+  std::string host;
+  int port;
+  NORMGRAD_RETURN_IF_ERROR(SplitHostPort(o.listen, "listen", &host, &port));
+  if (!o.health_listen.empty()) {
+    NORMGRAD_RETURN_IF_ERROR(SplitHostPort(o.health_listen, "health-listen", &host, &port));
+  }
+  if (o.max_streams_per_connection == 0) {
+    return absl::InvalidArgumentError("--max-streams-per-connection must be > 0");
+  }
+  if (o.min_client_ping_interval < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--min-client-ping-interval must be >= 0");
+  }
+  if (o.metrics_tls_cert_file.empty() != o.metrics_tls_key_file.empty()) {
+    return absl::InvalidArgumentError("--metrics-tls-cert and --metrics-tls-key go together");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<PreloadEntry> ParsePreloadEntry(absl::string_view text) {
+  std::vector<std::string> parts = absl::StrSplit(text, ':');
+  if (parts.size() < 2 || parts.size() > 3) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--preload entry \"", text, "\" is not KERNEL:TARGET[:HIDDEN_DIM]"));
+  }
+  PreloadEntry entry;
+  entry.kernel = kernels::FindKernel(parts[0]);
+  if (entry.kernel == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--preload entry \"", text, "\": unknown kernel \"", parts[0], "\""));
+  }
+  absl::StatusOr<int> sm = kernels::ParseTarget(parts[1]);
+  if (!sm.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--preload entry \"", text, "\": ", sm.status().message()));
+  }
+  entry.config.target_sm = *sm;
+  entry.config.hidden_dim = 4096;
+  if (parts.size() == 3 && !absl::SimpleAtoi(parts[2], &entry.config.hidden_dim)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--preload entry \"", text, "\": hidden_dim \"", parts[2],
+                     "\" is not a number"));
+  }
+  if (absl::Status s = entry.kernel->CanImplement(entry.config); !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--preload entry \"", text, "\": ", s.message()));
+  }
+  return entry;
+}
+
+namespace {
+
+absl::StatusOr<std::vector<PreloadEntry>> ParsePreloadEntries(
+    const std::vector<std::string>& texts) {
+  std::vector<PreloadEntry> entries;
+  for (const std::string& text : texts) {
+    NORMGRAD_ASSIGN_OR_RETURN(const PreloadEntry entry, ParsePreloadEntry(text));
+    entries.push_back(entry);
+  }
+  return entries;
+}
+
+}  // namespace
+
+NormGradServer::NormGradServer(const ServerOptions& options, std::unique_ptr<Backend> backend)
+    : options_(options), backend_(std::move(backend)) {}
+
+// Everything is checked (options, credentials, --preload entries) before the backend is made:
+// a bad flag fails fast, without touching a GPU.
+absl::StatusOr<std::unique_ptr<NormGradServer>> NormGradServer::Start(
+    const ServerOptions& options, std::unique_ptr<Backend> backend) {
+  NORMGRAD_RETURN_IF_ERROR(ValidateOptions(options));
+  NORMGRAD_ASSIGN_OR_RETURN(const std::shared_ptr<grpc::ServerCredentials> credentials,
+                            MakeServerCredentials(options.security));
+  NORMGRAD_ASSIGN_OR_RETURN(const std::vector<PreloadEntry> preload,
+                            ParsePreloadEntries(options.preload));
+  if (backend == nullptr) {
+    NORMGRAD_ASSIGN_OR_RETURN(backend, CreateBackend(options.backend));
+  }
+  // From here on a failure returns through ~NormGradServer, which stops what was started.
+  std::unique_ptr<NormGradServer> server(new NormGradServer(options, std::move(backend)));
+  server->AssembleService();
+  server->PublishBackendMetrics();
+  NORMGRAD_RETURN_IF_ERROR(server->StartMetricsEndpoint());
+  NORMGRAD_RETURN_IF_ERROR(server->StartGrpcPort(credentials));
+  NORMGRAD_RETURN_IF_ERROR(server->StartHealthPort());
+  server->SetServing(false);
+  server->StartWatchdog();
+  NORMGRAD_RETURN_IF_ERROR(server->Preload(preload));
+  server->SetServing(true);
+  return server;
+}
+
+void NormGradServer::AssembleService() {
+  metrics_ = std::make_unique<MetricsRegistry>();
+  DescribeServerMetrics(*metrics_);
+  PtxServiceOptions ptx_options;
+  ptx_options.cache.max_entries = options_.backend.cache_max_entries;
+  ptx_options.cache.max_bytes = options_.backend.cache_max_bytes;
+  ptx_options.nvjitlink_path = options_.nvjitlink_path;
+  ptx_ = std::make_unique<PtxService>(ptx_options);
+  admission_ = std::make_unique<AdmissionController>(options_.admission);
+  streams_ = std::make_unique<StreamRegistry>();
+  const int threads = options_.worker_threads > 0
+                          ? options_.worker_threads
+                          : std::max(2, static_cast<int>(std::thread::hardware_concurrency()));
+  pool_ = std::make_unique<ThreadPool>(threads);
+
+  env_ = std::make_unique<ServiceEnv>();
+  env_->config.version = NORMGRAD_VERSION;
+  env_->config.batch_limits = options_.batch;
+  env_->config.max_message_bytes = options_.max_message_bytes;
+  env_->config.stream_idle_timeout = options_.stream_idle_timeout;
+  env_->backend = backend_.get();
+  env_->ptx = ptx_.get();
+  env_->admission = admission_.get();
+  env_->metrics = metrics_.get();
+  env_->pool = pool_.get();
+  env_->streams = streams_.get();
+  service_ = std::make_unique<NormGradService>(env_.get());
+}
+
+void NormGradServer::PublishBackendMetrics() {
+  const DeviceDescription d = backend_->Device();
+  metrics_->SetGauge("normgrad_backend_info",
+                     {{"backend", std::string(backend_->Name())},
+                      {"device", d.name},
+                      {"compute_capability",
+                       absl::StrCat(d.compute_capability_major, ".", d.compute_capability_minor)},
+                      {"driver_version", d.driver_version},
+                      {"version", NORMGRAD_VERSION}},
+                     1);
+  metrics_->SetGauge("normgrad_device_memory_bytes", {}, static_cast<double>(d.total_memory_bytes));
+  Backend* b = backend_.get();
+  PtxService* ptx = ptx_.get();
+  AdmissionController* admission = admission_.get();
+  metrics_->AddCollector([b, ptx, admission](MetricsRegistry& m) {
+    CollectCache(m, "module", b->CacheStats());
+    CollectCache(m, "ptx", ptx->CacheStats());
+    m.SetGauge("normgrad_inflight_bytes", {}, static_cast<double>(admission->inflight_bytes()));
+    const ProcessMemory memory = ReadProcessMemory();
+    m.SetGauge("normgrad_process_resident_bytes", {}, static_cast<double>(memory.resident_bytes));
+    m.SetGauge("normgrad_process_heap_in_use_bytes", {},
+               static_cast<double>(memory.heap_in_use_bytes));
+    m.SetGauge("normgrad_process_heap_free_bytes", {}, static_cast<double>(memory.heap_free_bytes));
+  });
+  metrics_->SetGauge("normgrad_inflight_streams", {}, 0);
+}
+
+absl::Status NormGradServer::StartMetricsEndpoint() {
+  if (options_.metrics_listen.empty()) return absl::OkStatus();
+  int port;
+  NORMGRAD_RETURN_IF_ERROR(
+      SplitHostPort(options_.metrics_listen, "metrics-listen", &metrics_host_, &port));
+  NORMGRAD_ASSIGN_OR_RETURN(
+      metrics_http_,
+      MetricsHttpServer::Start(options_.metrics_listen, metrics_.get(),
+                               {options_.metrics_tls_cert_file, options_.metrics_tls_key_file}));
+  metrics_port_ = metrics_http_->port();
+  return absl::OkStatus();
+}
+
+absl::Status NormGradServer::StartGrpcPort(
+    const std::shared_ptr<grpc::ServerCredentials>& credentials) {
+  int port;
+  NORMGRAD_RETURN_IF_ERROR(SplitHostPort(options_.listen, "listen", &host_, &port));
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int selected_port = 0;
+  builder.AddListeningPort(options_.listen, credentials, &selected_port);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options_.max_message_bytes));
+  AddConnectionLimits(options_, builder);
+  builder.RegisterService(service_.get());
+  grpc_server_ = builder.BuildAndStart();
+  if (grpc_server_ == nullptr || selected_port == 0) {
+    grpc_server_.reset();
+    return absl::UnavailableError(absl::StrCat(
+        "--listen=", options_.listen, ": cannot listen there (address in use or not local)"));
+  }
+  port_ = selected_port;
+  return absl::OkStatus();
+}
+
+absl::Status NormGradServer::StartHealthPort() {
+  if (options_.health_listen.empty()) return absl::OkStatus();
+  int port;
+  NORMGRAD_RETURN_IF_ERROR(
+      SplitHostPort(options_.health_listen, "health-listen", &health_host_, &port));
+  grpc::ServerBuilder builder;
+  builder.SetOption(std::make_unique<WithoutPlugins>());
+  health_port_rejecter_ = std::make_unique<HealthPortRejecter>();
+  builder.RegisterCallbackGenericService(health_port_rejecter_.get());
+  int selected_port = 0;
+  builder.AddListeningPort(options_.health_listen, grpc::InsecureServerCredentials(),
+                           &selected_port);
+  builder.SetMaxReceiveMessageSize(4096);  // a HealthCheckRequest is a service name
+  AddConnectionLimits(options_, builder);
+  health_server_ = builder.BuildAndStart();
+  if (health_server_ == nullptr || selected_port == 0) {
+    health_server_.reset();
+    grpc_server_->Shutdown(std::chrono::system_clock::now());
+    grpc_server_->Wait();
+    grpc_server_.reset();
+    return absl::UnavailableError(
+        absl::StrCat("--health-listen=", options_.health_listen,
+                     ": cannot listen there (address in use or not local)"));
+  }
+  health_port_ = selected_port;
+  return absl::OkStatus();
+}
+
+void NormGradServer::StartWatchdog() {
+  if (options_.stream_idle_timeout > absl::ZeroDuration()) {
+    watchdog_ = std::thread([this] { RunWatchdog(); });
+  }
+}
+
+absl::Status NormGradServer::Preload(const std::vector<PreloadEntry>& entries) {
+  for (const PreloadEntry& entry : entries) {
+    v1::EmitPtxRequest request;
+    request.set_kernel(std::string(entry.kernel->EntryName()));
+    request.set_hidden_dim(entry.config.hidden_dim);
+    request.set_target(absl::StrCat("sm_", entry.config.target_sm));
+    absl::Status st = ptx_->Emit(request).status();
+    if (st.ok()) st = backend_->Preload(*entry.kernel, entry.config);
+    if (!st.ok()) {
+      return absl::Status(st.code(), absl::StrCat("--preload ", entry.kernel->EntryName(),
+                                                  ":sm_", entry.config.target_sm, ":",
+                                                  entry.config.hidden_dim, ": ", st.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+NormGradServer::~NormGradServer() { Shutdown(absl::ZeroDuration()); }
+
+std::string NormGradServer::ReadyLine() const {
+  const std::string metrics =
+      metrics_port_ > 0 ? absl::StrCat(metrics_host_, ":", metrics_port_) : "off";
+  std::string line =
+      absl::StrCat("normgrad-server ready grpc=", host_, ":", port_, " metrics=", metrics,
+                   " backend=", backend_->Name(), " device=\"", backend_->Device().name, "\"");
+  if (health_port_ > 0) absl::StrAppend(&line, " health=", health_host_, ":", health_port_);
+  if (!options_.security.cert_file.empty()) {
+    absl::StrAppend(&line, options_.security.client_ca_file.empty() ? " tls=on" : " tls=mtls");
+  }
+  return line;
+}
+
+void NormGradServer::SetServing(bool serving) {
+  SetHealth(grpc_server_.get(), serving);
+  SetHealth(health_server_.get(), serving);
+  metrics_->SetGauge("normgrad_serving", {}, serving ? 1 : 0);
+}
+
+size_t NormGradServer::live_streams() const { return streams_->size(); }
+
+void NormGradServer::RunWatchdog() {
+  const absl::Duration timeout = options_.stream_idle_timeout;
+  const absl::Duration period =
+      std::clamp(timeout / 4, absl::Milliseconds(10), absl::Seconds(1));
+  std::unique_lock<std::mutex> lock(watchdog_mu_);
+  while (!stopping_) {
+    watchdog_wake_.wait_for(lock, absl::ToChronoMilliseconds(period), [this] { return stopping_; });
+    if (stopping_) break;
+    lock.unlock();
+    streams_->CheckIdle(absl::Now(), timeout);
+    lock.lock();
+  }
+}
+
+void NormGradServer::Shutdown(absl::Duration grace) {
+  std::lock_guard<std::mutex> lock(shutdown_mu_);
+  if (shut_down_) return;
+  shut_down_ = true;
+  if (grpc_server_ != nullptr) {
+    env_->draining.store(true);
+    SetServing(false);
+    const absl::Time deadline = absl::Now() + grace;
+    streams_->WaitUntilEmpty(deadline);
+    // GOAWAY at once; calls the transport accepted meanwhile (new streams, which the draining
+    // service answers UNAVAILABLE before any response so clients retry them elsewhere, and
+    // unary calls) still finish until the deadline; then what is left is cancelled. Returns
+    // once every call is done. (Shutdown(now) here used to cancel those late arrivals: their
+    // clients saw CANCELLED, which they do not retry.)
+    grpc_server_->Shutdown(absl::ToChronoTime(deadline));
+    streams_->WaitUntilEmpty(absl::InfiniteFuture());  // workers finish their current chunk
+  }
+  {
+    std::lock_guard<std::mutex> wl(watchdog_mu_);
+    stopping_ = true;
+  }
+  watchdog_wake_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+  if (metrics_http_ != nullptr) metrics_http_->Stop();
+  pool_.reset();  // runs what is queued (nothing but finished streams' leftovers), joins
+  if (grpc_server_ != nullptr) grpc_server_->Wait();
+  // The health port answers NOT_SERVING until the main port is gone, then closes.
+  if (health_server_ != nullptr) {
+    health_server_->Shutdown(std::chrono::system_clock::now());
+    health_server_->Wait();
+  }
+}
+
+}  // namespace normgrad::server

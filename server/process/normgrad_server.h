@@ -1,0 +1,157 @@
+// NormGradServer: everything `normgrad-server` runs, in-process (tests start it on
+// 127.0.0.1:0): the backend, the gRPC service with health and reflection, admission control,
+// the EmitPtx cache, the idle-stream watchdog and the Prometheus endpoint.
+//
+//   ServerOptions options;
+//   options.listen = "127.0.0.1:0";
+//   absl::StatusOr<std::unique_ptr<NormGradServer>> server = NormGradServer::Start(options);
+//   int port = (*server)->port();
+//   ...
+//   (*server)->Shutdown(absl::Seconds(30));   // drain, then cancel what is left
+//
+// Start returns once the server is SERVING (after --preload). Start-up failures (bad option,
+// port taken, --backend=cuda without a GPU) come back as a status with one clear message.
+#ifndef NORMGRAD_SERVER_PROCESS_NORMGRAD_SERVER_H_
+#define NORMGRAD_SERVER_PROCESS_NORMGRAD_SERVER_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kernels/kernel.h"
+#include "server/backend/backend.h"
+#include "server/backend_factory/backend_factory.h"
+#include "server/process/transport_security.h"
+#include "server/service/admission.h"
+#include "server/service/backward_validator.h"
+
+namespace grpc {
+class CallbackGenericService;
+class Server;
+class ServerCredentials;
+}
+
+namespace normgrad::server {
+
+class MetricsRegistry;
+class MetricsHttpServer;
+class NormGradService;
+class PtxService;
+class StreamRegistry;
+class ThreadPool;
+struct ServiceEnv;
+
+struct ServerOptions {
+  std::string listen = "0.0.0.0:50051";        // HOST:PORT; port 0 picks a free one
+  std::string metrics_listen = "0.0.0.0:9464";  // empty: no metrics endpoint
+  BackendOptions backend;
+  std::vector<std::string> preload;             // KERNEL:TARGET[:HIDDEN_DIM] entries
+  AdmissionLimits admission;
+  BackwardLimits batch;
+  uint64_t max_message_bytes = 4ull << 20;      // gRPC receive limit per message
+  absl::Duration stream_idle_timeout = absl::Seconds(30);  // zero: never
+  std::string nvjitlink_path;                   // empty: default search
+  int worker_threads = 0;                       // 0: max(2, hardware threads)
+  // TLS / mutual TLS and the bearer token of the main gRPC port (transport_security.h).
+  TransportSecurityOptions security;
+  // HOST:PORT of a second, always plaintext gRPC port serving grpc.health.v1.Health only, with
+  // the main port's status (for probes that cannot speak TLS); empty: none.
+  std::string health_listen;
+  // HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS of every connection: a client opens at most this
+  // many calls at once on one connection (more wait in its transport).
+  uint32_t max_streams_per_connection = 100;
+  // Least time between HTTP/2 pings a client may send without data; pinging faster twice gets
+  // the connection closed with GOAWAY (ENHANCE_YOUR_CALM).
+  absl::Duration min_client_ping_interval = absl::Seconds(10);
+  // PEM certificate and key for the metrics endpoint (HTTPS); both empty: plain HTTP.
+  std::string metrics_tls_cert_file;
+  std::string metrics_tls_key_file;
+};
+
+// One --preload entry, parsed: the kernel and its configuration.
+struct PreloadEntry {
+  const kernels::Kernel* kernel = nullptr;
+  kernels::KernelConfig config;
+};
+// "batched_rms_norm_backward:sm_90" or "...:sm_90:896" (hidden_dim defaults to 4096).
+absl::StatusOr<PreloadEntry> ParsePreloadEntry(absl::string_view text);
+
+class NormGradServer {
+ public:
+  // `backend`: used as is when given (tests), else CreateBackend(options.backend).
+  static absl::StatusOr<std::unique_ptr<NormGradServer>> Start(
+      const ServerOptions& options, std::unique_ptr<Backend> backend = nullptr);
+  ~NormGradServer();  // Shutdown(zero grace) unless already shut down
+
+  NormGradServer(const NormGradServer&) = delete;
+  NormGradServer& operator=(const NormGradServer&) = delete;
+
+  int port() const { return port_; }
+  int metrics_port() const { return metrics_port_; }  // 0 when disabled
+  int health_port() const { return health_port_; }    // 0 without --health-listen
+  // One line for people and scripts: "normgrad-server ready grpc=HOST:PORT metrics=HOST:PORT
+  // backend=NAME device=\"...\"" (metrics=off when disabled), then " health=HOST:PORT" with
+  // --health-listen and " tls=on|mtls" with TLS.
+  std::string ReadyLine() const;
+
+  // Health NOT_SERVING, new streams UNAVAILABLE; waits up to `grace` for live streams, cancels
+  // the rest, then stops everything. Idempotent; blocks until done. Thread-safe.
+  void Shutdown(absl::Duration grace);
+
+  Backend& backend() { return *backend_; }
+  MetricsRegistry& metrics() { return *metrics_; }
+  size_t live_streams() const;
+
+ private:
+  NormGradServer(const ServerOptions& options, std::unique_ptr<Backend> backend);
+  // Start's steps, in order: the metrics registry, EmitPtx, admission, the worker pool and the
+  // service; the backend's gauges and the cache and memory collectors; --metrics-listen;
+  // --listen; --health-listen; the --stream-idle-timeout watchdog; --preload.
+  void AssembleService();
+  void PublishBackendMetrics();
+  absl::Status StartMetricsEndpoint();
+  absl::Status StartGrpcPort(const std::shared_ptr<grpc::ServerCredentials>& credentials);
+  absl::Status StartHealthPort();
+  void StartWatchdog();
+  absl::Status Preload(const std::vector<PreloadEntry>& entries);
+
+  void RunWatchdog();
+  void SetServing(bool serving);
+
+  ServerOptions options_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<MetricsRegistry> metrics_;
+  std::unique_ptr<PtxService> ptx_;
+  std::unique_ptr<AdmissionController> admission_;
+  std::unique_ptr<StreamRegistry> streams_;
+  std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<ServiceEnv> env_;
+  std::unique_ptr<NormGradService> service_;
+  std::unique_ptr<grpc::Server> grpc_server_;
+  std::unique_ptr<grpc::Server> health_server_;  // --health-listen; health service only
+  std::unique_ptr<grpc::CallbackGenericService> health_port_rejecter_;  // other methods there
+  std::unique_ptr<MetricsHttpServer> metrics_http_;
+  std::thread watchdog_;
+  std::string host_;
+  std::string metrics_host_;
+  std::string health_host_;
+  int port_ = 0;
+  int health_port_ = 0;
+  int metrics_port_ = 0;
+
+  std::mutex shutdown_mu_;  // serializes Shutdown
+  std::mutex watchdog_mu_;
+  std::condition_variable watchdog_wake_;
+  bool stopping_ = false;  // guarded by watchdog_mu_
+  bool shut_down_ = false;  // guarded by shutdown_mu_
+};
+
+}  // namespace normgrad::server
+
+#endif  // NORMGRAD_SERVER_PROCESS_NORMGRAD_SERVER_H_

@@ -1,0 +1,162 @@
+#include "server/process/server_flags.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
+          "gRPC address HOST:PORT; port 0 picks a free port (the ready line prints it).");
+ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
+          "Prometheus endpoint HOST:PORT serving GET /metrics; empty disables it.");
+ABSL_FLAG(std::string, backend, "auto",
+          "auto|cuda|cpu. auto: CUDA when a driver loads and a device is usable, else CPU.");
+ABSL_FLAG(std::string, cuda_driver, "",
+          "CUDA driver library to dlopen; empty: $NORMGRAD_CUDA_DRIVER, else libcuda.so.1.");
+ABSL_FLAG(int32_t, device, 0, "CUDA device ordinal.");
+ABSL_FLAG(int32_t, cpu_threads, 0, "CPU backend threads; 0: all hardware threads.");
+ABSL_FLAG(int32_t, worker_threads, 0,
+          "Service threads running chunk compute and compiles; 0: max(2, hardware threads).");
+ABSL_FLAG(uint64_t, cache_max_entries, 256, "Module and PTX caches: most entries (LRU).");
+ABSL_FLAG(uint64_t, cache_max_bytes, 256ull << 20, "Module and PTX caches: most bytes (LRU).");
+ABSL_FLAG(std::vector<std::string>, preload, {},
+          "Comma-separated KERNEL:TARGET[:HIDDEN_DIM] configurations compiled before the server "
+          "reports SERVING, e.g. batched_rms_norm_backward:sm_90:4096 (HIDDEN_DIM default 4096).");
+ABSL_FLAG(uint32_t, max_streams, 64,
+          "Concurrent RmsNormBackward streams; more get RESOURCE_EXHAUSTED at once.");
+ABSL_FLAG(uint64_t, max_inflight_bytes, 1ull << 30,
+          "Bytes held for chunks in flight across all streams (request + response of each chunk "
+          "until written); a chunk past it ends its stream with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(uint32_t, max_hidden_dim, 65536, "Largest header.hidden_dim accepted.");
+ABSL_FLAG(uint64_t, max_num_rows, uint64_t{1} << 32, "Largest header.num_rows accepted.");
+ABSL_FLAG(uint64_t, max_message_bytes, 4ull << 20,
+          "Largest request message the server receives (gRPC receive limit).");
+// Durations are string flags parsed with absl::ParseDuration ("30s", "500ms"): absl's Duration
+// flags use a sequence lock whose fences GCC's ThreadSanitizer build rejects.
+ABSL_FLAG(std::string, stream_idle_timeout, "30s",
+          "End a stream whose client sends nothing (or reads nothing) for this long, with "
+          "DEADLINE_EXCEEDED; 0 disables.");
+ABSL_FLAG(std::string, shutdown_grace, "30s",
+          "On SIGTERM/SIGINT: how long in-flight streams may run before they are cancelled.");
+ABSL_FLAG(std::string, nvjitlink, "",
+          "nvJitLink library for EmitPtx cubins; empty: libnvJitLink.so.13, libnvJitLink.so, "
+          "/usr/local/cuda/lib64/libnvJitLink.so*.");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM server certificate (chain) for the gRPC port; with --tls-key enables TLS.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle; when set, mutual TLS: every client must present a certificate it "
+          "signed. Needs --tls-cert.");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File holding a bearer token (whitespace trimmed); every call except the health "
+          "service must send \"authorization: Bearer <token>\" or gets UNAUTHENTICATED. Needs "
+          "--tls-cert. The token itself is never accepted on the command line.");
+ABSL_FLAG(std::string, health_listen, "",
+          "HOST:PORT of a second, plaintext gRPC port serving only grpc.health.v1.Health with "
+          "the main port's status (for probes that cannot speak TLS); empty: none.");
+ABSL_FLAG(uint32_t, max_streams_per_connection, 100,
+          "Calls one connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); "
+          "a client's further calls wait in its transport.");
+ABSL_FLAG(std::string, min_client_ping_interval, "10s",
+          "Least interval between a client's HTTP/2 pings without data; a client pinging faster "
+          "has its connection closed (GOAWAY ENHANCE_YOUR_CALM).");
+ABSL_FLAG(std::string, metrics_tls_cert, "",
+          "PEM certificate for the metrics endpoint; with --metrics-tls-key it serves HTTPS.");
+ABSL_FLAG(std::string, metrics_tls_key, "", "PEM private key of --metrics-tls-cert.");
+
+namespace normgrad::server {
+
+std::vector<std::string> NormalizeFlagSpelling(int argc, char** argv) {
+  std::vector<std::string> out;
+  bool flags_done = false;
+  for (int i = 0; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (i > 0 && !flags_done && arg == "--") flags_done = true;
+    if (i > 0 && !flags_done && arg.size() > 2 && arg[0] == '-') {
+      const size_t start = arg[1] == '-' ? 2 : 1;
+      const size_t end = std::min(arg.find('='), arg.size());
+      for (size_t j = start; j < end; ++j) {
+        if (arg[j] == '-') arg[j] = '_';
+      }
+    }
+    out.push_back(std::move(arg));
+  }
+  return out;
+}
+
+bool IsServerFlagsFile(absl::string_view path) {
+  return absl::StrContains(path, "server_flags.");
+}
+
+absl::StatusOr<ServerOptions> ServerOptionsFromFlags() {
+  ServerOptions o;
+  o.listen = absl::GetFlag(FLAGS_listen);
+  o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  absl::StatusOr<BackendKind> kind = ParseBackendKind(absl::GetFlag(FLAGS_backend));
+  if (!kind.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--backend=", absl::GetFlag(FLAGS_backend),
+                                                   ": ", kind.status().message()));
+  }
+  o.backend.kind = *kind;
+  o.backend.cuda_driver_library = absl::GetFlag(FLAGS_cuda_driver);
+  o.backend.device_ordinal = absl::GetFlag(FLAGS_device);
+  o.backend.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  if (o.backend.cpu_threads < 0 || o.backend.device_ordinal < 0) {
+    return absl::InvalidArgumentError("--cpu-threads and --device must be >= 0");
+  }
+  o.worker_threads = absl::GetFlag(FLAGS_worker_threads);
+  if (o.worker_threads < 0) return absl::InvalidArgumentError("--worker-threads must be >= 0");
+  o.backend.cache_max_entries = absl::GetFlag(FLAGS_cache_max_entries);
+  o.backend.cache_max_bytes = absl::GetFlag(FLAGS_cache_max_bytes);
+  if (o.backend.cache_max_entries == 0 || o.backend.cache_max_bytes == 0) {
+    return absl::InvalidArgumentError("--cache-max-entries and --cache-max-bytes must be > 0");
+  }
+  for (const std::string& entry : absl::GetFlag(FLAGS_preload)) {
+    if (!entry.empty()) o.preload.push_back(entry);
+  }
+  o.admission.max_streams = absl::GetFlag(FLAGS_max_streams);
+  o.admission.max_inflight_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
+  o.batch.max_hidden_dim = absl::GetFlag(FLAGS_max_hidden_dim);
+  o.batch.max_num_rows = absl::GetFlag(FLAGS_max_num_rows);
+  o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  if (!absl::ParseDuration(absl::GetFlag(FLAGS_stream_idle_timeout), &o.stream_idle_timeout)) {
+    return absl::InvalidArgumentError(absl::StrCat("--stream-idle-timeout=",
+                                                   absl::GetFlag(FLAGS_stream_idle_timeout),
+                                                   " is not a duration such as 30s or 500ms"));
+  }
+  o.nvjitlink_path = absl::GetFlag(FLAGS_nvjitlink);
+  o.security.cert_file = absl::GetFlag(FLAGS_tls_cert);
+  o.security.key_file = absl::GetFlag(FLAGS_tls_key);
+  o.security.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  o.security.token_file = absl::GetFlag(FLAGS_auth_token_file);
+  o.health_listen = absl::GetFlag(FLAGS_health_listen);
+  o.max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);
+  if (!absl::ParseDuration(absl::GetFlag(FLAGS_min_client_ping_interval),
+                           &o.min_client_ping_interval)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--min-client-ping-interval=", absl::GetFlag(FLAGS_min_client_ping_interval),
+        " is not a duration such as 10s"));
+  }
+  o.metrics_tls_cert_file = absl::GetFlag(FLAGS_metrics_tls_cert);
+  o.metrics_tls_key_file = absl::GetFlag(FLAGS_metrics_tls_key);
+  absl::Duration grace;
+  if (!absl::ParseDuration(absl::GetFlag(FLAGS_shutdown_grace), &grace) ||
+      grace < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("--shutdown-grace=",
+                                                   absl::GetFlag(FLAGS_shutdown_grace),
+                                                   " is not a duration >= 0 such as 30s"));
+  }
+  return o;
+}
+
+absl::Duration ShutdownGraceFromFlags() {
+  absl::Duration grace = absl::Seconds(30);
+  (void)absl::ParseDuration(absl::GetFlag(FLAGS_shutdown_grace), &grace);  // checked above
+  return grace;
+}
+
+}  // namespace normgrad::server

@@ -1,0 +1,34 @@
+// The command-line flags of normgrad-server (absl flags, documented by --help) and their
+// translation to ServerOptions. Kept out of main.cc so that tests and other binaries can reuse
+// the parsing and its error messages.
+//
+//   absl::ParseCommandLine(argc, argv);
+//   absl::StatusOr<ServerOptions> options = ServerOptionsFromFlags();
+#ifndef NORMGRAD_SERVER_PROCESS_SERVER_FLAGS_H_
+#define NORMGRAD_SERVER_PROCESS_SERVER_FLAGS_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "server/process/normgrad_server.h"
+
+namespace normgrad::server {
+
+// INVALID_ARGUMENT naming the flag for a value out of range.
+absl::StatusOr<ServerOptions> ServerOptionsFromFlags();
+absl::Duration ShutdownGraceFromFlags();  // valid after ServerOptionsFromFlags() succeeded
+
+// Flags are documented and accepted with dashes (--max-streams) as well as absl's underscores
+// (--max_streams): returns argv with the dashes of every flag name (before any '=') turned
+// into underscores. Arguments after a bare "--" are left alone.
+std::vector<std::string> NormalizeFlagSpelling(int argc, char** argv);
+
+// True for the source files whose flags --help lists (this component's).
+bool IsServerFlagsFile(absl::string_view path);
+
+}  // namespace normgrad::server
+
+#endif  // NORMGRAD_SERVER_PROCESS_SERVER_FLAGS_H_

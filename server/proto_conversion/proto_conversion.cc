@@ -1,0 +1,77 @@
+#include "server/proto_conversion/proto_conversion.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kernels/kernel_registry.h"
+
+namespace normgrad::server {
+namespace {
+
+std::string KnownKernelNames() {
+  const std::vector<std::string> names = KernelNames();
+  return names.empty() ? "none" : absl::StrJoin(names, ", ");
+}
+
+}  // namespace
+
+absl::StatusOr<kernels::DType> DTypeFromProto(v1::DType dtype, absl::string_view field) {
+  switch (dtype) {
+    case v1::DTYPE_UNSPECIFIED:
+    case v1::DTYPE_F32:
+      return kernels::DType::kF32;
+    case v1::DTYPE_BF16:
+      return kernels::DType::kBF16;
+    case v1::DTYPE_F16:
+      return kernels::DType::kF16;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, " is ", static_cast<int>(dtype),
+                       ", not a known DType (DTYPE_UNSPECIFIED = 0, DTYPE_F32 = 1, DTYPE_BF16 = 2, "
+                       "DTYPE_F16 = 3)"));
+  }
+}
+
+std::vector<std::string> KernelNames() {
+  std::vector<std::string> names;
+  for (const kernels::Kernel* k : kernels::AllKernels()) names.emplace_back(k->EntryName());
+  return names;
+}
+
+absl::StatusOr<const kernels::Kernel*> KernelNamed(absl::string_view name,
+                                                   absl::string_view field) {
+  if (name.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " is empty; known: ", KnownKernelNames()));
+  }
+  const kernels::Kernel* kernel = kernels::FindKernel(name);
+  if (kernel == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " \"", name, "\" is unknown; known: ", KnownKernelNames()));
+  }
+  return kernel;
+}
+
+void ToProto(const ModuleCacheStats& stats, v1::CacheStats* out) {
+  out->set_hits(stats.hits);
+  out->set_misses(stats.misses);
+  out->set_evictions(stats.evictions);
+  out->set_compiles(stats.compiles);
+  out->set_compile_failures(stats.compile_failures);
+  out->set_entries(stats.entries);
+  out->set_bytes(stats.bytes);
+  out->set_compile_seconds(stats.compile_seconds);
+  out->set_max_entries(stats.max_entries);
+  out->set_max_bytes(stats.max_bytes);
+}
+
+void ToProto(const DeviceDescription& device, v1::DeviceInfo* out) {
+  out->set_name(device.name);
+  out->set_compute_capability_major(device.compute_capability_major);
+  out->set_compute_capability_minor(device.compute_capability_minor);
+  out->set_total_memory_bytes(device.total_memory_bytes);
+  out->set_driver_version(device.driver_version);
+  out->set_max_ptx_version(device.max_ptx_version);
+  out->set_sm_count(device.sm_count);
+}
+
+}  // namespace normgrad::server

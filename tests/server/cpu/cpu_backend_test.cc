@@ -1,0 +1,114 @@
+// CPU-backend specifics: grad_gamma bits independent of the thread count, streaming stores,
+// partitions by shape, accuracy over many rows, misaligned buffers. (What every backend must do:
+// tests/server/backend/backend_test.cc.)
+#include "server/cpu/cpu_backend.h"
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/reference.h"
+#include "tests/server/backend/backend_test_util.h"
+
+// In the test utilities' namespace: Batch, MakeBatch, RunF32... without qualification.
+namespace normgrad::server::testing {
+namespace {
+
+std::unique_ptr<Backend> Cpu(int threads) {
+  CpuBackendOptions options;
+  options.threads = threads;
+  return NewCpuBackend(options);
+}
+
+TEST(CpuBackendTest, SameBitsWhateverTheThreadCount) {
+  const Batch b = MakeBatch(5003, 896, /*with_rms=*/false);
+  std::vector<Gradients> results;
+  for (int threads : {1, 2, 4}) {
+    absl::StatusOr<Gradients> g = RunF32(*Cpu(threads), b, 2048);
+    ASSERT_TRUE(g.ok()) << g.status();
+    results.push_back(*std::move(g));
+  }
+  for (size_t k = 1; k < results.size(); ++k) {
+    EXPECT_EQ(0, std::memcmp(results[0].dgamma.data(), results[k].dgamma.data(), 896 * 4)) << k;
+    EXPECT_EQ(0, std::memcmp(results[0].dx.data(), results[k].dx.data(), results[0].dx.size() * 4))
+        << k;
+  }
+}
+
+TEST(CpuBackendTest, LargeChunksWrittenWithStreamingStoresGiveTheSameBits) {
+  // 520 x 4099 f32 = 8.5 MB per buffer: above kStreamDxBytes as one chunk, below it in chunks
+  // of 100 rows. The odd hidden_dim puts most rows off the vector alignment (scalar heads).
+  const Batch b = MakeBatch(520, 4099, /*with_rms=*/false);
+  ASSERT_GE(b.x.size() * 4, cpu_internal::kStreamDxBytes);
+  absl::StatusOr<Gradients> streamed = RunF32(*Cpu(2), b, 520);
+  absl::StatusOr<Gradients> cached = RunF32(*Cpu(2), b, 100);
+  ASSERT_TRUE(streamed.ok() && cached.ok());
+  EXPECT_EQ(0, std::memcmp(streamed->dx.data(), cached->dx.data(), b.x.size() * 4));
+  std::vector<float> dx(b.x.size()), dgamma(b.hidden);
+  kernels::ReferenceBackward({b.x, b.dy, b.gamma, {}, b.rows, b.hidden, b.eps}, absl::MakeSpan(dx),
+                             absl::MakeSpan(dgamma));
+  int bad = 0;
+  for (size_t i = 0; i < dx.size(); ++i) {
+    if (!(std::fabs(streamed->dx[i] - dx[i]) <= 1e-5 * std::fabs(dx[i]) + 1e-30)) ++bad;
+  }
+  EXPECT_EQ(bad, 0);
+}
+
+TEST(CpuBackendTest, PartitionsDependOnlyOnTheShape) {
+  EXPECT_EQ(cpu_internal::RowsPerPartition(4096, 4096), 64u);  // 64 partitions
+  EXPECT_EQ(cpu_internal::RowsPerPartition(256, 4096), 32u);   // >= 131072 elements each
+  EXPECT_EQ(cpu_internal::RowsPerPartition(100, 896), 147u);   // a single partition
+  EXPECT_EQ(cpu_internal::RowsPerPartition(1, 1), 131072u);
+  EXPECT_EQ(cpu_internal::RowsPerPartition(10000000, 8), 156250u);  // at most 64 partitions
+}
+
+TEST(CpuBackendTest, HundredThousandRowsGradGammaWithin1e5OfReference) {
+  const Batch b = MakeBatch(100000, 33, /*with_rms=*/false);
+  std::vector<float> dx(b.x.size()), dgamma(b.hidden);
+  kernels::ReferenceBackward({b.x, b.dy, b.gamma, {}, b.rows, b.hidden, b.eps}, absl::MakeSpan(dx),
+                             absl::MakeSpan(dgamma));
+  absl::StatusOr<Gradients> got = RunF32(*Cpu(2), b, 30000);
+  ASSERT_TRUE(got.ok()) << got.status();
+  for (uint32_t i = 0; i < b.hidden; ++i) {
+    EXPECT_LE(std::fabs(got->dgamma[i] - dgamma[i]), 1e-5 * std::fabs(dgamma[i])) << i;
+  }
+}
+
+TEST(CpuBackendTest, MisalignedF32BuffersGiveTheSameResult) {
+  const Batch b = MakeBatch(50, 37, false);
+  absl::StatusOr<Gradients> aligned = RunF32(*Cpu(2), b, 50);
+  ASSERT_TRUE(aligned.ok());
+  // The same bytes one byte into their buffers.
+  const size_t n = b.x.size() * 4;
+  std::vector<uint8_t> x(n + 1), dy(n + 1), dx(n + 1);
+  std::memcpy(x.data() + 1, b.x.data(), n);
+  std::memcpy(dy.data() + 1, b.dy.data(), n);
+  BatchSpec spec;
+  spec.num_rows = 50;
+  spec.hidden_dim = 37;
+  spec.eps = b.eps;
+  std::unique_ptr<Backend> cpu = Cpu(2);
+  auto session = cpu->StartBackward(spec, Bytes(b.gamma));
+  ASSERT_TRUE(session.ok());
+  ASSERT_TRUE((*session)
+                  ->ProcessChunk(absl::MakeConstSpan(x).subspan(1),
+                                 absl::MakeConstSpan(dy).subspan(1), {}, 50,
+                                 absl::MakeSpan(dx).subspan(1))
+                  .ok());
+  std::vector<float> dgamma(37);
+  ASSERT_TRUE((*session)->Finish(MutableBytes(dgamma)).ok());
+  EXPECT_EQ(0, std::memcmp(dx.data() + 1, aligned->dx.data(), n));
+  EXPECT_EQ(0, std::memcmp(dgamma.data(), aligned->dgamma.data(), 37 * 4));
+}
+
+TEST(CpuBackendTest, DeviceNamesThreadsAndSimdTarget) {
+  const DeviceDescription d = Cpu(3)->Device();
+  EXPECT_EQ(d.name.rfind("cpu: 3 threads, ", 0), 0u) << d.name;
+  EXPECT_EQ(d.sm_count, 3u);
+  EXPECT_GT(d.total_memory_bytes, 0u);
+  EXPECT_TRUE(d.driver_version.empty());
+}
+
+}  // namespace
+}  // namespace normgrad::server::testing

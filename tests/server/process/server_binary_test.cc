@@ -1,0 +1,148 @@
+// normgrad-server as a subprocess: the ready line, SIGTERM drains and exits 0, start-up failures
+// exit non-zero with one clear line, --help lists the flags.
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/common/child_process.h"
+#include "tests/server/service/service_test_util.h"
+
+namespace normgrad::server {
+namespace {
+
+using ::normgrad::testing::ChildOptions;
+using ::normgrad::testing::ChildProcess;
+using ::normgrad::testing::ParseReadyLine;
+using ::testing::HasSubstr;
+
+// stdout and stderr on pipes; SIGKILL if still running at the end.
+absl::StatusOr<ChildProcess> StartChild(std::vector<std::string> args) {
+  ChildOptions options;
+  options.capture_stderr = true;
+  return ChildProcess::Start(std::move(args), options);
+}
+
+// The exit code, -1 on timeout or when a signal ended it.
+int ExitCode(const std::optional<int>& status) {
+  return status && WIFEXITED(*status) ? WEXITSTATUS(*status) : -1;
+}
+
+std::vector<std::string> ServerArgs(std::vector<std::string> extra) {
+  std::vector<std::string> args = {NORMGRAD_SERVER_BINARY, "--listen=127.0.0.1:0",
+                                   "--metrics-listen=127.0.0.1:0", "--backend=cpu",
+                                   "--cpu-threads=2"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+std::string LastLine(const std::string& text) {
+  std::vector<std::string> lines = absl::StrSplit(text, '\n', absl::SkipEmpty());
+  return lines.empty() ? "" : lines.back();
+}
+
+TEST(ServerBinaryTest, PrintsReadyLineServesAndExitsZeroOnSigterm) {
+  absl::StatusOr<ChildProcess> server = StartChild(ServerArgs({"--shutdown-grace=20s"}));
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string ready = server->ReadLine(absl::Seconds(60));
+  ASSERT_THAT(ready, HasSubstr("normgrad-server ready grpc=127.0.0.1:")) << server->Stderr();
+  EXPECT_THAT(ready, HasSubstr("backend=cpu"));
+  const int port = ParseReadyLine(ready).grpc_port;
+  ASSERT_GT(port, 0);
+  auto stub = testing::StubFor(port);
+
+  // A stream in flight when SIGTERM arrives finishes; then the process exits 0.
+  const testing::Batch batch = testing::RandomBatch(30, 64, 41);
+  grpc::ClientContext context;
+  auto stream = stub->RmsNormBackward(&context);
+  ASSERT_TRUE(testing::WriteHeaderAndRows(*stream, batch, 10));
+  v1::BackwardResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+  server->Signal(SIGTERM);
+  absl::SleepFor(absl::Milliseconds(100));  // let the drain begin; correctness does not depend on it
+  ASSERT_TRUE(stream->Write(testing::ChunkFor(batch, 10, 20)));
+  stream->WritesDone();
+  int more = 0;
+  while (stream->Read(&response)) ++more;
+  grpc::Status s = stream->Finish();
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(more, 2);
+  EXPECT_EQ(ExitCode(server->WaitExit(absl::Seconds(60))), 0) << server->Stderr();
+  EXPECT_THAT(server->Stderr(), HasSubstr("SIGTERM received"));
+}
+
+TEST(ServerBinaryTest, PortInUseExitsNonZeroWithOneClearLine) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(fd, 1), 0);
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  const int taken = ntohs(addr.sin_port);
+  absl::StatusOr<ChildProcess> server =
+      StartChild({NORMGRAD_SERVER_BINARY, absl::StrCat("--listen=127.0.0.1:", taken),
+                  "--metrics-listen=", "--backend=cpu"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int code = ExitCode(server->WaitExit(absl::Seconds(60)));
+  close(fd);
+  EXPECT_NE(code, 0);
+  EXPECT_NE(code, -1);
+  const std::string line = LastLine(server->Stderr());
+  EXPECT_THAT(line, HasSubstr(absl::StrCat("--listen=127.0.0.1:", taken)));
+  EXPECT_THAT(line, HasSubstr("cannot listen"));
+}
+
+TEST(ServerBinaryTest, BadFlagValuesExitNonZeroNamingTheFlag) {
+  {
+    absl::StatusOr<ChildProcess> server = StartChild(ServerArgs({"--backend=gpu"}));
+    ASSERT_TRUE(server.ok()) << server.status();
+    EXPECT_EQ(ExitCode(server->WaitExit(absl::Seconds(30))), 2);
+    EXPECT_THAT(LastLine(server->Stderr()), HasSubstr("--backend=gpu"));
+  }
+  {
+    absl::StatusOr<ChildProcess> server = StartChild(ServerArgs({"--max-hidden-dim=10000000"}));
+    ASSERT_TRUE(server.ok()) << server.status();
+    EXPECT_NE(ExitCode(server->WaitExit(absl::Seconds(30))), 0);
+    EXPECT_THAT(LastLine(server->Stderr()), HasSubstr("--max-message-bytes"));
+  }
+  {
+    absl::StatusOr<ChildProcess> server = StartChild(ServerArgs({"--max-streams=many"}));
+    ASSERT_TRUE(server.ok()) << server.status();
+    EXPECT_NE(ExitCode(server->WaitExit(absl::Seconds(30))), 0);
+    EXPECT_THAT(server->Stderr(), HasSubstr("max_streams"));
+  }
+}
+
+TEST(ServerBinaryTest, HelpDocumentsEveryFlag) {
+  absl::StatusOr<ChildProcess> server = StartChild({NORMGRAD_SERVER_BINARY, "--help"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string help = server->ReadRest(absl::Seconds(30)) + server->Stderr();
+  (void)server->WaitExit(absl::Seconds(30));
+  for (const char* flag :
+       {"listen", "metrics_listen", "backend", "cuda_driver", "cpu_threads", "cache_max_entries",
+        "cache_max_bytes", "preload", "max_streams", "max_inflight_bytes", "max_hidden_dim",
+        "max_num_rows", "max_message_bytes", "stream_idle_timeout", "shutdown_grace",
+        "nvjitlink"}) {
+    EXPECT_THAT(help, HasSubstr(absl::StrCat("--", flag, " ("))) << flag;
+  }
+}
+
+}  // namespace
+}  // namespace normgrad::server
