@@ -31,6 +31,7 @@
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -100,15 +101,15 @@ class EmulatedDriver {
 
   std::mutex mu;
   bool initialized = false;  // guarded by mu
-  int primary_refs = 0;  // guarded by mu
+  int primary_refs = 0;      // guarded by mu
   EmuContext primary;
   EmuPool pool;
-  MemoryMap memory;  // device allocations (thread-safe on its own)
+  MemoryMap memory;                            // device allocations (thread-safe on its own)
   std::unordered_set<void*> host_allocations;  // guarded by mu
-  std::unordered_set<EmuModule*> modules;  // guarded by mu
+  std::unordered_set<EmuModule*> modules;      // guarded by mu
   std::unordered_set<EmuFunction*> functions;  // guarded by mu
-  std::unordered_set<EmuStream*> streams;  // guarded by mu
-  std::unordered_set<EmuEvent*> events;  // guarded by mu
+  std::unordered_set<EmuStream*> streams;      // guarded by mu
+  std::unordered_set<EmuEvent*> events;        // guarded by mu
 
   const int sm_;
   const uint64_t total_bytes_;
@@ -149,35 +150,79 @@ struct ErrorText {
   const char* name;
   const char* text;
 };
+#define NG_ERROR(code, text) \
+  { code, #code, text }
 constexpr ErrorText kErrors[] = {
-    {CUDA_SUCCESS, "CUDA_SUCCESS", "no error"},
-    {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
-    {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
-    {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
-    {CUDA_ERROR_DEINITIALIZED, "CUDA_ERROR_DEINITIALIZED", "driver shutting down"},
-    {CUDA_ERROR_STUB_LIBRARY, "CUDA_ERROR_STUB_LIBRARY", "CUDA driver is a stub library"},
-    {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
-    {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
-    {CUDA_ERROR_INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"},
-    {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
-    {CUDA_ERROR_NO_BINARY_FOR_GPU, "CUDA_ERROR_NO_BINARY_FOR_GPU",
-     "no kernel image is available for execution on the device"},
-    {CUDA_ERROR_INVALID_PTX, "CUDA_ERROR_INVALID_PTX", "a PTX JIT compilation failed"},
-    {CUDA_ERROR_UNSUPPORTED_PTX_VERSION, "CUDA_ERROR_UNSUPPORTED_PTX_VERSION",
-     "the provided PTX was compiled with an unsupported toolchain."},
-    {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
-    {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
-    {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
-    {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS",
-     "an illegal memory access was encountered"},
-    {CUDA_ERROR_MISALIGNED_ADDRESS, "CUDA_ERROR_MISALIGNED_ADDRESS", "misaligned address"},
-    {CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
-     "too many resources requested for launch"},
-    {CUDA_ERROR_LAUNCH_TIMEOUT, "CUDA_ERROR_LAUNCH_TIMEOUT",
-     "the launch timed out and was terminated"},
-    {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
-    {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
-    {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
+    NG_ERROR(CUDA_SUCCESS, "no error"),
+    NG_ERROR(CUDA_ERROR_INVALID_VALUE, "invalid argument"),
+    NG_ERROR(CUDA_ERROR_OUT_OF_MEMORY, "out of memory"),
+    NG_ERROR(CUDA_ERROR_NOT_INITIALIZED, "initialization error"),
+    NG_ERROR(CUDA_ERROR_DEINITIALIZED, "driver shutting down"),
+    NG_ERROR(CUDA_ERROR_STUB_LIBRARY, "CUDA driver is a stub library"),
+    NG_ERROR(CUDA_ERROR_NO_DEVICE, "no CUDA-capable device is detected"),
+    NG_ERROR(CUDA_ERROR_INVALID_DEVICE, "invalid device ordinal"),
+    NG_ERROR(CUDA_ERROR_INVALID_IMAGE, "device kernel image is invalid"),
+    NG_ERROR(CUDA_ERROR_INVALID_CONTEXT, "invalid device context"),
+    NG_ERROR(CUDA_ERROR_NO_BINARY_FOR_GPU,
+             "no kernel image is available for execution on the device"),
+    NG_ERROR(CUDA_ERROR_INVALID_PTX, "a PTX JIT compilation failed"),
+    NG_ERROR(CUDA_ERROR_UNSUPPORTED_PTX_VERSION,
+             "the provided PTX was compiled with an unsupported toolchain."),
+    NG_ERROR(CUDA_ERROR_INVALID_HANDLE, "invalid resource handle"),
+    NG_ERROR(CUDA_ERROR_NOT_FOUND, "named symbol not found"),
+    NG_ERROR(CUDA_ERROR_NOT_READY, "device not ready"),
+    NG_ERROR(CUDA_ERROR_ILLEGAL_ADDRESS, "an illegal memory access was encountered"),
+    NG_ERROR(CUDA_ERROR_MISALIGNED_ADDRESS, "misaligned address"),
+    NG_ERROR(CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, "too many resources requested for launch"),
+    NG_ERROR(CUDA_ERROR_LAUNCH_TIMEOUT, "the launch timed out and was terminated"),
+    NG_ERROR(CUDA_ERROR_LAUNCH_FAILED, "unspecified launch failure"),
+    NG_ERROR(CUDA_ERROR_NOT_SUPPORTED, "operation not supported"),
+    NG_ERROR(CUDA_ERROR_UNKNOWN, "unknown error"),
+};
+#undef NG_ERROR
+
+// cuGetErrorName / cuGetErrorString: `field` of error's entry.
+CUresult LookUpError(CUresult error, const char* ErrorText::*field, const char** out) {
+  if (out == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  for (const ErrorText& e : kErrors) {
+    if (e.code == error) {
+      *out = e.*field;
+      return CUDA_SUCCESS;
+    }
+  }
+  *out = nullptr;
+  return CUDA_ERROR_INVALID_VALUE;
+}
+
+// The device's attributes other than the compute capability (which follows sm_); 0 for the rest.
+constexpr std::pair<CUdevice_attribute, int> kDeviceAttributes[] = {
+    {CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, 132},
+    {CU_DEVICE_ATTRIBUTE_WARP_SIZE, 32},
+    {CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK, 1024},
+    {CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X, 1024},
+    {CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y, 1024},
+    {CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z, 64},
+    {CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X, 2147483647},
+    {CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y, 65535},
+    {CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z, 65535},
+    {CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK, 49152},
+    {CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, 232448},
+    {CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR, 233472},
+    {CU_DEVICE_ATTRIBUTE_TOTAL_CONSTANT_MEMORY, 65536},
+    {CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK, 65536},
+    {CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR, 65536},
+    {CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, 2048},
+    {CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR, 32},
+    {CU_DEVICE_ATTRIBUTE_CLOCK_RATE, 1980000},
+    {CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE, 2619000},
+    {CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH, 6144},
+    {CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, 50 << 20},
+    {CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, 1},
+    {CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS, 1},
+    {CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT, 2},
+    {CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY, 1},
+    {CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED, 1},
+    {CU_DEVICE_ATTRIBUTE_COMPUTE_MODE, CU_COMPUTEMODE_DEFAULT},
 };
 
 void WriteLog(const std::string& text, char* buffer, size_t* size_inout) {
@@ -214,6 +259,50 @@ CUresult Release(CUdeviceptr dptr) {
   return CUDA_SUCCESS;
 }
 
+// Hands `object` out as a handle: it is registered in `live` (one of the driver's sets, under its
+// mutex) until Unregister.
+template <typename T, typename Handle>
+CUresult Register(std::unordered_set<T*>& live, T* object, Handle* handle) {
+  EmulatedDriver& d = Driver();
+  std::lock_guard<std::mutex> lock(d.mu);
+  live.insert(object);
+  *handle = reinterpret_cast<Handle>(object);
+  return CUDA_SUCCESS;
+}
+
+// Takes `handle` out of `live` and deletes it, after `before_delete` (which runs under the
+// driver's mutex); CUDA_ERROR_INVALID_HANDLE when it is not a live handle. Needs a context.
+template <typename T, typename Handle, typename BeforeDelete>
+CUresult Unregister(std::unordered_set<T*>& live, Handle handle, BeforeDelete before_delete) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  EmulatedDriver& d = Driver();
+  T* object = reinterpret_cast<T*>(handle);
+  std::lock_guard<std::mutex> lock(d.mu);
+  if (live.erase(object) == 0) return CUDA_ERROR_INVALID_HANDLE;
+  before_delete(*object);
+  delete object;
+  return CUDA_SUCCESS;
+}
+template <typename T, typename Handle>
+CUresult Unregister(std::unordered_set<T*>& live, Handle handle) {
+  return Unregister(live, handle, [](T&) {});
+}
+
+// A copy or fill on `stream` of `count` elements of `element_bytes` at device address `device`:
+// the context, the stream, nothing to do for 0 elements, `arguments_ok` (the host pointer or
+// the alignment), the device range, in that order; then `work` runs (streams are synchronous).
+template <typename Work>
+CUresult StreamTransfer(CUstream stream, CUdeviceptr device, size_t count, size_t element_bytes,
+                        bool arguments_ok, Work work) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  if (!ValidStream(stream)) return CUDA_ERROR_INVALID_HANDLE;
+  if (count == 0) return CUDA_SUCCESS;
+  if (!arguments_ok) return CUDA_ERROR_INVALID_VALUE;
+  if (CUresult r = CheckDeviceRange(device, count * element_bytes); r != CUDA_SUCCESS) return r;
+  work();
+  return CUDA_SUCCESS;
+}
+
 CUresult LaunchFailure(Finding finding) {
   switch (finding) {
     case Finding::kOutOfBounds:
@@ -239,32 +328,17 @@ using normgrad::ptxsim::EmuFunction;
 using normgrad::ptxsim::EmulatedDriver;
 using normgrad::ptxsim::EmuModule;
 using normgrad::ptxsim::EmuStream;
+using normgrad::ptxsim::ErrorText;
 using normgrad::ptxsim::NeedContext;
 using normgrad::ptxsim::NeedInit;
 using normgrad::ptxsim::WriteLog;
 
 NG_EXPORT CUresult CUDAAPI cuGetErrorName(CUresult error, const char** pStr) {
-  if (pStr == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  for (const auto& e : normgrad::ptxsim::kErrors) {
-    if (e.code == error) {
-      *pStr = e.name;
-      return CUDA_SUCCESS;
-    }
-  }
-  *pStr = nullptr;
-  return CUDA_ERROR_INVALID_VALUE;
+  return normgrad::ptxsim::LookUpError(error, &ErrorText::name, pStr);
 }
 
 NG_EXPORT CUresult CUDAAPI cuGetErrorString(CUresult error, const char** pStr) {
-  if (pStr == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  for (const auto& e : normgrad::ptxsim::kErrors) {
-    if (e.code == error) {
-      *pStr = e.text;
-      return CUDA_SUCCESS;
-    }
-  }
-  *pStr = nullptr;
-  return CUDA_ERROR_INVALID_VALUE;
+  return normgrad::ptxsim::LookUpError(error, &ErrorText::text, pStr);
 }
 
 NG_EXPORT CUresult CUDAAPI cuInit(unsigned int Flags) {
@@ -318,100 +392,16 @@ NG_EXPORT CUresult CUDAAPI cuDeviceGetAttribute(int* pi, CUdevice_attribute attr
   if (pi == nullptr || attrib <= 0 || attrib >= CU_DEVICE_ATTRIBUTE_MAX)
     return CUDA_ERROR_INVALID_VALUE;
   const int sm = Driver().sm_;
-  int v = 0;
-  switch (attrib) {
-    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR:
-      v = sm / 10;
-      break;
-    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR:
-      v = sm % 10;
-      break;
-    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT:
-      v = 132;
-      break;
-    case CU_DEVICE_ATTRIBUTE_WARP_SIZE:
-      v = 32;
-      break;
-    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK:
-      v = 1024;
-      break;
-    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X:
-      v = 1024;
-      break;
-    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y:
-      v = 1024;
-      break;
-    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z:
-      v = 64;
-      break;
-    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X:
-      v = 2147483647;
-      break;
-    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y:
-      v = 65535;
-      break;
-    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z:
-      v = 65535;
-      break;
-    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK:
-      v = 49152;
-      break;
-    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN:
-      v = 232448;
-      break;
-    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR:
-      v = 233472;
-      break;
-    case CU_DEVICE_ATTRIBUTE_TOTAL_CONSTANT_MEMORY:
-      v = 65536;
-      break;
-    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK:
-      v = 65536;
-      break;
-    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR:
-      v = 65536;
-      break;
-    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR:
-      v = 2048;
-      break;
-    case CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR:
-      v = 32;
-      break;
-    case CU_DEVICE_ATTRIBUTE_CLOCK_RATE:
-      v = 1980000;
-      break;
-    case CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE:
-      v = 2619000;
-      break;
-    case CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH:
-      v = 6144;
-      break;
-    case CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE:
-      v = 50 << 20;
-      break;
-    case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING:
-      v = 1;
-      break;
-    case CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS:
-      v = 1;
-      break;
-    case CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT:
-      v = 2;
-      break;
-    case CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY:
-      v = 1;
-      break;
-    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED:
-      v = 1;
-      break;
-    case CU_DEVICE_ATTRIBUTE_COMPUTE_MODE:
-      v = CU_COMPUTEMODE_DEFAULT;
-      break;
-    default:
-      v = 0;
-      break;
+  if (attrib == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) {
+    *pi = sm / 10;
+  } else if (attrib == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR) {
+    *pi = sm % 10;
+  } else {
+    *pi = 0;
+    for (const auto& [a, value] : normgrad::ptxsim::kDeviceAttributes) {
+      if (a == attrib) *pi = value;
+    }
   }
-  *pi = v;
   return CUDA_SUCCESS;
 }
 
@@ -517,24 +507,16 @@ NG_EXPORT CUresult CUDAAPI cuModuleLoadDataEx(CUmodule* module, const void* imag
   }
   WriteLog("", info_log, info_size);
   WriteLog("", error_log, error_size);
-  auto owned = std::make_unique<EmuModule>();
-  owned->module = *std::move(parsed);
-  EmuModule* m = owned.release();
-  std::lock_guard<std::mutex> lock(d.mu);
-  d.modules.insert(m);
-  *module = reinterpret_cast<CUmodule>(m);
-  return CUDA_SUCCESS;
+  EmuModule* m = new EmuModule();
+  m->module = *std::move(parsed);
+  return normgrad::ptxsim::Register(d.modules, m, module);
 }
 
 NG_EXPORT CUresult CUDAAPI cuModuleUnload(CUmodule hmod) {
-  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
   EmulatedDriver& d = Driver();
-  EmuModule* m = reinterpret_cast<EmuModule*>(hmod);
-  std::lock_guard<std::mutex> lock(d.mu);
-  if (d.modules.erase(m) == 0) return CUDA_ERROR_INVALID_HANDLE;
-  for (auto& [name, f] : m->functions) d.functions.erase(f.get());
-  delete m;
-  return CUDA_SUCCESS;
+  return normgrad::ptxsim::Unregister(d.modules, hmod, [&d](EmuModule& m) {
+    for (auto& [name, f] : m.functions) d.functions.erase(f.get());
+  });
 }
 
 NG_EXPORT CUresult CUDAAPI cuModuleGetFunction(CUfunction* hfunc, CUmodule hmod, const char* name) {
@@ -663,71 +645,42 @@ NG_EXPORT CUresult CUDAAPI cuMemFreeHost(void* p) {
 
 NG_EXPORT CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dstDevice, const void* srcHost,
                                              size_t ByteCount, CUstream hStream) {
-  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
-  if (!normgrad::ptxsim::ValidStream(hStream)) return CUDA_ERROR_INVALID_HANDLE;
-  if (ByteCount == 0) return CUDA_SUCCESS;
-  if (srcHost == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  if (CUresult r = normgrad::ptxsim::CheckDeviceRange(dstDevice, ByteCount); r != CUDA_SUCCESS)
-    return r;
-  std::memcpy(reinterpret_cast<void*>(dstDevice), srcHost, ByteCount);
-  return CUDA_SUCCESS;
+  return normgrad::ptxsim::StreamTransfer(
+      hStream, dstDevice, ByteCount, 1, srcHost != nullptr,
+      [&] { std::memcpy(reinterpret_cast<void*>(dstDevice), srcHost, ByteCount); });
 }
 
 NG_EXPORT CUresult CUDAAPI cuMemcpyDtoHAsync(void* dstHost, CUdeviceptr srcDevice, size_t ByteCount,
                                              CUstream hStream) {
-  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
-  if (!normgrad::ptxsim::ValidStream(hStream)) return CUDA_ERROR_INVALID_HANDLE;
-  if (ByteCount == 0) return CUDA_SUCCESS;
-  if (dstHost == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  if (CUresult r = normgrad::ptxsim::CheckDeviceRange(srcDevice, ByteCount); r != CUDA_SUCCESS)
-    return r;
-  std::memcpy(dstHost, reinterpret_cast<const void*>(srcDevice), ByteCount);
-  return CUDA_SUCCESS;
+  return normgrad::ptxsim::StreamTransfer(
+      hStream, srcDevice, ByteCount, 1, dstHost != nullptr,
+      [&] { std::memcpy(dstHost, reinterpret_cast<const void*>(srcDevice), ByteCount); });
 }
 
 NG_EXPORT CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc, size_t N,
                                            CUstream hStream) {
-  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
-  if (!normgrad::ptxsim::ValidStream(hStream)) return CUDA_ERROR_INVALID_HANDLE;
-  if (N == 0) return CUDA_SUCCESS;
-  if (CUresult r = normgrad::ptxsim::CheckDeviceRange(dstDevice, N); r != CUDA_SUCCESS) return r;
-  std::memset(reinterpret_cast<void*>(dstDevice), uc, N);
-  return CUDA_SUCCESS;
+  return normgrad::ptxsim::StreamTransfer(hStream, dstDevice, N, 1, true, [&] {
+    std::memset(reinterpret_cast<void*>(dstDevice), uc, N);
+  });
 }
 
 NG_EXPORT CUresult CUDAAPI cuMemsetD32Async(CUdeviceptr dstDevice, unsigned int ui, size_t N,
                                             CUstream hStream) {
-  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
-  if (!normgrad::ptxsim::ValidStream(hStream)) return CUDA_ERROR_INVALID_HANDLE;
-  if (N == 0) return CUDA_SUCCESS;
-  if (dstDevice % 4 != 0) return CUDA_ERROR_INVALID_VALUE;
-  if (CUresult r = normgrad::ptxsim::CheckDeviceRange(dstDevice, N * 4); r != CUDA_SUCCESS)
-    return r;
-  uint32_t* p = reinterpret_cast<uint32_t*>(dstDevice);
-  for (size_t i = 0; i < N; ++i) p[i] = ui;
-  return CUDA_SUCCESS;
+  return normgrad::ptxsim::StreamTransfer(hStream, dstDevice, N, 4, dstDevice % 4 == 0, [&] {
+    uint32_t* p = reinterpret_cast<uint32_t*>(dstDevice);
+    for (size_t i = 0; i < N; ++i) p[i] = ui;
+  });
 }
 
 NG_EXPORT CUresult CUDAAPI cuStreamCreate(CUstream* phStream, unsigned int Flags) {
   if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
   if (phStream == nullptr || (Flags & ~CU_STREAM_NON_BLOCKING) != 0)
     return CUDA_ERROR_INVALID_VALUE;
-  EmuStream* s = new EmuStream{Flags};
-  EmulatedDriver& d = Driver();
-  std::lock_guard<std::mutex> lock(d.mu);
-  d.streams.insert(s);
-  *phStream = reinterpret_cast<CUstream>(s);
-  return CUDA_SUCCESS;
+  return normgrad::ptxsim::Register(Driver().streams, new EmuStream{Flags}, phStream);
 }
 
 NG_EXPORT CUresult CUDAAPI cuStreamDestroy(CUstream hStream) {
-  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
-  EmulatedDriver& d = Driver();
-  EmuStream* s = reinterpret_cast<EmuStream*>(hStream);
-  std::lock_guard<std::mutex> lock(d.mu);
-  if (d.streams.erase(s) == 0) return CUDA_ERROR_INVALID_HANDLE;
-  delete s;
-  return CUDA_SUCCESS;
+  return normgrad::ptxsim::Unregister(Driver().streams, hStream);
 }
 
 NG_EXPORT CUresult CUDAAPI cuStreamSynchronize(CUstream hStream) {
@@ -740,11 +693,7 @@ NG_EXPORT CUresult CUDAAPI cuEventCreate(CUevent* phEvent, unsigned int Flags) {
   if (phEvent == nullptr) return CUDA_ERROR_INVALID_VALUE;
   EmuEvent* e = new EmuEvent();
   e->flags = Flags;
-  EmulatedDriver& d = Driver();
-  std::lock_guard<std::mutex> lock(d.mu);
-  d.events.insert(e);
-  *phEvent = reinterpret_cast<CUevent>(e);
-  return CUDA_SUCCESS;
+  return normgrad::ptxsim::Register(Driver().events, e, phEvent);
 }
 
 NG_EXPORT CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream) {
@@ -787,13 +736,7 @@ NG_EXPORT CUresult CUDAAPI cuEventElapsedTime(float* pMilliseconds, CUevent hSta
 }
 
 NG_EXPORT CUresult CUDAAPI cuEventDestroy(CUevent hEvent) {
-  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
-  EmulatedDriver& d = Driver();
-  EmuEvent* e = reinterpret_cast<EmuEvent*>(hEvent);
-  std::lock_guard<std::mutex> lock(d.mu);
-  if (d.events.erase(e) == 0) return CUDA_ERROR_INVALID_HANDLE;
-  delete e;
-  return CUDA_SUCCESS;
+  return normgrad::ptxsim::Unregister(Driver().events, hEvent);
 }
 
 NG_EXPORT CUresult CUDAAPI cuMemGetInfo(size_t* free, size_t* total) {

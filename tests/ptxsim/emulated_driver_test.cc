@@ -16,46 +16,48 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// Every symbol server/cuda/driver_api.h resolves, plus the unversioned cuEventElapsedTime.
-constexpr const char* kExportedNames[] = {"cuInit",
-                                          "cuDriverGetVersion",
-                                          "cuDeviceGetCount",
-                                          "cuDeviceGet",
-                                          "cuDeviceGetName",
-                                          "cuDeviceGetAttribute",
-                                          "cuDeviceTotalMem_v2",
-                                          "cuDevicePrimaryCtxRetain",
-                                          "cuDevicePrimaryCtxRelease_v2",
-                                          "cuCtxSetCurrent",
-                                          "cuCtxGetCurrent",
-                                          "cuModuleLoadDataEx",
-                                          "cuModuleUnload",
-                                          "cuModuleGetFunction",
-                                          "cuLaunchKernel",
-                                          "cuMemAlloc_v2",
-                                          "cuMemFree_v2",
-                                          "cuMemAllocAsync",
-                                          "cuMemFreeAsync",
-                                          "cuDeviceGetDefaultMemPool",
-                                          "cuMemPoolSetAttribute",
-                                          "cuMemHostAlloc",
-                                          "cuMemFreeHost",
-                                          "cuMemcpyHtoDAsync_v2",
-                                          "cuMemcpyDtoHAsync_v2",
-                                          "cuMemsetD8Async",
-                                          "cuMemsetD32Async",
-                                          "cuStreamCreate",
-                                          "cuStreamDestroy_v2",
-                                          "cuStreamSynchronize",
-                                          "cuEventCreate",
-                                          "cuEventRecord",
-                                          "cuEventSynchronize",
-                                          "cuEventElapsedTime",
-                                          "cuEventElapsedTime_v2",
-                                          "cuEventDestroy_v2",
-                                          "cuGetErrorName",
-                                          "cuGetErrorString",
-                                          "cuMemGetInfo_v2"};
+// Every symbol server/cuda/driver_api.h resolves, by its exported name: the name cuda.h's macros
+// map a call to, so that `cuMemAlloc(...)` below calls the cuMemAlloc_v2 member. (The
+// unversioned cuEventElapsedTime, exported too, is checked by name only.)
+#define NG_DRIVER_SYMBOLS(X)      \
+  X(cuInit)                       \
+  X(cuDriverGetVersion)           \
+  X(cuDeviceGetCount)             \
+  X(cuDeviceGet)                  \
+  X(cuDeviceGetName)              \
+  X(cuDeviceGetAttribute)         \
+  X(cuDeviceTotalMem_v2)          \
+  X(cuDevicePrimaryCtxRetain)     \
+  X(cuDevicePrimaryCtxRelease_v2) \
+  X(cuCtxSetCurrent)              \
+  X(cuCtxGetCurrent)              \
+  X(cuModuleLoadDataEx)           \
+  X(cuModuleUnload)               \
+  X(cuModuleGetFunction)          \
+  X(cuLaunchKernel)               \
+  X(cuMemAlloc_v2)                \
+  X(cuMemFree_v2)                 \
+  X(cuMemAllocAsync)              \
+  X(cuMemFreeAsync)               \
+  X(cuDeviceGetDefaultMemPool)    \
+  X(cuMemPoolSetAttribute)        \
+  X(cuMemHostAlloc)               \
+  X(cuMemFreeHost)                \
+  X(cuMemcpyHtoDAsync_v2)         \
+  X(cuMemcpyDtoHAsync_v2)         \
+  X(cuMemsetD8Async)              \
+  X(cuMemsetD32Async)             \
+  X(cuStreamCreate)               \
+  X(cuStreamDestroy_v2)           \
+  X(cuStreamSynchronize)          \
+  X(cuEventCreate)                \
+  X(cuEventRecord)                \
+  X(cuEventSynchronize)           \
+  X(cuEventElapsedTime_v2)        \
+  X(cuEventDestroy_v2)            \
+  X(cuGetErrorName)               \
+  X(cuGetErrorString)             \
+  X(cuMemGetInfo_v2)
 
 constexpr char kScalePtx[] = R"(
 .version 7.8
@@ -98,42 +100,10 @@ class EmulatedDriverTest : public ::testing::Test {
   void SetUp() override {
     api_.lib = dlopen(NORMGRAD_EMULATED_CUDA_PATH, RTLD_NOW | RTLD_LOCAL);
     ASSERT_NE(api_.lib, nullptr) << dlerror();
-#define NG_LOAD(name, symbol)                 \
-  name = api_.Get<decltype(&::name)>(symbol); \
-  ASSERT_NE(name, nullptr) << symbol;
-    NG_LOAD(cuInit, "cuInit");
-    NG_LOAD(cuDriverGetVersion, "cuDriverGetVersion");
-    NG_LOAD(cuDeviceGetCount, "cuDeviceGetCount");
-    NG_LOAD(cuDeviceGet, "cuDeviceGet");
-    NG_LOAD(cuDeviceGetName, "cuDeviceGetName");
-    NG_LOAD(cuDeviceGetAttribute, "cuDeviceGetAttribute");
-    NG_LOAD(cuDeviceTotalMem, "cuDeviceTotalMem_v2");
-    NG_LOAD(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
-    NG_LOAD(cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
-    NG_LOAD(cuCtxSetCurrent, "cuCtxSetCurrent");
-    NG_LOAD(cuCtxGetCurrent, "cuCtxGetCurrent");
-    NG_LOAD(cuModuleLoadDataEx, "cuModuleLoadDataEx");
-    NG_LOAD(cuModuleUnload, "cuModuleUnload");
-    NG_LOAD(cuModuleGetFunction, "cuModuleGetFunction");
-    NG_LOAD(cuLaunchKernel, "cuLaunchKernel");
-    NG_LOAD(cuMemAlloc, "cuMemAlloc_v2");
-    NG_LOAD(cuMemFree, "cuMemFree_v2");
-    NG_LOAD(cuMemAllocAsync, "cuMemAllocAsync");
-    NG_LOAD(cuMemFreeAsync, "cuMemFreeAsync");
-    NG_LOAD(cuMemHostAlloc, "cuMemHostAlloc");
-    NG_LOAD(cuMemFreeHost, "cuMemFreeHost");
-    NG_LOAD(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
-    NG_LOAD(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
-    NG_LOAD(cuMemsetD32Async, "cuMemsetD32Async");
-    NG_LOAD(cuStreamCreate, "cuStreamCreate");
-    NG_LOAD(cuStreamDestroy, "cuStreamDestroy_v2");
-    NG_LOAD(cuStreamSynchronize, "cuStreamSynchronize");
-    NG_LOAD(cuEventCreate, "cuEventCreate");
-    NG_LOAD(cuEventRecord, "cuEventRecord");
-    NG_LOAD(cuEventElapsedTime, "cuEventElapsedTime_v2");
-    NG_LOAD(cuEventDestroy, "cuEventDestroy_v2");
-    NG_LOAD(cuGetErrorName, "cuGetErrorName");
-    NG_LOAD(cuMemGetInfo, "cuMemGetInfo_v2");
+#define NG_LOAD(symbol)                            \
+  symbol = api_.Get<decltype(&::symbol)>(#symbol); \
+  ASSERT_NE(symbol, nullptr) << #symbol;
+    NG_DRIVER_SYMBOLS(NG_LOAD)
 #undef NG_LOAD
     ASSERT_EQ(cuInit(0), CUDA_SUCCESS);
   }
@@ -145,44 +115,24 @@ class EmulatedDriverTest : public ::testing::Test {
     ASSERT_EQ(cuCtxSetCurrent(ctx), CUDA_SUCCESS);
   }
 
+  // Loads scale() from kScalePtx.
+  void LoadScaleKernel(CUmodule* module, CUfunction* fn) {
+    ASSERT_EQ(cuModuleLoadDataEx(module, kScalePtx, 0, nullptr, nullptr), CUDA_SUCCESS);
+    ASSERT_EQ(cuModuleGetFunction(fn, *module, "scale"), CUDA_SUCCESS);
+  }
+
   Api api_;
-  decltype(&::cuInit) cuInit;
-  decltype(&::cuDriverGetVersion) cuDriverGetVersion;
-  decltype(&::cuDeviceGetCount) cuDeviceGetCount;
-  decltype(&::cuDeviceGet) cuDeviceGet;
-  decltype(&::cuDeviceGetName) cuDeviceGetName;
-  decltype(&::cuDeviceGetAttribute) cuDeviceGetAttribute;
-  decltype(&::cuDeviceTotalMem) cuDeviceTotalMem;
-  decltype(&::cuDevicePrimaryCtxRetain) cuDevicePrimaryCtxRetain;
-  decltype(&::cuDevicePrimaryCtxRelease) cuDevicePrimaryCtxRelease;
-  decltype(&::cuCtxSetCurrent) cuCtxSetCurrent;
-  decltype(&::cuCtxGetCurrent) cuCtxGetCurrent;
-  decltype(&::cuModuleLoadDataEx) cuModuleLoadDataEx;
-  decltype(&::cuModuleUnload) cuModuleUnload;
-  decltype(&::cuModuleGetFunction) cuModuleGetFunction;
-  decltype(&::cuLaunchKernel) cuLaunchKernel;
-  decltype(&::cuMemAlloc) cuMemAlloc;
-  decltype(&::cuMemFree) cuMemFree;
-  decltype(&::cuMemAllocAsync) cuMemAllocAsync;
-  decltype(&::cuMemFreeAsync) cuMemFreeAsync;
-  decltype(&::cuMemHostAlloc) cuMemHostAlloc;
-  decltype(&::cuMemFreeHost) cuMemFreeHost;
-  decltype(&::cuMemcpyHtoDAsync) cuMemcpyHtoDAsync;
-  decltype(&::cuMemcpyDtoHAsync) cuMemcpyDtoHAsync;
-  decltype(&::cuMemsetD32Async) cuMemsetD32Async;
-  decltype(&::cuStreamCreate) cuStreamCreate;
-  decltype(&::cuStreamDestroy) cuStreamDestroy;
-  decltype(&::cuStreamSynchronize) cuStreamSynchronize;
-  decltype(&::cuEventCreate) cuEventCreate;
-  decltype(&::cuEventRecord) cuEventRecord;
-  decltype(&::cuEventElapsedTime) cuEventElapsedTime;
-  decltype(&::cuEventDestroy) cuEventDestroy;
-  decltype(&::cuGetErrorName) cuGetErrorName;
-  decltype(&::cuMemGetInfo) cuMemGetInfo;
+#define NG_DECLARE(symbol) decltype(&::symbol) symbol = nullptr;
+  NG_DRIVER_SYMBOLS(NG_DECLARE)
+#undef NG_DECLARE
 };
 
 TEST_F(EmulatedDriverTest, ExportsEveryDriverApiSymbolTheBackendResolves) {
-  for (const char* name : kExportedNames) EXPECT_NE(dlsym(api_.lib, name), nullptr) << name;
+#define NG_NAME(symbol) #symbol,
+  for (const char* name : {NG_DRIVER_SYMBOLS(NG_NAME) "cuEventElapsedTime"}) {
+    EXPECT_NE(dlsym(api_.lib, name), nullptr) << name;
+  }
+#undef NG_NAME
 }
 
 TEST_F(EmulatedDriverTest, ReportsAPlausibleSm90Device) {
@@ -255,10 +205,10 @@ TEST_F(EmulatedDriverTest, AllocCopyLoadLaunchCopyBack) {
             CUDA_ERROR_INVALID_VALUE);
 
   CUmodule module = nullptr;
-  ASSERT_EQ(cuModuleLoadDataEx(&module, kScalePtx, 0, nullptr, nullptr), CUDA_SUCCESS);
   CUfunction fn = nullptr;
-  EXPECT_EQ(cuModuleGetFunction(&fn, module, "missing"), CUDA_ERROR_NOT_FOUND);
-  ASSERT_EQ(cuModuleGetFunction(&fn, module, "scale"), CUDA_SUCCESS);
+  ASSERT_NO_FATAL_FAILURE(LoadScaleKernel(&module, &fn));
+  CUfunction missing = nullptr;
+  EXPECT_EQ(cuModuleGetFunction(&missing, module, "missing"), CUDA_ERROR_NOT_FOUND);
   CUevent start = nullptr, stop = nullptr;
   ASSERT_EQ(cuEventCreate(&start, 0), CUDA_SUCCESS);
   ASSERT_EQ(cuEventCreate(&stop, 0), CUDA_SUCCESS);
@@ -323,11 +273,10 @@ TEST_F(EmulatedDriverTest, BadPtxFailsWithTheParseErrorInTheJitLog) {
 TEST_F(EmulatedDriverTest, ConcurrentThreadsEachWithTheirOwnStreamDoNotInterfere) {
   CUcontext ctx = nullptr;
   ASSERT_EQ(cuDevicePrimaryCtxRetain(&ctx, 0), CUDA_SUCCESS);
-  CUmodule module = nullptr;
   ASSERT_EQ(cuCtxSetCurrent(ctx), CUDA_SUCCESS);
-  ASSERT_EQ(cuModuleLoadDataEx(&module, kScalePtx, 0, nullptr, nullptr), CUDA_SUCCESS);
+  CUmodule module = nullptr;
   CUfunction fn = nullptr;
-  ASSERT_EQ(cuModuleGetFunction(&fn, module, "scale"), CUDA_SUCCESS);
+  ASSERT_NO_FATAL_FAILURE(LoadScaleKernel(&module, &fn));
   constexpr int kThreads = 6;
   constexpr int kRounds = 10;
   std::vector<int> failures(kThreads, 0);
@@ -370,9 +319,8 @@ TEST_F(EmulatedDriverTest, OutOfBoundsLaunchIsIllegalAddressAndTheContextStaysUs
   ASSERT_EQ(cuMemAlloc(&data, 64 * sizeof(float)), CUDA_SUCCESS);
   ASSERT_EQ(cuMemsetD32Async(data, 0, 64, nullptr), CUDA_SUCCESS);
   CUmodule module = nullptr;
-  ASSERT_EQ(cuModuleLoadDataEx(&module, kScalePtx, 0, nullptr, nullptr), CUDA_SUCCESS);
   CUfunction fn = nullptr;
-  ASSERT_EQ(cuModuleGetFunction(&fn, module, "scale"), CUDA_SUCCESS);
+  ASSERT_NO_FATAL_FAILURE(LoadScaleKernel(&module, &fn));
   uint32_t n = 200;  // the kernel believes the buffer holds 200 floats; it holds 64
   float factor = 1.0f;
   void* params[] = {&data, &n, &factor};
