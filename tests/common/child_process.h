@@ -44,7 +44,7 @@ struct ChildOptions {
 
 // normgrad-server's ready line, "normgrad-server ready grpc=HOST:PORT metrics=HOST:PORT
 // backend=NAME device=\"...\" [health=HOST:PORT] [tls=on|mtls]" (metrics=off when disabled;
-// server/service/normgrad_server.h). A port is 0 when its field is missing or not HOST:PORT.
+// server/process/normgrad_server.h). A port is 0 when its field is missing or not HOST:PORT.
 struct ReadyLine {
   std::string text;  // the line without its '\n'; "" when none came
   int grpc_port = 0;
