@@ -39,10 +39,10 @@ std::vector<KernelParam> BuiltKernel::Params() const {
 }
 
 absl::Status BuiltKernel::CanImplement(const KernelConfig& config) const {
-  if (config.hidden_dim == 0 || config.hidden_dim > MaxHiddenDim()) {
+  if (config.hidden_dim == 0 || config.hidden_dim > max_hidden_dim_) {
     return absl::InvalidArgumentError(
-        absl::StrCat("hidden_dim ", config.hidden_dim, " is outside 1..", MaxHiddenDim(),
-                     ", the limit of ", EntryName(), HiddenDimLimitNote()));
+        absl::StrCat("hidden_dim ", config.hidden_dim, " is outside 1..", max_hidden_dim_,
+                     ", the limit of ", entry_name_, hidden_dim_limit_note_));
   }
   if (config.dtype == DType::kBF16 && config.target_sm < 80) {
     return absl::InvalidArgumentError(

@@ -4,12 +4,13 @@
 // parameter list, taken from what Build declares (kernels/kernel_params.h), never written twice.
 //
 //   class MyKernel : public BuiltKernel {
-//     absl::string_view EntryName() const override { return "my_kernel"; }
-//     uint32_t MaxHiddenDim() const override { return 4096; }
+//    public:
+//     MyKernel() : BuiltKernel("my_kernel", /*max_hidden_dim=*/4096) {}
 //     absl::StatusOr<Module> Build(const KernelConfig& config) const override {
 //       NORMGRAD_ASSIGN_OR_RETURN(Module m, StartModule(config));
 //       Function& f = m.mutable_functions().front();
-//       const Param n = AddKernelParam(f, KernelParamId::kNumRows);
+//       const auto [rows, x] = AddKernelParams(f, {KernelParamId::kNumRows,
+//       KernelParamId::kInput});
 //       ...
 //     }
 //   };
@@ -18,6 +19,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -32,11 +34,20 @@ namespace normgrad::kernels {
 // may be called concurrently from any thread.
 class BuiltKernel : public Kernel {
  public:
+  // hidden_dim_limit_note is appended to CanImplement's hidden_dim message: why the limit, and
+  // what to use instead.
+  BuiltKernel(absl::string_view entry_name, uint32_t max_hidden_dim,
+              std::string hidden_dim_limit_note = "")
+      : entry_name_(entry_name),
+        max_hidden_dim_(max_hidden_dim),
+        hidden_dim_limit_note_(std::move(hidden_dim_limit_note)) {}
+
+  absl::string_view EntryName() const final { return entry_name_; }
   // The entry's parameters as Build declares them (built once per process at a small config:
   // no kernel of ours declares different parameters for different configs).
   std::vector<KernelParam> Params() const final;
-  // hidden_dim in 1..MaxHiddenDim() (INVALID_ARGUMENT: "hidden_dim H is outside 1..M, the
-  // limit of <entry><HiddenDimLimitNote()>"), bf16 only on sm_80+, then the PTX version.
+  // hidden_dim in 1..max_hidden_dim (INVALID_ARGUMENT: "hidden_dim H is outside 1..M, the
+  // limit of <entry><hidden_dim_limit_note>"), bf16 only on sm_80+, then the PTX version.
   absl::Status CanImplement(const KernelConfig& config) const final;
   // Entry, dtype, target, PTX version and generator version: the key of a kernel that reads
   // every parameter (hidden_dim, eps, ...) at run time. A kernel that bakes more into its PTX
@@ -48,13 +59,14 @@ class BuiltKernel : public Kernel {
   virtual absl::StatusOr<Module> Build(const KernelConfig& config) const = 0;
 
  protected:
-  virtual uint32_t MaxHiddenDim() const = 0;
-  // Appended to the hidden_dim message: why the limit, and what to use instead.
-  virtual absl::string_view HiddenDimLimitNote() const { return ""; }
-
   // Build's opening: CanImplement, then a module at the lowest PTX version the target and the
   // dtype's instructions allow (or the requested one) with one entry named EntryName().
   absl::StatusOr<Module> StartModule(const KernelConfig& config) const;
+
+ private:
+  const absl::string_view entry_name_;
+  const uint32_t max_hidden_dim_;
+  const std::string hidden_dim_limit_note_;
 };
 
 // Every lane of a warp, for shfl.sync.

@@ -43,13 +43,13 @@ struct PtxVersion {
   std::string ToString() const;  // "8.0"
 };
 absl::StatusOr<PtxVersion> ParsePtxVersion(absl::string_view text);  // "8.0"
-absl::StatusOr<int> ParseTarget(absl::string_view text);               // "sm_90" -> 90
+absl::StatusOr<int> ParseTarget(absl::string_view text);             // "sm_90" -> 90
 
 struct KernelConfig {
   uint32_t hidden_dim = 0;
   DType dtype = DType::kF32;
-  int target_sm = 75;                       // sm_75 is the lowest CUDA 13's ptxas accepts
-  std::optional<PtxVersion> ptx_version;    // empty: lowest that supports target + instructions
+  int target_sm = 75;                     // sm_75 is the lowest CUDA 13's ptxas accepts
+  std::optional<PtxVersion> ptx_version;  // empty: lowest that supports target + instructions
   // Streaming multiprocessors of the device the launch is for (0: unknown). Only Geometry() of
   // persistent-grid kernels reads it (rms_norm_backward_row_resident sizes its grid from it); it
   // never changes the emitted PTX, so it is NOT part of ConfigKey().
@@ -71,8 +71,8 @@ struct KernelParam {
 };
 
 struct EmittedPtx {
-  std::string text;        // the whole module, ending in a newline
-  std::string entry;       // .entry name
+  std::string text;   // the whole module, ending in a newline
+  std::string entry;  // .entry name
   std::vector<KernelParam> params;
   PtxVersion version;      // the .version the text declares
   int target_sm = 0;       // the .target the text declares

@@ -25,6 +25,7 @@
 #ifndef NORMGRAD_KERNELS_PTX_BUILDER_H_
 #define NORMGRAD_KERNELS_PTX_BUILDER_H_
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -70,6 +71,13 @@ class Builder {
 
   // Data movement.
   Value LdParam(Param param);
+  // ld.param of each parameter, in order: const auto [n, x] = b.LdParams({rows, x_ptr});
+  template <size_t N>
+  std::array<Value, N> LdParams(const Param (&params)[N]) {
+    std::array<Value, N> values;
+    for (size_t i = 0; i < N; ++i) values[i] = LdParam(params[i]);
+    return values;
+  }
   Value Mov(Value src);  // register copy, immediate or special register
   Value Mov(SpecialReg reg) { return Mov(Value::Special(reg)); }
   // mov.u64 %rd, name: the shared-window address of a shared array (for ld/st/atom.shared).

@@ -41,8 +41,8 @@ void ReferenceBackward(const BackwardInputs& in, absl::Span<float> dx, absl::Spa
     const double correction = inv_rms * inv_rms * mean_xdyg;
     float* out = dx.data() + r * h;
     for (uint64_t i = 0; i < h; ++i) {
-      out[i] = static_cast<float>(
-          inv_rms * (static_cast<double>(in.gamma[i]) * dy[i] - static_cast<double>(x[i]) * correction));
+      out[i] = static_cast<float>(inv_rms * (static_cast<double>(in.gamma[i]) * dy[i] -
+                                             static_cast<double>(x[i]) * correction));
       dgamma_acc[i] += static_cast<double>(dy[i]) * x[i] * inv_rms;
     }
   }
@@ -61,7 +61,8 @@ double ReferenceForwardLoss(absl::Span<const float> x, absl::Span<const float> g
     double sum_sq = 0.0;
     for (uint64_t i = 0; i < h; ++i) sum_sq += static_cast<double>(xr[i]) * xr[i];
     const double inv_rms = 1.0 / std::sqrt(sum_sq / static_cast<double>(h) + eps);
-    for (uint64_t i = 0; i < h; ++i) loss += static_cast<double>(xr[i]) * inv_rms * gamma[i] * wr[i];
+    for (uint64_t i = 0; i < h; ++i)
+      loss += static_cast<double>(xr[i]) * inv_rms * gamma[i] * wr[i];
   }
   return loss;
 }

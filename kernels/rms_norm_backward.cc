@@ -123,12 +123,8 @@ absl::StatusOr<Module> RmsNormBackwardKernel::Build(const KernelConfig& config) 
   const Value rows = b.LdParam(num_rows);
   b.BraIfNot(b.Setp(CmpOp::kLt, row, rows), exit);
 
-  const Value hidden = b.LdParam(hidden_dim);
-  const Value x_base = b.LdParam(input_ptr);
-  const Value gamma_base = b.LdParam(gamma_ptr);
-  const Value rms_base = b.LdParam(rms_ptr);
-  const Value dy_base = b.LdParam(grad_output_ptr);
-  const Value dx_base = b.LdParam(grad_input_ptr);
+  const auto [hidden, x_base, gamma_base, rms_base, dy_base, dx_base] =
+      b.LdParams({hidden_dim, input_ptr, gamma_ptr, rms_ptr, grad_output_ptr, grad_input_ptr});
 
   const Value lane_valid = b.Setp(CmpOp::kLt, lane, hidden);
   // Element offset in 64 bits: row * hidden_dim may exceed 2^32.
@@ -194,13 +190,9 @@ absl::StatusOr<Module> BatchedRmsNormBackwardKernel::Build(const KernelConfig& c
   const Value rows = b.LdParam(num_rows);
   b.BraIfNot(b.Setp(CmpOp::kLt, row, rows), exit);
 
-  const Value hidden = b.LdParam(hidden_dim);
-  const Value eps = b.LdParam(eps_param);
-  const Value x_base = b.LdParam(input_ptr);
-  const Value gamma_base = b.LdParam(gamma_ptr);
-  const Value dy_base = b.LdParam(grad_output_ptr);
-  const Value dx_base = b.LdParam(grad_input_ptr);
-  const Value dgamma_base = b.LdParam(grad_gamma_ptr);
+  const auto [hidden, eps, x_base, gamma_base, dy_base, dx_base, dgamma_base] =
+      b.LdParams({hidden_dim, eps_param, input_ptr, gamma_ptr, grad_output_ptr, grad_input_ptr,
+                  grad_gamma_ptr});
 
   const DType dtype = config.dtype;
   const Value row_bytes = b.Shl(b.MulWide(row, hidden), Value::U32(ElementShift(dtype)));

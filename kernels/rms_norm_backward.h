@@ -40,17 +40,13 @@ class RmsNormBackwardKernel : public BuiltKernel {
 
   static constexpr absl::string_view kEntryName = "rms_norm_backward";
 
-  absl::string_view EntryName() const override { return kEntryName; }
+  RmsNormBackwardKernel()
+      : BuiltKernel(kEntryName, kMaxHiddenDim,
+                    " (one warp per row); use batched_rms_norm_backward") {}
   // grid.x = ceil(num_rows / kRowsPerBlock) (at least 1, at most 2^31-1); callers split row
   // ranges above kRowsPerBlock * (2^31-1) or above the u32 num_rows parameter.
   LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;
   absl::StatusOr<Module> Build(const KernelConfig& config) const override;
-
- protected:
-  uint32_t MaxHiddenDim() const override { return kMaxHiddenDim; }
-  absl::string_view HiddenDimLimitNote() const override {
-    return " (one warp per row); use batched_rms_norm_backward";
-  }
 };
 
 // `batched_rms_norm_backward`: any hidden_dim, one 32-thread block per row, rms recomputed from x
@@ -64,14 +60,11 @@ class BatchedRmsNormBackwardKernel : public BuiltKernel {
 
   static constexpr absl::string_view kEntryName = "batched_rms_norm_backward";
 
-  absl::string_view EntryName() const override { return kEntryName; }
+  BatchedRmsNormBackwardKernel() : BuiltKernel(kEntryName, kMaxHiddenDim) {}
   // grid.x = num_rows (at least 1); block.x = 32. grid.x is capped at 2^31-1: callers split
   // launches (offsetting the row pointers) when num_rows exceeds it.
   LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;
   absl::StatusOr<Module> Build(const KernelConfig& config) const override;
-
- protected:
-  uint32_t MaxHiddenDim() const override { return kMaxHiddenDim; }
 };
 
 }  // namespace normgrad::kernels

@@ -182,12 +182,11 @@ RowTiling RowResidentRmsNormBackwardKernel::TilingFor(const KernelConfig& config
   return t;
 }
 
-absl::string_view RowResidentRmsNormBackwardKernel::HiddenDimLimitNote() const {
-  static const std::string* const kNote = new std::string(absl::StrCat(
-      " (a row held in registers, at most ", kMaxElementsPerThread, " elements per thread of a ",
-      kMaxThreads, "-thread block); use batched_rms_norm_backward"));
-  return *kNote;
-}
+RowResidentRmsNormBackwardKernel::RowResidentRmsNormBackwardKernel()
+    : BuiltKernel(kEntryName, kMaxHiddenDim,
+                  absl::StrCat(" (a row held in registers, at most ", kMaxElementsPerThread,
+                               " elements per thread of a ", kMaxThreads,
+                               "-thread block); use batched_rms_norm_backward")) {}
 
 LaunchGeometry RowResidentRmsNormBackwardKernel::Geometry(const KernelConfig& config,
                                                           uint64_t num_rows) const {
@@ -234,15 +233,9 @@ absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfi
   const Value tid = b.Mov(SpecialReg::kTidX);
   const Value block = b.Mov(SpecialReg::kCtaidX);
   const Value grid = b.Mov(SpecialReg::kNctaidX);
-  const Value rows = b.LdParam(num_rows);
-  const Value hidden = b.LdParam(hidden_dim);
-  const Value eps = b.LdParam(eps_param);
-  const Value x_base = b.LdParam(input_ptr);
-  const Value gamma_base = b.LdParam(gamma_ptr);
-  const Value dy_base = b.LdParam(grad_output_ptr);
-  const Value dx_base = b.LdParam(grad_input_ptr);
-  const Value rms_base = b.LdParam(rms_ptr);
-  const Value partials_base = b.LdParam(partials_ptr);
+  const auto [rows, hidden, eps, x_base, gamma_base, dy_base, dx_base, rms_base, partials_base] =
+      b.LdParams({num_rows, hidden_dim, eps_param, input_ptr, gamma_ptr, grad_output_ptr,
+                  grad_input_ptr, rms_ptr, partials_ptr});
   const Value hidden_f = b.Cvt(PtxType::kF32, hidden, Rounding::kRn);
   const Value have_rms = b.Setp(CmpOp::kNe, rms_base, Value::U64(0));
 
@@ -418,10 +411,8 @@ absl::StatusOr<Module> RmsNormBackwardDgammaReduceKernel::Build(const KernelConf
   const Value lane = b.And(tid, Value::U32(31));
   const Value warp = b.Shr(tid, Value::U32(5));
   const Value col = b.Mad(ctaid, Value::U32(32), lane);
-  const Value hidden = b.LdParam(hidden_dim);
-  const Value count = b.LdParam(num_partials);
-  const Value partials = b.LdParam(partials_ptr);
-  const Value dgamma = b.LdParam(dgamma_ptr);
+  const auto [hidden, count, partials, dgamma] =
+      b.LdParams({hidden_dim, num_partials, partials_ptr, dgamma_ptr});
   // Columns past hidden_dim load nothing (their row limit is 0) but take part in the barrier.
   const Value col_ok = b.Setp(CmpOp::kLt, col, hidden);
   const Value row_limit = b.Selp(count, Value::U32(0), col_ok);

@@ -83,17 +83,13 @@ class RowResidentRmsNormBackwardKernel : public BuiltKernel {
 
   static constexpr absl::string_view kEntryName = "rms_norm_backward_row_resident";
 
-  absl::string_view EntryName() const override { return kEntryName; }
+  RowResidentRmsNormBackwardKernel();
   // block.x = T; grid.x = G = clamp(min(num_rows, sm_count * blocks_per_sm), 1, 2^31-1): the
   // number of dgamma partial rows. shared_bytes = 0 (the reduction's shared array is static).
   LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;
   // BuiltKernel's key plus "|tile=<T>x<K>".
   std::string ConfigKey(const KernelConfig& config) const override;
   absl::StatusOr<Module> Build(const KernelConfig& config) const override;
-
- protected:
-  uint32_t MaxHiddenDim() const override { return kMaxHiddenDim; }
-  absl::string_view HiddenDimLimitNote() const override;
 };
 
 // `rms_norm_backward_dgamma_reduce`: sums the partial rows in a fixed order.
@@ -111,14 +107,11 @@ class RmsNormBackwardDgammaReduceKernel : public BuiltKernel {
 
   static constexpr absl::string_view kEntryName = "rms_norm_backward_dgamma_reduce";
 
-  absl::string_view EntryName() const override { return kEntryName; }
+  RmsNormBackwardDgammaReduceKernel() : BuiltKernel(kEntryName, kMaxHiddenDim) {}
   // block.x = 32 * kGroups, grid.x = ceil(hidden_dim / 32) from config.hidden_dim; `num_rows`
   // unused.
   LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;
   absl::StatusOr<Module> Build(const KernelConfig& config) const override;
-
- protected:
-  uint32_t MaxHiddenDim() const override { return kMaxHiddenDim; }
 };
 
 }  // namespace normgrad::kernels
