@@ -3,20 +3,18 @@
 #include <google/protobuf/util/json_util.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <fstream>
 #include <mutex>
-#include <sstream>
+#include <optional>
 #include <utility>
 
 #include "absl/status/status.h"
-#include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/time/time.h"
 #include "client/tools/npy.h"
+#include "client/tools/tool_flags.h"
+#include "normgrad/client.h"
 
 namespace normgrad::tools {
 namespace {
@@ -46,13 +44,17 @@ int ServerError(std::ostream& err, const absl::Status& status) {
   return kExitServerError;
 }
 
-absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view flag) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("--", flag, ": cannot open ", path));
-  std::ostringstream contents;
-  contents << in.rdbuf();
-  return contents.str();
-}
+// Each command's own flags, as given (unset when not given).
+struct BackwardFlags {
+  std::optional<std::string> x, dy, gamma, rms, eps, kernel, dx, dgamma;
+};
+struct EmitPtxFlags {
+  std::optional<std::string> kernel, hidden_dim, gpu_target, ptx_version, output, cubin;
+  std::string dtype = "f32";
+};
+struct HealthFlags {
+  std::string service;
+};
 
 // Progress bar on stderr (a terminal): "[#######.........]  43%  4300/10000 rows".
 class ProgressBar {
@@ -78,50 +80,49 @@ class ProgressBar {
   bool drawn_ = false;
 };
 
-int Backward(const ParsedArgs& args, const ClientOptions& options, const CliEnvironment& env,
+int Backward(const BackwardFlags& args, const ClientOptions& options, const CliEnvironment& env,
              std::ostream& out, std::ostream& err) {
-  for (const char* required : {"x", "dy", "gamma"}) {
-    if (!args.Has(required))
-      return UsageError(err, absl::StrCat("backward: --", required, " is required"));
+  for (const auto& [flag, given] :
+       {std::pair{"x", &args.x}, std::pair{"dy", &args.dy}, std::pair{"gamma", &args.gamma}}) {
+    if (!*given) return UsageError(err, absl::StrCat("backward: --", flag, " is required"));
   }
   float eps = 1e-5f;
-  if (args.Has("eps") && !absl::SimpleAtof(args.Get("eps"), &eps)) {
-    return UsageError(err, absl::StrCat("--eps: not a number: \"", args.Get("eps"), "\""));
+  if (args.eps && !absl::SimpleAtof(*args.eps, &eps)) {
+    return UsageError(err, absl::StrCat("--eps: not a number: \"", *args.eps, "\""));
   }
-  absl::StatusOr<npy::Array> x = npy::ReadF32(args.Get("x"));
+  absl::StatusOr<npy::Array> x = npy::ReadF32(*args.x);
   if (!x.ok()) return UsageError(err, x.status().message());
-  absl::StatusOr<npy::Array> dy = npy::ReadF32(args.Get("dy"));
+  absl::StatusOr<npy::Array> dy = npy::ReadF32(*args.dy);
   if (!dy.ok()) return UsageError(err, dy.status().message());
-  absl::StatusOr<npy::Array> gamma = npy::ReadF32(args.Get("gamma"));
+  absl::StatusOr<npy::Array> gamma = npy::ReadF32(*args.gamma);
   if (!gamma.ok()) return UsageError(err, gamma.status().message());
 
   if (x->shape.size() < 2) {
-    return UsageError(err, absl::StrCat(args.Get("x"), ": shape ", npy::ShapeString(x->shape),
+    return UsageError(err, absl::StrCat(*args.x, ": shape ", npy::ShapeString(x->shape),
                                         "; x needs 2 or more dimensions (rows..., hidden)"));
   }
   const uint64_t hidden = x->shape.back();
   const uint64_t rows = hidden == 0 ? 0 : x->data.size() / hidden;
   if (dy->shape != x->shape) {
-    return UsageError(err, absl::StrCat(args.Get("dy"), ": shape ", npy::ShapeString(dy->shape),
+    return UsageError(err, absl::StrCat(*args.dy, ": shape ", npy::ShapeString(dy->shape),
                                         " differs from x's ", npy::ShapeString(x->shape)));
   }
   if (gamma->shape.size() != 1 || gamma->shape[0] != hidden) {
-    return UsageError(err,
-                      absl::StrCat(args.Get("gamma"), ": shape ", npy::ShapeString(gamma->shape),
-                                   "; expected (", hidden, ",) to match x's last dimension"));
+    return UsageError(err, absl::StrCat(*args.gamma, ": shape ", npy::ShapeString(gamma->shape),
+                                        "; expected (", hidden, ",) to match x's last dimension"));
   }
   if (rows == 0 || hidden == 0) {
-    return UsageError(
-        err, absl::StrCat(args.Get("x"), ": shape ", npy::ShapeString(x->shape), " is empty"));
+    return UsageError(err,
+                      absl::StrCat(*args.x, ": shape ", npy::ShapeString(x->shape), " is empty"));
   }
   std::vector<float> rms;
-  if (args.Has("rms")) {
-    absl::StatusOr<npy::Array> r = npy::ReadF32(args.Get("rms"));
+  if (args.rms) {
+    absl::StatusOr<npy::Array> r = npy::ReadF32(*args.rms);
     if (!r.ok()) return UsageError(err, r.status().message());
     const std::vector<uint64_t> row_shape(x->shape.begin(), x->shape.end() - 1);
     if (r->data.size() != rows || (r->shape != row_shape && r->shape.size() != 1)) {
       return UsageError(
-          err, absl::StrCat(args.Get("rms"), ": shape ", npy::ShapeString(r->shape), "; expected ",
+          err, absl::StrCat(*args.rms, ": shape ", npy::ShapeString(r->shape), "; expected ",
                             npy::ShapeString(row_shape), " (one value per row)"));
     }
     rms = std::move(r->data);
@@ -130,7 +131,7 @@ int Backward(const ParsedArgs& args, const ClientOptions& options, const CliEnvi
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(options);
   if (!client.ok()) return UsageError(err, client.status().message());
   BackwardOptions call;
-  call.kernel = args.Get("kernel");
+  call.kernel = args.kernel.value_or("");
   call.rms = rms;
   ProgressBar bar(err);
   // A bar only for batches that take several messages, and only on a terminal.
@@ -141,14 +142,14 @@ int Backward(const ParsedArgs& args, const ClientOptions& options, const CliEnvi
   bar.Clear();
   if (!g.ok()) return ServerError(err, g.status());
 
-  if (args.Has("dx")) {
-    if (absl::Status s = npy::WriteF32(args.Get("dx"), x->shape, g->dx); !s.ok()) {
+  if (args.dx) {
+    if (absl::Status s = npy::WriteF32(*args.dx, x->shape, g->dx); !s.ok()) {
       return UsageError(err, s.message());
     }
   }
-  if (args.Has("dgamma")) {
+  if (args.dgamma) {
     const uint64_t shape[] = {hidden};
-    if (absl::Status s = npy::WriteF32(args.Get("dgamma"), shape, g->dgamma); !s.ok()) {
+    if (absl::Status s = npy::WriteF32(*args.dgamma, shape, g->dgamma); !s.ok()) {
       return UsageError(err, s.message());
     }
   }
@@ -160,32 +161,31 @@ int Backward(const ParsedArgs& args, const ClientOptions& options, const CliEnvi
   return kExitOk;
 }
 
-int EmitPtx(const ParsedArgs& args, const ClientOptions& options, std::ostream& out,
+int EmitPtx(const EmitPtxFlags& args, const ClientOptions& options, std::ostream& out,
             std::ostream& err) {
-  if (!args.Has("kernel")) return UsageError(err, "emit-ptx: --kernel is required");
+  if (!args.kernel) return UsageError(err, "emit-ptx: --kernel is required");
   v1::EmitPtxRequest request;
-  request.set_kernel(args.Get("kernel"));
-  if (args.Has("hidden-dim")) {
+  request.set_kernel(*args.kernel);
+  if (args.hidden_dim) {
     uint32_t hidden = 0;
-    if (!absl::SimpleAtoi(args.Get("hidden-dim"), &hidden)) {
+    if (!absl::SimpleAtoi(*args.hidden_dim, &hidden)) {
       return UsageError(err, absl::StrCat("--hidden-dim: not a non-negative integer: \"",
-                                          args.Get("hidden-dim"), "\""));
+                                          *args.hidden_dim, "\""));
     }
     request.set_hidden_dim(hidden);
   }
-  const std::string dtype = args.Get("dtype", "f32");
-  if (dtype == "f32") {
+  if (args.dtype == "f32") {
     request.set_dtype(v1::DTYPE_F32);
-  } else if (dtype == "bf16") {
+  } else if (args.dtype == "bf16") {
     request.set_dtype(v1::DTYPE_BF16);
-  } else if (dtype == "f16") {
+  } else if (args.dtype == "f16") {
     request.set_dtype(v1::DTYPE_F16);
   } else {
-    return UsageError(err, absl::StrCat("--dtype: \"", dtype, "\" is not f32, bf16 or f16"));
+    return UsageError(err, absl::StrCat("--dtype: \"", args.dtype, "\" is not f32, bf16 or f16"));
   }
-  request.set_target(args.Get("target"));
-  request.set_ptx_version(args.Get("ptx-version"));
-  request.set_cubin(args.Has("cubin"));
+  request.set_target(args.gpu_target.value_or(""));
+  request.set_ptx_version(args.ptx_version.value_or(""));
+  request.set_cubin(args.cubin.has_value());
 
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(options);
   if (!client.ok()) return UsageError(err, client.status().message());
@@ -202,17 +202,17 @@ int EmitPtx(const ParsedArgs& args, const ClientOptions& options, std::ostream& 
     }
     return true;
   };
-  if (args.Has("o")) {
-    if (!write(args.Get("o"), ptx->ptx())) return kExitUsage;
-    err << absl::StrFormat("wrote %s: entry %s, %s, PTX %s, sha256 %s (%d bytes)\n", args.Get("o"),
+  if (args.output) {
+    if (!write(*args.output, ptx->ptx())) return kExitUsage;
+    err << absl::StrFormat("wrote %s: entry %s, %s, PTX %s, sha256 %s (%d bytes)\n", *args.output,
                            ptx->entry(), ptx->target(), ptx->ptx_version(), ptx->digest().sha256(),
                            ptx->digest().size_bytes());
   } else {
     out << ptx->ptx();
   }
-  if (args.Has("cubin")) {
-    if (!write(args.Get("cubin"), ptx->cubin())) return kExitUsage;
-    err << absl::StrFormat("wrote %s: cubin sha256 %s (%d bytes)\n", args.Get("cubin"),
+  if (args.cubin) {
+    if (!write(*args.cubin, ptx->cubin())) return kExitUsage;
+    err << absl::StrFormat("wrote %s: cubin sha256 %s (%d bytes)\n", *args.cubin,
                            ptx->cubin_digest().sha256(), ptx->cubin().size());
   }
   return kExitOk;
@@ -236,150 +236,111 @@ int Info(const ClientOptions& options, std::ostream& out, std::ostream& err) {
   return kExitOk;
 }
 
-int Health(const ParsedArgs& args, const ClientOptions& options, std::ostream& out,
+int Health(const HealthFlags& args, const ClientOptions& options, std::ostream& out,
            std::ostream& err) {
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(options);
   if (!client.ok()) return UsageError(err, client.status().message());
-  absl::StatusOr<HealthStatus> health = (*client)->Health(args.Get("service"));
+  absl::StatusOr<HealthStatus> health = (*client)->Health(args.service);
   if (!health.ok()) return ServerError(err, health.status());
   out << HealthStatusName(*health) << "\n";
   return *health == HealthStatus::kServing ? kExitOk : kExitNotServing;
 }
 
+// The server address flags, global and per command: --target (where the command gives it no
+// other meaning; `target` null) and --server.
+void AddServerFlags(CLI::App& app, std::optional<std::string>* target,
+                    std::optional<std::string>& server) {
+  if (target != nullptr) app.add_option("--target", *target)->type_name("HOST:PORT");
+  app.add_option("--server", server)->type_name("HOST:PORT");
+}
+
 }  // namespace
-
-void AddClientFlags(FlagSpec& spec) {
-  for (const char* name : {"token", "token-file", "deadline", "max-attempts", "chunk-bytes", "tls-ca", "tls-cert",
-                           "tls-key", "tls-server-name"}) {
-    spec[name] = true;
-  }
-  spec["tls"] = false;
-}
-
-absl::StatusOr<ClientOptions> ClientOptionsFromFlags(const ParsedArgs& args, std::string target) {
-  ClientOptions options;
-  options.target = std::move(target);
-  // The token: --token-file (contents, whitespace trimmed), else --token, else $NORMGRAD_TOKEN.
-  if (args.Has("token-file") && args.Has("token")) {
-    return absl::InvalidArgumentError("--token and --token-file exclude each other");
-  }
-  if (args.Has("token-file")) {
-    absl::StatusOr<std::string> token = ReadFile(args.Get("token-file"), "token-file");
-    if (!token.ok()) return token.status();
-    options.bearer_token = std::string(absl::StripAsciiWhitespace(*token));
-    if (options.bearer_token.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--token-file: ", args.Get("token-file"), " is empty"));
-    }
-  } else if (args.Has("token")) {
-    options.bearer_token = args.Get("token");
-  } else if (const char* env = std::getenv("NORMGRAD_TOKEN"); env != nullptr) {
-    options.bearer_token = std::string(absl::StripAsciiWhitespace(env));
-  }
-  if (args.Has("deadline") &&
-      !absl::ParseDuration(args.Get("deadline"), &options.default_deadline)) {
-    return absl::InvalidArgumentError(absl::StrCat("--deadline: \"", args.Get("deadline"),
-                                                   "\" is not a duration such as 30s or 500ms"));
-  }
-  if (args.Has("max-attempts") &&
-      (!absl::SimpleAtoi(args.Get("max-attempts"), &options.max_attempts) ||
-       options.max_attempts < 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--max-attempts: \"", args.Get("max-attempts"), "\" is not an integer >= 1"));
-  }
-  if (args.Has("chunk-bytes") &&
-      (!absl::SimpleAtoi(args.Get("chunk-bytes"), &options.chunk_bytes) ||
-       options.chunk_bytes == 0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--chunk-bytes: \"", args.Get("chunk-bytes"), "\" is not an integer >= 1"));
-  }
-  options.use_tls = args.Has("tls") || args.Has("tls-ca") || args.Has("tls-cert");
-  if (args.Has("tls-cert") != args.Has("tls-key")) {
-    return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
-  }
-  const std::pair<const char*, std::string*> files[] = {{"tls-ca", &options.tls.root_certs_pem},
-                                                        {"tls-cert", &options.tls.client_cert_pem},
-                                                        {"tls-key", &options.tls.client_key_pem}};
-  for (const auto& [flag, field] : files) {
-    if (!args.Has(flag)) continue;
-    absl::StatusOr<std::string> pem = ReadFile(args.Get(flag), flag);
-    if (!pem.ok()) return pem.status();
-    *field = std::move(*pem);
-  }
-  options.tls.server_name_override = args.Get("tls-server-name");
-  return options;
-}
 
 int RunCli(const std::vector<std::string>& args, const CliEnvironment& env, std::ostream& out,
            std::ostream& err) {
-  // Global flags come before the command; the command's own flags after it. For emit-ptx,
+  // Global flags come before the command, the command's own after it, where the server and
+  // client flags may be given again: each is bound to one variable for both places, and CLI11
+  // runs the app's options before the command's, so the command's value wins. For emit-ptx,
   // "--target" after the command is the GPU architecture (as in normgrad-ptx).
-  FlagSpec global = {{"target", true}, {"server", true}, {"help", false}};
-  AddClientFlags(global);
-  size_t command_at = 0;
-  while (command_at < args.size() && absl::StartsWith(args[command_at], "-")) {
-    const std::string& a = args[command_at];
-    std::string name = a.substr(a.find_first_not_of('-'));
-    const bool inline_value = name.find('=') != std::string::npos;
-    name = name.substr(0, name.find('='));
-    auto it = global.find(name);
-    command_at += (it != global.end() && it->second && !inline_value) ? 2 : 1;
+  CLI::App app("normgrad", "normgrad");
+  ConfigureToolApp(app);
+  app.require_subcommand(0, 1);  // a second command name is an unexpected argument
+  std::optional<std::string> target, server;
+  ClientFlags client;
+  bool help = false;
+  AddServerFlags(app, &target, server);
+  AddClientFlags(app, client);
+  app.add_flag("--help", help);
+
+  CLI::App* help_command = app.add_subcommand("help");
+
+  BackwardFlags backward;
+  CLI::App* backward_command = app.add_subcommand("backward");
+  for (const auto& [name, value] :
+       {std::pair{"--x", &backward.x}, std::pair{"--dy", &backward.dy},
+        std::pair{"--gamma", &backward.gamma}, std::pair{"--rms", &backward.rms},
+        std::pair{"--dx", &backward.dx}, std::pair{"--dgamma", &backward.dgamma}}) {
+    backward_command->add_option(name, *value)->type_name("FILE");
   }
-  absl::StatusOr<ParsedArgs> global_args = ParseArgs(
-      std::vector<std::string>(args.begin(), args.begin() + std::min(command_at, args.size())),
-      global);
-  if (!global_args.ok()) return UsageError(err, global_args.status().message());
-  if (command_at >= args.size() || global_args->Has("help")) {
-    if (global_args->Has("help")) {
-      out << kUsage;
-      return kExitOk;
-    }
-    err << kUsage;
-    return kExitUsage;
+  backward_command->add_option("--eps", backward.eps)->type_name("X");
+  backward_command->add_option("--kernel", backward.kernel)->type_name("NAME");
+
+  EmitPtxFlags emit;
+  CLI::App* emit_command = app.add_subcommand("emit-ptx");
+  emit_command->add_option("--kernel", emit.kernel)->type_name("NAME");
+  emit_command->add_option("--hidden-dim", emit.hidden_dim)->type_name("N");
+  emit_command->add_option("--target", emit.gpu_target)->type_name("sm_XX");
+  emit_command->add_option("--ptx-version", emit.ptx_version)->type_name("X.Y");
+  emit_command->add_option("--dtype", emit.dtype)->type_name("f32|bf16|f16");
+  emit_command->add_option("-o", emit.output)->type_name("FILE");
+  emit_command->add_option("--cubin", emit.cubin)->type_name("FILE");
+
+  CLI::App* info_command = app.add_subcommand("info");
+
+  HealthFlags health;
+  CLI::App* health_command = app.add_subcommand("health");
+  health_command->add_option("--service", health.service)->type_name("NAME");
+
+  for (CLI::App* command : {backward_command, emit_command, info_command, health_command}) {
+    AddServerFlags(*command, command == emit_command ? nullptr : &target, server);
+    AddClientFlags(*command, client);
   }
-  const std::string command = args[command_at];
-  if (command == "help") {
+
+  if (absl::Status s = ParseToolArgs(app, args); !s.ok()) return UsageError(err, s.message());
+  // What the global part could not place: a flag is an error even with --help; a word is a
+  // command we do not have.
+  const std::optional<Unplaced> unplaced = FirstUnplaced(app);
+  if (unplaced && unplaced->is_flag) return UsageError(err, CheckAllPlaced(app).message());
+  if (help) {
     out << kUsage;
     return kExitOk;
   }
-
-  FlagSpec spec = global;
-  spec.erase("help");
-  if (command == "backward") {
-    for (const char* f : {"x", "dy", "gamma", "rms", "eps", "kernel", "dx", "dgamma"})
-      spec[f] = true;
-  } else if (command == "emit-ptx") {
-    for (const char* f : {"kernel", "hidden-dim", "ptx-version", "dtype", "o", "cubin"})
-      spec[f] = true;
-  } else if (command == "health") {
-    spec["service"] = true;
-  } else if (command != "info") {
-    return UsageError(
-        err, absl::StrCat("unknown command \"", command, "\" (backward, emit-ptx, info, health)"));
+  if (unplaced) {
+    return UsageError(err, absl::StrCat("unknown command \"", unplaced->arg,
+                                        "\" (backward, emit-ptx, info, health)"));
   }
-  absl::StatusOr<ParsedArgs> parsed =
-      ParseArgs(std::vector<std::string>(args.begin() + command_at + 1, args.end()), spec);
-  if (!parsed.ok()) return UsageError(err, absl::StrCat(command, ": ", parsed.status().message()));
-  if (!parsed->positional.empty()) {
-    return UsageError(
-        err, absl::StrCat(command, ": unexpected argument \"", parsed->positional.front(), "\""));
+  if (app.get_subcommands().empty()) {
+    err << kUsage;
+    return kExitUsage;
   }
-  // Command flags override global ones, except --target of emit-ptx (the GPU architecture).
-  ParsedArgs merged = *global_args;
-  for (const auto& [name, value] : parsed->values) {
-    if (command == "emit-ptx" && name == "target") continue;
-    merged.values[name] = value;
+  const CLI::App* command = app.get_subcommands().front();
+  if (command == help_command) {  // whatever follows it
+    out << kUsage;
+    return kExitOk;
   }
-  std::string target = env.normgrad_target.empty() ? "localhost:50051" : env.normgrad_target;
-  if (merged.Has("target")) target = merged.Get("target");
-  if (merged.Has("server")) target = merged.Get("server");
-  absl::StatusOr<ClientOptions> options = ClientOptionsFromFlags(merged, target);
+  if (absl::Status s = CheckAllPlaced(*command); !s.ok()) {
+    return UsageError(err, absl::StrCat(command->get_name(), ": ", s.message()));
+  }
+  std::string address = env.normgrad_target.empty() ? "localhost:50051" : env.normgrad_target;
+  if (target) address = *target;
+  if (server) address = *server;
+  absl::StatusOr<ClientOptions> options = ClientOptionsFromFlags(client, address);
   if (!options.ok()) return UsageError(err, options.status().message());
 
-  if (command == "backward") return Backward(*parsed, *options, env, out, err);
-  if (command == "emit-ptx") return EmitPtx(*parsed, *options, out, err);
-  if (command == "info") return Info(*options, out, err);
-  return Health(*parsed, *options, out, err);
+  if (command == backward_command) return Backward(backward, *options, env, out, err);
+  if (command == emit_command) return EmitPtx(emit, *options, out, err);
+  if (command == info_command) return Info(*options, out, err);
+  return Health(health, *options, out, err);
 }
 
 }  // namespace normgrad::tools

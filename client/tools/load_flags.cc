@@ -4,6 +4,7 @@
 #include <chrono>
 #include <fstream>
 #include <future>
+#include <optional>
 #include <thread>
 
 #include "absl/status/status.h"
@@ -12,9 +13,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "client/tools/cli.h"
-#include "client/tools/flag_parser.h"
 #include "client/tools/load_report.h"
+#include "client/tools/tool_flags.h"
 
 namespace normgrad::tools {
 
@@ -60,83 +60,50 @@ absl::StatusOr<std::vector<Shape>> ParseShapes(absl::string_view text) {
 
 absl::StatusOr<LoadCommand> ParseLoadCommand(const std::vector<std::string>& args,
                                              const std::string& env_target) {
-  FlagSpec spec;
-  for (const char* f : {"target",
-                        "call",
-                        "concurrency",
-                        "connections",
-                        "total",
-                        "duration",
-                        "max-duration",
-                        "rate",
-                        "rate-dist",
-                        "shapes",
-                        "warmup",
-                        "concurrency-sweep",
-                        "window",
-                        "stability-percent",
-                        "max-windows",
-                        "kernel",
-                        "gpu-target",
-                        "format",
-                        "o",
-                        "html",
-                        "seed"}) {
-    spec[f] = true;
-  }
-  spec["help"] = false;
-  AddClientFlags(spec);
-  absl::StatusOr<ParsedArgs> parsed = ParseArgs(args, spec);
-  if (!parsed.ok()) return parsed.status();
   LoadCommand cmd;
-  if (parsed->Has("help")) {
-    cmd.help = true;
-    return cmd;
-  }
-  if (!parsed->positional.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unexpected argument \"", parsed->positional.front(), "\""));
-  }
-  cmd.target_text = parsed->Get("target", env_target.empty() ? "localhost:50051" : env_target);
-  absl::StatusOr<ClientOptions> client = ClientOptionsFromFlags(*parsed, cmd.target_text);
-  if (!client.ok()) return client.status();
   LoadConfig& c = cmd.config;
-  c.client = *client;
-  if (!parsed->Has("deadline")) c.client.default_deadline = absl::Seconds(30);
+  cmd.target_text = env_target.empty() ? "localhost:50051" : env_target;
+  cmd.shapes_text = "64x4096";
+  std::string call = "backward";
+  std::string rate_distribution = "constant";
+  std::optional<std::string> sweep;
+  ClientFlags client;
 
-  auto int_flag = [&](const char* name, auto* value) -> absl::Status {
-    if (parsed->Has(name) && !absl::SimpleAtoi(parsed->Get(name), value)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--", name, ": \"", parsed->Get(name), "\" is not an integer"));
-    }
-    return absl::OkStatus();
-  };
-  auto duration_flag = [&](const char* name, absl::Duration* value) -> absl::Status {
-    if (parsed->Has(name) && !absl::ParseDuration(parsed->Get(name), value)) {
-      return absl::InvalidArgumentError(absl::StrCat("--", name, ": \"", parsed->Get(name),
-                                                     "\" is not a duration such as 10s or 500ms"));
-    }
-    return absl::OkStatus();
-  };
-  auto double_flag = [&](const char* name, double* value) -> absl::Status {
-    if (parsed->Has(name) && !absl::SimpleAtod(parsed->Get(name), value)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--", name, ": \"", parsed->Get(name), "\" is not a number"));
-    }
-    return absl::OkStatus();
-  };
-  for (absl::Status s :
-       {int_flag("concurrency", &c.concurrency), int_flag("connections", &c.connections),
-        int_flag("total", &c.total), int_flag("warmup", &c.warmup),
-        int_flag("max-windows", &c.max_windows), int_flag("seed", &c.seed),
-        duration_flag("duration", &c.duration), duration_flag("max-duration", &c.max_duration),
-        duration_flag("window", &c.window), double_flag("rate", &c.rate),
-        double_flag("stability-percent", &c.stability_percent)}) {
-    if (!s.ok()) return s;
-  }
-  if (!parsed->Has("total") && !parsed->Has("duration")) c.total = 200;
+  CLI::App app("normgrad-load", "normgrad-load");
+  ConfigureToolApp(app);
+  app.add_option("--target", cmd.target_text)->type_name("ADDR[,ADDR...]");
+  app.add_option("--call", call)->type_name("backward|emit-ptx");
+  AddIntegerOption(app, "--concurrency", &c.concurrency);
+  AddIntegerOption(app, "--connections", &c.connections);
+  AddIntegerOption(app, "--total", &c.total);
+  AddDurationOption(app, "--duration", &c.duration);
+  AddDurationOption(app, "--max-duration", &c.max_duration);
+  AddNumberOption(app, "--rate", &c.rate);
+  app.add_option("--rate-dist", rate_distribution)->type_name("constant|poisson");
+  app.add_option("--shapes", cmd.shapes_text)->type_name("RxH[,RxH...]");
+  AddIntegerOption(app, "--warmup", &c.warmup);
+  app.add_option("--concurrency-sweep", sweep)->type_name("S:E[:P]");
+  AddDurationOption(app, "--window", &c.window);
+  AddNumberOption(app, "--stability-percent", &c.stability_percent);
+  AddIntegerOption(app, "--max-windows", &c.max_windows);
+  app.add_option("--kernel", c.kernel)->type_name("NAME");
+  app.add_option("--gpu-target", c.gpu_target)->type_name("sm_XX");
+  app.add_option("--format", cmd.output.format)->type_name("summary|json|csv");
+  app.add_option("-o", cmd.output.output_path)->type_name("FILE");
+  app.add_option("--html", cmd.output.html_path)->type_name("FILE");
+  AddIntegerOption(app, "--seed", &c.seed);
+  app.add_flag("--help", cmd.help);
+  AddClientFlags(app, client);
 
-  const std::string call = parsed->Get("call", "backward");
+  if (absl::Status s = ParseToolArgs(app, args); !s.ok()) return s;
+  if (absl::Status s = CheckAllPlaced(app); !s.ok()) return s;
+  if (cmd.help) return cmd;
+  absl::StatusOr<ClientOptions> options = ClientOptionsFromFlags(client, cmd.target_text);
+  if (!options.ok()) return options.status();
+  c.client = *std::move(options);
+  if (!client.deadline) c.client.default_deadline = absl::Seconds(30);
+  if (app.count("--total") == 0 && app.count("--duration") == 0) c.total = 200;
+
   if (call == "backward") {
     c.call = LoadCall::kBackward;
   } else if (call == "emit-ptx") {
@@ -145,38 +112,30 @@ absl::StatusOr<LoadCommand> ParseLoadCommand(const std::vector<std::string>& arg
     return absl::InvalidArgumentError(
         absl::StrCat("--call: \"", call, "\" is not backward or emit-ptx"));
   }
-  const std::string dist = parsed->Get("rate-dist", "constant");
-  if (dist != "constant" && dist != "poisson") {
+  if (rate_distribution != "constant" && rate_distribution != "poisson") {
     return absl::InvalidArgumentError(
-        absl::StrCat("--rate-dist: \"", dist, "\" is not constant or poisson"));
+        absl::StrCat("--rate-dist: \"", rate_distribution, "\" is not constant or poisson"));
   }
-  c.poisson = dist == "poisson";
-  cmd.shapes_text = parsed->Get("shapes", "64x4096");
+  c.poisson = rate_distribution == "poisson";
   absl::StatusOr<std::vector<Shape>> shapes = ParseShapes(cmd.shapes_text);
   if (!shapes.ok()) return shapes.status();
   c.shapes = *shapes;
-  c.kernel = parsed->Get("kernel", c.kernel);
-  c.gpu_target = parsed->Get("gpu-target", c.gpu_target);
 
-  if (parsed->Has("concurrency-sweep")) {
-    std::vector<absl::string_view> parts = absl::StrSplit(parsed->Get("concurrency-sweep"), ':');
+  if (sweep) {
+    std::vector<absl::string_view> parts = absl::StrSplit(*sweep, ':');
     if (parts.size() < 2 || parts.size() > 3 || !absl::SimpleAtoi(parts[0], &c.sweep_start) ||
         !absl::SimpleAtoi(parts[1], &c.sweep_end) ||
         (parts.size() == 3 && !absl::SimpleAtoi(parts[2], &c.sweep_step))) {
-      return absl::InvalidArgumentError(absl::StrCat("--concurrency-sweep: \"",
-                                                     parsed->Get("concurrency-sweep"),
-                                                     "\" is not START:END[:STEP]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--concurrency-sweep: \"", *sweep, "\" is not START:END[:STEP]"));
     }
     c.sweep = true;
   }
 
-  cmd.output.format = parsed->Get("format", "summary");
   if (cmd.output.format != "summary" && cmd.output.format != "json" && cmd.output.format != "csv") {
     return absl::InvalidArgumentError(
         absl::StrCat("--format: \"", cmd.output.format, "\" is not summary, json or csv"));
   }
-  cmd.output.output_path = parsed->Get("o");
-  cmd.output.html_path = parsed->Get("html");
   return cmd;
 }
 

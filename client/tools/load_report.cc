@@ -1,6 +1,10 @@
 #include "client/tools/load_report.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -8,33 +12,6 @@
 
 namespace normgrad::tools {
 namespace {
-
-std::string JsonString(absl::string_view s) {
-  std::string out = "\"";
-  for (char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          out += absl::StrFormat("\\u%04x", c);
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
-}
 
 std::string HtmlEscape(absl::string_view s) {
   std::string out;
@@ -61,27 +38,46 @@ std::string HtmlEscape(absl::string_view s) {
 
 std::string Num(double v) { return absl::StrFormat("%.6g", v); }
 
-std::string RunJson(const RunStats& r) {
-  std::vector<std::string> errors, buckets;
-  for (const auto& [code, n] : r.errors_by_code)
-    errors.push_back(absl::StrCat(JsonString(code), ":", n));
-  for (const HistogramBucket& b : r.histogram) {
-    buckets.push_back(absl::StrCat("{\"lower_ms\":", Num(b.lower_ms),
-                                   ",\"upper_ms\":", Num(b.upper_ms), ",\"count\":", b.count, "}"));
+// Six significant digits, as the summary and the CSV print them; a whole number is an integer
+// (99, not 99.0).
+nlohmann::ordered_json JsonNumber(double v) {
+  const double rounded = std::strtod(Num(v).c_str(), nullptr);
+  if (std::abs(rounded) < 1e15 && rounded == std::trunc(rounded)) {
+    return static_cast<int64_t>(rounded);
   }
-  return absl::StrCat("{\"concurrency\":", r.concurrency, ",\"requests\":", r.requests,
-                      ",\"successes\":", r.successes, ",\"errors\":", r.requests - r.successes,
-                      ",\"errors_by_code\":{", absl::StrJoin(errors, ","), "}",
-                      ",\"wall_seconds\":", Num(r.wall_seconds),
-                      ",\"requests_per_second\":", Num(r.requests_per_second),
-                      ",\"successes_per_second\":", Num(r.successes_per_second),
-                      ",\"payload_gb_per_second\":", Num(r.payload_gb_per_second),
-                      ",\"latency_ms\":{\"min\":", Num(r.min_ms), ",\"mean\":", Num(r.mean_ms),
-                      ",\"p50\":", Num(r.p50_ms), ",\"p90\":", Num(r.p90_ms),
-                      ",\"p95\":", Num(r.p95_ms), ",\"p99\":", Num(r.p99_ms),
-                      ",\"p99.9\":", Num(r.p999_ms), ",\"max\":", Num(r.max_ms), "}",
-                      ",\"histogram\":[", absl::StrJoin(buckets, ","), "]",
-                      ",\"windows\":", r.windows, ",\"stable\":", r.stable ? "true" : "false", "}");
+  return rounded;
+}
+
+nlohmann::ordered_json RunJson(const RunStats& r) {
+  nlohmann::ordered_json errors = nlohmann::ordered_json::object();
+  for (const auto& [code, n] : r.errors_by_code) errors[code] = n;
+  nlohmann::ordered_json buckets = nlohmann::ordered_json::array();
+  for (const HistogramBucket& b : r.histogram) {
+    buckets.push_back({{"lower_ms", JsonNumber(b.lower_ms)},
+                       {"upper_ms", JsonNumber(b.upper_ms)},
+                       {"count", b.count}});
+  }
+  return {{"concurrency", r.concurrency},
+          {"requests", r.requests},
+          {"successes", r.successes},
+          {"errors", r.requests - r.successes},
+          {"errors_by_code", errors},
+          {"wall_seconds", JsonNumber(r.wall_seconds)},
+          {"requests_per_second", JsonNumber(r.requests_per_second)},
+          {"successes_per_second", JsonNumber(r.successes_per_second)},
+          {"payload_gb_per_second", JsonNumber(r.payload_gb_per_second)},
+          {"latency_ms",
+           {{"min", JsonNumber(r.min_ms)},
+            {"mean", JsonNumber(r.mean_ms)},
+            {"p50", JsonNumber(r.p50_ms)},
+            {"p90", JsonNumber(r.p90_ms)},
+            {"p95", JsonNumber(r.p95_ms)},
+            {"p99", JsonNumber(r.p99_ms)},
+            {"p99.9", JsonNumber(r.p999_ms)},
+            {"max", JsonNumber(r.max_ms)}}},
+          {"histogram", buckets},
+          {"windows", r.windows},
+          {"stable", r.stable}};
 }
 
 // A bar chart of a histogram: x = latency buckets, y = count.
@@ -210,15 +206,19 @@ std::string FormatSummary(const ReportContext& c, const std::vector<RunStats>& r
 }
 
 std::string FormatJson(const ReportContext& c, const std::vector<RunStats>& runs) {
-  std::vector<std::string> items;
+  nlohmann::ordered_json items = nlohmann::ordered_json::array();
   for (const RunStats& r : runs) items.push_back(RunJson(r));
-  return absl::StrCat("{\"call\":", JsonString(c.call), ",\"target\":", JsonString(c.target),
-                      ",\"shapes\":", JsonString(c.shapes), ",\"connections\":", c.connections,
-                      ",\"rate\":", Num(c.rate),
-                      ",\"rate_distribution\":", JsonString(c.poisson ? "poisson" : "constant"),
-                      ",\"mode\":", JsonString(c.sweep ? "sweep" : "fixed"),
-                      ",\"hit_max_duration\":", c.hit_max_duration ? "true" : "false",
-                      ",\"runs\":[", absl::StrJoin(items, ","), "]}\n");
+  const nlohmann::ordered_json report = {{"call", c.call},
+                                         {"target", c.target},
+                                         {"shapes", c.shapes},
+                                         {"connections", c.connections},
+                                         {"rate", JsonNumber(c.rate)},
+                                         {"rate_distribution", c.poisson ? "poisson" : "constant"},
+                                         {"mode", c.sweep ? "sweep" : "fixed"},
+                                         {"hit_max_duration", c.hit_max_duration},
+                                         {"runs", items}};
+  // Compact; bytes that are not UTF-8 (a target as given) become U+FFFD rather than an error.
+  return report.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n";
 }
 
 std::string FormatCsv(const std::vector<RunStats>& runs) {

@@ -3,12 +3,14 @@
 #include "client/tools/cli.h"
 
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "client/tools/flag_parser.h"
 #include "client/tools/npy.h"
+#include "client/tools/tool_flags.h"
 #include "gtest/gtest.h"
 
 namespace normgrad::tools {
@@ -144,20 +146,68 @@ TEST(CliTest, TargetComesFromFlagThenEnvironment) {
   EXPECT_NE(from_flag.err.find("127.0.0.1:2"), std::string::npos) << from_flag.err;
 }
 
-TEST(FlagParserTest, ParsesEveryFlagForm) {
-  const FlagSpec spec = {{"a", true}, {"b", false}, {"o", true}};
-  absl::StatusOr<ParsedArgs> p = ParseArgs({"--a=1", "-o", "f", "--b", "pos", "--", "--a"}, spec);
-  ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_EQ(p->Get("a"), "1");
-  EXPECT_EQ(p->Get("o"), "f");
-  EXPECT_TRUE(p->Has("b"));
-  EXPECT_EQ(p->positional, (std::vector<std::string>{"pos", "--a"}));
-  EXPECT_FALSE(ParseArgs({"--a"}, spec).ok());
-  EXPECT_FALSE(ParseArgs({"--b=yes"}, spec).ok());
-  EXPECT_FALSE(ParseArgs({"--c"}, spec).ok());
-  absl::StatusOr<ParsedArgs> off = ParseArgs({"--b", "--b=false"}, spec);
-  ASSERT_TRUE(off.ok());
-  EXPECT_FALSE(off->Has("b"));
+TEST(CliTest, CommandFlagsOverrideGlobalOnesAndEmitPtxTargetIsTheGpu) {
+  // A bad global --max-attempts, overridden after the command: the call is made (and fails to
+  // connect) instead of a usage error.
+  const Result overridden =
+      RunTool({"--target=127.0.0.1:1", "--max-attempts=0", "info", "--max-attempts=1"});
+  EXPECT_EQ(overridden.code, kExitServerError) << overridden.err;
+  // After emit-ptx, --target is the GPU architecture; the server stays the global one.
+  const Result emit = RunTool(
+      {"--target=127.0.0.1:2", "emit-ptx", "--kernel=k", "--target=sm_80", "--max-attempts=1"});
+  EXPECT_EQ(emit.code, kExitServerError);
+  EXPECT_NE(emit.err.find("127.0.0.1:2"), std::string::npos) << emit.err;
+}
+
+// The flag forms both tools take, parsed by CLI11 on an app set up as theirs: --name=value,
+// --name value, -o value, a boolean --name (and --name=false), "--" ending the flags; a flag given
+// twice keeps its last value; leftovers are reported by name, not dropped.
+struct SampleTool {
+  SampleTool() {
+    ConfigureToolApp(app);
+    app.add_option("--a", a);
+    app.add_option("-o", o);
+    app.add_flag("--b", b);
+    AddIntegerOption(app, "--n", &n);
+  }
+  absl::Status Parse(const std::vector<std::string>& args) {
+    absl::Status parsed = ParseToolArgs(app, args);
+    return parsed.ok() ? CheckAllPlaced(app) : parsed;
+  }
+  CLI::App app;
+  std::optional<std::string> a, o;
+  bool b = false;
+  int n = 0;
+};
+
+TEST(ToolFlagsTest, ParsesEveryFlagForm) {
+  SampleTool tool;
+  EXPECT_EQ(tool.Parse({"--a=1", "-o", "f", "--b", "--n", "4", "--n=5", "--", "--a"}).message(),
+            "unexpected argument \"--a\"");
+  EXPECT_EQ(tool.a, "1");
+  EXPECT_EQ(tool.o, "f");
+  EXPECT_TRUE(tool.b);
+  EXPECT_EQ(tool.n, 5);
+
+  SampleTool off;
+  ASSERT_TRUE(off.Parse({"--b", "--b=false"}).ok());
+  EXPECT_FALSE(off.b);
+}
+
+TEST(ToolFlagsTest, BadArgumentsAreInvalidArgumentNamingThem) {
+  const std::pair<std::vector<std::string>, std::string> cases[] = {
+      {{"--a"}, "--a"},        // needs a value
+      {{"--b=maybe"}, "--b"},  // not a boolean
+      {{"--c=1"}, "unknown flag --c"},
+      {{"pos"}, "unexpected argument \"pos\""},
+      {{"--n=x"}, "--n: \"x\" is not an integer"},  // read by absl, with our message
+  };
+  for (const auto& [args, message] : cases) {
+    SampleTool tool;
+    const absl::Status s = tool.Parse(args);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << args[0];
+    EXPECT_NE(s.message().find(message), absl::string_view::npos) << s;
+  }
 }
 
 }  // namespace
