@@ -90,9 +90,10 @@ stage_asan() {
 }
 
 # Two parts (docs/testing.md):
-# 1. Our concurrent parts, every handoff one of our own locks: the worker pool, admission, metrics
-#    (service_concurrency_test), the module cache under concurrent first use, the CPU backend's
-#    thread pool, the emulated driver's streams. No suppressions: any report fails.
+# 1. Our concurrent parts, every handoff one of our own locks: the thread pool (thread_pool_test),
+#    admission and the service's metrics (service_concurrency_test), the metrics registry
+#    (metrics_test), the module cache under concurrent first use, the CPU backend, the emulated
+#    driver's streams. No suppressions: any report fails.
 # 2. The tests that cross gRPC (the service with many streams, hostile clients, the client library
 #    against a server and against a scripted one for its retries), with Debian's abseil
 #    synchronization library rebuilt with TSan (scripts/tsan_abseil.sh) so that gRPC's locks are
@@ -100,8 +101,8 @@ stage_asan() {
 #    between two accesses of our code and counts the reports with an access inside gRPC.
 #    Skipped, loudly, when the abseil source cannot be fetched; NORMGRAD_TSAN_GRPC=0 skips it
 #    on purpose.
-TSAN_TARGETS=(service_concurrency_test module_cache_test cpu_backend_test
-  ptxsim_emulated_driver_test)
+TSAN_TARGETS=(thread_pool_test service_concurrency_test metrics_test module_cache_test
+  cpu_backend_test ptxsim_emulated_driver_test)
 TSAN_GRPC_TARGETS=(service_integration_test hostile_clients_test client_server_test
   client_scripted_server_test)
 stage_tsan() {
