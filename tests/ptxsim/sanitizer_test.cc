@@ -1,5 +1,6 @@
 // Deliberately broken kernels: each is reported with the right finding, and the diagnosis names
 // the kernel, block, thread, line and (for memory) the address.
+#include <ostream>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -64,37 +65,42 @@ TEST(PtxSanitizer, OutOfBoundsStoreNamesKernelBlockThreadAndAddress) {
               HasSubstr("kernel 'broken', line 14, block (0,0,0), thread (32,0,0)"));
 }
 
-TEST(PtxSanitizer, MisalignedLoadIsReported) {
-  Outcome o = RunBroken(
-      Kernel("  ld.global.f32 %f1, [%rd3+2];\n  st.global.f32 [%rd3], %f1;\n  ret;\n"), 32, 64);
-  ASSERT_FALSE(o.status.ok());
-  EXPECT_EQ(o.report.finding, Finding::kMisaligned);
-  EXPECT_THAT(std::string(o.status.message()), HasSubstr("is not 4-byte aligned"));
-  EXPECT_THAT(std::string(o.status.message()), HasSubstr("thread (0,0,0)"));
-}
+// A broken kernel that fails with `finding` and a diagnosis containing each of `diagnosis`.
+struct BrokenKernel {
+  const char* name;  // what the case proves
+  const char* body;  // Kernel()'s body; its first line is line 14
+  uint32_t threads;  // per block, two blocks
+  size_t out_floats;
+  Finding finding;
+  const char* diagnosis[3];  // nullptr past the last
+};
 
-TEST(PtxSanitizer, ShuffleAfterDivergentExitNamesTheExitedLane) {
-  Outcome o = RunBroken(Kernel(R"(  setp.ge.u32 %p1, %r1, 16;
+constexpr BrokenKernel kBrokenKernels[] = {
+    {"MisalignedLoadIsReported",
+     "  ld.global.f32 %f1, [%rd3+2];\n  st.global.f32 [%rd3], %f1;\n  ret;\n",
+     32,
+     64,
+     Finding::kMisaligned,
+     {"is not 4-byte aligned", "thread (0,0,0)"}},
+    // Lanes 16..31 branched to the exit; whether they already left or are about to, the
+    // full-mask shuffle names them.
+    {"ShuffleAfterDivergentExitNamesTheExitedLane",
+     R"(  setp.ge.u32 %p1, %r1, 16;
   @%p1 bra EXIT;
   mov.f32 %f1, 0f3F800000;
   shfl.sync.down.b32 %f2, %f1, 16, 31, 0xffffffff;
   st.global.f32 [%rd3], %f2;
 EXIT:
   ret;
-)"),
-                        32, 64);
-  ASSERT_FALSE(o.status.ok());
-  EXPECT_EQ(o.report.finding, Finding::kShuffleMask);
-  // Lanes 16..31 branched to the exit; whether they already left or are about to, the
-  // full-mask shuffle names them.
-  EXPECT_THAT(std::string(o.status.message()),
-              HasSubstr("member mask 0xffffffff names lane 16, which has diverged to an exit "
-                        "(the ret/exit on line 20)"));
-  EXPECT_THAT(std::string(o.status.message()), HasSubstr("line 17"));
-}
-
-TEST(PtxSanitizer, ShuffleInsideDivergentBranchNamesTheDivergedLane) {
-  Outcome o = RunBroken(Kernel(R"(  mov.f32 %f1, 0f3F800000;
+)",
+     32,
+     64,
+     Finding::kShuffleMask,
+     {"member mask 0xffffffff names lane 16, which has diverged to an exit "
+      "(the ret/exit on line 20)",
+      "line 17"}},
+    {"ShuffleInsideDivergentBranchNamesTheDivergedLane",
+     R"(  mov.f32 %f1, 0f3F800000;
   setp.lt.u32 %p1, %r1, 8;
   @%p1 bra SMALL;
   shfl.sync.bfly.b32 %f2, %f1, 1, 31, 0xffffffff;
@@ -104,13 +110,88 @@ SMALL:
 JOIN:
   st.global.f32 [%rd3], %f2;
   ret;
-)"),
-                        32, 64);
+)",
+     32,
+     64,
+     Finding::kShuffleMask,
+     {"names lane 0, which has diverged (it is at line 20)"}},
+    {"BarrierInDivergentBranchIsReported",
+     R"(  setp.lt.u32 %p1, %r1, 40;
+  @%p1 bra SKIP;
+  bar.sync 0;
+SKIP:
+  bar.sync 0;
+  st.global.f32 [%rd3], 0f00000000;
+  ret;
+)",
+     64,
+     128,
+     Finding::kBarrier,
+     {"divergent barrier", "bar.sync on line 16", "bar.sync on line 18"}},
+    {"BarrierSkippedByExitingThreadsIsReported",
+     R"(  setp.ge.u32 %p1, %r1, 48;
+  @%p1 bra EXIT;
+  bar.sync 0;
+  st.global.f32 [%rd3], 0f00000000;
+EXIT:
+  ret;
+)",
+     64,
+     128,
+     Finding::kBarrier,
+     {"barrier not reached by all threads of the block", "thread (48,0,0)"}},
+    {"UninitializedRegisterReadNamesTheRegister",
+     R"(  mov.f32 %f1, 0f3F800000;
+  add.f32 %f3, %f1, %f2;
+  st.global.f32 [%rd3], %f3;
+  ret;
+)",
+     32,
+     64,
+     Finding::kUninitializedRegister,
+     {"register %f2 is read before any instruction wrote it", "line 15"}},
+    {"RegisterWrittenOnlyUnderAPredicateIsUninitializedElsewhere",
+     R"(  setp.lt.u32 %p1, %r1, 5;
+  @%p1 mov.f32 %f1, 0f3F800000;
+  st.global.f32 [%rd3], %f1;
+  ret;
+)",
+     32,
+     64,
+     Finding::kUninitializedRegister,
+     {"thread (5,0,0)"}},
+    {"NonUniformBraUniIsReported",
+     R"(  setp.lt.u32 %p1, %r1, 3;
+  @%p1 bra.uni DONE;
+  st.global.f32 [%rd3], 0f00000000;
+DONE:
+  ret;
+)",
+     32,
+     64,
+     Finding::kNonUniformBranch,
+     {}},
+};
+
+void PrintTo(const BrokenKernel& k, std::ostream* os) { *os << k.name; }
+
+class PtxSanitizerFinding : public ::testing::TestWithParam<BrokenKernel> {};
+
+TEST_P(PtxSanitizerFinding, IsReportedWithItsDiagnosis) {
+  const BrokenKernel& k = GetParam();
+  Outcome o = RunBroken(Kernel(k.body), k.threads, k.out_floats);
   ASSERT_FALSE(o.status.ok());
-  EXPECT_EQ(o.report.finding, Finding::kShuffleMask);
-  EXPECT_THAT(std::string(o.status.message()),
-              HasSubstr("names lane 0, which has diverged (it is at line 20)"));
+  EXPECT_EQ(o.report.finding, k.finding);
+  for (const char* part : k.diagnosis) {
+    if (part == nullptr) break;
+    EXPECT_THAT(std::string(o.status.message()), HasSubstr(part));
+  }
 }
+
+INSTANTIATE_TEST_SUITE_P(PtxSanitizer, PtxSanitizerFinding, ::testing::ValuesIn(kBrokenKernels),
+                         [](const ::testing::TestParamInfo<BrokenKernel>& info) {
+                           return std::string(info.param.name);
+                         });
 
 TEST(PtxSanitizer, PartialMaskShuffleOfConvergedLanesIsFine) {
   // The same divergent shuffle with a member mask naming exactly the lanes present is legal.
@@ -133,82 +214,11 @@ JOIN:
   EXPECT_EQ(out[17], 16.0f);
 }
 
-TEST(PtxSanitizer, BarrierInDivergentBranchIsReported) {
-  Outcome o = RunBroken(Kernel(R"(  setp.lt.u32 %p1, %r1, 40;
-  @%p1 bra SKIP;
-  bar.sync 0;
-SKIP:
-  bar.sync 0;
-  st.global.f32 [%rd3], 0f00000000;
-  ret;
-)"),
-                        64, 128);
-  ASSERT_FALSE(o.status.ok());
-  EXPECT_EQ(o.report.finding, Finding::kBarrier);
-  EXPECT_THAT(std::string(o.status.message()), HasSubstr("divergent barrier"));
-  EXPECT_THAT(std::string(o.status.message()), HasSubstr("bar.sync on line 16"));
-  EXPECT_THAT(std::string(o.status.message()), HasSubstr("bar.sync on line 18"));
-}
-
-TEST(PtxSanitizer, BarrierSkippedByExitingThreadsIsReported) {
-  Outcome o = RunBroken(Kernel(R"(  setp.ge.u32 %p1, %r1, 48;
-  @%p1 bra EXIT;
-  bar.sync 0;
-  st.global.f32 [%rd3], 0f00000000;
-EXIT:
-  ret;
-)"),
-                        64, 128);
-  ASSERT_FALSE(o.status.ok());
-  EXPECT_EQ(o.report.finding, Finding::kBarrier);
-  EXPECT_THAT(std::string(o.status.message()),
-              HasSubstr("barrier not reached by all threads of the block"));
-  EXPECT_THAT(std::string(o.status.message()), HasSubstr("thread (48,0,0)"));
-}
-
-TEST(PtxSanitizer, UninitializedRegisterReadNamesTheRegister) {
-  Outcome o = RunBroken(Kernel(R"(  mov.f32 %f1, 0f3F800000;
-  add.f32 %f3, %f1, %f2;
-  st.global.f32 [%rd3], %f3;
-  ret;
-)"),
-                        32, 64);
-  ASSERT_FALSE(o.status.ok());
-  EXPECT_EQ(o.report.finding, Finding::kUninitializedRegister);
-  EXPECT_THAT(std::string(o.status.message()),
-              HasSubstr("register %f2 is read before any instruction wrote it"));
-  EXPECT_THAT(std::string(o.status.message()), HasSubstr("line 15"));
-}
-
-TEST(PtxSanitizer, RegisterWrittenOnlyUnderAPredicateIsUninitializedElsewhere) {
-  Outcome o = RunBroken(Kernel(R"(  setp.lt.u32 %p1, %r1, 5;
-  @%p1 mov.f32 %f1, 0f3F800000;
-  st.global.f32 [%rd3], %f1;
-  ret;
-)"),
-                        32, 64);
-  ASSERT_FALSE(o.status.ok());
-  EXPECT_EQ(o.report.finding, Finding::kUninitializedRegister);
-  EXPECT_THAT(std::string(o.status.message()), HasSubstr("thread (5,0,0)"));
-}
-
 TEST(PtxSanitizer, EndlessLoopHitsTheInstructionLimit) {
   Outcome o = RunBroken(Kernel("LOOP:\n  bra LOOP;\n"), 32, 64, nullptr, 1000);
   ASSERT_FALSE(o.status.ok());
   EXPECT_EQ(o.status.code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(o.report.finding, Finding::kInstructionLimit);
-}
-
-TEST(PtxSanitizer, NonUniformBraUniIsReported) {
-  Outcome o = RunBroken(Kernel(R"(  setp.lt.u32 %p1, %r1, 3;
-  @%p1 bra.uni DONE;
-  st.global.f32 [%rd3], 0f00000000;
-DONE:
-  ret;
-)"),
-                        32, 64);
-  ASSERT_FALSE(o.status.ok());
-  EXPECT_EQ(o.report.finding, Finding::kNonUniformBranch);
 }
 
 TEST(PtxSanitizer, BadLaunchGeometryIsInvalidArgument) {

@@ -4,11 +4,13 @@
 #include <cfenv>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <numeric>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/ptxsim/sim_harness.h"
@@ -18,13 +20,91 @@ namespace {
 
 constexpr char kHeader[] = ".version 7.8\n.target sm_90\n.address_size 64\n";
 
-TEST(PtxSimt, ThreadIndexingPartialWarpsAndPredicatedStores) {
-  const std::string ptx = absl::StrCat(kHeader, R"(
-.visible .entry index_kernel(.param .u64 out, .param .u32 n)
+// A module of one entry, `signature` (its name and parameter list), whose `body` may use the
+// registers every kernel here has: %p<8>, %r<16>, %f<16>, %fd<4>, %rd<16>.
+std::string Module(absl::string_view signature, absl::string_view body) {
+  return absl::StrCat(kHeader, ".visible .entry ", signature, R"(
 {
-  .reg .pred %p<2>;
-  .reg .b32 %r<8>;
-  .reg .b64 %rd<4>;
+  .reg .pred %p<8>;
+  .reg .b32 %r<16>;
+  .reg .f32 %f<16>;
+  .reg .f64 %fd<4>;
+  .reg .b64 %rd<16>;
+)",
+                      body, "}\n");
+}
+
+// Stores `values` (32-bit registers) as `type` to [base], [base+stride], [base+2*stride], ...
+std::string StoreEach(absl::string_view type, absl::string_view base, int stride,
+                      std::initializer_list<absl::string_view> values) {
+  std::string out;
+  int offset = 0;
+  for (absl::string_view v : values) {
+    absl::StrAppend(&out, "  st.global.", type, " [", base, "+", offset, "], ", v, ";\n");
+    offset += stride;
+  }
+  return out;
+}
+
+// A kernel `name`(a, b, c, out) in which thread %r1 reads a, b, c at its index into %f1, %f2,
+// %f3, runs `body`, and stores the 32-bit `results` to out[%r1 * results.size() + k].
+std::string PerLaneKernel(absl::string_view name, absl::string_view body,
+                          std::initializer_list<absl::string_view> results) {
+  return Module(
+      absl::StrCat(name, "(.param .u64 a, .param .u64 b, .param .u64 c, .param .u64 out)"),
+      absl::StrCat(R"(  ld.param.u64 %rd1, [a];
+  ld.param.u64 %rd2, [b];
+  ld.param.u64 %rd3, [c];
+  ld.param.u64 %rd4, [out];
+  mov.u32 %r1, %tid.x;
+  mul.wide.u32 %rd5, %r1, 4;
+  add.s64 %rd6, %rd1, %rd5;
+  ld.global.f32 %f1, [%rd6];
+  add.s64 %rd6, %rd2, %rd5;
+  ld.global.f32 %f2, [%rd6];
+  add.s64 %rd6, %rd3, %rd5;
+  ld.global.f32 %f3, [%rd6];
+)",
+                   body, "  mul.wide.u32 %rd7, %r1, ", 4 * results.size(), R"(;
+  add.s64 %rd8, %rd4, %rd7;
+)",
+                   StoreEach("b32", "%rd8", 4, results), "  ret;\n"));
+}
+
+// Device buffers as the kernel's u64 parameters, in order.
+KernelArgs BufferArgs(std::initializer_list<const void*> buffers) {
+  KernelArgs args;
+  for (const void* b : buffers) args.Add(reinterpret_cast<uint64_t>(b));
+  return args;
+}
+
+// The buffers of a PerLaneKernel on n threads: a, b, c of n floats, out of n * results.
+struct PerLaneBuffers {
+  float* a;
+  float* b;
+  float* c;
+  float* out;
+};
+PerLaneBuffers AllocPerLane(SimHarness& sim, int n, int results) {
+  return {sim.Alloc<float>(n), sim.Alloc<float>(n), sim.Alloc<float>(n),
+          sim.Alloc<float>(n * results)};
+}
+
+// Uniform in [0, 1): a 32-bit linear congruential sequence, the same everywhere.
+class UnitRandom {
+ public:
+  explicit UnitRandom(uint32_t seed) : state_(seed) {}
+  float Next() {
+    state_ = state_ * 1664525u + 1013904223u;
+    return static_cast<float>(state_ >> 8) / static_cast<float>(1u << 24);
+  }
+
+ private:
+  uint32_t state_;
+};
+
+TEST(PtxSimt, ThreadIndexingPartialWarpsAndPredicatedStores) {
+  const std::string ptx = Module("index_kernel(.param .u64 out, .param .u32 n)", R"(
   ld.param.u64 %rd1, [out];
   ld.param.u32 %r1, [n];
   mov.u32 %r2, %tid.x;
@@ -37,12 +117,11 @@ TEST(PtxSimt, ThreadIndexingPartialWarpsAndPredicatedStores) {
   mul.lo.u32 %r6, %r5, 3;
   @%p1 st.global.u32 [%rd3], %r6;
   ret;
-}
 )");
   SimHarness sim;
   uint32_t* out = sim.Alloc<uint32_t>(100);  // 120 threads run; the predicate guards the tail
-  KernelArgs args;
-  args.Add(SimHarness::Address(out)).Add(uint32_t{100});
+  KernelArgs args = BufferArgs({out});
+  args.Add(uint32_t{100});
   LaunchReport report;
   ASSERT_TRUE(sim.Run(ptx, "index_kernel", {3, 1, 1}, {40, 1, 1}, args, &report).ok());
   for (uint32_t i = 0; i < 100; ++i) EXPECT_EQ(out[i], 3 * i) << i;
@@ -52,12 +131,7 @@ TEST(PtxSimt, ThreadIndexingPartialWarpsAndPredicatedStores) {
 }
 
 TEST(PtxSimt, DivergentBranchesAndLoopsReconvergeBeforeFullMaskShuffle) {
-  const std::string ptx = absl::StrCat(kHeader, R"(
-.visible .entry diverge(.param .u64 out)
-{
-  .reg .pred %p<3>;
-  .reg .b32 %r<10>;
-  .reg .b64 %rd<4>;
+  const std::string ptx = Module("diverge(.param .u64 out)", R"(
   ld.param.u64 %rd1, [out];
   mov.u32 %r1, %tid.x;
   and.b32 %r2, %r1, 1;
@@ -85,13 +159,10 @@ LOOP_END:
   add.s64 %rd3, %rd1, %rd2;
   st.global.u32 [%rd3], %r9;
   ret;
-}
 )");
   SimHarness sim;
   uint32_t* out = sim.Alloc<uint32_t>(64);
-  KernelArgs args;
-  args.Add(SimHarness::Address(out));
-  ASSERT_TRUE(sim.Run(ptx, "diverge", {1, 1, 1}, {64, 1, 1}, args).ok());
+  ASSERT_TRUE(sim.Run(ptx, "diverge", {1, 1, 1}, {64, 1, 1}, BufferArgs({out})).ok());
   auto v = [](uint32_t t) {
     uint32_t base = (t & 1) ? 100 * t : t + 7;
     for (uint32_t i = 0; i < t % 5; ++i) base += i;
@@ -101,12 +172,10 @@ LOOP_END:
 }
 
 TEST(PtxSimt, ShuffleModesFollowThePtxLaneRules) {
-  const std::string ptx = absl::StrCat(kHeader, R"(
-.visible .entry shfl_modes(.param .u64 out)
-{
-  .reg .pred %p<3>;
-  .reg .b32 %r<16>;
-  .reg .b64 %rd<8>;
+  const std::string ptx =
+      Module("shfl_modes(.param .u64 out)",
+             absl::StrCat(
+                 R"(
   ld.param.u64 %rd1, [out];
   mov.u32 %r1, %tid.x;
   mad.lo.u32 %r2, %r1, 10, 1;
@@ -120,21 +189,12 @@ TEST(PtxSimt, ShuffleModesFollowThePtxLaneRules) {
   selp.u32 %r10, 1, 0, %p2;
   mul.wide.u32 %rd2, %r1, 4;
   add.s64 %rd3, %rd1, %rd2;
-  st.global.u32 [%rd3], %r3;
-  st.global.u32 [%rd3+128], %r9;
-  st.global.u32 [%rd3+256], %r4;
-  st.global.u32 [%rd3+384], %r10;
-  st.global.u32 [%rd3+512], %r5;
-  st.global.u32 [%rd3+640], %r6;
-  st.global.u32 [%rd3+768], %r7;
-  ret;
-}
-)");
+)",
+                 StoreEach("u32", "%rd3", 128, {"%r3", "%r9", "%r4", "%r10", "%r5", "%r6", "%r7"}),
+                 "  ret;\n"));
   SimHarness sim;
   uint32_t* out = sim.Alloc<uint32_t>(7 * 32);
-  KernelArgs args;
-  args.Add(SimHarness::Address(out));
-  absl::Status s = sim.Run(ptx, "shfl_modes", {1, 1, 1}, {32, 1, 1}, args);
+  absl::Status s = sim.Run(ptx, "shfl_modes", {1, 1, 1}, {32, 1, 1}, BufferArgs({out}));
   ASSERT_TRUE(s.ok()) << s;
   auto val = [](uint32_t t) { return t * 10 + 1; };
   for (uint32_t t = 0; t < 32; ++t) {
@@ -150,12 +210,7 @@ TEST(PtxSimt, ShuffleModesFollowThePtxLaneRules) {
 }
 
 TEST(PtxSimt, BarrierOrdersSharedMemoryAcrossWarps) {
-  const std::string ptx = absl::StrCat(kHeader, R"(
-.visible .entry reverse(.param .u64 in, .param .u64 out)
-{
-  .reg .b32 %r<8>;
-  .reg .f32 %f<3>;
-  .reg .b64 %rd<12>;
+  const std::string ptx = Module("reverse(.param .u64 in, .param .u64 out)", R"(
   .shared .align 4 .b8 buf[256];
   .extern .shared .align 16 .b8 dyn[];
   ld.param.u64 %rd1, [in];
@@ -185,14 +240,12 @@ TEST(PtxSimt, BarrierOrdersSharedMemoryAcrossWarps) {
   add.s64 %rd4, %rd2, %rd3;
   st.global.f32 [%rd4], %f1;
   ret;
-}
 )");
   SimHarness sim;
   float* in = sim.Alloc<float>(128);
   float* out = sim.Alloc<float>(128);
   for (int i = 0; i < 128; ++i) in[i] = static_cast<float>(i) + 0.5f;
-  KernelArgs args;
-  args.Add(SimHarness::Address(in)).Add(SimHarness::Address(out));
+  const KernelArgs args = BufferArgs({in, out});
   absl::Status s =
       sim.Run(ptx, "reverse", {2, 1, 1}, {64, 1, 1}, args, nullptr, /*dynamic_shared=*/256);
   ASSERT_TRUE(s.ok()) << s;
@@ -206,13 +259,8 @@ TEST(PtxSimt, BarrierOrdersSharedMemoryAcrossWarps) {
 }
 
 TEST(PtxSimt, AtomicsAccumulateAndReturnDistinctOldValues) {
-  const std::string ptx = absl::StrCat(kHeader, R"(
-.visible .entry atomics(.param .u64 sum, .param .u64 counter, .param .u64 olds, .param .u64 per_block)
-{
-  .reg .b32 %r<10>;
-  .reg .f32 %f<3>;
-  .reg .b64 %rd<12>;
-  .reg .pred %p<2>;
+  const std::string ptx = Module(
+      "atomics(.param .u64 sum, .param .u64 counter, .param .u64 olds, .param .u64 per_block)", R"(
   .shared .align 4 .b32 count;
   ld.param.u64 %rd1, [sum];
   ld.param.u64 %rd2, [counter];
@@ -240,19 +288,14 @@ TEST(PtxSimt, AtomicsAccumulateAndReturnDistinctOldValues) {
   st.global.u32 [%rd8], %r6;
 DONE:
   ret;
-}
 )");
   SimHarness sim;
   float* sum = sim.Alloc<float>(1);
   uint32_t* counter = sim.Alloc<uint32_t>(1);
   uint32_t* olds = sim.Alloc<uint32_t>(256);
   uint32_t* per_block = sim.Alloc<uint32_t>(4);
-  KernelArgs args;
-  args.Add(SimHarness::Address(sum))
-      .Add(SimHarness::Address(counter))
-      .Add(SimHarness::Address(olds))
-      .Add(SimHarness::Address(per_block));
-  absl::Status s = sim.Run(ptx, "atomics", {4, 1, 1}, {64, 1, 1}, args);
+  absl::Status s =
+      sim.Run(ptx, "atomics", {4, 1, 1}, {64, 1, 1}, BufferArgs({sum, counter, olds, per_block}));
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(*sum, 255.0f * 256.0f / 2.0f);  // small integers: exact in any order
   EXPECT_EQ(*counter, 256u);
@@ -263,12 +306,7 @@ DONE:
 }
 
 TEST(PtxSimt, VectorLoadsAndStoresMoveSixteenBytes) {
-  const std::string ptx = absl::StrCat(kHeader, R"(
-.visible .entry vec4(.param .u64 in, .param .u64 out)
-{
-  .reg .b32 %r<3>;
-  .reg .f32 %f<9>;
-  .reg .b64 %rd<7>;
+  const std::string ptx = Module("vec4(.param .u64 in, .param .u64 out)", R"(
   ld.param.u64 %rd1, [in];
   ld.param.u64 %rd2, [out];
   cvta.to.global.u64 %rd1, %rd1;
@@ -283,15 +321,12 @@ TEST(PtxSimt, VectorLoadsAndStoresMoveSixteenBytes) {
   max.f32 %f8, %f4, 0f00000000;
   st.global.v4.f32 [%rd5], {%f5, %f6, %f7, %f8};
   ret;
-}
 )");
   SimHarness sim;
   float* in = sim.Alloc<float>(128);
   float* out = sim.Alloc<float>(128);
   for (int i = 0; i < 128; ++i) in[i] = (i % 3 == 0 ? -1.0f : 1.0f) * static_cast<float>(i) * 0.25f;
-  KernelArgs args;
-  args.Add(SimHarness::Address(in)).Add(SimHarness::Address(out));
-  absl::Status s = sim.Run(ptx, "vec4", {1, 1, 1}, {32, 1, 1}, args);
+  absl::Status s = sim.Run(ptx, "vec4", {1, 1, 1}, {32, 1, 1}, BufferArgs({in, out}));
   ASSERT_TRUE(s.ok()) << s;
   for (int t = 0; t < 32; ++t) {
     EXPECT_EQ(out[4 * t + 0], 2.0f * in[4 * t + 0]);
@@ -304,25 +339,8 @@ TEST(PtxSimt, VectorLoadsAndStoresMoveSixteenBytes) {
 // f32 arithmetic with the instruction's rounding: .rn results are bit-exact IEEE; fma rounds
 // once; .approx stays within PTX's documented bound.
 TEST(PtxSimt, FloatArithmeticRoundsLikeTheInstructionSays) {
-  const std::string ptx = absl::StrCat(kHeader, R"(
-.visible .entry fp(.param .u64 a, .param .u64 b, .param .u64 c, .param .u64 out)
-{
-  .reg .b32 %r<6>;
-  .reg .f32 %f<16>;
-  .reg .b64 %rd<10>;
-  ld.param.u64 %rd1, [a];
-  ld.param.u64 %rd2, [b];
-  ld.param.u64 %rd3, [c];
-  ld.param.u64 %rd4, [out];
-  mov.u32 %r1, %tid.x;
-  mul.wide.u32 %rd5, %r1, 4;
-  add.s64 %rd6, %rd1, %rd5;
-  ld.global.f32 %f1, [%rd6];
-  add.s64 %rd6, %rd2, %rd5;
-  ld.global.f32 %f2, [%rd6];
-  add.s64 %rd6, %rd3, %rd5;
-  ld.global.f32 %f3, [%rd6];
-  div.rn.f32 %f4, %f1, %f2;
+  const std::string ptx =
+      PerLaneKernel("fp", R"(  div.rn.f32 %f4, %f1, %f2;
   sqrt.rn.f32 %f5, %f1;
   rcp.rn.f32 %f6, %f2;
   fma.rn.f32 %f7, %f1, %f2, %f3;
@@ -333,48 +351,23 @@ TEST(PtxSimt, FloatArithmeticRoundsLikeTheInstructionSays) {
   cvt.rni.s32.f32 %r2, %f4;
   cvt.rn.f32.s32 %f11, %r2;
   sub.f32 %f12, %f1, %f2;
-  mul.wide.u32 %rd7, %r1, 40;
-  add.s64 %rd8, %rd4, %rd7;
-  st.global.f32 [%rd8], %f4;
-  st.global.f32 [%rd8+4], %f5;
-  st.global.f32 [%rd8+8], %f6;
-  st.global.f32 [%rd8+12], %f7;
-  st.global.f32 [%rd8+16], %f8;
-  st.global.f32 [%rd8+20], %f9;
-  st.global.f32 [%rd8+24], %f10;
-  st.global.s32 [%rd8+28], %r2;
-  st.global.f32 [%rd8+32], %f11;
-  st.global.f32 [%rd8+36], %f12;
-  ret;
-}
-)");
+)",
+                    {"%f4", "%f5", "%f6", "%f7", "%f8", "%f9", "%f10", "%r2", "%f11", "%f12"});
   SimHarness sim;
   constexpr int kN = 64;
-  float* a = sim.Alloc<float>(kN);
-  float* b = sim.Alloc<float>(kN);
-  float* c = sim.Alloc<float>(kN);
-  float* out = sim.Alloc<float>(kN * 10);
-  uint32_t state = 12345;
-  auto next = [&state]() {
-    state = state * 1664525u + 1013904223u;
-    return static_cast<float>(state >> 8) / static_cast<float>(1u << 24);
-  };
+  const auto [a, b, c, out] = AllocPerLane(sim, kN, 10);
+  UnitRandom random(12345);
   for (int i = 0; i < kN; ++i) {
-    a[i] = 0.5f + 100.0f * next();
-    b[i] = 0.25f + 3.0f * next();
-    c[i] = -a[i] * b[i] + next() * 1e-3f;
+    a[i] = 0.5f + 100.0f * random.Next();
+    b[i] = 0.25f + 3.0f * random.Next();
+    c[i] = -a[i] * b[i] + random.Next() * 1e-3f;
   }
   // A case where fma (one rounding) and mul+add (two) differ.
   // a*b = 1 + 2^-11 + 2^-24 rounds (tie to even) to 1 + 2^-11, so mul+add gives 0.
   a[0] = 1.0f + std::ldexp(1.0f, -12);
   b[0] = 1.0f + std::ldexp(1.0f, -12);
   c[0] = -(1.0f + std::ldexp(1.0f, -11));
-  KernelArgs args;
-  args.Add(SimHarness::Address(a))
-      .Add(SimHarness::Address(b))
-      .Add(SimHarness::Address(c))
-      .Add(SimHarness::Address(out));
-  absl::Status s = sim.Run(ptx, "fp", {1, 1, 1}, {kN, 1, 1}, args);
+  absl::Status s = sim.Run(ptx, "fp", {1, 1, 1}, {kN, 1, 1}, BufferArgs({a, b, c, out}));
   ASSERT_TRUE(s.ok()) << s;
   for (int i = 0; i < kN; ++i) {
     const float* o = out + 10 * i;
@@ -403,26 +396,8 @@ TEST(PtxSimt, FloatArithmeticRoundsLikeTheInstructionSays) {
 // .rz/.rm/.rp on f32 arithmetic and conversions, against the host FPU in the same rounding
 // mode (this test is compiled with -frounding-math).
 TEST(PtxSimt, DirectedRoundingMatchesTheHostFpuInThatMode) {
-  constexpr char kTemplate[] = R"(
-.visible .entry directed(.param .u64 a, .param .u64 b, .param .u64 c, .param .u64 out)
-{
-  .reg .b32 %r<4>;
-  .reg .f32 %f<16>;
-  .reg .f64 %fd<2>;
-  .reg .b64 %rd<10>;
-  ld.param.u64 %rd1, [a];
-  ld.param.u64 %rd2, [b];
-  ld.param.u64 %rd3, [c];
-  ld.param.u64 %rd4, [out];
-  mov.u32 %r1, %tid.x;
-  mul.wide.u32 %rd5, %r1, 4;
-  add.s64 %rd6, %rd1, %rd5;
-  ld.global.f32 %f1, [%rd6];
-  add.s64 %rd6, %rd2, %rd5;
-  ld.global.f32 %f2, [%rd6];
-  add.s64 %rd6, %rd3, %rd5;
-  ld.global.f32 %f3, [%rd6];
-  add.MODE.f32 %f4, %f1, %f2;
+  const std::string with_mode =
+      PerLaneKernel("directed", R"(  add.MODE.f32 %f4, %f1, %f2;
   sub.MODE.f32 %f5, %f1, %f3;
   mul.MODE.f32 %f6, %f1, %f2;
   div.MODE.f32 %f7, %f1, %f2;
@@ -435,52 +410,28 @@ TEST(PtxSimt, DirectedRoundingMatchesTheHostFpuInThatMode) {
   cvt.f64.f32 %fd1, %f1;
   mul.rn.f64 %fd1, %fd1, 0d3FF0000000000001;
   cvt.MODE.f32.f64 %f12, %fd1;
-  mul.wide.u32 %rd7, %r1, 36;
-  add.s64 %rd8, %rd4, %rd7;
-  st.global.f32 [%rd8], %f4;
-  st.global.f32 [%rd8+4], %f5;
-  st.global.f32 [%rd8+8], %f6;
-  st.global.f32 [%rd8+12], %f7;
-  st.global.f32 [%rd8+16], %f8;
-  st.global.f32 [%rd8+20], %f9;
-  st.global.f32 [%rd8+24], %f10;
-  st.global.f32 [%rd8+28], %f11;
-  st.global.f32 [%rd8+32], %f12;
-  ret;
-}
-)";
+)",
+                    {"%f4", "%f5", "%f6", "%f7", "%f8", "%f9", "%f10", "%f11", "%f12"});
   struct Mode {
     const char* name;
     int fe;
   };
   for (const Mode& mode : {Mode{"rz", FE_TOWARDZERO}, Mode{"rm", FE_DOWNWARD},
                            Mode{"rp", FE_UPWARD}, Mode{"rn", FE_TONEAREST}}) {
-    std::string ptx = absl::StrCat(kHeader, kTemplate);
+    std::string ptx = with_mode;
     for (size_t at = ptx.find("MODE"); at != std::string::npos; at = ptx.find("MODE")) {
       ptx.replace(at, 4, mode.name);
     }
     SimHarness sim;
     constexpr int kN = 64;
-    float* a = sim.Alloc<float>(kN);
-    float* b = sim.Alloc<float>(kN);
-    float* c = sim.Alloc<float>(kN);
-    float* out = sim.Alloc<float>(kN * 9);
-    uint32_t state = 99;
-    auto next = [&state]() {
-      state = state * 1664525u + 1013904223u;
-      return static_cast<float>(state >> 8) / static_cast<float>(1u << 24);
-    };
+    const auto [a, b, c, out] = AllocPerLane(sim, kN, 9);
+    UnitRandom random(99);
     for (int i = 0; i < kN; ++i) {
-      a[i] = (i % 2 ? -1.0f : 1.0f) * std::ldexp(0.5f + next(), static_cast<int>(i % 9) - 4);
-      b[i] = (i % 3 ? 1.0f : -1.0f) * (0.1f + 3.0f * next());
-      c[i] = (i % 5 ? -1.0f : 1.0f) * next() * 1e-3f;
+      a[i] = (i % 2 ? -1.0f : 1.0f) * std::ldexp(0.5f + random.Next(), static_cast<int>(i % 9) - 4);
+      b[i] = (i % 3 ? 1.0f : -1.0f) * (0.1f + 3.0f * random.Next());
+      c[i] = (i % 5 ? -1.0f : 1.0f) * random.Next() * 1e-3f;
     }
-    KernelArgs args;
-    args.Add(SimHarness::Address(a))
-        .Add(SimHarness::Address(b))
-        .Add(SimHarness::Address(c))
-        .Add(SimHarness::Address(out));
-    absl::Status s = sim.Run(ptx, "directed", {1, 1, 1}, {kN, 1, 1}, args);
+    absl::Status s = sim.Run(ptx, "directed", {1, 1, 1}, {kN, 1, 1}, BufferArgs({a, b, c, out}));
     ASSERT_TRUE(s.ok()) << s;
     for (int i = 0; i < kN; ++i) {
       volatile float va = a[i], vb = b[i], vc = c[i];
@@ -537,8 +488,7 @@ TEST(PtxSimt, IntegerCompareConvertAndSelect) {
   // %f1 is not declared above on purpose: the parser must say so.
   SimHarness sim;
   uint32_t* out = sim.Alloc<uint32_t>(7);
-  KernelArgs args;
-  args.Add(SimHarness::Address(out));
+  const KernelArgs args = BufferArgs({out});
   absl::Status s = sim.Run(ptx, "ints", {1, 1, 1}, {1, 1, 1}, args);
   ASSERT_FALSE(s.ok());
   EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("undeclared register '%f1'"));
