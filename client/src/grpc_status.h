@@ -1,4 +1,8 @@
-// The one conversion from grpc::Status to absl::Status (codes share their numbers).
+// The one conversion from grpc::Status to absl::Status (codes share their numbers), at the
+// client's edge. The server's edge converts the other way (server/service/status_conversion.h);
+// they stay two files because client/ depends on no server code.
+//
+//   if (!status.ok()) return FromGrpcStatus(status);
 #ifndef NORMGRAD_CLIENT_SRC_GRPC_STATUS_H_
 #define NORMGRAD_CLIENT_SRC_GRPC_STATUS_H_
 

@@ -144,15 +144,23 @@ class ClientProtocolTest : public ::testing::Test {
     builder.RegisterService(&service_);
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
+    client_ = Connect(Options());
+    ASSERT_NE(client_, nullptr);
+    for (size_t i = 0; i < x_.size(); ++i) x_[i] = static_cast<float>(i);
+  }
+  // client_'s options: 3 rows per message, 3 attempts, 1 ms backoff.
+  ClientOptions Options() const {
     ClientOptions options;
     options.target = absl::StrCat("127.0.0.1:", port_);
-    options.chunk_bytes = 3 * kHidden * 4;  // 3 rows per message
+    options.chunk_bytes = 3 * kHidden * 4;
     options.initial_backoff = absl::Milliseconds(1);
     options.max_attempts = 3;
+    return options;
+  }
+  std::unique_ptr<Client> Connect(const ClientOptions& options) {
     absl::StatusOr<std::unique_ptr<Client>> c = Client::Create(options);
-    ASSERT_TRUE(c.ok()) << c.status();
-    client_ = std::move(*c);
-    for (size_t i = 0; i < x_.size(); ++i) x_[i] = static_cast<float>(i);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
   }
   void TearDown() override {
     client_.reset();
@@ -161,6 +169,22 @@ class ClientProtocolTest : public ::testing::Test {
   absl::StatusOr<Gradients> Call(Script script) {
     service_.script = script;
     return client_->Backward(x_, dy_, gamma_, 1e-5f);
+  }
+  // The call succeeds after `attempts` streams, the last of which wrote every output.
+  void ExpectWholeStreamRetried(Script script, int attempts) {
+    absl::StatusOr<Gradients> g = Call(script);
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_EQ(g->attempts, attempts);
+    EXPECT_EQ(service_.streams.load(), attempts);
+    EXPECT_EQ(g->dx, x_);
+    EXPECT_EQ(g->summary.chunks, 4u);  // 3 + 3 + 3 + 1 rows
+  }
+  // A malformed reply: INTERNAL, with `message` in its message.
+  void ExpectInternal(Script script, absl::string_view message) {
+    absl::StatusOr<Gradients> g = Call(script);
+    ASSERT_FALSE(g.ok());
+    EXPECT_EQ(g.status().code(), absl::StatusCode::kInternal);
+    EXPECT_NE(g.status().message().find(message), absl::string_view::npos) << g.status();
   }
 
   static constexpr uint32_t kHidden = 4;
@@ -183,22 +207,16 @@ TEST_F(ClientProtocolTest, ChunksArePlacedByFirstRow) {
 }
 
 TEST_F(ClientProtocolTest, UnavailableBeforeAnyResponseRetriesTheWholeStream) {
-  absl::StatusOr<Gradients> g = Call(Script::kUnavailableFirstTwo);
-  ASSERT_TRUE(g.ok()) << g.status();
-  EXPECT_EQ(g->attempts, 3);
-  EXPECT_EQ(service_.streams.load(), 3);
-  EXPECT_EQ(g->dx, x_);
+  ExpectWholeStreamRetried(Script::kUnavailableFirstTwo, 3);
 }
 
 TEST_F(ClientProtocolTest, RetriesStopAtMaxAttempts) {
-  ClientOptions options;
-  options.target = absl::StrCat("127.0.0.1:", port_);
+  ClientOptions options = Options();
   options.max_attempts = 2;
-  options.initial_backoff = absl::Milliseconds(1);
-  absl::StatusOr<std::unique_ptr<Client>> two = Client::Create(options);
-  ASSERT_TRUE(two.ok());
+  std::unique_ptr<Client> two = Connect(options);
+  ASSERT_NE(two, nullptr);
   service_.script = Script::kUnavailableFirstTwo;
-  absl::StatusOr<Gradients> g = (*two)->Backward(x_, dy_, gamma_, 1e-5f);
+  absl::StatusOr<Gradients> g = two->Backward(x_, dy_, gamma_, 1e-5f);
   ASSERT_FALSE(g.ok());
   EXPECT_EQ(g.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(g.status().message(), "scripted: not yet");
@@ -208,43 +226,23 @@ TEST_F(ClientProtocolTest, RetriesStopAtMaxAttempts) {
 // A replica that dies mid-stream: the whole (idempotent) call is redone and every output
 // rewritten by the second stream.
 TEST_F(ClientProtocolTest, UnavailableAfterAResponseRetriesTheWholeStream) {
-  absl::StatusOr<Gradients> g = Call(Script::kUnavailableAfterOneChunk);
-  ASSERT_TRUE(g.ok()) << g.status();
-  EXPECT_EQ(g->attempts, 2);
-  EXPECT_EQ(service_.streams.load(), 2);
-  EXPECT_EQ(g->dx, x_);
-  EXPECT_EQ(g->summary.chunks, 4u);
+  ExpectWholeStreamRetried(Script::kUnavailableAfterOneChunk, 2);
 }
 
 TEST_F(ClientProtocolTest, CancelledBeforeAnyResponseRetriesTheWholeStream) {
-  absl::StatusOr<Gradients> g = Call(Script::kCancelledFirst);
-  ASSERT_TRUE(g.ok()) << g.status();
-  EXPECT_EQ(g->attempts, 2);
-  EXPECT_EQ(service_.streams.load(), 2);
-  EXPECT_EQ(g->dx, x_);
+  ExpectWholeStreamRetried(Script::kCancelledFirst, 2);
 }
 
 TEST_F(ClientProtocolTest, ShortGradInputIsInternal) {
-  absl::StatusOr<Gradients> g = Call(Script::kShortGradInput);
-  ASSERT_FALSE(g.ok());
-  EXPECT_EQ(g.status().code(), absl::StatusCode::kInternal);
-  EXPECT_NE(g.status().message().find("grad_input bytes for 3 rows, expected 48"),
-            absl::string_view::npos)
-      << g.status();
+  ExpectInternal(Script::kShortGradInput, "grad_input bytes for 3 rows, expected 48");
 }
 
 TEST_F(ClientProtocolTest, MissingFinalMessageIsInternal) {
-  absl::StatusOr<Gradients> g = Call(Script::kNoFinalMessage);
-  ASSERT_FALSE(g.ok());
-  EXPECT_EQ(g.status().code(), absl::StatusCode::kInternal);
-  EXPECT_NE(g.status().message().find("no grad_gamma"), absl::string_view::npos) << g.status();
+  ExpectInternal(Script::kNoFinalMessage, "no grad_gamma");
 }
 
 TEST_F(ClientProtocolTest, RowsOutsideTheBatchAreInternal) {
-  absl::StatusOr<Gradients> g = Call(Script::kRowsOutOfRange);
-  ASSERT_FALSE(g.ok());
-  EXPECT_EQ(g.status().code(), absl::StatusCode::kInternal);
-  EXPECT_NE(g.status().message().find("of a 10-row batch"), absl::string_view::npos) << g.status();
+  ExpectInternal(Script::kRowsOutOfRange, "of a 10-row batch");
 }
 
 // Unary calls get the client's own retries too (gRPC's retry layer is off, see client.cc):
@@ -282,17 +280,16 @@ TEST_F(ClientProtocolTest, UnaryRetriesStopAtMaxAttemptsAndSkipOtherCodes) {
 }
 
 TEST_F(ClientProtocolTest, NoRetryWhoseBackoffWouldOutlastTheDeadline) {
-  ClientOptions options;
-  options.target = absl::StrCat("127.0.0.1:", port_);
+  ClientOptions options = Options();
   options.max_attempts = 5;
   options.initial_backoff = absl::Milliseconds(300);
   options.max_backoff = absl::Milliseconds(300);
-  absl::StatusOr<std::unique_ptr<Client>> slow = Client::Create(options);
-  ASSERT_TRUE(slow.ok());
+  std::unique_ptr<Client> slow = Connect(options);
+  ASSERT_NE(slow, nullptr);
   service_.unary_failures = 100;
   CallOptions call;
   call.deadline = absl::Milliseconds(100);
-  absl::StatusOr<v1::GetServerInfoResponse> info = (*slow)->ServerInfo(call);
+  absl::StatusOr<v1::GetServerInfoResponse> info = slow->ServerInfo(call);
   ASSERT_FALSE(info.ok());
   // The backoff (240-360 ms) would outlast the deadline: no retry, and the caller hears the
   // server's UNAVAILABLE at once rather than a DEADLINE_EXCEEDED later.
@@ -303,7 +300,7 @@ TEST_F(ClientProtocolTest, NoRetryWhoseBackoffWouldOutlastTheDeadline) {
   service_.script = Script::kUnavailableFirstTwo;
   BackwardOptions backward;
   backward.deadline = absl::Milliseconds(100);
-  absl::StatusOr<Gradients> g = (*slow)->Backward(x_, dy_, gamma_, 1e-5f, backward);
+  absl::StatusOr<Gradients> g = slow->Backward(x_, dy_, gamma_, 1e-5f, backward);
   ASSERT_FALSE(g.ok());
   EXPECT_EQ(g.status().code(), absl::StatusCode::kUnavailable) << g.status();
   EXPECT_EQ(service_.streams.load(), 1);

@@ -16,29 +16,23 @@ using ::normgrad::testing::Address;
 using ::normgrad::testing::Batch;
 using ::normgrad::testing::DeadPort;
 using ::normgrad::testing::ExpectClose;
-using ::normgrad::testing::StartTestServer;
+using ::normgrad::testing::ExpectGradientsClose;
 
-class ClientServerTest : public ::testing::Test {
+class ClientServerTest : public testing::TestServerFixture {
  protected:
-  void SetUp() override {
-    server_ = StartTestServer();
-    ASSERT_NE(server_, nullptr);
-  }
   std::unique_ptr<Client> Connect(ClientOptions options = {}) {
     if (options.target == ClientOptions().target) options.target = Address(*server_);
     absl::StatusOr<std::unique_ptr<Client>> c = Client::Create(options);
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? std::move(*c) : nullptr;
   }
-  std::unique_ptr<server::NormGradServer> server_;
 };
 
 TEST_F(ClientServerTest, SmallBatchMatchesReference) {
   const Batch b(3, 8, /*seed=*/1);
   absl::StatusOr<Gradients> g = Connect()->Backward(b.x, b.dy, b.gamma, 1e-5f);
   ASSERT_TRUE(g.ok()) << g.status();
-  ExpectClose(g->dx, b.dx, "dx");
-  ExpectClose(g->dgamma, b.dgamma, "dgamma");
+  ExpectGradientsClose(g->dx, g->dgamma, b);
   EXPECT_EQ(g->summary.backend, "cpu");
   EXPECT_EQ(g->summary.rows, 3u);
   EXPECT_EQ(g->attempts, 1);
@@ -51,8 +45,7 @@ TEST_F(ClientServerTest, BatchLargerThanTheMessageLimitIsChunked) {
   absl::StatusOr<Gradients> g = Connect()->Backward(b.x, b.dy, b.gamma, 1e-5f);
   ASSERT_TRUE(g.ok()) << g.status();
   EXPECT_EQ(g->summary.chunks, 9u);  // 1 MiB of x per message: 256 rows
-  ExpectClose(g->dx, b.dx, "dx");
-  ExpectClose(g->dgamma, b.dgamma, "dgamma");
+  ExpectGradientsClose(g->dx, g->dgamma, b);
 }
 
 TEST_F(ClientServerTest, ChunkBoundariesDoNotChangeTheResult) {
@@ -68,8 +61,7 @@ TEST_F(ClientServerTest, ChunkBoundariesDoNotChangeTheResult) {
     absl::StatusOr<Gradients> g = Connect(options)->Backward(b.x, b.dy, b.gamma, 1e-5f);
     ASSERT_TRUE(g.ok()) << g.status();
     EXPECT_EQ(g->summary.chunks, c.chunks) << c.chunk_bytes;
-    ExpectClose(g->dx, b.dx, "dx");
-    ExpectClose(g->dgamma, b.dgamma, "dgamma");
+    ExpectGradientsClose(g->dx, g->dgamma, b);
   }
 }
 
@@ -85,8 +77,7 @@ TEST_F(ClientServerTest, CallerProvidedBuffersAreFilledAndResultVectorsStayEmpty
   ASSERT_TRUE(g.ok()) << g.status();
   EXPECT_TRUE(g->dx.empty());
   EXPECT_TRUE(g->dgamma.empty());
-  ExpectClose(dx, b.dx, "dx");
-  ExpectClose(dgamma, b.dgamma, "dgamma");
+  ExpectGradientsClose(dx, dgamma, b);
 }
 
 TEST_F(ClientServerTest, WrongSizedCallerBuffersAreRejectedBeforeAnyCall) {
@@ -109,8 +100,7 @@ TEST_F(ClientServerTest, ForwardRmsIsUsedWhenGiven) {
   options.chunk_bytes = 5 * 32 * 4;
   absl::StatusOr<Gradients> g = Connect(options)->Backward(b.x, b.dy, b.gamma, 1e-5f, call);
   ASSERT_TRUE(g.ok()) << g.status();
-  ExpectClose(g->dx, b.dx, "dx");
-  ExpectClose(g->dgamma, b.dgamma, "dgamma");
+  ExpectGradientsClose(g->dx, g->dgamma, b);
 }
 
 TEST_F(ClientServerTest, ServerErrorsComeBackWithCodeAndMessageUntouched) {
@@ -173,8 +163,7 @@ TEST_F(ClientServerTest, ThirtyTwoConcurrentFuturesAllMatchTheirReferences) {
   for (int i = 0; i < 32; ++i) {
     absl::StatusOr<Gradients> g = futures[i].get();
     ASSERT_TRUE(g.ok()) << "request " << i << ": " << g.status();
-    ExpectClose(g->dx, batches[i]->dx, "dx");
-    ExpectClose(g->dgamma, batches[i]->dgamma, "dgamma");
+    ExpectGradientsClose(g->dx, g->dgamma, *batches[i]);
   }
 }
 

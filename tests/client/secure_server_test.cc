@@ -17,11 +17,10 @@ namespace normgrad {
 namespace {
 
 using ::normgrad::testing::Batch;
-using ::normgrad::testing::ExpectClose;
-using ::normgrad::testing::StartTestServer;
+using ::normgrad::testing::ExpectGradientsClose;
 using ::normgrad::testing::TestCertificates;
 
-class SecureServerTest : public ::testing::Test {
+class SecureServerTest : public testing::TestServerFixture {
  protected:
   static void SetUpTestSuite() { certificates_ = new TestCertificates(::testing::TempDir()); }
   static void TearDownTestSuite() { delete certificates_; }
@@ -29,13 +28,13 @@ class SecureServerTest : public ::testing::Test {
   void SetUp() override {
     if (!certificates_->ok()) GTEST_SKIP() << "openssl could not make test certificates";
     std::ofstream(certificates_->Path("token")) << "t0ken-for-tests\n";
-    server_ = StartTestServer([](server::ServerOptions& o) {
-      o.security.cert_file = certificates_->Path("server.pem");
-      o.security.key_file = certificates_->Path("server.key");
-      o.security.client_ca_file = certificates_->Path("ca.pem");
-      o.security.token_file = certificates_->Path("token");
-    });
-    ASSERT_NE(server_, nullptr);
+    TestServerFixture::SetUp();
+  }
+  void AdjustServer(server::ServerOptions& o) override {
+    o.security.cert_file = certificates_->Path("server.pem");
+    o.security.key_file = certificates_->Path("server.key");
+    o.security.client_ca_file = certificates_->Path("ca.pem");
+    o.security.token_file = certificates_->Path("token");
   }
 
   ClientOptions Secure() const {
@@ -60,7 +59,6 @@ class SecureServerTest : public ::testing::Test {
   }
 
   static TestCertificates* certificates_;
-  std::unique_ptr<server::NormGradServer> server_;
 };
 TestCertificates* SecureServerTest::certificates_ = nullptr;
 
@@ -70,8 +68,7 @@ TEST_F(SecureServerTest, BackwardOverMutualTlsWithTokenMatchesReference) {
   const Batch b(300, 256, /*seed=*/31);
   absl::StatusOr<Gradients> g = (*client)->Backward(b.x, b.dy, b.gamma, 1e-5f);
   ASSERT_TRUE(g.ok()) << g.status();
-  ExpectClose(g->dx, b.dx, "dx");
-  ExpectClose(g->dgamma, b.dgamma, "dgamma");
+  ExpectGradientsClose(g->dx, g->dgamma, b);
 }
 
 TEST_F(SecureServerTest, WrongOrMissingTokenIsUnauthenticated) {

@@ -39,6 +39,19 @@ inline std::string Address(const server::NormGradServer& s) {
   return absl::StrCat("127.0.0.1:", s.port());
 }
 
+// A test server per test, started in SetUp; a fixture that needs other options overrides
+// AdjustServer.
+class TestServerFixture : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    server_ = StartTestServer([this](server::ServerOptions& options) { AdjustServer(options); });
+    ASSERT_NE(server_, nullptr);
+  }
+  virtual void AdjustServer(server::ServerOptions& options) {}
+
+  std::unique_ptr<server::NormGradServer> server_;
+};
+
 // A loopback port with nothing listening (bound, then closed).
 inline int DeadPort() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -97,6 +110,13 @@ inline void ExpectClose(absl::Span<const float> got, absl::Span<const float> wan
       ADD_FAILURE() << what << "[" << i << "] = " << got[i] << ", reference " << want[i];
     }
   }
+}
+
+// dx and dgamma against the batch's reference gradients (ExpectClose).
+inline void ExpectGradientsClose(absl::Span<const float> dx, absl::Span<const float> dgamma,
+                                 const Batch& batch) {
+  ExpectClose(dx, batch.dx, "dx");
+  ExpectClose(dgamma, batch.dgamma, "dgamma");
 }
 
 }  // namespace normgrad::testing

@@ -18,6 +18,7 @@ namespace {
 using ::normgrad::testing::Address;
 using ::normgrad::testing::Batch;
 using ::normgrad::testing::ExpectClose;
+using ::normgrad::testing::ExpectGradientsClose;
 using ::normgrad::testing::StartTestServer;
 
 struct Result {
@@ -35,12 +36,6 @@ Result Cli(const std::vector<std::string>& args, const std::string& env_target =
   return {code, out.str(), err.str()};
 }
 
-Result Load(const std::vector<std::string>& args, bool terminal = false) {
-  std::ostringstream out, err;
-  const int code = RunLoad(args, "", terminal, out, err);
-  return {code, out.str(), err.str()};
-}
-
 std::string ReadAll(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   std::ostringstream s;
@@ -48,12 +43,11 @@ std::string ReadAll(const std::string& path) {
   return s.str();
 }
 
-class CliServerTest : public ::testing::Test {
+class CliServerTest : public testing::TestServerFixture {
  protected:
   void SetUp() override {
-    server_ = StartTestServer();
-    ASSERT_NE(server_, nullptr);
-    target_ = "--target=" + Address(*server_);
+    TestServerFixture::SetUp();
+    if (server_ != nullptr) target_ = "--target=" + Address(*server_);
   }
   std::string P(const std::string& name) {
     return ::testing::TempDir() + "/cli_server_" +
@@ -62,7 +56,6 @@ class CliServerTest : public ::testing::Test {
   void Save(const std::string& name, std::vector<uint64_t> shape, const std::vector<float>& v) {
     ASSERT_TRUE(npy::WriteF32(P(name), shape, v).ok());
   }
-  std::unique_ptr<server::NormGradServer> server_;
   std::string target_;
 };
 
@@ -82,8 +75,7 @@ TEST_F(CliServerTest, BackwardNpyRoundTripMatchesReference) {
   ASSERT_TRUE(dx.ok() && dg.ok());
   EXPECT_EQ(dx->shape, (std::vector<uint64_t>{2, 150, 64}));
   EXPECT_EQ(dg->shape, (std::vector<uint64_t>{64}));
-  ExpectClose(dx->data, b.dx, "dx");
-  ExpectClose(dg->data, b.dgamma, "dgamma");
+  ExpectGradientsClose(dx->data, dg->data, b);
 }
 
 TEST_F(CliServerTest, ProgressBarOnlyOnATerminal) {
@@ -176,8 +168,15 @@ TEST_F(CliServerTest, InfoPrintsJsonAndHealthPrintsServing) {
   EXPECT_EQ(unknown.err.rfind("error: NOT_FOUND: ", 0), 0u) << unknown.err;
 }
 
-class LoadServerTest : public ::testing::Test {
+class LoadServerTest : public testing::TestServerFixture {
  protected:
+  // normgrad-load against this test's server: --target, then `flags`.
+  Result Load(std::vector<std::string> flags, bool terminal = false) {
+    flags.insert(flags.begin(), "--target=" + Address(*server_));
+    std::ostringstream out, err;
+    const int code = RunLoad(flags, "", terminal, out, err);
+    return {code, out.str(), err.str()};
+  }
   int CountOf(const std::string& json, const std::string& key) {
     const size_t at = json.find("\"" + key + "\":");
     if (at == std::string::npos) return -1;
@@ -186,10 +185,8 @@ class LoadServerTest : public ::testing::Test {
 };
 
 TEST_F(LoadServerTest, KnownNumberOfRequestsIsCountedExactly) {
-  auto server = StartTestServer();
-  ASSERT_NE(server, nullptr);
-  const Result r = Load({"--target=" + Address(*server), "--total=60", "--concurrency=6",
-                         "--shapes=8x256,3x128,17x64", "--warmup=5", "--format=json"});
+  const Result r = Load({"--total=60", "--concurrency=6", "--shapes=8x256,3x128,17x64",
+                         "--warmup=5", "--format=json"});
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(CountOf(r.out, "requests"), 60) << r.out;
   EXPECT_EQ(CountOf(r.out, "successes"), 60);
@@ -198,11 +195,9 @@ TEST_F(LoadServerTest, KnownNumberOfRequestsIsCountedExactly) {
 }
 
 TEST_F(LoadServerTest, LiveProgressLineOnlyOnATerminal) {
-  auto server = StartTestServer();
-  ASSERT_NE(server, nullptr);
   // Paced so the run outlasts a few 250 ms redraws: 20 requests at 25/s.
-  const std::vector<std::string> args = {"--target=" + Address(*server), "--total=20", "--rate=25",
-                                         "--shapes=2x32", "--format=csv"};
+  const std::vector<std::string> args = {"--total=20", "--rate=25", "--shapes=2x32",
+                                         "--format=csv"};
   const Result tty = Load(args, /*terminal=*/true);
   ASSERT_EQ(tty.code, 0) << tty.err;
   EXPECT_NE(tty.err.find("concurrency 8: "), std::string::npos) << tty.err;
@@ -213,27 +208,25 @@ TEST_F(LoadServerTest, LiveProgressLineOnlyOnATerminal) {
 }
 
 TEST_F(LoadServerTest, ConnectionsRateAndEmitPtxAllComplete) {
-  auto server = StartTestServer();
-  ASSERT_NE(server, nullptr);
-  const Result conn = Load({"--target=" + Address(*server), "--total=30", "--concurrency=4",
-                            "--connections=3", "--shapes=4x64", "--format=csv"});
+  const Result conn =
+      Load({"--total=30", "--concurrency=4", "--connections=3", "--shapes=4x64", "--format=csv"});
   ASSERT_EQ(conn.code, 0) << conn.err;
   EXPECT_NE(conn.out.find("\n4,30,30,0,"), std::string::npos) << conn.out;
-  const Result paced = Load({"--target=" + Address(*server), "--total=20", "--rate=400",
-                             "--rate-dist=poisson", "--shapes=2x32", "--format=csv"});
+  const Result paced =
+      Load({"--total=20", "--rate=400", "--rate-dist=poisson", "--shapes=2x32", "--format=csv"});
   ASSERT_EQ(paced.code, 0) << paced.err;
   EXPECT_NE(paced.out.find(",20,20,0,"), std::string::npos) << paced.out;
-  const Result ptx = Load({"--target=" + Address(*server), "--call=emit-ptx", "--total=12",
-                           "--concurrency=3", "--shapes=1x896", "--format=json"});
+  const Result ptx =
+      Load({"--call=emit-ptx", "--total=12", "--concurrency=3", "--shapes=1x896", "--format=json"});
   ASSERT_EQ(ptx.code, 0) << ptx.err;
   EXPECT_EQ(CountOf(ptx.out, "successes"), 12) << ptx.out;
 }
 
 TEST_F(LoadServerTest, OverloadedServerErrorsAreCountedByCode) {
-  auto server = StartTestServer([](server::ServerOptions& o) { o.admission.max_streams = 1; });
-  ASSERT_NE(server, nullptr);
-  const Result r = Load({"--target=" + Address(*server), "--total=48", "--concurrency=8",
-                         "--shapes=256x1024", "--format=json"});
+  // This test's server admits one stream at a time.
+  server_ = StartTestServer([](server::ServerOptions& o) { o.admission.max_streams = 1; });
+  ASSERT_NE(server_, nullptr);
+  const Result r = Load({"--total=48", "--concurrency=8", "--shapes=256x1024", "--format=json"});
   ASSERT_EQ(r.code, 0) << r.err;
   const int requests = CountOf(r.out, "requests");
   const int successes = CountOf(r.out, "successes");
@@ -246,26 +239,21 @@ TEST_F(LoadServerTest, OverloadedServerErrorsAreCountedByCode) {
 }
 
 TEST_F(LoadServerTest, DurationRunStopsByItselfAndSweepWritesHtml) {
-  auto server = StartTestServer();
-  ASSERT_NE(server, nullptr);
-  const Result timed = Load({"--target=" + Address(*server), "--duration=300ms", "--concurrency=2",
-                             "--shapes=4x64", "--format=json"});
+  const Result timed =
+      Load({"--duration=300ms", "--concurrency=2", "--shapes=4x64", "--format=json"});
   ASSERT_EQ(timed.code, 0) << timed.err;
   EXPECT_GT(CountOf(timed.out, "requests"), 0);
   EXPECT_EQ(CountOf(timed.out, "requests"), CountOf(timed.out, "successes"));
 
   const std::string html = ::testing::TempDir() + "/load_sweep.html";
-  const Result sweep =
-      Load({"--target=" + Address(*server), "--concurrency-sweep=1:3:2", "--window=150ms",
-            "--max-windows=4", "--shapes=4x64", "--format=csv", "--html=" + html});
+  const Result sweep = Load({"--concurrency-sweep=1:3:2", "--window=150ms", "--max-windows=4",
+                             "--shapes=4x64", "--format=csv", "--html=" + html});
   ASSERT_EQ(sweep.code, 0) << sweep.err;
   EXPECT_NE(sweep.out.find("\n1,"), std::string::npos) << sweep.out;
   EXPECT_NE(sweep.out.find("\n3,"), std::string::npos) << sweep.out;
-  std::ifstream in(html);
-  std::stringstream page;
-  page << in.rdbuf();
-  EXPECT_NE(page.str().find("<polyline"), std::string::npos);
-  EXPECT_NE(page.str().find("Latency histogram, concurrency 3"), std::string::npos);
+  const std::string page = ReadAll(html);
+  EXPECT_NE(page.find("<polyline"), std::string::npos);
+  EXPECT_NE(page.find("Latency histogram, concurrency 3"), std::string::npos);
 }
 
 }  // namespace
