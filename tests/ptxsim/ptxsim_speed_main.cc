@@ -16,6 +16,7 @@
 
 #include "kernels/kernel.h"
 #include "kernels/kernel_registry.h"
+#include "kernels/launch.h"
 #include "kernels/reference.h"
 #include "tests/ptxsim/sim_harness.h"
 
@@ -29,23 +30,23 @@ double Seconds(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// Prints `status` for kernel `entry`; the exit code.
+int Failed(const char* entry, const absl::Status& status) {
+  std::fprintf(stderr, "%s: %s\n", entry, std::string(status.message()).c_str());
+  return 1;
+}
+
 int Run(const char* entry, uint32_t rows, uint32_t hidden, int repeats) {
   const normgrad::kernels::Kernel* kernel = FindKernel(entry);
   KernelConfig config;
   config.hidden_dim = hidden;
   config.target_sm = 90;
   absl::StatusOr<normgrad::kernels::EmittedPtx> ptx = kernel->Emit(config);
-  if (!ptx.ok()) {
-    std::fprintf(stderr, "%s: %s\n", entry, std::string(ptx.status().message()).c_str());
-    return 1;
-  }
+  if (!ptx.ok()) return Failed(entry, ptx.status());
   const auto parse_start = std::chrono::steady_clock::now();
   absl::StatusOr<Module> module = ParsePtx(ptx->text);
   const double parse_seconds = Seconds(parse_start);
-  if (!module.ok()) {
-    std::fprintf(stderr, "%s\n", std::string(module.status().message()).c_str());
-    return 1;
-  }
+  if (!module.ok()) return Failed(entry, module.status());
   const normgrad::kernels::LaunchGeometry g = kernel->Geometry(config, rows);
   SimHarness sim;
   const size_t n = size_t{rows} * hidden;
@@ -61,26 +62,20 @@ int Run(const char* entry, uint32_t rows, uint32_t hidden, int repeats) {
   }
   for (uint32_t i = 0; i < hidden; ++i) gamma[i] = 1.0f + static_cast<float>(i % 7) / 10.0f;
   for (uint32_t r = 0; r < rows; ++r) rms[r] = 0.6f;
-  KernelArgs args;
-  const bool warp = std::strcmp(entry, "rms_norm_backward") == 0;
-  if (warp) {
-    args.Add(SimHarness::Address(x))
-        .Add(SimHarness::Address(gamma))
-        .Add(SimHarness::Address(rms))
-        .Add(SimHarness::Address(dy))
-        .Add(SimHarness::Address(dx))
-        .Add(rows)
-        .Add(hidden);
-  } else {
-    args.Add(SimHarness::Address(x))
-        .Add(SimHarness::Address(gamma))
-        .Add(SimHarness::Address(dy))
-        .Add(SimHarness::Address(dx))
-        .Add(SimHarness::Address(dgamma))
-        .Add(rows)
-        .Add(hidden)
-        .Add(1e-5f);
-  }
+  // Each kernel takes the parameters it declares, in its own order.
+  normgrad::kernels::KernelParamValues values;
+  values.input = SimHarness::Address(x);
+  values.gamma = SimHarness::Address(gamma);
+  values.rms = SimHarness::Address(rms);
+  values.grad_output = SimHarness::Address(dy);
+  values.grad_input = SimHarness::Address(dx);
+  values.grad_gamma = SimHarness::Address(dgamma);
+  values.num_rows = rows;
+  values.hidden_dim = hidden;
+  values.eps = 1e-5f;
+  absl::StatusOr<normgrad::kernels::PackedArgs> args =
+      normgrad::kernels::PackArgs(ptx->params, values);
+  if (!args.ok()) return Failed(entry, args.status());
   LaunchConfig launch;
   launch.grid = {g.grid[0], g.grid[1], g.grid[2]};
   launch.block = {g.block[0], g.block[1], g.block[2]};
@@ -91,12 +86,9 @@ int Run(const char* entry, uint32_t rows, uint32_t hidden, int repeats) {
     std::fill(dgamma, dgamma + hidden, 0.0f);
     const auto start = std::chrono::steady_clock::now();
     absl::Status s =
-        Launch(*module->FindEntry(ptx->entry), launch, args.Pointers(), sim.memory(), &report);
+        Launch(*module->FindEntry(ptx->entry), launch, args->pointers(), sim.memory(), &report);
     best = std::min(best, Seconds(start));
-    if (!s.ok()) {
-      std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
-      return 1;
-    }
+    if (!s.ok()) return Failed(entry, s);
   }
   std::vector<float> ref_dx(n), ref_dgamma(hidden);
   normgrad::kernels::BackwardInputs in{absl::MakeConstSpan(x, n),
@@ -106,7 +98,8 @@ int Run(const char* entry, uint32_t rows, uint32_t hidden, int repeats) {
                                        rows,
                                        hidden,
                                        1e-5f};
-  if (warp) in.rms = absl::MakeConstSpan(rms, rows);
+  // rms_norm_backward reads the forward's rms; the batched kernel recomputes it.
+  if (std::strcmp(entry, "rms_norm_backward") == 0) in.rms = absl::MakeConstSpan(rms, rows);
   double ref_best = 1e30;
   for (int k = 0; k < repeats; ++k) {
     const auto start = std::chrono::steady_clock::now();

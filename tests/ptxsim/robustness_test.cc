@@ -9,6 +9,7 @@
 #include "gtest/gtest.h"
 #include "kernels/kernel.h"
 #include "kernels/kernel_registry.h"
+#include "kernels/launch.h"
 #include "tests/ptxsim/sim_harness.h"
 
 namespace normgrad::ptxsim {
@@ -53,15 +54,17 @@ TEST(PtxRobustness, MutatedKernelTextIsRefusedOrRunsWithoutCrashing) {
   float* gamma = sim.Alloc<float>(40);
   float* dx = sim.Alloc<float>(kRows * 40);
   float* dgamma = sim.Alloc<float>(40);
-  KernelArgs args;
-  args.Add(SimHarness::Address(x))
-      .Add(SimHarness::Address(gamma))
-      .Add(SimHarness::Address(dy))
-      .Add(SimHarness::Address(dx))
-      .Add(SimHarness::Address(dgamma))
-      .Add(kRows)
-      .Add(40u)
-      .Add(1e-5f);
+  kernels::KernelParamValues values;
+  values.input = SimHarness::Address(x);
+  values.gamma = SimHarness::Address(gamma);
+  values.grad_output = SimHarness::Address(dy);
+  values.grad_input = SimHarness::Address(dx);
+  values.grad_gamma = SimHarness::Address(dgamma);
+  values.num_rows = kRows;
+  values.hidden_dim = 40;
+  values.eps = 1e-5f;
+  absl::StatusOr<kernels::PackedArgs> args = kernels::PackArgs(ptx->params, values);
+  ASSERT_TRUE(args.ok()) << args.status();
   std::mt19937 rng(20261202);
   int refused = 0, ran = 0, diagnosed = 0;
   for (int i = 0; i < 3000; ++i) {
@@ -79,7 +82,7 @@ TEST(PtxRobustness, MutatedKernelTextIsRefusedOrRunsWithoutCrashing) {
     launch.block = {32, 1, 1};
     launch.max_warp_instructions = 200000;
     LaunchReport report;
-    const absl::Status s = Launch(*entry, launch, args.Pointers(), sim.memory(), &report);
+    const absl::Status s = Launch(*entry, launch, args->pointers(), sim.memory(), &report);
     if (s.ok()) {
       ++ran;
     } else {
