@@ -2,6 +2,7 @@
 // the kernel, block, thread, line and (for memory) the address.
 #include <ostream>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -30,6 +31,23 @@ std::string Kernel(absl::string_view body) {
   add.s64 %rd3, %rd1, %rd2;
 )",
                       body, "}\n");
+}
+
+// Lanes with %r1 below `split` branch around a shfl.sync.bfly of %f1 (set by `set_f1`) with
+// member `mask`; all store %f2 (the shuffled or their own %f1) to out[tid]. The shuffle is on
+// line 17, SMALL's mov on line 20.
+std::string ShuffleOnOneSideOfABranch(absl::string_view set_f1, int split, absl::string_view mask) {
+  return Kernel(absl::StrCat("  ", set_f1, "\n  setp.lt.u32 %p1, %r1, ", split, R"(;
+  @%p1 bra SMALL;
+  shfl.sync.bfly.b32 %f2, %f1, 1, 31, )",
+                             mask, R"(;
+  bra.uni JOIN;
+SMALL:
+  mov.f32 %f2, %f1;
+JOIN:
+  st.global.f32 [%rd3], %f2;
+  ret;
+)"));
 }
 
 struct Outcome {
@@ -68,110 +86,102 @@ TEST(PtxSanitizer, OutOfBoundsStoreNamesKernelBlockThreadAndAddress) {
 // A broken kernel that fails with `finding` and a diagnosis containing each of `diagnosis`.
 struct BrokenKernel {
   const char* name;  // what the case proves
-  const char* body;  // Kernel()'s body; its first line is line 14
+  std::string ptx;   // from Kernel(); the body's first line is line 14
   uint32_t threads;  // per block, two blocks
   size_t out_floats;
   Finding finding;
-  const char* diagnosis[3];  // nullptr past the last
+  std::vector<const char*> diagnosis;
 };
 
-constexpr BrokenKernel kBrokenKernels[] = {
-    {"MisalignedLoadIsReported",
-     "  ld.global.f32 %f1, [%rd3+2];\n  st.global.f32 [%rd3], %f1;\n  ret;\n",
-     32,
-     64,
-     Finding::kMisaligned,
-     {"is not 4-byte aligned", "thread (0,0,0)"}},
-    // Lanes 16..31 branched to the exit; whether they already left or are about to, the
-    // full-mask shuffle names them.
-    {"ShuffleAfterDivergentExitNamesTheExitedLane",
-     R"(  setp.ge.u32 %p1, %r1, 16;
+std::vector<BrokenKernel> BrokenKernels() {
+  return {
+      {"MisalignedLoadIsReported",
+       Kernel("  ld.global.f32 %f1, [%rd3+2];\n  st.global.f32 [%rd3], %f1;\n  ret;\n"),
+       32,
+       64,
+       Finding::kMisaligned,
+       {"is not 4-byte aligned", "thread (0,0,0)"}},
+      // Lanes 16..31 branched to the exit; whether they already left or are about to, the
+      // full-mask shuffle names them.
+      {"ShuffleAfterDivergentExitNamesTheExitedLane",
+       Kernel(R"(  setp.ge.u32 %p1, %r1, 16;
   @%p1 bra EXIT;
   mov.f32 %f1, 0f3F800000;
   shfl.sync.down.b32 %f2, %f1, 16, 31, 0xffffffff;
   st.global.f32 [%rd3], %f2;
 EXIT:
   ret;
-)",
-     32,
-     64,
-     Finding::kShuffleMask,
-     {"member mask 0xffffffff names lane 16, which has diverged to an exit "
-      "(the ret/exit on line 20)",
-      "line 17"}},
-    {"ShuffleInsideDivergentBranchNamesTheDivergedLane",
-     R"(  mov.f32 %f1, 0f3F800000;
-  setp.lt.u32 %p1, %r1, 8;
-  @%p1 bra SMALL;
-  shfl.sync.bfly.b32 %f2, %f1, 1, 31, 0xffffffff;
-  bra.uni JOIN;
-SMALL:
-  mov.f32 %f2, %f1;
-JOIN:
-  st.global.f32 [%rd3], %f2;
-  ret;
-)",
-     32,
-     64,
-     Finding::kShuffleMask,
-     {"names lane 0, which has diverged (it is at line 20)"}},
-    {"BarrierInDivergentBranchIsReported",
-     R"(  setp.lt.u32 %p1, %r1, 40;
+)"),
+       32,
+       64,
+       Finding::kShuffleMask,
+       {"member mask 0xffffffff names lane 16, which has diverged to an exit "
+        "(the ret/exit on line 20)",
+        "line 17"}},
+      {"ShuffleInsideDivergentBranchNamesTheDivergedLane",
+       ShuffleOnOneSideOfABranch("mov.f32 %f1, 0f3F800000;", 8, "0xffffffff"),
+       32,
+       64,
+       Finding::kShuffleMask,
+       {"names lane 0, which has diverged (it is at line 20)"}},
+      {"BarrierInDivergentBranchIsReported",
+       Kernel(R"(  setp.lt.u32 %p1, %r1, 40;
   @%p1 bra SKIP;
   bar.sync 0;
 SKIP:
   bar.sync 0;
   st.global.f32 [%rd3], 0f00000000;
   ret;
-)",
-     64,
-     128,
-     Finding::kBarrier,
-     {"divergent barrier", "bar.sync on line 16", "bar.sync on line 18"}},
-    {"BarrierSkippedByExitingThreadsIsReported",
-     R"(  setp.ge.u32 %p1, %r1, 48;
+)"),
+       64,
+       128,
+       Finding::kBarrier,
+       {"divergent barrier", "bar.sync on line 16", "bar.sync on line 18"}},
+      {"BarrierSkippedByExitingThreadsIsReported",
+       Kernel(R"(  setp.ge.u32 %p1, %r1, 48;
   @%p1 bra EXIT;
   bar.sync 0;
   st.global.f32 [%rd3], 0f00000000;
 EXIT:
   ret;
-)",
-     64,
-     128,
-     Finding::kBarrier,
-     {"barrier not reached by all threads of the block", "thread (48,0,0)"}},
-    {"UninitializedRegisterReadNamesTheRegister",
-     R"(  mov.f32 %f1, 0f3F800000;
+)"),
+       64,
+       128,
+       Finding::kBarrier,
+       {"barrier not reached by all threads of the block", "thread (48,0,0)"}},
+      {"UninitializedRegisterReadNamesTheRegister",
+       Kernel(R"(  mov.f32 %f1, 0f3F800000;
   add.f32 %f3, %f1, %f2;
   st.global.f32 [%rd3], %f3;
   ret;
-)",
-     32,
-     64,
-     Finding::kUninitializedRegister,
-     {"register %f2 is read before any instruction wrote it", "line 15"}},
-    {"RegisterWrittenOnlyUnderAPredicateIsUninitializedElsewhere",
-     R"(  setp.lt.u32 %p1, %r1, 5;
+)"),
+       32,
+       64,
+       Finding::kUninitializedRegister,
+       {"register %f2 is read before any instruction wrote it", "line 15"}},
+      {"RegisterWrittenOnlyUnderAPredicateIsUninitializedElsewhere",
+       Kernel(R"(  setp.lt.u32 %p1, %r1, 5;
   @%p1 mov.f32 %f1, 0f3F800000;
   st.global.f32 [%rd3], %f1;
   ret;
-)",
-     32,
-     64,
-     Finding::kUninitializedRegister,
-     {"thread (5,0,0)"}},
-    {"NonUniformBraUniIsReported",
-     R"(  setp.lt.u32 %p1, %r1, 3;
+)"),
+       32,
+       64,
+       Finding::kUninitializedRegister,
+       {"thread (5,0,0)"}},
+      {"NonUniformBraUniIsReported",
+       Kernel(R"(  setp.lt.u32 %p1, %r1, 3;
   @%p1 bra.uni DONE;
   st.global.f32 [%rd3], 0f00000000;
 DONE:
   ret;
-)",
-     32,
-     64,
-     Finding::kNonUniformBranch,
-     {}},
-};
+)"),
+       32,
+       64,
+       Finding::kNonUniformBranch,
+       {}},
+  };
+}
 
 void PrintTo(const BrokenKernel& k, std::ostream* os) { *os << k.name; }
 
@@ -179,16 +189,15 @@ class PtxSanitizerFinding : public ::testing::TestWithParam<BrokenKernel> {};
 
 TEST_P(PtxSanitizerFinding, IsReportedWithItsDiagnosis) {
   const BrokenKernel& k = GetParam();
-  Outcome o = RunBroken(Kernel(k.body), k.threads, k.out_floats);
+  Outcome o = RunBroken(k.ptx, k.threads, k.out_floats);
   ASSERT_FALSE(o.status.ok());
   EXPECT_EQ(o.report.finding, k.finding);
   for (const char* part : k.diagnosis) {
-    if (part == nullptr) break;
     EXPECT_THAT(std::string(o.status.message()), HasSubstr(part));
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(PtxSanitizer, PtxSanitizerFinding, ::testing::ValuesIn(kBrokenKernels),
+INSTANTIATE_TEST_SUITE_P(PtxSanitizer, PtxSanitizerFinding, ::testing::ValuesIn(BrokenKernels()),
                          [](const ::testing::TestParamInfo<BrokenKernel>& info) {
                            return std::string(info.param.name);
                          });
@@ -196,18 +205,8 @@ INSTANTIATE_TEST_SUITE_P(PtxSanitizer, PtxSanitizerFinding, ::testing::ValuesIn(
 TEST(PtxSanitizer, PartialMaskShuffleOfConvergedLanesIsFine) {
   // The same divergent shuffle with a member mask naming exactly the lanes present is legal.
   float* out = nullptr;
-  Outcome o = RunBroken(Kernel(R"(  cvt.rn.f32.u32 %f1, %r1;
-  setp.lt.u32 %p1, %r1, 16;
-  @%p1 bra SMALL;
-  shfl.sync.bfly.b32 %f2, %f1, 1, 31, 0xffff0000;
-  bra.uni JOIN;
-SMALL:
-  mov.f32 %f2, %f1;
-JOIN:
-  st.global.f32 [%rd3], %f2;
-  ret;
-)"),
-                        32, 64, &out);
+  Outcome o = RunBroken(ShuffleOnOneSideOfABranch("cvt.rn.f32.u32 %f1, %r1;", 16, "0xffff0000"), 32,
+                        64, &out);
   ASSERT_TRUE(o.status.ok()) << o.status;
   EXPECT_EQ(out[3], 3.0f);
   EXPECT_EQ(out[16], 17.0f);
