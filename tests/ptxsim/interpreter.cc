@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <vector>
@@ -25,27 +26,22 @@
 namespace normgrad::ptxsim {
 
 absl::string_view FindingName(Finding finding) {
-  switch (finding) {
-    case Finding::kNone:
-      return "none";
-    case Finding::kInvalidLaunch:
-      return "invalid launch";
-    case Finding::kOutOfBounds:
-      return "out-of-bounds access";
-    case Finding::kMisaligned:
-      return "misaligned access";
-    case Finding::kShuffleMask:
-      return "shfl.sync member mask error";
-    case Finding::kBarrier:
-      return "barrier error";
-    case Finding::kUninitializedRegister:
-      return "read of uninitialized register";
-    case Finding::kNonUniformBranch:
-      return "non-uniform bra.uni";
-    case Finding::kInstructionLimit:
-      return "instruction limit exceeded";
-  }
-  return "unknown";
+  // Indexed by Finding.
+  constexpr absl::string_view kNames[] = {
+      "none",                            // kNone
+      "invalid launch",                  // kInvalidLaunch
+      "out-of-bounds access",            // kOutOfBounds
+      "misaligned access",               // kMisaligned
+      "shfl.sync member mask error",     // kShuffleMask
+      "barrier error",                   // kBarrier
+      "read of uninitialized register",  // kUninitializedRegister
+      "non-uniform bra.uni",             // kNonUniformBranch
+      "instruction limit exceeded",      // kInstructionLimit
+  };
+  static_assert(std::size(kNames) == static_cast<size_t>(Finding::kInstructionLimit) + 1,
+                "one name per Finding");
+  const size_t i = static_cast<size_t>(finding);
+  return i < std::size(kNames) ? kNames[i] : "unknown";
 }
 
 namespace {
