@@ -79,14 +79,10 @@ absl::StatusOr<ChildProcess> ChildProcess::Start(std::vector<std::string> argv,
   return child;
 }
 
-ChildProcess::ChildProcess(ChildProcess&& other) noexcept
-    : options_(other.options_),
-      pid_(std::exchange(other.pid_, -1)),
-      out_(std::exchange(other.out_, -1)),
-      err_(std::exchange(other.err_, -1)),
-      exit_status_(std::exchange(other.exit_status_, std::nullopt)),
-      out_buffer_(std::move(other.out_buffer_)),
-      err_buffer_(std::move(other.err_buffer_)) {}
+// Takes `other`'s child through the assignment (Stop on this empty object does nothing).
+ChildProcess::ChildProcess(ChildProcess&& other) noexcept : options_(other.options_) {
+  *this = std::move(other);
+}
 
 ChildProcess& ChildProcess::operator=(ChildProcess&& other) noexcept {
   if (this != &other) {

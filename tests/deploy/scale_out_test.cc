@@ -97,12 +97,13 @@ Request MakeRequest(int id) {
   Request r;
   std::mt19937 rng(1000 + id);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  r.x.resize(kRows * kHidden);
-  r.dy.resize(kRows * kHidden);
-  r.gamma.resize(kHidden);
-  for (float& v : r.x) v = u(rng);
-  for (float& v : r.dy) v = u(rng);
-  for (float& v : r.gamma) v = u(rng);
+  const auto fill = [&](std::vector<float>& v, size_t n) {
+    v.resize(n);
+    for (float& e : v) e = u(rng);
+  };
+  fill(r.x, kRows * kHidden);
+  fill(r.dy, kRows * kHidden);
+  fill(r.gamma, kHidden);
   r.dx.resize(r.x.size());
   r.dgamma.resize(kHidden);
   kernels::ReferenceBackward({r.x, r.dy, r.gamma, {}, kRows, kHidden, 1e-5f}, absl::MakeSpan(r.dx),
@@ -204,6 +205,25 @@ class ScaleOutTest : public ::testing::Test {
     return outcomes;
   }
 
+  // Three replicas and 120 calls from 6 threads; once a third have finished, replica 1 gets
+  // `signal`. Every call must be answered once and right, and replicas 0 and 2 must have served
+  // at least the calls after the signal (a killed replica's count dies with it). Returns
+  // replica 1's waitpid status, nullopt if it still runs after `exit_limit` (or no client).
+  std::optional<int> SignalReplicaMidLoad(int signal, absl::Duration exit_limit) {
+    StartReplicas(3);
+    if (HasFatalFailure()) return std::nullopt;
+    std::unique_ptr<Client> client = RoundRobinClient();
+    if (client == nullptr) return std::nullopt;  // RoundRobinClient failed the test
+    constexpr int kCalls = 120;
+    ExpectAllAnsweredOnceAndRight(
+        RunLoad(*client, kCalls, 6, kCalls / 3, [&] { replicas_[1]->process().Signal(signal); }));
+    const std::optional<int> status = replicas_[1]->process().WaitExit(exit_limit);
+    const double survivors = replicas_[0]->Served() + replicas_[2]->Served();
+    EXPECT_GE(survivors, kCalls - kCalls / 3 - 6);
+    EXPECT_LE(survivors, kCalls);
+    return status;
+  }
+
   static void ExpectAllAnsweredOnceAndRight(const std::vector<Outcome>& outcomes) {
     int retried = 0;
     for (size_t id = 0; id < outcomes.size(); ++id) {
@@ -248,38 +268,17 @@ TEST_F(ScaleOutTest, RoundRobinSpreadsLoadSoEachOfThreeReplicasServesAtLeastTwen
 // A call whose replica dies before its status (even after its grad_input arrived) is redone
 // whole on another replica by the client.
 TEST_F(ScaleOutTest, ReplicaKilledMidLoadLosesNoRequest) {
-  StartReplicas(3);
-  std::unique_ptr<Client> client = RoundRobinClient();
-  ASSERT_NE(client, nullptr);
-  constexpr int kCalls = 120;
-  std::vector<Outcome> outcomes =
-      RunLoad(*client, kCalls, 6, kCalls / 3, [&] { replicas_[1]->process().Signal(SIGKILL); });
-  ExpectAllAnsweredOnceAndRight(outcomes);
-  const std::optional<int> status = replicas_[1]->process().WaitExit(absl::Seconds(10));
+  const std::optional<int> status = SignalReplicaMidLoad(SIGKILL, absl::Seconds(10));
   EXPECT_TRUE(status && WIFSIGNALED(*status) && WTERMSIG(*status) == SIGKILL);
-  // The survivors served at least the rest (the killed one's served count died with it).
-  const double survivors = replicas_[0]->Served() + replicas_[2]->Served();
-  EXPECT_GE(survivors, kCalls - kCalls / 3 - 6);
-  EXPECT_LE(survivors, kCalls);
 }
 
 // In-flight streams finish on the draining replica; calls that reach it while it drains get
 // UNAVAILABLE (or, in the instant gRPC's shutdown begins, CANCELLED) before any response and
 // are redone on another replica by the client.
 TEST_F(ScaleOutTest, ReplicaSentSigtermMidLoadDrainsWithoutAnyClientError) {
-  StartReplicas(3);
-  std::unique_ptr<Client> client = RoundRobinClient();
-  ASSERT_NE(client, nullptr);
-  constexpr int kCalls = 120;
-  std::vector<Outcome> outcomes =
-      RunLoad(*client, kCalls, 6, kCalls / 3, [&] { replicas_[1]->process().Signal(SIGTERM); });
-  ExpectAllAnsweredOnceAndRight(outcomes);
-  const std::optional<int> status = replicas_[1]->process().WaitExit(absl::Seconds(30));
+  const std::optional<int> status = SignalReplicaMidLoad(SIGTERM, absl::Seconds(30));
   EXPECT_TRUE(status && WIFEXITED(*status) && WEXITSTATUS(*status) == 0)
       << "a drained replica exits 0, status " << status.value_or(-1);
-  const double survivors = replicas_[0]->Served() + replicas_[2]->Served();
-  EXPECT_GE(survivors, kCalls - kCalls / 3 - 6);
-  EXPECT_LE(survivors, kCalls);
 }
 
 }  // namespace
