@@ -82,6 +82,19 @@ void StoreElement(Builder& b, DType dtype, Address addr, Value converted) {
   }
 }
 
+// Column `col` of a row of the batched kernel: its byte offset, and x, dy and gamma as f32.
+struct Column {
+  Value offset, x, dy, gamma;
+};
+Column LoadColumn(Builder& b, DType dtype, Value col, Value x_row, Value dy_row, Value gamma) {
+  Column c;
+  c.offset = b.MulWide(col, Value::U32(DTypeBytes(dtype)));
+  c.x = LoadAsF32(b, dtype, Address{b.Add(x_row, c.offset)});
+  c.dy = LoadAsF32(b, dtype, Address{b.Add(dy_row, c.offset)});
+  c.gamma = LoadAsF32(b, dtype, Address{b.Add(gamma, c.offset)});
+  return c;
+}
+
 // log2 of the element size, for byte offsets.
 uint32_t ElementShift(DType dtype) { return dtype == DType::kF32 ? 2 : 1; }
 
@@ -207,10 +220,7 @@ absl::StatusOr<Module> BatchedRmsNormBackwardKernel::Build(const KernelConfig& c
   b.Bind(sum_loop);
   b.BraIf(b.Setp(CmpOp::kGe, i, hidden), sum_done);
   {
-    const Value off = b.MulWide(i, Value::U32(DTypeBytes(dtype)));
-    const Value x = LoadAsF32(b, dtype, Address{b.Add(x_row, off)});
-    const Value dy = LoadAsF32(b, dtype, Address{b.Add(dy_row, off)});
-    const Value gamma = LoadAsF32(b, dtype, Address{b.Add(gamma_base, off)});
+    const auto [off, x, dy, gamma] = LoadColumn(b, dtype, i, x_row, dy_row, gamma_base);
     b.FmaTo(sum_sq, x, x);
     b.FmaTo(sum_xdyg, x, b.Mul(gamma, dy));
     b.AddTo(i, Value::U32(32));
@@ -232,10 +242,7 @@ absl::StatusOr<Module> BatchedRmsNormBackwardKernel::Build(const KernelConfig& c
   b.Bind(grad_loop);
   b.BraIf(b.Setp(CmpOp::kGe, j, hidden), exit);
   {
-    const Value off = b.MulWide(j, Value::U32(DTypeBytes(dtype)));
-    const Value x = LoadAsF32(b, dtype, Address{b.Add(x_row, off)});
-    const Value dy = LoadAsF32(b, dtype, Address{b.Add(dy_row, off)});
-    const Value gamma = LoadAsF32(b, dtype, Address{b.Add(gamma_base, off)});
+    const auto [off, x, dy, gamma] = LoadColumn(b, dtype, j, x_row, dy_row, gamma_base);
     // One emitting call per statement: argument evaluation order is unspecified in C++, and
     // the instruction order must not depend on the compiler.
     const Value gamma_dy = b.Mul(gamma, dy);
