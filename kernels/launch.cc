@@ -16,82 +16,9 @@
 namespace normgrad::kernels {
 namespace {
 
-// Where each parameter's value lives in KernelParamValues.
-void* ValueSlot(KernelParamValues& v, KernelParamId id) {
-  switch (id) {
-    case KernelParamId::kInput:
-      return &v.input;
-    case KernelParamId::kGamma:
-      return &v.gamma;
-    case KernelParamId::kRms:
-      return &v.rms;
-    case KernelParamId::kGradOutput:
-      return &v.grad_output;
-    case KernelParamId::kGradInput:
-      return &v.grad_input;
-    case KernelParamId::kGradGamma:
-      return &v.grad_gamma;
-    case KernelParamId::kDgammaPartials:
-      return &v.dgamma_partials;
-    case KernelParamId::kDgamma:
-      return &v.dgamma;
-    case KernelParamId::kNumRows:
-      return &v.num_rows;
-    case KernelParamId::kNumPartials:
-      return &v.num_partials;
-    case KernelParamId::kHiddenDim:
-      return &v.hidden_dim;
-    case KernelParamId::kEps:
-      return &v.eps;
-  }
-  return nullptr;
-}
-
-// The id of `param` when it is ours with our type; INTERNAL otherwise (a kernel's Build and
-// kernel_params.cc disagree, or the list did not come from one of our kernels).
-absl::StatusOr<KernelParamId> IdOf(const KernelParam& param) {
-  const std::optional<KernelParamId> id = FindKernelParam(param.name);
-  if (!id.has_value()) {
-    return absl::InternalError(
-        absl::StrCat("kernel parameter ", param.name, " is not one the launch contract fills"));
-  }
-  const absl::string_view want = PtxTypeName(SpecOf(*id).type);
-  if (param.ptx_type != want) {
-    return absl::InternalError(absl::StrCat("kernel parameter ", param.name, " is .",
-                                            param.ptx_type, "; the launch contract fills .", want));
-  }
-  return *id;
-}
-
-size_t SlotBytes(KernelParamId id) { return PtxTypeBits(SpecOf(id).type) / 8; }
-
 uint32_t CeilDivU32(uint64_t a, uint64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
 
 }  // namespace
-
-absl::StatusOr<PackedArgs> PackArgs(absl::Span<const KernelParam> params,
-                                    const KernelParamValues& values) {
-  PackedArgs packed;
-  packed.storage_.assign(params.size(), 0);
-  packed.pointers_.resize(params.size());
-  KernelParamValues source = values;
-  for (size_t k = 0; k < params.size(); ++k) {
-    NORMGRAD_ASSIGN_OR_RETURN(const KernelParamId id, IdOf(params[k]));
-    std::memcpy(&packed.storage_[k], ValueSlot(source, id), SlotBytes(id));
-    packed.pointers_[k] = &packed.storage_[k];
-  }
-  return packed;
-}
-
-absl::StatusOr<KernelParamValues> UnpackArgs(absl::Span<const KernelParam> params,
-                                             void* const* args) {
-  KernelParamValues values;
-  for (size_t k = 0; k < params.size(); ++k) {
-    NORMGRAD_ASSIGN_OR_RETURN(const KernelParamId id, IdOf(params[k]));
-    std::memcpy(ValueSlot(values, id), args[k], SlotBytes(id));
-  }
-  return values;
-}
 
 // ---------------------------------------------------------------------------------------------
 // BackwardPlan
@@ -168,6 +95,22 @@ absl::Status BackwardPlan::LaunchStep(size_t step, const LaunchGeometry& geometr
   return launcher.Launch(step, geometry, packed.pointers());
 }
 
+// The parameters every backward kernel reads, for rows [first, first + n) of `args`: their row
+// pointers (and rms) offset to the first row.
+KernelParamValues BackwardPlan::RowsOf(const BackwardArgs& args, uint64_t first, uint64_t n) const {
+  const uint64_t offset = first * args.hidden_dim * DTypeBytes(steps_.front().config.dtype);
+  KernelParamValues v;
+  v.input = args.x + offset;
+  v.grad_output = args.dy + offset;
+  v.grad_input = args.dx + offset;
+  v.gamma = args.gamma;
+  v.rms = args.rms == 0 ? 0 : args.rms + first * sizeof(float);
+  v.num_rows = static_cast<uint32_t>(n);
+  v.hidden_dim = args.hidden_dim;
+  v.eps = args.eps;
+  return v;
+}
+
 // The row-resident kernel (persistent grid: G blocks, G partial rows of grad_gamma in the
 // workspace), then the fixed-order reduction of the partials into the f32 dgamma.
 absl::Status BackwardPlan::RunRowResident(const BackwardArgs& args,
@@ -175,27 +118,19 @@ absl::Status BackwardPlan::RunRowResident(const BackwardArgs& args,
   const Step& main = steps_[0];
   const Step& reduce = steps_[1];
   const LaunchGeometry g = main.kernel->Geometry(main.config, args.rows);
-  KernelParamValues v;
-  v.input = args.x;
-  v.gamma = args.gamma;
-  v.grad_output = args.dy;
-  v.grad_input = args.dx;
-  v.rms = args.rms;
-  v.dgamma_partials = args.workspace;
-  v.num_rows = static_cast<uint32_t>(args.rows);
-  v.hidden_dim = args.hidden_dim;
-  v.eps = args.eps;
-  NORMGRAD_RETURN_IF_ERROR(LaunchStep(0, g, v, launcher));
-  KernelParamValues r;
-  r.dgamma_partials = args.workspace;
-  r.dgamma = args.dgamma;
-  r.num_partials = g.grid[0];
-  r.hidden_dim = args.hidden_dim;
-  return LaunchStep(1, reduce.kernel->Geometry(reduce.config, g.grid[0]), r, launcher);
+  KernelParamValues rows = RowsOf(args, 0, args.rows);
+  rows.dgamma_partials = args.workspace;
+  NORMGRAD_RETURN_IF_ERROR(LaunchStep(0, g, rows, launcher));
+  KernelParamValues sum;
+  sum.dgamma_partials = args.workspace;
+  sum.dgamma = args.dgamma;
+  sum.num_partials = g.grid[0];
+  sum.hidden_dim = args.hidden_dim;
+  return LaunchStep(1, reduce.kernel->Geometry(reduce.config, g.grid[0]), sum, launcher);
 }
 
 // The seed kernels over args.rows rows, in pieces of at most 2^32-1 rows (their u32 num_rows)
-// whose grid fits the device's grid.x limit; each piece's row pointers offset to its first row.
+// whose grid fits the device's grid.x limit.
 absl::Status BackwardPlan::RunInPieces(const BackwardArgs& args, KernelLauncher& launcher) const {
   const Step& step = steps_.front();
   const uint32_t max_grid_x = std::max<uint32_t>(launcher.MaxGridX(), 1);
@@ -203,21 +138,11 @@ absl::Status BackwardPlan::RunInPieces(const BackwardArgs& args, KernelLauncher&
   while (piece > 1 && step.kernel->Geometry(step.config, piece).grid[0] > max_grid_x) {
     piece = CeilDivU32(piece, 2);
   }
-  const uint64_t row_bytes = uint64_t{args.hidden_dim} * DTypeBytes(step.config.dtype);
   for (uint64_t first = 0; first < args.rows; first += piece) {
     const uint64_t n = std::min(piece, args.rows - first);
-    const uint64_t offset = first * row_bytes;
-    KernelParamValues v;
-    v.input = args.x + offset;
-    v.grad_output = args.dy + offset;
-    v.grad_input = args.dx + offset;
-    v.gamma = args.gamma;
-    v.rms = args.rms == 0 ? 0 : args.rms + first * sizeof(float);
-    v.grad_gamma = args.dgamma;
-    v.num_rows = static_cast<uint32_t>(n);
-    v.hidden_dim = args.hidden_dim;
-    v.eps = args.eps;
-    NORMGRAD_RETURN_IF_ERROR(LaunchStep(0, step.kernel->Geometry(step.config, n), v, launcher));
+    KernelParamValues rows = RowsOf(args, first, n);
+    rows.grad_gamma = args.dgamma;
+    NORMGRAD_RETURN_IF_ERROR(LaunchStep(0, step.kernel->Geometry(step.config, n), rows, launcher));
   }
   return absl::OkStatus();
 }

@@ -13,8 +13,9 @@
 //   absl::Status s = plan->Run(args, launcher);
 //
 // Arguments are packed from each built kernel's own parameter list (EmittedPtx::params, in the
-// order the kernel's Build declared them), so a parameter's name and type are written once, in
-// kernels/kernel_params.cc, and nothing outside kernels/ knows them.
+// order the kernel's Build declared them) by kernels/kernel_params.h's PackArgs, so a
+// parameter's name and type are written once, in kernels/kernel_params.cc, and nothing outside
+// kernels/ knows them.
 #ifndef NORMGRAD_KERNELS_LAUNCH_H_
 #define NORMGRAD_KERNELS_LAUNCH_H_
 
@@ -26,49 +27,16 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kernels/kernel.h"
+#include "kernels/kernel_params.h"
 
 namespace normgrad::kernels {
 
-// The value of every parameter a kernel of ours can declare (kernels/kernel_params.h); a kernel
-// reads the ones it declares. Pointers are device addresses.
-struct KernelParamValues {
-  uint64_t input = 0;
-  uint64_t gamma = 0;
-  uint64_t rms = 0;
-  uint64_t grad_output = 0;
-  uint64_t grad_input = 0;
-  uint64_t grad_gamma = 0;
-  uint64_t dgamma_partials = 0;
-  uint64_t dgamma = 0;
-  uint32_t num_rows = 0;
-  uint32_t num_partials = 0;
-  uint32_t hidden_dim = 0;
-  float eps = 0;
+// What a plan does with BackwardArgs::dgamma.
+enum class DgammaOutput {
+  kWritten,      // the chunk's grad_gamma, summed in a fixed order (bitwise reproducible)
+  kAccumulated,  // added to with atomics: the caller zeroes it first (order not reproducible)
+  kNone,         // not computed on the device: the caller computes grad_gamma itself
 };
-
-// The ordered argument array cuLaunchKernel takes (`void** kernelParams`): one pointer per
-// parameter, each to an 8-byte slot holding the value of the parameter's PTX type in its low
-// bytes (so a caller may copy the slots to replay a launch). Owns the values; movable.
-class PackedArgs {
- public:
-  void** pointers() { return pointers_.data(); }
-  size_t size() const { return pointers_.size(); }
-
- private:
-  friend absl::StatusOr<PackedArgs> PackArgs(absl::Span<const KernelParam>,
-                                             const KernelParamValues&);
-  std::vector<uint64_t> storage_;  // one 8-byte slot per parameter (u64, u32 or f32 in place)
-  std::vector<void*> pointers_;
-};
-
-// Packs `values` in the order of `params` (a built kernel's own list: EmittedPtx::params).
-// INTERNAL naming the parameter when it is not one of ours or its type is not the one ours has.
-absl::StatusOr<PackedArgs> PackArgs(absl::Span<const KernelParam> params,
-                                    const KernelParamValues& values);
-
-// The inverse, for test doubles of the driver: the values an argument array carries.
-absl::StatusOr<KernelParamValues> UnpackArgs(absl::Span<const KernelParam> params,
-                                             void* const* args);
 
 // What a caller hands a plan: device memory of one request (or chunk).
 struct BackwardArgs {
@@ -82,13 +50,6 @@ struct BackwardArgs {
   uint64_t rows = 0;
   uint32_t hidden_dim = 0;
   float eps = 1e-5f;
-};
-
-// What a plan does with BackwardArgs::dgamma.
-enum class DgammaOutput {
-  kWritten,      // the chunk's grad_gamma, summed in a fixed order (bitwise reproducible)
-  kAccumulated,  // added to with atomics: the caller zeroes it first (order not reproducible)
-  kNone,         // not computed on the device: the caller computes grad_gamma itself
 };
 
 // Where a plan's launches go. Step indices are those of BackwardPlan::steps().
@@ -148,6 +109,7 @@ class BackwardPlan {
   enum class Kind { kRowResident, kBatched, kWarp };
   BackwardPlan(Kind kind, std::vector<Step> steps);
 
+  KernelParamValues RowsOf(const BackwardArgs& args, uint64_t first, uint64_t n) const;
   absl::Status LaunchStep(size_t step, const LaunchGeometry& geometry,
                           const KernelParamValues& values, KernelLauncher& launcher) const;
   absl::Status RunRowResident(const BackwardArgs& args, KernelLauncher& launcher) const;
