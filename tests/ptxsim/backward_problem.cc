@@ -127,8 +127,8 @@ double MaxRelativeError(absl::Span<const float> got, absl::Span<const float> wan
   return worst;
 }
 
-absl::Status CheckClose(absl::Span<const float> got, absl::Span<const float> want,
-                        double tolerance, const char* what) {
+absl::Status CheckClose(absl::Span<const float> got, absl::Span<const float> want, double tolerance,
+                        const char* what) {
   if (got.size() != want.size()) {
     return absl::InternalError(
         absl::StrCat(what, " has ", got.size(), " elements, expected ", want.size()));

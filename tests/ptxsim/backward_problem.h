@@ -62,8 +62,8 @@ double MaxRelativeError(absl::Span<const float> got, absl::Span<const float> wan
 
 // OK when every |got - want| <= tolerance * max(1, |want|); else INTERNAL naming the first few
 // elements out of bounds (`what`[i] = got, expected want, bound).
-absl::Status CheckClose(absl::Span<const float> got, absl::Span<const float> want,
-                        double tolerance, const char* what);
+absl::Status CheckClose(absl::Span<const float> got, absl::Span<const float> want, double tolerance,
+                        const char* what);
 
 }  // namespace normgrad::kernel_testing
 

@@ -15,7 +15,6 @@
 #include <mutex>
 #include <vector>
 
-
 namespace normgrad::ptxsim {
 
 struct MemoryRange {
@@ -40,7 +39,7 @@ class MemoryMap {
  private:
   mutable std::mutex mu_;
   std::map<uint64_t, uint64_t> ranges_;  // base -> size (guarded by mu_)
-  uint64_t bytes_ = 0;  // guarded by mu_
+  uint64_t bytes_ = 0;                   // guarded by mu_
 };
 
 }  // namespace normgrad::ptxsim

@@ -24,11 +24,6 @@
 namespace normgrad::ptxsim {
 namespace {
 
-using kernels::BackwardArgs;
-using kernels::BackwardPlan;
-using kernels::DType;
-using kernels::FindKernel;
-using kernels::KernelConfig;
 using kernel_testing::BackwardProblem;
 using kernel_testing::CheckClose;
 using kernel_testing::DecodeElements;
@@ -37,6 +32,11 @@ using kernel_testing::EncodeElements;
 using kernel_testing::MakeBackwardProblem;
 using kernel_testing::ReferenceFor;
 using kernel_testing::RoundToElement;
+using kernels::BackwardArgs;
+using kernels::BackwardPlan;
+using kernels::DType;
+using kernels::FindKernel;
+using kernels::KernelConfig;
 
 constexpr char kMain[] = "rms_norm_backward_row_resident";
 constexpr char kReduce[] = "rms_norm_backward_dgamma_reduce";
@@ -50,7 +50,9 @@ struct Case {
   int target_sm = 80;
 };
 
-BackwardProblem MakeProblem(const Case& c) { return MakeBackwardProblem(c.dtype, c.rows, c.hidden); }
+BackwardProblem MakeProblem(const Case& c) {
+  return MakeBackwardProblem(c.dtype, c.rows, c.hidden);
+}
 
 struct Result {
   bool ok = false;

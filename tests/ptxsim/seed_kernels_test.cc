@@ -21,13 +21,13 @@
 namespace normgrad::ptxsim {
 namespace {
 
+using kernel_testing::BackwardProblem;
+using kernel_testing::DxTolerance;
 using kernels::BackwardArgs;
 using kernels::BackwardPlan;
 using kernels::DType;
 using kernels::FindKernel;
 using kernels::KernelConfig;
-using kernel_testing::BackwardProblem;
-using kernel_testing::DxTolerance;
 
 constexpr double kRelativeTolerance = 1e-5;
 constexpr double kFiniteDifferenceTolerance = 1e-4;
@@ -45,8 +45,8 @@ bool IsWarpKernel(const Shape& s) { return std::string(s.kernel) == "rms_norm_ba
 
 std::string ShapeName(const ::testing::TestParamInfo<Shape>& info) {
   const Shape& s = info.param;
-  return absl::StrCat(IsWarpKernel(s) ? "warp" : "batched", "_", kernels::DTypeName(s.dtype),
-                      "_h", s.hidden_dim, "_rows", s.rows, "_sm", s.target_sm,
+  return absl::StrCat(IsWarpKernel(s) ? "warp" : "batched", "_", kernels::DTypeName(s.dtype), "_h",
+                      s.hidden_dim, "_rows", s.rows, "_sm", s.target_sm,
                       s.eps == 1e-5f ? "" : "_eps1em2");
 }
 
@@ -102,8 +102,8 @@ Result RunOnInterpreter(const Shape& s, const BackwardProblem& p,
   args.rows = p.rows;
   args.hidden_dim = p.hidden;
   args.eps = p.eps;
-  EXPECT_EQ(plan->dgamma_output(), IsWarpKernel(s) ? kernels::DgammaOutput::kNone
-                                                   : kernels::DgammaOutput::kAccumulated);
+  EXPECT_EQ(plan->dgamma_output(),
+            IsWarpKernel(s) ? kernels::DgammaOutput::kNone : kernels::DgammaOutput::kAccumulated);
   const absl::Status status = plan->Run(args, *launcher);
   EXPECT_TRUE(status.ok()) << status;
   Result out;
