@@ -23,20 +23,11 @@ constexpr char kWarp[] = "rms_norm_backward";
 
 // Every field a different value, so that a value in the wrong slot shows.
 KernelParamValues DistinctValues() {
-  KernelParamValues v;
-  v.input = 0x1000;
-  v.gamma = 0x2000;
-  v.rms = 0x3000;
-  v.grad_output = 0x4000;
-  v.grad_input = 0x5000;
-  v.grad_gamma = 0x6000;
-  v.dgamma_partials = 0x7000;
-  v.dgamma = 0x8000;
-  v.num_rows = 11;
-  v.num_partials = 12;
-  v.hidden_dim = 13;
-  v.eps = 0.25f;
-  return v;
+  return KernelParamValues{
+      /*input=*/0x1000,           /*gamma=*/0x2000,      /*rms=*/0x3000,
+      /*grad_output=*/0x4000,     /*grad_input=*/0x5000, /*grad_gamma=*/0x6000,
+      /*dgamma_partials=*/0x7000, /*dgamma=*/0x8000,     /*num_rows=*/11,
+      /*num_partials=*/12,        /*hidden_dim=*/13,     /*eps=*/0.25f};
 }
 
 TEST(KernelParamTable, EveryIdHasOneEntryAndItsNameFindsIt) {

@@ -19,6 +19,7 @@
 #include "kernels/launch.h"
 #include "kernels/reference.h"
 #include "tests/ptxsim/sim_harness.h"
+#include "tests/ptxsim/sim_launcher.h"
 
 namespace {
 
@@ -50,12 +51,12 @@ int Run(const char* entry, uint32_t rows, uint32_t hidden, int repeats) {
   const normgrad::kernels::LaunchGeometry g = kernel->Geometry(config, rows);
   SimHarness sim;
   const size_t n = size_t{rows} * hidden;
-  float* x = sim.Alloc<float>(n);
-  float* dy = sim.Alloc<float>(n);
-  float* gamma = sim.Alloc<float>(hidden);
-  float* rms = sim.Alloc<float>(rows);
-  float* dx = sim.Alloc<float>(n);
-  float* dgamma = sim.Alloc<float>(hidden);
+  const SimBackwardBuffers buffers = AllocBackwardF32(sim, rows, hidden);
+  float* const x = buffers.x;
+  float* const dy = buffers.dy;
+  float* const gamma = buffers.gamma;
+  float* const rms = buffers.rms;
+  float* const dgamma = buffers.dgamma;
   for (size_t i = 0; i < n; ++i) {
     x[i] = static_cast<float>((i * 37) % 101) / 50.0f - 1.0f;
     dy[i] = static_cast<float>((i * 53) % 97) / 48.0f - 1.0f;
@@ -63,16 +64,7 @@ int Run(const char* entry, uint32_t rows, uint32_t hidden, int repeats) {
   for (uint32_t i = 0; i < hidden; ++i) gamma[i] = 1.0f + static_cast<float>(i % 7) / 10.0f;
   for (uint32_t r = 0; r < rows; ++r) rms[r] = 0.6f;
   // Each kernel takes the parameters it declares, in its own order.
-  normgrad::kernels::KernelParamValues values;
-  values.input = SimHarness::Address(x);
-  values.gamma = SimHarness::Address(gamma);
-  values.rms = SimHarness::Address(rms);
-  values.grad_output = SimHarness::Address(dy);
-  values.grad_input = SimHarness::Address(dx);
-  values.grad_gamma = SimHarness::Address(dgamma);
-  values.num_rows = rows;
-  values.hidden_dim = hidden;
-  values.eps = 1e-5f;
+  const normgrad::kernels::KernelParamValues& values = buffers.values;
   absl::StatusOr<normgrad::kernels::PackedArgs> args =
       normgrad::kernels::PackArgs(ptx->params, values);
   if (!args.ok()) return Failed(entry, args.status());

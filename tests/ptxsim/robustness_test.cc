@@ -11,6 +11,7 @@
 #include "kernels/kernel_registry.h"
 #include "kernels/launch.h"
 #include "tests/ptxsim/sim_harness.h"
+#include "tests/ptxsim/sim_launcher.h"
 
 namespace normgrad::ptxsim {
 namespace {
@@ -49,21 +50,8 @@ TEST(PtxRobustness, MutatedKernelTextIsRefusedOrRunsWithoutCrashing) {
   ASSERT_TRUE(ptx.ok()) << ptx.status();
   SimHarness sim;
   constexpr uint32_t kRows = 2;
-  float* x = sim.Alloc<float>(kRows * 40);
-  float* dy = sim.Alloc<float>(kRows * 40);
-  float* gamma = sim.Alloc<float>(40);
-  float* dx = sim.Alloc<float>(kRows * 40);
-  float* dgamma = sim.Alloc<float>(40);
-  kernels::KernelParamValues values;
-  values.input = SimHarness::Address(x);
-  values.gamma = SimHarness::Address(gamma);
-  values.grad_output = SimHarness::Address(dy);
-  values.grad_input = SimHarness::Address(dx);
-  values.grad_gamma = SimHarness::Address(dgamma);
-  values.num_rows = kRows;
-  values.hidden_dim = 40;
-  values.eps = 1e-5f;
-  absl::StatusOr<kernels::PackedArgs> args = kernels::PackArgs(ptx->params, values);
+  const SimBackwardBuffers buffers = AllocBackwardF32(sim, kRows, 40);
+  absl::StatusOr<kernels::PackedArgs> args = kernels::PackArgs(ptx->params, buffers.values);
   ASSERT_TRUE(args.ok()) << args.status();
   std::mt19937 rng(20261202);
   int refused = 0, ran = 0, diagnosed = 0;

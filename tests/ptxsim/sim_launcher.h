@@ -7,6 +7,9 @@
 //   absl::StatusOr<SimLauncher> launcher = SimLauncher::ForPlan(&sim, *plan);
 //   BackwardArgs args{...};   // addresses of sim.Alloc'd buffers (SimHarness::Address)
 //   absl::Status s = plan->Run(args, *launcher);
+//
+// AllocBackwardF32 registers one problem's f32 buffers and their parameter values, for a test
+// that launches a single kernel (its own PTX, perhaps mutated) with kernels::PackArgs.
 #ifndef NORMGRAD_TESTS_PTXSIM_SIM_LAUNCHER_H_
 #define NORMGRAD_TESTS_PTXSIM_SIM_LAUNCHER_H_
 
@@ -19,10 +22,42 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kernels/kernel.h"
+#include "kernels/kernel_params.h"
 #include "kernels/launch.h"
 #include "tests/ptxsim/sim_harness.h"
 
 namespace normgrad::ptxsim {
+
+// f32 buffers of one backward problem registered in a SimHarness (zero-filled, exact sizes), and
+// the parameter values every backward kernel takes for them, for tests that launch one kernel
+// directly (kernels::PackArgs(ptx.params, buffers.values)).
+struct SimBackwardBuffers {
+  float* x;
+  float* dy;
+  float* gamma;
+  float* rms;
+  float* dx;
+  float* dgamma;
+  kernels::KernelParamValues values;
+};
+
+inline SimBackwardBuffers AllocBackwardF32(SimHarness& sim, uint32_t rows, uint32_t hidden,
+                                           float eps = 1e-5f) {
+  const size_t n = size_t{rows} * hidden;
+  SimBackwardBuffers b{sim.Alloc<float>(n),         sim.Alloc<float>(n), sim.Alloc<float>(hidden),
+                       sim.Alloc<float>(rows),      sim.Alloc<float>(n), sim.Alloc<float>(hidden),
+                       kernels::KernelParamValues{}};
+  b.values.input = SimHarness::Address(b.x);
+  b.values.grad_output = SimHarness::Address(b.dy);
+  b.values.gamma = SimHarness::Address(b.gamma);
+  b.values.rms = SimHarness::Address(b.rms);
+  b.values.grad_input = SimHarness::Address(b.dx);
+  b.values.grad_gamma = SimHarness::Address(b.dgamma);
+  b.values.num_rows = rows;
+  b.values.hidden_dim = hidden;
+  b.values.eps = eps;
+  return b;
+}
 
 class SimLauncher : public kernels::KernelLauncher {
  public:
