@@ -3,7 +3,7 @@
 //
 //   const Kernel* k = FindKernel("batched_rms_norm_backward");
 //   KernelConfig config{.hidden_dim = 896, .target_sm = 90};
-//   if (absl::Status s = k->CanImplement(config); !s.ok()) return s;   // cheap, no emission
+//   NORMGRAD_RETURN_IF_ERROR(k->CanImplement(config));   // cheap, no emission
 //   absl::StatusOr<EmittedPtx> ptx = k->Emit(config);                  // deterministic bytes
 //   LaunchGeometry g = k->Geometry(config, num_rows);                  // grid/block/shared
 //   std::string key = k->ConfigKey(config);                            // what the PTX bakes in

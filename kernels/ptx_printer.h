@@ -2,7 +2,7 @@
 // layout (header, one `.visible .entry` each with its `.reg` and `.shared` declarations, one
 // instruction per line); InstructionText() writes one instruction, for messages and tests.
 //
-//   if (absl::Status s = Verify(module); !s.ok()) return s;   // kernels/verifier.h
+//   NORMGRAD_RETURN_IF_ERROR(Verify(module));   // kernels/verifier.h
 //   std::string text = EmitPtx(module);                       // deterministic bytes
 //   InstructionText(f, f.instructions()[3]);                  // "@%p1 bra $L_done_0"
 #ifndef NORMGRAD_KERNELS_PTX_PRINTER_H_

@@ -131,7 +131,7 @@ class FunctionVerifier {
   }
 
   absl::Status Expect(const Value& v, PtxType inst_type, absl::string_view role) const {
-    if (absl::Status s = CheckValue(v, role); !s.ok()) return s;
+    NORMGRAD_RETURN_IF_ERROR(CheckValue(v, role));
     if (!Compatible(inst_type, v.type())) {
       return absl::InvalidArgumentError(absl::StrCat(role, " has type .", PtxTypeName(v.type()),
                                                      ", incompatible with .",
@@ -157,7 +157,7 @@ class FunctionVerifier {
   }
 
   absl::Status ExpectAddress(const Value& base) const {
-    if (absl::Status s = CheckValue(base, "address"); !s.ok()) return s;
+    NORMGRAD_RETURN_IF_ERROR(CheckValue(base, "address"));
     if (PtxTypeBits(base.type()) != 64 || !IsInt(base.type())) {
       return absl::InvalidArgumentError(absl::StrCat("address has type .", PtxTypeName(base.type()),
                                                      "; a 64-bit integer is required"));
@@ -606,7 +606,7 @@ absl::Status Verify(const Module& module) {
     if (!names.insert(f.name()).second) {
       return absl::InvalidArgumentError(absl::StrCat("entry ", f.name(), " is declared twice"));
     }
-    if (absl::Status s = VerifyFunction(f); !s.ok()) return s;
+    NORMGRAD_RETURN_IF_ERROR(VerifyFunction(f));
   }
   return absl::OkStatus();
 }

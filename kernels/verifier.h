@@ -1,7 +1,7 @@
 // Verify(): the checks a finished Module must pass before its text is emitted, in the spirit of
 // LLVM's Verifier. The builder never checks its inputs; this does, once, for the whole module.
 //
-//   if (absl::Status s = Verify(module); !s.ok()) return s;
+//   NORMGRAD_RETURN_IF_ERROR(Verify(module));
 //
 // Checked: the target is supported and the .version is high enough for it and for the
 // instructions; entry and parameter names are valid, unique identifiers; every register handle
