@@ -36,7 +36,7 @@ absl::string_view ElementName(kernels::DType dtype) {
 absl::Status CheckBatch(const BatchSpec& spec, size_t gamma_bytes) {
   if (spec.num_rows == 0) return absl::InvalidArgumentError("num_rows must be >= 1, got 0");
   if (spec.hidden_dim == 0) return absl::InvalidArgumentError("hidden_dim must be >= 1, got 0");
-  if (!std::isfinite(spec.eps) || !(spec.eps > 0)) {
+  if (!spec.rms_provided && !(std::isfinite(spec.eps) && spec.eps > 0)) {
     return absl::InvalidArgumentError(absl::StrCat("eps must be finite and > 0, got ", spec.eps));
   }
   const uint64_t expected = uint64_t{spec.hidden_dim} * ElementBytes(spec.dtype);
@@ -49,7 +49,7 @@ absl::Status CheckBatch(const BatchSpec& spec, size_t gamma_bytes) {
 }
 
 absl::Status CheckChunk(const BatchSpec& spec, uint64_t rows_done, uint64_t rows, size_t x_bytes,
-                        size_t dy_bytes, size_t rms_count, size_t dx_bytes) {
+                        size_t dy_bytes, absl::Span<const float> rms, size_t dx_bytes) {
   if (rows == 0) return absl::InvalidArgumentError("a chunk must carry at least 1 row, got 0");
   if (rows > spec.num_rows - rows_done) {
     return absl::InvalidArgumentError(absl::StrCat("chunk of ", rows, " rows after ", rows_done,
@@ -59,12 +59,19 @@ absl::Status CheckChunk(const BatchSpec& spec, uint64_t rows_done, uint64_t rows
   NORMGRAD_RETURN_IF_ERROR(CheckBufferBytes("dy", dy_bytes, rows, spec));
   NORMGRAD_RETURN_IF_ERROR(CheckBufferBytes("dx", dx_bytes, rows, spec));
   const uint64_t expected_rms = spec.rms_provided ? rows : 0;
-  if (rms_count != expected_rms) {
+  if (rms.size() != expected_rms) {
     return absl::InvalidArgumentError(
         spec.rms_provided
-            ? absl::StrCat("rms has ", rms_count, " values; expected one per row (", rows, ")")
-            : absl::StrCat("rms has ", rms_count,
+            ? absl::StrCat("rms has ", rms.size(), " values; expected one per row (", rows, ")")
+            : absl::StrCat("rms has ", rms.size(),
                            " values but the batch was declared without rms"));
+  }
+  for (size_t r = 0; r < rms.size(); ++r) {
+    if (!(std::isfinite(rms[r]) && rms[r] > 0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rms of row ", rows_done + r, " is ", rms[r],
+                       "; must be finite and > 0 (the forward pass's sqrt(mean(x^2) + eps))"));
+    }
   }
   return absl::OkStatus();
 }

@@ -26,7 +26,8 @@ inline constexpr absl::string_view kDgammaReduceKernel = "rms_norm_backward_dgam
 
 // OK when spec.kernel is empty, else: INVALID_ARGUMENT for an unknown name, for a kernel the
 // backends cannot drive, for the kernel's own CanImplement failure (e.g. hidden_dim > 32 for
-// the warp kernel), and for the warp kernel without the forward's rms.
+// the warp kernel), for the warp kernel without the forward's rms, and for the batched kernel
+// with the forward's rms but no valid eps (it recomputes rms whatever is given).
 absl::Status CheckNamedKernel(const BatchSpec& spec);
 
 // A target every kernel supports for every dtype: whether a request is valid at all (as opposed

@@ -42,8 +42,8 @@ class CpuBackwardSession : public BackwardSession {
   absl::Status ProcessChunk(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
                             absl::Span<const float> rms, uint64_t rows,
                             absl::Span<uint8_t> dx) override {
-    NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckChunk(spec_, rows_done_, rows, x.size(),
-                                                          dy.size(), rms.size(), dx.size()));
+    NORMGRAD_RETURN_IF_ERROR(
+        backend_internal::CheckChunk(spec_, rows_done_, rows, x.size(), dy.size(), rms, dx.size()));
     const auto start = std::chrono::steady_clock::now();
     const size_t h = spec_.hidden_dim;
     const uint64_t rows_per_part = cpu_internal::RowsPerPartition(rows, spec_.hidden_dim);

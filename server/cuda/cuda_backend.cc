@@ -240,8 +240,8 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
                             absl::Span<const float> rms, uint64_t rows,
                             absl::Span<uint8_t> dx) override {
     if (!broken_.ok()) return broken_;
-    NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckChunk(spec_, rows_done_, rows, x.size(),
-                                                          dy.size(), rms.size(), dx.size()));
+    NORMGRAD_RETURN_IF_ERROR(
+        backend_internal::CheckChunk(spec_, rows_done_, rows, x.size(), dy.size(), rms, dx.size()));
     const auto start = std::chrono::steady_clock::now();
     absl::Status s =
         plan_.has_value() ? DeviceChunk(x, dy, rms, rows, dx) : HostChunk(x, dy, rms, rows, dx);

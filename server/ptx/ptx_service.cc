@@ -20,20 +20,11 @@ absl::StatusOr<v1::EmitPtxResponse> PtxService::Emit(const v1::EmitPtxRequest& r
   config.hidden_dim = request.hidden_dim();
   NORMGRAD_ASSIGN_OR_RETURN(config.dtype, DTypeFromProto(request.dtype(), "dtype"));
   if (!request.target().empty()) {
-    absl::StatusOr<int> sm = kernels::ParseTarget(request.target());
-    if (!sm.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("target \"", request.target(), "\": ", sm.status().message()));
-    }
-    config.target_sm = *sm;
+    // The parsers' errors name the field and quote the text (bounded: kernels/bounded_quote.h).
+    NORMGRAD_ASSIGN_OR_RETURN(config.target_sm, kernels::ParseTarget(request.target()));
   }
   if (!request.ptx_version().empty()) {
-    absl::StatusOr<kernels::PtxVersion> v = kernels::ParsePtxVersion(request.ptx_version());
-    if (!v.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "ptx_version \"", request.ptx_version(), "\": ", v.status().message()));
-    }
-    config.ptx_version = *v;
+    NORMGRAD_ASSIGN_OR_RETURN(config.ptx_version, kernels::ParsePtxVersion(request.ptx_version()));
   }
   NORMGRAD_RETURN_IF_ERROR(kernel->CanImplement(config));
   if (request.cubin() && !nvjitlink_.ok()) return nvjitlink_.status();

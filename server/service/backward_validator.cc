@@ -4,6 +4,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/bounded_quote.h"
 #include "kernels/kernel.h"
 #include "kernels/status_macros.h"
 #include "server/proto_conversion/proto_conversion.h"
@@ -72,8 +73,9 @@ absl::Status BackwardValidator::AcceptHeader(const v1::BackwardRequest& message)
     config.hidden_dim = h.hidden_dim();
     config.dtype = dtype;
     if (absl::Status s = kernel->CanImplement(config); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("header.options.kernel \"", kernel_name,
-                                                 "\" cannot run this batch: ", s.message()));
+      return absl::Status(s.code(),
+                          absl::StrCat("header.options.kernel ", kernels::BoundedQuote(kernel_name),
+                                       " cannot run this batch: ", s.message()));
     }
   }
   has_header_ = true;

@@ -371,6 +371,56 @@ TEST_F(BackendRefusalTest, MoreRowsThanDeclaredIsInvalidArgument) {
       "exceeds num_rows (4)");
 }
 
+// docs/api.md: eps is neither checked nor used when the forward's rms is given.
+TEST_F(BackendRefusalTest, RmsProvidedWithEpsUnsetRunsAndIgnoresEps) {
+  for (float eps : {0.0f, -1.0f, std::nanf("")}) {
+    Batch b = MakeBatch(6, 16, /*with_rms=*/true);
+    b.eps = eps;
+    absl::StatusOr<Gradients> got = RunF32(*backend_, b, 4);
+    ASSERT_TRUE(got.ok()) << eps << ": " << got.status();
+    std::string first;
+    EXPECT_EQ(CountMismatches(got->dx, Reference(b).dx, Scales(b).dx, &first), 0)
+        << eps << " " << first;
+  }
+}
+
+// The batched kernel recomputes rms from x and eps whatever is given, so it needs an eps.
+TEST_F(BackendRefusalTest, BatchedKernelWithRmsAndNoEpsIsInvalidArgument) {
+  spec_.rms_provided = true;
+  spec_.eps = 0;
+  spec_.kernel = "batched_rms_norm_backward";
+  ExpectInvalidArgument(StartStatus(), "recomputes rms from x and eps");
+}
+
+TEST_F(BackendRefusalTest, RmsThatIsNotFiniteAndPositiveIsInvalidArgumentNamingTheRow) {
+  for (float bad : {0.0f, -0.0f, -1.5f, std::nanf(""), INFINITY, -INFINITY}) {
+    Batch b = MakeBatch(4, 8, /*with_rms=*/true);
+    b.rms[3] = bad;
+    spec_.rms_provided = true;
+    std::unique_ptr<BackwardSession> session = Start();
+    ASSERT_NE(session, nullptr);
+    absl::Span<const uint8_t> x = Bytes(b.x), dy = Bytes(b.dy);
+    absl::Span<const float> rms = b.rms;
+    ASSERT_TRUE(session
+                    ->ProcessChunk(x.subspan(0, 64), dy.subspan(0, 64), rms.subspan(0, 2), 2,
+                                   MutableBytes(dx_).subspan(0, 64))
+                    .ok());
+    // Row 3 of the batch is row 1 of the second chunk: the message names the batch's row.
+    ExpectInvalidArgument(session->ProcessChunk(x.subspan(64), dy.subspan(64), rms.subspan(2), 2,
+                                                MutableBytes(dx_).subspan(64)),
+                          absl::StrCat("rms of row 3 is ", bad, ";"));
+  }
+}
+
+TEST_F(BackendRefusalTest, LongKernelNameIsNotEchoedWhole) {
+  spec_.kernel = std::string(100000, 'k');
+  const absl::Status s = StartStatus();
+  const std::string head(s.message().substr(0, 512));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << head;
+  EXPECT_NE(s.message().find("(100000 bytes)"), std::string::npos) << head;
+  EXPECT_LT(s.message().size(), 512u) << head;
+}
+
 TEST_F(BackendRefusalTest, FinishBeforeAllRowsIsInvalidArgument) {
   std::unique_ptr<BackwardSession> session = Start();
   ASSERT_NE(session, nullptr);

@@ -139,6 +139,17 @@ TEST(BackwardValidatorTest, UnknownKernelIsInvalidAndListsTheKnownOnes) {
   EXPECT_THAT(s.message(), HasSubstr("header.options.kernel \"no_such_kernel\" is unknown"));
 }
 
+TEST(BackwardValidatorTest, LongKernelNameIsNotEchoedWhole) {
+  v1::BackwardRequest m = Header(1, 4);
+  m.mutable_header()->mutable_options()->set_kernel(std::string(100000, 'k'));
+  const absl::Status s = HeaderStatus(m);
+  const std::string head(s.message().substr(0, 512));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << head;
+  EXPECT_THAT(head, HasSubstr("header.options.kernel \"kkkk"));
+  EXPECT_THAT(head, HasSubstr("\"... (100000 bytes) is unknown"));
+  EXPECT_LT(s.message().size(), 512u) << head;
+}
+
 TEST(BackwardValidatorTest, WarpKernelRefusesHiddenDimAbove32) {
   v1::BackwardRequest m = Header(1, 33, 1e-5f, true);
   m.mutable_header()->mutable_options()->set_kernel("rms_norm_backward");

@@ -238,6 +238,25 @@ TEST_F(ServiceTest, SameInputAndChunkingGiveTheSameBits) {
 // ---------------------------------------------------------------------------------------------
 // Bad input: each is one status naming the field and the numbers; the server keeps serving.
 
+// docs/api.md: eps is neither checked nor used when the forward's rms is given.
+TEST_F(ServiceTest, RmsProvidedWithEpsUnsetIsServed) {
+  Batch batch = testing::RandomBatch(9, 16, 4, /*with_rms=*/true);
+  batch.eps = 0;
+  ExpectMatchesReference(*stub_, batch, 4);
+}
+
+TEST_F(ServiceTest, RmsThatIsNotFiniteAndPositiveIsInvalidArgumentNamingTheRow) {
+  for (float bad : {0.0f, -2.0f, std::nanf(""), INFINITY}) {
+    Batch batch = testing::RandomBatch(8, 8, 6, /*with_rms=*/true);
+    batch.rms[6] = bad;
+    grpc::Status s =
+        testing::SendMessages(*stub_, {testing::HeaderFor(batch), testing::ChunkFor(batch, 0, 4),
+                                       testing::ChunkFor(batch, 4, 4)});
+    EXPECT_EQ(s.error_code(), grpc::INVALID_ARGUMENT) << bad << ": " << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(absl::StrCat("rms of row 6 is ", bad, ";")));
+  }
+}
+
 struct BadInput {
   std::string name;
   std::vector<v1::BackwardRequest> messages;
@@ -651,6 +670,32 @@ TEST_F(ServiceTest, EmitPtxBadRequestsAreInvalidArgument) {
   v1::EmitPtxRequest warp = PtxRequest(64, "sm_90");
   warp.set_kernel("rms_norm_backward");
   EXPECT_EQ(Emit(*stub_, warp, &r).error_code(), grpc::INVALID_ARGUMENT);
+}
+
+// A client string of 100 KB in an error would pass gRPC's default 8 KiB metadata limit on the
+// way back (the client then sees a transport error instead of the server's answer).
+TEST_F(ServiceTest, LongClientStringsAreNotEchoedWhole) {
+  const std::string long_text(100000, 'z');
+  auto expect_bounded = [](const grpc::Status& s, const std::string& field) {
+    SCOPED_TRACE(field);
+    const std::string head = s.error_message().substr(0, 512);
+    EXPECT_EQ(s.error_code(), grpc::INVALID_ARGUMENT) << head;
+    EXPECT_THAT(head, HasSubstr(field + " \"zzzz"));
+    EXPECT_THAT(head, HasSubstr("\"... (100000 bytes)"));
+    EXPECT_LT(s.error_message().size(), 512u) << head;
+  };
+  v1::BackwardRequest header = testing::HeaderFor(testing::RandomBatch(2, 8, 1));
+  header.mutable_header()->mutable_options()->set_kernel(long_text);
+  expect_bounded(testing::SendMessages(*stub_, {header}), "header.options.kernel");
+
+  v1::EmitPtxResponse r;
+  v1::EmitPtxRequest kernel = PtxRequest(896, "sm_90");
+  kernel.set_kernel(long_text);
+  expect_bounded(Emit(*stub_, kernel, &r), "kernel");
+  expect_bounded(Emit(*stub_, PtxRequest(896, long_text), &r), "target");
+  v1::EmitPtxRequest version = PtxRequest(896, "sm_90");
+  version.set_ptx_version(long_text);
+  expect_bounded(Emit(*stub_, version, &r), "ptx_version");
 }
 
 TEST_F(ServiceTest, EmitPtxCubinIsAnElfImageWhenNvJitLinkIsPresent) {
