@@ -1,5 +1,8 @@
 #include "client/src/channel_config.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <string>
 #include <vector>
 
@@ -19,7 +22,55 @@ bool HasScheme(absl::string_view target) {
   return false;
 }
 
+// "localhost", an IPv4 address in 127.0.0.0/8, or ::1 (also IPv4-mapped ::ffff:127.x.y.z).
+bool IsLoopbackHost(absl::string_view host) {
+  if (absl::EqualsIgnoreCase(host, "localhost")) return true;
+  const std::string h(host);
+  in_addr v4;
+  if (inet_pton(AF_INET, h.c_str(), &v4) == 1) {
+    return (ntohl(v4.s_addr) >> 24) == 127;
+  }
+  in6_addr v6;
+  if (inet_pton(AF_INET6, h.c_str(), &v6) == 1) {
+    if (IN6_IS_ADDR_LOOPBACK(&v6)) return true;
+    return IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127;
+  }
+  return false;
+}
+
+// The host of "host", "host:port", "[v6]", "[v6]:port" or a bare IPv6 address.
+absl::string_view HostOf(absl::string_view address) {
+  if (absl::StartsWith(address, "[")) {
+    const size_t close = address.find(']');
+    return close == absl::string_view::npos ? address : address.substr(1, close - 1);
+  }
+  const size_t colon = address.find(':');
+  if (colon == absl::string_view::npos) return address;
+  if (address.find(':', colon + 1) != absl::string_view::npos) return address;  // bare IPv6
+  return address.substr(0, colon);
+}
+
 }  // namespace
+
+bool IsLoopbackOrUnixTarget(absl::string_view target) {
+  target = absl::StripAsciiWhitespace(target);
+  if (absl::StartsWith(target, "unix:") || absl::StartsWith(target, "unix-abstract:")) return true;
+  if (absl::ConsumePrefix(&target, "dns:")) {
+    // dns:[//authority/]host[:port]: the authority names the DNS server, not the target.
+    if (absl::ConsumePrefix(&target, "//")) {
+      const size_t slash = target.find('/');
+      if (slash == absl::string_view::npos) return false;
+      target.remove_prefix(slash + 1);
+    }
+  } else if (!absl::ConsumePrefix(&target, "ipv4:")) {
+    absl::ConsumePrefix(&target, "ipv6:");
+  }
+  if (target.empty()) return false;
+  for (absl::string_view part : absl::StrSplit(target, ',')) {
+    if (!IsLoopbackHost(HostOf(absl::StripAsciiWhitespace(part)))) return false;
+  }
+  return true;
+}
 
 absl::StatusOr<ResolvedTarget> ResolveTarget(absl::string_view target) {
   target = absl::StripAsciiWhitespace(target);

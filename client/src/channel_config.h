@@ -21,6 +21,11 @@ struct ResolvedTarget {
 // target, an empty list element, a missing port or a list mixing IPv4 and IPv6.
 absl::StatusOr<ResolvedTarget> ResolveTarget(absl::string_view target);
 
+// True when every address `target` names is on this host: a unix: or unix-abstract: socket,
+// "localhost", 127.0.0.0/8 or ::1 (also inside an ipv4:, ipv6: or dns: URI or a list). Names
+// other than "localhost" are not resolved: false.
+bool IsLoopbackOrUnixTarget(absl::string_view target);
+
 // The service config JSON: round-robin for an address list, else gRPC's default (pick-first).
 // It carries no retryPolicy: retries are the client's own (client.cc).
 std::string ServiceConfigJson(const ResolvedTarget& target);

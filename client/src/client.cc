@@ -509,6 +509,14 @@ absl::Status BackwardCall::TakeResponseLocked() {
       return absl::InternalError(absl::StrCat("server sent rows [", first, ", ", first + rows,
                                               ") of a ", a.num_rows, "-row batch"));
     }
+    // Chunks come back in batch order (docs/api.md): each starts where the last one ended, so
+    // rows [0, rows_received_) are covered exactly once and the end check sees every row.
+    if (first != rows_received_) {
+      return absl::InternalError(
+          absl::StrCat("server sent rows [", first, ", ", first + rows, ") after rows [0, ",
+                       rows_received_, "): ", first < rows_received_ ? "an overlap" : "a gap",
+                       "; the next chunk must start at row ", rows_received_));
+    }
     if (response_.grad_input().size() != rows * row_bytes_) {
       return absl::InternalError(absl::StrCat("server sent ", response_.grad_input().size(),
                                               " grad_input bytes for ", rows, " rows, expected ",
@@ -606,6 +614,14 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
   }
   absl::StatusOr<client_internal::ResolvedTarget> target = ResolveTarget(options.target);
   if (!target.ok()) return target.status();
+  // Without TLS the token is readable by anyone on the path: only to this host.
+  if (!options.bearer_token.empty() && !options.use_tls &&
+      !client_internal::IsLoopbackOrUnixTarget(options.target)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bearer_token: refusing to send it in clear text to \"", options.target,
+        "\"; set use_tls (with tls.root_certs_pem for a private CA), or target a loopback "
+        "address (localhost, 127.0.0.0/8, [::1]) or a unix: socket"));
+  }
 
   grpc::ChannelArguments args;
   args.SetServiceConfigJSON(client_internal::ServiceConfigJson(*target));

@@ -8,6 +8,7 @@
 #include <grpcpp/impl/server_builder_plugin.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <mutex>
 #include <utility>
 
@@ -132,8 +133,11 @@ absl::Status ValidateOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat("--max-message-bytes=", o.max_message_bytes,
                                                    " is above protobuf's 2 GiB ceiling"));
   }
-  if (o.batch.max_hidden_dim == 0 || o.batch.max_num_rows == 0) {
-    return absl::InvalidArgumentError("--max-hidden-dim and --max-num-rows must be > 0");
+  if (o.batch.max_hidden_dim == 0) {
+    return absl::InvalidArgumentError("--max-hidden-dim=0: must be > 0");
+  }
+  if (o.batch.max_num_rows == 0) {
+    return absl::InvalidArgumentError("--max-num-rows=0: must be > 0");
   }
   // One row of x and dy (plus rms and framing) must fit in one message.
   const uint64_t one_row = 2 * uint64_t{o.batch.max_hidden_dim} * 4 + 4 + 64;
@@ -143,7 +147,7 @@ absl::Status ValidateOptions(const ServerOptions& o) {
         " bytes for one row of x and dy, above --max-message-bytes=", o.max_message_bytes));
   }
   if (o.admission.max_streams == 0) {
-    return absl::InvalidArgumentError("--max-streams must be > 0");
+    return absl::InvalidArgumentError("--max-streams=0: must be > 0");
   }
   if (o.admission.max_inflight_bytes < 3 * one_row) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -151,22 +155,35 @@ absl::Status ValidateOptions(const ServerOptions& o) {
         " cannot hold even one row of the largest hidden_dim (", 3 * one_row, " bytes)"));
   }
   if (o.stream_idle_timeout < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("--stream-idle-timeout must be >= 0");
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--stream-idle-timeout=", absl::FormatDuration(o.stream_idle_timeout), ": must be >= 0"));
   }
   std::string host;
   int port;
   NORMGRAD_RETURN_IF_ERROR(SplitHostPort(o.listen, "listen", &host, &port));
+  if (!o.metrics_listen.empty()) {
+    NORMGRAD_RETURN_IF_ERROR(SplitHostPort(o.metrics_listen, "metrics-listen", &host, &port));
+  }
   if (!o.health_listen.empty()) {
     NORMGRAD_RETURN_IF_ERROR(SplitHostPort(o.health_listen, "health-listen", &host, &port));
   }
-  if (o.max_streams_per_connection == 0) {
-    return absl::InvalidArgumentError("--max-streams-per-connection must be > 0");
+  if (o.max_streams_per_connection == 0 || o.max_streams_per_connection > INT32_MAX) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-streams-per-connection=", o.max_streams_per_connection,
+                     ": must be in 1..", INT32_MAX));
   }
-  if (o.min_client_ping_interval < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("--min-client-ping-interval must be >= 0");
+  if (o.min_client_ping_interval < absl::ZeroDuration() ||
+      o.min_client_ping_interval > absl::Milliseconds(INT32_MAX)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--min-client-ping-interval=", absl::FormatDuration(o.min_client_ping_interval),
+        ": must be in 0..", absl::FormatDuration(absl::Milliseconds(INT32_MAX))));
   }
   if (o.metrics_tls_cert_file.empty() != o.metrics_tls_key_file.empty()) {
     return absl::InvalidArgumentError("--metrics-tls-cert and --metrics-tls-key go together");
+  }
+  if (!o.metrics_tls_cert_file.empty()) {
+    NORMGRAD_RETURN_IF_ERROR(ReadPemFile(o.metrics_tls_cert_file, "metrics-tls-cert").status());
+    NORMGRAD_RETURN_IF_ERROR(ReadPemFile(o.metrics_tls_key_file, "metrics-tls-key").status());
   }
   return absl::OkStatus();
 }
@@ -217,6 +234,12 @@ absl::StatusOr<std::vector<PreloadEntry>> ParsePreloadEntries(
 }
 
 }  // namespace
+
+absl::Status CheckServerOptions(const ServerOptions& options) {
+  NORMGRAD_RETURN_IF_ERROR(ValidateOptions(options));
+  NORMGRAD_RETURN_IF_ERROR(MakeServerCredentials(options.security).status());
+  return ParsePreloadEntries(options.preload).status();
+}
 
 NormGradServer::NormGradServer(const ServerOptions& options, std::unique_ptr<Backend> backend)
     : options_(options), backend_(std::move(backend)) {}

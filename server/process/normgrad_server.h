@@ -10,7 +10,9 @@
 //   (*server)->Shutdown(absl::Seconds(30));   // drain, then cancel what is left
 //
 // Start returns once the server is SERVING (after --preload). Start-up failures (bad option,
-// port taken, --backend=cuda without a GPU) come back as a status with one clear message.
+// port taken, --backend=cuda without a GPU) come back as a status with one clear message;
+// CheckServerOptions tells the bad options apart (normgrad-server exits 2 on them, 1 on the
+// rest).
 #ifndef NORMGRAD_SERVER_PROCESS_NORMGRAD_SERVER_H_
 #define NORMGRAD_SERVER_PROCESS_NORMGRAD_SERVER_H_
 
@@ -81,6 +83,12 @@ struct PreloadEntry {
 };
 // "batched_rms_norm_backward:sm_90" or "...:sm_90:896" (hidden_dim defaults to 4096).
 absl::StatusOr<PreloadEntry> ParsePreloadEntry(absl::string_view text);
+
+// Every check of `options` that needs neither a device nor a port, the first thing Start does:
+// each value and combination, the TLS and token files (read and parsed), the --preload entries.
+// INVALID_ARGUMENT naming the flag and its value. Ports that are taken or not local, a missing
+// GPU and a failing --preload compile are found by Start only.
+absl::Status CheckServerOptions(const ServerOptions& options);
 
 class NormGradServer {
  public:

@@ -8,6 +8,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
           "gRPC address HOST:PORT; port 0 picks a free port (the ready line prints it).");
@@ -105,15 +106,26 @@ absl::StatusOr<ServerOptions> ServerOptionsFromFlags() {
   o.backend.cuda_driver_library = absl::GetFlag(FLAGS_cuda_driver);
   o.backend.device_ordinal = absl::GetFlag(FLAGS_device);
   o.backend.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
-  if (o.backend.cpu_threads < 0 || o.backend.device_ordinal < 0) {
-    return absl::InvalidArgumentError("--cpu-threads and --device must be >= 0");
+  if (o.backend.cpu_threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cpu-threads=", o.backend.cpu_threads, ": must be >= 0"));
+  }
+  if (o.backend.device_ordinal < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device=", o.backend.device_ordinal, ": must be >= 0"));
   }
   o.worker_threads = absl::GetFlag(FLAGS_worker_threads);
-  if (o.worker_threads < 0) return absl::InvalidArgumentError("--worker-threads must be >= 0");
+  if (o.worker_threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--worker-threads=", o.worker_threads, ": must be >= 0"));
+  }
   o.backend.cache_max_entries = absl::GetFlag(FLAGS_cache_max_entries);
   o.backend.cache_max_bytes = absl::GetFlag(FLAGS_cache_max_bytes);
-  if (o.backend.cache_max_entries == 0 || o.backend.cache_max_bytes == 0) {
-    return absl::InvalidArgumentError("--cache-max-entries and --cache-max-bytes must be > 0");
+  if (o.backend.cache_max_entries == 0) {
+    return absl::InvalidArgumentError("--cache-max-entries=0: must be > 0");
+  }
+  if (o.backend.cache_max_bytes == 0) {
+    return absl::InvalidArgumentError("--cache-max-bytes=0: must be > 0");
   }
   for (const std::string& entry : absl::GetFlag(FLAGS_preload)) {
     if (!entry.empty()) o.preload.push_back(entry);
@@ -150,6 +162,7 @@ absl::StatusOr<ServerOptions> ServerOptionsFromFlags() {
                                                    absl::GetFlag(FLAGS_shutdown_grace),
                                                    " is not a duration >= 0 such as 30s"));
   }
+  NORMGRAD_RETURN_IF_ERROR(CheckServerOptions(o));
   return o;
 }
 

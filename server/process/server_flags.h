@@ -17,7 +17,8 @@
 
 namespace normgrad::server {
 
-// INVALID_ARGUMENT naming the flag for a value out of range.
+// The flags' values, checked as far as that needs neither a device nor a port (CheckServerOptions
+// included): INVALID_ARGUMENT naming the flag and its value, on which normgrad-server exits 2.
 absl::StatusOr<ServerOptions> ServerOptionsFromFlags();
 absl::Duration ShutdownGraceFromFlags();  // valid after ServerOptionsFromFlags() succeeded
 

@@ -21,21 +21,6 @@ namespace {
 
 constexpr absl::string_view kHealthPathPrefix = "/grpc.health.v1.Health/";
 
-absl::StatusOr<std::string> ReadPemFile(const std::string& path, absl::string_view flag) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", path, ": cannot read it"));
-  }
-  std::stringstream s;
-  s << in.rdbuf();
-  std::string text = s.str();
-  if (!absl::StrContains(text, "-----BEGIN ")) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--", flag, "=", path, ": not a PEM file (no -----BEGIN line)"));
-  }
-  return text;
-}
-
 // OK when `cert_pem`'s first certificate holds the public half of `key_pem`. Checked at start
 // so that a mismatched pair is one clear line, not a port that fails every handshake.
 absl::Status CheckKeyMatchesCertificate(const std::string& cert_pem, const std::string& key_pem,
@@ -64,6 +49,21 @@ absl::Status CheckKeyMatchesCertificate(const std::string& cert_pem, const std::
 }
 
 }  // namespace
+
+absl::StatusOr<std::string> ReadPemFile(const std::string& path, absl::string_view flag) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", path, ": cannot read it"));
+  }
+  std::stringstream s;
+  s << in.rdbuf();
+  std::string text = s.str();
+  if (!absl::StrContains(text, "-----BEGIN ")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, "=", path, ": not a PEM file (no -----BEGIN line)"));
+  }
+  return text;
+}
 
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

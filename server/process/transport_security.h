@@ -32,6 +32,10 @@ struct TransportSecurityOptions {
   std::string token_file;      // bearer token (file contents, whitespace trimmed); empty: none
 };
 
+// Reads a PEM file given as --`flag`: its contents. INVALID_ARGUMENT naming the flag and the
+// path when unreadable or without a "-----BEGIN " line.
+absl::StatusOr<std::string> ReadPemFile(const std::string& path, absl::string_view flag);
+
 // Reads a token file: its contents with leading/trailing whitespace removed. INVALID_ARGUMENT
 // naming the flag and the path (never the contents) when unreadable, empty or not one line of
 // printable ASCII.

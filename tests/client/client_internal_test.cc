@@ -147,5 +147,38 @@ TEST(ClientCreateTest, RejectsOptionsGrpcWouldMisuseNamingTheOption) {
   EXPECT_TRUE(Client::Create(no_retries).ok());
 }
 
+// A bearer token travels in clear text without TLS: only to this host (loopback or a unix
+// socket), never across a network.
+TEST(ClientCreateTest, RefusesBearerTokenOverPlaintextUnlessLoopbackOrUnix) {
+  for (const char* target :
+       {"10.0.0.1:50051", "normgrad.svc:50051", "dns:///normgrad.svc:50051",
+        "127.0.0.1:1,10.0.0.2:2", "ipv4:127.0.0.1:1,192.168.1.1:2", "[2001:db8::1]:50051",
+        "ipv6:[::1]:1,[2001:db8::1]:2", "0.0.0.0:50051", "localhost.example.com:1"}) {
+    ClientOptions options;
+    options.target = target;
+    options.bearer_token = "t0ken";
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(options);
+    ASSERT_FALSE(client.ok()) << target;
+    EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument) << target;
+    EXPECT_EQ(client.status().message().rfind("bearer_token", 0), 0u) << client.status();
+    EXPECT_NE(client.status().message().find("use_tls"), absl::string_view::npos)
+        << client.status();
+    EXPECT_EQ(client.status().message().find("t0ken"), absl::string_view::npos)
+        << "the token is never echoed";
+    options.use_tls = true;  // the same target over TLS is fine
+    EXPECT_TRUE(Client::Create(options).ok()) << target;
+  }
+  for (const char* target : {"localhost:50051", "LOCALHOST:1", "127.0.0.1:50051", "127.1.2.3:50051",
+                             "[::1]:50051", "127.0.0.1:1, localhost:2", "ipv4:127.0.0.1:1",
+                             "ipv6:[::1]:1,[::1]:2", "dns:///localhost:50051", "dns:localhost:1",
+                             "unix:/tmp/normgrad.sock", "unix-abstract:normgrad"}) {
+    ClientOptions options;
+    options.target = target;
+    options.bearer_token = "t0ken";
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(options);
+    EXPECT_TRUE(client.ok()) << target << ": " << client.status();
+  }
+}
+
 }  // namespace
 }  // namespace normgrad::client_internal

@@ -1,7 +1,8 @@
 // How the client handles what a server sends, against a scripted server in the test: on the
 // RmsNormBackward stream, the whole-call retry on UNAVAILABLE (before or after a response) and on
-// CANCELLED before any response, chunks placed by first_row, and malformed replies reported as
-// INTERNAL; the unary calls' retries on UNAVAILABLE.
+// CANCELLED before any response, chunks placed by first_row, and malformed replies (row ranges
+// that leave a gap or overlap included) reported as INTERNAL; the unary calls' retries on
+// UNAVAILABLE.
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
@@ -25,6 +26,8 @@ enum class Script {
   kShortGradInput,            // grad_input one element short
   kNoFinalMessage,            // every chunk, then OK without grad_gamma
   kRowsOutOfRange,            // first_row past the batch
+  kRepeatedRange,             // the second chunk's first_row is 0 again: rows 0-2 twice, 3-5 never
+  kSkippedRow,                // the second chunk's first_row is 4: row 3 never, row 6 twice
 };
 
 class ScriptedStream final
@@ -64,7 +67,11 @@ class ScriptedStream final
     }
     const uint64_t rows = request_.x().size() / (hidden_ * 4);
     response_.Clear();
-    response_.set_first_row(script_ == Script::kRowsOutOfRange ? 1000000 : next_row_);
+    uint64_t first_row = next_row_;
+    if (script_ == Script::kRowsOutOfRange) first_row = 1000000;
+    if (script_ == Script::kRepeatedRange && chunks_ == 1) first_row = 0;
+    if (script_ == Script::kSkippedRow && chunks_ == 1) first_row = next_row_ + 1;
+    response_.set_first_row(first_row);
     response_.set_num_rows(rows);
     std::string dx = request_.x();
     if (script_ == Script::kShortGradInput) dx.resize(dx.size() - 4);
@@ -243,6 +250,15 @@ TEST_F(ClientProtocolTest, MissingFinalMessageIsInternal) {
 
 TEST_F(ClientProtocolTest, RowsOutsideTheBatchAreInternal) {
   ExpectInternal(Script::kRowsOutOfRange, "of a 10-row batch");
+}
+
+// Both scripts send 3 + 3 + 3 + 1 rows, as many as the batch has, but not each row once.
+TEST_F(ClientProtocolTest, RepeatedRowRangeIsInternal) {
+  ExpectInternal(Script::kRepeatedRange, "server sent rows [0, 3) after rows [0, 3)");
+}
+
+TEST_F(ClientProtocolTest, SkippedRowIsInternal) {
+  ExpectInternal(Script::kSkippedRow, "server sent rows [4, 7) after rows [0, 3)");
 }
 
 // Unary calls get the client's own retries too (gRPC's retry layer is off, see client.cc):

@@ -1,5 +1,5 @@
-// normgrad-server as a subprocess: the ready line, SIGTERM drains and exits 0, start-up failures
-// exit non-zero with one clear line, --help lists the flags.
+// normgrad-server as a subprocess: the ready line, SIGTERM drains and exits 0, bad flag values
+// exit 2 and start-up failures exit 1, each with one clear line; --help lists the flags.
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -84,7 +84,7 @@ TEST(ServerBinaryTest, PrintsReadyLineServesAndExitsZeroOnSigterm) {
   EXPECT_THAT(server->Stderr(), HasSubstr("SIGTERM received"));
 }
 
-TEST(ServerBinaryTest, PortInUseExitsNonZeroWithOneClearLine) {
+TEST(ServerBinaryTest, PortInUseExitsOneWithOneClearLine) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   ASSERT_GE(fd, 0);
   sockaddr_in addr{};
@@ -102,31 +102,56 @@ TEST(ServerBinaryTest, PortInUseExitsNonZeroWithOneClearLine) {
   ASSERT_TRUE(server.ok()) << server.status();
   const int code = ExitCode(server->WaitExit(absl::Seconds(60)));
   close(fd);
-  EXPECT_NE(code, 0);
-  EXPECT_NE(code, -1);
+  EXPECT_EQ(code, 1);
   const std::string line = LastLine(server->Stderr());
   EXPECT_THAT(line, HasSubstr(absl::StrCat("--listen=127.0.0.1:", taken)));
   EXPECT_THAT(line, HasSubstr("cannot listen"));
 }
 
-TEST(ServerBinaryTest, BadFlagValuesExitNonZeroNamingTheFlag) {
-  {
-    absl::StatusOr<ChildProcess> server = StartChild(ServerArgs({"--backend=gpu"}));
+// docs/operations.md: a bad flag value exits 2 with one line naming the flag (and the value);
+// a start-up failure with good flags (a taken port, no usable GPU) exits 1.
+TEST(ServerBinaryTest, BadFlagValuesExitTwoNamingTheFlagAndValue) {
+  const struct {
+    std::vector<std::string> flags;
+    const char* named;  // in the last line of stderr
+  } cases[] = {
+      {{"--backend=gpu"}, "--backend=gpu"},
+      {{"--max-streams=0"}, "--max-streams=0"},
+      {{"--max-message-bytes=10"}, "--max-message-bytes=10"},
+      {{"--max-hidden-dim=10000000"}, "--max-message-bytes=4194304"},
+      {{"--max-inflight-bytes=1"}, "--max-inflight-bytes=1"},
+      {{"--max-streams-per-connection=0"}, "--max-streams-per-connection=0"},
+      {{"--stream-idle-timeout=-1s"}, "--stream-idle-timeout=-1s"},
+      {{"--min-client-ping-interval=-1s"}, "--min-client-ping-interval=-1s"},
+      {{"--listen=bogus"}, "--listen=bogus"},
+      {{"--listen=127.0.0.1:99999"}, "--listen=127.0.0.1:99999"},
+      {{"--metrics-listen=bogus"}, "--metrics-listen=bogus"},
+      {{"--health-listen=bogus"}, "--health-listen=bogus"},
+      {{"--preload=no_such_kernel:sm_90"}, "--preload entry \"no_such_kernel:sm_90\""},
+      {{"--tls-cert=/nonexistent/tls.crt", "--tls-key=/nonexistent/tls.key"},
+       "--tls-cert=/nonexistent/tls.crt"},
+      {{"--auth-token-file=/nonexistent/token"}, "--auth-token-file"},
+      {{"--metrics-tls-cert=/nonexistent/m.crt"}, "--metrics-tls-cert"},
+  };
+  for (const auto& c : cases) {
+    absl::StatusOr<ChildProcess> server = StartChild(ServerArgs(c.flags));
     ASSERT_TRUE(server.ok()) << server.status();
-    EXPECT_EQ(ExitCode(server->WaitExit(absl::Seconds(30))), 2);
-    EXPECT_THAT(LastLine(server->Stderr()), HasSubstr("--backend=gpu"));
+    EXPECT_EQ(ExitCode(server->WaitExit(absl::Seconds(30))), 2) << c.flags[0] << server->Stderr();
+    EXPECT_THAT(LastLine(server->Stderr()), HasSubstr(c.named)) << c.flags[0];
   }
-  {
-    absl::StatusOr<ChildProcess> server = StartChild(ServerArgs({"--max-hidden-dim=10000000"}));
-    ASSERT_TRUE(server.ok()) << server.status();
-    EXPECT_NE(ExitCode(server->WaitExit(absl::Seconds(30))), 0);
-    EXPECT_THAT(LastLine(server->Stderr()), HasSubstr("--max-message-bytes"));
-  }
-  {
+  {  // absl's own parse error
     absl::StatusOr<ChildProcess> server = StartChild(ServerArgs({"--max-streams=many"}));
     ASSERT_TRUE(server.ok()) << server.status();
     EXPECT_NE(ExitCode(server->WaitExit(absl::Seconds(30))), 0);
     EXPECT_THAT(server->Stderr(), HasSubstr("max_streams"));
+  }
+  {  // good flags, but no GPU to be had: a start-up failure, 1
+    absl::StatusOr<ChildProcess> server = StartChild(
+        {NORMGRAD_SERVER_BINARY, "--listen=127.0.0.1:0", "--metrics-listen=", "--backend=cuda",
+         "--cuda-driver=/nonexistent/libcuda.so.1"});
+    ASSERT_TRUE(server.ok()) << server.status();
+    EXPECT_EQ(ExitCode(server->WaitExit(absl::Seconds(30))), 1) << server->Stderr();
+    EXPECT_THAT(LastLine(server->Stderr()), HasSubstr("FAILED_PRECONDITION"));
   }
 }
 
