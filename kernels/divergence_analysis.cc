@@ -308,17 +308,15 @@ class Analyzer {
       if (in.op == Opcode::kBarSync) {
         const Level c = std::max(control_[b], guard);
         if (c >= Level::kWarpUniform) {
-          DivergenceFinding f;
-          f.instruction = i;
-          f.hazard = DivergenceHazard::kBarrierUnderDivergence;
-          f.after_exit = exit_control_[b] >= Level::kWarpUniform;
-          f.message = absl::StrCat(
-              Where(i), ": bar.sync ",
-              f.after_exit ? "after a thread-dependent exit (exited threads never arrive)"
-                           : (guard >= Level::kWarpUniform ? "under a thread-dependent guard"
-                                                           : "under thread-dependent control flow"),
-              ": not every thread of the block reaches it");
-          out.push_back(std::move(f));
+          const bool after_exit = exit_control_[b] >= Level::kWarpUniform;
+          out.push_back(DivergenceFinding{
+              i, DivergenceHazard::kBarrierUnderDivergence, after_exit,
+              absl::StrCat(Where(i), ": bar.sync ",
+                           after_exit
+                               ? "after a thread-dependent exit (exited threads never arrive)"
+                           : guard >= Level::kWarpUniform ? "under a thread-dependent guard"
+                                                          : "under thread-dependent control flow",
+                           ": not every thread of the block reaches it")});
         }
       }
       if (in.op == Opcode::kShfl && in.src.size() == 4 && in.src[3].is_immediate() &&
@@ -326,19 +324,15 @@ class Analyzer {
         const Level c = std::max(control_[b], guard);
         const bool partial_warps = !a_.block_x_multiple_of_32;
         if (c >= Level::kLaneAffine || partial_warps) {
-          DivergenceFinding f;
-          f.instruction = i;
-          f.hazard = DivergenceHazard::kShuffleUnderDivergence;
-          f.after_exit = exit_control_[b] >= Level::kLaneAffine;
-          f.message = absl::StrCat(
-              Where(i), ": full-mask shfl.sync ",
-              partial_warps ? "in a launch whose blocks are not whole warps"
-                            : (f.after_exit ? "after a lane-dependent exit"
-                                            : (guard >= Level::kLaneAffine
-                                                   ? "under a lane-dependent guard"
-                                                   : "under lane-dependent control flow")),
-              ": some lanes named in the mask may be inactive or exited");
-          out.push_back(std::move(f));
+          const bool after_exit = exit_control_[b] >= Level::kLaneAffine;
+          out.push_back(DivergenceFinding{
+              i, DivergenceHazard::kShuffleUnderDivergence, after_exit,
+              absl::StrCat(Where(i), ": full-mask shfl.sync ",
+                           partial_warps ? "in a launch whose blocks are not whole warps"
+                           : after_exit  ? "after a lane-dependent exit"
+                           : guard >= Level::kLaneAffine ? "under a lane-dependent guard"
+                                                         : "under lane-dependent control flow",
+                           ": some lanes named in the mask may be inactive or exited")});
         }
       }
     }
