@@ -1,36 +1,29 @@
 // The gRPC face of normgrad: NormGrad::CallbackService with one reactor per RmsNormBackward
-// stream (BackwardStream, in the .cc) and unary reactors for EmitPtx and GetServerInfo.
+// stream (BackwardStream, in the .cc: a thin shell around BackwardPipeline, which holds the
+// stream's logic without gRPC) and unary reactors for EmitPtx and GetServerInfo.
 //
 // Threading contract (gRPC's callback model): no reaction blocks. Chunk compute, session start
 // (which may compile) and EmitPtx run on a ThreadPool; a stream has at most one task there at a
 // time, one read and one write in flight, and holds at most kMaxChunksHeldPerStream row chunks
 // (received but whose response is not yet written) before it stops reading: flow control reaches
-// the client through HTTP/2 windows instead of server memory.
+// the client through HTTP/2 windows instead of server memory (backward_pipeline.h).
 //
 // The service does not own its collaborators; NormGradServer (server/process/) wires them.
 #ifndef NORMGRAD_SERVER_SERVICE_NORMGRAD_SERVICE_H_
 #define NORMGRAD_SERVER_SERVICE_NORMGRAD_SERVICE_H_
 
-#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
-#include <string>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "normgrad/v1/normgrad.grpc.pb.h"
-#include "server/backend/backend.h"
 #include "server/metrics/metrics.h"
-#include "server/ptx/ptx_service.h"
-#include "server/service/admission.h"
-#include "server/service/backward_validator.h"
-#include "server/thread_pool/thread_pool.h"
+#include "server/service/service_env.h"
 
 namespace normgrad::server {
-
-inline constexpr int kMaxChunksHeldPerStream = 3;
 
 class BackwardStream;
 
@@ -49,25 +42,6 @@ class StreamRegistry {
   mutable std::mutex mu_;
   std::condition_variable emptied_;
   absl::flat_hash_set<BackwardStream*> streams_;  // guarded by mu_
-};
-
-struct ServiceConfig {
-  std::string version;
-  BackwardLimits batch_limits;
-  uint64_t max_message_bytes = 0;
-  absl::Duration stream_idle_timeout = absl::Seconds(30);
-};
-
-// What a reactor needs; owned by NormGradServer, outlives every RPC.
-struct ServiceEnv {
-  ServiceConfig config;
-  Backend* backend = nullptr;
-  PtxService* ptx = nullptr;
-  AdmissionController* admission = nullptr;
-  MetricsRegistry* metrics = nullptr;
-  ThreadPool* pool = nullptr;  // blocking work: chunk compute, session start, EmitPtx
-  StreamRegistry* streams = nullptr;
-  std::atomic<bool> draining{false};
 };
 
 // Describes every metric the service records (called once by the server).

@@ -1,0 +1,357 @@
+#include "server/service/backward_pipeline.h"
+
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "kernels/status_macros.h"
+
+namespace normgrad::server {
+
+BackwardPipeline::BackwardPipeline(ServiceEnv* env, absl::Time deadline)
+    : env_(env), deadline_(deadline), validator_(env->config.batch_limits) {
+  last_progress_ = start_;
+}
+
+BackwardPipeline::~BackwardPipeline() {
+  session_.reset();
+  jobs_.clear();
+  writes_.clear();
+  writing_.reset();
+  waiting_for_bytes_.reset();
+  if (reserved_bytes_ > 0) env_->admission->ReleaseBytes(reserved_bytes_);
+  if (admitted_) {  // OnDone never came (a test's pipeline)
+    env_->metrics->AddGauge("normgrad_inflight_streams", {}, -1);
+    env_->admission->ReleaseStream();
+  }
+}
+
+StreamActions BackwardPipeline::Start() {
+  StreamActions a;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (env_->draining.load()) {
+    FinishLocked(absl::UnavailableError(
+                     "the server is shutting down and takes no new streams; retry elsewhere"),
+                 a);
+  } else if (absl::Status s = env_->admission->AdmitStream(); !s.ok()) {
+    FinishLocked(s, a);
+  } else {
+    admitted_ = true;
+    env_->metrics->AddGauge("normgrad_inflight_streams", {}, 1);
+    request_ = std::make_unique<v1::BackwardRequest>();
+    MaybeStartReadLocked(a);  // the first read: nothing held, nothing in flight
+  }
+  return a;
+}
+
+StreamActions BackwardPipeline::OnReadDone(bool ok, bool call_cancelled) {
+  StreamActions a;
+  std::lock_guard<std::mutex> lock(mu_);
+  read_in_flight_ = false;
+  last_progress_ = absl::Now();
+  if (finish_decided_) return a;  // the stream already has its status
+  if (ok) {
+    OnMessageLocked(a);
+    return a;
+  }
+  // The client half-closed, or the call died (then OnCancel follows or came first).
+  reads_done_ = true;
+  if (call_cancelled) {
+    FinishLocked(CancelStatusLocked(), a);
+  } else if (absl::Status s = validator_.AtEndOfStream(); !s.ok()) {
+    FinishLocked(s, a);
+  } else {
+    Job job;
+    job.kind = Job::kFinish;
+    jobs_.push_back(std::move(job));
+    ScheduleComputeLocked(a);
+  }
+  return a;
+}
+
+StreamActions BackwardPipeline::OnWriteDone(bool ok) {
+  StreamActions a;
+  std::lock_guard<std::mutex> lock(mu_);
+  write_in_flight_ = false;
+  last_progress_ = absl::Now();
+  std::unique_ptr<Outgoing> done = std::move(writing_);
+  if (done->reserved > 0) {
+    env_->admission->ReleaseBytes(done->reserved);
+    reserved_bytes_ -= done->reserved;
+  }
+  if (done->is_chunk) --chunks_held_;
+  if (finish_decided_) return a;
+  if (!ok) {
+    FinishLocked(idle_cancel_status_.ok()
+                     ? absl::CancelledError("the client stopped receiving responses")
+                     : idle_cancel_status_,
+                 a);
+    return a;
+  }
+  bytes_out_ += done->payload_bytes;
+  if (done->is_final) {
+    FinishLocked(absl::OkStatus(), a);
+  } else {
+    StartNextWriteLocked(a);
+    AdmitWaitingChunkLocked(a);
+    MaybeStartReadLocked(a);
+  }
+  return a;
+}
+
+StreamActions BackwardPipeline::OnCancel() {
+  cancelled_.store(true);
+  StreamActions a;
+  std::lock_guard<std::mutex> lock(mu_);
+  FinishLocked(CancelStatusLocked(), a);
+  return a;
+}
+
+StreamActions BackwardPipeline::CheckIdle(absl::Time now, absl::Duration timeout) {
+  StreamActions a;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (finish_decided_ || compute_busy_ || now - last_progress_ < timeout) return a;
+  if (write_in_flight_) {
+    // The client does not read: trailers could not reach it either (a finish would wait behind
+    // the stuck write), so the call is cancelled; OnCancel then finishes with this status.
+    if (idle_cancel_status_.ok()) {
+      idle_cancel_status_ = absl::DeadlineExceededError(
+          absl::StrCat("stream idle timeout: the client read no response for ",
+                       absl::FormatDuration(timeout), " (--stream-idle-timeout)"));
+      a.try_cancel = true;
+    }
+  } else if (read_in_flight_) {
+    FinishLocked(absl::DeadlineExceededError(absl::StrCat(
+                     "stream idle timeout: no request message for ", absl::FormatDuration(timeout),
+                     " after ", validator_.rows_received(), " rows (--stream-idle-timeout)")),
+                 a);
+  }
+  return a;
+}
+
+std::optional<absl::Status> BackwardPipeline::Issued(int count) {
+  if (count == 0) return std::nullopt;
+  std::lock_guard<std::mutex> lock(mu_);
+  issuing_ -= count;
+  if (issuing_ > 0 || !deferred_finish_.has_value()) return std::nullopt;
+  std::optional<absl::Status> finish = std::move(deferred_finish_);
+  deferred_finish_.reset();
+  return finish;
+}
+
+StreamTotals BackwardPipeline::OnDone() {
+  std::lock_guard<std::mutex> lock(mu_);
+  StreamTotals t;
+  t.code = final_code_;
+  t.bytes_in = bytes_in_;
+  t.bytes_out = bytes_out_;
+  t.rows = rows_sent_;
+  if (admitted_) {
+    admitted_ = false;
+    env_->metrics->AddGauge("normgrad_inflight_streams", {}, -1);
+    env_->admission->ReleaseStream();
+  }
+  return t;
+}
+
+// A finish must not overtake a read or write that was decided (possibly on another thread) but
+// not issued yet: it is then held back, and Issued() hands it to whoever issues the last one.
+void BackwardPipeline::FinishLocked(const absl::Status& status, StreamActions& a) {
+  if (finish_decided_) return;
+  finish_decided_ = true;
+  final_code_ = status.code();
+  issuing_ -= a.issued();  // this caller's own read/write is not issued any more
+  a.read_into = nullptr;
+  a.write_from = nullptr;
+  if (issuing_ > 0) {
+    deferred_finish_ = status;
+  } else {
+    a.finish = status;
+  }
+}
+
+// Why a call gRPC reports cancelled ended, as far as the server can tell (for the status and
+// metrics): the watchdog's reason when it cancelled the call, else the deadline or a cancel.
+absl::Status BackwardPipeline::CancelStatusLocked() const {
+  if (!idle_cancel_status_.ok()) return idle_cancel_status_;
+  if (deadline_ <= absl::Now()) {
+    return absl::DeadlineExceededError("the client's deadline passed");
+  }
+  return absl::CancelledError(
+      "the stream was cancelled (by the client, or by server shutdown after the grace)");
+}
+
+void BackwardPipeline::OnMessageLocked(StreamActions& a) {
+  const v1::BackwardRequest& message = *request_;
+  const uint64_t message_bytes = message.x().size() + message.dy().size() +
+                                 message.rms().size() + message.header().gamma().size();
+  const uint64_t x_bytes = message.x().size();
+  bytes_in_ += message_bytes;
+  absl::StatusOr<AcceptedMessage> accepted = validator_.Accept(message);
+  if (!accepted.ok()) {
+    FinishLocked(accepted.status(), a);
+    return;
+  }
+  Job job;
+  job.request = std::move(request_);
+  request_ = std::make_unique<v1::BackwardRequest>();
+  if (accepted->is_header) {
+    job.kind = Job::kStart;
+    header_time_ = absl::Now();
+    jobs_.push_back(std::move(job));
+    ScheduleComputeLocked(a);
+    MaybeStartReadLocked(a);
+    return;
+  }
+  job.kind = Job::kChunk;
+  job.chunk = accepted->chunk;
+  // Held until the response is written: the request (x, dy, rms) and the response (dx).
+  job.reserved = message_bytes + x_bytes;
+  waiting_for_bytes_ = std::move(job);
+  AdmitWaitingChunkLocked(a);
+}
+
+// Reserves the bytes of the chunk in waiting_for_bytes_ and queues it. When the budget is short
+// but this stream holds chunks of its own, it waits (without reading further) for their writes to
+// release bytes; with nothing of its own to wait for it fails at once.
+void BackwardPipeline::AdmitWaitingChunkLocked(StreamActions& a) {
+  if (!waiting_for_bytes_.has_value() || finish_decided_) return;
+  if (absl::Status s = env_->admission->ReserveBytes(waiting_for_bytes_->reserved); !s.ok()) {
+    if (chunks_held_ == 0) {
+      waiting_for_bytes_.reset();
+      FinishLocked(s, a);
+    }
+    return;
+  }
+  reserved_bytes_ += waiting_for_bytes_->reserved;
+  ++chunks_held_;
+  jobs_.push_back(*std::move(waiting_for_bytes_));
+  waiting_for_bytes_.reset();
+  ScheduleComputeLocked(a);
+  MaybeStartReadLocked(a);
+}
+
+void BackwardPipeline::MaybeStartReadLocked(StreamActions& a) {
+  if (finish_decided_ || reads_done_ || read_in_flight_ || waiting_for_bytes_.has_value()) return;
+  if (chunks_held_ >= kMaxChunksHeldPerStream) return;  // flow control: resume on a write
+  read_in_flight_ = true;
+  ++issuing_;
+  a.read_into = request_.get();
+}
+
+void BackwardPipeline::ScheduleComputeLocked(StreamActions& a) {
+  if (compute_busy_ || jobs_.empty() || finish_decided_) return;
+  compute_busy_ = true;
+  a.schedule = true;
+}
+
+void BackwardPipeline::StartNextWriteLocked(StreamActions& a) {
+  if (finish_decided_ || write_in_flight_ || writes_.empty()) return;
+  writing_ = std::move(writes_.front());
+  writes_.pop_front();
+  write_in_flight_ = true;
+  ++issuing_;
+  a.write_from = &writing_->response;
+}
+
+StreamActions BackwardPipeline::RunOneJob() {
+  Job job;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finish_decided_ || jobs_.empty()) {
+      compute_busy_ = false;
+      return {};
+    }
+    job = std::move(jobs_.front());
+    jobs_.pop_front();
+  }
+  absl::StatusOr<std::unique_ptr<Outgoing>> out =
+      cancelled_.load() ? absl::StatusOr<std::unique_ptr<Outgoing>>(absl::CancelledError("cancelled"))
+                        : RunJob(job);
+  job.request.reset();  // free x and dy before waiting for the write
+  StreamActions a;
+  std::lock_guard<std::mutex> lock(mu_);
+  last_progress_ = absl::Now();
+  if (!out.ok()) {
+    FinishLocked(out.status(), a);
+  } else if (*out != nullptr && !finish_decided_) {
+    writes_.push_back(*std::move(out));
+    StartNextWriteLocked(a);
+  }
+  compute_busy_ = false;
+  ScheduleComputeLocked(a);
+  return a;
+}
+
+// Blocking work of one job, outside mu_: only this thread touches session_ now.
+absl::StatusOr<std::unique_ptr<BackwardPipeline::Outgoing>> BackwardPipeline::RunJob(Job& job) {
+  const BatchSpec& spec = validator_.spec();  // fixed once the header was accepted
+  switch (job.kind) {
+    case Job::kStart: {
+      const std::string& gamma = job.request->header().gamma();
+      NORMGRAD_ASSIGN_OR_RETURN(
+          session_, env_->backend->StartBackward(
+                        spec, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(gamma.data()),
+                                                  gamma.size())));
+      return std::unique_ptr<Outgoing>();
+    }
+    case Job::kChunk: {
+      const v1::BackwardRequest& r = *job.request;
+      auto out = std::make_unique<Outgoing>();
+      out->reserved = job.reserved;
+      out->is_chunk = true;
+      out->response.set_first_row(job.chunk.first_row);
+      out->response.set_num_rows(job.chunk.num_rows);
+      std::string* dx = out->response.mutable_grad_input();
+      dx->resize(r.x().size());
+      std::vector<float> rms_copy;
+      absl::Span<const float> rms;
+      if (!r.rms().empty()) {
+        rms_copy.resize(r.rms().size() / 4);
+        std::memcpy(rms_copy.data(), r.rms().data(), r.rms().size());
+        rms = rms_copy;
+      }
+      NORMGRAD_RETURN_IF_ERROR(session_->ProcessChunk(
+          absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(r.x().data()), r.x().size()),
+          absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(r.dy().data()), r.dy().size()),
+          rms, job.chunk.num_rows,
+          absl::MakeSpan(reinterpret_cast<uint8_t*>(dx->data()), dx->size())));
+      out->payload_bytes = dx->size();
+      env_->metrics->IncrementCounter("normgrad_chunks_total", {});
+      std::lock_guard<std::mutex> lock(mu_);
+      rows_sent_ += job.chunk.num_rows;
+      return out;
+    }
+    case Job::kFinish: {
+      auto out = std::make_unique<Outgoing>();
+      out->is_final = true;
+      std::string* dgamma = out->response.mutable_grad_gamma();
+      uint64_t rows, chunks;
+      absl::Time header_time;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        dgamma->resize(validator_.row_bytes());
+        rows = validator_.rows_received();
+        chunks = validator_.chunks_received();
+        header_time = header_time_;
+      }
+      NORMGRAD_RETURN_IF_ERROR(session_->Finish(
+          absl::MakeSpan(reinterpret_cast<uint8_t*>(dgamma->data()), dgamma->size())));
+      v1::BackwardSummary* summary = out->response.mutable_summary();
+      summary->set_backend(std::string(env_->backend->Name()));
+      summary->set_kernel(std::string(session_->KernelName()));
+      summary->set_rows(rows);
+      summary->set_chunks(chunks);
+      summary->set_compute_seconds(session_->ComputeSeconds());
+      summary->set_total_seconds(absl::ToDoubleSeconds(absl::Now() - header_time));
+      out->payload_bytes = dgamma->size();
+      return out;
+    }
+  }
+  return absl::InternalError("unknown job");
+}
+
+}  // namespace normgrad::server

@@ -1,0 +1,151 @@
+// The logic of one RmsNormBackward stream, with no gRPC in it: request messages in, actions out.
+// The gRPC reactor (BackwardStream, normgrad_service.cc) feeds it what gRPC reports (a read
+// done, a write done, a cancel) and carries out the actions it returns; tests drive it directly.
+//
+//   BackwardPipeline p(env, deadline);
+//   StreamActions a = p.Start();                  // admission; usually: start the first read
+//   ... a.read_into is where the reactor reads the next message; then
+//   a = p.OnReadDone(ok, call_cancelled);         // validate, queue a job, maybe read again
+//   a = p.RunOneJob();                            // on the worker pool when a.schedule
+//   a = p.OnWriteDone(ok);                        // release the chunk's bytes, next write, read
+//   std::optional<absl::Status> f = p.Issued(n);  // after issuing n reads/writes (see below)
+//
+// What it guarantees (docs/architecture.md): one read, one write and one job in flight at a
+// time; at most kMaxChunksHeldPerStream chunks held (read, not yet written) before it stops
+// reading, so flow control reaches the client through HTTP/2 windows; every chunk's bytes
+// reserved with the AdmissionController before it is queued; responses in request order; exactly
+// one final status, never issued while a read or write the caller decided on is still pending.
+//
+// Thread-safe: every method takes the pipeline's lock. RunOneJob computes outside it.
+#ifndef NORMGRAD_SERVER_SERVICE_BACKWARD_PIPELINE_H_
+#define NORMGRAD_SERVER_SERVICE_BACKWARD_PIPELINE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "normgrad/v1/normgrad.pb.h"
+#include "server/backend/backend.h"
+#include "server/service/backward_validator.h"
+#include "server/service/service_env.h"
+
+namespace normgrad::server {
+
+inline constexpr int kMaxChunksHeldPerStream = 3;
+
+// What the caller must do, in this order: start the read, start the write, schedule
+// RunOneJob on the worker pool, report the number of reads and writes issued to Issued() and
+// finish with `finish` or with what Issued() returns, cancel the call.
+struct StreamActions {
+  v1::BackwardRequest* read_into = nullptr;         // start a read into this buffer
+  const v1::BackwardResponse* write_from = nullptr;  // start a write of this response
+  bool schedule = false;                             // run RunOneJob() once on the pool
+  bool try_cancel = false;  // the client stopped reading: only a cancel ends the call now
+  std::optional<absl::Status> finish;  // the stream's final status
+
+  int issued() const { return int{read_into != nullptr} + int{write_from != nullptr}; }
+};
+
+// What the stream did, for its metrics once it is over.
+struct StreamTotals {
+  absl::StatusCode code = absl::StatusCode::kUnknown;
+  uint64_t bytes_in = 0;
+  uint64_t bytes_out = 0;
+  uint64_t rows = 0;
+};
+
+class BackwardPipeline {
+ public:
+  // `deadline`: the call's deadline, to tell a deadline from a cancel.
+  BackwardPipeline(ServiceEnv* env, absl::Time deadline);
+  // Releases the bytes still reserved. The owner drops the backend session first (it may
+  // belong to a backend that outlives only the registry's streams).
+  ~BackwardPipeline();
+
+  BackwardPipeline(const BackwardPipeline&) = delete;
+  BackwardPipeline& operator=(const BackwardPipeline&) = delete;
+
+  // Admits the stream (or refuses it: draining, --max-streams) and starts the first read.
+  StreamActions Start();
+  // `ok` false: the client half-closed or the call died; `call_cancelled` says which.
+  StreamActions OnReadDone(bool ok, bool call_cancelled);
+  StreamActions OnWriteDone(bool ok);
+  StreamActions OnCancel();
+  // Runs the next queued job (session start, a chunk, the final grad_gamma); blocking.
+  StreamActions RunOneJob();
+  // The watchdog: ends the stream when it waited on its client for longer than `timeout`.
+  StreamActions CheckIdle(absl::Time now, absl::Duration timeout);
+  // The caller issued `count` reads/writes of earlier actions. Returns the final status when a
+  // finish was held back for them and none is pending any more.
+  std::optional<absl::Status> Issued(int count);
+
+  // gRPC is done with the call: gives back the stream's slot (its bytes go with the pipeline,
+  // once no job holds them) and returns what the stream did, for its metrics. Once.
+  StreamTotals OnDone();
+  absl::Time start_time() const { return start_; }
+
+ private:
+  struct Job {
+    enum Kind { kStart, kChunk, kFinish } kind = kChunk;
+    std::unique_ptr<v1::BackwardRequest> request;
+    RowChunk chunk;
+    uint64_t reserved = 0;
+  };
+  struct Outgoing {
+    v1::BackwardResponse response;
+    uint64_t reserved = 0;
+    uint64_t payload_bytes = 0;
+    bool is_chunk = false;
+    bool is_final = false;
+  };
+
+  void FinishLocked(const absl::Status& status, StreamActions& a);
+  absl::Status CancelStatusLocked() const;
+  void OnMessageLocked(StreamActions& a);
+  void AdmitWaitingChunkLocked(StreamActions& a);
+  void MaybeStartReadLocked(StreamActions& a);
+  void ScheduleComputeLocked(StreamActions& a);
+  void StartNextWriteLocked(StreamActions& a);
+  absl::StatusOr<std::unique_ptr<Outgoing>> RunJob(Job& job);
+
+  ServiceEnv* const env_;
+  const absl::Time deadline_;
+  const absl::Time start_ = absl::Now();
+  std::atomic<bool> cancelled_{false};
+  std::unique_ptr<BackwardSession> session_;  // only the running job touches it
+
+  mutable std::mutex mu_;
+  bool admitted_ = false;  // guarded by mu_
+  BackwardValidator validator_;  // guarded by mu_
+  std::unique_ptr<v1::BackwardRequest> request_;  // the read buffer; owned by the read in flight
+  std::deque<Job> jobs_;  // guarded by mu_
+  std::optional<Job> waiting_for_bytes_;  // read, not yet admitted (guarded by mu_)
+  std::deque<std::unique_ptr<Outgoing>> writes_;  // guarded by mu_
+  std::unique_ptr<Outgoing> writing_;  // owned by the write in flight
+  bool read_in_flight_ = false;  // guarded by mu_
+  bool reads_done_ = false;  // guarded by mu_
+  bool write_in_flight_ = false;  // guarded by mu_
+  bool compute_busy_ = false;  // guarded by mu_
+  bool finish_decided_ = false;  // guarded by mu_
+  int issuing_ = 0;  // reads/writes returned to the caller, not yet issued (guarded by mu_)
+  std::optional<absl::Status> deferred_finish_;  // guarded by mu_
+  absl::Status idle_cancel_status_;  // set when the watchdog cancels (guarded by mu_)
+  absl::StatusCode final_code_ = absl::StatusCode::kUnknown;  // until decided (guarded by mu_)
+  int chunks_held_ = 0;  // guarded by mu_
+  uint64_t reserved_bytes_ = 0;  // guarded by mu_ except in the destructor
+  uint64_t bytes_in_ = 0;  // guarded by mu_
+  uint64_t bytes_out_ = 0;  // guarded by mu_
+  uint64_t rows_sent_ = 0;  // guarded by mu_
+  absl::Time last_progress_;  // guarded by mu_
+  absl::Time header_time_ = absl::Now();  // guarded by mu_
+};
+
+}  // namespace normgrad::server
+
+#endif  // NORMGRAD_SERVER_SERVICE_BACKWARD_PIPELINE_H_
