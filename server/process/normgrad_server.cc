@@ -1,5 +1,7 @@
 #include "server/process/normgrad_server.h"
 
+#include <sys/stat.h>
+
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
@@ -14,12 +16,15 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "kernels/kernel_registry.h"
 #include "kernels/status_macros.h"
 #include "server/metrics/metrics.h"
 #include "server/metrics/metrics_http_server.h"
+#include "server/process/listen_address.h"
 #include "server/process/process_memory.h"
 #include "server/ptx/ptx_service.h"
 #include "server/service/normgrad_service.h"
@@ -158,9 +163,24 @@ absl::Status ValidateOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--stream-idle-timeout=", absl::FormatDuration(o.stream_idle_timeout), ": must be >= 0"));
   }
+  if (o.listen.empty()) {
+    return absl::InvalidArgumentError("--listen: give at least one HOST:PORT or unix:/PATH");
+  }
+  int tcp_listeners = 0;
+  for (const std::string& address : o.listen) {
+    NORMGRAD_ASSIGN_OR_RETURN(ListenAddress a, ParseListenAddress(address));
+    if (a.kind == ListenAddress::kTcp && ++tcp_listeners > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--listen=", absl::StrJoin(o.listen, ","), ": at most one HOST:PORT (and any number "
+          "of unix:/PATH)"));
+    }
+  }
+  if (o.unix_socket_mode > 0777) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--unix-socket-mode=%o: only permission bits (0..0777)", o.unix_socket_mode));
+  }
   std::string host;
   int port;
-  NORMGRAD_RETURN_IF_ERROR(SplitHostPort(o.listen, "listen", &host, &port));
   if (!o.metrics_listen.empty()) {
     NORMGRAD_RETURN_IF_ERROR(SplitHostPort(o.metrics_listen, "metrics-listen", &host, &port));
   }
@@ -341,23 +361,54 @@ absl::Status NormGradServer::StartMetricsEndpoint() {
 
 absl::Status NormGradServer::StartGrpcPort(
     const std::shared_ptr<grpc::ServerCredentials>& credentials) {
-  int port;
-  NORMGRAD_RETURN_IF_ERROR(SplitHostPort(options_.listen, "listen", &host_, &port));
+  std::vector<ListenAddress> addresses;
+  for (const std::string& text : options_.listen) {
+    NORMGRAD_ASSIGN_OR_RETURN(ListenAddress a, ParseListenAddress(text));
+    if (a.kind == ListenAddress::kUnix) NORMGRAD_RETURN_IF_ERROR(PrepareUnixSocketPath(a.path));
+    addresses.push_back(std::move(a));
+  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  int selected_port = 0;
-  builder.AddListeningPort(options_.listen, credentials, &selected_port);
+  std::vector<int> selected_ports(addresses.size(), 0);
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    builder.AddListeningPort(addresses[i].text, credentials, &selected_ports[i]);
+  }
   builder.SetMaxReceiveMessageSize(static_cast<int>(options_.max_message_bytes));
   AddConnectionLimits(options_, builder);
   builder.RegisterService(service_.get());
+  // Sockets are created owner-only, then opened up to --unix-socket-mode: no moment where a
+  // wider mode than asked for lets someone connect.
+  const mode_t old_umask = umask(0077);
   grpc_server_ = builder.BuildAndStart();
-  if (grpc_server_ == nullptr || selected_port == 0) {
-    grpc_server_.reset();
-    return absl::UnavailableError(absl::StrCat(
-        "--listen=", options_.listen, ": cannot listen there (address in use or not local)"));
+  umask(old_umask);
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    if (grpc_server_ != nullptr && selected_ports[i] != 0) continue;
+    if (grpc_server_ != nullptr) {
+      grpc_server_->Shutdown(std::chrono::system_clock::now());
+      grpc_server_->Wait();
+      grpc_server_.reset();
+    }
+    return absl::UnavailableError(absl::StrCat("--listen=", addresses[i].text,
+                                               ": cannot listen there (address in use, not "
+                                               "local, or the socket's directory is missing)"));
   }
-  port_ = selected_port;
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    const ListenAddress& a = addresses[i];
+    if (a.kind == ListenAddress::kTcp) {
+      host_ = a.host;
+      port_ = selected_ports[i];
+      continue;
+    }
+    unix_paths_.push_back(a.path);
+    unix_inodes_.push_back(UnixSocketInode(a.path));
+    if (absl::Status s = SetUnixSocketMode(a.path, options_.unix_socket_mode); !s.ok()) {
+      grpc_server_->Shutdown(std::chrono::system_clock::now());
+      grpc_server_->Wait();
+      grpc_server_.reset();
+      return s;
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -417,9 +468,11 @@ NormGradServer::~NormGradServer() { Shutdown(absl::ZeroDuration()); }
 std::string NormGradServer::ReadyLine() const {
   const std::string metrics =
       metrics_port_ > 0 ? absl::StrCat(metrics_host_, ":", metrics_port_) : "off";
+  const std::string grpc = port_ > 0 ? absl::StrCat(host_, ":", port_) : "off";
   std::string line =
-      absl::StrCat("normgrad-server ready grpc=", host_, ":", port_, " metrics=", metrics,
+      absl::StrCat("normgrad-server ready grpc=", grpc, " metrics=", metrics,
                    " backend=", backend_->Name(), " device=\"", backend_->Device().name, "\"");
+  for (const std::string& path : unix_paths_) absl::StrAppend(&line, " unix=", path);
   if (health_port_ > 0) absl::StrAppend(&line, " health=", health_host_, ":", health_port_);
   if (!options_.security.cert_file.empty()) {
     absl::StrAppend(&line, options_.security.client_ca_file.empty() ? " tls=on" : " tls=mtls");
@@ -475,6 +528,7 @@ void NormGradServer::Shutdown(absl::Duration grace) {
   if (metrics_http_ != nullptr) metrics_http_->Stop();
   pool_.reset();  // runs what is queued (nothing but finished streams' leftovers), joins
   if (grpc_server_ != nullptr) grpc_server_->Wait();
+  for (size_t i = 0; i < unix_paths_.size(); ++i) RemoveUnixSocket(unix_paths_[i], unix_inodes_[i]);
   // The health port answers NOT_SERVING until the main port is gone, then closes.
   if (health_server_ != nullptr) {
     health_server_->Shutdown(std::chrono::system_clock::now());

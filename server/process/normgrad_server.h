@@ -3,7 +3,7 @@
 // the EmitPtx cache, the idle-stream watchdog and the Prometheus endpoint.
 //
 //   ServerOptions options;
-//   options.listen = "127.0.0.1:0";
+//   options.listen = {"127.0.0.1:0"};   // and/or "unix:/run/normgrad/grpc.sock"
 //   absl::StatusOr<std::unique_ptr<NormGradServer>> server = NormGradServer::Start(options);
 //   int port = (*server)->port();
 //   ...
@@ -15,6 +15,8 @@
 // rest).
 #ifndef NORMGRAD_SERVER_PROCESS_NORMGRAD_SERVER_H_
 #define NORMGRAD_SERVER_PROCESS_NORMGRAD_SERVER_H_
+
+#include <sys/types.h>
 
 #include <condition_variable>
 #include <cstdint>
@@ -50,7 +52,9 @@ class ThreadPool;
 struct ServiceEnv;
 
 struct ServerOptions {
-  std::string listen = "0.0.0.0:50051";        // HOST:PORT; port 0 picks a free one
+  // HOST:PORT (port 0 picks a free one; at most one) and unix:/PATH addresses (listen_address.h).
+  std::vector<std::string> listen = {"0.0.0.0:50051"};
+  uint32_t unix_socket_mode = 0660;             // chmod of every unix:/PATH socket
   std::string metrics_listen = "0.0.0.0:9464";  // empty: no metrics endpoint
   BackendOptions backend;
   std::vector<std::string> preload;             // KERNEL:TARGET[:HIDDEN_DIM] entries
@@ -100,12 +104,15 @@ class NormGradServer {
   NormGradServer(const NormGradServer&) = delete;
   NormGradServer& operator=(const NormGradServer&) = delete;
 
-  int port() const { return port_; }
+  int port() const { return port_; }  // the HOST:PORT listener's; 0 with unix sockets only
+  // The unix:/PATH sockets the service listens on, in --listen order.
+  const std::vector<std::string>& unix_socket_paths() const { return unix_paths_; }
   int metrics_port() const { return metrics_port_; }  // 0 when disabled
   int health_port() const { return health_port_; }    // 0 without --health-listen
   // One line for people and scripts: "normgrad-server ready grpc=HOST:PORT metrics=HOST:PORT
-  // backend=NAME device=\"...\"" (metrics=off when disabled), then " health=HOST:PORT" with
-  // --health-listen and " tls=on|mtls" with TLS.
+  // backend=NAME device=\"...\"" (grpc=off without a HOST:PORT listener, metrics=off when
+  // disabled), then " unix=PATH" per unix socket, " health=HOST:PORT" with --health-listen and
+  // " tls=on|mtls" with TLS.
   std::string ReadyLine() const;
 
   // Health NOT_SERVING, new streams UNAVAILABLE; waits up to `grace` for live streams, cancels
@@ -150,6 +157,8 @@ class NormGradServer {
   std::string metrics_host_;
   std::string health_host_;
   int port_ = 0;
+  std::vector<std::string> unix_paths_;
+  std::vector<ino_t> unix_inodes_;  // of the socket files bound, removed at shutdown
   int health_port_ = 0;
   int metrics_port_ = 0;
 

@@ -1,6 +1,7 @@
 #include "server/process/server_flags.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -8,10 +9,15 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "kernels/status_macros.h"
 
-ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
-          "gRPC address HOST:PORT; port 0 picks a free port (the ready line prints it).");
+ABSL_FLAG(std::vector<std::string>, listen, {"0.0.0.0:50051"},
+          "gRPC addresses: HOST:PORT (port 0 picks a free port; the ready line prints it) and/or "
+          "unix:/PATH (a unix-domain socket); repeat the flag or separate with commas. At most "
+          "one HOST:PORT.");
+ABSL_FLAG(std::string, unix_socket_mode, "0660",
+          "File mode (octal) of every unix:/PATH socket of --listen: who may connect.");
 ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
           "Prometheus endpoint HOST:PORT serving GET /metrics; empty disables it.");
 ABSL_FLAG(std::string, backend, "auto",
@@ -86,7 +92,36 @@ std::vector<std::string> NormalizeFlagSpelling(int argc, char** argv) {
     }
     out.push_back(std::move(arg));
   }
-  return out;
+  // --listen may be repeated: absl keeps the last value of a repeated flag, so the values are
+  // joined into one comma-separated --listen at the place of the first.
+  std::vector<std::string> merged;
+  std::vector<std::string> listen_values;
+  size_t first_listen = 0;
+  flags_done = false;
+  for (size_t i = 0; i < out.size(); ++i) {
+    const std::string& arg = out[i];
+    if (i > 0 && !flags_done && arg == "--") flags_done = true;
+    const bool listen_flag = i > 0 && !flags_done && (arg == "--listen" || arg == "-listen");
+    const bool listen_value = i > 0 && !flags_done && (absl::StartsWith(arg, "--listen=") ||
+                                                       absl::StartsWith(arg, "-listen="));
+    if (!listen_flag && !listen_value) {
+      merged.push_back(arg);
+      continue;
+    }
+    if (listen_values.empty()) first_listen = merged.size();
+    if (listen_value) {
+      listen_values.push_back(arg.substr(arg.find('=') + 1));
+    } else if (i + 1 < out.size()) {
+      listen_values.push_back(out[++i]);
+    } else {
+      merged.push_back(arg);  // "--listen" with no value: absl reports it
+    }
+  }
+  if (!listen_values.empty()) {
+    merged.insert(merged.begin() + static_cast<std::ptrdiff_t>(first_listen),
+                  absl::StrCat("--listen=", absl::StrJoin(listen_values, ",")));
+  }
+  return merged;
 }
 
 bool IsServerFlagsFile(absl::string_view path) {
@@ -95,7 +130,19 @@ bool IsServerFlagsFile(absl::string_view path) {
 
 absl::StatusOr<ServerOptions> ServerOptionsFromFlags() {
   ServerOptions o;
-  o.listen = absl::GetFlag(FLAGS_listen);
+  o.listen.clear();
+  for (const std::string& address : absl::GetFlag(FLAGS_listen)) {
+    if (!address.empty()) o.listen.push_back(address);
+  }
+  const std::string mode = absl::GetFlag(FLAGS_unix_socket_mode);
+  uint32_t mode_bits = 0;
+  if (mode.empty() || mode.size() > 4 ||
+      mode.find_first_not_of("01234567") != std::string::npos ||
+      (mode_bits = static_cast<uint32_t>(std::stoul(mode, nullptr, 8))) > 0777) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--unix-socket-mode=", mode, ": not an octal file mode in 0..0777 such as 0660"));
+  }
+  o.unix_socket_mode = mode_bits;
   o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   absl::StatusOr<BackendKind> kind = ParseBackendKind(absl::GetFlag(FLAGS_backend));
   if (!kind.ok()) {

@@ -24,7 +24,8 @@ absl::Duration ShutdownGraceFromFlags();  // valid after ServerOptionsFromFlags(
 
 // Flags are documented and accepted with dashes (--max-streams) as well as absl's underscores
 // (--max_streams): returns argv with the dashes of every flag name (before any '=') turned
-// into underscores. Arguments after a bare "--" are left alone.
+// into underscores, and repeated --listen flags joined into one comma-separated --listen.
+// Arguments after a bare "--" are left alone.
 std::vector<std::string> NormalizeFlagSpelling(int argc, char** argv);
 
 // True for the source files whose flags --help lists (this component's).

@@ -214,7 +214,7 @@ double Percentile(std::vector<double> v, double p) {
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   normgrad::server::ServerOptions options;
-  options.listen = "127.0.0.1:0";
+  options.listen = {"127.0.0.1:0"};
   options.metrics_listen = "";
   absl::StatusOr<normgrad::server::BackendKind> kind =
       normgrad::server::ParseBackendKind(absl::GetFlag(FLAGS_backend));

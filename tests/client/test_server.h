@@ -23,7 +23,7 @@ namespace normgrad::testing {
 inline std::unique_ptr<server::NormGradServer> StartTestServer(
     const std::function<void(server::ServerOptions&)>& adjust = {}) {
   server::ServerOptions options;
-  options.listen = "127.0.0.1:0";
+  options.listen = {"127.0.0.1:0"};
   options.metrics_listen = "";
   options.backend.kind = server::BackendKind::kCpu;
   options.backend.cpu_threads = 2;

@@ -127,6 +127,8 @@ TEST(ServerBinaryTest, BadFlagValuesExitTwoNamingTheFlagAndValue) {
       {{"--listen=127.0.0.1:99999"}, "--listen=127.0.0.1:99999"},
       {{"--metrics-listen=bogus"}, "--metrics-listen=bogus"},
       {{"--health-listen=bogus"}, "--health-listen=bogus"},
+      {{"--unix-socket-mode=999"}, "--unix-socket-mode=999"},
+      {{"--listen=unix:"}, "--listen=unix:"},
       {{"--preload=no_such_kernel:sm_90"}, "--preload entry \"no_such_kernel:sm_90\""},
       {{"--tls-cert=/nonexistent/tls.crt", "--tls-key=/nonexistent/tls.key"},
        "--tls-cert=/nonexistent/tls.crt"},

@@ -30,7 +30,7 @@ uint64_t ShapeScale(uint64_t cpu_value, uint64_t cuda_value) {
 
 ServerOptions TestServerOptions() {
   ServerOptions o;
-  o.listen = "127.0.0.1:0";
+  o.listen = {"127.0.0.1:0"};
   o.metrics_listen = "127.0.0.1:0";
   o.backend.kind = TestBackendIsCuda() ? BackendKind::kCuda : BackendKind::kCpu;
   o.backend.cpu_threads = 2;
