@@ -31,6 +31,7 @@ PACKAGES=(
   libcli11-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-numpy python3-yaml openssl
+  python3-dev pybind11-dev python3-torch
   clang-14 libclang-rt-14-dev
 )
 

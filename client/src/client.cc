@@ -47,6 +47,28 @@ const char* HealthStatusName(HealthStatus status) {
   return "UNKNOWN";
 }
 
+void CallCancellation::Cancel() {
+  std::lock_guard<std::mutex> lock(mu_);
+  cancelled_ = true;
+  if (cancel_) cancel_();
+}
+
+bool CallCancellation::cancelled() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return cancelled_;
+}
+
+void CallCancellation::Attach(std::function<void()> cancel) {
+  std::lock_guard<std::mutex> lock(mu_);
+  cancel_ = std::move(cancel);
+  if (cancelled_) cancel_();
+}
+
+void CallCancellation::Detach() {
+  std::lock_guard<std::mutex> lock(mu_);
+  cancel_ = nullptr;
+}
+
 std::future<absl::StatusOr<Gradients>> Client::BackwardFuture(absl::Span<const float> x,
                                                               absl::Span<const float> dy,
                                                               absl::Span<const float> gamma,
@@ -463,6 +485,12 @@ void BackwardCall::Start() {
     if (!shared_->options.kernel.empty())
       header->mutable_options()->set_kernel(shared_->options.kernel);
   }
+  // ClientContext::TryCancel may come before the call starts (the call then starts cancelled).
+  // gRPC does not run this reactor's OnDone inline inside TryCancel, so OnDone's Detach waits
+  // for a Cancel() in progress and the context outlives it.
+  if (shared_->options.cancellation) {
+    shared_->options.cancellation->Attach([this] { context_.TryCancel(); });
+  }
   client_->stub().async()->RmsNormBackward(&context_, this);
   StartWrite(&request_);
   StartRead(&response_);
@@ -562,11 +590,16 @@ void BackwardCall::OnDone(const grpc::Status& status) {
   // so the whole stream is retried when the replica went away (UNAVAILABLE, also after partial
   // responses: the replica died mid-stream) or cancelled the call before answering anything
   // (CANCELLED: gRPC cancels calls that reach a server after its shutdown began). This client
-  // never cancels a stream itself except for a malformed reply (error_ set): not retried.
+  // never cancels a stream itself except for a malformed reply (error_ set): not retried; nor is
+  // a stream its caller cancelled (BackwardOptions::cancellation).
+  if (shared_->options.cancellation) shared_->options.cancellation->Detach();
+  const bool cancelled_by_caller =
+      shared_->options.cancellation && shared_->options.cancellation->cancelled();
   std::unique_lock<std::mutex> lock(mu_);
   const bool retryable =
-      error_.ok() && (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
-                      (status.error_code() == grpc::StatusCode::CANCELLED && !any_response_));
+      error_.ok() && !cancelled_by_caller &&
+      (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+       (status.error_code() == grpc::StatusCode::CANCELLED && !any_response_));
   if (retryable && client_->RetryLater<BackwardCall>(shared_, attempt_)) {
     lock.unlock();
     delete this;

@@ -22,6 +22,7 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -75,6 +76,25 @@ struct ClientOptions {
   bool own_connection = false;
 };
 
+// Cancels a Backward call from another thread (what a Python client's Ctrl-C does): give it to
+// the call in BackwardOptions::cancellation, then Cancel(). The call then ends CANCELLED and is
+// not retried; a call given one that is already cancelled ends CANCELLED without sending rows.
+// One call at a time; thread-safe.
+class CallCancellation {
+ public:
+  void Cancel();
+  bool cancelled() const;
+  // For the client's call: `cancel` runs on Cancel() (at once when already cancelled) until
+  // Detach(). Cancel() runs it under this object's lock, so Detach() waits for it to finish.
+  void Attach(std::function<void()> cancel);
+  void Detach();
+
+ private:
+  mutable std::mutex mu_;
+  bool cancelled_ = false;         // guarded by mu_
+  std::function<void()> cancel_;  // guarded by mu_
+};
+
 // Per-call options of Backward.
 struct BackwardOptions {
   absl::Duration deadline = absl::ZeroDuration();  // zero: ClientOptions::default_deadline
@@ -87,6 +107,8 @@ struct BackwardOptions {
   absl::Span<float> dgamma;
   // Called after each grad_input chunk arrives, on a gRPC thread; must not block.
   std::function<void(uint64_t rows_done, uint64_t num_rows)> on_progress;
+  // Set: CallCancellation::Cancel() cancels this call (CANCELLED, no retry).
+  std::shared_ptr<CallCancellation> cancellation;
 };
 
 // What the server reports about a finished Backward (normgrad.v1.BackwardSummary).

@@ -1,0 +1,269 @@
+// normgrad._native: the Python binding of normgrad::Client (client/include/normgrad/client.h).
+//
+// Only what Python cannot do well lives here: handing buffers to the C++ client without a copy,
+// waiting with the GIL released, and cancelling a call on Ctrl-C. Argument shapes, dtypes and
+// the result objects are the pure-Python layer's (normgrad/__init__.py), which calls:
+//
+//   client = _native.Client(target, token, tls_roots, tls_cert, tls_key, tls_server_name,
+//                           use_tls, deadline_s, max_attempts)
+//   summary = client.backward_raw("f32", rows, hidden, eps, x, dy, gamma, rms, dx, dgamma, kernel)
+//
+// Errors: a failed call raises the exception that the factory registered with
+// set_error_factory(code_name, message) returns (normgrad.Error and its subclasses).
+//
+// Threading: one Client may be used from many Python threads at once (normgrad::Client is
+// thread-safe); every blocking wait releases the GIL.
+#include <Python.h>
+#include <google/protobuf/util/json_util.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <future>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "normgrad/client.h"
+
+namespace py = pybind11;
+
+namespace normgrad::python_internal {
+namespace {
+
+// Set once by normgrad/__init__.py: (code_name, message) -> exception instance.
+py::object& ErrorFactory() {
+  static py::object* factory = new py::object();  // never destroyed: lives as long as the module
+  return *factory;
+}
+
+[[noreturn]] void RaiseStatus(const absl::Status& status) {
+  const std::string code = absl::StatusCodeToString(status.code());
+  const std::string message(status.message());
+  py::object& factory = ErrorFactory();
+  if (!factory) throw std::runtime_error(absl::StrCat(code, ": ", message));
+  py::object exception = factory(code, message);
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exception.ptr())), exception.ptr());
+  throw py::error_already_set();
+}
+
+absl::Duration SecondsToDuration(std::optional<double> seconds) {
+  if (!seconds.has_value()) return absl::ZeroDuration();  // the client's default
+  if (std::isinf(*seconds)) return absl::InfiniteDuration();
+  return absl::Seconds(*seconds);
+}
+
+// Waits for `future` with the GIL released. Every 50 ms it takes the GIL back to run Python's
+// signal handlers (only the main thread runs them): when one raises (KeyboardInterrupt on
+// Ctrl-C), the call is cancelled, awaited (the C++ call writes into the caller's buffers until
+// it ends), and the exception propagates.
+template <typename T>
+T WaitInterruptibly(std::future<T>& future, CallCancellation* cancellation) {
+  while (true) {
+    {
+      py::gil_scoped_release release;
+      if (future.wait_for(std::chrono::milliseconds(50)) == std::future_status::ready) break;
+    }
+    if (PyErr_CheckSignals() != 0) {
+      if (cancellation != nullptr) cancellation->Cancel();
+      {
+        py::gil_scoped_release release;
+        future.wait();
+      }
+      throw py::error_already_set();
+    }
+  }
+  return future.get();
+}
+
+ElementType ParseType(const std::string& name) {
+  if (name == "f32") return ElementType::kF32;
+  if (name == "bf16") return ElementType::kBF16;
+  if (name == "f16") return ElementType::kF16;
+  throw py::value_error(absl::StrCat("dtype \"", name, "\" is not f32, bf16 or f16"));
+}
+
+v1::DType ToProtoType(const std::string& name) {
+  switch (ParseType(name)) {
+    case ElementType::kF32:
+      return v1::DTYPE_F32;
+    case ElementType::kBF16:
+      return v1::DTYPE_BF16;
+    case ElementType::kF16:
+      return v1::DTYPE_F16;
+  }
+  return v1::DTYPE_F32;
+}
+
+// A C-contiguous buffer's bytes (the buffer protocol; no copy). `info` keeps the exporter's
+// view alive for as long as the span is used.
+absl::Span<const uint8_t> BytesOf(const py::buffer_info& info, const char* name) {
+  const bool contiguous = [&] {
+    py::ssize_t expected = info.itemsize;
+    for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {
+      if (info.shape[d] != 1 && info.strides[d] != expected) return false;
+      expected *= info.shape[d];
+    }
+    return true;
+  }();
+  if (!contiguous) throw py::value_error(absl::StrCat(name, ": buffer is not C-contiguous"));
+  return {static_cast<const uint8_t*>(info.ptr), static_cast<size_t>(info.size * info.itemsize)};
+}
+
+absl::Span<uint8_t> WritableBytesOf(const py::buffer_info& info, const char* name) {
+  if (info.readonly) throw py::value_error(absl::StrCat(name, ": buffer is read-only"));
+  absl::Span<const uint8_t> bytes = BytesOf(info, name);
+  return {const_cast<uint8_t*>(bytes.data()), bytes.size()};
+}
+
+py::dict SummaryDict(const RawBackwardResult& result) {
+  py::dict d;
+  d["backend"] = result.summary.backend;
+  d["kernel"] = result.summary.kernel;
+  d["rows"] = result.summary.rows;
+  d["chunks"] = result.summary.chunks;
+  d["compute_seconds"] = result.summary.compute_seconds;
+  d["total_seconds"] = result.summary.total_seconds;
+  d["attempts"] = result.attempts;
+  return d;
+}
+
+class PyClient {
+ public:
+  PyClient(const std::string& target, const std::string& token, bool use_tls,
+           const std::string& tls_roots, const std::string& tls_cert, const std::string& tls_key,
+           const std::string& tls_server_name, std::optional<double> deadline_s,
+           int max_attempts) {
+    ClientOptions options;
+    options.target = target;
+    options.bearer_token = token;
+    options.use_tls = use_tls;
+    options.tls.root_certs_pem = tls_roots;
+    options.tls.client_cert_pem = tls_cert;
+    options.tls.client_key_pem = tls_key;
+    options.tls.server_name_override = tls_server_name;
+    if (deadline_s.has_value()) options.default_deadline = SecondsToDuration(deadline_s);
+    options.max_attempts = max_attempts;
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(options);
+    if (!client.ok()) RaiseStatus(client.status());
+    client_ = std::move(*client);
+  }
+
+  // One Backward of `type` elements from the caller's buffers into the caller's output buffers.
+  py::dict BackwardRaw(const std::string& type, uint64_t num_rows, uint32_t hidden_dim,
+                       double eps, const py::buffer& x, const py::buffer& dy,
+                       const py::buffer& gamma, const std::optional<py::buffer>& rms,
+                       const py::buffer& dx, const py::buffer& dgamma, const std::string& kernel) {
+    const py::buffer_info x_info = x.request(), dy_info = dy.request(),
+                         gamma_info = gamma.request(), dx_info = dx.request(true),
+                         dgamma_info = dgamma.request(true);
+    std::optional<py::buffer_info> rms_info;
+    if (rms.has_value()) rms_info = rms->request();
+    RawBackwardArgs args;
+    args.type = ParseType(type);
+    args.num_rows = num_rows;
+    args.hidden_dim = hidden_dim;
+    args.eps = static_cast<float>(eps);
+    args.x = BytesOf(x_info, "x");
+    args.dy = BytesOf(dy_info, "dy");
+    args.gamma = BytesOf(gamma_info, "gamma");
+    if (rms_info.has_value()) args.rms = BytesOf(*rms_info, "rms");
+    args.dx = WritableBytesOf(dx_info, "dx");
+    args.dgamma = WritableBytesOf(dgamma_info, "dgamma");
+    BackwardOptions options;
+    options.kernel = kernel;
+    options.cancellation = std::make_shared<CallCancellation>();
+    auto promise = std::make_shared<std::promise<absl::StatusOr<RawBackwardResult>>>();
+    std::future<absl::StatusOr<RawBackwardResult>> future = promise->get_future();
+    client_->BackwardRawAsync(args, options, [promise](absl::StatusOr<RawBackwardResult> r) {
+      promise->set_value(std::move(r));
+    });
+    absl::StatusOr<RawBackwardResult> result =
+        WaitInterruptibly(future, options.cancellation.get());
+    if (!result.ok()) RaiseStatus(result.status());
+    return SummaryDict(*result);
+  }
+
+  py::tuple EmitPtx(const std::string& kernel, uint32_t hidden_dim, const std::string& target,
+                    const std::string& dtype, const std::string& ptx_version, bool cubin) {
+    v1::EmitPtxRequest request;
+    request.set_kernel(kernel);
+    request.set_hidden_dim(hidden_dim);
+    request.set_target(target);
+    request.set_dtype(ToProtoType(dtype));
+    request.set_ptx_version(ptx_version);
+    request.set_cubin(cubin);
+    auto promise = std::make_shared<std::promise<absl::StatusOr<v1::EmitPtxResponse>>>();
+    std::future<absl::StatusOr<v1::EmitPtxResponse>> future = promise->get_future();
+    client_->EmitPtxAsync(request, {}, [promise](absl::StatusOr<v1::EmitPtxResponse> r) {
+      promise->set_value(std::move(r));
+    });
+    absl::StatusOr<v1::EmitPtxResponse> r = WaitInterruptibly(future, nullptr);
+    if (!r.ok()) RaiseStatus(r.status());
+    return py::make_tuple(py::str(r->ptx()), r->digest().sha256(), r->entry(),
+                          py::bytes(r->cubin()), r->ptx_version(), r->target());
+  }
+
+  // GetServerInfo as JSON text (proto field names, every field), for json.loads.
+  std::string ServerInfoJson() {
+    absl::StatusOr<v1::GetServerInfoResponse> info;
+    {
+      py::gil_scoped_release release;
+      info = client_->ServerInfo();
+    }
+    if (!info.ok()) RaiseStatus(info.status());
+    google::protobuf::util::JsonPrintOptions json;
+    json.preserve_proto_field_names = true;
+    json.always_print_primitive_fields = true;
+    std::string text;
+    if (!google::protobuf::util::MessageToJsonString(*info, &text, json).ok()) {
+      RaiseStatus(absl::InternalError("GetServerInfo reply could not be printed as JSON"));
+    }
+    return text;
+  }
+
+  std::string Health(const std::string& service) {
+    absl::StatusOr<HealthStatus> status;
+    {
+      py::gil_scoped_release release;
+      status = client_->Health(service);
+    }
+    if (!status.ok()) RaiseStatus(status.status());
+    return HealthStatusName(*status);
+  }
+
+ private:
+  std::unique_ptr<Client> client_;
+};
+
+}  // namespace
+}  // namespace normgrad::python_internal
+
+PYBIND11_MODULE(_native, m) {
+  using normgrad::python_internal::PyClient;
+  m.doc() = "Binding of the normgrad C++ client; use the normgrad package, not this module.";
+  m.def(
+      "set_error_factory",
+      [](py::object factory) { normgrad::python_internal::ErrorFactory() = std::move(factory); },
+      "Registers (code_name, message) -> exception, raised for every failed call.");
+  py::class_<PyClient>(m, "Client")
+      .def(py::init<const std::string&, const std::string&, bool, const std::string&,
+                    const std::string&, const std::string&, const std::string&,
+                    std::optional<double>, int>(),
+           py::arg("target"), py::arg("token"), py::arg("use_tls"), py::arg("tls_roots"),
+           py::arg("tls_cert"), py::arg("tls_key"), py::arg("tls_server_name"),
+           py::arg("deadline_s"), py::arg("max_attempts"))
+      .def("backward_raw", &PyClient::BackwardRaw, py::arg("dtype"), py::arg("num_rows"),
+           py::arg("hidden_dim"), py::arg("eps"), py::arg("x"), py::arg("dy"), py::arg("gamma"),
+           py::arg("rms"), py::arg("dx"), py::arg("dgamma"), py::arg("kernel"))
+      .def("emit_ptx", &PyClient::EmitPtx)
+      .def("server_info_json", &PyClient::ServerInfoJson)
+      .def("health", &PyClient::Health, py::arg("service") = "");
+}

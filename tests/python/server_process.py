@@ -1,0 +1,74 @@
+"""A normgrad-server process for the Python package's tests: 127.0.0.1:0, no metrics port,
+the CPU backend or the CUDA backend over the emulated driver (docs/ptxsim.md).
+
+ctest passes the binaries in the environment: NORMGRAD_SERVER (normgrad-server),
+NORMGRAD_CLI (normgrad), NORMGRAD_EMULATED_CUDA (libnormgrad_emulated_cuda.so, when built),
+and PYTHONPATH=build/python.
+"""
+
+import os
+import re
+import subprocess
+import tempfile
+import threading
+import socket
+import unittest
+
+
+def emulated_cuda_driver():
+    return os.environ.get("NORMGRAD_EMULATED_CUDA", "")
+
+
+def skip_without_emulated_cuda(test):
+    return unittest.skipUnless(emulated_cuda_driver(),
+                               "no emulated CUDA driver in this build")(test)
+
+
+class ServerProcess:
+    """Starts normgrad-server and waits for its ready line; stop() ends it (SIGKILL)."""
+
+    def __init__(self, backend="cpu", flags=()):
+        command = [os.environ["NORMGRAD_SERVER"], "--listen=127.0.0.1:0", "--metrics-listen=",
+                   "--cpu-threads=2", "--worker-threads=2", f"--backend={backend}"]
+        if backend == "cuda":
+            command.append(f"--cuda-driver={emulated_cuda_driver()}")
+        command.extend(flags)
+        self.stderr = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.stderr,
+                                        text=True)
+        ready = self._ready_line(timeout=60)
+        match = re.search(r"grpc=([0-9.]+:[0-9]+)", ready or "")
+        if not match:
+            self.stop()
+            self.stderr.seek(0)
+            raise RuntimeError(f"normgrad-server did not start ({command}): "
+                               f"{self.stderr.read().decode(errors='replace')}")
+        self.address = match.group(1)
+        self.ready_line = ready
+
+    def _ready_line(self, timeout):
+        found = []
+
+        def read():
+            for line in self.process.stdout:
+                if line.startswith("normgrad-server ready"):
+                    found.append(line.strip())
+                    return
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout)
+        return found[0] if found else None
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.process.stdout.close()
+        self.stderr.close()
+
+
+def dead_address():
+    """A loopback address with nothing listening (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
