@@ -213,8 +213,9 @@ class CtrlCTest(unittest.TestCase):
         server = ServerProcess("cuda")
         try:
             client = normgrad.Client(server.address, deadline=600)
-            # About 12 s of interpretation if it ran to the end.
-            x = dy = np.full((4096, 4096), 0.5, dtype=np.float32)
+            # About 8 s of interpretation if it ran to the end (4 s for half the rows, measured
+            # with the signal check taken out of the wait: the test then fails).
+            x = dy = np.full((8192, 4096), 0.5, dtype=np.float32)
             gamma = np.ones(4096, dtype=np.float32)
             timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
             start = time.monotonic()
@@ -223,7 +224,7 @@ class CtrlCTest(unittest.TestCase):
                 client.backward(x, dy, gamma)
             elapsed = time.monotonic() - start
             timer.join()
-            self.assertLess(elapsed, 3.0)
+            self.assertLess(elapsed, 2.0)
             small = batch(2, 8)
             dx, _ = client.backward(*small)
             self.assertEqual(dx.shape, (2, 8))
