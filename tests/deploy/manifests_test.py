@@ -7,19 +7,30 @@ server's --listen / --metrics-listen flags and the Prometheus annotations, every
 one the server knows, terminationGracePeriodSeconds covers preStop + --shutdown-grace, the GPU
 request is present on GPU overlays only, the securityContext is restrictive, the Services
 select the Deployment's pods, and the Dockerfile exposes the same ports.
+Posture (docs/security.md, "Deployment posture"): no client-facing Service exposes the metrics
+port (a metrics-only Service does); a NetworkPolicy admits gRPC only from selected pods and
+metrics only from a selected namespace; mutual TLS (--tls-client-ca) only in overlays with the
+mtls component; the image is a pinned tag (the project version), never `latest`; requests and
+limits are set and requests <= limits; the HorizontalPodAutoscaler scales the Deployment on a
+gauge the server really exports (scraped from a running normgrad-server), with a target below
+the limit that gauge is bounded by, and docs/operations.md documents it.
 Exit 77 (ctest SKIP) when kubectl is missing.
 """
+import os
 import re
 import shutil
 import subprocess
 import sys
 import unittest
+import urllib.request
 
 import yaml
 
 ROOT = sys.argv[1] if len(sys.argv) > 1 else "."
 SERVER = sys.argv[2] if len(sys.argv) > 2 else "build/bin/normgrad-server"
-OVERLAYS = {"base": True, "overlays/gpu": True, "overlays/cpu": False}  # -> wants a GPU
+OVERLAYS = {"base": True, "overlays/gpu": True, "overlays/gpu-tls": True,
+            "overlays/cpu": False}  # -> wants a GPU
+CLIENT_FACING_SERVICES = {"normgrad", "normgrad-headless"}
 
 
 def render(overlay):
@@ -54,6 +65,47 @@ def port_of(addr):
     return int(addr.rsplit(":", 1)[1])
 
 
+def quantity(q):
+    """A Kubernetes quantity ("500m", "4", "8Gi", "1G") as a float."""
+    m = re.fullmatch(r"([0-9.]+)([a-zA-Z]*)", str(q))
+    assert m, f"cannot parse quantity {q!r}"
+    scale = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10,
+             "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}[m.group(2)]
+    return float(m.group(1)) * scale
+
+
+def project_version():
+    with open(f"{ROOT}/CMakeLists.txt") as f:
+        return re.search(r"project\(normgrad VERSION ([0-9.]+)", f.read()).group(1)
+
+
+def exported_gauges():
+    """The gauges a real normgrad-server exports: started on loopback, /metrics scraped once."""
+    proc = subprocess.Popen([SERVER, "--listen=127.0.0.1:0", "--metrics-listen=127.0.0.1:0",
+                             "--backend=cpu", "--cpu-threads=1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"metrics=127\.0\.0\.1:(\d+)", line)
+        assert m, f"no ready line from {SERVER}: {line!r}"
+        text = urllib.request.urlopen(f"http://127.0.0.1:{m.group(1)}/metrics", timeout=10).read()
+        return set(re.findall(r"^# TYPE (\S+) gauge$", text.decode(), re.M))
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+def ports_admitted(policy, port_names):
+    """The `from` lists of the ingress rules that admit one of port_names (or every port)."""
+    froms = []
+    for rule in policy["spec"].get("ingress", []):
+        ports = rule.get("ports")
+        if ports is None or any(p.get("port") in port_names for p in ports):
+            froms.append(rule.get("from"))
+    return froms
+
+
 class ManifestTest(unittest.TestCase):
     known_flags = None
 
@@ -61,6 +113,10 @@ class ManifestTest(unittest.TestCase):
     def setUpClass(cls):
         cls.known_flags = server_flags()
         assert "listen" in cls.known_flags, f"{SERVER} --helpfull lists no --listen flag"
+        cls.gauges = exported_gauges()
+        assert "normgrad_inflight_streams" in cls.gauges, cls.gauges
+        with open(f"{ROOT}/docs/operations.md") as f:
+            cls.operations_doc = f.read()
 
     def check_overlay(self, overlay, wants_gpu):
         docs = render(overlay)
@@ -97,8 +153,19 @@ class ManifestTest(unittest.TestCase):
         self.assertGreaterEqual(spec["terminationGracePeriodSeconds"], needed)
 
         res = c["resources"]
-        self.assertIn("memory", res["limits"])
-        self.assertIn("cpu", res["requests"])
+        for kind in ("requests", "limits"):
+            for r in ("cpu", "memory"):
+                self.assertIn(r, res[kind], f"{overlay}: resources.{kind}.{r}")
+        for r, want in res["requests"].items():
+            self.assertLessEqual(quantity(want), quantity(res["limits"][r]),
+                                 f"{overlay}: request {r} above its limit")
+
+        # A pinned image: with IfNotPresent a `latest` tag is whatever a node pulled first.
+        image = c["image"]
+        self.assertRegex(image, r":[^/]+$", f"{overlay}: image without a tag")
+        tag = image.rsplit(":", 1)[1]
+        self.assertNotEqual(tag, "latest", f"{overlay}: image tag `latest`")
+        self.assertEqual(tag, project_version(), f"{overlay}: image tag is not the project version")
         has_gpu = "nvidia.com/gpu" in res.get("limits", {})
         self.assertEqual(has_gpu, wants_gpu, f"{overlay}: GPU request")
         self.assertEqual(flags["backend"], "cuda" if wants_gpu else "cpu")
@@ -114,10 +181,67 @@ class ManifestTest(unittest.TestCase):
         services = [d for d in docs if d["kind"] == "Service"]
         self.assertTrue(any(s["spec"].get("clusterIP") == "None" for s in services), "headless")
         self.assertTrue(any(s["spec"].get("type") == "ClusterIP" for s in services), "ClusterIP")
+        metrics_services = []
         for s in services:
-            self.assertEqual(s["spec"]["selector"], selector, s["metadata"]["name"])
+            name = s["metadata"]["name"]
+            self.assertEqual(s["spec"]["selector"], selector, name)
+            targets = set()
             for p in s["spec"]["ports"]:
-                self.assertIn(p["targetPort"], ports, f"{s['metadata']['name']}: {p}")
+                self.assertIn(p["targetPort"], ports, f"{name}: {p}")
+                targets.add(p["targetPort"])
+            if name in CLIENT_FACING_SERVICES:
+                self.assertNotIn("metrics", targets, f"{overlay}: {name} exposes the metrics port")
+                self.assertNotIn(ports["metrics"], targets, f"{overlay}: {name} exposes metrics")
+            elif "metrics" in targets:
+                self.assertEqual(targets, {"metrics"}, f"{overlay}: {name} mixes metrics and gRPC")
+                metrics_services.append(name)
+            else:
+                self.fail(f"{overlay}: Service {name} is neither client-facing nor metrics-only")
+        self.assertTrue(metrics_services, f"{overlay}: no metrics-only Service for Prometheus")
+
+        # NetworkPolicy: the pods' gRPC port admitted from selected pods only, metrics from a
+        # selected namespace only; never an empty `from` (everyone).
+        policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+        self.assertTrue(policies, f"{overlay}: no NetworkPolicy")
+        policy = next((p for p in policies if p["spec"]["podSelector"].get("matchLabels") == selector),
+                      None)
+        self.assertIsNotNone(policy, f"{overlay}: no NetworkPolicy selects the Deployment's pods")
+        self.assertIn("Ingress", policy["spec"]["policyTypes"])
+        grpc_from = ports_admitted(policy, {"grpc", ports["grpc"]})
+        self.assertTrue(grpc_from, f"{overlay}: the NetworkPolicy admits no client to gRPC")
+        for peers in grpc_from:
+            self.assertTrue(peers, f"{overlay}: gRPC admitted from anywhere")
+            for peer in peers:
+                self.assertNotIn("ipBlock", peer, f"{overlay}: gRPC admitted from an ipBlock")
+                self.assertTrue(peer.get("podSelector"), f"{overlay}: gRPC from unselected pods")
+        for peers in ports_admitted(policy, {"metrics", ports["metrics"]}):
+            self.assertTrue(peers, f"{overlay}: metrics admitted from anywhere")
+            for peer in peers:
+                self.assertTrue(peer.get("namespaceSelector") or peer.get("podSelector"),
+                                f"{overlay}: metrics from an unselected peer")
+
+        # Autoscaling on a gauge the server exports, bounded by a limit in its flags.
+        hpas = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+        self.assertEqual(len(hpas), 1, f"{overlay}: HorizontalPodAutoscaler")
+        hpa = hpas[0]["spec"]
+        self.assertEqual((hpa["scaleTargetRef"]["kind"], hpa["scaleTargetRef"]["name"]),
+                         ("Deployment", dep["metadata"]["name"]))
+        self.assertGreaterEqual(hpa["minReplicas"], 2, "one replica cannot drain without an outage")
+        self.assertLessEqual(hpa["minReplicas"], dep["spec"]["replicas"])
+        self.assertGreaterEqual(hpa["maxReplicas"], dep["spec"]["replicas"])
+        self.assertGreater(hpa["maxReplicas"], hpa["minReplicas"])
+        bound_by = {"normgrad_inflight_streams": "max-streams",
+                    "normgrad_inflight_bytes": "max-inflight-bytes"}
+        for m in hpa["metrics"]:
+            self.assertEqual(m["type"], "Pods", f"{overlay}: HPA metric {m}")
+            name = m["pods"]["metric"]["name"]
+            self.assertIn(name, self.gauges, f"{overlay}: the server exports no gauge {name}")
+            self.assertIn(name, bound_by, f"{overlay}: {name} is not a load gauge")
+            target = quantity(m["pods"]["target"]["averageValue"])
+            self.assertGreater(target, 0)
+            self.assertLess(target, float(flags[bound_by[name]]),
+                            f"{overlay}: HPA target {target} is not below --{bound_by[name]}")
+            self.assertIn(name, self.operations_doc, "docs/operations.md does not name the metric")
         pdb = next(d for d in docs if d["kind"] == "PodDisruptionBudget")
         self.assertEqual(pdb["spec"]["selector"]["matchLabels"], selector)
         return flags
@@ -125,13 +249,33 @@ class ManifestTest(unittest.TestCase):
     def test_base(self):
         self.check_overlay("base", True)
 
-    def test_gpu_overlay_with_tls(self):
+    def test_gpu_overlay_with_mutual_tls(self):
         flags = self.check_overlay("overlays/gpu", True)
         for k in ("tls-cert", "tls-key", "tls-client-ca"):
             self.assertTrue(flags[k].startswith("/etc/normgrad/tls/"), k)
 
+    def test_gpu_overlay_with_server_tls_needs_no_ca(self):
+        # A standard kubernetes.io/tls Secret has no ca.crt: --tls-client-ca would crash-loop.
+        flags = self.check_overlay("overlays/gpu-tls", True)
+        for k in ("tls-cert", "tls-key"):
+            self.assertTrue(flags[k].startswith("/etc/normgrad/tls/"), k)
+        self.assertNotIn("tls-client-ca", flags)
+
+    def test_plaintext_overlays_have_no_tls_flags(self):
+        for overlay in ("base", "overlays/cpu"):
+            flags = self.check_overlay(overlay, overlay == "base")
+            self.assertFalse({"tls-cert", "tls-client-ca"} & set(flags), overlay)
+
     def test_cpu_overlay(self):
         self.check_overlay("overlays/cpu", False)
+
+    def test_mtls_only_from_its_component(self):
+        for path in ("base", "components/tls"):
+            for dirpath, _, files in os.walk(f"{ROOT}/deploy/k8s/{path}"):
+                for name in files:
+                    with open(os.path.join(dirpath, name)) as f:
+                        text = "".join(line for line in f if not line.lstrip().startswith("#"))
+                    self.assertNotIn("--tls-client-ca", text, os.path.join(dirpath, name))
 
     def test_dockerfile_agrees(self):
         with open(f"{ROOT}/Dockerfile") as f:
@@ -145,6 +289,20 @@ class ManifestTest(unittest.TestCase):
         hc = re.search(r"HEALTHCHECK .*\n\s*CMD (.+)", text).group(1)
         self.assertIn(f":{port_of(flags['listen'])}", hc)
         self.assertIn("USER 10001", text)
+        # Docker's builder would fetch a frontend image for a `# syntax=` line; none is needed.
+        self.assertNotRegex(text, r"(?m)^#\s*syntax=")
+        # docker stop's default 10 s is shorter than the drain: the image says SIGTERM and the
+        # docs say how long to wait.
+        self.assertRegex(text, r"(?m)^STOPSIGNAL SIGTERM$")
+        # nvJitLink copied once, by name (a glob copies the symlink's target twice), and no
+        # --nvjitlink needed: the Kubernetes args replace the CMD.
+        copies = re.findall(r"(?m)^COPY .*libnvJitLink.*$", text)
+        self.assertEqual(len(copies), 1, copies)
+        self.assertNotIn("*", copies[0])
+        self.assertNotIn("--nvjitlink", cmd)
+        with open(f"{ROOT}/.dockerignore") as f:
+            ignored = {line.strip() for line in f if line.strip() and not line.startswith("#")}
+        self.assertTrue({".git", "build", "build-*"} <= ignored, ignored)
 
 
 if __name__ == "__main__":
