@@ -45,6 +45,7 @@ class ServerErrorsTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.server = ServerProcess("cpu", ["--max-hidden-dim=64"])
+        cls.addClassCleanup(cls.server.stop)  # also when the rest of setUpClass fails
         cls.client = normgrad.Client(cls.server.address, deadline=30)
         # A token needs TLS on the server: a self-signed certificate for 127.0.0.1.
         cls.secrets = tempfile.TemporaryDirectory()
@@ -58,13 +59,12 @@ class ServerErrorsTest(unittest.TestCase):
             f.write("s3cret-token\n")
         cls.secured = ServerProcess("cpu", [f"--auth-token-file={token}",
                                             f"--tls-cert={cls.cert}", f"--tls-key={key}"])
+        cls.addClassCleanup(cls.secured.stop)
         with open(cls.cert) as f:
             cls.tls = normgrad.Tls(root_certs=f.read())
 
     @classmethod
     def tearDownClass(cls):
-        cls.server.stop()
-        cls.secured.stop()
         cls.secrets.cleanup()
 
     def assert_error(self, call, code, cls):

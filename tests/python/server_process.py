@@ -6,8 +6,10 @@ NORMGRAD_CLI (normgrad), NORMGRAD_EMULATED_CUDA (libnormgrad_emulated_cuda.so, w
 and PYTHONPATH=build/python.
 """
 
+import ctypes
 import os
 import re
+import signal
 import subprocess
 import tempfile
 import threading
@@ -24,6 +26,12 @@ def skip_without_emulated_cuda(test):
                                "no emulated CUDA driver in this build")(test)
 
 
+def _die_with_parent():
+    # PR_SET_PDEATHSIG: the server is killed when the test process ends in any way (a ctest
+    # timeout included), so no server outlives its test.
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
 class ServerProcess:
     """Starts normgrad-server and waits for its ready line; stop() ends it (SIGKILL)."""
 
@@ -35,7 +43,7 @@ class ServerProcess:
         command.extend(flags)
         self.stderr = tempfile.TemporaryFile()
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.stderr,
-                                        text=True)
+                                        text=True, preexec_fn=_die_with_parent)
         ready = self._ready_line(timeout=60)
         match = re.search(r"grpc=([0-9.]+:[0-9]+)", ready or "")
         if not match:
