@@ -1,7 +1,8 @@
-# syntax=docker/dockerfile:1
-# normgrad server image.
-#   docker build -t normgrad .
-#   docker run --gpus all -p 50051:50051 -p 9464:9464 normgrad
+# normgrad server image (docs/operations.md, "Running the image").
+#   docker build -t normgrad .                       or: podman build --format docker -t normgrad .
+#   docker run --gpus all --stop-timeout 35 -p 50051:50051 -p 9464:9464 normgrad
+# Stop it with `docker stop -t 35` (or `podman stop -t 35`): the server drains for up to
+# --shutdown-grace (30 s) after SIGTERM, longer than Docker's default 10 s before SIGKILL.
 # Without a GPU (or without the NVIDIA container runtime) the server falls back to its CPU
 # backend. No CUDA toolkit at run time: the NVIDIA runtime mounts libcuda.so.1 into the container.
 
@@ -27,7 +28,11 @@ RUN apt-get update -qq \
  && rm -rf /var/lib/apt/lists/* /tmp/runtime-packages.txt \
  && groupadd --gid 10001 normgrad && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin normgrad
 COPY --from=build /out/bin/ /usr/local/bin/
-COPY --from=cuda /usr/local/cuda/lib64/libnvJitLink.so.13* /usr/local/lib/normgrad/
+# nvJitLink once: naming the SONAME copies the file it points at (a glob would also copy the
+# versioned file it links to, a second ~99 MB). /usr/local/lib is in the loader's search path
+# after ldconfig, so `--nvjitlink` is not needed: any args (Kubernetes replaces the CMD) find it.
+COPY --from=cuda /usr/local/cuda/lib64/libnvJitLink.so.13 /usr/local/lib/
+RUN ldconfig && ldconfig -p | grep -q 'libnvJitLink.so.13 .*/usr/local/lib/libnvJitLink.so.13'
 ENV NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute
 # Two malloc arenas: resident memory tracks what is in use (30-minute soak: 69-98 MiB against
 # 106-198 MiB with glibc's default, throughput not lower; docs/testing.md).
@@ -37,7 +42,9 @@ EXPOSE 50051 9464
 # The probe's flags come from NORMGRAD_HEALTH_ARGS when set: a TLS server is probed on its
 # plaintext --health-listen port (-e NORMGRAD_HEALTH_ARGS=--target=127.0.0.1:50052) or over TLS
 # (--target=... --tls-ca FILE); docs/operations.md, "Running the image".
+# SIGTERM starts the drain (docs/operations.md, "Shutdown"); give it --stop-timeout 35.
+STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
   CMD ["sh", "-c", "exec normgrad health ${NORMGRAD_HEALTH_ARGS:---target=127.0.0.1:50051}"]
 ENTRYPOINT ["normgrad-server"]
-CMD ["--listen=0.0.0.0:50051", "--metrics-listen=0.0.0.0:9464", "--backend=auto", "--nvjitlink=/usr/local/lib/normgrad/libnvJitLink.so.13"]
+CMD ["--listen=0.0.0.0:50051", "--metrics-listen=0.0.0.0:9464", "--backend=auto"]
