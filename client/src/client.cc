@@ -596,10 +596,9 @@ void BackwardCall::OnDone(const grpc::Status& status) {
   const bool cancelled_by_caller =
       shared_->options.cancellation && shared_->options.cancellation->cancelled();
   std::unique_lock<std::mutex> lock(mu_);
-  const bool retryable =
-      error_.ok() && !cancelled_by_caller &&
-      (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
-       (status.error_code() == grpc::StatusCode::CANCELLED && !any_response_));
+  const bool retryable = error_.ok() && !cancelled_by_caller &&
+                         (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                          (status.error_code() == grpc::StatusCode::CANCELLED && !any_response_));
   if (retryable && client_->RetryLater<BackwardCall>(shared_, attempt_)) {
     lock.unlock();
     delete this;

@@ -4,8 +4,8 @@
 // waiting with the GIL released, and cancelling a call on Ctrl-C. Argument shapes, dtypes and
 // the result objects are the pure-Python layer's (normgrad/__init__.py), which calls:
 //
-//   client = _native.Client(target, token, tls_roots, tls_cert, tls_key, tls_server_name,
-//                           use_tls, deadline_s, max_attempts)
+//   client = _native.Client(target, token, use_tls, tls_roots, tls_cert, tls_key,
+//                           tls_server_name, deadline_s, max_attempts)
 //   summary = client.backward_raw("f32", rows, hidden, eps, x, dy, gamma, rms, dx, dgamma, kernel)
 //
 // Errors: a failed call raises the exception that the factory registered with
@@ -139,8 +139,7 @@ class PyClient {
  public:
   PyClient(const std::string& target, const std::string& token, bool use_tls,
            const std::string& tls_roots, const std::string& tls_cert, const std::string& tls_key,
-           const std::string& tls_server_name, std::optional<double> deadline_s,
-           int max_attempts) {
+           const std::string& tls_server_name, std::optional<double> deadline_s, int max_attempts) {
     ClientOptions options;
     options.target = target;
     options.bearer_token = token;
@@ -157,13 +156,13 @@ class PyClient {
   }
 
   // One Backward of `type` elements from the caller's buffers into the caller's output buffers.
-  py::dict BackwardRaw(const std::string& type, uint64_t num_rows, uint32_t hidden_dim,
-                       double eps, const py::buffer& x, const py::buffer& dy,
-                       const py::buffer& gamma, const std::optional<py::buffer>& rms,
-                       const py::buffer& dx, const py::buffer& dgamma, const std::string& kernel) {
+  py::dict BackwardRaw(const std::string& type, uint64_t num_rows, uint32_t hidden_dim, double eps,
+                       const py::buffer& x, const py::buffer& dy, const py::buffer& gamma,
+                       const std::optional<py::buffer>& rms, const py::buffer& dx,
+                       const py::buffer& dgamma, const std::string& kernel) {
     const py::buffer_info x_info = x.request(), dy_info = dy.request(),
-                         gamma_info = gamma.request(), dx_info = dx.request(true),
-                         dgamma_info = dgamma.request(true);
+                          gamma_info = gamma.request(), dx_info = dx.request(true),
+                          dgamma_info = dgamma.request(true);
     std::optional<py::buffer_info> rms_info;
     if (rms.has_value()) rms_info = rms->request();
     RawBackwardArgs args;

@@ -2,6 +2,7 @@
 inputs of every dtype, many shapes (hidden sizes 1 to 4097, 3-D inputs, multi-chunk batches),
 with and without the forward's rms, on the CPU backend and on the emulated CUDA driver."""
 
+import hashlib
 import unittest
 
 import numpy as np
@@ -135,10 +136,20 @@ class GradientsTestBase:
             with self.subTest(kind=kind, dtype=dtype):
                 self.run_case((self.rows, 896), dtype, kind, with_rms=True, seed=7)
 
-    def test_summary_names_the_backend(self):
-        case = GradientCase((2, 33), "f32", "numpy", 1)
-        dx, _ = self.client.backward(case.x, case.dy, case.gamma, eps=EPS)
-        self.assertEqual(self.client.info()["backend"], self.backend)
+    def test_info_health_and_emit_ptx(self):
+        info = self.client.info()
+        self.assertEqual(info["backend"], self.backend)
+        self.assertIn("limits", info)
+        self.assertEqual(self.client.health(), "SERVING")
+        ptx = self.client.emit_ptx("batched_rms_norm_backward", 896, target="sm_90",
+                                   dtype="bf16")
+        self.assertIsInstance(ptx, normgrad.PtxResult)
+        self.assertEqual(ptx.entry, "batched_rms_norm_backward")
+        self.assertIn(".entry batched_rms_norm_backward", ptx.ptx)
+        self.assertIn(".target sm_90", ptx.ptx)
+        self.assertEqual(ptx.sha256, hashlib.sha256(ptx.ptx.encode()).hexdigest())
+        self.assertEqual(ptx.cubin, b"")
+        self.assertEqual(ptx.target, "sm_90")
 
 
 class CpuBackendGradientsTest(GradientsTestBase, unittest.TestCase):

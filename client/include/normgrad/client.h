@@ -91,7 +91,7 @@ class CallCancellation {
 
  private:
   mutable std::mutex mu_;
-  bool cancelled_ = false;         // guarded by mu_
+  bool cancelled_ = false;        // guarded by mu_
   std::function<void()> cancel_;  // guarded by mu_
 };
 
