@@ -210,6 +210,10 @@ class CtrlCTest(unittest.TestCase):
     KeyboardInterrupt at once and cancels the call; the Client keeps working."""
 
     def test_ctrl_c_cancels_the_call(self):
+        # Python's own Ctrl-C handler, also when this process was started with SIGINT ignored
+        # (a background job of a non-interactive shell).
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        self.addCleanup(signal.signal, signal.SIGINT, previous)
         server = ServerProcess("cuda")
         try:
             client = normgrad.Client(server.address, deadline=600)
