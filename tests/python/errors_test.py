@@ -44,7 +44,8 @@ def cli_error(address, x, dy, gamma, *flags, before=()):
 class ServerErrorsTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.server = ServerProcess("cpu", ["--max-hidden-dim=64"])
+        cls.server = ServerProcess("cpu", ["--max-hidden-dim=64",
+                                           "--nvjitlink=/nonexistent/libnvJitLink.so"])
         cls.addClassCleanup(cls.server.stop)  # also when the rest of setUpClass fails
         cls.client = normgrad.Client(cls.server.address, deadline=30)
         # A token needs TLS on the server: a self-signed certificate for 127.0.0.1.
@@ -124,6 +125,14 @@ class ServerErrorsTest(unittest.TestCase):
         self.assertIn('kernel "nope" is unknown', error.message)
         with self.assertRaisesRegex(ValueError, 'dtype "f64" is not f32, bf16 or f16'):
             self.client.emit_ptx("batched_rms_norm_backward", 64, dtype="f64")
+
+    def test_cubin_without_nvjitlink_is_failed_precondition(self):
+        error = self.assert_error(
+            lambda: self.client.emit_ptx("batched_rms_norm_backward", 64, target="sm_90",
+                                         cubin=True),
+            "FAILED_PRECONDITION", normgrad.FailedPreconditionError)
+        self.assertIn("nvJitLink is not available on this server", error.message)
+        self.assertIn("/nonexistent/libnvJitLink.so", error.message)
 
     def test_unknown_health_service_is_not_found(self):
         self.assert_error(lambda: self.client.health("no.such.Service"), "NOT_FOUND",
