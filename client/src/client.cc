@@ -16,6 +16,7 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <utility>
@@ -27,6 +28,7 @@
 #include "client/src/chunking.h"
 #include "client/src/grpc_status.h"
 #include "client/src/health_wire.h"
+#include "client/src/shared_memory_transport.h"
 #include "normgrad/v1/normgrad.grpc.pb.h"
 
 namespace normgrad {
@@ -133,6 +135,7 @@ class BackwardCall final
   struct Shared {
     RawBackwardArgs args;
     BackwardOptions options;
+    std::optional<ShmPlan> shm;  // set: the rows travel in a shared-memory region
     Client::RawBackwardCallback done;
     std::chrono::system_clock::time_point deadline;
     bool has_deadline = false;
@@ -205,7 +208,17 @@ class ClientImpl final : public Client {
       : options_(std::move(options)),
         channel_(std::move(channel)),
         stub_(v1::NormGrad::NewStub(channel_)),
-        generic_(channel_) {}
+        generic_(channel_),
+        shm_(options_.transport, RegionSocketPathFor(options_.target), [this] {
+          absl::StatusOr<v1::GetServerInfoResponse> info =
+              ServerInfo(CallOptions{.deadline = absl::Seconds(5)});
+          if (!info.ok()) return absl::StatusOr<bool>(info.status());
+          return absl::StatusOr<bool>(info->shared_memory().enabled());
+        }) {}
+
+  absl::Status RegisterSharedMemory(const SharedMemoryRegion& region) override {
+    return shm_.Register(region);
+  }
 
   absl::StatusOr<Gradients> Backward(absl::Span<const float> x, absl::Span<const float> dy,
                                      absl::Span<const float> gamma, float eps,
@@ -276,9 +289,15 @@ class ClientImpl final : public Client {
       done(s);
       return;
     }
+    absl::StatusOr<std::optional<ShmPlan>> plan = shm_.Plan(args);
+    if (!plan.ok()) {
+      done(plan.status());
+      return;
+    }
     auto shared = std::make_shared<BackwardCall::Shared>();
     shared->args = args;
     shared->options = options;
+    shared->shm = *std::move(plan);
     shared->done = std::move(done);
     SetDeadline(options.deadline, shared->has_deadline, shared->deadline);
     (new BackwardCall(this, std::move(shared), 1))->Start();
@@ -430,6 +449,7 @@ class ClientImpl final : public Client {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::NormGrad::Stub> stub_;
   grpc::GenericStub generic_;
+  SharedMemoryTransport shm_;
   std::mutex rng_mu_;
   std::mt19937_64 rng_{std::random_device{}()};  // guarded by rng_mu_
 };
@@ -466,7 +486,8 @@ BackwardCall::BackwardCall(ClientImpl* client, std::shared_ptr<Shared> shared, i
       attempt_(attempt),
       chunker_(shared_->args.num_rows,
                uint64_t{shared_->args.hidden_dim} * ElementBytes(shared_->args.type),
-               client->options().chunk_bytes),
+               shared_->shm.has_value() ? client->options().shm_chunk_bytes
+                                        : client->options().chunk_bytes),
       row_bytes_(uint64_t{shared_->args.hidden_dim} * ElementBytes(shared_->args.type)) {}
 
 void BackwardCall::Start() {
@@ -503,6 +524,18 @@ void BackwardCall::FillChunkLocked(uint64_t index) {
   request_.Clear();
   const uint64_t offset = range.first_row * row_bytes_;
   const uint64_t bytes = range.num_rows * row_bytes_;
+  if (shared_->shm.has_value()) {
+    const ShmPlan& plan = *shared_->shm;
+    v1::SharedMemoryChunk* shm = request_.mutable_shm();
+    shm->set_region_id(plan.region_id);
+    shm->set_region_key(plan.region_key);
+    shm->set_num_rows(range.num_rows);
+    shm->set_x_offset(plan.x + offset);
+    shm->set_dy_offset(plan.dy + offset);
+    if (!a.rms.empty()) shm->set_rms_offset(plan.rms + range.first_row * 4);
+    shm->set_grad_input_offset(plan.dx + offset);
+    return;
+  }
   request_.set_x(a.x.data() + offset, bytes);
   request_.set_dy(a.dy.data() + offset, bytes);
   if (!a.rms.empty()) request_.set_rms(a.rms.data() + range.first_row * 4, range.num_rows * 4);
@@ -545,13 +578,25 @@ absl::Status BackwardCall::TakeResponseLocked() {
                        rows_received_, "): ", first < rows_received_ ? "an overlap" : "a gap",
                        "; the next chunk must start at row ", rows_received_));
     }
-    if (response_.grad_input().size() != rows * row_bytes_) {
+    if (shared_->shm.has_value()) {
+      // grad_input is in the region already; from a staging region it is copied out.
+      if (!response_.grad_input().empty()) {
+        return absl::InternalError(absl::StrCat("server sent ", response_.grad_input().size(),
+                                                " grad_input bytes for a shared-memory chunk"));
+      }
+      const ShmPlan& plan = *shared_->shm;
+      if (plan.staging != nullptr) {
+        std::memcpy(a.dx.data() + first * row_bytes_,
+                    plan.staging->data() + plan.dx + first * row_bytes_, rows * row_bytes_);
+      }
+    } else if (response_.grad_input().size() != rows * row_bytes_) {
       return absl::InternalError(absl::StrCat("server sent ", response_.grad_input().size(),
                                               " grad_input bytes for ", rows, " rows, expected ",
                                               rows * row_bytes_));
+    } else {
+      std::memcpy(a.dx.data() + first * row_bytes_, response_.grad_input().data(),
+                  response_.grad_input().size());
     }
-    std::memcpy(a.dx.data() + first * row_bytes_, response_.grad_input().data(),
-                response_.grad_input().size());
     rows_received_ += rows;
     if (shared_->options.on_progress) shared_->options.on_progress(rows_received_, a.num_rows);
   }

@@ -31,6 +31,7 @@ constexpr char kUsage[] =
     "  health   [--service NAME]   grpc.health.v1 check; exit 0 when SERVING, 3 otherwise\n"
     "client flags (any command): --token-file FILE (else $NORMGRAD_TOKEN; --token T is visible\n"
     "  to other users in the process list) --deadline 30s --max-attempts N --chunk-bytes N\n"
+    "  --transport auto|bytes|shm (shm: shared memory with a server on this machine's unix socket)\n"
     "  --tls --tls-ca FILE --tls-cert FILE --tls-key FILE --tls-server-name NAME\n"
     "the server is --target, else $NORMGRAD_TARGET, else localhost:50051\n";
 

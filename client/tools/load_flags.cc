@@ -39,7 +39,8 @@ const char kLoadUsage[] =
     "sm_90)\n"
     "  --format summary|json|csv -o FILE --html FILE\n"
     "  client flags: --token-file (else $NORMGRAD_TOKEN) --token --deadline --max-attempts\n"
-    "                --chunk-bytes --tls --tls-ca --tls-cert --tls-key --tls-server-name\n";
+    "                --chunk-bytes --transport auto|bytes|shm --tls --tls-ca --tls-cert --tls-key\n"
+    "                --tls-server-name\n";
 
 absl::StatusOr<std::vector<Shape>> ParseShapes(absl::string_view text) {
   std::vector<Shape> shapes;
@@ -186,6 +187,7 @@ int RunLoad(const std::vector<std::string>& args, const std::string& env_target,
   context.call = cmd->config.call == LoadCall::kBackward ? "backward" : "emit-ptx";
   context.target = cmd->target_text;
   context.shapes = cmd->shapes_text;
+  context.transport = TransportName(cmd->config.client.transport);
   context.connections = cmd->config.connections;
   context.rate = cmd->config.rate;
   context.poisson = cmd->config.poisson;

@@ -165,8 +165,8 @@ std::string LineSvg(const std::vector<RunStats>& runs, double (*y)(const RunStat
 
 std::string FormatSummary(const ReportContext& c, const std::vector<RunStats>& runs) {
   std::string out = absl::StrFormat(
-      "normgrad-load: %s against %s, shapes %s, %d connection(s)%s\n", c.call, c.target, c.shapes,
-      c.connections,
+      "normgrad-load: %s against %s, shapes %s, %d connection(s), transport %s%s\n", c.call,
+      c.target, c.shapes, c.connections, c.transport,
       c.rate > 0 ? absl::StrFormat(", rate %.4g/s %s", c.rate, c.poisson ? "poisson" : "constant")
                  : "");
   if (c.hit_max_duration) out += "note: stopped by --max-duration before the requested amount\n";
@@ -211,6 +211,7 @@ std::string FormatJson(const ReportContext& c, const std::vector<RunStats>& runs
   const nlohmann::ordered_json report = {{"call", c.call},
                                          {"target", c.target},
                                          {"shapes", c.shapes},
+                                         {"transport", c.transport},
                                          {"connections", c.connections},
                                          {"rate", JsonNumber(c.rate)},
                                          {"rate_distribution", c.poisson ? "poisson" : "constant"},

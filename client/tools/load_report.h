@@ -15,6 +15,7 @@ struct ReportContext {
   std::string call;    // "backward" or "emit-ptx"
   std::string target;  // as given
   std::string shapes;  // "64x4096,128x896"
+  std::string transport = "auto";  // ClientOptions::transport: auto, bytes, shm
   int connections = 1;
   double rate = 0;  // 0: as fast as concurrency allows
   bool poisson = false;

@@ -60,12 +60,25 @@ absl::Status CheckAllPlaced(const CLI::App& app) {
   return absl::InvalidArgumentError(absl::StrCat("unexpected argument \"", first->arg, "\""));
 }
 
+const char* TransportName(Transport transport) {
+  switch (transport) {
+    case Transport::kAuto:
+      return "auto";
+    case Transport::kBytes:
+      return "bytes";
+    case Transport::kSharedMemory:
+      return "shm";
+  }
+  return "auto";
+}
+
 void AddClientFlags(CLI::App& app, ClientFlags& flags) {
   app.add_option("--token", flags.token)->type_name("T");
   app.add_option("--token-file", flags.token_file)->type_name("FILE");
   app.add_option("--deadline", flags.deadline)->type_name("DURATION");
   app.add_option("--max-attempts", flags.max_attempts)->type_name("N");
   app.add_option("--chunk-bytes", flags.chunk_bytes)->type_name("N");
+  app.add_option("--transport", flags.transport)->type_name("auto|bytes|shm");
   app.add_flag("--tls", flags.tls);
   app.add_option("--tls-ca", flags.tls_ca)->type_name("FILE");
   app.add_option("--tls-cert", flags.tls_cert)->type_name("FILE");
@@ -106,6 +119,18 @@ absl::StatusOr<ClientOptions> ClientOptionsFromFlags(const ClientFlags& flags, s
       (!absl::SimpleAtoi(*flags.chunk_bytes, &options.chunk_bytes) || options.chunk_bytes == 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--chunk-bytes: \"", *flags.chunk_bytes, "\" is not an integer >= 1"));
+  }
+  if (flags.transport) {
+    if (*flags.transport == "auto") {
+      options.transport = Transport::kAuto;
+    } else if (*flags.transport == "bytes") {
+      options.transport = Transport::kBytes;
+    } else if (*flags.transport == "shm") {
+      options.transport = Transport::kSharedMemory;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--transport: \"", *flags.transport, "\" is not auto, bytes or shm"));
+    }
   }
   options.use_tls = flags.tls || flags.tls_ca || flags.tls_cert;
   if (flags.tls_cert.has_value() != flags.tls_key.has_value()) {

@@ -60,6 +60,7 @@ struct ClientFlags {
   std::optional<std::string> deadline;
   std::optional<std::string> max_attempts;
   std::optional<std::string> chunk_bytes;
+  std::optional<std::string> transport;
   bool tls = false;
   std::optional<std::string> tls_ca;
   std::optional<std::string> tls_cert;
@@ -68,11 +69,13 @@ struct ClientFlags {
 };
 
 // --token-file FILE (contents, trimmed) or --token T, else $NORMGRAD_TOKEN; --deadline (an absl
-// duration: "30s", "500ms"), --max-attempts, --chunk-bytes, --tls, --tls-ca FILE, --tls-cert
-// FILE, --tls-key FILE, --tls-server-name NAME.
+// duration: "30s", "500ms"), --max-attempts, --chunk-bytes, --transport auto|bytes|shm, --tls,
+// --tls-ca FILE, --tls-cert FILE, --tls-key FILE, --tls-server-name NAME.
 void AddClientFlags(CLI::App& app, ClientFlags& flags);
 // INVALID_ARGUMENT naming the flag for a bad value; NOT_FOUND for an unreadable file.
 absl::StatusOr<ClientOptions> ClientOptionsFromFlags(const ClientFlags& flags, std::string target);
+// "auto", "bytes", "shm".
+const char* TransportName(Transport transport);
 
 // Options read with absl rather than CLI11's converters: absl::ParseDuration has no CLI11
 // counterpart, and the messages ("--concurrency: \"lots\" is not an integer") are the ones the

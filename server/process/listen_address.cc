@@ -46,18 +46,18 @@ absl::StatusOr<ListenAddress> ParseListenAddress(absl::string_view text) {
   return a;
 }
 
-absl::Status PrepareUnixSocketPath(const std::string& path) {
+absl::Status PrepareUnixSocketPath(const std::string& path, int type) {
   struct stat st;
   if (lstat(path.c_str(), &st) != 0) {
     if (errno == ENOENT) return absl::OkStatus();
     return absl::UnavailableError(
-        absl::StrCat("--listen=unix:", path, ": cannot stat: ", std::strerror(errno)));
+        absl::StrCat("unix socket ", path, ": cannot stat: ", std::strerror(errno)));
   }
   if (!S_ISSOCK(st.st_mode)) {
     return absl::UnavailableError(absl::StrCat(
-        "--listen=unix:", path, ": the path exists and is not a socket; not removing it"));
+        "unix socket ", path, ": the path exists and is not a socket; not removing it"));
   }
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const int fd = socket(AF_UNIX, type | SOCK_CLOEXEC, 0);
   if (fd < 0) {
     return absl::UnavailableError(absl::StrCat("socket(AF_UNIX): ", std::strerror(errno)));
   }
@@ -69,16 +69,16 @@ absl::Status PrepareUnixSocketPath(const std::string& path) {
   close(fd);
   if (rc == 0) {
     return absl::UnavailableError(absl::StrCat(
-        "--listen=unix:", path, ": another server is listening on this socket (address in use)"));
+        "unix socket ", path, ": another server is listening on this socket (address in use)"));
   }
   if (err != ECONNREFUSED) {
-    return absl::UnavailableError(absl::StrCat("--listen=unix:", path,
+    return absl::UnavailableError(absl::StrCat("unix socket ", path,
                                                ": cannot tell whether the socket is in use: ",
                                                std::strerror(err)));
   }
   // Nobody listens: a socket left behind by a server that died.
   if (unlink(path.c_str()) != 0 && errno != ENOENT) {
-    return absl::UnavailableError(absl::StrCat("--listen=unix:", path,
+    return absl::UnavailableError(absl::StrCat("unix socket ", path,
                                                ": cannot remove the stale socket: ",
                                                std::strerror(errno)));
   }

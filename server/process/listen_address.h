@@ -10,6 +10,7 @@
 #ifndef NORMGRAD_SERVER_PROCESS_LISTEN_ADDRESS_H_
 #define NORMGRAD_SERVER_PROCESS_LISTEN_ADDRESS_H_
 
+#include <sys/socket.h>
 #include <sys/types.h>
 
 #include <string>
@@ -35,7 +36,8 @@ absl::StatusOr<ListenAddress> ParseListenAddress(absl::string_view text);
 // Makes `path` free to bind: nothing there is fine; a socket nobody listens on (left by a server
 // that died) is removed; a socket a live server listens on is UNAVAILABLE ("in use"), and so is
 // anything that is not a socket (never removed: it may be someone's file).
-absl::Status PrepareUnixSocketPath(const std::string& path);
+// `type`: SOCK_STREAM for gRPC's sockets, SOCK_SEQPACKET for the shared-memory region socket.
+absl::Status PrepareUnixSocketPath(const std::string& path, int type = SOCK_STREAM);
 
 // chmod of the socket file (who may connect). Bits outside 0777 are INVALID_ARGUMENT.
 absl::Status SetUnixSocketMode(const std::string& path, mode_t mode);

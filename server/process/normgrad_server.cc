@@ -1,5 +1,6 @@
 #include "server/process/normgrad_server.h"
 
+#include <sys/socket.h>
 #include <sys/stat.h>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
@@ -14,6 +15,7 @@
 #include <mutex>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -28,6 +30,7 @@
 #include "server/process/process_memory.h"
 #include "server/ptx/ptx_service.h"
 #include "server/service/normgrad_service.h"
+#include "server/shared_memory/region_socket.h"
 #include "server/thread_pool/thread_pool.h"
 
 #ifndef NORMGRAD_VERSION
@@ -96,6 +99,10 @@ void AddConnectionLimits(const ServerOptions& options, grpc::ServerBuilder& buil
 void DescribeServerMetrics(MetricsRegistry& m) {
   m.DescribeGauge("normgrad_serving", "1 when health is SERVING, 0 while starting or draining.");
   m.DescribeGauge("normgrad_inflight_streams", "RmsNormBackward streams admitted and not done.");
+  m.DescribeGauge("normgrad_shm_regions", "Shared-memory regions registered now (--shared-memory).");
+  m.DescribeGauge("normgrad_shm_region_bytes", "Bytes of the shared-memory regions registered now.");
+  m.DescribeGauge("normgrad_shm_registrations",
+                  "Region registrations since start, by result (ok, refused).");
   m.DescribeGauge("normgrad_inflight_bytes",
                   "Bytes held for chunks being computed or written (admission control).");
   m.DescribeGauge("normgrad_backend_info", "Always 1; the labels describe backend and device.");
@@ -173,6 +180,20 @@ absl::Status ValidateOptions(const ServerOptions& o) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--listen=", absl::StrJoin(o.listen, ","), ": at most one HOST:PORT (and any number "
           "of unix:/PATH)"));
+    }
+  }
+  if (o.shared_memory) {
+    const bool has_unix = std::any_of(o.listen.begin(), o.listen.end(), [](const std::string& a) {
+      return absl::StartsWith(a, "unix:");
+    });
+    if (!has_unix) {
+      return absl::InvalidArgumentError(
+          "--shared-memory needs a --listen=unix:/PATH (clients register regions on PATH.shm)");
+    }
+    if (o.regions.max_regions == 0 || o.regions.max_bytes == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--shared-memory-max-regions=", o.regions.max_regions, " --shared-memory-max-bytes=",
+          o.regions.max_bytes, ": both must be > 0"));
     }
   }
   if (o.unix_socket_mode > 0777) {
@@ -282,6 +303,7 @@ absl::StatusOr<std::unique_ptr<NormGradServer>> NormGradServer::Start(
   server->PublishBackendMetrics();
   NORMGRAD_RETURN_IF_ERROR(server->StartMetricsEndpoint());
   NORMGRAD_RETURN_IF_ERROR(server->StartGrpcPort(credentials));
+  NORMGRAD_RETURN_IF_ERROR(server->StartRegionSockets());
   NORMGRAD_RETURN_IF_ERROR(server->StartHealthPort());
   server->SetServing(false);
   server->StartWatchdog();
@@ -316,6 +338,10 @@ void NormGradServer::AssembleService() {
   env_->metrics = metrics_.get();
   env_->pool = pool_.get();
   env_->streams = streams_.get();
+  if (options_.shared_memory) {
+    regions_ = std::make_unique<RegionRegistry>(options_.regions);
+    env_->regions = regions_.get();
+  }
   service_ = std::make_unique<NormGradService>(env_.get());
 }
 
@@ -412,6 +438,36 @@ absl::Status NormGradServer::StartGrpcPort(
   return absl::OkStatus();
 }
 
+absl::Status NormGradServer::StartRegionSockets() {
+  if (regions_ == nullptr) return absl::OkStatus();
+  for (const std::string& grpc_path : unix_paths_) {
+    const std::string path = grpc_path + ".shm";
+    absl::Status s = PrepareUnixSocketPath(path, SOCK_SEQPACKET);
+    absl::StatusOr<std::unique_ptr<RegionSocket>> socket =
+        s.ok() ? RegionSocket::Start(path, options_.unix_socket_mode, regions_.get())
+               : absl::StatusOr<std::unique_ptr<RegionSocket>>(s);
+    if (!socket.ok()) {
+      grpc_server_->Shutdown(std::chrono::system_clock::now());
+      grpc_server_->Wait();
+      grpc_server_.reset();
+      return absl::Status(socket.status().code(),
+                          absl::StrCat("--shared-memory: ", socket.status().message()));
+    }
+    region_sockets_.push_back(*std::move(socket));
+  }
+  RegionRegistry* regions = regions_.get();
+  metrics_->AddCollector([regions](MetricsRegistry& m) {
+    const RegionStats st = regions->Stats();
+    m.SetGauge("normgrad_shm_regions", {}, static_cast<double>(st.regions));
+    m.SetGauge("normgrad_shm_region_bytes", {}, static_cast<double>(st.bytes));
+    m.SetGauge("normgrad_shm_registrations", {{"result", "ok"}},
+               static_cast<double>(st.registered));
+    m.SetGauge("normgrad_shm_registrations", {{"result", "refused"}},
+               static_cast<double>(st.refused));
+  });
+  return absl::OkStatus();
+}
+
 absl::Status NormGradServer::StartHealthPort() {
   if (options_.health_listen.empty()) return absl::OkStatus();
   int port;
@@ -473,6 +529,7 @@ std::string NormGradServer::ReadyLine() const {
       absl::StrCat("normgrad-server ready grpc=", grpc, " metrics=", metrics,
                    " backend=", backend_->Name(), " device=\"", backend_->Device().name, "\"");
   for (const std::string& path : unix_paths_) absl::StrAppend(&line, " unix=", path);
+  for (const auto& socket : region_sockets_) absl::StrAppend(&line, " shm=", socket->path());
   if (health_port_ > 0) absl::StrAppend(&line, " health=", health_host_, ":", health_port_);
   if (!options_.security.cert_file.empty()) {
     absl::StrAppend(&line, options_.security.client_ca_file.empty() ? " tls=on" : " tls=mtls");
@@ -529,6 +586,7 @@ void NormGradServer::Shutdown(absl::Duration grace) {
   pool_.reset();  // runs what is queued (nothing but finished streams' leftovers), joins
   if (grpc_server_ != nullptr) grpc_server_->Wait();
   for (size_t i = 0; i < unix_paths_.size(); ++i) RemoveUnixSocket(unix_paths_[i], unix_inodes_[i]);
+  region_sockets_.clear();  // closes the region connections: their regions are released
   // The health port answers NOT_SERVING until the main port is gone, then closes.
   if (health_server_ != nullptr) {
     health_server_->Shutdown(std::chrono::system_clock::now());

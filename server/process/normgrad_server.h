@@ -34,6 +34,7 @@
 #include "server/process/transport_security.h"
 #include "server/service/admission.h"
 #include "server/service/backward_validator.h"
+#include "server/shared_memory/region_registry.h"
 
 namespace grpc {
 class CallbackGenericService;
@@ -47,6 +48,7 @@ class MetricsRegistry;
 class MetricsHttpServer;
 class NormGradService;
 class PtxService;
+class RegionSocket;
 class StreamRegistry;
 class ThreadPool;
 struct ServiceEnv;
@@ -55,6 +57,10 @@ struct ServerOptions {
   // HOST:PORT (port 0 picks a free one; at most one) and unix:/PATH addresses (listen_address.h).
   std::vector<std::string> listen = {"0.0.0.0:50051"};
   uint32_t unix_socket_mode = 0660;             // chmod of every unix:/PATH socket
+  // Shared-memory regions of co-located clients: for each unix:/PATH listener a region socket
+  // PATH.shm (server/shared_memory/); off by default.
+  bool shared_memory = false;
+  RegionLimits regions;
   std::string metrics_listen = "0.0.0.0:9464";  // empty: no metrics endpoint
   BackendOptions backend;
   std::vector<std::string> preload;             // KERNEL:TARGET[:HIDDEN_DIM] entries
@@ -107,11 +113,12 @@ class NormGradServer {
   int port() const { return port_; }  // the HOST:PORT listener's; 0 with unix sockets only
   // The unix:/PATH sockets the service listens on, in --listen order.
   const std::vector<std::string>& unix_socket_paths() const { return unix_paths_; }
+  RegionRegistry* regions() { return regions_.get(); }  // null without shared_memory
   int metrics_port() const { return metrics_port_; }  // 0 when disabled
   int health_port() const { return health_port_; }    // 0 without --health-listen
   // One line for people and scripts: "normgrad-server ready grpc=HOST:PORT metrics=HOST:PORT
   // backend=NAME device=\"...\"" (grpc=off without a HOST:PORT listener, metrics=off when
-  // disabled), then " unix=PATH" per unix socket, " health=HOST:PORT" with --health-listen and
+  // disabled), then " unix=PATH" per unix socket (and " shm=PATH.shm" with shared memory), " health=HOST:PORT" with --health-listen and
   // " tls=on|mtls" with TLS.
   std::string ReadyLine() const;
 
@@ -133,6 +140,7 @@ class NormGradServer {
   absl::Status StartMetricsEndpoint();
   absl::Status StartGrpcPort(const std::shared_ptr<grpc::ServerCredentials>& credentials);
   absl::Status StartHealthPort();
+  absl::Status StartRegionSockets();
   void StartWatchdog();
   absl::Status Preload(const std::vector<PreloadEntry>& entries);
 
@@ -152,6 +160,8 @@ class NormGradServer {
   std::unique_ptr<grpc::Server> health_server_;  // --health-listen; health service only
   std::unique_ptr<grpc::CallbackGenericService> health_port_rejecter_;  // other methods there
   std::unique_ptr<MetricsHttpServer> metrics_http_;
+  std::unique_ptr<RegionRegistry> regions_;
+  std::vector<std::unique_ptr<RegionSocket>> region_sockets_;
   std::thread watchdog_;
   std::string host_;
   std::string metrics_host_;

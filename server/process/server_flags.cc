@@ -16,6 +16,14 @@ ABSL_FLAG(std::vector<std::string>, listen, {"0.0.0.0:50051"},
           "gRPC addresses: HOST:PORT (port 0 picks a free port; the ready line prints it) and/or "
           "unix:/PATH (a unix-domain socket); repeat the flag or separate with commas. At most "
           "one HOST:PORT.");
+ABSL_FLAG(bool, shared_memory, false,
+          "Take x and dy from, and write grad_input into, shared-memory regions of clients on "
+          "this machine (docs/api.md); needs a --listen=unix:/PATH, beside which the region "
+          "socket PATH.shm is made.");
+ABSL_FLAG(uint32_t, shared_memory_max_regions, 64,
+          "Shared-memory regions registered at once, all clients together.");
+ABSL_FLAG(uint64_t, shared_memory_max_bytes, 16ull << 30,
+          "Bytes of shared-memory regions registered at once, all clients together.");
 ABSL_FLAG(std::string, unix_socket_mode, "0660",
           "File mode (octal) of every unix:/PATH socket of --listen: who may connect.");
 ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
@@ -143,6 +151,9 @@ absl::StatusOr<ServerOptions> ServerOptionsFromFlags() {
         "--unix-socket-mode=", mode, ": not an octal file mode in 0..0777 such as 0660"));
   }
   o.unix_socket_mode = mode_bits;
+  o.shared_memory = absl::GetFlag(FLAGS_shared_memory);
+  o.regions.max_regions = absl::GetFlag(FLAGS_shared_memory_max_regions);
+  o.regions.max_bytes = absl::GetFlag(FLAGS_shared_memory_max_bytes);
   o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   absl::StatusOr<BackendKind> kind = ParseBackendKind(absl::GetFlag(FLAGS_backend));
   if (!kind.ok()) {

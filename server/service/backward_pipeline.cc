@@ -7,12 +7,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kernels/kernel.h"
 #include "kernels/status_macros.h"
 
 namespace normgrad::server {
 
-BackwardPipeline::BackwardPipeline(ServiceEnv* env, absl::Time deadline)
-    : env_(env), deadline_(deadline), validator_(env->config.batch_limits) {
+BackwardPipeline::BackwardPipeline(ServiceEnv* env, absl::Time deadline, bool peer_is_local)
+    : env_(env),
+      deadline_(deadline),
+      peer_is_local_(peer_is_local),
+      validator_(env->config.batch_limits) {
   last_progress_ = start_;
 }
 
@@ -208,10 +212,79 @@ void BackwardPipeline::OnMessageLocked(StreamActions& a) {
   }
   job.kind = Job::kChunk;
   job.chunk = accepted->chunk;
-  // Held until the response is written: the request (x, dy, rms) and the response (dx).
+  if (job.request->has_shm()) {
+    absl::StatusOr<RegionRows> rows = FindRegionRowsLocked(job.request->shm(), job.chunk);
+    if (!rows.ok()) {
+      FinishLocked(rows.status(), a);
+      return;
+    }
+    job.in_region = *std::move(rows);
+  }
+  // Held until the response is written: the request (x, dy, rms) and the response (dx); a
+  // chunk in shared memory holds only its small message (the region is counted apart).
   job.reserved = message_bytes + x_bytes;
   waiting_for_bytes_ = std::move(job);
   AdmitWaitingChunkLocked(a);
+}
+
+absl::StatusOr<BackwardPipeline::RegionRows> BackwardPipeline::FindRegionRowsLocked(
+    const v1::SharedMemoryChunk& shm, const RowChunk& chunk) const {
+  const std::string where = absl::StrCat("chunk ", chunk.index, ": ");
+  if (env_->regions == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, "carries shm but this server takes no shared memory (start it with "
+        "--shared-memory and reach it on its unix socket)"));
+  }
+  if (!peer_is_local_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, "carries shm but the client is not on this machine (shared memory is taken only "
+        "on a unix socket or a loopback address)"));
+  }
+  absl::StatusOr<std::shared_ptr<const MappedRegion>> region =
+      env_->regions->Find(shm.region_id(), shm.region_key());
+  if (!region.ok()) {
+    return absl::Status(region.status().code(), absl::StrCat(where, region.status().message()));
+  }
+  const uint64_t size = (*region)->size();
+  const uint64_t element = kernels::DTypeBytes(validator_.spec().dtype);
+  if (chunk.num_rows > UINT64_MAX / validator_.row_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "shm.num_rows = ", chunk.num_rows,
+                                                   " rows do not fit in any region"));
+  }
+  const uint64_t bytes = chunk.num_rows * validator_.row_bytes();
+  const uint64_t rms_bytes = validator_.spec().rms_provided ? chunk.num_rows * 4 : 0;
+  struct Range {
+    const char* field;
+    uint64_t offset, bytes, alignment;
+  };
+  const Range ranges[] = {{"shm.x_offset", shm.x_offset(), bytes, element},
+                          {"shm.dy_offset", shm.dy_offset(), bytes, element},
+                          {"shm.rms_offset", shm.rms_offset(), rms_bytes, 4},
+                          {"shm.grad_input_offset", shm.grad_input_offset(), bytes, element}};
+  for (const Range& r : ranges) {
+    if (absl::Status s = CheckRegionRange(absl::StrCat(where, r.field), r.offset, r.bytes, size,
+                                          r.alignment);
+        !s.ok()) {
+      return s;
+    }
+  }
+  // grad_input is written while x, dy and rms are read: it must not overlap them.
+  const Range& out = ranges[3];
+  for (int i = 0; i < 3; ++i) {
+    const Range& in = ranges[i];
+    if (in.bytes > 0 && out.offset < in.offset + in.bytes && in.offset < out.offset + out.bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, "shm.grad_input_offset = ", out.offset, " (", out.bytes, " bytes) overlaps ",
+          in.field, " = ", in.offset, " (", in.bytes, " bytes)"));
+    }
+  }
+  RegionRows rows;
+  rows.region = *std::move(region);
+  rows.x = shm.x_offset();
+  rows.dy = shm.dy_offset();
+  rows.rms = shm.rms_offset();
+  rows.grad_input = shm.grad_input_offset();
+  return rows;
 }
 
 // Reserves the bytes of the chunk in waiting_for_bytes_ and queues it. When the budget is short
@@ -305,6 +378,24 @@ absl::StatusOr<std::unique_ptr<BackwardPipeline::Outgoing>> BackwardPipeline::Ru
       out->is_chunk = true;
       out->response.set_first_row(job.chunk.first_row);
       out->response.set_num_rows(job.chunk.num_rows);
+      if (job.in_region.has_value()) {
+        // Zero copy: the backend reads x, dy and rms in the client's region and writes dx there.
+        const RegionRows& in = *job.in_region;
+        uint8_t* base = in.region->data();
+        const uint64_t bytes = job.chunk.num_rows * validator_.row_bytes();
+        absl::Span<const float> rms;
+        if (spec.rms_provided) {
+          rms = absl::MakeConstSpan(reinterpret_cast<const float*>(base + in.rms),
+                                    job.chunk.num_rows);
+        }
+        NORMGRAD_RETURN_IF_ERROR(session_->ProcessChunk(
+            absl::MakeConstSpan(base + in.x, bytes), absl::MakeConstSpan(base + in.dy, bytes),
+            rms, job.chunk.num_rows, absl::MakeSpan(base + in.grad_input, bytes)));
+        env_->metrics->IncrementCounter("normgrad_chunks_total", {});
+        std::lock_guard<std::mutex> lock(mu_);
+        rows_sent_ += job.chunk.num_rows;
+        return out;
+      }
       std::string* dx = out->response.mutable_grad_input();
       dx->resize(r.x().size());
       std::vector<float> rms_copy;

@@ -34,6 +34,7 @@
 #include "server/backend/backend.h"
 #include "server/service/backward_validator.h"
 #include "server/service/service_env.h"
+#include "server/shared_memory/region_registry.h"
 
 namespace normgrad::server {
 
@@ -62,8 +63,9 @@ struct StreamTotals {
 
 class BackwardPipeline {
  public:
-  // `deadline`: the call's deadline, to tell a deadline from a cancel.
-  BackwardPipeline(ServiceEnv* env, absl::Time deadline);
+  // `deadline`: the call's deadline, to tell a deadline from a cancel. `peer_is_local`: the
+  // client reached a unix socket or a loopback address, so it may name shared-memory regions.
+  BackwardPipeline(ServiceEnv* env, absl::Time deadline, bool peer_is_local = false);
   // Releases the bytes still reserved. The owner drops the backend session first (it may
   // belong to a backend that outlives only the registry's streams).
   ~BackwardPipeline();
@@ -91,11 +93,18 @@ class BackwardPipeline {
   absl::Time start_time() const { return start_; }
 
  private:
+  // Where a chunk's rows are when they are not in the request message: byte offsets in a
+  // shared-memory region, checked against it (the mapping stays while the job holds it).
+  struct RegionRows {
+    std::shared_ptr<const MappedRegion> region;
+    uint64_t x = 0, dy = 0, rms = 0, grad_input = 0;
+  };
   struct Job {
     enum Kind { kStart, kChunk, kFinish } kind = kChunk;
     std::unique_ptr<v1::BackwardRequest> request;
     RowChunk chunk;
     uint64_t reserved = 0;
+    std::optional<RegionRows> in_region;
   };
   struct Outgoing {
     v1::BackwardResponse response;
@@ -108,6 +117,8 @@ class BackwardPipeline {
   void FinishLocked(const absl::Status& status, StreamActions& a);
   absl::Status CancelStatusLocked() const;
   void OnMessageLocked(StreamActions& a);
+  absl::StatusOr<RegionRows> FindRegionRowsLocked(const v1::SharedMemoryChunk& shm,
+                                                  const RowChunk& chunk) const;
   void AdmitWaitingChunkLocked(StreamActions& a);
   void MaybeStartReadLocked(StreamActions& a);
   void ScheduleComputeLocked(StreamActions& a);
@@ -116,6 +127,7 @@ class BackwardPipeline {
 
   ServiceEnv* const env_;
   const absl::Time deadline_;
+  const bool peer_is_local_;
   const absl::Time start_ = absl::Now();
   std::atomic<bool> cancelled_{false};
   std::unique_ptr<BackwardSession> session_;  // only the running job touches it

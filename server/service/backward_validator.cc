@@ -97,6 +97,7 @@ absl::StatusOr<RowChunk> BackwardValidator::AcceptChunk(const v1::BackwardReques
     return absl::InvalidArgumentError(
         absl::StrCat(where, "header repeated; only the first message may carry `header`"));
   }
+  if (message.has_shm()) return AcceptSharedMemoryChunk(message, where);
   const uint64_t x_bytes = message.x().size();
   const uint64_t dy_bytes = message.dy().size();
   if (x_bytes == 0 && dy_bytes == 0) {
@@ -135,6 +136,34 @@ absl::StatusOr<RowChunk> BackwardValidator::AcceptChunk(const v1::BackwardReques
   }
   RowChunk chunk;
   chunk.index = index;
+  chunk.first_row = rows_received_;
+  chunk.num_rows = rows;
+  rows_received_ += rows;
+  ++chunks_received_;
+  return chunk;
+}
+
+// The region and its offsets are checked by whoever holds the regions (BackwardPipeline): here,
+// only what the message alone says.
+absl::StatusOr<RowChunk> BackwardValidator::AcceptSharedMemoryChunk(
+    const v1::BackwardRequest& message, const std::string& where) {
+  if (!message.x().empty() || !message.dy().empty() || !message.rms().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "carries shm and also row bytes (x: ", message.x().size(), ", dy: ",
+        message.dy().size(), ", rms: ", message.rms().size(), "); send one or the other"));
+  }
+  const uint64_t rows = message.shm().num_rows();
+  if (rows == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "shm.num_rows is 0; a chunk carries at least one row"));
+  }
+  if (rows > spec_.num_rows - rows_received_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "shm.num_rows = ", rows, " after ", rows_received_,
+        " rows would exceed header.num_rows = ", spec_.num_rows));
+  }
+  RowChunk chunk;
+  chunk.index = chunks_received_;
   chunk.first_row = rows_received_;
   chunk.num_rows = rows;
   rows_received_ += rows;

@@ -14,6 +14,7 @@
 #define NORMGRAD_SERVER_SERVICE_BACKWARD_VALIDATOR_H_
 
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -46,7 +47,8 @@ class BackwardValidator {
 
   // The first message must carry `header` (and gamma) and nothing else; every later message is a
   // row chunk: x and dy of equal length (elements of header.dtype), a whole number of rows, no more rows than declared, and
-  // `rms` (rows * 4 bytes) exactly when header.rms_provided.
+  // `rms` (rows * 4 bytes) exactly when header.rms_provided. A chunk with `shm` carries no row
+  // bytes and shm.num_rows rows (its region and offsets are the caller's to check).
   absl::StatusOr<AcceptedMessage> Accept(const v1::BackwardRequest& message);
 
   // OK when a header arrived and the chunks carried exactly header.num_rows rows.
@@ -61,6 +63,8 @@ class BackwardValidator {
  private:
   absl::Status AcceptHeader(const v1::BackwardRequest& message);
   absl::StatusOr<RowChunk> AcceptChunk(const v1::BackwardRequest& message);
+  absl::StatusOr<RowChunk> AcceptSharedMemoryChunk(const v1::BackwardRequest& message,
+                                                   const std::string& where);
 
   BackwardLimits limits_;
   bool has_header_ = false;

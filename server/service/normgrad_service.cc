@@ -9,12 +9,14 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "kernels/status_macros.h"
 #include "server/proto_conversion/proto_conversion.h"
 #include "server/service/backward_pipeline.h"
 #include "server/service/status_conversion.h"
+#include "server/shared_memory/region_registry.h"
 
 namespace normgrad::server {
 namespace {
@@ -22,6 +24,12 @@ namespace {
 constexpr char kBackwardMethod[] = "RmsNormBackward";
 constexpr char kEmitPtxMethod[] = "EmitPtx";
 constexpr char kServerInfoMethod[] = "GetServerInfo";
+
+// gRPC's peer strings: "unix:...", "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", ...
+bool PeerIsLocal(absl::string_view peer) {
+  return absl::StartsWith(peer, "unix:") || absl::StartsWith(peer, "ipv4:127.") ||
+         absl::StartsWith(peer, "ipv6:[::1]") || absl::StartsWith(peer, "ipv6:%5B::1%5D");
+}
 
 }  // namespace
 
@@ -60,7 +68,8 @@ class BackwardStream final
   BackwardStream(ServiceEnv* env, grpc::CallbackServerContext* context)
       : env_(env),
         context_(context),
-        pipeline_(std::make_unique<BackwardPipeline>(env, absl::FromChrono(context->deadline()))) {
+        pipeline_(std::make_unique<BackwardPipeline>(env, absl::FromChrono(context->deadline()),
+                                                     PeerIsLocal(context->peer()))) {
     env_->streams->Add(this);
     Apply(pipeline_->Start());
   }
@@ -211,6 +220,12 @@ grpc::ServerUnaryReactor* NormGradService::GetServerInfo(grpc::CallbackServerCon
   ToProto(env_->backend->CacheStats(), response->mutable_cache());
   ToProto(env_->ptx->CacheStats(), response->mutable_ptx_cache());
   response->set_nvjitlink_available(env_->ptx->has_nvjitlink());
+  if (env_->regions != nullptr) {
+    v1::SharedMemoryInfo* shm = response->mutable_shared_memory();
+    shm->set_enabled(true);
+    shm->set_max_regions(env_->regions->limits().max_regions);
+    shm->set_max_region_bytes(env_->regions->limits().max_bytes);
+  }
   for (std::string& name : KernelNames()) response->add_kernels(std::move(name));
   RecordRpc(*env_->metrics, kServerInfoMethod, absl::StatusCode::kOk,
             absl::ToDoubleSeconds(absl::Now() - start), 0, response->ByteSizeLong());

@@ -18,6 +18,7 @@
 
 namespace normgrad::server {
 
+class RegionRegistry;
 class StreamRegistry;
 
 struct ServiceConfig {
@@ -35,6 +36,7 @@ struct ServiceEnv {
   MetricsRegistry* metrics = nullptr;
   ThreadPool* pool = nullptr;  // blocking work: chunk compute, session start, EmitPtx
   StreamRegistry* streams = nullptr;
+  RegionRegistry* regions = nullptr;  // shared-memory regions; null without --shared-memory
   std::atomic<bool> draining{false};
 };
 

@@ -30,6 +30,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "normgrad/shared_memory.h"
 #include "normgrad/v1/normgrad.pb.h"
 
 namespace normgrad {
@@ -43,6 +44,16 @@ struct TlsOptions {
   std::string client_cert_pem;  // both set: mutual TLS
   std::string client_key_pem;
   std::string server_name_override;  // checked against the certificate instead of the host
+};
+
+// How Backward moves tensors (docs/api.md, "Shared memory").
+enum class Transport {
+  // Shared memory when the tensors lie in a region registered with RegisterSharedMemory (no
+  // copy), or when the target is the server's unix socket and the server offers it (through a
+  // staging region: one copy of x, dy and rms in, of dx out); bytes over gRPC otherwise.
+  kAuto,
+  kBytes,         // always bytes over gRPC
+  kSharedMemory,  // always shared memory; FAILED_PRECONDITION when the server cannot take it
 };
 
 struct ClientOptions {
@@ -74,6 +85,10 @@ struct ClientOptions {
   // True: this channel opens its own connections instead of sharing them with other channels
   // to the same target in this process (what a load generator's "connections" needs).
   bool own_connection = false;
+  Transport transport = Transport::kAuto;
+  // Rows of x per shared-memory chunk (no message limit applies; smaller chunks let the
+  // server's compute and the responses overlap).
+  uint64_t shm_chunk_bytes = uint64_t{64} << 20;
 };
 
 // Cancels a Backward call from another thread (what a Python client's Ctrl-C does): give it to
@@ -194,6 +209,13 @@ class Client {
   virtual void EmitPtxAsync(const v1::EmitPtxRequest& request, const CallOptions& options,
                             EmitPtxCallback done) = 0;
   virtual absl::StatusOr<v1::GetServerInfoResponse> ServerInfo(const CallOptions& options = {}) = 0;
+  // Registers `region` with the server (on its region socket, "<unix socket path>.shm"), so
+  // that Backward calls whose x, dy, dx (and rms) lie in it go by shared memory with no copy.
+  // The region must outlive this Client; the server releases it when the Client goes.
+  // FAILED_PRECONDITION when the target is not a unix socket or the server takes no shared
+  // memory; the server's limits are RESOURCE_EXHAUSTED.
+  virtual absl::Status RegisterSharedMemory(const SharedMemoryRegion& region) = 0;
+
   // grpc.health.v1.Health/Check for `service` ("" is the server as a whole).
   virtual absl::StatusOr<HealthStatus> Health(const std::string& service = "",
                                               const CallOptions& options = {}) = 0;

@@ -1,0 +1,248 @@
+#include "client/src/shared_memory_transport.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/strip.h"
+#include "absl/strings/str_cat.h"
+#include "normgrad/v1/normgrad.pb.h"
+
+namespace normgrad {
+
+absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> SharedMemoryRegion::Create(uint64_t bytes) {
+  if (bytes == 0) return absl::InvalidArgumentError("shared-memory region: 0 bytes");
+  const int fd = memfd_create("normgrad-region", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) {
+    return absl::UnavailableError(absl::StrCat("memfd_create: ", std::strerror(errno)));
+  }
+  auto fail = [fd](const char* what) {
+    const int err = errno;
+    close(fd);
+    return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(err)));
+  };
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) return fail("ftruncate");
+  // Sealed against shrinking (the server checks it: a shrunk mapping would SIGBUS it), growing
+  // and further sealing.
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return fail("fcntl(F_ADD_SEALS)");
+  }
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) return fail("mmap");
+  return std::unique_ptr<SharedMemoryRegion>(
+      new SharedMemoryRegion(fd, static_cast<uint8_t*>(base), bytes));
+}
+
+SharedMemoryRegion::~SharedMemoryRegion() {
+  munmap(base_, size_);
+  close(fd_);
+}
+
+bool SharedMemoryRegion::Contains(const void* p, uint64_t bytes) const {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  const auto b = reinterpret_cast<uintptr_t>(base_);
+  return a >= b && a - b <= size_ && bytes <= size_ - (a - b);
+}
+
+namespace client_internal {
+
+std::string RegionSocketPathFor(const std::string& target) {
+  absl::string_view t = target;
+  if (!absl::ConsumePrefix(&t, "unix:")) return "";
+  if (absl::StartsWith(t, "//")) t.remove_prefix(2);
+  if (t.empty()) return "";
+  return absl::StrCat(t, ".shm");
+}
+
+SharedMemoryTransport::SharedMemoryTransport(Transport mode, std::string socket_path,
+                                             std::function<absl::StatusOr<bool>()> server_offers)
+    : mode_(mode), socket_path_(std::move(socket_path)), server_offers_(std::move(server_offers)) {}
+
+SharedMemoryTransport::~SharedMemoryTransport() {
+  // Closing the connection releases every region registered on it, on the server.
+  if (fd_ >= 0) close(fd_);
+}
+
+absl::Status SharedMemoryTransport::ConnectLocked() {
+  if (fd_ >= 0) return absl::OkStatus();
+  if (socket_path_.empty()) {
+    return absl::FailedPreconditionError(
+        "shared memory needs the server's unix socket as the target (unix:/PATH)");
+  }
+  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::UnavailableError(absl::StrCat("socket: ", std::strerror(errno)));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (socket_path_.size() >= sizeof(addr.sun_path)) {
+    close(fd);
+    return absl::InvalidArgumentError(absl::StrCat("region socket path too long: ", socket_path_));
+  }
+  std::memcpy(addr.sun_path, socket_path_.data(), socket_path_.size());
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+    const int err = errno;
+    close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot reach the server's region socket ", socket_path_, ": ", std::strerror(err),
+        " (is the server started with --shared-memory?)"));
+  }
+  timeval timeout{10, 0};  // a server that does not answer a registration is not waited on forever
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  fd_ = fd;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SharedMemoryTransport::Registered> SharedMemoryTransport::RegisterLocked(
+    const SharedMemoryRegion& region) {
+  if (absl::Status s = ConnectLocked(); !s.ok()) return s;
+  v1::RegionRequest request;
+  request.set_register_region(true);
+  const std::string bytes = request.SerializeAsString();
+  iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  const int fd = region.fd();
+  std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  if (sendmsg(fd_, &msg, MSG_NOSIGNAL) < 0) {
+    return absl::UnavailableError(absl::StrCat("sending the region: ", std::strerror(errno)));
+  }
+  char reply_bytes[4096];
+  const ssize_t n = recv(fd_, reply_bytes, sizeof(reply_bytes), 0);
+  if (n <= 0) {
+    return absl::UnavailableError(absl::StrCat("no answer to the region registration: ",
+                                               n == 0 ? "connection closed" : std::strerror(errno)));
+  }
+  v1::RegionReply reply;
+  if (!reply.ParseFromArray(reply_bytes, static_cast<int>(n))) {
+    return absl::InternalError("the server's region reply does not parse");
+  }
+  if (reply.code() != 0) {
+    return absl::Status(static_cast<absl::StatusCode>(reply.code()), reply.message());
+  }
+  return Registered{&region, reply.region_id(), reply.region_key()};
+}
+
+absl::Status SharedMemoryTransport::Register(const SharedMemoryRegion& region) {
+  std::lock_guard<std::mutex> lock(mu_);
+  absl::StatusOr<Registered> r = RegisterLocked(region);
+  if (!r.ok()) return r.status();
+  registered_.push_back(*r);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> SharedMemoryTransport::AvailableLocked() {
+  if (!available_.has_value()) {
+    if (socket_path_.empty()) {
+      available_ = false;
+    } else {
+      absl::StatusOr<bool> offers = server_offers_();
+      // A failed GetServerInfo is not remembered: the next call asks again.
+      if (!offers.ok()) return offers.status();
+      available_ = *offers;
+    }
+  }
+  return *available_;
+}
+
+absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryTransport::TakeStagingLocked(
+    uint64_t bytes, Registered* registered) {
+  std::unique_ptr<SharedMemoryRegion> region;
+  {
+    std::lock_guard<std::mutex> lock(pool_->mu);
+    auto& free = pool_->free;
+    auto it = std::find_if(free.begin(), free.end(),
+                           [&](const auto& e) { return e.first->size() >= bytes; });
+    if (it != free.end()) {
+      region = std::move(it->first);
+      *registered = it->second;
+      free.erase(it);
+    }
+  }
+  if (region == nullptr) {
+    uint64_t size = uint64_t{1} << 20;
+    while (size < bytes) size *= 2;
+    absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> created = SharedMemoryRegion::Create(size);
+    if (!created.ok()) return created.status();
+    absl::StatusOr<Registered> r = RegisterLocked(**created);
+    if (!r.ok()) return r.status();
+    *registered = *r;
+    region = *std::move(created);
+  }
+  std::shared_ptr<StagingPool> pool = pool_;
+  Registered entry = *registered;
+  SharedMemoryRegion* raw = region.release();
+  return std::shared_ptr<SharedMemoryRegion>(raw, [pool, entry](SharedMemoryRegion* r) {
+    std::lock_guard<std::mutex> lock(pool->mu);
+    pool->free.emplace_back(std::unique_ptr<SharedMemoryRegion>(r), entry);
+  });
+}
+
+absl::StatusOr<std::optional<ShmPlan>> SharedMemoryTransport::Plan(const RawBackwardArgs& a) {
+  if (mode_ == Transport::kBytes) return std::optional<ShmPlan>();
+  std::unique_lock<std::mutex> lock(mu_);
+  for (const Registered& r : registered_) {
+    const SharedMemoryRegion& region = *r.region;
+    if (region.Contains(a.x.data(), a.x.size()) && region.Contains(a.dy.data(), a.dy.size()) &&
+        region.Contains(a.dx.data(), a.dx.size()) &&
+        (a.rms.empty() || region.Contains(a.rms.data(), a.rms.size()))) {
+      ShmPlan plan;
+      plan.region_id = r.id;
+      plan.region_key = r.key;
+      plan.x = static_cast<uint64_t>(a.x.data() - region.data());
+      plan.dy = static_cast<uint64_t>(a.dy.data() - region.data());
+      plan.dx = static_cast<uint64_t>(a.dx.data() - region.data());
+      plan.rms = a.rms.empty() ? 0 : static_cast<uint64_t>(a.rms.data() - region.data());
+      return std::optional<ShmPlan>(std::move(plan));
+    }
+  }
+  absl::StatusOr<bool> available = AvailableLocked();
+  if (!available.ok() || !*available) {
+    if (mode_ == Transport::kAuto) return std::optional<ShmPlan>();  // bytes, as before
+    if (!available.ok()) return available.status();
+    return absl::FailedPreconditionError(
+        socket_path_.empty()
+            ? "transport=shm needs the server's unix socket as the target (unix:/PATH)"
+            : "transport=shm: the server takes no shared memory (start it with --shared-memory)");
+  }
+  // Staging: x, dy, rms, dx one after the other (every offset a multiple of 4).
+  const uint64_t x_bytes = a.x.size(), rms_bytes = a.rms.size();
+  ShmPlan plan;
+  Registered registered{};
+  absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> staging =
+      TakeStagingLocked(3 * x_bytes + rms_bytes, &registered);
+  if (!staging.ok()) {
+    if (mode_ == Transport::kAuto) return std::optional<ShmPlan>();
+    return staging.status();
+  }
+  plan.staging = *std::move(staging);
+  plan.region_id = registered.id;
+  plan.region_key = registered.key;
+  plan.x = 0;
+  plan.dy = x_bytes;
+  plan.rms = 2 * x_bytes;
+  plan.dx = 2 * x_bytes + rms_bytes;
+  lock.unlock();  // the staging region is this call's alone: copy without holding others up
+  uint8_t* base = plan.staging->data();
+  std::memcpy(base + plan.x, a.x.data(), x_bytes);
+  std::memcpy(base + plan.dy, a.dy.data(), x_bytes);
+  if (rms_bytes > 0) std::memcpy(base + plan.rms, a.rms.data(), rms_bytes);
+  return std::optional<ShmPlan>(std::move(plan));
+}
+
+}  // namespace client_internal
+}  // namespace normgrad

@@ -1,0 +1,82 @@
+// The client's side of the shared-memory transport: registered regions, the connection to the
+// server's region socket ("<unix socket path>.shm"), staging regions for tensors that are not in
+// a registered region, and the choice, per call, between shared memory and bytes
+// (ClientOptions::transport). Thread-safe.
+#ifndef NORMGRAD_CLIENT_SRC_SHARED_MEMORY_TRANSPORT_H_
+#define NORMGRAD_CLIENT_SRC_SHARED_MEMORY_TRANSPORT_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "normgrad/client.h"
+#include "normgrad/shared_memory.h"
+
+namespace normgrad::client_internal {
+
+// Where one call's tensors are in a registered region (byte offsets), and the staging region
+// when the client copied them there (nullptr for zero copy).
+struct ShmPlan {
+  uint64_t region_id = 0;
+  std::string region_key;
+  uint64_t x = 0, dy = 0, rms = 0, dx = 0;
+  std::shared_ptr<SharedMemoryRegion> staging;  // returned to the pool when the plan goes
+};
+
+class SharedMemoryTransport {
+ public:
+  // `socket_path`: the region socket, or empty when the target is not a unix socket.
+  // `server_offers`: asks the server (GetServerInfo) whether it takes shared memory; called
+  // at most once, on the first call that could use it.
+  SharedMemoryTransport(Transport mode, std::string socket_path,
+                        std::function<absl::StatusOr<bool>()> server_offers);
+  ~SharedMemoryTransport();
+
+  absl::Status Register(const SharedMemoryRegion& region);
+
+  // The plan for a call: nullopt for bytes. Zero copy when x, dy, dx (and rms) lie in one
+  // registered region; otherwise, with kSharedMemory or kAuto against a server that offers it,
+  // a staging region holding copies of x, dy and rms (dx is copied out by the caller). Errors:
+  // kSharedMemory against a server that cannot take it (FAILED_PRECONDITION saying why).
+  absl::StatusOr<std::optional<ShmPlan>> Plan(const RawBackwardArgs& args);
+
+ private:
+  struct Registered {
+    const SharedMemoryRegion* region;
+    uint64_t id;
+    std::string key;
+  };
+  absl::Status ConnectLocked();
+  absl::StatusOr<Registered> RegisterLocked(const SharedMemoryRegion& region);
+  absl::StatusOr<bool> AvailableLocked();
+  absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> TakeStagingLocked(uint64_t bytes,
+                                                                        Registered* registered);
+
+  const Transport mode_;
+  const std::string socket_path_;
+  std::function<absl::StatusOr<bool>()> server_offers_;
+  std::mutex mu_;
+  int fd_ = -1;                       // the region socket connection (guarded by mu_)
+  std::optional<absl::StatusOr<bool>> available_;  // guarded by mu_
+  std::vector<Registered> registered_;  // guarded by mu_
+  // Staging regions not in use (registered), shared with the plans that hold one: a plan
+  // gives its region back when it goes, also after this transport went.
+  struct StagingPool {
+    std::mutex mu;
+    std::vector<std::pair<std::unique_ptr<SharedMemoryRegion>, Registered>> free;
+  };
+  std::shared_ptr<StagingPool> pool_ = std::make_shared<StagingPool>();
+};
+
+// The region socket for a target: "unix:/p" and "unix:///p" -> "/p.shm"; other targets: "".
+std::string RegionSocketPathFor(const std::string& target);
+
+}  // namespace normgrad::client_internal
+
+#endif  // NORMGRAD_CLIENT_SRC_SHARED_MEMORY_TRANSPORT_H_

@@ -1,0 +1,167 @@
+#include "server/shared_memory/region_registry.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace normgrad::server {
+
+OwnedFd& OwnedFd::operator=(OwnedFd&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) close(fd_);
+    fd_ = other.release();
+  }
+  return *this;
+}
+
+OwnedFd::~OwnedFd() {
+  if (fd_ >= 0) close(fd_);
+}
+
+MappedRegion::~MappedRegion() { munmap(base_, size_); }
+
+absl::StatusOr<RegionGrant> RegionRegistry::Register(OwnedFd fd, const RegionOwner& owner) {
+  auto refuse = [this](absl::Status s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++refused_;
+    return s;
+  };
+  const int seals = fcntl(fd.get(), F_GET_SEALS);
+  if (seals < 0) {
+    return refuse(absl::InvalidArgumentError(
+        "the region's file descriptor is not a memfd (F_GET_SEALS failed): create it with "
+        "memfd_create(..., MFD_ALLOW_SEALING)"));
+  }
+  if ((seals & F_SEAL_SHRINK) == 0) {
+    return refuse(absl::FailedPreconditionError(
+        "the region's memfd is not sealed with F_SEAL_SHRINK: seal it after ftruncate, so that "
+        "it cannot be shrunk under the server"));
+  }
+  if ((seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0) {
+    return refuse(absl::InvalidArgumentError(
+        "the region's memfd is sealed against writes; the server writes grad_input into it"));
+  }
+  struct stat st;
+  if (fstat(fd.get(), &st) != 0) {
+    return refuse(absl::InvalidArgumentError(absl::StrCat("fstat: ", std::strerror(errno))));
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size == 0) {
+    return refuse(absl::InvalidArgumentError("the region is 0 bytes; ftruncate it first"));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (regions_.size() >= limits_.max_regions) {
+      ++refused_;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the server holds ", regions_.size(), " shared-memory regions, its limit "
+          "(--shared-memory-max-regions=", limits_.max_regions, "); release one first"));
+    }
+    if (size > limits_.max_bytes - bytes_) {
+      ++refused_;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "a region of ", size, " bytes on top of the ", bytes_, " registered exceeds "
+          "--shared-memory-max-bytes=", limits_.max_bytes));
+    }
+  }
+  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+  if (base == MAP_FAILED) {
+    return refuse(absl::InvalidArgumentError(
+        absl::StrCat("mmap of the region (", size, " bytes): ", std::strerror(errno))));
+  }
+  auto mapping = std::make_shared<const MappedRegion>(static_cast<uint8_t*>(base), size);
+  RegionGrant grant;
+  grant.size = size;
+  if (getrandom(grant.key.data(), grant.key.size(), 0) != static_cast<ssize_t>(grant.key.size())) {
+    return refuse(absl::InternalError("getrandom failed for the region key"));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  // Checked again: another registration may have taken the room meanwhile.
+  if (regions_.size() >= limits_.max_regions || size > limits_.max_bytes - bytes_) {
+    ++refused_;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "shared-memory limits reached (--shared-memory-max-regions=", limits_.max_regions,
+        ", --shared-memory-max-bytes=", limits_.max_bytes, ")"));
+  }
+  grant.id = next_id_++;
+  regions_[grant.id] = Entry{std::move(mapping), grant.key, owner};
+  bytes_ += size;
+  ++registered_;
+  return grant;
+}
+
+absl::StatusOr<std::shared_ptr<const MappedRegion>> RegionRegistry::Find(
+    uint64_t id, absl::string_view key) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = regions_.find(id);
+  bool match = it != regions_.end() && key.size() == it->second.key.size();
+  if (match) {
+    uint8_t diff = 0;  // constant time in the key's bytes
+    for (size_t i = 0; i < key.size(); ++i) {
+      diff |= static_cast<uint8_t>(key[i]) ^ it->second.key[i];
+    }
+    match = diff == 0;
+  }
+  if (!match) {
+    return absl::NotFoundError(absl::StrCat(
+        "shm.region_id=", id, ": no registered region with this id and shm.region_key (regions "
+        "belong to the client that registered them, and go when its region connection closes)"));
+  }
+  return it->second.mapping;
+}
+
+absl::Status RegionRegistry::Release(uint64_t id, uint64_t connection) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = regions_.find(id);
+  if (it == regions_.end() || it->second.owner.connection != connection) {
+    return absl::NotFoundError(
+        absl::StrCat("region ", id, " is not registered on this connection"));
+  }
+  bytes_ -= it->second.mapping->size();
+  regions_.erase(it);
+  return absl::OkStatus();
+}
+
+int RegionRegistry::ReleaseOwner(uint64_t connection) {
+  std::lock_guard<std::mutex> lock(mu_);
+  int released = 0;
+  for (auto it = regions_.begin(); it != regions_.end();) {
+    if (it->second.owner.connection == connection) {
+      bytes_ -= it->second.mapping->size();
+      regions_.erase(it++);
+      ++released;
+    } else {
+      ++it;
+    }
+  }
+  return released;
+}
+
+RegionStats RegionRegistry::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {regions_.size(), bytes_, registered_, refused_};
+}
+
+absl::Status CheckRegionRange(absl::string_view field, uint64_t offset, uint64_t bytes,
+                              uint64_t region_size, uint64_t alignment) {
+  if (offset % alignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " is ", offset,
+                                                   ", not a multiple of ", alignment));
+  }
+  if (offset > region_size || bytes > region_size - offset) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, " is ", offset, " with ", bytes, " bytes to access, past the end of the ",
+        region_size, "-byte region"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace normgrad::server

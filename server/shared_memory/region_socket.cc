@@ -1,0 +1,232 @@
+#include "server/shared_memory/region_socket.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "normgrad/v1/normgrad.pb.h"
+
+namespace normgrad::server {
+namespace {
+
+constexpr size_t kMaxMessageBytes = 4096;
+constexpr int kMaxFdsPerMessage = 4;
+
+struct Connection {
+  int fd = -1;
+  uint64_t id = 0;
+  RegionOwner owner;
+};
+
+// One datagram and the descriptors that came with it (all but the first are closed: a
+// registration takes one).
+struct Received {
+  ssize_t bytes = 0;  // 0: the peer closed; -1: error (errno in `error`); -2: too long
+  int error = 0;
+  std::string data;
+  OwnedFd fd;
+  int fds = 0;
+};
+
+Received ReceiveMessage(int fd) {
+  Received r;
+  std::vector<char> buffer(kMaxMessageBytes);
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)];
+  iovec iov{buffer.data(), buffer.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  r.bytes = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+  if (r.bytes < 0) {
+    r.error = errno;
+    return r;
+  }
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < n; ++i) {
+      int passed;
+      std::memcpy(&passed, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      if (r.fds++ == 0) {
+        r.fd = OwnedFd(passed);
+      } else {
+        close(passed);
+      }
+    }
+  }
+  if ((msg.msg_flags & MSG_TRUNC) != 0) r.bytes = -2;  // longer than any request
+  r.data.assign(buffer.data(), static_cast<size_t>(std::max<ssize_t>(r.bytes, 0)));
+  return r;
+}
+
+void Reply(int fd, const absl::Status& status, const RegionGrant* grant) {
+  v1::RegionReply reply;
+  reply.set_code(static_cast<int32_t>(status.code()));
+  reply.set_message(std::string(status.message()));
+  if (grant != nullptr) {
+    reply.set_region_id(grant->id);
+    reply.set_region_key(grant->key.data(), grant->key.size());
+    reply.set_size_bytes(grant->size);
+  }
+  const std::string bytes = reply.SerializeAsString();
+  // A client that does not read its replies only loses them.
+  (void)send(fd, bytes.data(), bytes.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
+absl::Status Handle(RegionRegistry& registry, const Connection& c, Received& r,
+                    RegionGrant* grant) {
+  if (r.bytes == -2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("request longer than ", kMaxMessageBytes, " bytes"));
+  }
+  v1::RegionRequest request;
+  if (!request.ParseFromString(r.data)) {
+    return absl::InvalidArgumentError("the message is not a normgrad.v1.RegionRequest");
+  }
+  if (request.register_region()) {
+    if (r.fds != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a registration carries exactly one file descriptor (SCM_RIGHTS); this one carried ",
+          r.fds));
+    }
+    absl::StatusOr<RegionGrant> g = registry.Register(std::move(r.fd), c.owner);
+    if (!g.ok()) return g.status();
+    *grant = *g;
+    std::fprintf(stderr, "normgrad-server: shared-memory region %llu registered (%llu bytes) by "
+                 "pid %d uid %u\n", static_cast<unsigned long long>(g->id),
+                 static_cast<unsigned long long>(g->size), static_cast<int>(c.owner.pid),
+                 static_cast<unsigned>(c.owner.uid));
+    return absl::OkStatus();
+  }
+  if (request.release_region_id() != 0) {
+    return registry.Release(request.release_region_id(), c.id);
+  }
+  return absl::InvalidArgumentError("the request neither registers nor releases a region");
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<RegionSocket>> RegionSocket::Start(const std::string& path,
+                                                                  mode_t mode,
+                                                                  RegionRegistry* registry) {
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("region socket path ", path, " is too long"));
+  }
+  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return absl::UnavailableError(absl::StrCat("socket: ", std::strerror(errno)));
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  const mode_t old_umask = umask(0077);
+  const int rc = bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
+  const int bind_errno = errno;
+  umask(old_umask);
+  if (rc != 0 || listen(fd, 64) != 0 || chmod(path.c_str(), mode) != 0) {
+    const int err = rc != 0 ? bind_errno : errno;
+    close(fd);
+    return absl::UnavailableError(
+        absl::StrCat("region socket ", path, ": cannot listen there: ", std::strerror(err)));
+  }
+  const int wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wake < 0) {
+    close(fd);
+    return absl::UnavailableError(absl::StrCat("eventfd: ", std::strerror(errno)));
+  }
+  std::unique_ptr<RegionSocket> s(new RegionSocket(path, fd, wake, registry));
+  struct stat st;
+  if (lstat(path.c_str(), &st) == 0) s->inode_ = st.st_ino;
+  s->thread_ = std::thread([raw = s.get()] { raw->Run(); });
+  return s;
+}
+
+RegionSocket::RegionSocket(std::string path, int listen_fd, int wake_fd, RegionRegistry* registry)
+    : path_(std::move(path)), listen_fd_(listen_fd), wake_fd_(wake_fd), registry_(registry) {}
+
+RegionSocket::~RegionSocket() {
+  Stop();
+  close(listen_fd_);
+  close(wake_fd_);
+}
+
+void RegionSocket::Stop() {
+  if (stopped_.exchange(true)) return;
+  const uint64_t one = 1;
+  (void)write(wake_fd_, &one, sizeof(one));
+  if (thread_.joinable()) thread_.join();
+  struct stat st;
+  if (lstat(path_.c_str(), &st) == 0 && st.st_ino == inode_) unlink(path_.c_str());
+}
+
+void RegionSocket::Run() {
+  std::vector<Connection> connections;
+  uint64_t next_id = 1;
+  auto drop = [&](size_t i) {
+    const int released = registry_->ReleaseOwner(connections[i].id);
+    if (released > 0) {
+      std::fprintf(stderr, "normgrad-server: %d shared-memory region(s) of pid %d released (its "
+                   "region connection closed)\n", released, static_cast<int>(connections[i].owner.pid));
+    }
+    close(connections[i].fd);
+    connections.erase(connections.begin() + static_cast<std::ptrdiff_t>(i));
+  };
+  while (true) {
+    std::vector<pollfd> fds;
+    fds.push_back({wake_fd_, POLLIN, 0});
+    fds.push_back({listen_fd_, POLLIN, 0});
+    for (const Connection& c : connections) fds.push_back({c.fd, POLLIN, 0});
+    if (poll(fds.data(), fds.size(), -1) < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    if (fds[0].revents != 0) break;
+    // Connections first (their indexes match fds[2...] only before any is dropped).
+    for (size_t i = connections.size(); i-- > 0;) {
+      if (fds[i + 2].revents == 0) continue;
+      Received r = ReceiveMessage(connections[i].fd);
+      if (r.bytes == -1 && (r.error == EAGAIN || r.error == EINTR)) continue;
+      if (r.bytes == 0 || r.bytes == -1) {  // closed (the client went away) or broken
+        drop(i);
+        continue;
+      }
+      RegionGrant grant;
+      const absl::Status s = Handle(*registry_, connections[i], r, &grant);
+      Reply(connections[i].fd, s, s.ok() && grant.id != 0 ? &grant : nullptr);
+    }
+    if ((fds[1].revents & POLLIN) != 0) {
+      const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd >= 0) {
+        if (connections.size() >= kMaxConnections) {
+          close(fd);
+        } else {
+          Connection c;
+          c.fd = fd;
+          c.id = next_id++;
+          c.owner.connection = c.id;
+          ucred cred{};
+          socklen_t len = sizeof(cred);
+          if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
+            c.owner.pid = cred.pid;
+            c.owner.uid = cred.uid;
+          }
+          connections.push_back(c);
+        }
+      }
+    }
+  }
+  while (!connections.empty()) drop(connections.size() - 1);
+}
+
+}  // namespace normgrad::server

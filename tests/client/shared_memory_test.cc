@@ -1,0 +1,370 @@
+// The shared-memory transport end to end: a server with --shared-memory on a unix socket, the
+// client library registering memfd regions on its region socket, Backward calls that read x and
+// dy and write grad_input in place (zero copy) or through a staging region (transport auto); and
+// every way a region can be misused: another client's id and key, offsets out of range or
+// overflowing, misaligned or overlapping, a region that could be truncated, a plain file, a
+// client that goes away, the server's limits, garbage on the region socket.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "client/tools/cli.h"
+#include "client/tools/load_flags.h"
+#include "normgrad/client.h"
+#include "normgrad/shared_memory.h"
+#include "normgrad/v1/normgrad.grpc.pb.h"
+#include "server/metrics/metrics.h"
+#include "server/shared_memory/region_registry.h"
+#include "tests/client/test_server.h"
+
+namespace normgrad {
+namespace {
+
+using ::normgrad::testing::Batch;
+using ::normgrad::testing::ExpectGradientsClose;
+using ::normgrad::testing::StartTestServer;
+using ::testing::HasSubstr;
+
+class SharedMemoryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_NE(mkdtemp(dir_.data()), nullptr);
+    socket_ = dir_ + "/grpc.sock";
+    server_ = StartTestServer([this](server::ServerOptions& o) {
+      o.listen = {"127.0.0.1:0", "unix:" + socket_};
+      o.shared_memory = true;
+      o.regions.max_regions = 8;
+      o.regions.max_bytes = 256ull << 20;
+    });
+    ASSERT_NE(server_, nullptr);
+  }
+  void TearDown() override {
+    server_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+
+  std::unique_ptr<Client> Connect(Transport transport = Transport::kAuto,
+                                  std::string target = "") {
+    ClientOptions o;
+    o.target = target.empty() ? "unix:" + socket_ : target;
+    o.transport = transport;
+    o.max_attempts = 1;
+    absl::StatusOr<std::unique_ptr<Client>> c = Client::Create(o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+
+  // Request payload bytes the server received over gRPC for RmsNormBackward so far.
+  double ReceivedBytes() {
+    const std::string text = server_->metrics().RenderText();
+    std::smatch m;
+    static const std::regex re(
+        "normgrad_received_bytes_total\\{method=\"RmsNormBackward\"\\} ([0-9.e+]+)");
+    return std::regex_search(text, m, re) ? std::stod(m[1]) : 0.0;
+  }
+
+  std::unique_ptr<v1::NormGrad::Stub> UnixStub() {
+    return v1::NormGrad::NewStub(
+        grpc::CreateChannel("unix:" + socket_, grpc::InsecureChannelCredentials()));
+  }
+
+  std::string dir_ = "/tmp/normgrad-shm-XXXXXX";
+  std::string socket_;
+  std::unique_ptr<server::NormGradServer> server_;
+};
+
+// x, dy, dx of `b` laid out one after the other in a new region (plus rms when the batch has it).
+struct Placed {
+  std::unique_ptr<SharedMemoryRegion> region;
+  absl::Span<float> x, dy, dx, rms;
+};
+Placed Place(const Batch& b) {
+  const uint64_t n = b.rows * b.hidden;
+  Placed p;
+  p.region = *SharedMemoryRegion::Create((3 * n + b.rows) * 4);
+  float* base = p.region->As<float>(0);
+  p.x = absl::MakeSpan(base, n);
+  p.dy = absl::MakeSpan(base + n, n);
+  p.dx = absl::MakeSpan(base + 2 * n, n);
+  p.rms = absl::MakeSpan(base + 3 * n, b.rows);
+  std::copy(b.x.begin(), b.x.end(), p.x.begin());
+  std::copy(b.dy.begin(), b.dy.end(), p.dy.begin());
+  std::copy(b.rms.begin(), b.rms.end(), p.rms.begin());
+  return p;
+}
+
+TEST_F(SharedMemoryTest, ARegisteredRegionIsComputedInPlaceWithNoPayloadOverGrpc) {
+  auto client = Connect();
+  absl::StatusOr<v1::GetServerInfoResponse> info = client->ServerInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_TRUE(info->shared_memory().enabled());
+  EXPECT_THAT(server_->ReadyLine(), HasSubstr(" shm=" + socket_ + ".shm"));
+
+  const Batch b(1000, 512, /*seed=*/3);
+  Placed p = Place(b);
+  ASSERT_TRUE(client->RegisterSharedMemory(*p.region).ok());
+  const double before = ReceivedBytes();
+  std::vector<float> dgamma(b.hidden);
+  BackwardOptions options;
+  options.dx = p.dx;
+  options.dgamma = absl::MakeSpan(dgamma);
+  absl::StatusOr<Gradients> g = client->Backward(p.x, p.dy, b.gamma, 1e-5f, options);
+  ASSERT_TRUE(g.ok()) << g.status();
+  ExpectGradientsClose(std::vector<float>(p.dx.begin(), p.dx.end()), dgamma, b);
+  // Only gamma (2 KiB) crossed the socket, not the 4 MiB of x and dy.
+  EXPECT_LT(ReceivedBytes() - before, 4096.0);
+  EXPECT_EQ(server_->regions()->Stats().regions, 1u);
+}
+
+TEST_F(SharedMemoryTest, AutoTransportStagesOrdinaryBuffersThroughSharedMemory) {
+  auto client = Connect();
+  for (const bool with_rms : {false, true}) {
+    const Batch b(777, 96, /*seed=*/4, 1e-5f, with_rms);
+    const double before = ReceivedBytes();
+    BackwardOptions options;
+    options.rms = b.rms;
+    absl::StatusOr<Gradients> g = client->Backward(b.x, b.dy, b.gamma, 1e-5f, options);
+    ASSERT_TRUE(g.ok()) << g.status();
+    ExpectGradientsClose(g->dx, g->dgamma, b);
+    EXPECT_LT(ReceivedBytes() - before, 1024.0) << "rows went over gRPC";
+  }
+  // Bytes, asked for, still work, and do cross the socket.
+  const Batch b(50, 64, /*seed=*/5);
+  const double before = ReceivedBytes();
+  absl::StatusOr<Gradients> g = Connect(Transport::kBytes)->Backward(b.x, b.dy, b.gamma, 1e-5f);
+  ASSERT_TRUE(g.ok()) << g.status();
+  ExpectGradientsClose(g->dx, g->dgamma, b);
+  EXPECT_GE(ReceivedBytes() - before, 2.0 * 50 * 64 * 4);
+}
+
+TEST_F(SharedMemoryTest, SharedMemoryOverTcpOrWithoutTheServerFlagIsFailedPrecondition) {
+  const Batch b(4, 8, /*seed=*/6);
+  auto tcp = Connect(Transport::kSharedMemory, absl::StrCat("127.0.0.1:", server_->port()));
+  absl::StatusOr<Gradients> g = tcp->Backward(b.x, b.dy, b.gamma, 1e-5f);
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(g.status().message(), HasSubstr("unix"));
+
+  const std::string plain = dir_ + "/plain.sock";
+  auto off = StartTestServer([&](server::ServerOptions& o) { o.listen = {"unix:" + plain}; });
+  ASSERT_NE(off, nullptr);
+  ClientOptions o;
+  o.target = "unix:" + plain;
+  o.transport = Transport::kSharedMemory;
+  auto c = *Client::Create(o);
+  g = c->Backward(b.x, b.dy, b.gamma, 1e-5f);
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(g.status().message(), HasSubstr("--shared-memory"));
+  // Auto falls back to bytes there.
+  o.transport = Transport::kAuto;
+  g = (*Client::Create(o))->Backward(b.x, b.dy, b.gamma, 1e-5f);
+  ASSERT_TRUE(g.ok()) << g.status();
+  ExpectGradientsClose(g->dx, g->dgamma, b);
+}
+
+// Registers a region directly with the server's registry (what a region socket does) and returns
+// its grant, for requests written by hand.
+server::RegionGrant RegisterDirect(server::NormGradServer& s, const SharedMemoryRegion& region) {
+  absl::StatusOr<server::RegionGrant> g =
+      s.regions()->Register(server::OwnedFd(dup(region.fd())), {.connection = 999});
+  EXPECT_TRUE(g.ok()) << g.status();
+  return g.ok() ? *g : server::RegionGrant{};
+}
+
+v1::BackwardRequest Header(uint64_t rows, uint32_t hidden, bool with_rms = false) {
+  v1::BackwardRequest m;
+  m.mutable_header()->set_num_rows(rows);
+  m.mutable_header()->set_hidden_dim(hidden);
+  m.mutable_header()->set_eps(1e-5f);
+  m.mutable_header()->set_gamma(std::string(hidden * 4, '\0'));
+  m.mutable_header()->set_rms_provided(with_rms);
+  return m;
+}
+
+grpc::Status Send(v1::NormGrad::Stub& stub, const std::vector<v1::BackwardRequest>& messages) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  auto stream = stub.RmsNormBackward(&context);
+  for (const auto& m : messages) {
+    if (!stream->Write(m)) break;
+  }
+  stream->WritesDone();
+  v1::BackwardResponse r;
+  while (stream->Read(&r)) {}
+  return stream->Finish();
+}
+
+TEST_F(SharedMemoryTest, BadRegionReferencesAreRefusedNamingTheFieldAndNumbers) {
+  auto region = *SharedMemoryRegion::Create(4096);
+  const server::RegionGrant grant = RegisterDirect(*server_, *region);
+  const std::string key(reinterpret_cast<const char*>(grant.key.data()), grant.key.size());
+  auto chunk = [&](uint64_t x, uint64_t dy, uint64_t dx, uint64_t rows = 2) {
+    v1::BackwardRequest m;
+    v1::SharedMemoryChunk* s = m.mutable_shm();
+    s->set_region_id(grant.id);
+    s->set_region_key(key);
+    s->set_num_rows(rows);
+    s->set_x_offset(x);
+    s->set_dy_offset(dy);
+    s->set_grad_input_offset(dx);
+    return m;
+  };
+  auto stub = UnixStub();
+  const struct {
+    v1::BackwardRequest message;
+    grpc::StatusCode code;
+    const char* says;
+  } cases[] = {
+      // 2 rows x 64 x 4 B = 512 B each.
+      {chunk(0, 512, 4000), grpc::INVALID_ARGUMENT,
+       "shm.grad_input_offset is 4000 with 512 bytes to access, past the end of the 4096-byte"},
+      {chunk(0, UINT64_MAX - 100, 1024), grpc::INVALID_ARGUMENT, "shm.dy_offset is 18446744073709551515"},
+      {chunk(2, 512, 1024), grpc::INVALID_ARGUMENT, "shm.x_offset is 2, not a multiple of 4"},
+      {chunk(0, 512, 256), grpc::INVALID_ARGUMENT, "shm.grad_input_offset = 256 (512 bytes) overlaps shm.x_offset"},
+      {chunk(0, 512, 1024, 3), grpc::INVALID_ARGUMENT, "would exceed header.num_rows = 2"},
+  };
+  for (const auto& c : cases) {
+    const grpc::Status st = Send(*stub, {Header(2, 64), c.message});
+    EXPECT_EQ(st.error_code(), c.code) << c.says << ": " << st.error_message();
+    EXPECT_THAT(st.error_message(), HasSubstr(c.says));
+  }
+  // Another client's region: a wrong key, or an id nobody registered, gets the same answer.
+  v1::BackwardRequest wrong_key = chunk(0, 512, 1024);
+  wrong_key.mutable_shm()->set_region_key(std::string(16, 'k'));
+  v1::BackwardRequest unknown = chunk(0, 512, 1024);
+  unknown.mutable_shm()->set_region_id(grant.id + 100);
+  for (const auto& m : {wrong_key, unknown}) {
+    const grpc::Status st = Send(*stub, {Header(2, 64), m});
+    EXPECT_EQ(st.error_code(), grpc::NOT_FOUND) << st.error_message();
+    EXPECT_THAT(st.error_message(), HasSubstr("no registered region with this id and shm.region_key"));
+  }
+  // The right one works.
+  EXPECT_TRUE(Send(*stub, {Header(2, 64), chunk(0, 512, 1024)}).ok());
+}
+
+TEST_F(SharedMemoryTest, OnlySealedMemfdsAreTakenSoNobodyCanTruncateAMappedRegion) {
+  // A memfd without F_SEAL_SHRINK: refused (it could be truncated under the server: SIGBUS).
+  const int unsealed = memfd_create("unsealed", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_EQ(ftruncate(unsealed, 4096), 0);
+  absl::StatusOr<server::RegionGrant> g =
+      server_->regions()->Register(server::OwnedFd(unsealed), {});
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(g.status().message(), HasSubstr("F_SEAL_SHRINK"));
+  // A plain file: not a memfd.
+  const std::string path = dir_ + "/file";
+  const int file = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  ASSERT_EQ(ftruncate(file, 4096), 0);
+  g = server_->regions()->Register(server::OwnedFd(file), {});
+  EXPECT_THAT(g.status().message(), HasSubstr("not a memfd"));
+  // A sealed region cannot be shrunk, even by its owner, while the server computes in it.
+  auto region = *SharedMemoryRegion::Create(1 << 20);
+  RegisterDirect(*server_, *region);
+  EXPECT_NE(ftruncate(region->fd(), 0), 0);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_EQ(server_->regions()->Stats().refused, 2u);
+}
+
+TEST_F(SharedMemoryTest, RegionsGoWhenTheirClientGoesAndLimitsHold) {
+  {
+    auto client = Connect();
+    auto huge = *SharedMemoryRegion::Create(300ull << 20);  // sparse: no memory used
+    EXPECT_THAT(client->RegisterSharedMemory(*huge).message(),
+                HasSubstr("exceeds --shared-memory-max-bytes=268435456"));
+    std::vector<std::unique_ptr<SharedMemoryRegion>> regions;
+    for (int i = 0; i < 8; ++i) {
+      regions.push_back(*SharedMemoryRegion::Create(4096));
+      ASSERT_TRUE(client->RegisterSharedMemory(*regions.back()).ok()) << i;
+    }
+    auto ninth = *SharedMemoryRegion::Create(4096);
+    const absl::Status s = client->RegisterSharedMemory(*ninth);
+    EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_THAT(s.message(), HasSubstr("--shared-memory-max-regions=8"));
+    EXPECT_EQ(server_->regions()->Stats().regions, 8u);
+  }
+  // The client is gone: its region connection closed, the server released its regions.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (server_->regions()->Stats().regions != 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(server_->regions()->Stats().regions, 0u);
+  EXPECT_EQ(server_->regions()->Stats().bytes, 0u);
+}
+
+TEST_F(SharedMemoryTest, GarbageOnTheRegionSocketGetsAnErrorAndHarmsNobody) {
+  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  const std::string path = socket_ + ".shm";
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  ASSERT_EQ(connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+  auto reply_to = [&](const std::string& bytes) {
+    EXPECT_EQ(send(fd, bytes.data(), bytes.size(), 0), static_cast<ssize_t>(bytes.size()));
+    char buffer[4096];
+    const ssize_t n = recv(fd, buffer, sizeof(buffer), 0);
+    v1::RegionReply reply;
+    EXPECT_TRUE(n > 0 && reply.ParseFromArray(buffer, static_cast<int>(n)));
+    return reply;
+  };
+  v1::RegionReply r = reply_to("\xff\xff\xff garbage");
+  EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  v1::RegionRequest no_fd;
+  no_fd.set_register_region(true);
+  r = reply_to(no_fd.SerializeAsString());
+  EXPECT_THAT(r.message(), HasSubstr("exactly one file descriptor"));
+  v1::RegionRequest release;
+  release.set_release_region_id(12345);
+  r = reply_to(release.SerializeAsString());
+  EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kNotFound));
+  close(fd);
+  // The server still serves a shared-memory call.
+  const Batch b(10, 32, /*seed=*/7);
+  absl::StatusOr<Gradients> g = Connect(Transport::kSharedMemory)->Backward(b.x, b.dy, b.gamma, 1e-5f);
+  ASSERT_TRUE(g.ok()) << g.status();
+  ExpectGradientsClose(g->dx, g->dgamma, b);
+}
+
+TEST_F(SharedMemoryTest, TheLoadGeneratorAndCliTakeTransportShm) {
+  const double before = ReceivedBytes();
+  std::ostringstream out, err;
+  ASSERT_EQ(tools::RunLoad({"--target=unix:" + socket_, "--transport=shm", "--total=20",
+                            "--concurrency=4", "--shapes=16x256", "--format=json"},
+                           "", false, out, err),
+            0)
+      << err.str();
+  EXPECT_THAT(out.str(), HasSubstr("\"transport\":\"shm\""));
+  EXPECT_THAT(out.str(), HasSubstr("\"successes\":20"));
+  // 20 calls of 16 x 256 f32 x and dy would be 640 KiB as bytes; only gammas crossed.
+  EXPECT_LT(ReceivedBytes() - before, 20 * 2048.0);
+  std::ostringstream cout, cerr;
+  tools::CliEnvironment env;
+  EXPECT_EQ(tools::RunCli({"info", "--target=unix:" + socket_, "--transport=sideways"}, env, cout,
+                          cerr),
+            tools::kExitUsage);
+  EXPECT_THAT(cerr.str(), HasSubstr("--transport: \"sideways\" is not auto, bytes or shm"));
+}
+
+TEST(SharedMemoryOptionsTest, SharedMemoryNeedsAUnixListener) {
+  server::ServerOptions o;
+  o.metrics_listen = "";
+  o.listen = {"127.0.0.1:0"};
+  o.shared_memory = true;
+  EXPECT_THAT(server::CheckServerOptions(o).message(), HasSubstr("needs a --listen=unix:/PATH"));
+}
+
+}  // namespace
+}  // namespace normgrad
