@@ -161,9 +161,9 @@ class ServerErrorsTest(unittest.TestCase):
 
     def test_token_in_clear_text_to_a_remote_host_is_refused(self):
         with self.assertRaises(normgrad.InvalidArgumentError) as raised:
-            normgrad.Client("192.0.2.1:50051", token="t")
-        self.assertIn("bearer_token", raised.exception.message)
-        self.assertNotIn("t\"", raised.exception.message.replace("target", ""))
+            normgrad.Client("192.0.2.1:50051", token="tok-SECRET-123")
+        self.assertIn("bearer_token: refusing to send it in clear text", raised.exception.message)
+        self.assertNotIn("SECRET", raised.exception.message)
 
     def test_deadline_is_deadline_exceeded(self):
         # 64 MiB of x and of dy cannot cross loopback and come back in 20 ms.
