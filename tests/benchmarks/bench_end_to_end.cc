@@ -3,16 +3,25 @@
 // grad_input. The ratio says how much of the transport's throughput the service keeps once it
 // validates, computes on the backend and streams gradients back.
 //
+// Then the transports, against the same backend called in-process (no RPC at all) in the same
+// run: the client library over TCP loopback, over the unix socket (bytes), and over shared
+// memory (tensors in a registered region: no payload byte crosses a socket).
+//
 //   bench_end_to_end [--rows=4096] [--hidden=4096] [--chunk_rows=64] [--repeats=3]
-//                    [--small_calls=2000] [--backend=cpu]
+//                    [--small_calls=2000] [--backend=cpu] [--transport=all|echo|tcp|unix|shm]
 //
 // Prints, for the large batch, bytes moved (x + dy in, dx out) per second and the ratio
 // service/echo (target >= 0.70); for 1 x 896 requests, p50 and p99 latency of a whole
-// RmsNormBackward call and the ratio of p50s (target <= 2).
+// RmsNormBackward call and the ratio of p50s (target <= 2). Per transport, a line starting with
+// its name and ending "<name>/in-process = R" (shm: target >= 0.8), and the 1 x 896 p50 of each
+// (unix no worse than tcp).
 #include <grpcpp/grpcpp.h>
+
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -24,7 +33,10 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "normgrad/client.h"
+#include "normgrad/shared_memory.h"
 #include "normgrad/v1/normgrad.grpc.pb.h"
 #include "server/process/normgrad_server.h"
 
@@ -34,6 +46,9 @@ ABSL_FLAG(uint64_t, chunk_rows, 64, "Rows per request chunk.");
 ABSL_FLAG(int, repeats, 3, "Large-batch runs per side; the best is reported.");
 ABSL_FLAG(int, small_calls, 2000, "1 x 896 calls per side for the latency figures.");
 ABSL_FLAG(std::string, backend, "cpu", "Backend of the service: cpu, cuda or auto.");
+ABSL_FLAG(std::string, transport, "all",
+          "What to measure: echo (the service vs a gRPC echo), tcp, unix, shm (each vs the "
+          "backend in-process), or all.");
 
 namespace {
 
@@ -209,12 +224,179 @@ double Percentile(std::vector<double> v, double p) {
   return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
 }
 
+// The backend alone, in this process: what no transport can beat. Best of `repeats`.
+double InProcessSeconds(normgrad::server::Backend& backend, absl::Span<const float> x,
+                        absl::Span<const float> dy, absl::Span<const float> gamma,
+                        uint64_t rows, uint32_t hidden, absl::Span<float> dx, int repeats) {
+  normgrad::server::BatchSpec spec;
+  spec.num_rows = rows;
+  spec.hidden_dim = hidden;
+  auto bytes = [](absl::Span<const float> v) {
+    return absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(v.data()), v.size() * 4);
+  };
+  std::vector<float> dgamma(hidden);
+  double best = 1e30;
+  for (int i = 0; i < repeats + 1; ++i) {  // the first warms
+    const absl::Time start = absl::Now();
+    auto session = backend.StartBackward(spec, bytes(gamma));
+    if (!session.ok()) return -1;
+    if (!(*session)->ProcessChunk(bytes(x), bytes(dy), {}, rows,
+                                  absl::MakeSpan(reinterpret_cast<uint8_t*>(dx.data()), dx.size() * 4))
+             .ok() ||
+        !(*session)->Finish(absl::MakeSpan(reinterpret_cast<uint8_t*>(dgamma.data()), hidden * 4))
+             .ok()) {
+      return -1;
+    }
+    if (i > 0) best = std::min(best, absl::ToDoubleSeconds(absl::Now() - start));
+  }
+  return best;
+}
+
+struct TransportRun {
+  std::string name;
+  std::unique_ptr<normgrad::Client> client;
+  std::unique_ptr<normgrad::SharedMemoryRegion> region;  // shm: x, dy, dx live here
+};
+
+// Each transport against the backend in-process, alternating runs so drift hits all alike.
+int CompareTransports(normgrad::server::NormGradServer& server, const std::string& socket_path,
+                      const std::string& which, uint64_t rows, uint32_t hidden) {
+  const int repeats = absl::GetFlag(FLAGS_repeats);
+  const uint64_t n = rows * hidden;
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> x(n), dy(n), gamma(hidden), dx(n);
+  for (float& v : x) v = u(rng);
+  for (float& v : dy) v = u(rng);
+  for (float& v : gamma) v = 1.0f + 0.1f * u(rng);
+
+  std::vector<TransportRun> runs;
+  for (const char* name : {"tcp", "unix", "shm"}) {
+    if (which != "all" && which != name) continue;
+    normgrad::ClientOptions o;
+    o.target = std::string(name) == "tcp" ? absl::StrCat("127.0.0.1:", server.port())
+                                          : "unix:" + socket_path;
+    o.transport = std::string(name) == "shm" ? normgrad::Transport::kSharedMemory
+                                             : normgrad::Transport::kBytes;
+    o.default_deadline = absl::Seconds(600);
+    TransportRun run;
+    run.name = name;
+    run.client = *normgrad::Client::Create(o);
+    if (run.name == "shm") {
+      absl::StatusOr<std::unique_ptr<normgrad::SharedMemoryRegion>> region =
+          normgrad::SharedMemoryRegion::Create(3 * n * 4);
+      if (!region.ok()) {
+        std::fprintf(stderr, "shm region: %s\n", region.status().ToString().c_str());
+        return 1;
+      }
+      std::memcpy((*region)->As<float>(0), x.data(), n * 4);
+      std::memcpy((*region)->As<float>(n * 4), dy.data(), n * 4);
+      if (absl::Status s = run.client->RegisterSharedMemory(**region); !s.ok()) {
+        std::fprintf(stderr, "shm register: %s\n", s.ToString().c_str());
+        return 1;
+      }
+      run.region = *std::move(region);
+    }
+    runs.push_back(std::move(run));
+  }
+  std::vector<float> dgamma(hidden);
+  auto call = [&](TransportRun& r, uint64_t call_rows, uint32_t call_hidden) -> double {
+    const uint64_t m = call_rows * call_hidden;
+    normgrad::BackwardOptions options;
+    options.dgamma = absl::MakeSpan(dgamma.data(), call_hidden);
+    absl::Span<const float> xs(x.data(), m), dys(dy.data(), m);
+    options.dx = absl::MakeSpan(dx.data(), m);
+    if (r.region != nullptr) {
+      xs = absl::MakeConstSpan(r.region->As<float>(0), m);
+      dys = absl::MakeConstSpan(r.region->As<float>(n * 4), m);
+      options.dx = absl::MakeSpan(r.region->As<float>(2 * n * 4), m);
+    }
+    const absl::Time start = absl::Now();
+    absl::StatusOr<normgrad::Gradients> g =
+        r.client->Backward(xs, dys, absl::MakeConstSpan(gamma.data(), call_hidden), 1e-5f, options);
+    if (!g.ok()) {
+      std::fprintf(stderr, "%s call failed: %s\n", r.name.c_str(), g.status().ToString().c_str());
+      return -1;
+    }
+    return absl::ToDoubleSeconds(absl::Now() - start);
+  };
+
+  std::vector<double> best(runs.size(), 1e30);
+  for (TransportRun& r : runs) {
+    if (call(r, rows, hidden) < 0) return 1;  // warm
+  }
+  // The region's memory (shared memory pages) read in-process too: how much of the shm figure is
+  // the memory rather than the transport.
+  const TransportRun* shm_run = nullptr;
+  for (const TransportRun& r : runs) {
+    if (r.region != nullptr) shm_run = &r;
+  }
+  double in_process = 1e30, in_process_region = 1e30;
+  for (int i = 0; i < repeats; ++i) {
+    const double t = InProcessSeconds(server.backend(), x, dy, gamma, rows, hidden,
+                                      absl::MakeSpan(dx), 1);
+    if (t < 0) return 1;
+    in_process = std::min(in_process, t);
+    if (shm_run != nullptr) {
+      const normgrad::SharedMemoryRegion& region = *shm_run->region;
+      const double tr = InProcessSeconds(
+          server.backend(), absl::MakeConstSpan(region.As<float>(0), n),
+          absl::MakeConstSpan(region.As<float>(n * 4), n), gamma, rows, hidden,
+          absl::MakeSpan(region.As<float>(2 * n * 4), n), 1);
+      if (tr < 0) return 1;
+      in_process_region = std::min(in_process_region, tr);
+    }
+    for (size_t j = 0; j < runs.size(); ++j) {
+      const double s = call(runs[j], rows, hidden);
+      if (s < 0) return 1;
+      best[j] = std::min(best[j], s);
+    }
+  }
+  const double gb = 3.0 * static_cast<double>(n) * 4 / 1e9;  // x and dy in, dx out
+  std::printf("in-process %llux%u f32: %.3f GB/s (%.4f s), the backend called directly\n",
+              static_cast<unsigned long long>(rows), hidden, gb / in_process, in_process);
+  if (shm_run != nullptr) {
+    std::printf("in-process on shared-memory pages: %.3f GB/s (%.4f s), %.2f of in-process\n",
+                gb / in_process_region, in_process_region, in_process / in_process_region);
+  }
+  for (size_t j = 0; j < runs.size(); ++j) {
+    std::printf("%-4s %llux%u f32: %.3f GB/s (%.4f s), %s/in-process = %.2f%s\n",
+                runs[j].name.c_str(), static_cast<unsigned long long>(rows), hidden,
+                gb / best[j], best[j], runs[j].name.c_str(), in_process / best[j],
+                "");
+  }
+
+  const int calls = absl::GetFlag(FLAGS_small_calls);
+  std::vector<std::vector<double>> small(runs.size());
+  for (int i = 0; i < std::min(calls, 100); ++i) {
+    for (TransportRun& r : runs) call(r, 1, 896);
+  }
+  for (int i = 0; i < calls; ++i) {
+    for (size_t j = 0; j < runs.size(); ++j) small[j].push_back(call(runs[j], 1, 896));
+  }
+  std::string line = absl::StrCat("small 1x896, ", calls, " calls each, p50:");
+  double tcp_p50 = 0, unix_p50 = 0;
+  for (size_t j = 0; j < runs.size(); ++j) {
+    const double p50 = Percentile(small[j], 0.5);
+    absl::StrAppend(&line, " ", runs[j].name, " ", absl::StrFormat("%.1f", p50 * 1e6), " us");
+    if (runs[j].name == "tcp") tcp_p50 = p50;
+    if (runs[j].name == "unix") unix_p50 = p50;
+  }
+  if (tcp_p50 > 0 && unix_p50 > 0) {
+    absl::StrAppend(&line, absl::StrFormat(", unix/tcp = %.2f (target <= 1)", unix_p50 / tcp_p50));
+  }
+  std::printf("%s\n", line.c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   normgrad::server::ServerOptions options;
-  options.listen = {"127.0.0.1:0"};
+  const std::string socket_path = absl::StrCat("/tmp/normgrad-bench-", getpid(), ".sock");
+  options.listen = {"127.0.0.1:0", "unix:" + socket_path};
+  options.shared_memory = true;
   options.metrics_listen = "";
   absl::StatusOr<normgrad::server::BackendKind> kind =
       normgrad::server::ParseBackendKind(absl::GetFlag(FLAGS_backend));
@@ -245,11 +427,20 @@ int main(int argc, char** argv) {
   const uint64_t rows = absl::GetFlag(FLAGS_rows);
   const uint32_t hidden = absl::GetFlag(FLAGS_hidden);
   const uint64_t chunk_rows = absl::GetFlag(FLAGS_chunk_rows);
-  const Workload large = MakeWorkload(rows, hidden, chunk_rows, 1);
   std::printf("machine: %u hardware threads; service backend %s (%s)\n",
               std::thread::hardware_concurrency(),
               std::string((*service)->backend().Name()).c_str(),
               (*service)->backend().Device().name.c_str());
+  const std::string transport = absl::GetFlag(FLAGS_transport);
+  if (transport != "echo") {
+    const int rc = CompareTransports(**service, socket_path, transport, rows, hidden);
+    if (rc != 0 || transport != "all") {
+      echo->Shutdown();
+      (*service)->Shutdown(absl::Seconds(5));
+      return rc;
+    }
+  }
+  const Workload large = MakeWorkload(rows, hidden, chunk_rows, 1);
 
   // Warm both paths, then alternate runs so that drift affects both sides alike.
   RunOnce(*service_stub, large);
