@@ -15,8 +15,11 @@ FROM debian:12 AS build
 COPY --from=cuda /usr/local/cuda/include /usr/local/cuda/include
 WORKDIR /src
 COPY . .
+# No tests, benchmarks or Python package here, so not their tools either (torch, clang, gtest).
 RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends ca-certificates \
- && BUILD_DIR=/src/build BUILD_TYPE=Release bash scripts/dev.sh build -DNORMGRAD_BUILD_TESTS=OFF -DNORMGRAD_BUILD_BENCHMARKS=OFF \
+ && NORMGRAD_DEPS_EXCLUDE="python3-torch python3-dev pybind11-dev python3-numpy python3-yaml clang-14 libclang-rt-14-dev libgtest-dev libgmock-dev libbenchmark-dev" \
+    BUILD_DIR=/src/build BUILD_TYPE=Release bash scripts/dev.sh build -DNORMGRAD_BUILD_TESTS=OFF \
+    -DNORMGRAD_BUILD_BENCHMARKS=OFF -DNORMGRAD_BUILD_PYTHON=OFF \
  && mkdir -p /out/bin \
  && cp build/bin/normgrad-server build/bin/normgrad build/bin/normgrad-load build/bin/normgrad-ptx /out/bin/
 

@@ -27,6 +27,8 @@ MAX_IMAGE_MB=${CONTAINER_MAX_IMAGE_MB:-260}
 START=$SECONDS
 mkdir -p "$WORK"
 
+# Debian's python3 (numpy, yaml); a python3 earlier on PATH may be another interpreter.
+PY=/usr/bin/python3
 say() { echo "[container] $*"; }
 ok() { echo "[container] ok: $*"; }
 fail() {
@@ -83,7 +85,7 @@ podman info > "$WORK/podman-info.txt" 2>&1 || podman_broken "podman info failed:
 
 # --- 2. base images -------------------------------------------------------------------------
 # FROM names, with ARG defaults substituted (FROM ${CUDA_IMAGE} AS cuda).
-mapfile -t FROMS < <(python3 - "$ROOT/Dockerfile" <<'EOF'
+mapfile -t FROMS < <($PY - "$ROOT/Dockerfile" <<'EOF'
 import re, sys
 args, stages = {}, set()
 for line in open(sys.argv[1]):
@@ -121,7 +123,7 @@ debian_rootfs() { # CODENAME [slim] -> path of a cached rootfs tarball made by d
   fi
   mkdir -p "$WORK/base"
   local mirror rootfs="$WORK/base/rootfs-$codename"
-  mirror=$(python3 "$ROOT/tests/container/apt_sources.py" mirror "$codename") ||
+  mirror=$($PY "$ROOT/tests/container/apt_sources.py" mirror "$codename") ||
     fail "this machine's apt sources have no entry for $codename; cannot debootstrap"
   say "debootstrap $codename from this machine's apt source $mirror" >&2
   as_root rm -rf "$rootfs"
@@ -130,9 +132,15 @@ debian_rootfs() { # CODENAME [slim] -> path of a cached rootfs tarball made by d
     { tail -20 "$WORK/base/debootstrap.log" >&2; fail "debootstrap $codename failed"; }
   # The image's apt uses the machine's sources (updates and security included), as the
   # official image uses its own.
-  python3 "$ROOT/tests/container/apt_sources.py" deb822 "$codename" |
+  $PY "$ROOT/tests/container/apt_sources.py" deb822 "$codename" |
     as_root tee "$rootfs/etc/apt/sources.list.d/debian.sources" > /dev/null
   as_root rm -f "$rootfs/etc/apt/sources.list"
+  # apt as in the official images: no package cache or downloaded .debs left in layers, no
+  # translations.
+  printf '%s\n' 'DPkg::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb /var/cache/apt/archives/partial/*.deb /var/cache/apt/*.bin || true"; };' \
+    'APT::Update::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb /var/cache/apt/archives/partial/*.deb /var/cache/apt/*.bin || true"; };' \
+    'Dir::Cache::pkgcache ""; Dir::Cache::srcpkgcache "";' | as_root tee "$rootfs/etc/apt/apt.conf.d/docker-clean" > /dev/null
+  echo 'Acquire::Languages "none";' | as_root tee "$rootfs/etc/apt/apt.conf.d/docker-no-languages" > /dev/null
   as_root rm -rf "$rootfs/var/lib/apt/lists/"* "$rootfs/var/cache/apt/"*.bin "$rootfs/var/cache/apt/archives/"*.deb
   as_root tar -C "$rootfs" --numeric-owner -cf "$tarball.tmp" .
   # -slim as the official images make it: no documentation, manual pages or translations,
@@ -171,7 +179,20 @@ cuda_stand_in() { # NAME: include/ and nvJitLink of the installed toolkit, nothi
   rm -rf "$stage"
   mkdir -p "$stage/usr/local/cuda/lib64"
   cp -a "$(realpath "$cuda/include")" "$stage/usr/local/cuda/include"
-  cp -a "$cuda"/lib64/libnvJitLink.so* "$stage/usr/local/cuda/lib64/"
+  local lib=$stage/usr/local/cuda/lib64 so13=$cuda/lib64/libnvJitLink.so.13
+  if [ -f "$so13" ] && [ ! -L "$so13" ]; then
+    # A toolkit installed from wheels has the library as a plain file; lay it out as the CUDA
+    # packages (and so the real image) do: libnvJitLink.so -> .so.13 -> .so.13.X.Y, the file.
+    local version
+    version=$(ls -d "$cuda"/dist-info/nvidia_nvjitlink-*.dist-info 2> /dev/null | head -1 |
+      sed 's/.*nvidia_nvjitlink-\(.*\)\.dist-info/\1/')
+    version=${version:-13.0.0}
+    cp "$so13" "$lib/libnvJitLink.so.$version"
+    ln -s "libnvJitLink.so.$version" "$lib/libnvJitLink.so.13"
+    ln -s libnvJitLink.so.13 "$lib/libnvJitLink.so"
+  else
+    cp -a "$cuda"/lib64/libnvJitLink.so* "$lib/"
+  fi
   tar -C "$stage" --numeric-owner -cf - . | podman import -q - "$name" > /dev/null
   rm -rf "$stage"
 }
@@ -254,7 +275,7 @@ start_server() { # NAME EXTRA_RUN_FLAGS... -- SERVER_ARGS...; prints nothing, wa
 port_of() { podman port "$1" "$2/tcp" | head -1 | sed 's/.*://'; }
 
 # The backward of one batch through the CLI against numpy's reference.
-python3 - "$DATA" <<'EOF'
+$PY - "$DATA" <<'EOF'
 import sys, numpy as np
 d = sys.argv[1]
 rng = np.random.default_rng(7)
@@ -270,7 +291,7 @@ check_backward() { # PORT LABEL
   cli --target="127.0.0.1:$1" backward --x /data/x.npy --dy /data/dy.npy --gamma /data/gamma.npy \
     --dx /data/dx.npy --dgamma /data/dg.npy > "$WORK/backward.log" 2>&1 ||
     { cat "$WORK/backward.log" >&2; fail "$2: backward through the published port"; }
-  python3 - "$DATA" <<'EOF' || fail "$2: backward gradients differ from numpy's"
+  $PY - "$DATA" <<'EOF' || fail "$2: backward gradients differ from numpy's"
 import sys, numpy as np
 d = sys.argv[1]
 x, dy, g = (np.load(f"{d}/{n}.npy").astype(np.float64) for n in ("x", "dy", "gamma"))
@@ -333,7 +354,7 @@ cli --target="127.0.0.1:$grpc" health | grep -q SERVING || fail "normgrad health
 ok "normgrad health through the published port: SERVING"
 check_backward "$grpc" "default CMD"
 check_cubin "$grpc" "default CMD"
-curl_metrics=$(python3 -c "import urllib.request,sys; print(urllib.request.urlopen('http://127.0.0.1:$metrics/metrics', timeout=5).read().decode())")
+curl_metrics=$($PY -c "import urllib.request,sys; print(urllib.request.urlopen('http://127.0.0.1:$metrics/metrics', timeout=5).read().decode())")
 echo "$curl_metrics" | grep -q '^normgrad_serving 1' || fail "metrics through the published port"
 ok "metrics through the published port (normgrad_serving 1)"
 
@@ -348,7 +369,7 @@ podman rm -f -t 0 ng-deadport > /dev/null
 # 4d. The Kubernetes deployment's exact args (the CPU overlay: no GPU here), with its
 # securityContext: read-only root, every capability dropped, no new privileges, /tmp an emptyDir.
 command -v kubectl > /dev/null || fail "kubectl is needed to render deploy/k8s"
-mapfile -t K8S_ARGS < <(kubectl kustomize deploy/k8s/overlays/cpu | python3 -c '
+mapfile -t K8S_ARGS < <(kubectl kustomize deploy/k8s/overlays/cpu | $PY -c '
 import sys, yaml
 for d in yaml.safe_load_all(sys.stdin):
     if d and d["kind"] == "Deployment":
@@ -375,7 +396,7 @@ load --target="127.0.0.1:$grpc" --concurrency=4 --shapes=2048x4096 --duration=12
   --format=json -o /data/load.json > "$WORK/load.log" 2>&1 &
 load_pid=$!
 for i in $(seq 1 40); do # wait until streams are in flight
-  n=$(python3 -c "import urllib.request; t=urllib.request.urlopen('http://127.0.0.1:$(port_of ng-k8s 9464)/metrics', timeout=5).read().decode(); print(next((l.split()[1] for l in t.splitlines() if l.startswith('normgrad_inflight_streams ')), '0'))")
+  n=$($PY -c "import urllib.request; t=urllib.request.urlopen('http://127.0.0.1:$(port_of ng-k8s 9464)/metrics', timeout=5).read().decode(); print(next((l.split()[1] for l in t.splitlines() if l.startswith('normgrad_inflight_streams ')), '0'))")
   [ "${n%.*}" -ge 1 ] && break
   sleep 0.25
 done
@@ -389,7 +410,7 @@ podman logs ng-k8s > "$WORK/k8s-server.log" 2>&1
 [ "$code" = 0 ] || { cat "$WORK/k8s-server.log" >&2; fail "SIGTERM under load: exit code $code"; }
 grep -q 'SIGTERM' "$WORK/k8s-server.log" && grep -q 'normgrad-server: stopped' "$WORK/k8s-server.log" ||
   { cat "$WORK/k8s-server.log" >&2; fail "SIGTERM under load: no drain on the log"; }
-python3 - "$DATA/load.json" "$n" <<'EOF' || { cat "$WORK/load.log" >&2; fail "SIGTERM under load: in-flight calls were not drained"; }
+$PY - "$DATA/load.json" "$n" <<'EOF' || { cat "$WORK/load.log" >&2; fail "SIGTERM under load: in-flight calls were not drained"; }
 import json, sys
 r = json.load(open(sys.argv[1]))
 r = r[0] if isinstance(r, list) else r

@@ -41,10 +41,13 @@ as_root() {
   if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
 }
 
+# NORMGRAD_DEPS_EXCLUDE: packages of PACKAGES that deps leaves out (the Dockerfile's build
+# stage, which builds no tests, benchmarks or Python package, leaves out their tools).
 deps() {
   [ "${NORMGRAD_SKIP_DEPS:-0}" = 1 ] && return 0
   local missing=()
   for p in "${PACKAGES[@]}"; do
+    case " ${NORMGRAD_DEPS_EXCLUDE:-} " in *" $p "*) continue ;; esac
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
   if [ ${#missing[@]} -gt 0 ]; then
