@@ -143,7 +143,7 @@ stage_tsan() {
   mkdir -p "$logs"
   LD_LIBRARY_PATH="$abs_dir/abseil-tsan/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
     TSAN_OPTIONS="halt_on_error=0:exitcode=0:ignore_noninstrumented_modules=1:log_path=$logs/report" \
-    run_ctest "$dir" -R '^(Service[A-Za-z]*Test|HostileClientTest|(Client|Secure|Cli|Load)ServerTest|ClientProtocolTest)\.'
+    run_ctest "$dir" -R '^(Service[A-Za-z]*Test|HostileClientTest|(Client|Secure|Cli|Load)ServerTest|ClientProtocolTest|SharedMemoryTest|UnixSocketTest)\.'
   python3 "$ROOT/tests/tsan/triage.py" "$ROOT" "$logs"
 }
 

@@ -79,6 +79,11 @@ class BackwardStream final
   void OnCancel() override { Apply(pipeline_->OnCancel()); }
 
   void OnDone() override {
+    {
+      // After this, gRPC may free context_: a watchdog cancel must not touch it (Apply).
+      std::lock_guard<std::recursive_mutex> lock(context_mu_);
+      done_ = true;
+    }
     const double seconds = absl::ToDoubleSeconds(absl::Now() - pipeline_->start_time());
     const StreamTotals t = pipeline_->OnDone();
     env_->metrics->IncrementCounter("normgrad_rows_total", {}, static_cast<double>(t.rows));
@@ -126,13 +131,22 @@ class BackwardStream final
       finish = std::move(deferred);
     }
     if (finish.has_value()) Finish(ToGrpcStatus(*finish));
-    if (a.try_cancel) context_->TryCancel();
+    if (a.try_cancel) {
+      // The watchdog's thread holds a reference to this reactor, not to gRPC's call: OnDone may
+      // have run (and gRPC freed context_) since the pipeline decided to cancel. OnDone takes
+      // this lock too, so it cannot run between the check and TryCancel; recursive because
+      // TryCancel may run reactions, OnDone included, inline on this thread.
+      std::lock_guard<std::recursive_mutex> lock(context_mu_);
+      if (!done_) context_->TryCancel();
+    }
   }
 
   ServiceEnv* const env_;
   grpc::CallbackServerContext* const context_;
   std::atomic<int> refs_{1};  // gRPC's, dropped in OnDone
   std::unique_ptr<BackwardPipeline> pipeline_;
+  std::recursive_mutex context_mu_;
+  bool done_ = false;  // OnDone ran; guarded by context_mu_
 };
 
 void StreamRegistry::Add(BackwardStream* stream) {
