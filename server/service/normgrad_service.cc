@@ -24,6 +24,8 @@ namespace {
 constexpr char kBackwardMethod[] = "RmsNormBackward";
 constexpr char kEmitPtxMethod[] = "EmitPtx";
 constexpr char kServerInfoMethod[] = "GetServerInfo";
+// Jobs one worker task runs for a stream before it yields the worker (BackwardStream::Apply).
+constexpr int kJobsPerTask = 3;
 
 // gRPC's peer strings: "unix:...", "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", ...
 bool PeerIsLocal(absl::string_view peer) {
@@ -122,7 +124,16 @@ class BackwardStream final
     if (a.schedule) {
       refs_.fetch_add(1);
       env_->pool->Schedule([this] {
-        Apply(pipeline_->RunOneJob());
+        // A few of the stream's jobs run on this task (session start, chunk, final grad_gamma
+        // of a one-chunk call: no hops through the pool's queue); then it queues again behind
+        // the other streams' tasks, so a busy stream cannot keep a worker.
+        bool more = true;
+        for (int jobs = 0; more && jobs < kJobsPerTask; ++jobs) {
+          StreamActions next = pipeline_->RunOneJob();
+          more = next.schedule;
+          next.schedule = jobs + 1 == kJobsPerTask && more;
+          Apply(std::move(next));
+        }
         Unref();
       });
     }
