@@ -31,9 +31,11 @@ __all__ = [
     "InternalError", "UnavailableError", "DataLossError", "UnauthenticatedError",
 ]
 
-# Transports a Client accepts. "auto" picks the best one available for the target; today that
-# is always "bytes" (the chunks travel in the gRPC messages).
-TRANSPORTS = ("auto", "bytes")
+# How a Client moves tensors (the C++ client's transports, docs/client.md): "bytes" in the gRPC
+# messages; "shm" through a shared-memory region (a unix: target whose server runs with
+# --shared-memory; FAILED_PRECONDITION otherwise); "auto" shared memory when the target offers
+# it, bytes otherwise.
+TRANSPORTS = ("auto", "bytes", "shm")
 
 
 class Error(Exception):
@@ -221,7 +223,7 @@ class Client:
       target URI ("dns:///svc:50051", "unix:/path").
     token: bearer token sent on every call (refused in clear text except to loopback/unix).
     tls: None (plaintext), True (TLS with the system's roots) or a normgrad.Tls.
-    transport: "auto" or "bytes" (the only transport today; see TRANSPORTS).
+    transport: "auto", "bytes" or "shm" (see TRANSPORTS).
     deadline: seconds per call; None: the C++ client's default (60 s); math.inf: none.
     max_attempts: attempts for a call that fails UNAVAILABLE (the C++ client's retries).
     async_workers: threads that carry backward_async calls (each waits without the GIL).
@@ -241,11 +243,11 @@ class Client:
         elif tls is not None and not isinstance(tls, Tls):
             raise TypeError(f"tls: expected None, True or normgrad.Tls, got {type(tls).__name__}")
         self.target = target
-        self.transport = "bytes"
+        self.transport = transport
         self._native = _native.Client(
             target, _text(token), tls is not None, _text(tls and tls.root_certs),
             _text(tls and tls.cert), _text(tls and tls.key), _text(tls and tls.server_name),
-            None if deadline is None else float(deadline), int(max_attempts))
+            None if deadline is None else float(deadline), int(max_attempts), transport)
         self._async_workers = async_workers
         self._executor = None
         self._executor_lock = threading.Lock()

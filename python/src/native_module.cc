@@ -5,7 +5,7 @@
 // the result objects are the pure-Python layer's (normgrad/__init__.py), which calls:
 //
 //   client = _native.Client(target, token, use_tls, tls_roots, tls_cert, tls_key,
-//                           tls_server_name, deadline_s, max_attempts)
+//                           tls_server_name, deadline_s, max_attempts, transport)
 //   summary = client.backward_raw("f32", rows, hidden, eps, x, dy, gamma, rms, dx, dgamma, kernel)
 //
 // Errors: a failed call raises the exception that the factory registered with
@@ -90,6 +90,13 @@ ElementType ParseType(const std::string& name) {
   throw py::value_error(absl::StrCat("dtype \"", name, "\" is not f32, bf16 or f16"));
 }
 
+Transport ParseTransport(const std::string& name) {
+  if (name == "auto") return Transport::kAuto;
+  if (name == "bytes") return Transport::kBytes;
+  if (name == "shm") return Transport::kSharedMemory;
+  throw py::value_error(absl::StrCat("transport \"", name, "\" is not auto, bytes or shm"));
+}
+
 v1::DType ToProtoType(const std::string& name) {
   switch (ParseType(name)) {
     case ElementType::kF32:
@@ -139,8 +146,10 @@ class PyClient {
  public:
   PyClient(const std::string& target, const std::string& token, bool use_tls,
            const std::string& tls_roots, const std::string& tls_cert, const std::string& tls_key,
-           const std::string& tls_server_name, std::optional<double> deadline_s, int max_attempts) {
+           const std::string& tls_server_name, std::optional<double> deadline_s, int max_attempts,
+           const std::string& transport) {
     ClientOptions options;
+    options.transport = ParseTransport(transport);
     options.target = target;
     options.bearer_token = token;
     options.use_tls = use_tls;
@@ -255,10 +264,10 @@ PYBIND11_MODULE(_native, m) {
   py::class_<PyClient>(m, "Client")
       .def(py::init<const std::string&, const std::string&, bool, const std::string&,
                     const std::string&, const std::string&, const std::string&,
-                    std::optional<double>, int>(),
+                    std::optional<double>, int, const std::string&>(),
            py::arg("target"), py::arg("token"), py::arg("use_tls"), py::arg("tls_roots"),
            py::arg("tls_cert"), py::arg("tls_key"), py::arg("tls_server_name"),
-           py::arg("deadline_s"), py::arg("max_attempts"))
+           py::arg("deadline_s"), py::arg("max_attempts"), py::arg("transport"))
       .def("backward_raw", &PyClient::BackwardRaw, py::arg("dtype"), py::arg("num_rows"),
            py::arg("hidden_dim"), py::arg("eps"), py::arg("x"), py::arg("dy"), py::arg("gamma"),
            py::arg("rms"), py::arg("dx"), py::arg("dgamma"), py::arg("kernel"))

@@ -134,6 +134,12 @@ class ServerErrorsTest(unittest.TestCase):
         self.assertIn("nvJitLink is not available on this server", error.message)
         self.assertIn("/nonexistent/libnvJitLink.so", error.message)
 
+    def test_shared_memory_over_tcp_is_failed_precondition(self):
+        x, dy, gamma = batch(2, 8)
+        client = normgrad.Client(self.server.address, transport="shm", deadline=30)
+        self.assert_error(lambda: client.backward(x, dy, gamma), "FAILED_PRECONDITION",
+                          normgrad.FailedPreconditionError)
+
     def test_unknown_health_service_is_not_found(self):
         self.assert_error(lambda: self.client.health("no.such.Service"), "NOT_FOUND",
                           normgrad.NotFoundError)
@@ -191,10 +197,10 @@ class ClientSideErrorsTest(unittest.TestCase):
         self.assertGreaterEqual(timings[4], 0.28)
         self.assertLess(timings[1], timings[4])
 
-    def test_transport_other_than_auto_or_bytes_is_a_value_error(self):
-        with self.assertRaisesRegex(ValueError, "transport 'shm' is not available.*auto, bytes"):
-            normgrad.Client("localhost:1", transport="shm")
-        self.assertEqual(normgrad.Client("localhost:1", transport="auto").transport, "bytes")
+    def test_unknown_transport_is_a_value_error(self):
+        with self.assertRaisesRegex(ValueError, "transport 'udp' is not available.*auto, bytes, shm"):
+            normgrad.Client("localhost:1", transport="udp")
+        self.assertEqual(normgrad.Client("localhost:1", transport="shm").transport, "shm")
 
     def test_arguments_python_can_judge(self):
         client = normgrad.Client(dead_address())

@@ -3,6 +3,8 @@ inputs of every dtype, many shapes (hidden sizes 1 to 4097, 3-D inputs, multi-ch
 with and without the forward's rms, on the CPU backend and on the emulated CUDA driver."""
 
 import hashlib
+import os
+import tempfile
 import unittest
 
 import numpy as np
@@ -79,10 +81,12 @@ class GradientsTestBase:
     # The emulated driver interprets PTX: fewer rows there.
     rows = 5
 
+    transport = "auto"
+
     @classmethod
     def setUpClass(cls):
         cls.server = ServerProcess(cls.backend)
-        cls.client = normgrad.Client(cls.server.address, deadline=120)
+        cls.client = normgrad.Client(cls.server.address, transport=cls.transport, deadline=120)
 
     @classmethod
     def tearDownClass(cls):
@@ -169,6 +173,27 @@ class CpuBackendGradientsTest(GradientsTestBase, unittest.TestCase):
         self.assertFalse(x_t.flags.c_contiguous)
         dx, dgamma = self.client.backward(x_t, dy_t, case.gamma, eps=EPS)
         self.check(case, dx, dgamma)
+
+
+class SharedMemoryGradientsTest(GradientsTestBase, unittest.TestCase):
+    """The same cases through the shared-memory transport: a unix socket target whose server
+    runs with --shared-memory (the client stages the tensors in a region of its own)."""
+
+    backend = "cpu"
+    rows = 5
+    transport = "shm"
+
+    @classmethod
+    def setUpClass(cls):
+        cls.directory = tempfile.TemporaryDirectory()
+        socket = os.path.join(cls.directory.name, "grpc.sock")
+        cls.server = ServerProcess("cpu", [f"--listen=unix:{socket}", "--shared-memory"])
+        cls.client = normgrad.Client(f"unix:{socket}", transport=cls.transport, deadline=120)
+
+    @classmethod
+    def tearDownClass(cls):
+        super().tearDownClass()
+        cls.directory.cleanup()
 
 
 @skip_without_emulated_cuda
