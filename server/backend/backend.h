@@ -86,6 +86,14 @@ class Backend {
 
   // Statistics of the backend's module cache (all zeros on the CPU backend).
   virtual ModuleCacheStats CacheStats() const = 0;
+
+  // Host memory that chunks will be read from and written to in place (a client's shared-memory
+  // region, mapped by the server), for as long as it stays registered. The CUDA backend
+  // registers it with the driver (cuMemHostRegister) and copies straight between it and the
+  // device; the CPU backend reads it as it is. An error only means the backend stages such
+  // chunks like any other.
+  virtual absl::Status RegisterHostMemory(void* base, uint64_t bytes) { return absl::OkStatus(); }
+  virtual void UnregisterHostMemory(void* base) {}
 };
 
 }  // namespace normgrad::server

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -52,10 +54,41 @@ class DeviceContext {
   bool stream_ordered = false;  // set once during start-up
   uint32_t max_grid_x = 65535;  // set once during start-up
 
+  // Host ranges registered with the driver (page-locked in place): copies go straight between
+  // them and the device, with no staging copy. Thread-safe.
+  absl::Status RegisterHost(void* base, uint64_t bytes) const {
+    if (api().cuMemHostRegister_v2 == nullptr || api().cuMemHostUnregister == nullptr) {
+      return absl::UnimplementedError("the driver has no cuMemHostRegister");
+    }
+    NORMGRAD_RETURN_IF_ERROR(MakeCurrent());
+    NORMGRAD_RETURN_IF_ERROR(Check(
+        api().cuMemHostRegister_v2(base, bytes, CU_MEMHOSTREGISTER_PORTABLE), "cuMemHostRegister"));
+    std::lock_guard<std::mutex> lock(host_mu_);
+    host_ranges_[reinterpret_cast<uintptr_t>(base)] = bytes;
+    return absl::OkStatus();
+  }
+  void UnregisterHost(void* base) const {
+    {
+      std::lock_guard<std::mutex> lock(host_mu_);
+      if (host_ranges_.erase(reinterpret_cast<uintptr_t>(base)) == 0) return;
+    }
+    if (MakeCurrent().ok()) (void)api().cuMemHostUnregister(base);
+  }
+  bool IsRegisteredHost(const void* p, uint64_t bytes) const {
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    std::lock_guard<std::mutex> lock(host_mu_);
+    auto it = host_ranges_.upper_bound(a);
+    if (it == host_ranges_.begin()) return false;
+    --it;
+    return a - it->first <= it->second && bytes <= it->second - (a - it->first);
+  }
+
  private:
   std::shared_ptr<const CudaDriver> driver_;
   CUdevice device_;
   CUcontext context_;
+  mutable std::mutex host_mu_;
+  mutable std::map<uintptr_t, uint64_t> host_ranges_;  // base -> bytes; guarded by host_mu_
 };
 
 // A module loaded into the device's context, with its kernel entry. Unloaded when the cache
@@ -302,21 +335,35 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
                                  std::pair{&d_workspace_, workspace_bytes}}) {
       if (bytes != 0) NORMGRAD_RETURN_IF_ERROR(buffer->Reserve(*ctx_, stream_, bytes));
     }
-    NORMGRAD_RETURN_IF_ERROR(in_.Reserve(*ctx_, 2 * data_bytes + rms_bytes));
+    // A chunk whose x, dy, rms and dx all lie in registered host memory (a shared-memory
+    // region) is copied straight from and to it; any other goes through the pinned buffers.
+    const bool in_place = ctx_->IsRegisteredHost(x.data(), data_bytes) &&
+                          ctx_->IsRegisteredHost(dy.data(), data_bytes) &&
+                          (rms_bytes == 0 || ctx_->IsRegisteredHost(rms.data(), rms_bytes)) &&
+                          ctx_->IsRegisteredHost(dx.data(), data_bytes);
+    if (!in_place) NORMGRAD_RETURN_IF_ERROR(in_.Reserve(*ctx_, 2 * data_bytes + rms_bytes));
     NORMGRAD_RETURN_IF_ERROR(out_.Reserve(*ctx_, dgamma_offset + dgamma_bytes));
 
-    uint8_t* in = in_.get();
-    std::memcpy(in, x.data(), data_bytes);
-    std::memcpy(in + data_bytes, dy.data(), data_bytes);
-    if (rms_bytes != 0) std::memcpy(in + 2 * data_bytes, rms.data(), rms_bytes);
+    const uint8_t* x_host = x.data();
+    const uint8_t* dy_host = dy.data();
+    const uint8_t* rms_host = reinterpret_cast<const uint8_t*>(rms.data());
+    if (!in_place) {
+      uint8_t* in = in_.get();
+      std::memcpy(in, x.data(), data_bytes);
+      std::memcpy(in + data_bytes, dy.data(), data_bytes);
+      if (rms_bytes != 0) std::memcpy(in + 2 * data_bytes, rms.data(), rms_bytes);
+      x_host = in;
+      dy_host = in + data_bytes;
+      rms_host = in + 2 * data_bytes;
+    }
     NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
-        api.cuMemcpyHtoDAsync_v2(d_x_.get(), in, data_bytes, stream_), "cuMemcpyHtoDAsync(x)"));
+        api.cuMemcpyHtoDAsync_v2(d_x_.get(), x_host, data_bytes, stream_), "cuMemcpyHtoDAsync(x)"));
     NORMGRAD_RETURN_IF_ERROR(
-        ctx_->Check(api.cuMemcpyHtoDAsync_v2(d_dy_.get(), in + data_bytes, data_bytes, stream_),
+        ctx_->Check(api.cuMemcpyHtoDAsync_v2(d_dy_.get(), dy_host, data_bytes, stream_),
                     "cuMemcpyHtoDAsync(dy)"));
     if (rms_bytes != 0) {
       NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
-          api.cuMemcpyHtoDAsync_v2(d_rms_.get(), in + 2 * data_bytes, rms_bytes, stream_),
+          api.cuMemcpyHtoDAsync_v2(d_rms_.get(), rms_host, rms_bytes, stream_),
           "cuMemcpyHtoDAsync(rms)"));
     }
     if (plan.dgamma_output() == kernels::DgammaOutput::kAccumulated) {  // atomics add into it
@@ -337,15 +384,17 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
     NORMGRAD_RETURN_IF_ERROR(plan.Run(args, *this));
 
     uint8_t* out = out_.get();
-    NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
-        api.cuMemcpyDtoHAsync_v2(out, d_dx_.get(), data_bytes, stream_), "cuMemcpyDtoHAsync(dx)"));
+    NORMGRAD_RETURN_IF_ERROR(
+        ctx_->Check(api.cuMemcpyDtoHAsync_v2(in_place ? dx.data() : out, d_dx_.get(), data_bytes,
+                                             stream_),
+                    "cuMemcpyDtoHAsync(dx)"));
     if (dgamma_bytes != 0) {
       NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
           api.cuMemcpyDtoHAsync_v2(out + dgamma_offset, d_dgamma_.get(), dgamma_bytes, stream_),
           "cuMemcpyDtoHAsync(grad_gamma)"));
     }
     NORMGRAD_RETURN_IF_ERROR(ctx_->Check(api.cuStreamSynchronize(stream_), "cuStreamSynchronize"));
-    std::memcpy(dx.data(), out, data_bytes);
+    if (!in_place) std::memcpy(dx.data(), out, data_bytes);
     if (dgamma_on_device) {
       const float* chunk_dgamma = reinterpret_cast<const float*>(out + dgamma_offset);
       for (size_t i = 0; i < h; ++i) dgamma_sum_[i] += chunk_dgamma[i];
@@ -459,6 +508,11 @@ class CudaBackend : public Backend {
   }
 
   ModuleCacheStats CacheStats() const override { return cache_.Stats(); }
+
+  absl::Status RegisterHostMemory(void* base, uint64_t bytes) override {
+    return ctx_->RegisterHost(base, bytes);
+  }
+  void UnregisterHostMemory(void* base) override { ctx_->UnregisterHost(base); }
 
  private:
   // The request's kernel (BatchSpec::kernel, or the backend's choice: the row-resident kernel

@@ -55,6 +55,8 @@ extern "C" CUresult CUDAAPI cuEventElapsedTime(float* milliseconds, CUevent star
   X(cuMemFreeHost, true)                  \
   X(cuMemcpyHtoDAsync_v2, true)           \
   X(cuMemcpyDtoHAsync_v2, true)           \
+  X(cuMemHostRegister_v2, false)          \
+  X(cuMemHostUnregister, false)           \
   X(cuMemsetD8Async, true)                \
   X(cuMemsetD32Async, true)               \
   X(cuStreamCreate, true)                 \

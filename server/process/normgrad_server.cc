@@ -339,7 +339,13 @@ void NormGradServer::AssembleService() {
   env_->pool = pool_.get();
   env_->streams = streams_.get();
   if (options_.shared_memory) {
-    regions_ = std::make_unique<RegionRegistry>(options_.regions);
+    Backend* backend = backend_.get();
+    regions_ = std::make_unique<RegionRegistry>(
+        options_.regions,
+        HostMemoryHooks{[backend](void* base, uint64_t bytes) {
+                          return backend->RegisterHostMemory(base, bytes);
+                        },
+                        [backend](void* base) { backend->UnregisterHostMemory(base); }});
     env_->regions = regions_.get();
   }
   service_ = std::make_unique<NormGradService>(env_.get());

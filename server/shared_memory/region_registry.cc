@@ -7,7 +7,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -26,7 +28,10 @@ OwnedFd::~OwnedFd() {
   if (fd_ >= 0) close(fd_);
 }
 
-MappedRegion::~MappedRegion() { munmap(base_, size_); }
+MappedRegion::~MappedRegion() {
+  if (on_unmap_) on_unmap_(base_);
+  munmap(base_, size_);
+}
 
 absl::StatusOr<RegionGrant> RegionRegistry::Register(OwnedFd fd, const RegionOwner& owner) {
   auto refuse = [this](absl::Status s) {
@@ -77,7 +82,18 @@ absl::StatusOr<RegionGrant> RegionRegistry::Register(OwnedFd fd, const RegionOwn
     return refuse(absl::InvalidArgumentError(
         absl::StrCat("mmap of the region (", size, " bytes): ", std::strerror(errno))));
   }
-  auto mapping = std::make_shared<const MappedRegion>(static_cast<uint8_t*>(base), size);
+  std::function<void(void*)> on_unmap;
+  if (hooks_.on_map) {
+    if (absl::Status s = hooks_.on_map(base, size); s.ok()) {
+      on_unmap = hooks_.on_unmap;
+    } else {
+      std::fprintf(stderr, "normgrad-server: shared-memory region of %llu bytes not registered "
+                   "with the backend (its chunks are staged): %s\n",
+                   static_cast<unsigned long long>(size), std::string(s.message()).c_str());
+    }
+  }
+  auto mapping =
+      std::make_shared<const MappedRegion>(static_cast<uint8_t*>(base), size, std::move(on_unmap));
   RegionGrant grant;
   grant.size = size;
   if (getrandom(grant.key.data(), grant.key.size(), 0) != static_cast<ssize_t>(grant.key.size())) {

@@ -22,9 +22,11 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
@@ -54,10 +56,19 @@ struct RegionGrant {
   uint64_t size = 0;
 };
 
+// What the compute backend does with each mapping: register it for copies in place (the CUDA
+// backend page-locks it with cuMemHostRegister) and let go of it before it is unmapped. A failed
+// on_map only costs speed (chunks are staged); it is not an error of the registration.
+struct HostMemoryHooks {
+  std::function<absl::Status(void* base, uint64_t bytes)> on_map;
+  std::function<void(void* base)> on_unmap;
+};
+
 // One mapping of a registered memfd; unmapped when the last holder lets go.
 class MappedRegion {
  public:
-  MappedRegion(uint8_t* base, uint64_t size) : base_(base), size_(size) {}
+  MappedRegion(uint8_t* base, uint64_t size, std::function<void(void*)> on_unmap = nullptr)
+      : base_(base), size_(size), on_unmap_(std::move(on_unmap)) {}
   ~MappedRegion();
   MappedRegion(const MappedRegion&) = delete;
   MappedRegion& operator=(const MappedRegion&) = delete;
@@ -68,6 +79,7 @@ class MappedRegion {
  private:
   uint8_t* const base_;
   const uint64_t size_;
+  const std::function<void(void*)> on_unmap_;
 };
 
 struct RegionStats {
@@ -98,7 +110,8 @@ class OwnedFd {
 
 class RegionRegistry {
  public:
-  explicit RegionRegistry(const RegionLimits& limits) : limits_(limits) {}
+  explicit RegionRegistry(const RegionLimits& limits, HostMemoryHooks hooks = {})
+      : limits_(limits), hooks_(std::move(hooks)) {}
 
   // Checks and maps `fd`: a memfd (F_GET_SEALS works) sealed with F_SEAL_SHRINK, not sealed
   // against writes, of 1 byte or more, within the limits. INVALID_ARGUMENT naming what is wrong
@@ -123,6 +136,7 @@ class RegionRegistry {
   };
 
   const RegionLimits limits_;
+  const HostMemoryHooks hooks_;
   mutable std::mutex mu_;
   uint64_t next_id_ = 1;  // guarded by mu_
   absl::flat_hash_map<uint64_t, Entry> regions_;  // guarded by mu_

@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -106,6 +107,8 @@ class EmulatedDriver {
   EmuPool pool;
   MemoryMap memory;                            // device allocations (thread-safe on its own)
   std::unordered_set<void*> host_allocations;  // guarded by mu
+  std::map<uintptr_t, size_t> host_registrations;  // cuMemHostRegister: base -> bytes; mu
+  uint64_t registered_copies = 0;  // async copies whose host side was registered memory; mu
   std::unordered_set<EmuModule*> modules;      // guarded by mu
   std::unordered_set<EmuFunction*> functions;  // guarded by mu
   std::unordered_set<EmuStream*> streams;      // guarded by mu
@@ -643,8 +646,59 @@ NG_EXPORT CUresult CUDAAPI cuMemFreeHost(void* p) {
   return CUDA_SUCCESS;
 }
 
+namespace {
+
+// Counts an async copy whose host range lies in memory registered with cuMemHostRegister (what a
+// test asks through normgrad_emulated_registered_copies).
+void CountRegisteredCopy(const void* host, size_t bytes) {
+  EmulatedDriver& d = Driver();
+  const auto a = reinterpret_cast<uintptr_t>(host);
+  std::lock_guard<std::mutex> lock(d.mu);
+  auto it = d.host_registrations.upper_bound(a);
+  if (it == d.host_registrations.begin()) return;
+  --it;
+  if (a - it->first <= it->second && bytes <= it->second - (a - it->first)) ++d.registered_copies;
+}
+
+}  // namespace
+
+NG_EXPORT CUresult CUDAAPI cuMemHostRegister(void* p, size_t bytesize, unsigned int Flags) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  if (p == nullptr || bytesize == 0 || (Flags & ~0x0Fu) != 0) return CUDA_ERROR_INVALID_VALUE;
+  EmulatedDriver& d = Driver();
+  std::lock_guard<std::mutex> lock(d.mu);
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  auto next = d.host_registrations.lower_bound(a);
+  if (next != d.host_registrations.end() && next->first < a + bytesize) {
+    return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+  }
+  if (next != d.host_registrations.begin() && std::prev(next)->first + std::prev(next)->second > a) {
+    return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+  }
+  d.host_registrations[a] = bytesize;
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuMemHostUnregister(void* p) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  EmulatedDriver& d = Driver();
+  std::lock_guard<std::mutex> lock(d.mu);
+  if (d.host_registrations.erase(reinterpret_cast<uintptr_t>(p)) == 0) {
+    return CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
+  }
+  return CUDA_SUCCESS;
+}
+
+// Not a driver function: for tests that check copies went straight from registered memory.
+NG_EXPORT uint64_t normgrad_emulated_registered_copies() {
+  EmulatedDriver& d = Driver();
+  std::lock_guard<std::mutex> lock(d.mu);
+  return d.registered_copies;
+}
+
 NG_EXPORT CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dstDevice, const void* srcHost,
                                              size_t ByteCount, CUstream hStream) {
+  CountRegisteredCopy(srcHost, ByteCount);
   return normgrad::ptxsim::StreamTransfer(
       hStream, dstDevice, ByteCount, 1, srcHost != nullptr,
       [&] { std::memcpy(reinterpret_cast<void*>(dstDevice), srcHost, ByteCount); });
@@ -652,6 +706,7 @@ NG_EXPORT CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dstDevice, const void* 
 
 NG_EXPORT CUresult CUDAAPI cuMemcpyDtoHAsync(void* dstHost, CUdeviceptr srcDevice, size_t ByteCount,
                                              CUstream hStream) {
+  CountRegisteredCopy(dstHost, ByteCount);
   return normgrad::ptxsim::StreamTransfer(
       hStream, srcDevice, ByteCount, 1, dstHost != nullptr,
       [&] { std::memcpy(dstHost, reinterpret_cast<const void*>(srcDevice), ByteCount); });

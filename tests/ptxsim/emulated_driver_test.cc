@@ -45,6 +45,8 @@ using ::testing::HasSubstr;
   X(cuMemFreeHost)                \
   X(cuMemcpyHtoDAsync_v2)         \
   X(cuMemcpyDtoHAsync_v2)         \
+  X(cuMemHostRegister_v2)         \
+  X(cuMemHostUnregister)          \
   X(cuMemsetD8Async)              \
   X(cuMemsetD32Async)             \
   X(cuStreamCreate)               \

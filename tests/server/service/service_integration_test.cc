@@ -2,12 +2,20 @@
 // gradients against the reference, every bad input, cancellation, deadlines, idle streams,
 // admission limits, concurrency without cross-talk, drain on shutdown, EmitPtx (digest, cubin,
 // single-flight) and the metrics endpoint.
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <future>
 #include <map>
 #include <memory>
@@ -21,6 +29,7 @@
 #include "gtest/gtest.h"
 #include "server/process/normgrad_server.h"
 #include "server/ptx/sha256.h"
+#include "server/shared_memory/region_registry.h"
 #include "tests/server/service/service_test_util.h"
 
 namespace normgrad::server {
@@ -812,6 +821,84 @@ TEST_F(ServiceTest, MetricsEndpointServesParseablePrometheusText) {
   int missing = 0;
   testing::HttpGet(server_->metrics_port(), "/nothing", &missing);
   EXPECT_EQ(missing, 404);
+}
+
+}  // namespace
+}  // namespace normgrad::server
+
+namespace normgrad::server {
+namespace {
+
+// Shared-memory chunks on the backend under test (sim.cuda.service_integration_test runs this on
+// the CUDA backend over the emulated driver): the region is computed in place, and on CUDA the
+// backend registered the region with the driver and copied straight from and to it (the
+// emulator counts async copies whose host side is registered memory).
+TEST(ServiceSharedMemoryTest, ChunksInARegionAreComputedInPlaceStraightFromTheRegion) {
+  const std::string dir = absl::StrCat("/tmp/normgrad-svc-shm-", getpid());
+  ASSERT_EQ(mkdir(dir.c_str(), 0700), 0);
+  ServerOptions options = testing::TestServerOptions();
+  options.listen.push_back("unix:" + dir + "/grpc.sock");
+  options.shared_memory = true;
+  std::unique_ptr<NormGradServer> server = StartServer(options);
+  ASSERT_NE(server, nullptr);
+  const testing::Batch b = testing::RandomBatch(96, 256, 9);
+  const uint64_t n = b.rows * b.hidden, bytes = n * 4;
+  const int fd = memfd_create("test-region", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, static_cast<off_t>(3 * bytes)), 0);
+  ASSERT_EQ(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  auto* base = static_cast<uint8_t*>(mmap(nullptr, 3 * bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  ASSERT_NE(base, MAP_FAILED);
+  std::memcpy(base, b.x.data(), bytes);
+  std::memcpy(base + bytes, b.dy.data(), bytes);
+  absl::StatusOr<RegionGrant> grant = server->regions()->Register(OwnedFd(fd), {.connection = 1});
+  ASSERT_TRUE(grant.ok()) << grant.status();
+
+  using CopyCount = uint64_t (*)();
+  CopyCount registered_copies = nullptr;
+  if (testing::TestBackendIsCuda()) {
+    const char* driver = std::getenv("NORMGRAD_CUDA_DRIVER");
+    void* lib = driver != nullptr ? dlopen(driver, RTLD_NOW | RTLD_NOLOAD) : nullptr;
+    if (lib != nullptr) {
+      registered_copies =
+          reinterpret_cast<CopyCount>(dlsym(lib, "normgrad_emulated_registered_copies"));
+    }
+  }
+  const uint64_t copies_before = registered_copies != nullptr ? registered_copies() : 0;
+
+  std::vector<v1::BackwardRequest> messages = {testing::HeaderFor(b)};
+  const uint64_t rows_per_chunk = 40;  // 40, 40, 16
+  for (uint64_t first = 0; first < b.rows; first += rows_per_chunk) {
+    const uint64_t rows = std::min(rows_per_chunk, b.rows - first);
+    v1::BackwardRequest m;
+    v1::SharedMemoryChunk* shm = m.mutable_shm();
+    shm->set_region_id(grant->id);
+    shm->set_region_key(grant->key.data(), grant->key.size());
+    shm->set_num_rows(rows);
+    shm->set_x_offset(first * b.hidden * 4);
+    shm->set_dy_offset(bytes + first * b.hidden * 4);
+    shm->set_grad_input_offset(2 * bytes + first * b.hidden * 4);
+    messages.push_back(std::move(m));
+  }
+  auto stub = testing::StubFor(server->port());
+  int responses = 0;
+  const grpc::Status status = testing::SendMessages(*stub, messages, &responses);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(responses, 4);
+  std::vector<float> want_dx, want_dgamma, dx(n);
+  testing::ReferenceFor(b, want_dx, want_dgamma);
+  std::memcpy(dx.data(), base + 2 * bytes, bytes);
+  EXPECT_LT(testing::MaxScaledError(dx, want_dx), 1e-4);
+  if (registered_copies != nullptr) {
+    // x, dy in and dx out for each of the 3 chunks, none through the pinned staging buffers.
+    EXPECT_EQ(registered_copies() - copies_before, 9u);
+  } else {
+    EXPECT_FALSE(testing::TestBackendIsCuda()) << "the emulated driver's copy counter is missing";
+  }
+  server->Shutdown(absl::ZeroDuration());
+  server.reset();
+  munmap(base, 3 * bytes);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
