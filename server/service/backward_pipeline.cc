@@ -76,6 +76,21 @@ StreamActions BackwardPipeline::OnReadDone(bool ok, bool call_cancelled) {
   return a;
 }
 
+StreamActions BackwardPipeline::OnUnparsableMessage(uint64_t bytes) {
+  StreamActions a;
+  std::lock_guard<std::mutex> lock(mu_);
+  read_in_flight_ = false;
+  last_progress_ = absl::Now();
+  const std::string which = validator_.has_header()
+                                ? absl::StrCat("chunk ", validator_.chunks_received())
+                                : std::string("the first message");
+  FinishLocked(absl::InvalidArgumentError(
+                   absl::StrCat(which, " (", bytes, " bytes) does not parse as a "
+                                "normgrad.v1.BackwardRequest")),
+               a);
+  return a;
+}
+
 StreamActions BackwardPipeline::OnWriteDone(bool ok) {
   StreamActions a;
   std::lock_guard<std::mutex> lock(mu_);

@@ -77,6 +77,9 @@ class BackwardPipeline {
   StreamActions Start();
   // `ok` false: the client half-closed or the call died; `call_cancelled` says which.
   StreamActions OnReadDone(bool ok, bool call_cancelled);
+  // A message arrived (`bytes` long) that does not parse as a BackwardRequest: the stream ends
+  // with INVALID_ARGUMENT saying which message.
+  StreamActions OnUnparsableMessage(uint64_t bytes);
   StreamActions OnWriteDone(bool ok);
   StreamActions OnCancel();
   // Runs the next queued job (session start, a chunk, the final grad_gamma); blocking.

@@ -1,5 +1,7 @@
 #include "server/service/normgrad_service.h"
 
+#include <grpcpp/impl/codegen/proto_utils.h>
+
 #include <cstring>
 #include <deque>
 #include <memory>
@@ -26,6 +28,26 @@ constexpr char kEmitPtxMethod[] = "EmitPtx";
 constexpr char kServerInfoMethod[] = "GetServerInfo";
 // Jobs one worker task runs for a stream before it yields the worker (BackwardStream::Apply).
 constexpr int kJobsPerTask = 3;
+
+// Parses a message gRPC handed over as bytes (the raw API; it consumes `buffer`).
+template <typename Message>
+bool ParseMessage(grpc::ByteBuffer& buffer, Message* message) {
+  return grpc::SerializationTraits<Message>::Deserialize(&buffer, message).ok();
+}
+
+template <typename Message>
+void SerializeMessage(const Message& message, grpc::ByteBuffer* buffer) {
+  buffer->Clear();  // gRPC's writer takes an empty buffer
+  bool own_buffer;
+  if (!grpc::SerializationTraits<Message>::Serialize(message, buffer, &own_buffer).ok()) {
+    buffer->Clear();
+  }
+}
+
+absl::Status UnparsableRequest(const grpc::ByteBuffer& request, const char* type) {
+  return absl::InvalidArgumentError(absl::StrCat("the request (", request.Length(),
+                                                 " bytes) does not parse as a normgrad.v1.", type));
+}
 
 // gRPC's peer strings: "unix:...", "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", ...
 bool PeerIsLocal(absl::string_view peer) {
@@ -64,8 +86,7 @@ void RecordRpc(MetricsRegistry& m, const char* method, absl::StatusCode code, do
 // (a StartRead/StartWrite/Finish may run reactions inline). Lifetime: reference counted; gRPC
 // holds one reference until OnDone, each task on the worker pool and each watchdog visit holds
 // one; the last Unref deletes.
-class BackwardStream final
-    : public grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse> {
+class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   BackwardStream(ServiceEnv* env, grpc::CallbackServerContext* context)
       : env_(env),
@@ -76,7 +97,16 @@ class BackwardStream final
     Apply(pipeline_->Start());
   }
 
-  void OnReadDone(bool ok) override { Apply(pipeline_->OnReadDone(ok, context_->IsCancelled())); }
+  void OnReadDone(bool ok) override {
+    if (ok) {
+      const uint64_t bytes = read_buffer_.Length();
+      if (!ParseMessage(read_buffer_, read_into_.load())) {
+        Apply(pipeline_->OnUnparsableMessage(bytes));
+        return;
+      }
+    }
+    Apply(pipeline_->OnReadDone(ok, context_->IsCancelled()));
+  }
   void OnWriteDone(bool ok) override { Apply(pipeline_->OnWriteDone(ok)); }
   void OnCancel() override { Apply(pipeline_->OnCancel()); }
 
@@ -119,8 +149,15 @@ class BackwardStream final
   }
 
   void Apply(StreamActions a) {
-    if (a.read_into != nullptr) StartRead(a.read_into);
-    if (a.write_from != nullptr) StartWrite(a.write_from);
+    if (a.read_into != nullptr) {
+      read_into_.store(a.read_into);
+      StartRead(&read_buffer_);
+    }
+    if (a.write_from != nullptr) {
+      // One write in flight: gRPC is done with write_buffer_ before the next one is decided.
+      SerializeMessage(*a.write_from, &write_buffer_);
+      StartWrite(&write_buffer_);
+    }
     if (a.schedule) {
       refs_.fetch_add(1);
       env_->pool->Schedule([this] {
@@ -158,6 +195,9 @@ class BackwardStream final
   std::unique_ptr<BackwardPipeline> pipeline_;
   std::recursive_mutex context_mu_;
   bool done_ = false;  // OnDone ran; guarded by context_mu_
+  grpc::ByteBuffer read_buffer_;   // owned by the read in flight
+  std::atomic<v1::BackwardRequest*> read_into_{nullptr};  // where that read's message is parsed
+  grpc::ByteBuffer write_buffer_;  // owned by the write in flight
 };
 
 void StreamRegistry::Add(BackwardStream* stream) {
@@ -197,14 +237,14 @@ bool StreamRegistry::WaitUntilEmpty(absl::Time deadline) {
                              [this] { return streams_.empty(); });
 }
 
-grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>*
-NormGradService::RmsNormBackward(grpc::CallbackServerContext* context) {
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* NormGradService::RmsNormBackward(
+    grpc::CallbackServerContext* context) {
   return new BackwardStream(env_, context);
 }
 
 grpc::ServerUnaryReactor* NormGradService::EmitPtx(grpc::CallbackServerContext* context,
-                                                   const v1::EmitPtxRequest* request,
-                                                   v1::EmitPtxResponse* response) {
+                                                   const grpc::ByteBuffer* raw_request,
+                                                   grpc::ByteBuffer* raw_response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const absl::Time start = absl::Now();
   ServiceEnv* env = env_;
@@ -214,23 +254,47 @@ grpc::ServerUnaryReactor* NormGradService::EmitPtx(grpc::CallbackServerContext* 
     reactor->Finish(ToGrpcStatus(s));
     return reactor;
   }
+  auto request = std::make_shared<v1::EmitPtxRequest>();
+  grpc::ByteBuffer bytes(*raw_request);  // parsing consumes it
+  if (!ParseMessage(bytes, request.get())) {
+    absl::Status s = UnparsableRequest(*raw_request, "EmitPtxRequest");
+    RecordRpc(*env->metrics, kEmitPtxMethod, s.code(), absl::ToDoubleSeconds(absl::Now() - start),
+              raw_request->Length(), 0);
+    reactor->Finish(ToGrpcStatus(s));
+    return reactor;
+  }
   // Emission and nvJitLink may take a while: never in a reaction.
-  env->pool->Schedule([env, reactor, request, response, start] {
+  env->pool->Schedule([env, reactor, request, raw_response, start] {
     absl::StatusOr<v1::EmitPtxResponse> r = env->ptx->Emit(*request);
     absl::Status status = r.status();
-    if (r.ok()) *response = *std::move(r);
+    uint64_t bytes_out = 0;
+    if (r.ok()) {
+      bytes_out = r->ByteSizeLong();
+      SerializeMessage(*r, raw_response);
+    }
     RecordRpc(*env->metrics, kEmitPtxMethod, status.code(),
-              absl::ToDoubleSeconds(absl::Now() - start), request->ByteSizeLong(),
-              status.ok() ? response->ByteSizeLong() : 0);
+              absl::ToDoubleSeconds(absl::Now() - start), request->ByteSizeLong(), bytes_out);
     reactor->Finish(ToGrpcStatus(status));
   });
   return reactor;
 }
 
 grpc::ServerUnaryReactor* NormGradService::GetServerInfo(grpc::CallbackServerContext* context,
-                                                         const v1::GetServerInfoRequest*,
-                                                         v1::GetServerInfoResponse* response) {
+                                                         const grpc::ByteBuffer* raw_request,
+                                                         grpc::ByteBuffer* raw_response) {
   const absl::Time start = absl::Now();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  v1::GetServerInfoRequest request;
+  grpc::ByteBuffer bytes(*raw_request);
+  if (!ParseMessage(bytes, &request)) {
+    absl::Status s = UnparsableRequest(*raw_request, "GetServerInfoRequest");
+    RecordRpc(*env_->metrics, kServerInfoMethod, s.code(),
+              absl::ToDoubleSeconds(absl::Now() - start), raw_request->Length(), 0);
+    reactor->Finish(ToGrpcStatus(s));
+    return reactor;
+  }
+  v1::GetServerInfoResponse info;
+  v1::GetServerInfoResponse* response = &info;
   response->set_version(env_->config.version);
   response->set_backend(std::string(env_->backend->Name()));
   ToProto(env_->backend->Device(), response->mutable_device());
@@ -252,9 +316,9 @@ grpc::ServerUnaryReactor* NormGradService::GetServerInfo(grpc::CallbackServerCon
     shm->set_max_region_bytes(env_->regions->limits().max_bytes);
   }
   for (std::string& name : KernelNames()) response->add_kernels(std::move(name));
+  SerializeMessage(info, raw_response);
   RecordRpc(*env_->metrics, kServerInfoMethod, absl::StatusCode::kOk,
-            absl::ToDoubleSeconds(absl::Now() - start), 0, response->ByteSizeLong());
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+            absl::ToDoubleSeconds(absl::Now() - start), 0, info.ByteSizeLong());
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

@@ -52,18 +52,26 @@ void DescribeServiceMetrics(MetricsRegistry& metrics);
 void RecordRpc(MetricsRegistry& metrics, const char* method, absl::StatusCode code, double seconds,
                uint64_t bytes_in, uint64_t bytes_out);
 
-class NormGradService final : public v1::NormGrad::CallbackService {
+// Every method takes its messages as bytes (gRPC's raw callback API) and parses them itself, so
+// that a message that does not parse as the method's type is INVALID_ARGUMENT saying so (gRPC's
+// own parsing answers a unary call UNIMPLEMENTED with no message, and ends a stream's reads as
+// if the client had half-closed).
+using RawNormGradService = v1::NormGrad::WithRawCallbackMethod_RmsNormBackward<
+    v1::NormGrad::WithRawCallbackMethod_EmitPtx<
+        v1::NormGrad::WithRawCallbackMethod_GetServerInfo<v1::NormGrad::Service>>>;
+
+class NormGradService final : public RawNormGradService {
  public:
   explicit NormGradService(ServiceEnv* env) : env_(env) {}
 
-  grpc::ServerBidiReactor<v1::BackwardRequest, v1::BackwardResponse>* RmsNormBackward(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* RmsNormBackward(
       grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* EmitPtx(grpc::CallbackServerContext* context,
-                                    const v1::EmitPtxRequest* request,
-                                    v1::EmitPtxResponse* response) override;
+                                    const grpc::ByteBuffer* request,
+                                    grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
-                                          const v1::GetServerInfoRequest* request,
-                                          v1::GetServerInfoResponse* response) override;
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
 
  private:
   ServiceEnv* env_;

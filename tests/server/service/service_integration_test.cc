@@ -478,6 +478,61 @@ TEST_F(ServiceIdleTest, StreamWhoseClientStopsReadingIsCancelledByTheIdleTimeout
 // ---------------------------------------------------------------------------------------------
 // Reflection
 
+// gRPC parses a callback method's messages itself unless the method is raw: then a unary call
+// whose request does not parse got UNIMPLEMENTED with no message, and a stream's unparsable
+// message ended its reads like a half-close. The service parses them and says so.
+TEST_F(ServiceTest, AMessageThatDoesNotParseIsInvalidArgumentSayingWhich) {
+  grpc::GenericStub stub(testing::ChannelFor(server_->port()));
+  const std::string garbage("\xff\xff\xff", 3);  // a field tag whose varint never ends
+  for (const auto& [method, type] :
+       {std::pair{"EmitPtx", "EmitPtxRequest"}, std::pair{"GetServerInfo", "GetServerInfoRequest"}}) {
+    grpc::Slice slice(garbage);
+    grpc::ByteBuffer in(&slice, 1), out;
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    std::promise<grpc::Status> done;
+    stub.UnaryCall(&context, absl::StrCat("/normgrad.v1.NormGrad/", method), grpc::StubOptions(),
+                   &in, &out, [&](grpc::Status s) { done.set_value(s); });
+    const grpc::Status s = done.get_future().get();
+    EXPECT_EQ(s.error_code(), grpc::INVALID_ARGUMENT) << method << ": " << s.error_message();
+    EXPECT_EQ(s.error_message(), absl::StrCat("the request (3 bytes) does not parse as a "
+                                              "normgrad.v1.", type));
+  }
+
+  // The stream: a good header, then a chunk that does not parse.
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  grpc::CompletionQueue cq;
+  auto call = stub.PrepareCall(&context, "/normgrad.v1.NormGrad/RmsNormBackward", &cq);
+  void* tag;
+  bool ok;
+  auto step = [&](intptr_t want) {
+    return cq.Next(&tag, &ok) && reinterpret_cast<intptr_t>(tag) == want && ok;
+  };
+  call->StartCall(reinterpret_cast<void*>(1));
+  ASSERT_TRUE(step(1));
+  const std::string header = testing::HeaderFor(testing::RandomBatch(4, 8, 1)).SerializeAsString();
+  for (const std::string& message : {header, garbage}) {
+    grpc::Slice slice(message);
+    grpc::ByteBuffer buffer(&slice, 1);
+    call->Write(buffer, reinterpret_cast<void*>(2));
+    ASSERT_TRUE(step(2));
+  }
+  grpc::ByteBuffer response;
+  call->Read(&response, reinterpret_cast<void*>(3));
+  ASSERT_TRUE(cq.Next(&tag, &ok));
+  EXPECT_FALSE(ok) << "a response to an unparsable chunk";
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(4));
+  ASSERT_TRUE(cq.Next(&tag, &ok));
+  EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_EQ(status.error_message(),
+            "chunk 0 (3 bytes) does not parse as a normgrad.v1.BackwardRequest");
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+}
+
 TEST_F(ServiceTest, ReflectionListsTheService) {
   // ServerReflectionInfo by hand: request {list_services: ""} is field 7, an empty string.
   grpc::GenericStub stub(testing::ChannelFor(server_->port()));
