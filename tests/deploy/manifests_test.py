@@ -14,6 +14,8 @@ mtls component; the image is a pinned tag (the project version), never `latest`;
 limits are set and requests <= limits; the HorizontalPodAutoscaler scales the Deployment on a
 gauge the server really exports (scraped from a running normgrad-server), with a target below
 the limit that gauge is bounded by, and docs/operations.md documents it.
+The sidecar overlay (server and trainer in one pod on a unix socket with shared memory) is
+checked apart, down to starting the server with its rendered args and running its probe.
 Exit 77 (ctest SKIP) when kubectl is missing.
 """
 import os
@@ -21,6 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import unittest
 import urllib.request
 
@@ -276,6 +279,80 @@ class ManifestTest(unittest.TestCase):
                     with open(os.path.join(dirpath, name)) as f:
                         text = "".join(line for line in f if not line.lstrip().startswith("#"))
                     self.assertNotIn("--tls-client-ca", text, os.path.join(dirpath, name))
+
+    def test_sidecar_overlay(self):
+        """The server beside a trainer in one pod: a unix socket in a memory-backed volume both
+        containers mount, shared memory on, no gRPC port on the pod network, probes on the
+        socket; and the server's exact args start a server those probes find SERVING."""
+        docs = render("overlays/sidecar")
+        kinds = [d["kind"] for d in docs]
+        for gone in ("HorizontalPodAutoscaler", "PodDisruptionBudget"):
+            self.assertNotIn(gone, kinds)
+        services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
+        self.assertEqual(services, {"normgrad-metrics"})
+        dep = next(d for d in docs if d["kind"] == "Deployment")
+        spec = dep["spec"]["template"]["spec"]
+        containers = {c["name"]: c for c in spec["containers"]}
+        server, trainer = containers["normgrad"], containers["trainer"]
+        args = server["args"]
+        for a in args:
+            name = a[2:].split("=", 1)[0]
+            self.assertIn(name, self.known_flags, f"sidecar: server has no flag --{name}")
+        listens = [a.split("=", 1)[1] for a in args if a.startswith("--listen=")]
+        self.assertEqual(len(listens), 1, listens)
+        self.assertTrue(listens[0].startswith("unix:"), listens)
+        path = listens[0][len("unix:"):]
+        self.assertIn("--shared-memory", args)
+        socket_dir = os.path.dirname(path)
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = [next((m["name"] for m in c.get("volumeMounts", [])
+                        if m["mountPath"] == socket_dir), None) for c in (server, trainer)]
+        self.assertIsNotNone(mounts[0], "the server does not mount the socket directory")
+        self.assertEqual(mounts[0], mounts[1], "the trainer does not mount the socket's volume")
+        self.assertEqual(volumes[mounts[0]]["emptyDir"].get("medium"), "Memory")
+        env = {e["name"]: e.get("value") for e in trainer.get("env", [])}
+        self.assertEqual(env.get("NORMGRAD_TARGET"), "unix:" + path)
+        self.assertNotIn("grpc", {p["name"] for p in server.get("ports", [])})
+        probes = [server[p]["exec"]["command"] for p in
+                  ("readinessProbe", "livenessProbe", "startupProbe")]
+        for command in probes:
+            self.assertEqual(command[:2], ["normgrad", "health"])
+            self.assertIn("--target=unix:" + path, command)
+        # One pod user for both containers (the socket's 0660 admits the trainer).
+        self.assertIn("runAsUser", spec["securityContext"])
+        for c in (server, trainer):
+            self.assertNotIn("runAsUser", c.get("securityContext", {}), c["name"])
+        policy = next(d for d in docs if d["kind"] == "NetworkPolicy")
+        self.assertEqual(ports_admitted(policy, {"grpc", "health"}), [],
+                         "sidecar: the NetworkPolicy still admits gRPC")
+
+        # The server's args as rendered (the socket in a temporary directory, the CPU backend,
+        # metrics on loopback), then the readiness probe's command against it.
+        with tempfile.TemporaryDirectory(prefix="ng-sidecar-", dir="/tmp") as tmp:
+            local = os.path.join(tmp, "grpc.sock")
+            run_args = []
+            for a in args:
+                a = a.replace(path, local)
+                if a.startswith("--backend="):
+                    a = "--backend=cpu"
+                elif a.startswith("--metrics-listen="):
+                    a = "--metrics-listen=127.0.0.1:0"
+                run_args.append(a)
+            proc = subprocess.Popen([SERVER] + run_args, stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL, text=True)
+            try:
+                line = proc.stdout.readline()
+                self.assertIn(f" unix={local}", line)
+                self.assertIn(f" shm={local}.shm", line)
+                probe = [os.path.join(os.path.dirname(SERVER), "normgrad")] + [
+                    c.replace(path, local) for c in probes[0][1:]]
+                result = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+                self.assertEqual(result.returncode, 0, result.stderr)
+                self.assertEqual(result.stdout.strip(), "SERVING")
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+                proc.stdout.close()
 
     def test_dockerfile_agrees(self):
         with open(f"{ROOT}/Dockerfile") as f:
