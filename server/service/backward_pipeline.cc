@@ -20,13 +20,19 @@ BackwardPipeline::BackwardPipeline(ServiceEnv* env, absl::Time deadline, bool pe
   last_progress_ = start_;
 }
 
-BackwardPipeline::~BackwardPipeline() {
+void BackwardPipeline::Close() {
+  std::lock_guard<std::mutex> lock(mu_);
   session_.reset();
   jobs_.clear();
   writes_.clear();
   writing_.reset();
   waiting_for_bytes_.reset();
   if (reserved_bytes_ > 0) env_->admission->ReleaseBytes(reserved_bytes_);
+  reserved_bytes_ = 0;
+}
+
+BackwardPipeline::~BackwardPipeline() {
+  Close();
   if (admitted_) {  // OnDone never came (a test's pipeline)
     env_->metrics->AddGauge("normgrad_inflight_streams", {}, -1);
     env_->admission->ReleaseStream();

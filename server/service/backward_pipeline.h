@@ -66,9 +66,11 @@ class BackwardPipeline {
   // `deadline`: the call's deadline, to tell a deadline from a cancel. `peer_is_local`: the
   // client reached a unix socket or a loopback address, so it may name shared-memory regions.
   BackwardPipeline(ServiceEnv* env, absl::Time deadline, bool peer_is_local = false);
-  // Releases the bytes still reserved. The owner drops the backend session first (it may
-  // belong to a backend that outlives only the registry's streams).
+  // Close(), and gives back the stream's slot if OnDone never came.
   ~BackwardPipeline();
+  // Drops the backend session, the queued work and the bytes still reserved: the owner calls it
+  // before the backend may go away (it outlives only the registry's streams). Once, at the end.
+  void Close();
 
   BackwardPipeline(const BackwardPipeline&) = delete;
   BackwardPipeline& operator=(const BackwardPipeline&) = delete;
@@ -153,7 +155,7 @@ class BackwardPipeline {
   absl::Status idle_cancel_status_;  // set when the watchdog cancels (guarded by mu_)
   absl::StatusCode final_code_ = absl::StatusCode::kUnknown;  // until decided (guarded by mu_)
   int chunks_held_ = 0;  // guarded by mu_
-  uint64_t reserved_bytes_ = 0;  // guarded by mu_ except in the destructor
+  uint64_t reserved_bytes_ = 0;  // guarded by mu_
   uint64_t bytes_in_ = 0;  // guarded by mu_
   uint64_t bytes_out_ = 0;  // guarded by mu_
   uint64_t rows_sent_ = 0;  // guarded by mu_

@@ -91,40 +91,50 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   BackwardStream(ServiceEnv* env, grpc::CallbackServerContext* context)
       : env_(env),
         context_(context),
-        pipeline_(std::make_unique<BackwardPipeline>(env, absl::FromChrono(context->deadline()),
-                                                     PeerIsLocal(context->peer()))) {
+        pipeline_(env, absl::FromChrono(context->deadline()), PeerIsLocal(context->peer())) {
     env_->streams->Add(this);
-    Apply(pipeline_->Start());
+    // Published to OnReadDone, whose first step is parsing the read buffer (below).
+    { std::lock_guard<std::mutex> lock(read_mu_); }
+    Apply(pipeline_.Start());
   }
 
+  // Every reaction's first access to this object takes a lock the constructor released (the
+  // pipeline's, or read_mu_ for the read buffer): gRPC's own ordering between the constructor
+  // and the reactions is invisible to ThreadSanitizer (docs/testing.md).
   void OnReadDone(bool ok) override {
-    if (ok) {
-      const uint64_t bytes = read_buffer_.Length();
-      if (!ParseMessage(read_buffer_, read_into_.load())) {
-        Apply(pipeline_->OnUnparsableMessage(bytes));
-        return;
+    bool call_cancelled = false;
+    {
+      std::lock_guard<std::mutex> lock(read_mu_);
+      if (ok) {
+        const uint64_t bytes = read_buffer_.Length();
+        if (!ParseMessage(read_buffer_, read_into_.load())) {
+          Apply(pipeline_.OnUnparsableMessage(bytes));
+          return;
+        }
+      } else {
+        call_cancelled = context_->IsCancelled();
       }
     }
-    Apply(pipeline_->OnReadDone(ok, context_->IsCancelled()));
+    Apply(pipeline_.OnReadDone(ok, call_cancelled));
   }
-  void OnWriteDone(bool ok) override { Apply(pipeline_->OnWriteDone(ok)); }
-  void OnCancel() override { Apply(pipeline_->OnCancel()); }
+  void OnWriteDone(bool ok) override { Apply(pipeline_.OnWriteDone(ok)); }
+  void OnCancel() override { Apply(pipeline_.OnCancel()); }
 
   void OnDone() override {
+    const StreamTotals t = pipeline_.OnDone();
     {
       // After this, gRPC may free context_: a watchdog cancel must not touch it (Apply).
       std::lock_guard<std::recursive_mutex> lock(context_mu_);
       done_ = true;
     }
-    const double seconds = absl::ToDoubleSeconds(absl::Now() - pipeline_->start_time());
-    const StreamTotals t = pipeline_->OnDone();
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - pipeline_.start_time());
     env_->metrics->IncrementCounter("normgrad_rows_total", {}, static_cast<double>(t.rows));
     RecordRpc(*env_->metrics, kBackwardMethod, t.code, seconds, t.bytes_in, t.bytes_out);
     Unref();
   }
 
   void CheckIdle(absl::Time now, absl::Duration timeout) {
-    Apply(pipeline_->CheckIdle(now, timeout));
+    Apply(pipeline_.CheckIdle(now, timeout));
   }
 
   // A reference for someone who found the stream in the registry; false when it is being
@@ -143,7 +153,7 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
 
  private:
   ~BackwardStream() override {
-    pipeline_.reset();  // the backend session and reserved bytes go before the backend may
+    pipeline_.Close();  // the backend session and reserved bytes go before the backend may
     // Last: once the registry is empty, a draining server may tear down what we used.
     env_->streams->Remove(this);
   }
@@ -166,7 +176,7 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
         // the other streams' tasks, so a busy stream cannot keep a worker.
         bool more = true;
         for (int jobs = 0; more && jobs < kJobsPerTask; ++jobs) {
-          StreamActions next = pipeline_->RunOneJob();
+          StreamActions next = pipeline_.RunOneJob();
           more = next.schedule;
           next.schedule = jobs + 1 == kJobsPerTask && more;
           Apply(std::move(next));
@@ -175,8 +185,10 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       });
     }
     std::optional<absl::Status> finish = std::move(a.finish);
-    if (std::optional<absl::Status> deferred = pipeline_->Issued(a.issued())) {
-      finish = std::move(deferred);
+    if (a.issued() > 0) {
+      if (std::optional<absl::Status> deferred = pipeline_.Issued(a.issued())) {
+        finish = std::move(deferred);
+      }
     }
     if (finish.has_value()) Finish(ToGrpcStatus(*finish));
     if (a.try_cancel) {
@@ -192,10 +204,11 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   ServiceEnv* const env_;
   grpc::CallbackServerContext* const context_;
   std::atomic<int> refs_{1};  // gRPC's, dropped in OnDone
-  std::unique_ptr<BackwardPipeline> pipeline_;
+  BackwardPipeline pipeline_;
   std::recursive_mutex context_mu_;
   bool done_ = false;  // OnDone ran; guarded by context_mu_
-  grpc::ByteBuffer read_buffer_;   // owned by the read in flight
+  std::mutex read_mu_;  // see OnReadDone
+  grpc::ByteBuffer read_buffer_;   // owned by the read in flight; parsed under read_mu_
   std::atomic<v1::BackwardRequest*> read_into_{nullptr};  // where that read's message is parsed
   grpc::ByteBuffer write_buffer_;  // owned by the write in flight
 };
