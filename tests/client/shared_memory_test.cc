@@ -70,13 +70,25 @@ class SharedMemoryTest : public ::testing::Test {
     return c.ok() ? std::move(*c) : nullptr;
   }
 
-  // Request payload bytes the server received over gRPC for RmsNormBackward so far.
-  double ReceivedBytes() {
-    const std::string text = server_->metrics().RenderText();
-    std::smatch m;
-    static const std::regex re(
-        "normgrad_received_bytes_total\\{method=\"RmsNormBackward\"\\} ([0-9.e+]+)");
-    return std::regex_search(text, m, re) ? std::stod(m[1]) : 0.0;
+  // Request payload bytes the server received over gRPC for RmsNormBackward in the calls it has
+  // finished so far. A client sees its call's status before the server's OnDone records it, so
+  // this first waits until the server counted `calls` finished calls (requests_total is
+  // recorded after the bytes).
+  double ReceivedBytes(int calls) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (true) {
+      const std::string text = server_->metrics().RenderText();
+      std::smatch m;
+      static const std::regex done_re(
+          "normgrad_requests_total\\{method=\"RmsNormBackward\",code=\"OK\"\\} ([0-9.e+]+)");
+      const int done = std::regex_search(text, m, done_re) ? static_cast<int>(std::stod(m[1])) : 0;
+      if (done >= calls || absl::Now() > deadline) {
+        static const std::regex bytes_re(
+            "normgrad_received_bytes_total\\{method=\"RmsNormBackward\"\\} ([0-9.e+]+)");
+        return std::regex_search(text, m, bytes_re) ? std::stod(m[1]) : 0.0;
+      }
+      absl::SleepFor(absl::Milliseconds(5));
+    }
   }
 
   std::unique_ptr<v1::NormGrad::Stub> UnixStub() {
@@ -119,7 +131,7 @@ TEST_F(SharedMemoryTest, ARegisteredRegionIsComputedInPlaceWithNoPayloadOverGrpc
   const Batch b(1000, 512, /*seed=*/3);
   Placed p = Place(b);
   ASSERT_TRUE(client->RegisterSharedMemory(*p.region).ok());
-  const double before = ReceivedBytes();
+  const double before = ReceivedBytes(0);
   std::vector<float> dgamma(b.hidden);
   BackwardOptions options;
   options.dx = p.dx;
@@ -128,29 +140,30 @@ TEST_F(SharedMemoryTest, ARegisteredRegionIsComputedInPlaceWithNoPayloadOverGrpc
   ASSERT_TRUE(g.ok()) << g.status();
   ExpectGradientsClose(std::vector<float>(p.dx.begin(), p.dx.end()), dgamma, b);
   // Only gamma (2 KiB) crossed the socket, not the 4 MiB of x and dy.
-  EXPECT_LT(ReceivedBytes() - before, 4096.0);
+  EXPECT_LT(ReceivedBytes(1) - before, 4096.0);
   EXPECT_EQ(server_->regions()->Stats().regions, 1u);
 }
 
 TEST_F(SharedMemoryTest, AutoTransportStagesOrdinaryBuffersThroughSharedMemory) {
   auto client = Connect();
+  int calls = 0;
   for (const bool with_rms : {false, true}) {
     const Batch b(777, 96, /*seed=*/4, 1e-5f, with_rms);
-    const double before = ReceivedBytes();
+    const double before = ReceivedBytes(calls);
     BackwardOptions options;
     options.rms = b.rms;
     absl::StatusOr<Gradients> g = client->Backward(b.x, b.dy, b.gamma, 1e-5f, options);
     ASSERT_TRUE(g.ok()) << g.status();
     ExpectGradientsClose(g->dx, g->dgamma, b);
-    EXPECT_LT(ReceivedBytes() - before, 1024.0) << "rows went over gRPC";
+    EXPECT_LT(ReceivedBytes(++calls) - before, 1024.0) << "rows went over gRPC";
   }
   // Bytes, asked for, still work, and do cross the socket.
   const Batch b(50, 64, /*seed=*/5);
-  const double before = ReceivedBytes();
+  const double before = ReceivedBytes(calls);
   absl::StatusOr<Gradients> g = Connect(Transport::kBytes)->Backward(b.x, b.dy, b.gamma, 1e-5f);
   ASSERT_TRUE(g.ok()) << g.status();
   ExpectGradientsClose(g->dx, g->dgamma, b);
-  EXPECT_GE(ReceivedBytes() - before, 2.0 * 50 * 64 * 4);
+  EXPECT_GE(ReceivedBytes(++calls) - before, 2.0 * 50 * 64 * 4);
 }
 
 TEST_F(SharedMemoryTest, SharedMemoryOverTcpOrWithoutTheServerFlagIsFailedPrecondition) {
@@ -339,7 +352,7 @@ TEST_F(SharedMemoryTest, GarbageOnTheRegionSocketGetsAnErrorAndHarmsNobody) {
 }
 
 TEST_F(SharedMemoryTest, TheLoadGeneratorAndCliTakeTransportShm) {
-  const double before = ReceivedBytes();
+  const double before = ReceivedBytes(0);
   std::ostringstream out, err;
   ASSERT_EQ(tools::RunLoad({"--target=unix:" + socket_, "--transport=shm", "--total=20",
                             "--concurrency=4", "--shapes=16x256", "--format=json"},
@@ -349,7 +362,7 @@ TEST_F(SharedMemoryTest, TheLoadGeneratorAndCliTakeTransportShm) {
   EXPECT_THAT(out.str(), HasSubstr("\"transport\":\"shm\""));
   EXPECT_THAT(out.str(), HasSubstr("\"successes\":20"));
   // 20 calls of 16 x 256 f32 x and dy would be 640 KiB as bytes; only gammas crossed.
-  EXPECT_LT(ReceivedBytes() - before, 20 * 2048.0);
+  EXPECT_LT(ReceivedBytes(20) - before, 20 * 2048.0);
   std::ostringstream cout, cerr;
   tools::CliEnvironment env;
   EXPECT_EQ(tools::RunCli({"info", "--target=unix:" + socket_, "--transport=sideways"}, env, cout,
