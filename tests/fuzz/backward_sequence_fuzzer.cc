@@ -60,7 +60,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     Check(chunk.num_rows > 0);
     Check(chunk.first_row == rows_before);
     Check(chunk.first_row + chunk.num_rows <= validator.spec().num_rows);
-    Check(uint64_t{request.x().size()} == chunk.num_rows * validator.row_bytes());
+    if (request.has_shm()) {  // rows in a shared-memory region: none in the message
+      Check(request.x().empty() && request.dy().empty() && request.rms().empty());
+      Check(chunk.num_rows == request.shm().num_rows());
+    } else {
+      Check(uint64_t{request.x().size()} == chunk.num_rows * validator.row_bytes());
+    }
     rows_before += chunk.num_rows;
     Check(validator.rows_received() == rows_before);
   }
