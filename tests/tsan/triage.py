@@ -32,7 +32,8 @@ def frame_owner(line, root):
         return 'skip', function
     path = location.split(':')[0]
     if path.startswith(root + '/') and not path[len(root) + 1:].startswith('build'):
-        return 'ours', function
+        # Inlined frames carry a bare name: the file and line say where the access was.
+        return 'ours', f'{function[:80]} ({location[len(root) + 1:]})'
     return 'lib', function
 
 
@@ -74,7 +75,8 @@ def main():
         for kind, stacks in reports(text):
             total += 1
             owners = [stack_owner(s, root) for s in stacks[:2]]
-            label = kind + ': ' + ' | '.join(f[:110] or '?' for _, f in owners)
+            label = kind + ': ' + ' | '.join((f if o == 'ours' else f[:110]) or '?'
+                                             for o, f in owners)
             if kind.startswith('data race'):
                 failing = len(owners) == 2 and all(o == 'ours' for o, _ in owners)
             else:
