@@ -1,4 +1,5 @@
-// normgrad-server: flags -> NormGradServer; prints one ready line; drains on SIGTERM/SIGINT.
+// normgrad-server: flags -> NormGradServer; prints one ready line; drains on SIGTERM/SIGINT;
+// exits 3 shortly after its GPU failed (docs/operations.md, "When the GPU fails").
 #include <pthread.h>
 #include <signal.h>
 
@@ -6,12 +7,15 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "server/process/normgrad_server.h"
 #include "server/process/server_flags.h"
@@ -21,6 +25,25 @@ namespace {
 // gRPC's own log lines are held back until the server is up, so that a start-up failure is
 // the one line normgrad-server prints; afterwards its errors go to stderr as usual.
 std::atomic<bool> started{false};
+
+// The exit code after a device failure (0: drained, 1: start-up failure, 2: bad flag value), and
+// how long the process lingers first: the calls failed UNAVAILABLE and NOT_SERVING reach their
+// clients and probes. Bounded: a worker blocked in the driver can never be joined, so the
+// process ends with _Exit, not by tearing the server down.
+constexpr int kExitDeviceFailed = 3;
+constexpr absl::Duration kDeviceFailureGrace = absl::Seconds(2);
+
+void ExitAfterDeviceFailure(const absl::Status& reason) {
+  std::fprintf(stderr, "normgrad-server: %s; NOT_SERVING, exiting with code %d in %s\n",
+               reason.ToString().c_str(), kExitDeviceFailed,
+               absl::FormatDuration(kDeviceFailureGrace).c_str());
+  std::thread([] {
+    absl::SleepFor(kDeviceFailureGrace);
+    std::fflush(stdout);
+    std::fflush(stderr);
+    std::_Exit(kExitDeviceFailed);
+  }).detach();
+}
 
 void GrpcLog(gpr_log_func_args* args) {
   if (!started.load() || args->severity < GPR_LOG_SEVERITY_ERROR) return;
@@ -57,6 +80,7 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  options->on_device_failure = &ExitAfterDeviceFailure;
   auto server = normgrad::server::NormGradServer::Start(*options);
   if (!server.ok()) {
     std::fprintf(stderr, "normgrad-server: %s\n", server.status().ToString().c_str());
@@ -65,6 +89,9 @@ int main(int argc, char** argv) {
   started.store(true);
   std::printf("%s\n", (*server)->ReadyLine().c_str());
   std::fflush(stdout);
+  if (absl::Status health = (*server)->device_health(); !health.ok()) {
+    std::fprintf(stderr, "normgrad-server: NOT_SERVING: %s\n", health.ToString().c_str());
+  }
 
   int signal = 0;
   sigwait(&signals, &signal);

@@ -16,12 +16,14 @@
 #define NORMGRAD_SERVER_BACKEND_BACKEND_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kernels/kernel.h"
 #include "server/cache/module_cache.h"
@@ -94,6 +96,18 @@ class Backend {
   // chunks like any other.
   virtual absl::Status RegisterHostMemory(void* base, uint64_t bytes) { return absl::OkStatus(); }
   virtual void UnregisterHostMemory(void* base) {}
+
+  // Device failure. A device can fail for good (the CUDA backend: a sticky driver error such as
+  // an illegal address or an uncorrectable ECC error, or work that never completes); from then
+  // on every call that needs it fails UNAVAILABLE, and the handler set here (before any work) is
+  // called once, on the thread that saw the failure, with the reason. It must not block. The CPU
+  // backend never fails.
+  using DeviceFailureHandler = std::function<void(const absl::Status&)>;
+  virtual void SetDeviceFailureHandler(DeviceFailureHandler handler) {}
+  // OK, or the device's failure. Work handed to the device and not completed within `bound`
+  // (a synchronize still waiting; zero: no bound) becomes the failure first. Cheap: the server's
+  // device watchdog calls it periodically, from a thread of its own.
+  virtual absl::Status CheckDevice(absl::Duration bound) { return absl::OkStatus(); }
 };
 
 }  // namespace normgrad::server

@@ -1,6 +1,7 @@
 #include "server/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "kernels/kernel_registry.h"
 #include "kernels/launch.h"
 #include "kernels/status_macros.h"
@@ -43,7 +45,75 @@ class DeviceContext {
 
   const cuda::DriverApi& api() const { return driver_->api(); }
   const CudaDriver& driver() const { return *driver_; }
-  absl::Status Check(CUresult r, absl::string_view call) const { return driver_->Check(r, call); }
+  // CudaDriver::Check; an error that means the device is lost (cuda::IsDeviceLost) also marks
+  // the device failed.
+  absl::Status Check(CUresult r, absl::string_view call) const {
+    if (r == CUDA_SUCCESS) return absl::OkStatus();
+    absl::Status s = driver_->Check(r, call);
+    if (cuda::IsDeviceLost(r)) Fail(s);
+    return s;
+  }
+
+  // The device's failure (UNAVAILABLE) once one was seen, else OK. Thread-safe.
+  absl::Status failure() const {
+    std::lock_guard<std::mutex> lock(health_mu_);
+    return failure_;
+  }
+  void set_failure_handler(Backend::DeviceFailureHandler handler) const {
+    std::lock_guard<std::mutex> lock(health_mu_);
+    failure_handler_ = std::move(handler);
+  }
+  // Marks the device failed for good (the first reason stays) and calls the handler, once.
+  void Fail(const absl::Status& reason) const {
+    Backend::DeviceFailureHandler handler;
+    absl::Status status;
+    {
+      std::lock_guard<std::mutex> lock(health_mu_);
+      if (!failure_.ok()) return;
+      failure_ = absl::UnavailableError(
+          absl::StrCat("the GPU failed and this server cannot use it any more: ", reason.message()));
+      status = failure_;
+      handler = failure_handler_;
+    }
+    if (handler) handler(status);
+  }
+
+  // cuStreamSynchronize, counted as outstanding while it waits: a wait that exceeds the device
+  // watchdog's bound is a hung device (CheckProgress). The driver's wait has no timeout and
+  // cannot be interrupted; the thread stays blocked.
+  absl::Status Synchronize(CUstream stream) const {
+    uint64_t id;
+    {
+      std::lock_guard<std::mutex> lock(health_mu_);
+      id = next_wait_id_++;
+      waits_[id] = absl::Now();
+    }
+    const CUresult r = api().cuStreamSynchronize(stream);
+    {
+      std::lock_guard<std::mutex> lock(health_mu_);
+      waits_.erase(id);
+    }
+    return Check(r, "cuStreamSynchronize");
+  }
+
+  // failure(), after turning a synchronize that has waited for longer than `bound` (zero: no
+  // bound) into the device's failure.
+  absl::Status CheckProgress(absl::Duration bound) const {
+    absl::Duration longest = absl::ZeroDuration();
+    {
+      std::lock_guard<std::mutex> lock(health_mu_);
+      if (!failure_.ok() || bound <= absl::ZeroDuration()) return failure_;
+      const absl::Time now = absl::Now();
+      for (const auto& [id, since] : waits_) longest = std::max(longest, now - since);
+    }
+    if (longest > bound) {
+      Fail(absl::DeadlineExceededError(absl::StrCat(
+          "cuStreamSynchronize has not returned for ", absl::FormatDuration(longest),
+          ", more than the device timeout of ", absl::FormatDuration(bound),
+          " (the GPU is hung)")));
+    }
+    return failure();
+  }
 
   // Every thread that issues work calls this first.
   absl::Status MakeCurrent() const {
@@ -89,6 +159,11 @@ class DeviceContext {
   CUcontext context_;
   mutable std::mutex host_mu_;
   mutable std::map<uintptr_t, uint64_t> host_ranges_;  // base -> bytes; guarded by host_mu_
+  mutable std::mutex health_mu_;
+  mutable absl::Status failure_;                              // guarded by health_mu_
+  mutable Backend::DeviceFailureHandler failure_handler_;     // guarded by health_mu_
+  mutable uint64_t next_wait_id_ = 0;                         // guarded by health_mu_
+  mutable std::map<uint64_t, absl::Time> waits_;  // synchronizes waiting: id -> start; health_mu_
 };
 
 // A module loaded into the device's context, with its kernel entry. Unloaded when the cache
@@ -131,6 +206,7 @@ absl::StatusOr<std::shared_ptr<const LoadedModule>> LoadModule(
     // other JIT failure is ours (the generator emitted something the JIT refused).
     if (s.code() == absl::StatusCode::kFailedPrecondition)
       return absl::FailedPreconditionError(message);
+    if (s.code() == absl::StatusCode::kUnavailable) return absl::UnavailableError(message);
     return absl::InternalError(message);
   }
   NORMGRAD_RETURN_IF_ERROR(ctx->Check(
@@ -236,7 +312,8 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
         dgamma_sum_(spec.hidden_dim, 0.0) {}
 
   ~CudaBackwardSession() override {
-    if (!ctx_->MakeCurrent().ok()) return;  // the context is gone: nothing can be freed
+    // A failed device: nothing can be freed, and a synchronize might never return.
+    if (!ctx_->failure().ok() || !ctx_->MakeCurrent().ok()) return;
     for (DeviceBuffer* b : {&d_gamma_, &d_x_, &d_dy_, &d_dx_, &d_rms_, &d_dgamma_, &d_workspace_}) {
       b->Release(*ctx_, stream_);
     }
@@ -266,13 +343,14 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
       NORMGRAD_RETURN_IF_ERROR(d_dgamma_.Reserve(*ctx_, stream_, spec_.hidden_dim * sizeof(float)));
     }
     // The staging buffer is reused by the first chunk: the upload must be done by then.
-    return ctx_->Check(api.cuStreamSynchronize(stream_), "cuStreamSynchronize");
+    return ctx_->Synchronize(stream_);
   }
 
   absl::Status ProcessChunk(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
                             absl::Span<const float> rms, uint64_t rows,
                             absl::Span<uint8_t> dx) override {
     if (!broken_.ok()) return broken_;
+    NORMGRAD_RETURN_IF_ERROR(ctx_->failure());
     NORMGRAD_RETURN_IF_ERROR(
         backend_internal::CheckChunk(spec_, rows_done_, rows, x.size(), dy.size(), rms, dx.size()));
     const auto start = std::chrono::steady_clock::now();
@@ -393,7 +471,7 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
           api.cuMemcpyDtoHAsync_v2(out + dgamma_offset, d_dgamma_.get(), dgamma_bytes, stream_),
           "cuMemcpyDtoHAsync(grad_gamma)"));
     }
-    NORMGRAD_RETURN_IF_ERROR(ctx_->Check(api.cuStreamSynchronize(stream_), "cuStreamSynchronize"));
+    NORMGRAD_RETURN_IF_ERROR(ctx_->Synchronize(stream_));
     if (!in_place) std::memcpy(dx.data(), out, data_bytes);
     if (dgamma_on_device) {
       const float* chunk_dgamma = reinterpret_cast<const float*>(out + dgamma_offset);
@@ -472,6 +550,7 @@ class CudaBackend : public Backend {
 
   absl::StatusOr<std::unique_ptr<BackwardSession>> StartBackward(
       const BatchSpec& spec, absl::Span<const uint8_t> gamma) override {
+    NORMGRAD_RETURN_IF_ERROR(ctx_->failure());
     NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckBatch(spec, gamma.size()));
     NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckNamedKernel(spec));
     kernels::KernelConfig config = backend_internal::ConfigFor(spec, target_sm_);
@@ -513,6 +592,11 @@ class CudaBackend : public Backend {
     return ctx_->RegisterHost(base, bytes);
   }
   void UnregisterHostMemory(void* base) override { ctx_->UnregisterHost(base); }
+
+  void SetDeviceFailureHandler(DeviceFailureHandler handler) override {
+    ctx_->set_failure_handler(std::move(handler));
+  }
+  absl::Status CheckDevice(absl::Duration bound) override { return ctx_->CheckProgress(bound); }
 
  private:
   // The request's kernel (BatchSpec::kernel, or the backend's choice: the row-resident kernel

@@ -16,6 +16,28 @@ std::string ResolveDriverLibrary(absl::string_view option) {
   return "libcuda.so.1";
 }
 
+bool IsDeviceLost(CUresult result) {
+  switch (result) {
+    case CUDA_ERROR_ILLEGAL_ADDRESS:
+    case CUDA_ERROR_LAUNCH_FAILED:
+    case CUDA_ERROR_LAUNCH_TIMEOUT:
+    case CUDA_ERROR_ECC_UNCORRECTABLE:
+    case CUDA_ERROR_NVLINK_UNCORRECTABLE:
+    case CUDA_ERROR_CONTAINED:
+    case CUDA_ERROR_HARDWARE_STACK_ERROR:
+    case CUDA_ERROR_ILLEGAL_INSTRUCTION:
+    case CUDA_ERROR_MISALIGNED_ADDRESS:
+    case CUDA_ERROR_INVALID_ADDRESS_SPACE:
+    case CUDA_ERROR_INVALID_PC:
+    case CUDA_ERROR_CONTEXT_IS_DESTROYED:
+    case CUDA_ERROR_DEVICE_UNAVAILABLE:
+    case CUDA_ERROR_EXTERNAL_DEVICE:
+      return true;
+    default:
+      return false;
+  }
+}
+
 absl::Status CudaResultToStatus(const DriverApi* api, CUresult result, absl::string_view call) {
   if (result == CUDA_SUCCESS) return absl::OkStatus();
   const char* name = nullptr;
@@ -32,6 +54,7 @@ absl::Status CudaResultToStatus(const DriverApi* api, CUresult result, absl::str
       absl::StrCat(call, " failed: ", name != nullptr ? name : "CUresult",
                    name != nullptr ? "" : absl::StrCat(" ", static_cast<int>(result)),
                    description != nullptr ? absl::StrCat(" (", description, ")") : "");
+  if (IsDeviceLost(result)) return absl::UnavailableError(message);
   switch (result) {
     case CUDA_ERROR_OUT_OF_MEMORY:
       return absl::ResourceExhaustedError(message);
@@ -41,7 +64,6 @@ absl::Status CudaResultToStatus(const DriverApi* api, CUresult result, absl::str
     case CUDA_ERROR_DEINITIALIZED:
     case CUDA_ERROR_CALL_REQUIRES_NEWER_DRIVER:
     case CUDA_ERROR_STUB_LIBRARY:
-    case CUDA_ERROR_DEVICE_UNAVAILABLE:
     case CUDA_ERROR_DEVICE_NOT_LICENSED:
     case CUDA_ERROR_SYSTEM_DRIVER_MISMATCH:
     case CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE:

@@ -84,13 +84,23 @@ struct DriverApi {
 // non-empty, else "libcuda.so.1".
 std::string ResolveDriverLibrary(absl::string_view option);
 
+// True for the errors after which the device cannot be used by this process any more: the
+// sticky ones, which the CUDA documentation describes as leaving the process in an inconsistent
+// state where every later call fails the same way until it is restarted (illegal address or
+// instruction, misaligned address, invalid PC or address space, hardware stack error, launch
+// failure or timeout, uncorrectable ECC or NVLink error, a contained error, a destroyed context),
+// and a device that became unavailable or external-device failures. CUDA_ERROR_NOT_READY is not
+// one (an asynchronous query's "not yet").
+bool IsDeviceLost(CUresult result);
+
 // The one place a CUresult becomes an absl::Status. OK for CUDA_SUCCESS; otherwise
 // "<call> failed: <CUDA_ERROR_NAME> (<description>)" with the code:
 //   RESOURCE_EXHAUSTED   out of memory
 //   FAILED_PRECONDITION  no device / no or too old a driver / no binary or unsupported PTX for
-//                        this GPU / device unavailable (what a wrong or missing GPU looks like)
+//                        this GPU (what a wrong or missing GPU looks like)
+//   UNAVAILABLE          IsDeviceLost: the device failed; the work may succeed on another one
 //   INVALID_ARGUMENT     never (bad input is refused before any driver call)
-//   INTERNAL             everything else (a launch failure, an illegal address, a bug).
+//   INTERNAL             everything else (a bug).
 // `api` may be null or lack cuGetErrorName/String (then the number is shown).
 absl::Status CudaResultToStatus(const DriverApi* api, CUresult result, absl::string_view call);
 

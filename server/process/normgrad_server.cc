@@ -26,6 +26,7 @@
 #include "kernels/status_macros.h"
 #include "server/metrics/metrics.h"
 #include "server/metrics/metrics_http_server.h"
+#include "server/process/device_self_test.h"
 #include "server/process/listen_address.h"
 #include "server/process/process_memory.h"
 #include "server/ptx/ptx_service.h"
@@ -98,6 +99,9 @@ void AddConnectionLimits(const ServerOptions& options, grpc::ServerBuilder& buil
 
 void DescribeServerMetrics(MetricsRegistry& m) {
   m.DescribeGauge("normgrad_serving", "1 when health is SERVING, 0 while starting or draining.");
+  m.DescribeGauge("normgrad_device_healthy",
+                  "1 while the device may serve; 0 after a failed start-up self-test or once the "
+                  "device failed (a sticky driver error, --device-timeout).");
   m.DescribeGauge("normgrad_inflight_streams", "RmsNormBackward streams admitted and not done.");
   m.DescribeGauge("normgrad_shm_regions", "Shared-memory regions registered now (--shared-memory).");
   m.DescribeGauge("normgrad_shm_region_bytes", "Bytes of the shared-memory regions registered now.");
@@ -169,6 +173,10 @@ absl::Status ValidateOptions(const ServerOptions& o) {
   if (o.stream_idle_timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--stream-idle-timeout=", absl::FormatDuration(o.stream_idle_timeout), ": must be >= 0"));
+  }
+  if (o.device_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--device-timeout=", absl::FormatDuration(o.device_timeout), ": must be >= 0 (0: no bound)"));
   }
   if (o.listen.empty()) {
     return absl::InvalidArgumentError("--listen: give at least one HOST:PORT or unix:/PATH");
@@ -300,6 +308,9 @@ absl::StatusOr<std::unique_ptr<NormGradServer>> NormGradServer::Start(
   // From here on a failure returns through ~NormGradServer, which stops what was started.
   std::unique_ptr<NormGradServer> server(new NormGradServer(options, std::move(backend)));
   server->AssembleService();
+  NormGradServer* self = server.get();
+  server->backend_->SetDeviceFailureHandler(
+      [self](const absl::Status& reason) { self->FailDevice(reason); });
   server->PublishBackendMetrics();
   NORMGRAD_RETURN_IF_ERROR(server->StartMetricsEndpoint());
   NORMGRAD_RETURN_IF_ERROR(server->StartGrpcPort(credentials));
@@ -307,8 +318,10 @@ absl::StatusOr<std::unique_ptr<NormGradServer>> NormGradServer::Start(
   NORMGRAD_RETURN_IF_ERROR(server->StartHealthPort());
   server->SetServing(false);
   server->StartWatchdog();
+  server->StartDeviceWatchdog();
   NORMGRAD_RETURN_IF_ERROR(server->Preload(preload));
-  server->SetServing(true);
+  server->SelfTest();
+  server->SetServing(true);  // stays NOT_SERVING when the device is unhealthy
   return server;
 }
 
@@ -544,12 +557,58 @@ std::string NormGradServer::ReadyLine() const {
 }
 
 void NormGradServer::SetServing(bool serving) {
+  std::lock_guard<std::mutex> lock(serving_mu_);
+  serving = serving && env_->device_health.healthy();
   SetHealth(grpc_server_.get(), serving);
   SetHealth(health_server_.get(), serving);
   metrics_->SetGauge("normgrad_serving", {}, serving ? 1 : 0);
 }
 
 size_t NormGradServer::live_streams() const { return streams_->size(); }
+
+absl::Status NormGradServer::device_health() const { return env_->device_health.reason(); }
+
+void NormGradServer::SelfTest() {
+  if (backend_->Name() == "cuda") {
+    if (absl::Status s = RunDeviceSelfTest(*backend_); !s.ok()) {
+      // A lost device has also called FailDevice (on_device_failure: the process exits).
+      env_->device_health.MarkUnhealthy(
+          absl::Status(s.code(), absl::StrCat("start-up self-test failed: ", s.message())));
+    }
+  }
+  metrics_->SetGauge("normgrad_device_healthy", {}, env_->device_health.healthy() ? 1 : 0);
+}
+
+void NormGradServer::FailDevice(const absl::Status& reason) {
+  env_->device_health.MarkUnhealthy(reason);
+  metrics_->SetGauge("normgrad_device_healthy", {}, 0);
+  SetServing(false);
+  // Streams computing now get UNAVAILABLE from the backend, new ones from BackwardPipeline.
+  if (options_.on_device_failure) options_.on_device_failure(reason);
+}
+
+void NormGradServer::StartDeviceWatchdog() {
+  if (options_.device_timeout > absl::ZeroDuration()) {
+    device_watchdog_ = std::thread([this] { RunDeviceWatchdog(); });
+  }
+}
+
+// Polls the backend for work overdue by more than --device-timeout: the worker stuck in the
+// driver cannot be interrupted, so the check runs here, and a failure it finds reaches
+// FailDevice through the backend's handler.
+void NormGradServer::RunDeviceWatchdog() {
+  const absl::Duration bound = options_.device_timeout;
+  const absl::Duration period = std::clamp(bound / 10, absl::Milliseconds(10), absl::Seconds(1));
+  std::unique_lock<std::mutex> lock(watchdog_mu_);
+  while (!stopping_) {
+    watchdog_wake_.wait_for(lock, absl::ToChronoMilliseconds(period), [this] { return stopping_; });
+    if (stopping_) break;
+    lock.unlock();
+    const bool failed = !backend_->CheckDevice(bound).ok();
+    lock.lock();
+    if (failed) break;  // reported once; nothing more to watch
+  }
+}
 
 void NormGradServer::RunWatchdog() {
   const absl::Duration timeout = options_.stream_idle_timeout;
@@ -588,6 +647,7 @@ void NormGradServer::Shutdown(absl::Duration grace) {
   }
   watchdog_wake_.notify_all();
   if (watchdog_.joinable()) watchdog_.join();
+  if (device_watchdog_.joinable()) device_watchdog_.join();
   if (metrics_http_ != nullptr) metrics_http_->Stop();
   pool_.reset();  // runs what is queued (nothing but finished streams' leftovers), joins
   if (grpc_server_ != nullptr) grpc_server_->Wait();

@@ -20,6 +20,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -68,6 +69,13 @@ struct ServerOptions {
   BackwardLimits batch;
   uint64_t max_message_bytes = 4ull << 20;      // gRPC receive limit per message
   absl::Duration stream_idle_timeout = absl::Seconds(30);  // zero: never
+  // GPU work (a stream synchronize) still waiting after this long means a hung device, which
+  // fails like a lost one (below); zero: no bound.
+  absl::Duration device_timeout = absl::Seconds(60);
+  // Called once, on the thread that saw it, when the device failed for good (a sticky driver
+  // error, a lost device, --device-timeout), after health went NOT_SERVING; new streams are
+  // refused UNAVAILABLE from then on. Must not block. normgrad-server exits 3 shortly after.
+  std::function<void(const absl::Status&)> on_device_failure;
   std::string nvjitlink_path;                   // empty: default search
   int worker_threads = 0;                       // 0: max(2, hardware threads)
   // TLS / mutual TLS and the bearer token of the main gRPC port (transport_security.h).
@@ -129,6 +137,9 @@ class NormGradServer {
   Backend& backend() { return *backend_; }
   MetricsRegistry& metrics() { return *metrics_; }
   size_t live_streams() const;
+  // OK while the device may serve; else why not (a failed start-up self-test keeps the server
+  // up but NOT_SERVING; a failed device: on_device_failure).
+  absl::Status device_health() const;
 
  private:
   NormGradServer(const ServerOptions& options, std::unique_ptr<Backend> backend);
@@ -142,6 +153,12 @@ class NormGradServer {
   absl::Status StartHealthPort();
   absl::Status StartRegionSockets();
   void StartWatchdog();
+  void StartDeviceWatchdog();  // --device-timeout
+  void RunDeviceWatchdog();
+  // The start-up self-test (device_self_test.h) on the CUDA backend: a failure leaves the
+  // server up, NOT_SERVING, with the reason in GetServerInfo.
+  void SelfTest();
+  void FailDevice(const absl::Status& reason);  // the backend's device failure handler
   absl::Status Preload(const std::vector<PreloadEntry>& entries);
 
   void RunWatchdog();
@@ -163,6 +180,8 @@ class NormGradServer {
   std::unique_ptr<RegionRegistry> regions_;
   std::vector<std::unique_ptr<RegionSocket>> region_sockets_;
   std::thread watchdog_;
+  std::thread device_watchdog_;
+  std::mutex serving_mu_;  // serializes SetServing (a failing device may race start-up)
   std::string host_;
   std::string metrics_host_;
   std::string health_host_;

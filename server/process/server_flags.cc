@@ -55,6 +55,9 @@ ABSL_FLAG(uint64_t, max_message_bytes, 4ull << 20,
 ABSL_FLAG(std::string, stream_idle_timeout, "30s",
           "End a stream whose client sends nothing (or reads nothing) for this long, with "
           "DEADLINE_EXCEEDED; 0 disables.");
+ABSL_FLAG(std::string, device_timeout, "60s",
+          "GPU work (a stream synchronize) not done within this long marks the device hung: "
+          "NOT_SERVING, streams UNAVAILABLE, exit 3; 0 disables.");
 ABSL_FLAG(std::string, shutdown_grace, "30s",
           "On SIGTERM/SIGINT: how long in-flight streams may run before they are cancelled.");
 ABSL_FLAG(std::string, nvjitlink, "",
@@ -197,6 +200,11 @@ absl::StatusOr<ServerOptions> ServerOptionsFromFlags() {
     return absl::InvalidArgumentError(absl::StrCat("--stream-idle-timeout=",
                                                    absl::GetFlag(FLAGS_stream_idle_timeout),
                                                    " is not a duration such as 30s or 500ms"));
+  }
+  if (!absl::ParseDuration(absl::GetFlag(FLAGS_device_timeout), &o.device_timeout)) {
+    return absl::InvalidArgumentError(absl::StrCat("--device-timeout=",
+                                                   absl::GetFlag(FLAGS_device_timeout),
+                                                   " is not a duration such as 60s or 500ms"));
   }
   o.nvjitlink_path = absl::GetFlag(FLAGS_nvjitlink);
   o.security.cert_file = absl::GetFlag(FLAGS_tls_cert);

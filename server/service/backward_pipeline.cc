@@ -46,6 +46,11 @@ StreamActions BackwardPipeline::Start() {
     FinishLocked(absl::UnavailableError(
                      "the server is shutting down and takes no new streams; retry elsewhere"),
                  a);
+  } else if (!env_->device_health.healthy()) {
+    FinishLocked(absl::UnavailableError(absl::StrCat(
+                     "this server's GPU is unusable and it takes no streams (",
+                     env_->device_health.reason().message(), "); retry elsewhere")),
+                 a);
   } else if (absl::Status s = env_->admission->AdmitStream(); !s.ok()) {
     FinishLocked(s, a);
   } else {

@@ -329,6 +329,8 @@ grpc::ServerUnaryReactor* NormGradService::GetServerInfo(grpc::CallbackServerCon
     shm->set_max_region_bytes(env_->regions->limits().max_bytes);
   }
   for (std::string& name : KernelNames()) response->add_kernels(std::move(name));
+  response->mutable_health()->set_serving(env_->device_health.healthy() && !env_->draining.load());
+  response->mutable_health()->set_reason(std::string(env_->device_health.reason().message()));
   SerializeMessage(info, raw_response);
   RecordRpc(*env_->metrics, kServerInfoMethod, absl::StatusCode::kOk,
             absl::ToDoubleSeconds(absl::Now() - start), 0, info.ByteSizeLong());

@@ -6,8 +6,10 @@
 
 #include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "server/backend/backend.h"
 #include "server/metrics/metrics.h"
@@ -28,6 +30,28 @@ struct ServiceConfig {
   absl::Duration stream_idle_timeout = absl::Seconds(30);
 };
 
+// Whether the device can serve. NormGradServer marks it unhealthy (a failed device, a failed
+// start-up self-test) and never back: new streams are then refused UNAVAILABLE and GetServerInfo
+// says why. Thread-safe.
+class DeviceHealth {
+ public:
+  void MarkUnhealthy(const absl::Status& reason) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (reason_.ok()) reason_ = reason;  // the first reason stays
+    healthy_.store(false);
+  }
+  bool healthy() const { return healthy_.load(); }
+  absl::Status reason() const {  // OK while healthy
+    std::lock_guard<std::mutex> lock(mu_);
+    return reason_;
+  }
+
+ private:
+  std::atomic<bool> healthy_{true};
+  mutable std::mutex mu_;
+  absl::Status reason_;  // guarded by mu_
+};
+
 struct ServiceEnv {
   ServiceConfig config;
   Backend* backend = nullptr;
@@ -38,6 +62,7 @@ struct ServiceEnv {
   StreamRegistry* streams = nullptr;
   RegionRegistry* regions = nullptr;  // shared-memory regions; null without --shared-memory
   std::atomic<bool> draining{false};
+  DeviceHealth device_health;
 };
 
 }  // namespace normgrad::server

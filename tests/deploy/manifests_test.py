@@ -148,6 +148,12 @@ class ManifestTest(unittest.TestCase):
         for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
             self.assertIn("grpc", c[probe], f"{overlay}: {probe} is not a gRPC probe")
             self.assertEqual(c[probe]["grpc"]["port"], health_port, f"{overlay}: {probe}")
+        # A failed or hung GPU ends the process (exit 3): the bound on device work stays on, and
+        # the container is restarted.
+        if flags.get("backend", "auto") != "cpu":
+            self.assertNotIn(flags.get("device-timeout", "60s"), ("0", "0s", "0ms"),
+                             f"{overlay}: --device-timeout=0 leaves a hung GPU serving")
+        self.assertEqual(spec.get("restartPolicy", "Always"), "Always", overlay)
 
         # Shutdown: preStop sleep, then the server drains for --shutdown-grace.
         pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]

@@ -19,9 +19,18 @@
 //    CUDA_ERROR_MISALIGNED_ADDRESS, CUDA_ERROR_LAUNCH_TIMEOUT (instruction limit,
 //    $NORMGRAD_EMULATED_MAX_WARP_INSTRUCTIONS), CUDA_ERROR_LAUNCH_FAILED (the rest).
 //    Errors are not sticky: the context stays usable.
+//  - $NORMGRAD_EMULATED_CUDA_FAULT injects a device failure, counted in kernel launches (so N
+//    does not depend on how many other calls start-up makes): "sticky:N" makes the Nth launch
+//    fail with CUDA_ERROR_ILLEGAL_ADDRESS and every later call that needs a context fail the
+//    same way (a lost device); "hang:N" lets the Nth launch return but the next
+//    cuStreamSynchronize of its stream never returns (a hung device); "corrupt:N" flips the sign
+//    bit of the first f32 of every device-to-host copy from the Nth launch on (wrong results).
+//    Anything else there aborts with a message.
 //  - $NORMGRAD_EMULATED_CUDA_VERBOSE=1 prints one line per launch (instructions, seconds).
 #include <cuda.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -30,6 +39,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -91,6 +101,37 @@ struct EmuPool {
   uint64_t release_threshold = 0;
 };
 
+// $NORMGRAD_EMULATED_CUDA_FAULT (see the top of this file).
+struct FaultPlan {
+  enum class Kind { kNone, kSticky, kHang, kCorrupt };
+  Kind kind = Kind::kNone;
+  uint64_t at_launch = 0;  // N, from 1
+};
+
+FaultPlan ParseFaultPlan() {
+  FaultPlan plan;
+  const char* v = std::getenv("NORMGRAD_EMULATED_CUDA_FAULT");
+  if (v == nullptr || *v == '\0') return plan;
+  const std::string text = v;
+  const size_t colon = text.find(':');
+  const std::string kind = text.substr(0, colon);
+  uint64_t n = 0;
+  const bool number_ok = colon != std::string::npos &&
+                         absl::SimpleAtoi(text.substr(colon + 1), &n) && n > 0;
+  if (kind == "sticky") plan.kind = FaultPlan::Kind::kSticky;
+  if (kind == "hang") plan.kind = FaultPlan::Kind::kHang;
+  if (kind == "corrupt") plan.kind = FaultPlan::Kind::kCorrupt;
+  if (plan.kind == FaultPlan::Kind::kNone || !number_ok) {
+    std::fprintf(stderr,
+                 "[emulated cuda] NORMGRAD_EMULATED_CUDA_FAULT=%s is not sticky:N, hang:N or "
+                 "corrupt:N with N >= 1\n",
+                 v);
+    std::abort();
+  }
+  plan.at_launch = n;
+  return plan;
+}
+
 class EmulatedDriver {
  public:
   EmulatedDriver()
@@ -98,7 +139,8 @@ class EmulatedDriver {
         total_bytes_(EnvU64("NORMGRAD_EMULATED_MEMORY_MB", 16384) << 20),
         max_warp_instructions_(
             EnvU64("NORMGRAD_EMULATED_MAX_WARP_INSTRUCTIONS", uint64_t{1} << 36)),
-        verbose_(EnvU64("NORMGRAD_EMULATED_CUDA_VERBOSE", 0) != 0) {}
+        verbose_(EnvU64("NORMGRAD_EMULATED_CUDA_VERBOSE", 0) != 0),
+        fault_(ParseFaultPlan()) {}
 
   std::mutex mu;
   bool initialized = false;  // guarded by mu
@@ -118,6 +160,10 @@ class EmulatedDriver {
   const uint64_t total_bytes_;
   const uint64_t max_warp_instructions_;
   const bool verbose_;
+  const FaultPlan fault_;
+  std::atomic<uint64_t> launches{0};
+  std::atomic<bool> fault_tripped{false};  // the fault's launch happened
+  std::unordered_set<CUstream> hung_streams;   // hang:N: never synchronize again; guarded by mu
 
   bool Initialized() {
     std::lock_guard<std::mutex> lock(mu);
@@ -137,6 +183,10 @@ thread_local CUcontext current_context = nullptr;
 CUresult NeedInit() { return Driver().Initialized() ? CUDA_SUCCESS : CUDA_ERROR_NOT_INITIALIZED; }
 CUresult NeedContext() {
   if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
+  EmulatedDriver& d = Driver();
+  if (d.fault_.kind == FaultPlan::Kind::kSticky && d.fault_tripped.load()) {
+    return CUDA_ERROR_ILLEGAL_ADDRESS;  // sticky: the context is lost for good
+  }
   return current_context == nullptr ? CUDA_ERROR_INVALID_CONTEXT : CUDA_SUCCESS;
 }
 
@@ -561,6 +611,20 @@ NG_EXPORT CUresult CUDAAPI cuLaunchKernel(CUfunction f, unsigned int gridDimX,
   if (extra != nullptr) return CUDA_ERROR_NOT_SUPPORTED;  // kernelParams only
   if (!entry->params.empty() && kernelParams == nullptr) return CUDA_ERROR_INVALID_VALUE;
   if (sharedMemBytes > 49152) return CUDA_ERROR_INVALID_VALUE;  // no opt-in attribute here
+  const normgrad::ptxsim::FaultPlan& fault = d.fault_;
+  if (fault.kind != normgrad::ptxsim::FaultPlan::Kind::kNone && ++d.launches == fault.at_launch) {
+    d.fault_tripped.store(true);
+    std::fprintf(stderr, "[emulated cuda] injected fault at launch %llu of %s (%s)\n",
+                 static_cast<unsigned long long>(fault.at_launch), entry->name.c_str(),
+                 std::getenv("NORMGRAD_EMULATED_CUDA_FAULT"));
+    if (fault.kind == normgrad::ptxsim::FaultPlan::Kind::kSticky) {
+      return CUDA_ERROR_ILLEGAL_ADDRESS;
+    }
+    if (fault.kind == normgrad::ptxsim::FaultPlan::Kind::kHang) {
+      std::lock_guard<std::mutex> lock(d.mu);
+      d.hung_streams.insert(hStream);
+    }
+  }
   normgrad::ptxsim::LaunchConfig config;
   config.grid = {gridDimX, gridDimY, gridDimZ};
   config.block = {blockDimX, blockDimY, blockDimZ};
@@ -707,9 +771,15 @@ NG_EXPORT CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dstDevice, const void* 
 NG_EXPORT CUresult CUDAAPI cuMemcpyDtoHAsync(void* dstHost, CUdeviceptr srcDevice, size_t ByteCount,
                                              CUstream hStream) {
   CountRegisteredCopy(dstHost, ByteCount);
+  const EmulatedDriver& d = Driver();
+  const bool corrupt = d.fault_.kind == normgrad::ptxsim::FaultPlan::Kind::kCorrupt &&
+                       d.fault_tripped.load();
   return normgrad::ptxsim::StreamTransfer(
-      hStream, srcDevice, ByteCount, 1, dstHost != nullptr,
-      [&] { std::memcpy(dstHost, reinterpret_cast<const void*>(srcDevice), ByteCount); });
+      hStream, srcDevice, ByteCount, 1, dstHost != nullptr, [&] {
+        std::memcpy(dstHost, reinterpret_cast<const void*>(srcDevice), ByteCount);
+        // corrupt:N: the sign bit of the first f32 (little-endian: its fourth byte).
+        if (corrupt) static_cast<unsigned char*>(dstHost)[std::min<size_t>(3, ByteCount - 1)] ^= 0x80;
+      });
 }
 
 NG_EXPORT CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc, size_t N,
@@ -740,7 +810,19 @@ NG_EXPORT CUresult CUDAAPI cuStreamDestroy(CUstream hStream) {
 
 NG_EXPORT CUresult CUDAAPI cuStreamSynchronize(CUstream hStream) {
   if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
-  return normgrad::ptxsim::ValidStream(hStream) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+  if (!normgrad::ptxsim::ValidStream(hStream)) return CUDA_ERROR_INVALID_HANDLE;
+  EmulatedDriver& d = Driver();
+  bool hung = false;
+  {
+    std::lock_guard<std::mutex> lock(d.mu);
+    hung = d.hung_streams.count(hStream) != 0;
+  }
+  if (hung) {
+    // hang:N: the work never completes, and nothing can interrupt the wait (as on a hung GPU).
+    std::fprintf(stderr, "[emulated cuda] cuStreamSynchronize on a hung stream: never returns\n");
+    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+  }
+  return CUDA_SUCCESS;
 }
 
 NG_EXPORT CUresult CUDAAPI cuEventCreate(CUevent* phEvent, unsigned int Flags) {

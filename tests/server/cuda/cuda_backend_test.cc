@@ -137,7 +137,19 @@ TEST(CudaDriverTest, ResultsConvertToStatusCodesNamingTheCall) {
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(cuda::CudaResultToStatus(nullptr, CUDA_ERROR_UNSUPPORTED_PTX_VERSION, "load").code(),
             absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(cuda::CudaResultToStatus(nullptr, CUDA_ERROR_ILLEGAL_ADDRESS, "sync").code(),
+  // A lost device (sticky errors) is UNAVAILABLE: the work may succeed on another replica.
+  for (CUresult lost : {CUDA_ERROR_ILLEGAL_ADDRESS, CUDA_ERROR_LAUNCH_FAILED,
+                        CUDA_ERROR_ECC_UNCORRECTABLE, CUDA_ERROR_HARDWARE_STACK_ERROR,
+                        CUDA_ERROR_ILLEGAL_INSTRUCTION, CUDA_ERROR_MISALIGNED_ADDRESS,
+                        CUDA_ERROR_INVALID_PC, CUDA_ERROR_DEVICE_UNAVAILABLE}) {
+    EXPECT_TRUE(cuda::IsDeviceLost(lost)) << lost;
+    EXPECT_EQ(cuda::CudaResultToStatus(nullptr, lost, "sync").code(),
+              absl::StatusCode::kUnavailable)
+        << lost;
+  }
+  EXPECT_FALSE(cuda::IsDeviceLost(CUDA_ERROR_NOT_READY));
+  EXPECT_FALSE(cuda::IsDeviceLost(CUDA_ERROR_OUT_OF_MEMORY));
+  EXPECT_EQ(cuda::CudaResultToStatus(nullptr, CUDA_ERROR_INVALID_HANDLE, "sync").code(),
             absl::StatusCode::kInternal);
 }
 
