@@ -29,6 +29,20 @@ std::string TargetList() {
   return absl::StrJoin(names, ", ");
 }
 
+// PTX ISA version -> the CUDA release that introduced it (the PTX ISA manual's "PTX ISA
+// release history"). 8.6 came with CUDA 12.7: 12.6 still wrote 8.5.
+struct IsaRelease {
+  PtxVersion ptx;
+  const char* cuda;
+};
+constexpr IsaRelease kIsaReleases[] = {
+    {{6, 0}, "9.0"},   {{6, 1}, "9.1"},   {{6, 2}, "9.2"},   {{6, 3}, "10.0"}, {{6, 4}, "10.1"},
+    {{6, 5}, "10.2"},  {{7, 0}, "11.0"},  {{7, 1}, "11.1"},  {{7, 2}, "11.2"}, {{7, 3}, "11.3"},
+    {{7, 4}, "11.4"},  {{7, 5}, "11.5"},  {{7, 6}, "11.6"},  {{7, 7}, "11.7"}, {{7, 8}, "11.8"},
+    {{8, 0}, "12.0"},  {{8, 1}, "12.1"},  {{8, 2}, "12.2"},  {{8, 3}, "12.3"}, {{8, 4}, "12.4"},
+    {{8, 5}, "12.5"},  {{8, 6}, "12.7"},  {{8, 7}, "12.8"},  {{8, 8}, "12.9"}, {{9, 0}, "13.0"},
+};
+
 }  // namespace
 
 std::vector<int> SupportedTargets() {
@@ -68,6 +82,15 @@ absl::StatusOr<PtxVersion> ResolvePtxVersion(int target_sm, std::optional<PtxVer
         ", the lowest PTX ISA version that has the kernel's instructions (shfl.sync)"));
   }
   return *requested;
+}
+
+absl::StatusOr<std::string> MinCudaDriverForPtx(PtxVersion version) {
+  for (const IsaRelease& r : kIsaReleases) {
+    if (r.ptx == version) return std::string(r.cuda);
+  }
+  return absl::InvalidArgumentError(absl::StrCat("ptx_version ", version.ToString(),
+                                                 " has no known CUDA release (known: 6.0 ... ",
+                                                 kMaxPtxVersion.ToString(), ")"));
 }
 
 }  // namespace normgrad::kernels

@@ -5,6 +5,7 @@
 #define NORMGRAD_KERNELS_TARGETS_H_
 
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -27,6 +28,12 @@ absl::StatusOr<PtxVersion> MinPtxVersionForTarget(int target_sm);
 // low (or too new) request misses.
 absl::StatusOr<PtxVersion> ResolvePtxVersion(int target_sm, std::optional<PtxVersion> requested,
                                              PtxVersion instructions_min);
+
+// The lowest CUDA release ("12.0") whose driver loads (JIT-compiles) PTX of ISA `version`, from
+// the PTX ISA manual's release history (7.0 -> 11.0, 7.8 -> 11.8, 8.0 -> 12.0, 8.5 -> 12.5,
+// 8.6 -> 12.7, 8.7 -> 12.8, 8.8 -> 12.9, 9.0 -> 13.0). INVALID_ARGUMENT for a version outside
+// 6.0 ... kMaxPtxVersion, which this generator never writes.
+absl::StatusOr<std::string> MinCudaDriverForPtx(PtxVersion version);
 
 }  // namespace normgrad::kernels
 

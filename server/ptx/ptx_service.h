@@ -1,9 +1,11 @@
 // EmitPtx without gRPC: FindKernel + CanImplement + Emit, a sha256 digest and size for the PTX
-// (and the cubin when asked, compiled with nvJitLink), results cached by the kernel's ConfigKey
-// in a ModuleCache (bounded LRU, single-flight: N concurrent identical requests compile once).
+// (and the cubin when asked, compiled with nvJitLink, with the assembler's resource report),
+// results cached by the kernel's ConfigKey in a ModuleCache (bounded LRU, single-flight: N
+// concurrent identical requests compile once). A request names one configuration or a batch
+// (targets x dtypes); a batch is checked whole before anything is emitted, and fails whole.
 //
 //   PtxService ptx({.cache = {...}, .nvjitlink_path = ""});
-//   absl::StatusOr<v1::EmitPtxResponse> r = ptx.Emit(request);
+//   absl::StatusOr<v1::EmitPtxResponse> r = ptx.Emit(request);  // r->artifacts(): one per config
 //
 // Thread-safe. Emit blocks while compiling: call it from a worker thread, never a reaction.
 #ifndef NORMGRAD_SERVER_PTX_PTX_SERVICE_H_
@@ -19,6 +21,11 @@
 
 namespace normgrad::server {
 
+// Configurations (targets x dtypes) one EmitPtx request may name: every supported target for
+// every dtype (11 x 3 = 33) fits, with room for new targets. Each may take an nvJitLink compile
+// (0.2-0.6 s on one core), so this also bounds one request's work.
+inline constexpr uint64_t kMaxEmitPtxConfigurations = 48;
+
 struct PtxServiceOptions {
   ModuleCacheOptions cache;
   std::string nvjitlink_path;  // empty: NvJitLink's default search
@@ -28,15 +35,24 @@ class PtxService {
  public:
   explicit PtxService(const PtxServiceOptions& options);
 
-  // INVALID_ARGUMENT for an unknown kernel, dtype, target or PTX version, or what the kernel's
-  // CanImplement/Emit say; FAILED_PRECONDITION for cubin=true without nvJitLink.
+  // INVALID_ARGUMENT for an unknown kernel, dtype, target or PTX version, a repeated target or
+  // dtype, both `target` and `targets` (or `dtype` and `dtypes`) set, or what the kernel's
+  // CanImplement/Emit say; in a batch the message names the item (`targets[2] "sm_13": ...`,
+  // `configuration 3 (sm_90, bf16): ...`). RESOURCE_EXHAUSTED for more than
+  // kMaxEmitPtxConfigurations configurations. FAILED_PRECONDITION for cubin=true without
+  // nvJitLink. resource_usage=true without nvJitLink is not an error: each artifact says why its
+  // resources are unknown.
   absl::StatusOr<v1::EmitPtxResponse> Emit(const v1::EmitPtxRequest& request);
 
   ModuleCacheStats CacheStats() const { return cache_.Stats(); }
   bool has_nvjitlink() const { return nvjitlink_.ok(); }
 
  private:
-  ModuleCache<v1::EmitPtxResponse> cache_;
+  struct Configuration;
+  absl::StatusOr<v1::EmitPtxArtifact> EmitOne(const Configuration& c, bool cubin,
+                                              bool resource_usage);
+
+  ModuleCache<v1::EmitPtxArtifact> cache_;
   absl::StatusOr<std::unique_ptr<NvJitLink>> nvjitlink_;
 };
 

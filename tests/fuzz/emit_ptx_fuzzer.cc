@@ -1,14 +1,19 @@
 // Fuzzes EmitPtx as the server runs it on a client's request: the input is a serialized
-// v1::EmitPtxRequest (kernel, hidden_dim, dtype, target, ptx_version, cubin) handed to
+// v1::EmitPtxRequest (kernel, hidden_dim, dtype, target, ptx_version, cubin, and the batch's
+// targets and dtypes, resource_usage) handed to
 // server::PtxService::Emit, which looks the kernel up, parses target and PTX version, asks the
 // kernel's CanImplement, then builds the module (kernels' PTX builder), verifies it (the
 // Verifier) and prints it, through the ModuleCache the server uses. nvJitLink is not loaded
 // (an uninstrumented 99 MB library would dominate the run): cubin requests must get
 // FAILED_PRECONDITION.
-// Contract: an error is INVALID_ARGUMENT with a message (FAILED_PRECONDITION only for cubin);
-// an answer carries the requested entry, PTX whose sha256 and size are the digest's, a
-// `.target` and `.version` matching the response's fields, that the PTX interpreter's parser
-// accepts; the same request again (a cache hit) gives the same bytes.
+// Contract: an error is INVALID_ARGUMENT with a message (FAILED_PRECONDITION only for cubin,
+// RESOURCE_EXHAUSTED only above kMaxEmitPtxConfigurations); an answer has one artifact per
+// configuration (targets x dtypes), each carrying the requested entry, PTX whose sha256 and size
+// are the digest's, a `.target` and `.version` matching its fields, a minimum CUDA driver, no
+// resource usage but the reason (no nvJitLink) when asked, PTX the interpreter's parser
+// accepts; a single-configuration answer repeats its artifact in the top-level fields; the same
+// request again (a cache hit) gives the same bytes.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -59,19 +64,37 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!r.ok()) {
     Check(!r.status().message().empty());
     Check(r.status().code() == absl::StatusCode::kInvalidArgument ||
-          (request.cubin() && r.status().code() == absl::StatusCode::kFailedPrecondition));
+          (request.cubin() && r.status().code() == absl::StatusCode::kFailedPrecondition) ||
+          (r.status().code() == absl::StatusCode::kResourceExhausted &&
+           static_cast<uint64_t>(std::max(1, request.targets_size())) *
+                   std::max(1, request.dtypes_size()) >
+               normgrad::server::kMaxEmitPtxConfigurations));
     return 0;
   }
   Check(!request.cubin());  // no nvJitLink here
-  Check(r->entry() == request.kernel());
-  Check(!r->ptx().empty() && r->cubin().empty());
-  Check(r->digest().sha256() == normgrad::server::Sha256Hex(r->ptx()));
-  Check(r->digest().size_bytes() == r->ptx().size());
-  Check(absl::StrContains(r->ptx(), absl::StrCat(".target ", r->target())));
-  Check(absl::StrContains(r->ptx(), absl::StrCat(".version ", r->ptx_version())));
-  Check(absl::StrContains(r->ptx(), absl::StrCat(".entry ", r->entry())));
-  Check(!r->config_key().empty());
-  Check(normgrad::ptxsim::ParsePtx(r->ptx()).ok());
+  const bool batch = request.targets_size() > 0 || request.dtypes_size() > 0;
+  const int configurations =
+      std::max(1, request.targets_size()) * std::max(1, request.dtypes_size());
+  Check(r->artifacts_size() == configurations);
+  for (const normgrad::v1::EmitPtxArtifact& a : r->artifacts()) {
+    Check(a.entry() == request.kernel());
+    Check(!a.ptx().empty() && a.cubin().empty());
+    Check(a.digest().sha256() == normgrad::server::Sha256Hex(a.ptx()));
+    Check(a.digest().size_bytes() == a.ptx().size());
+    Check(absl::StrContains(a.ptx(), absl::StrCat(".target ", a.target())));
+    Check(absl::StrContains(a.ptx(), absl::StrCat(".version ", a.ptx_version())));
+    Check(absl::StrContains(a.ptx(), absl::StrCat(".entry ", a.entry())));
+    Check(!a.config_key().empty() && !a.min_cuda_driver().empty());
+    Check(!a.has_resource_usage());
+    Check(a.resource_usage_unknown().empty() != request.resource_usage());
+    Check(normgrad::ptxsim::ParsePtx(a.ptx()).ok());
+  }
+  if (batch) {
+    Check(r->ptx().empty());
+  } else {
+    Check(r->ptx() == r->artifacts(0).ptx() && r->entry() == r->artifacts(0).entry() &&
+          r->target() == r->artifacts(0).target());
+  }
 
   absl::StatusOr<normgrad::v1::EmitPtxResponse> again = Service().Emit(request);
   Check(again.ok() && again->SerializeAsString() == r->SerializeAsString());
