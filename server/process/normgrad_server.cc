@@ -165,6 +165,16 @@ absl::Status ValidateOptions(const ServerOptions& o) {
   if (o.admission.max_streams == 0) {
     return absl::InvalidArgumentError("--max-streams=0: must be > 0");
   }
+  NORMGRAD_RETURN_IF_ERROR(CheckAdmissionLimits(o.admission));
+  if (o.emit_ptx_threads < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--emit-ptx-threads=", o.emit_ptx_threads, ": must be >= 1"));
+  }
+  if (o.min_stream_bytes_per_second > 0 && o.min_stream_rate_window <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--min-stream-rate-window=", absl::FormatDuration(o.min_stream_rate_window),
+        ": must be > 0 when --min-stream-bytes-per-second=", o.min_stream_bytes_per_second));
+  }
   if (o.admission.max_inflight_bytes < 3 * one_row) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--max-inflight-bytes=", o.admission.max_inflight_bytes,
@@ -333,23 +343,27 @@ void NormGradServer::AssembleService() {
   ptx_options.cache.max_bytes = options_.backend.cache_max_bytes;
   ptx_options.nvjitlink_path = options_.nvjitlink_path;
   ptx_ = std::make_unique<PtxService>(ptx_options);
-  admission_ = std::make_unique<AdmissionController>(options_.admission);
+  admission_ = std::make_unique<AdmissionController>(options_.admission, metrics_.get());
   streams_ = std::make_unique<StreamRegistry>();
   const int threads = options_.worker_threads > 0
                           ? options_.worker_threads
                           : std::max(2, static_cast<int>(std::thread::hardware_concurrency()));
   pool_ = std::make_unique<ThreadPool>(threads);
+  emit_ptx_pool_ = std::make_unique<ThreadPool>(options_.emit_ptx_threads);
 
   env_ = std::make_unique<ServiceEnv>();
   env_->config.version = NORMGRAD_VERSION;
   env_->config.batch_limits = options_.batch;
   env_->config.max_message_bytes = options_.max_message_bytes;
   env_->config.stream_idle_timeout = options_.stream_idle_timeout;
+  env_->config.min_stream_bytes_per_second = options_.min_stream_bytes_per_second;
+  env_->config.min_stream_rate_window = options_.min_stream_rate_window;
   env_->backend = backend_.get();
   env_->ptx = ptx_.get();
   env_->admission = admission_.get();
   env_->metrics = metrics_.get();
   env_->pool = pool_.get();
+  env_->emit_ptx_pool = emit_ptx_pool_.get();
   env_->streams = streams_.get();
   if (options_.shared_memory) {
     Backend* backend = backend_.get();
@@ -382,6 +396,9 @@ void NormGradServer::PublishBackendMetrics() {
     CollectCache(m, "module", b->CacheStats());
     CollectCache(m, "ptx", ptx->CacheStats());
     m.SetGauge("normgrad_inflight_bytes", {}, static_cast<double>(admission->inflight_bytes()));
+    m.SetGauge("normgrad_emit_ptx_queued", {}, admission->emit_ptx_calls());
+    m.SetGauge("normgrad_emit_ptx_queued_bytes", {},
+               static_cast<double>(admission->emit_ptx_bytes()));
     const ProcessMemory memory = ReadProcessMemory();
     m.SetGauge("normgrad_process_resident_bytes", {}, static_cast<double>(memory.resident_bytes));
     m.SetGauge("normgrad_process_heap_in_use_bytes", {},
@@ -516,7 +533,8 @@ absl::Status NormGradServer::StartHealthPort() {
 }
 
 void NormGradServer::StartWatchdog() {
-  if (options_.stream_idle_timeout > absl::ZeroDuration()) {
+  if (options_.stream_idle_timeout > absl::ZeroDuration() ||
+      options_.min_stream_bytes_per_second > 0) {
     watchdog_ = std::thread([this] { RunWatchdog(); });
   }
 }
@@ -612,8 +630,12 @@ void NormGradServer::RunDeviceWatchdog() {
 
 void NormGradServer::RunWatchdog() {
   const absl::Duration timeout = options_.stream_idle_timeout;
+  absl::Duration shortest = options_.min_stream_bytes_per_second > 0
+                                ? options_.min_stream_rate_window
+                                : absl::InfiniteDuration();
+  if (timeout > absl::ZeroDuration()) shortest = std::min(shortest, timeout);
   const absl::Duration period =
-      std::clamp(timeout / 4, absl::Milliseconds(10), absl::Seconds(1));
+      std::clamp(shortest / 4, absl::Milliseconds(10), absl::Seconds(1));
   std::unique_lock<std::mutex> lock(watchdog_mu_);
   while (!stopping_) {
     watchdog_wake_.wait_for(lock, absl::ToChronoMilliseconds(period), [this] { return stopping_; });
@@ -649,6 +671,7 @@ void NormGradServer::Shutdown(absl::Duration grace) {
   if (watchdog_.joinable()) watchdog_.join();
   if (device_watchdog_.joinable()) device_watchdog_.join();
   if (metrics_http_ != nullptr) metrics_http_->Stop();
+  emit_ptx_pool_.reset();  // calls still queued were answered before grpc's Shutdown returned
   pool_.reset();  // runs what is queued (nothing but finished streams' leftovers), joins
   if (grpc_server_ != nullptr) grpc_server_->Wait();
   for (size_t i = 0; i < unix_paths_.size(); ++i) RemoveUnixSocket(unix_paths_[i], unix_inodes_[i]);

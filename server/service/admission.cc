@@ -1,32 +1,107 @@
 #include "server/service/admission.h"
 
+#include <algorithm>
 #include <mutex>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace normgrad::server {
+namespace {
 
-absl::Status AdmissionController::AdmitStream() {
-  std::lock_guard<std::mutex> lock(mu_);
+constexpr char kBackwardMethod[] = "RmsNormBackward";
+constexpr char kEmitPtxMethod[] = "EmitPtx";
+
+}  // namespace
+
+absl::Status CheckAdmissionLimits(const AdmissionLimits& l) {
+  if (l.max_emit_ptx_calls == 0) {
+    return absl::InvalidArgumentError("--max-emit-ptx-queue=0: must be > 0");
+  }
+  if (l.max_emit_ptx_calls_per_connection == 0 ||
+      l.max_emit_ptx_calls_per_connection > l.max_emit_ptx_calls) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-emit-ptx-queue-per-connection=", l.max_emit_ptx_calls_per_connection,
+        ": must be in 1..--max-emit-ptx-queue=", l.max_emit_ptx_calls));
+  }
+  if (l.max_emit_ptx_bytes == 0) {
+    return absl::InvalidArgumentError("--max-emit-ptx-queue-bytes=0: must be > 0");
+  }
+  if (l.max_emit_ptx_bytes_per_connection == 0 ||
+      l.max_emit_ptx_bytes_per_connection > l.max_emit_ptx_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-emit-ptx-queue-bytes-per-connection=", l.max_emit_ptx_bytes_per_connection,
+        ": must be in 1..--max-emit-ptx-queue-bytes=", l.max_emit_ptx_bytes));
+  }
+  return absl::OkStatus();
+}
+
+std::string ClientIdentityFromPeer(absl::string_view peer) {
+  if (absl::StartsWith(peer, "unix")) return "unix";  // unix: and unix-abstract:
+  const size_t colon = peer.rfind(':');
+  // "ipv4:" or "ipv6:" and at least one character before the port's colon.
+  if (colon == absl::string_view::npos || colon <= 5 || colon + 1 == peer.size()) {
+    return std::string(peer);
+  }
+  const absl::string_view port = peer.substr(colon + 1);
+  if (!std::all_of(port.begin(), port.end(), [](char c) { return absl::ascii_isdigit(c); })) {
+    return std::string(peer);
+  }
+  return std::string(peer.substr(0, colon));
+}
+
+void AdmissionController::CountRejection(const char* method, const char* limit) {
+  if (metrics_ != nullptr) {
+    metrics_->IncrementCounter("normgrad_rejected_total", {{"method", method}, {"limit", limit}});
+  }
+}
+
+uint32_t AdmissionController::streams_per_client() const {
+  const uint32_t share = limits_.max_streams_per_client;
+  return share == 0 ? limits_.max_streams : std::min(share, limits_.max_streams);
+}
+
+absl::Status AdmissionController::AdmitStream(absl::string_view client) {
+  std::unique_lock<std::mutex> lock(mu_);
   if (streams_ >= limits_.max_streams) {
+    lock.unlock();
+    CountRejection(kBackwardMethod, "max-streams");
     return absl::ResourceExhaustedError(
         absl::StrCat("too many concurrent streams: ", streams_, " of ", limits_.max_streams,
                      " in use (--max-streams); retry later"));
   }
+  const uint32_t share = streams_per_client();
+  auto it = streams_by_client_.find(client);
+  const uint32_t held = it == streams_by_client_.end() ? 0 : it->second;
+  if (held >= share) {
+    lock.unlock();
+    CountRejection(kBackwardMethod, "max-streams-per-client");
+    // The identity is not echoed: an address or a certificate name is the operator's to see.
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "this client holds ", held, " streams, its share of ", share, " (of ",
+        limits_.max_streams, " in all) (--max-streams-per-client); finish one, or retry later"));
+  }
   ++streams_;
+  ++streams_by_client_[client];
   return absl::OkStatus();
 }
 
-void AdmissionController::ReleaseStream() {
+void AdmissionController::ReleaseStream(absl::string_view client) {
   std::lock_guard<std::mutex> lock(mu_);
   if (streams_ > 0) --streams_;
+  auto it = streams_by_client_.find(client);
+  if (it != streams_by_client_.end() && --it->second == 0) streams_by_client_.erase(it);
 }
 
 absl::Status AdmissionController::ReserveBytes(uint64_t bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   if (bytes > limits_.max_inflight_bytes - bytes_ || bytes_ > limits_.max_inflight_bytes) {
+    const uint64_t in_use = bytes_;
+    lock.unlock();
+    CountRejection(kBackwardMethod, "max-inflight-bytes");
     return absl::ResourceExhaustedError(absl::StrCat(
-        "in-flight bytes limit: this chunk needs ", bytes, " bytes, ", bytes_, " of ",
+        "in-flight bytes limit: this chunk needs ", bytes, " bytes, ", in_use, " of ",
         limits_.max_inflight_bytes, " are in use (--max-inflight-bytes); retry later or send "
         "smaller chunks"));
   }
@@ -39,14 +114,83 @@ void AdmissionController::ReleaseBytes(uint64_t bytes) {
   bytes_ = bytes > bytes_ ? 0 : bytes_ - bytes;
 }
 
+absl::Status AdmissionController::AdmitEmitPtx(absl::string_view connection, uint64_t bytes) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = emit_by_connection_.find(connection);
+  const EmitPtxHeld mine = it == emit_by_connection_.end() ? EmitPtxHeld{} : it->second;
+  const char* limit = nullptr;
+  std::string message;
+  if (emit_total_.calls >= limits_.max_emit_ptx_calls) {
+    limit = "max-emit-ptx-queue";
+    message = absl::StrCat("EmitPtx queue full: ", emit_total_.calls, " of ",
+                           limits_.max_emit_ptx_calls, " calls queued or compiling "
+                           "(--max-emit-ptx-queue); retry later");
+  } else if (mine.calls >= limits_.max_emit_ptx_calls_per_connection) {
+    limit = "max-emit-ptx-queue-per-connection";
+    message = absl::StrCat("EmitPtx queue: this connection has ", mine.calls, " of ",
+                           limits_.max_emit_ptx_calls_per_connection,
+                           " calls queued or compiling (--max-emit-ptx-queue-per-connection); "
+                           "wait for their answers");
+  } else if (bytes > limits_.max_emit_ptx_bytes - emit_total_.bytes) {
+    limit = "max-emit-ptx-queue-bytes";
+    message = absl::StrCat("EmitPtx queue bytes: this request needs ", bytes, " bytes, ",
+                           emit_total_.bytes, " of ", limits_.max_emit_ptx_bytes,
+                           " are in use (--max-emit-ptx-queue-bytes); retry later");
+  } else if (bytes > limits_.max_emit_ptx_bytes_per_connection - mine.bytes) {
+    limit = "max-emit-ptx-queue-bytes-per-connection";
+    message = absl::StrCat("EmitPtx queue bytes: this request needs ", bytes, " bytes, ",
+                           mine.bytes, " of ", limits_.max_emit_ptx_bytes_per_connection,
+                           " are in use by this connection "
+                           "(--max-emit-ptx-queue-bytes-per-connection); wait for its answers");
+  }
+  if (limit != nullptr) {
+    lock.unlock();
+    CountRejection(kEmitPtxMethod, limit);
+    return absl::ResourceExhaustedError(message);
+  }
+  ++emit_total_.calls;
+  emit_total_.bytes += bytes;
+  EmitPtxHeld& held = emit_by_connection_[connection];
+  ++held.calls;
+  held.bytes += bytes;
+  return absl::OkStatus();
+}
+
+void AdmissionController::ReleaseEmitPtx(absl::string_view connection, uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (emit_total_.calls > 0) --emit_total_.calls;
+  emit_total_.bytes = bytes > emit_total_.bytes ? 0 : emit_total_.bytes - bytes;
+  auto it = emit_by_connection_.find(connection);
+  if (it == emit_by_connection_.end()) return;
+  if (it->second.calls > 0) --it->second.calls;
+  it->second.bytes = bytes > it->second.bytes ? 0 : it->second.bytes - bytes;
+  if (it->second.calls == 0) emit_by_connection_.erase(it);
+}
+
 uint32_t AdmissionController::active_streams() const {
   std::lock_guard<std::mutex> lock(mu_);
   return streams_;
 }
 
+uint32_t AdmissionController::streams_of(absl::string_view client) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = streams_by_client_.find(client);
+  return it == streams_by_client_.end() ? 0 : it->second;
+}
+
 uint64_t AdmissionController::inflight_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   return bytes_;
+}
+
+uint32_t AdmissionController::emit_ptx_calls() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return emit_total_.calls;
+}
+
+uint64_t AdmissionController::emit_ptx_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return emit_total_.bytes;
 }
 
 }  // namespace normgrad::server

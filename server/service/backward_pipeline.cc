@@ -12,12 +12,15 @@
 
 namespace normgrad::server {
 
-BackwardPipeline::BackwardPipeline(ServiceEnv* env, absl::Time deadline, bool peer_is_local)
+BackwardPipeline::BackwardPipeline(ServiceEnv* env, absl::Time deadline, bool peer_is_local,
+                                   std::string client)
     : env_(env),
       deadline_(deadline),
       peer_is_local_(peer_is_local),
+      client_(std::move(client)),
       validator_(env->config.batch_limits) {
   last_progress_ = start_;
+  rate_window_start_ = start_;
 }
 
 void BackwardPipeline::Close() {
@@ -35,7 +38,7 @@ BackwardPipeline::~BackwardPipeline() {
   Close();
   if (admitted_) {  // OnDone never came (a test's pipeline)
     env_->metrics->AddGauge("normgrad_inflight_streams", {}, -1);
-    env_->admission->ReleaseStream();
+    env_->admission->ReleaseStream(client_);
   }
 }
 
@@ -51,7 +54,7 @@ StreamActions BackwardPipeline::Start() {
                      "this server's GPU is unusable and it takes no streams (",
                      env_->device_health.reason().message(), "); retry elsewhere")),
                  a);
-  } else if (absl::Status s = env_->admission->AdmitStream(); !s.ok()) {
+  } else if (absl::Status s = env_->admission->AdmitStream(client_); !s.ok()) {
     FinishLocked(s, a);
   } else {
     admitted_ = true;
@@ -143,23 +146,73 @@ StreamActions BackwardPipeline::OnCancel() {
 StreamActions BackwardPipeline::CheckIdle(absl::Time now, absl::Duration timeout) {
   StreamActions a;
   std::lock_guard<std::mutex> lock(mu_);
-  if (finish_decided_ || compute_busy_ || now - last_progress_ < timeout) return a;
+  // Only a stream waiting on its client is judged: never one whose job is queued or running.
+  if (finish_decided_ || compute_busy_ || (!write_in_flight_ && !read_in_flight_)) return a;
+  absl::Status end;
+  if (timeout > absl::ZeroDuration() && now - last_progress_ >= timeout) {
+    end = absl::DeadlineExceededError(
+        write_in_flight_
+            ? absl::StrCat("stream idle timeout: the client read no response for ",
+                           absl::FormatDuration(timeout), " (--stream-idle-timeout)")
+            : absl::StrCat("stream idle timeout: no request message for ",
+                           absl::FormatDuration(timeout), " after ", validator_.rows_received(),
+                           " rows (--stream-idle-timeout)"));
+  } else {
+    end = CheckRateLocked(now);
+    if (!end.ok()) {
+      env_->metrics->IncrementCounter(
+          "normgrad_rejected_total",
+          {{"method", "RmsNormBackward"}, {"limit", "min-stream-bytes-per-second"}});
+    }
+  }
+  if (end.ok()) return a;
   if (write_in_flight_) {
     // The client does not read: trailers could not reach it either (a finish would wait behind
     // the stuck write), so the call is cancelled; OnCancel then finishes with this status.
     if (idle_cancel_status_.ok()) {
-      idle_cancel_status_ = absl::DeadlineExceededError(
-          absl::StrCat("stream idle timeout: the client read no response for ",
-                       absl::FormatDuration(timeout), " (--stream-idle-timeout)"));
+      idle_cancel_status_ = end;
       a.try_cancel = true;
     }
-  } else if (read_in_flight_) {
-    FinishLocked(absl::DeadlineExceededError(absl::StrCat(
-                     "stream idle timeout: no request message for ", absl::FormatDuration(timeout),
-                     " after ", validator_.rows_received(), " rows (--stream-idle-timeout)")),
-                 a);
+  } else {
+    FinishLocked(end, a);
   }
   return a;
+}
+
+// The rate is judged per window of time spent waiting on the client (time with a job queued or
+// running does not count: a busy server must not end its clients' streams): below the minimum
+// the stream ends; at or above it a new window starts.
+absl::Status BackwardPipeline::CheckRateLocked(absl::Time now) {
+  const uint64_t min_rate = env_->config.min_stream_bytes_per_second;
+  const absl::Duration window = env_->config.min_stream_rate_window;
+  if (min_rate == 0 || window <= absl::ZeroDuration()) return absl::OkStatus();
+  const absl::Duration waited = (now - rate_window_start_) - (busy_total_ - rate_window_busy_);
+  if (waited < window) return absl::OkStatus();
+  const uint64_t moved_total = tensor_bytes_in_ + bytes_out_;
+  const uint64_t moved = moved_total - rate_window_bytes_;
+  const double rate = static_cast<double>(moved) / absl::ToDoubleSeconds(waited);
+  if (rate >= static_cast<double>(min_rate)) {
+    rate_window_start_ = now;
+    rate_window_busy_ = busy_total_;
+    rate_window_bytes_ = moved_total;
+    return absl::OkStatus();
+  }
+  return absl::DeadlineExceededError(absl::StrCat(
+      "stream too slow: ", moved, " bytes of x, dy and grad_input moved in ",
+      absl::FormatDuration(absl::Trunc(waited, absl::Milliseconds(1))),
+      " of waiting on the client (", static_cast<uint64_t>(rate),
+      " B/s), below --min-stream-bytes-per-second=", min_rate, " (window ",
+      absl::FormatDuration(window), ", --min-stream-rate-window)"));
+}
+
+void BackwardPipeline::SetComputeBusyLocked(bool busy) {
+  if (busy == compute_busy_) return;
+  compute_busy_ = busy;
+  if (busy) {
+    busy_since_ = absl::Now();
+  } else {
+    busy_total_ += absl::Now() - busy_since_;
+  }
 }
 
 std::optional<absl::Status> BackwardPipeline::Issued(int count) {
@@ -182,7 +235,7 @@ StreamTotals BackwardPipeline::OnDone() {
   if (admitted_) {
     admitted_ = false;
     env_->metrics->AddGauge("normgrad_inflight_streams", {}, -1);
-    env_->admission->ReleaseStream();
+    env_->admission->ReleaseStream(client_);
   }
   return t;
 }
@@ -225,6 +278,11 @@ void BackwardPipeline::OnMessageLocked(StreamActions& a) {
     FinishLocked(accepted.status(), a);
     return;
   }
+  // The rows' bytes wherever they are (in the message or in a shared-memory region).
+  tensor_bytes_in_ += accepted->is_header
+                          ? message.header().gamma().size()
+                          : 2 * accepted->chunk.num_rows * validator_.row_bytes() +
+                                message.rms().size();
   Job job;
   job.request = std::move(request_);
   request_ = std::make_unique<v1::BackwardRequest>();
@@ -343,7 +401,7 @@ void BackwardPipeline::MaybeStartReadLocked(StreamActions& a) {
 
 void BackwardPipeline::ScheduleComputeLocked(StreamActions& a) {
   if (compute_busy_ || jobs_.empty() || finish_decided_) return;
-  compute_busy_ = true;
+  SetComputeBusyLocked(true);
   a.schedule = true;
 }
 
@@ -361,7 +419,7 @@ StreamActions BackwardPipeline::RunOneJob() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (finish_decided_ || jobs_.empty()) {
-      compute_busy_ = false;
+      SetComputeBusyLocked(false);
       return {};
     }
     job = std::move(jobs_.front());
@@ -380,7 +438,7 @@ StreamActions BackwardPipeline::RunOneJob() {
     writes_.push_back(*std::move(out));
     StartNextWriteLocked(a);
   }
-  compute_busy_ = false;
+  SetComputeBusyLocked(false);
   ScheduleComputeLocked(a);
   return a;
 }

@@ -26,6 +26,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -65,7 +66,9 @@ class BackwardPipeline {
  public:
   // `deadline`: the call's deadline, to tell a deadline from a cancel. `peer_is_local`: the
   // client reached a unix socket or a loopback address, so it may name shared-memory regions.
-  BackwardPipeline(ServiceEnv* env, absl::Time deadline, bool peer_is_local = false);
+  // `client`: the caller's identity, whose share of the stream slots this stream takes.
+  BackwardPipeline(ServiceEnv* env, absl::Time deadline, bool peer_is_local = false,
+                   std::string client = "");
   // Close(), and gives back the stream's slot if OnDone never came.
   ~BackwardPipeline();
   // Drops the backend session, the queued work and the bytes still reserved: the owner calls it
@@ -86,7 +89,9 @@ class BackwardPipeline {
   StreamActions OnCancel();
   // Runs the next queued job (session start, a chunk, the final grad_gamma); blocking.
   StreamActions RunOneJob();
-  // The watchdog: ends the stream when it waited on its client for longer than `timeout`.
+  // The watchdog: ends the stream when it waited on its client for longer than `timeout` (0:
+  // never), or when its x and dy came slower than config.min_stream_bytes_per_second over
+  // config.min_stream_rate_window of waiting on its client.
   StreamActions CheckIdle(absl::Time now, absl::Duration timeout);
   // The caller issued `count` reads/writes of earlier actions. Returns the final status when a
   // finish was held back for them and none is pending any more.
@@ -128,11 +133,14 @@ class BackwardPipeline {
   void MaybeStartReadLocked(StreamActions& a);
   void ScheduleComputeLocked(StreamActions& a);
   void StartNextWriteLocked(StreamActions& a);
+  void SetComputeBusyLocked(bool busy);
+  absl::Status CheckRateLocked(absl::Time now);
   absl::StatusOr<std::unique_ptr<Outgoing>> RunJob(Job& job);
 
   ServiceEnv* const env_;
   const absl::Time deadline_;
   const bool peer_is_local_;
+  const std::string client_;
   const absl::Time start_ = absl::Now();
   std::atomic<bool> cancelled_{false};
   std::unique_ptr<BackwardSession> session_;  // only the running job touches it
@@ -161,6 +169,14 @@ class BackwardPipeline {
   uint64_t rows_sent_ = 0;  // guarded by mu_
   absl::Time last_progress_;  // guarded by mu_
   absl::Time header_time_ = absl::Now();  // guarded by mu_
+  // The minimum rate (CheckRateLocked): x, dy and gamma bytes received; time the stream waited
+  // on the server (a job queued or running); the current window's start.
+  uint64_t tensor_bytes_in_ = 0;  // guarded by mu_
+  absl::Time busy_since_;  // guarded by mu_
+  absl::Duration busy_total_;  // guarded by mu_
+  absl::Time rate_window_start_;  // guarded by mu_
+  absl::Duration rate_window_busy_;  // busy_total_ at the window's start (guarded by mu_)
+  uint64_t rate_window_bytes_ = 0;  // bytes moved at the window's start (guarded by mu_)
 };
 
 }  // namespace normgrad::server

@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -55,6 +56,20 @@ bool PeerIsLocal(absl::string_view peer) {
          absl::StartsWith(peer, "ipv6:[::1]") || absl::StartsWith(peer, "ipv6:%5B::1%5D");
 }
 
+// Who the caller is, for its share of the stream slots: the verified client certificate's name
+// under mutual TLS, else the peer address without the port (every unix-socket peer is one
+// client). The bearer token names no one: every client presents the same one.
+std::string ClientIdentity(const grpc::CallbackServerContext& context) {
+  std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  if (auth != nullptr && auth->IsPeerAuthenticated()) {
+    const std::vector<grpc::string_ref> names = auth->GetPeerIdentity();
+    if (!names.empty()) {
+      return absl::StrCat("x509:", absl::string_view(names.front().data(), names.front().size()));
+    }
+  }
+  return ClientIdentityFromPeer(context.peer());
+}
+
 }  // namespace
 
 void DescribeServiceMetrics(MetricsRegistry& m) {
@@ -67,6 +82,13 @@ void DescribeServiceMetrics(MetricsRegistry& m) {
   m.DescribeCounter("normgrad_sent_bytes_total", "Payload bytes sent, by method.");
   m.DescribeCounter("normgrad_rows_total", "Rows whose gradients were computed and sent.");
   m.DescribeCounter("normgrad_chunks_total", "Row chunks computed.");
+  m.DescribeCounter("normgrad_rejected_total",
+                    "Calls refused, or streams ended, by a server limit: by method and the "
+                    "limit's flag (max-streams, max-streams-per-client, max-inflight-bytes, "
+                    "min-stream-bytes-per-second, max-emit-ptx-queue[-bytes][-per-connection]).");
+  m.DescribeGauge("normgrad_emit_ptx_queued",
+                  "EmitPtx calls admitted and not finished (queued or running on its workers).");
+  m.DescribeGauge("normgrad_emit_ptx_queued_bytes", "Request bytes those EmitPtx calls hold.");
 }
 
 void RecordRpc(MetricsRegistry& m, const char* method, absl::StatusCode code, double seconds,
@@ -91,7 +113,8 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   BackwardStream(ServiceEnv* env, grpc::CallbackServerContext* context)
       : env_(env),
         context_(context),
-        pipeline_(env, absl::FromChrono(context->deadline()), PeerIsLocal(context->peer())) {
+        pipeline_(env, absl::FromChrono(context->deadline()), PeerIsLocal(context->peer()),
+                  ClientIdentity(*context)) {
     env_->streams->Add(this);
     // Published to OnReadDone, whose first step is parsing the read buffer (below).
     { std::lock_guard<std::mutex> lock(read_mu_); }
@@ -276,8 +299,21 @@ grpc::ServerUnaryReactor* NormGradService::EmitPtx(grpc::CallbackServerContext* 
     reactor->Finish(ToGrpcStatus(s));
     return reactor;
   }
-  // Emission and nvJitLink may take a while: never in a reaction.
-  env->pool->Schedule([env, reactor, request, raw_response, start] {
+  // Admitted before it queues: the EmitPtx workers' queue is bounded in calls and request bytes,
+  // per connection and in total (--max-emit-ptx-queue*).
+  const uint64_t held_bytes = raw_request->Length();
+  std::string connection = context->peer();
+  if (absl::Status s = env->admission->AdmitEmitPtx(connection, held_bytes); !s.ok()) {
+    RecordRpc(*env->metrics, kEmitPtxMethod, s.code(), absl::ToDoubleSeconds(absl::Now() - start),
+              held_bytes, 0);
+    reactor->Finish(ToGrpcStatus(s));
+    return reactor;
+  }
+  // Emission and nvJitLink may take a while: never in a reaction, and on their own workers so
+  // that chunks never wait behind a compile.
+  ThreadPool* pool = env->emit_ptx_pool != nullptr ? env->emit_ptx_pool : env->pool;
+  pool->Schedule([env, reactor, request, raw_response, start, held_bytes,
+                  connection = std::move(connection)] {
     absl::StatusOr<v1::EmitPtxResponse> r = env->ptx->Emit(*request);
     absl::Status status = r.status();
     uint64_t bytes_out = 0;
@@ -287,6 +323,7 @@ grpc::ServerUnaryReactor* NormGradService::EmitPtx(grpc::CallbackServerContext* 
     }
     RecordRpc(*env->metrics, kEmitPtxMethod, status.code(),
               absl::ToDoubleSeconds(absl::Now() - start), request->ByteSizeLong(), bytes_out);
+    env->admission->ReleaseEmitPtx(connection, held_bytes);
     reactor->Finish(ToGrpcStatus(status));
   });
   return reactor;

@@ -28,6 +28,10 @@ struct ServiceConfig {
   BackwardLimits batch_limits;
   uint64_t max_message_bytes = 0;
   absl::Duration stream_idle_timeout = absl::Seconds(30);
+  // A stream whose x and dy arrive slower than this, over `min_stream_rate_window` of waiting
+  // on its client (server compute and queueing not counted), is ended; 0: no minimum.
+  uint64_t min_stream_bytes_per_second = 0;
+  absl::Duration min_stream_rate_window = absl::Seconds(30);
 };
 
 // Whether the device can serve. NormGradServer marks it unhealthy (a failed device, a failed
@@ -58,7 +62,10 @@ struct ServiceEnv {
   PtxService* ptx = nullptr;
   AdmissionController* admission = nullptr;
   MetricsRegistry* metrics = nullptr;
-  ThreadPool* pool = nullptr;  // blocking work: chunk compute, session start, EmitPtx
+  ThreadPool* pool = nullptr;  // blocking work: chunk compute, session start
+  // EmitPtx (emission, nvJitLink): its own workers, so chunks never wait behind compiles; null:
+  // `pool`.
+  ThreadPool* emit_ptx_pool = nullptr;
   StreamRegistry* streams = nullptr;
   RegionRegistry* regions = nullptr;  // shared-memory regions; null without --shared-memory
   std::atomic<bool> draining{false};

@@ -279,6 +279,53 @@ TEST(BackwardPipelineTest, TheWatchdogEndsAStreamWaitingForARequestOrCancelsOneT
   }
 }
 
+// --min-stream-bytes-per-second: judged per window of waiting on the client; a trickle ends
+// with DEADLINE_EXCEEDED naming the rate and the flag, a stream at the rate starts a new window.
+TEST(BackwardPipelineTest, AStreamSlowerThanTheMinimumRateEndsNamingTheRateAndTheFlag) {
+  const testing::Batch b = testing::RandomBatch(64, 256, 8);  // a row: 1 KiB of x, 1 of dy
+  auto slow_config = [](FakeCall& call) {
+    call.env().config.min_stream_bytes_per_second = 1000;
+    call.env().config.min_stream_rate_window = absl::Seconds(10);
+  };
+  {  // the header and one row (4 KiB with gamma and dx), then nothing
+    FakeCall call;
+    slow_config(call);
+    call.Start();
+    call.Deliver(testing::HeaderFor(b));
+    call.Deliver(testing::ChunkFor(b, 0, 1));
+    call.Settle();
+    ASSERT_TRUE(call.read_pending());
+    // The idle timeout is off (0): only the rate judges.
+    call.Apply(call.pipeline().CheckIdle(absl::Now() + absl::Seconds(5), absl::ZeroDuration()));
+    EXPECT_TRUE(call.finishes().empty()) << "ended before its window was over";
+    call.Apply(call.pipeline().CheckIdle(absl::Now() + absl::Seconds(11), absl::ZeroDuration()));
+    ASSERT_EQ(call.finishes().size(), 1u);
+    EXPECT_EQ(call.finishes()[0].code(), absl::StatusCode::kDeadlineExceeded);
+    EXPECT_THAT(call.finishes()[0].message(), HasSubstr("stream too slow: 4096 bytes"));
+    EXPECT_THAT(call.finishes()[0].message(), HasSubstr("below --min-stream-bytes-per-second=1000"));
+  }
+  {  // 8 rows (25 KiB) in the first window pass; nothing in the second does not
+    FakeCall call;
+    slow_config(call);
+    call.Start();
+    call.Deliver(testing::HeaderFor(b));
+    call.Deliver(testing::ChunkFor(b, 0, 8));
+    call.Settle();
+    const absl::Time now = absl::Now();
+    call.Apply(call.pipeline().CheckIdle(now + absl::Seconds(11), absl::ZeroDuration()));
+    EXPECT_TRUE(call.finishes().empty()) << call.finishes()[0];
+    call.Apply(call.pipeline().CheckIdle(now + absl::Seconds(22), absl::ZeroDuration()));
+    ASSERT_EQ(call.finishes().size(), 1u);
+    EXPECT_THAT(call.finishes()[0].message(), HasSubstr("stream too slow: 0 bytes"));
+  }
+  {  // 0: no minimum
+    FakeCall call;
+    call.Start();
+    call.Apply(call.pipeline().CheckIdle(absl::Now() + absl::Hours(1), absl::ZeroDuration()));
+    EXPECT_TRUE(call.finishes().empty());
+  }
+}
+
 TEST(BackwardPipelineTest, ADrainingServerRefusesTheStreamWithUnavailableAndAdmitsNothing) {
   FakeCall call;
   call.env().draining.store(true);

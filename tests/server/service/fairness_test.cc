@@ -1,0 +1,251 @@
+// Fairness and bounded queues through the real server (in-process, TCP on 127.0.0.1:0 plus a
+// unix socket, so that two client identities exist on one machine): a greedy client holding
+// many streams gets its share of the slots and a polite client is still served; a stream that
+// trickles is ended by the minimum rate; EmitPtx beyond its queue bounds is RESOURCE_EXHAUSTED.
+#include <stdlib.h>
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "normgrad/v1/normgrad.grpc.pb.h"
+#include "server/process/normgrad_server.h"
+#include "tests/server/service/service_test_util.h"
+
+namespace normgrad::server {
+namespace {
+
+using ::testing::HasSubstr;
+
+// A fresh directory for the socket file (under /tmp: socket paths must stay under 108 bytes).
+class SocketDir {
+ public:
+  SocketDir() { EXPECT_NE(mkdtemp(path_.data()), nullptr); }
+  ~SocketDir() { std::filesystem::remove_all(path_); }
+  std::string socket() const { return path_ + "/grpc.sock"; }
+
+ private:
+  std::string path_ = "/tmp/normgrad-fair-XXXXXX";
+};
+
+std::unique_ptr<NormGradServer> StartServer(const ServerOptions& options) {
+  absl::StatusOr<std::unique_ptr<NormGradServer>> server = NormGradServer::Start(options);
+  EXPECT_TRUE(server.ok()) << server.status();
+  return server.ok() ? *std::move(server) : nullptr;
+}
+
+std::map<std::string, double> Metrics(const NormGradServer& server) {
+  int status = 0;
+  std::string error;
+  return testing::ParsePrometheusText(testing::HttpGet(server.metrics_port(), "/metrics", &status),
+                                      &error);
+}
+
+std::string Rejected(const char* method, const char* limit) {
+  return absl::StrCat("normgrad_rejected_total{method=\"", method, "\",limit=\"", limit, "\"}");
+}
+
+template <typename F>
+bool WaitFor(F done, absl::Duration limit = absl::Seconds(20)) {
+  const absl::Time end = absl::Now() + limit;
+  while (absl::Now() < end) {
+    if (done()) return true;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return done();
+}
+
+using BackwardStream = grpc::ClientReaderWriter<v1::BackwardRequest, v1::BackwardResponse>;
+
+// The greedy client: `count` streams on one TCP connection, each sending its header and then
+// nothing, held open until Release.
+class GreedyClient {
+ public:
+  GreedyClient(int port, int count, const testing::Batch& batch) : stub_(testing::StubFor(port)) {
+    for (int i = 0; i < count; ++i) {
+      calls_.push_back(std::make_unique<Call>());
+      Call& c = *calls_.back();
+      c.context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+      c.stream = stub_->RmsNormBackward(&c.context);
+      c.stream->Write(testing::HeaderFor(batch));  // may fail on a refused stream
+    }
+  }
+  // One more stream on the same connection, waited for: its final status.
+  grpc::Status OneMore(const testing::Batch& batch) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    std::unique_ptr<BackwardStream> stream = stub_->RmsNormBackward(&context);
+    stream->Write(testing::HeaderFor(batch));
+    stream->WritesDone();
+    return stream->Finish();
+  }
+  // Cancels every stream.
+  void Release() {
+    for (auto& c : calls_) {
+      c->context.TryCancel();
+      (void)c->stream->Finish();
+    }
+  }
+
+ private:
+  struct Call {
+    grpc::ClientContext context;
+    std::unique_ptr<BackwardStream> stream;
+  };
+  std::unique_ptr<v1::NormGrad::Stub> stub_;
+  std::vector<std::unique_ptr<Call>> calls_;
+};
+
+// The polite client on the unix socket: `calls` batches one after another; how many were
+// served exactly.
+int PoliteCallsServed(const std::string& socket, int calls, std::string* first_error) {
+  auto stub = v1::NormGrad::NewStub(
+      grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials()));
+  const testing::Batch batch = testing::RandomBatch(32, 64, 3);
+  std::vector<float> dx, dgamma;
+  testing::ReferenceFor(batch, dx, dgamma);
+  int served = 0;
+  for (int i = 0; i < calls; ++i) {
+    const testing::BackwardResult r = testing::RunBackward(*stub, batch, 8, absl::Seconds(60));
+    if (r.status.ok() && testing::MaxDxError(batch, r.dx, dx) <= 1e-3 &&
+        testing::MaxScaledError(r.dgamma, dgamma) <= 1e-3) {
+      ++served;
+    } else if (first_error->empty()) {
+      *first_error = absl::StrCat(r.status.error_code(), ": ", r.status.error_message());
+    }
+  }
+  return served;
+}
+
+constexpr int kSlots = 8;
+constexpr int kGreedyStreams = 12;
+constexpr int kPoliteCalls = 10;
+
+TEST(FairnessTest, AGreedyClientGetsItsShareOfTheSlotsAndAPoliteClientIsServed) {
+  SocketDir dir;
+  ServerOptions options = testing::TestServerOptions();
+  options.listen.push_back("unix:" + dir.socket());
+  options.admission.max_streams = kSlots;
+  options.admission.max_streams_per_client = kSlots / 2;
+  std::unique_ptr<NormGradServer> server = StartServer(options);
+  ASSERT_NE(server, nullptr);
+  const testing::Batch batch = testing::RandomBatch(64, 64, 5);
+
+  GreedyClient greedy(server->port(), kGreedyStreams, batch);
+  const std::string refused_by_share = Rejected("RmsNormBackward", "max-streams-per-client");
+  ASSERT_TRUE(WaitFor([&] {
+    std::map<std::string, double> m = Metrics(*server);
+    return m["normgrad_inflight_streams"] == kSlots / 2 &&
+           m[refused_by_share] == kGreedyStreams - kSlots / 2;
+  })) << "greedy: " << Metrics(*server)["normgrad_inflight_streams"] << " streams held";
+
+  // What the greedy client is told past its share.
+  const grpc::Status more = greedy.OneMore(batch);
+  EXPECT_EQ(more.error_code(), grpc::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(more.error_message(),
+              HasSubstr("holds 4 streams, its share of 4 (of 8 in all) (--max-streams-per-client)"));
+
+  std::string error;
+  const int served = PoliteCallsServed(dir.socket(), kPoliteCalls, &error);
+  // The polite calls' streams are gone once the server's OnDone ran (after their clients saw
+  // the status).
+  EXPECT_TRUE(WaitFor([&] { return Metrics(*server)["normgrad_inflight_streams"] == kSlots / 2; }));
+  std::map<std::string, double> m = Metrics(*server);
+  const int held = static_cast<int>(m["normgrad_inflight_streams"]);
+  const int refused = static_cast<int>(m[refused_by_share]);
+  greedy.Release();
+  std::printf("fairness: greedy client asked for %d streams, held %d of %d slots (%d refused by "
+              "--max-streams-per-client); polite client served %d of %d calls (%.0f%%)\n",
+              kGreedyStreams + 1, held, kSlots, refused, served, kPoliteCalls,
+              100.0 * served / kPoliteCalls);
+  EXPECT_EQ(held, kSlots / 2);  // the polite client's calls were all over
+  EXPECT_EQ(refused, kGreedyStreams + 1 - kSlots / 2);
+  EXPECT_EQ(served, kPoliteCalls) << error;
+}
+
+// What the share prevents (the server as it was): one client takes every slot and the polite one
+// is refused.
+TEST(FairnessTest, WithoutAShareAGreedyClientTakesEverySlot) {
+  SocketDir dir;
+  ServerOptions options = testing::TestServerOptions();
+  options.listen.push_back("unix:" + dir.socket());
+  options.admission.max_streams = kSlots;
+  options.admission.max_streams_per_client = 0;
+  std::unique_ptr<NormGradServer> server = StartServer(options);
+  ASSERT_NE(server, nullptr);
+  GreedyClient greedy(server->port(), kGreedyStreams, testing::RandomBatch(64, 64, 5));
+  ASSERT_TRUE(WaitFor([&] { return Metrics(*server)["normgrad_inflight_streams"] == kSlots; }));
+  std::string error;
+  EXPECT_EQ(PoliteCallsServed(dir.socket(), 2, &error), 0);
+  EXPECT_THAT(error, HasSubstr("(--max-streams)"));
+  std::printf("fairness without a share: greedy client holds %d of %d slots; polite client "
+              "served 0 of 2 calls\n", kSlots, kSlots);
+  greedy.Release();
+}
+
+TEST(FairnessTest, AStreamBelowTheMinimumRateIsEndedNamingTheFlag) {
+  ServerOptions options = testing::TestServerOptions();
+  options.min_stream_bytes_per_second = 1000;
+  options.min_stream_rate_window = absl::Milliseconds(300);
+  std::unique_ptr<NormGradServer> server = StartServer(options);
+  ASSERT_NE(server, nullptr);
+  auto stub = testing::StubFor(server->port());
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  std::unique_ptr<BackwardStream> stream = stub->RmsNormBackward(&context);
+  ASSERT_TRUE(stream->Write(testing::HeaderFor(testing::RandomBatch(64, 64, 5))));
+  const grpc::Status s = stream->Finish();  // the server ends it; the client sent the header only
+  EXPECT_EQ(s.error_code(), grpc::DEADLINE_EXCEEDED) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("stream too slow"));
+  EXPECT_THAT(s.error_message(), HasSubstr("below --min-stream-bytes-per-second=1000"));
+  EXPECT_EQ(Metrics(*server)[Rejected("RmsNormBackward", "min-stream-bytes-per-second")], 1);
+  // A stream at speed is untouched.
+  const testing::Batch batch = testing::RandomBatch(64, 64, 6);
+  EXPECT_TRUE(testing::RunBackward(*stub, batch, 8).status.ok());
+}
+
+TEST(FairnessTest, EmitPtxBeyondItsQueueBytesIsResourceExhaustedNamingTheFlagAndNumbers) {
+  ServerOptions options = testing::TestServerOptions();
+  options.admission.max_emit_ptx_bytes_per_connection = 16;
+  std::unique_ptr<NormGradServer> server = StartServer(options);
+  ASSERT_NE(server, nullptr);
+  auto stub = testing::StubFor(server->port());
+  v1::EmitPtxRequest request;
+  request.set_kernel("batched_rms_norm_backward");
+  request.set_hidden_dim(896);
+  request.set_target("sm_90");
+  {
+    grpc::ClientContext context;
+    v1::EmitPtxResponse response;
+    const grpc::Status s = stub->EmitPtx(&context, request, &response);
+    EXPECT_EQ(s.error_code(), grpc::RESOURCE_EXHAUSTED);
+    EXPECT_THAT(s.error_message(),
+                HasSubstr(absl::StrCat("this request needs ", request.ByteSizeLong(),
+                                       " bytes, 0 of 16 are in use by this connection "
+                                       "(--max-emit-ptx-queue-bytes-per-connection)")));
+  }
+  EXPECT_EQ(Metrics(*server)[Rejected("EmitPtx", "max-emit-ptx-queue-bytes-per-connection")], 1);
+  // Within the bounds (the defaults), EmitPtx runs on its own workers and answers.
+  ServerOptions defaults = testing::TestServerOptions();
+  std::unique_ptr<NormGradServer> second = StartServer(defaults);
+  ASSERT_NE(second, nullptr);
+  auto second_stub = testing::StubFor(second->port());
+  grpc::ClientContext context;
+  v1::EmitPtxResponse response;
+  const grpc::Status s = second_stub->EmitPtx(&context, request, &response);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_FALSE(response.ptx().empty());
+  EXPECT_EQ(Metrics(*second)["normgrad_emit_ptx_queued"], 0);
+}
+
+}  // namespace
+}  // namespace normgrad::server
