@@ -50,6 +50,9 @@ TEST(OverloadTest, StreamsBeyondAdmissionLimitsAreRefusedAcceptedOnesExactMemory
   absl::StatusOr<ChildProcess> server = ChildProcess::Start(
       {NORMGRAD_SERVER_BINARY, "--listen=127.0.0.1:0", "--metrics-listen=", "--backend=cpu",
        "--cpu-threads=2", "--max-streams=16",
+       // One client here (every channel from 127.0.0.1): the global limits are under test, not
+       // the per-client share (fairness_test).
+       "--max-streams-per-client=16",
        absl::StrCat("--max-inflight-bytes=", kMaxInflightBytes), "--stream-idle-timeout=20s"});
   ASSERT_TRUE(server.ok()) << server.status();
   const int port = server->AwaitReady(absl::Seconds(60)).grpc_port;

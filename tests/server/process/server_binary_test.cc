@@ -123,6 +123,14 @@ TEST(ServerBinaryTest, BadFlagValuesExitTwoNamingTheFlagAndValue) {
       {{"--max-streams-per-connection=0"}, "--max-streams-per-connection=0"},
       {{"--stream-idle-timeout=-1s"}, "--stream-idle-timeout=-1s"},
       {{"--min-client-ping-interval=-1s"}, "--min-client-ping-interval=-1s"},
+      {{"--max-emit-ptx-queue=0"}, "--max-emit-ptx-queue=0"},
+      {{"--max-emit-ptx-queue-per-connection=65"}, "--max-emit-ptx-queue-per-connection=65"},
+      {{"--max-emit-ptx-queue-bytes=0"}, "--max-emit-ptx-queue-bytes=0"},
+      {{"--max-emit-ptx-queue-bytes-per-connection=0"},
+       "--max-emit-ptx-queue-bytes-per-connection=0"},
+      {{"--emit-ptx-threads=0"}, "--emit-ptx-threads=0"},
+      {{"--min-stream-rate-window=soon"}, "--min-stream-rate-window=soon"},
+      {{"--min-stream-rate-window=0s"}, "--min-stream-rate-window=0"},
       {{"--listen=bogus"}, "--listen=bogus"},
       {{"--listen=127.0.0.1:99999"}, "--listen=127.0.0.1:99999"},
       {{"--metrics-listen=bogus"}, "--metrics-listen=bogus"},
@@ -166,7 +174,10 @@ TEST(ServerBinaryTest, HelpDocumentsEveryFlag) {
        {"listen", "metrics_listen", "backend", "cuda_driver", "cpu_threads", "cache_max_entries",
         "cache_max_bytes", "preload", "max_streams", "max_inflight_bytes", "max_hidden_dim",
         "max_num_rows", "max_message_bytes", "stream_idle_timeout", "shutdown_grace",
-        "nvjitlink"}) {
+        "nvjitlink", "max_streams_per_client", "min_stream_bytes_per_second",
+        "min_stream_rate_window", "emit_ptx_threads", "max_emit_ptx_queue",
+        "max_emit_ptx_queue_per_connection", "max_emit_ptx_queue_bytes",
+        "max_emit_ptx_queue_bytes_per_connection"}) {
     EXPECT_THAT(help, HasSubstr(absl::StrCat("--", flag, " ("))) << flag;
   }
 }
