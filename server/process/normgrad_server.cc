@@ -175,16 +175,6 @@ absl::Status ValidateOptions(const ServerOptions& o) {
         "--min-stream-rate-window=", absl::FormatDuration(o.min_stream_rate_window),
         ": must be > 0 when --min-stream-bytes-per-second=", o.min_stream_bytes_per_second));
   }
-  NORMGRAD_RETURN_IF_ERROR(CheckAdmissionLimits(o.admission));
-  if (o.emit_ptx_threads < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--emit-ptx-threads=", o.emit_ptx_threads, ": must be >= 1"));
-  }
-  if (o.min_stream_bytes_per_second > 0 && o.min_stream_rate_window <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--min-stream-rate-window=", absl::FormatDuration(o.min_stream_rate_window),
-        ": must be > 0 when --min-stream-bytes-per-second=", o.min_stream_bytes_per_second));
-  }
   if (o.admission.max_inflight_bytes < 3 * one_row) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--max-inflight-bytes=", o.admission.max_inflight_bytes,
@@ -360,7 +350,6 @@ void NormGradServer::AssembleService() {
                           : std::max(2, static_cast<int>(std::thread::hardware_concurrency()));
   pool_ = std::make_unique<ThreadPool>(threads);
   emit_ptx_pool_ = std::make_unique<ThreadPool>(options_.emit_ptx_threads);
-  emit_ptx_pool_ = std::make_unique<ThreadPool>(options_.emit_ptx_threads);
 
   env_ = std::make_unique<ServiceEnv>();
   env_->config.version = NORMGRAD_VERSION;
@@ -369,14 +358,11 @@ void NormGradServer::AssembleService() {
   env_->config.stream_idle_timeout = options_.stream_idle_timeout;
   env_->config.min_stream_bytes_per_second = options_.min_stream_bytes_per_second;
   env_->config.min_stream_rate_window = options_.min_stream_rate_window;
-  env_->config.min_stream_bytes_per_second = options_.min_stream_bytes_per_second;
-  env_->config.min_stream_rate_window = options_.min_stream_rate_window;
   env_->backend = backend_.get();
   env_->ptx = ptx_.get();
   env_->admission = admission_.get();
   env_->metrics = metrics_.get();
   env_->pool = pool_.get();
-  env_->emit_ptx_pool = emit_ptx_pool_.get();
   env_->emit_ptx_pool = emit_ptx_pool_.get();
   env_->streams = streams_.get();
   if (options_.shared_memory) {
@@ -410,9 +396,6 @@ void NormGradServer::PublishBackendMetrics() {
     CollectCache(m, "module", b->CacheStats());
     CollectCache(m, "ptx", ptx->CacheStats());
     m.SetGauge("normgrad_inflight_bytes", {}, static_cast<double>(admission->inflight_bytes()));
-    m.SetGauge("normgrad_emit_ptx_queued", {}, admission->emit_ptx_calls());
-    m.SetGauge("normgrad_emit_ptx_queued_bytes", {},
-               static_cast<double>(admission->emit_ptx_bytes()));
     m.SetGauge("normgrad_emit_ptx_queued", {}, admission->emit_ptx_calls());
     m.SetGauge("normgrad_emit_ptx_queued_bytes", {},
                static_cast<double>(admission->emit_ptx_bytes()));
@@ -688,7 +671,6 @@ void NormGradServer::Shutdown(absl::Duration grace) {
   if (watchdog_.joinable()) watchdog_.join();
   if (device_watchdog_.joinable()) device_watchdog_.join();
   if (metrics_http_ != nullptr) metrics_http_->Stop();
-  emit_ptx_pool_.reset();  // calls still queued were answered before grpc's Shutdown returned
   emit_ptx_pool_.reset();  // calls still queued were answered before grpc's Shutdown returned
   pool_.reset();  // runs what is queued (nothing but finished streams' leftovers), joins
   if (grpc_server_ != nullptr) grpc_server_->Wait();

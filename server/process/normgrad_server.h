@@ -83,11 +83,6 @@ struct ServerOptions {
   // waiting on its client; 0: no minimum (the flag's default is 1024).
   uint64_t min_stream_bytes_per_second = 0;
   absl::Duration min_stream_rate_window = absl::Seconds(30);
-  int emit_ptx_threads = 1;                     // EmitPtx's own workers (compiles)
-  // End a stream moving less than this many bytes per second over `min_stream_rate_window` of
-  // waiting on its client; 0: no minimum (the flag's default is 1024).
-  uint64_t min_stream_bytes_per_second = 0;
-  absl::Duration min_stream_rate_window = absl::Seconds(30);
   // TLS / mutual TLS and the bearer token of the main gRPC port (transport_security.h).
   TransportSecurityOptions security;
   // HOST:PORT of a second, always plaintext gRPC port serving grpc.health.v1.Health only, with
@@ -181,7 +176,6 @@ class NormGradServer {
   std::unique_ptr<AdmissionController> admission_;
   std::unique_ptr<StreamRegistry> streams_;
   std::unique_ptr<ThreadPool> pool_;
-  std::unique_ptr<ThreadPool> emit_ptx_pool_;
   std::unique_ptr<ThreadPool> emit_ptx_pool_;
   std::unique_ptr<ServiceEnv> env_;
   std::unique_ptr<NormGradService> service_;

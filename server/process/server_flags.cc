@@ -66,26 +66,6 @@ ABSL_FLAG(uint64_t, max_emit_ptx_queue_bytes, 64ull << 20,
           "Request bytes of the EmitPtx calls queued or running, all clients together.");
 ABSL_FLAG(uint64_t, max_emit_ptx_queue_bytes_per_connection, 16ull << 20,
           "Request bytes of the EmitPtx calls queued or running from one connection.");
-ABSL_FLAG(uint32_t, max_streams_per_client, 0,
-          "RmsNormBackward streams one client may hold at once (client: the mTLS certificate's "
-          "name, else the peer address without the port; all unix-socket peers are one); more "
-          "get RESOURCE_EXHAUSTED at once. 0: half of --max-streams (at least 1).");
-ABSL_FLAG(uint64_t, min_stream_bytes_per_second, 1024,
-          "End a stream whose x, dy and grad_input move slower than this over "
-          "--min-stream-rate-window of waiting on its client, with DEADLINE_EXCEEDED; 0 disables.");
-ABSL_FLAG(std::string, min_stream_rate_window, "30s",
-          "The window of --min-stream-bytes-per-second (time waiting on the server not counted).");
-ABSL_FLAG(int32_t, emit_ptx_threads, 1,
-          "Threads running EmitPtx (emission, nvJitLink), apart from the chunk workers.");
-ABSL_FLAG(uint32_t, max_emit_ptx_queue, 64,
-          "EmitPtx calls queued or running at once, all clients together; more get "
-          "RESOURCE_EXHAUSTED at once.");
-ABSL_FLAG(uint32_t, max_emit_ptx_queue_per_connection, 8,
-          "EmitPtx calls queued or running at once from one connection.");
-ABSL_FLAG(uint64_t, max_emit_ptx_queue_bytes, 64ull << 20,
-          "Request bytes of the EmitPtx calls queued or running, all clients together.");
-ABSL_FLAG(uint64_t, max_emit_ptx_queue_bytes_per_connection, 16ull << 20,
-          "Request bytes of the EmitPtx calls queued or running from one connection.");
 ABSL_FLAG(uint32_t, max_hidden_dim, 65536, "Largest header.hidden_dim accepted.");
 ABSL_FLAG(uint64_t, max_num_rows, uint64_t{1} << 32, "Largest header.num_rows accepted.");
 ABSL_FLAG(uint64_t, max_message_bytes, 4ull << 20,
@@ -233,24 +213,6 @@ absl::StatusOr<ServerOptions> ServerOptionsFromFlags() {
   }
   o.admission.max_streams = absl::GetFlag(FLAGS_max_streams);
   o.admission.max_inflight_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
-  o.admission.max_streams_per_client = absl::GetFlag(FLAGS_max_streams_per_client);
-  if (o.admission.max_streams_per_client == 0) {  // no client may take every slot
-    o.admission.max_streams_per_client = std::max<uint32_t>(1, o.admission.max_streams / 2);
-  }
-  o.admission.max_emit_ptx_calls = absl::GetFlag(FLAGS_max_emit_ptx_queue);
-  o.admission.max_emit_ptx_calls_per_connection =
-      absl::GetFlag(FLAGS_max_emit_ptx_queue_per_connection);
-  o.admission.max_emit_ptx_bytes = absl::GetFlag(FLAGS_max_emit_ptx_queue_bytes);
-  o.admission.max_emit_ptx_bytes_per_connection =
-      absl::GetFlag(FLAGS_max_emit_ptx_queue_bytes_per_connection);
-  o.emit_ptx_threads = absl::GetFlag(FLAGS_emit_ptx_threads);
-  o.min_stream_bytes_per_second = absl::GetFlag(FLAGS_min_stream_bytes_per_second);
-  if (!absl::ParseDuration(absl::GetFlag(FLAGS_min_stream_rate_window),
-                           &o.min_stream_rate_window)) {
-    return absl::InvalidArgumentError(absl::StrCat("--min-stream-rate-window=",
-                                                   absl::GetFlag(FLAGS_min_stream_rate_window),
-                                                   " is not a duration such as 30s"));
-  }
   o.admission.max_streams_per_client = absl::GetFlag(FLAGS_max_streams_per_client);
   if (o.admission.max_streams_per_client == 0) {  // no client may take every slot
     o.admission.max_streams_per_client = std::max<uint32_t>(1, o.admission.max_streams / 2);

@@ -283,11 +283,6 @@ void BackwardPipeline::OnMessageLocked(StreamActions& a) {
                           ? message.header().gamma().size()
                           : 2 * accepted->chunk.num_rows * validator_.row_bytes() +
                                 message.rms().size();
-  // The rows' bytes wherever they are (in the message or in a shared-memory region).
-  tensor_bytes_in_ += accepted->is_header
-                          ? message.header().gamma().size()
-                          : 2 * accepted->chunk.num_rows * validator_.row_bytes() +
-                                message.rms().size();
   Job job;
   job.request = std::move(request_);
   request_ = std::make_unique<v1::BackwardRequest>();

@@ -70,20 +70,6 @@ std::string ClientIdentity(const grpc::CallbackServerContext& context) {
   return ClientIdentityFromPeer(context.peer());
 }
 
-// Who the caller is, for its share of the stream slots: the verified client certificate's name
-// under mutual TLS, else the peer address without the port (every unix-socket peer is one
-// client). The bearer token names no one: every client presents the same one.
-std::string ClientIdentity(const grpc::CallbackServerContext& context) {
-  std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
-  if (auth != nullptr && auth->IsPeerAuthenticated()) {
-    const std::vector<grpc::string_ref> names = auth->GetPeerIdentity();
-    if (!names.empty()) {
-      return absl::StrCat("x509:", absl::string_view(names.front().data(), names.front().size()));
-    }
-  }
-  return ClientIdentityFromPeer(context.peer());
-}
-
 }  // namespace
 
 void DescribeServiceMetrics(MetricsRegistry& m) {
@@ -96,13 +82,6 @@ void DescribeServiceMetrics(MetricsRegistry& m) {
   m.DescribeCounter("normgrad_sent_bytes_total", "Payload bytes sent, by method.");
   m.DescribeCounter("normgrad_rows_total", "Rows whose gradients were computed and sent.");
   m.DescribeCounter("normgrad_chunks_total", "Row chunks computed.");
-  m.DescribeCounter("normgrad_rejected_total",
-                    "Calls refused, or streams ended, by a server limit: by method and the "
-                    "limit's flag (max-streams, max-streams-per-client, max-inflight-bytes, "
-                    "min-stream-bytes-per-second, max-emit-ptx-queue[-bytes][-per-connection]).");
-  m.DescribeGauge("normgrad_emit_ptx_queued",
-                  "EmitPtx calls admitted and not finished (queued or running on its workers).");
-  m.DescribeGauge("normgrad_emit_ptx_queued_bytes", "Request bytes those EmitPtx calls hold.");
   m.DescribeCounter("normgrad_rejected_total",
                     "Calls refused, or streams ended, by a server limit: by method and the "
                     "limit's flag (max-streams, max-streams-per-client, max-inflight-bytes, "
