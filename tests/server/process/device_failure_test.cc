@@ -5,6 +5,7 @@
 // ports, fails streams UNAVAILABLE and ends the process with exit code 3; a self-test whose
 // results differ from the CPU reference keeps the server up but NOT_SERVING, saying why in
 // GetServerInfo. Skipped when the build has no emulated driver (no cuda.h).
+#include <signal.h>
 #include <sys/wait.h>
 
 #include <future>
@@ -155,8 +156,10 @@ TEST_F(DeviceFailureTest, HungDeviceIsFoundByTheDeviceTimeoutAndExitsThree) {
   const absl::Time give_up = absl::Now() + absl::Seconds(60);
   while (health == kServing && absl::Now() < give_up) health = HealthStatus(ready.health_port);
   EXPECT_EQ(health, kNotServing) << server->Stderr();
-  EXPECT_EQ(ExitCode(server->WaitExit(absl::Seconds(60))), kExitDeviceFailed) << server->Stderr();
+  const int exit_code = ExitCode(server->WaitExit(absl::Seconds(60)));
+  EXPECT_EQ(exit_code, kExitDeviceFailed) << server->Stderr();
   EXPECT_THAT(server->Stderr(), HasSubstr("cuStreamSynchronize has not returned"));
+  if (exit_code == -1) server->Signal(SIGKILL);  // failed: end the stream too
   // The blocked worker never answered: the stream ends with the connection, UNAVAILABLE.
   const grpc::Status s = stuck.get();
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
