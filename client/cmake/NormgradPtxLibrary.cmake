@@ -27,7 +27,8 @@
 
 set(_NORMGRAD_PTX_EMBED_SCRIPT ${CMAKE_CURRENT_LIST_DIR}/NormgradPtxEmbed.cmake)
 
-# The CUBINS decision for one server (or offline), once per configure: sets `out` to TRUE/FALSE.
+# Whether nvJitLink makes cubins for one server (or offline): sets `out` to TRUE/FALSE. Asked once
+# per build tree; the answer stays in the CMake cache.
 function(_normgrad_ptx_cubins_available out server server_args)
   set(cache_var _NORMGRAD_PTX_NVJITLINK_${server})
   string(MAKE_C_IDENTIFIER "${cache_var}" cache_var)

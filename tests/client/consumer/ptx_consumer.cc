@@ -9,8 +9,6 @@
 // STEM.cubin.sha256 when CUBINS is 1), STEM = KERNEL_hHIDDEN_DTYPE_sm_NN, and list.txt, what
 // `normgrad-ptx --list` prints.
 #include <cstdio>
-#include <fstream>
-#include <iterator>
 #include <string>
 
 #include "consumer_ptx.h"
@@ -33,12 +31,16 @@ void Expect(bool ok, const std::string& what) {
 }
 
 std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
+  std::FILE* file = std::fopen(path.c_str(), "rb");
+  if (file == nullptr) {
     Expect(false, "cannot read " + path);
     return "";
   }
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::string bytes;
+  char buffer[65536];
+  for (size_t n; (n = std::fread(buffer, 1, sizeof(buffer), file)) > 0;) bytes.append(buffer, n);
+  std::fclose(file);
+  return bytes;
 }
 
 std::string Describe(const normgrad::PtxImage* image) {
