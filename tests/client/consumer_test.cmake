@@ -107,9 +107,14 @@ endif()
 # From a server (when this build has one), named by NORMGRAD_TARGET when the consumer is
 # configured: the same bytes as offline.
 if(EXISTS ${BUILD_DIR}/bin/normgrad-server)
+  # The server looks for nvJitLink where normgrad-cubin did, so both make cubins or neither.
+  set(nvjitlink_flag "")
+  if(DEFINED ENV{NORMGRAD_NVJITLINK})
+    set(nvjitlink_flag "--nvjitlink=$ENV{NORMGRAD_NVJITLINK}")
+  endif()
   execute_process(
-    COMMAND sh -c "exec \"$0\" --listen=127.0.0.1:0 --metrics_listen= --backend=cpu >\"$1\" 2>&1 & echo $!"
-            ${BUILD_DIR}/bin/normgrad-server ${WORK_DIR}/server.log
+    COMMAND sh -c "exec \"$0\" --listen=127.0.0.1:0 --metrics_listen= --backend=cpu $2 >\"$1\" 2>&1 & echo $!"
+            ${BUILD_DIR}/bin/normgrad-server ${WORK_DIR}/server.log "${nvjitlink_flag}"
     OUTPUT_VARIABLE server_pid OUTPUT_STRIP_TRAILING_WHITESPACE)
   set(port "")
   foreach(attempt RANGE 600)  # its ready line, within 60 s
