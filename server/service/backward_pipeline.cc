@@ -1,5 +1,6 @@
 #include "server/service/backward_pipeline.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -20,7 +21,7 @@ BackwardPipeline::BackwardPipeline(ServiceEnv* env, absl::Time deadline, bool pe
       client_(std::move(client)),
       validator_(env->config.batch_limits) {
   last_progress_ = start_;
-  rate_window_start_ = start_;
+  last_visit_ = start_;
 }
 
 void BackwardPipeline::Close() {
@@ -146,8 +147,13 @@ StreamActions BackwardPipeline::OnCancel() {
 StreamActions BackwardPipeline::CheckIdle(absl::Time now, absl::Duration timeout) {
   StreamActions a;
   std::lock_guard<std::mutex> lock(mu_);
-  // Only a stream waiting on its client is judged: never one whose job is queued or running.
-  if (finish_decided_ || compute_busy_ || (!write_in_flight_ && !read_in_flight_)) return a;
+  // Only a stream waiting on its client is judged: never one whose job is queued or running, or
+  // one waiting for the server's byte budget.
+  const bool waiting_on_client =
+      !finish_decided_ && !compute_busy_ && (write_in_flight_ || read_in_flight_);
+  if (waiting_on_client && now > last_visit_) client_wait_ += now - last_visit_;
+  last_visit_ = std::max(last_visit_, now);
+  if (!waiting_on_client) return a;
   absl::Status end;
   if (timeout > absl::ZeroDuration() && now - last_progress_ >= timeout) {
     end = absl::DeadlineExceededError(
@@ -158,7 +164,7 @@ StreamActions BackwardPipeline::CheckIdle(absl::Time now, absl::Duration timeout
                            absl::FormatDuration(timeout), " after ", validator_.rows_received(),
                            " rows (--stream-idle-timeout)"));
   } else {
-    end = CheckRateLocked(now);
+    end = CheckRateLocked();
     if (!end.ok()) {
       env_->metrics->IncrementCounter(
           "normgrad_rejected_total",
@@ -180,20 +186,19 @@ StreamActions BackwardPipeline::CheckIdle(absl::Time now, absl::Duration timeout
 }
 
 // The rate is judged per window of time spent waiting on the client (time with a job queued or
-// running does not count: a busy server must not end its clients' streams): below the minimum
-// the stream ends; at or above it a new window starts.
-absl::Status BackwardPipeline::CheckRateLocked(absl::Time now) {
+// running, or waiting for the byte budget, does not count: a busy server must not end its
+// clients' streams): below the minimum the stream ends; at or above it a new window starts.
+absl::Status BackwardPipeline::CheckRateLocked() {
   const uint64_t min_rate = env_->config.min_stream_bytes_per_second;
   const absl::Duration window = env_->config.min_stream_rate_window;
   if (min_rate == 0 || window <= absl::ZeroDuration()) return absl::OkStatus();
-  const absl::Duration waited = (now - rate_window_start_) - (busy_total_ - rate_window_busy_);
+  const absl::Duration waited = client_wait_ - rate_window_wait_;
   if (waited < window) return absl::OkStatus();
   const uint64_t moved_total = tensor_bytes_in_ + bytes_out_;
   const uint64_t moved = moved_total - rate_window_bytes_;
   const double rate = static_cast<double>(moved) / absl::ToDoubleSeconds(waited);
   if (rate >= static_cast<double>(min_rate)) {
-    rate_window_start_ = now;
-    rate_window_busy_ = busy_total_;
+    rate_window_wait_ = client_wait_;
     rate_window_bytes_ = moved_total;
     return absl::OkStatus();
   }
@@ -203,16 +208,6 @@ absl::Status BackwardPipeline::CheckRateLocked(absl::Time now) {
       " of waiting on the client (", static_cast<uint64_t>(rate),
       " B/s), below --min-stream-bytes-per-second=", min_rate, " (window ",
       absl::FormatDuration(window), ", --min-stream-rate-window)"));
-}
-
-void BackwardPipeline::SetComputeBusyLocked(bool busy) {
-  if (busy == compute_busy_) return;
-  compute_busy_ = busy;
-  if (busy) {
-    busy_since_ = absl::Now();
-  } else {
-    busy_total_ += absl::Now() - busy_since_;
-  }
 }
 
 std::optional<absl::Status> BackwardPipeline::Issued(int count) {
@@ -401,7 +396,7 @@ void BackwardPipeline::MaybeStartReadLocked(StreamActions& a) {
 
 void BackwardPipeline::ScheduleComputeLocked(StreamActions& a) {
   if (compute_busy_ || jobs_.empty() || finish_decided_) return;
-  SetComputeBusyLocked(true);
+  compute_busy_ = true;
   a.schedule = true;
 }
 
@@ -419,7 +414,7 @@ StreamActions BackwardPipeline::RunOneJob() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (finish_decided_ || jobs_.empty()) {
-      SetComputeBusyLocked(false);
+      compute_busy_ = false;
       return {};
     }
     job = std::move(jobs_.front());
@@ -438,7 +433,7 @@ StreamActions BackwardPipeline::RunOneJob() {
     writes_.push_back(*std::move(out));
     StartNextWriteLocked(a);
   }
-  SetComputeBusyLocked(false);
+  compute_busy_ = false;
   ScheduleComputeLocked(a);
   return a;
 }

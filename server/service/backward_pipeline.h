@@ -133,8 +133,7 @@ class BackwardPipeline {
   void MaybeStartReadLocked(StreamActions& a);
   void ScheduleComputeLocked(StreamActions& a);
   void StartNextWriteLocked(StreamActions& a);
-  void SetComputeBusyLocked(bool busy);
-  absl::Status CheckRateLocked(absl::Time now);
+  absl::Status CheckRateLocked();
   absl::StatusOr<std::unique_ptr<Outgoing>> RunJob(Job& job);
 
   ServiceEnv* const env_;
@@ -169,13 +168,13 @@ class BackwardPipeline {
   uint64_t rows_sent_ = 0;  // guarded by mu_
   absl::Time last_progress_;  // guarded by mu_
   absl::Time header_time_ = absl::Now();  // guarded by mu_
-  // The minimum rate (CheckRateLocked): x, dy and gamma bytes received; time the stream waited
-  // on the server (a job queued or running); the current window's start.
+  // The minimum rate (CheckRateLocked): x, dy and gamma bytes received; the time the stream
+  // waited on its client, as the watchdog's visits saw it (each interval between two visits
+  // counts when the second finds the stream waiting on its client); the current window's start.
   uint64_t tensor_bytes_in_ = 0;  // guarded by mu_
-  absl::Time busy_since_;  // guarded by mu_
-  absl::Duration busy_total_;  // guarded by mu_
-  absl::Time rate_window_start_;  // guarded by mu_
-  absl::Duration rate_window_busy_;  // busy_total_ at the window's start (guarded by mu_)
+  absl::Time last_visit_;  // guarded by mu_
+  absl::Duration client_wait_;  // guarded by mu_
+  absl::Duration rate_window_wait_;  // client_wait_ at the window's start (guarded by mu_)
   uint64_t rate_window_bytes_ = 0;  // bytes moved at the window's start (guarded by mu_)
 };
 

@@ -318,6 +318,21 @@ TEST(BackwardPipelineTest, AStreamSlowerThanTheMinimumRateEndsNamingTheRateAndTh
     ASSERT_EQ(call.finishes().size(), 1u);
     EXPECT_THAT(call.finishes()[0].message(), HasSubstr("stream too slow: 0 bytes"));
   }
+  {  // time with a job queued or running does not count against the client
+    FakeCall call;
+    slow_config(call);
+    call.Start();
+    call.Deliver(testing::HeaderFor(b));  // the session start is scheduled, not yet run
+    const absl::Time now = absl::Now();
+    call.Apply(call.pipeline().CheckIdle(now + absl::Seconds(11), absl::ZeroDuration()));
+    EXPECT_TRUE(call.finishes().empty()) << "judged while the server was busy";
+    call.RunJobs();
+    call.Apply(call.pipeline().CheckIdle(now + absl::Seconds(12), absl::ZeroDuration()));
+    EXPECT_TRUE(call.finishes().empty()) << "the server's 11 s counted against the client";
+    call.Apply(call.pipeline().CheckIdle(now + absl::Seconds(22), absl::ZeroDuration()));
+    ASSERT_EQ(call.finishes().size(), 1u);
+    EXPECT_THAT(call.finishes()[0].message(), HasSubstr("moved in 11s of waiting on the client"));
+  }
   {  // 0: no minimum
     FakeCall call;
     call.Start();
