@@ -7,12 +7,14 @@
 #include <mutex>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/tools/npy.h"
+#include "client/tools/ptx_cache.h"
 #include "client/tools/tool_flags.h"
 #include "normgrad/client.h"
 
@@ -24,9 +26,10 @@ constexpr char kUsage[] =
     "commands:\n"
     "  backward --x X.npy --dy DY.npy --gamma G.npy [--rms RMS.npy] [--eps 1e-5]\n"
     "           [--kernel NAME] [--dx DX.npy] [--dgamma DG.npy]\n"
-    "  emit-ptx --kernel NAME --hidden-dim N [--target sm_90] [--ptx-version 8.0]\n"
-    "           [--dtype f32|bf16|f16] [-o FILE] [--cubin FILE]   (server: --server or global "
-    "--target)\n"
+    "  emit-ptx --kernel NAME --hidden-dim N [--target sm_90 ...] [--ptx-version 8.0]\n"
+    "           [--dtype f32|bf16|f16 ...] [-o FILE] [--cubin FILE] [--out-dir DIR [--cubins]]\n"
+    "           [--resource-usage] [--cache-dir DIR (else $NORMGRAD_PTX_CACHE)]\n"
+    "           (server: --server or global --target; --target/--dtype repeat or take a,b,c)\n"
     "  info     server version, backend, device, limits, cache (JSON)\n"
     "  health   [--service NAME]   grpc.health.v1 check; exit 0 when SERVING, 3 otherwise\n"
     "client flags (any command): --token-file FILE (else $NORMGRAD_TOKEN; --token T is visible\n"
@@ -50,8 +53,10 @@ struct BackwardFlags {
   std::optional<std::string> x, dy, gamma, rms, eps, kernel, dx, dgamma;
 };
 struct EmitPtxFlags {
-  std::optional<std::string> kernel, hidden_dim, gpu_target, ptx_version, output, cubin;
-  std::string dtype = "f32";
+  std::optional<std::string> kernel, hidden_dim, ptx_version, output, cubin, out_dir, cache_dir;
+  std::vector<std::string> gpu_targets, dtypes;
+  bool cubins = false;
+  bool resource_usage = false;
 };
 struct HealthFlags {
   std::string service;
@@ -162,36 +167,155 @@ int Backward(const BackwardFlags& args, const ClientOptions& options, const CliE
   return kExitOk;
 }
 
-int EmitPtx(const EmitPtxFlags& args, const ClientOptions& options, std::ostream& out,
-            std::ostream& err) {
+absl::string_view DTypeLabel(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_BF16:
+      return "bf16";
+    case v1::DTYPE_F16:
+      return "f16";
+    default:
+      return "f32";
+  }
+}
+
+// The artifact of a single-configuration response (a server older than `artifacts` fills only
+// the top-level fields).
+v1::EmitPtxArtifact ArtifactOf(const v1::EmitPtxResponse& r, v1::DType dtype) {
+  if (r.artifacts_size() > 0) return r.artifacts(0);
+  v1::EmitPtxArtifact a;
+  a.set_ptx(r.ptx());
+  a.set_entry(r.entry());
+  *a.mutable_params() = r.params();
+  *a.mutable_digest() = r.digest();
+  a.set_ptx_version(r.ptx_version());
+  a.set_target(r.target());
+  a.set_config_key(r.config_key());
+  if (r.has_cubin_digest()) {
+    a.set_cubin(r.cubin());
+    *a.mutable_cubin_digest() = r.cubin_digest();
+  }
+  a.set_dtype(dtype);
+  return a;
+}
+
+// One line per artifact: "ENTRY dtype=f32 target=sm_90 ptx_version=7.8 min_cuda_driver=11.8
+// registers=72 spill_store_bytes=0 spill_load_bytes=0 shared_memory_bytes=64
+// local_memory_bytes=0 barriers=1 sha256=..." (normgrad-ptx --resource-usage prints the same
+// fields up to sha256); "resources=unknown (WHY)" instead of the resource fields when the server
+// could not measure them.
+std::string ResourceLine(const v1::EmitPtxArtifact& a) {
+  std::string line = absl::StrCat(a.entry(), " dtype=", DTypeLabel(a.dtype()), " target=",
+                                  a.target(), " ptx_version=", a.ptx_version(),
+                                  " min_cuda_driver=", a.min_cuda_driver());
+  if (a.has_resource_usage()) {
+    const v1::ResourceUsage& u = a.resource_usage();
+    absl::StrAppend(&line, " registers=", u.registers(), " spill_store_bytes=",
+                    u.spill_store_bytes(), " spill_load_bytes=", u.spill_load_bytes(),
+                    " shared_memory_bytes=", u.shared_memory_bytes(),
+                    " local_memory_bytes=", u.local_memory_bytes(), " barriers=", u.barriers());
+  } else {
+    absl::StrAppend(&line, " resources=unknown (",
+                    a.resource_usage_unknown().empty() ? "not reported"
+                                                       : a.resource_usage_unknown(),
+                    ")");
+  }
+  absl::StrAppend(&line, " sha256=", a.digest().sha256());
+  return line;
+}
+
+int EmitPtx(const EmitPtxFlags& args, const ClientOptions& options, const CliEnvironment& env,
+            std::ostream& out, std::ostream& err) {
   if (!args.kernel) return UsageError(err, "emit-ptx: --kernel is required");
-  v1::EmitPtxRequest request;
-  request.set_kernel(*args.kernel);
+  v1::EmitPtxRequest base;
+  base.set_kernel(*args.kernel);
   if (args.hidden_dim) {
     uint32_t hidden = 0;
     if (!absl::SimpleAtoi(*args.hidden_dim, &hidden)) {
       return UsageError(err, absl::StrCat("--hidden-dim: not a non-negative integer: \"",
                                           *args.hidden_dim, "\""));
     }
-    request.set_hidden_dim(hidden);
+    base.set_hidden_dim(hidden);
   }
-  if (args.dtype == "f32") {
-    request.set_dtype(v1::DTYPE_F32);
-  } else if (args.dtype == "bf16") {
-    request.set_dtype(v1::DTYPE_BF16);
-  } else if (args.dtype == "f16") {
-    request.set_dtype(v1::DTYPE_F16);
-  } else {
-    return UsageError(err, absl::StrCat("--dtype: \"", args.dtype, "\" is not f32, bf16 or f16"));
+  std::vector<v1::DType> dtypes;
+  for (const std::string& name : args.dtypes.empty() ? std::vector<std::string>{"f32"}
+                                                     : args.dtypes) {
+    if (name == "f32") {
+      dtypes.push_back(v1::DTYPE_F32);
+    } else if (name == "bf16") {
+      dtypes.push_back(v1::DTYPE_BF16);
+    } else if (name == "f16") {
+      dtypes.push_back(v1::DTYPE_F16);
+    } else {
+      return UsageError(err, absl::StrCat("--dtype: \"", name, "\" is not f32, bf16 or f16"));
+    }
   }
-  request.set_target(args.gpu_target.value_or(""));
-  request.set_ptx_version(args.ptx_version.value_or(""));
-  request.set_cubin(args.cubin.has_value());
+  // An empty target is the server's default (sm_75).
+  const std::vector<std::string> targets =
+      args.gpu_targets.empty() ? std::vector<std::string>{""} : args.gpu_targets;
+  const size_t configurations = targets.size() * dtypes.size();
+  base.set_ptx_version(args.ptx_version.value_or(""));
+  base.set_cubin(args.cubin.has_value() || args.cubins);
+  base.set_resource_usage(args.resource_usage);
+  if (configurations > 1 && (args.output || args.cubin)) {
+    return UsageError(err, absl::StrCat("-o and --cubin name one file; for ", configurations,
+                                        " configurations use --out-dir DIR (and --cubins)"));
+  }
+  if (args.cubins && !args.out_dir) return UsageError(err, "--cubins needs --out-dir DIR");
+  if (configurations > 1 && !args.out_dir && !args.resource_usage) {
+    return UsageError(err, absl::StrCat(configurations,
+                                        " configurations: use --out-dir DIR, or --resource-usage "
+                                        "for the report alone"));
+  }
+  const std::string cache_dir = args.cache_dir.value_or(env.ptx_cache_dir);
 
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(options);
   if (!client.ok()) return UsageError(err, client.status().message());
-  absl::StatusOr<v1::EmitPtxResponse> ptx = (*client)->EmitPtx(request);
-  if (!ptx.ok()) return ServerError(err, ptx.status());
+  std::vector<v1::EmitPtxArtifact> artifacts;
+  if (!cache_dir.empty()) {
+    // One single-configuration request per configuration not in the cache.
+    absl::StatusOr<PtxCache> cache = PtxCache::Open(cache_dir);
+    if (!cache.ok()) return UsageError(err, cache.status().message());
+    absl::StatusOr<v1::GetServerInfoResponse> info = (*client)->ServerInfo();
+    if (!info.ok()) return ServerError(err, info.status());
+    for (const std::string& target : targets) {
+      for (v1::DType dtype : dtypes) {
+        v1::EmitPtxRequest request = base;
+        request.set_target(target);
+        request.set_dtype(dtype);
+        std::string notes;
+        absl::StatusOr<v1::EmitPtxArtifact> a = cache->GetOrFetch(
+            PtxCache::Key(info->version(), request),
+            [&]() -> absl::StatusOr<v1::EmitPtxArtifact> {
+              absl::StatusOr<v1::EmitPtxResponse> r = (*client)->EmitPtx(request);
+              if (!r.ok()) return r.status();
+              return ArtifactOf(*r, dtype);
+            },
+            &notes);
+        err << notes;
+        if (!a.ok()) return ServerError(err, a.status());
+        artifacts.push_back(*std::move(a));
+      }
+    }
+  } else if (configurations == 1) {
+    v1::EmitPtxRequest request = base;
+    request.set_target(targets[0]);
+    request.set_dtype(dtypes[0]);
+    absl::StatusOr<v1::EmitPtxResponse> r = (*client)->EmitPtx(request);
+    if (!r.ok()) return ServerError(err, r.status());
+    artifacts.push_back(ArtifactOf(*r, dtypes[0]));
+  } else {
+    v1::EmitPtxRequest request = base;
+    for (const std::string& target : args.gpu_targets) request.add_targets(target);
+    for (v1::DType dtype : dtypes) request.add_dtypes(dtype);
+    absl::StatusOr<v1::EmitPtxResponse> r = (*client)->EmitPtx(request);
+    if (!r.ok()) return ServerError(err, r.status());
+    if (r->artifacts_size() != static_cast<int>(configurations)) {
+      return ServerError(err, absl::InternalError(absl::StrCat(
+                                  "the server answered ", r->artifacts_size(), " artifacts for ",
+                                  configurations, " configurations")));
+    }
+    artifacts.assign(r->artifacts().begin(), r->artifacts().end());
+  }
 
   auto write = [&](const std::string& path, const std::string& bytes) -> bool {
     std::ofstream file(path, std::ios::binary | std::ios::trunc);
@@ -203,18 +327,38 @@ int EmitPtx(const EmitPtxFlags& args, const ClientOptions& options, std::ostream
     }
     return true;
   };
+  auto wrote = [&](const std::string& path, const v1::EmitPtxArtifact& a) {
+    err << absl::StrFormat("wrote %s: entry %s, %s, %s, PTX %s, sha256 %s (%d bytes)\n", path,
+                           a.entry(), DTypeLabel(a.dtype()), a.target(), a.ptx_version(),
+                           a.digest().sha256(), a.digest().size_bytes());
+  };
+  if (args.out_dir) {
+    for (const v1::EmitPtxArtifact& a : artifacts) {
+      const std::string stem =
+          absl::StrCat(*args.out_dir, "/", a.entry(), ".", DTypeLabel(a.dtype()), ".", a.target());
+      if (!write(stem + ".ptx", a.ptx())) return kExitUsage;
+      wrote(stem + ".ptx", a);
+      if (args.cubins) {
+        if (!write(stem + ".cubin", a.cubin())) return kExitUsage;
+        err << absl::StrFormat("wrote %s.cubin: cubin sha256 %s (%d bytes)\n", stem,
+                               a.cubin_digest().sha256(), a.cubin().size());
+      }
+    }
+  }
+  const v1::EmitPtxArtifact& first = artifacts.front();
   if (args.output) {
-    if (!write(*args.output, ptx->ptx())) return kExitUsage;
-    err << absl::StrFormat("wrote %s: entry %s, %s, PTX %s, sha256 %s (%d bytes)\n", *args.output,
-                           ptx->entry(), ptx->target(), ptx->ptx_version(), ptx->digest().sha256(),
-                           ptx->digest().size_bytes());
-  } else {
-    out << ptx->ptx();
+    if (!write(*args.output, first.ptx())) return kExitUsage;
+    wrote(*args.output, first);
+  } else if (!args.out_dir && !args.resource_usage) {
+    out << first.ptx();
   }
   if (args.cubin) {
-    if (!write(*args.cubin, ptx->cubin())) return kExitUsage;
+    if (!write(*args.cubin, first.cubin())) return kExitUsage;
     err << absl::StrFormat("wrote %s: cubin sha256 %s (%d bytes)\n", *args.cubin,
-                           ptx->cubin_digest().sha256(), ptx->cubin().size());
+                           first.cubin_digest().sha256(), first.cubin().size());
+  }
+  if (args.resource_usage) {
+    for (const v1::EmitPtxArtifact& a : artifacts) out << ResourceLine(a) << "\n";
   }
   return kExitOk;
 }
@@ -290,11 +434,15 @@ int RunCli(const std::vector<std::string>& args, const CliEnvironment& env, std:
   CLI::App* emit_command = app.add_subcommand("emit-ptx");
   emit_command->add_option("--kernel", emit.kernel)->type_name("NAME");
   emit_command->add_option("--hidden-dim", emit.hidden_dim)->type_name("N");
-  emit_command->add_option("--target", emit.gpu_target)->type_name("sm_XX");
+  emit_command->add_option("--target", emit.gpu_targets)->type_name("sm_XX")->delimiter(',');
   emit_command->add_option("--ptx-version", emit.ptx_version)->type_name("X.Y");
-  emit_command->add_option("--dtype", emit.dtype)->type_name("f32|bf16|f16");
+  emit_command->add_option("--dtype", emit.dtypes)->type_name("f32|bf16|f16")->delimiter(',');
   emit_command->add_option("-o", emit.output)->type_name("FILE");
   emit_command->add_option("--cubin", emit.cubin)->type_name("FILE");
+  emit_command->add_option("--out-dir", emit.out_dir)->type_name("DIR");
+  emit_command->add_flag("--cubins", emit.cubins);
+  emit_command->add_flag("--resource-usage", emit.resource_usage);
+  emit_command->add_option("--cache-dir", emit.cache_dir)->type_name("DIR");
 
   CLI::App* info_command = app.add_subcommand("info");
 
@@ -339,7 +487,7 @@ int RunCli(const std::vector<std::string>& args, const CliEnvironment& env, std:
   if (!options.ok()) return UsageError(err, options.status().message());
 
   if (command == backward_command) return Backward(backward, *options, env, out, err);
-  if (command == emit_command) return EmitPtx(emit, *options, out, err);
+  if (command == emit_command) return EmitPtx(emit, *options, env, out, err);
   if (command == info_command) return Info(*options, out, err);
   return Health(health, *options, out, err);
 }

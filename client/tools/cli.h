@@ -16,6 +16,7 @@ namespace normgrad::tools {
 
 struct CliEnvironment {
   std::string normgrad_target;  // $NORMGRAD_TARGET, empty when unset
+  std::string ptx_cache_dir;    // $NORMGRAD_PTX_CACHE (emit-ptx's --cache-dir), empty when unset
   bool stderr_is_terminal = false;
 };
 

@@ -1,15 +1,21 @@
 // normgrad-ptx: prints the PTX of one kernel configuration, with no server and no GPU.
 //
 //   normgrad-ptx --kernel batched_rms_norm_backward --hidden-dim 896 --target sm_90
-//                [--ptx-version 8.0] [--dtype f32] [-o out.ptx]
+//                [--ptx-version 8.0] [--dtype f32] [-o out.ptx] [--resource-usage [--nvjitlink PATH]]
 //   normgrad-ptx --list
 //
+// --resource-usage prints, instead of the PTX (which -o still writes), one line with what the
+// device pays for it, in the fields `normgrad emit-ptx --resource-usage` prints: registers,
+// spills, shared and local memory from nvJitLink's assembler report (loaded at run time, as the
+// server does; "resources=unknown (why)" without it), and the lowest CUDA driver for its PTX ISA.
+//
 // Exit status: 0 on success, 2 on bad arguments or a configuration the kernel refuses (one line
-// on stderr saying why), 1 when the output file cannot be written.
+// on stderr saying why), 1 when the output file cannot be written or nvJitLink refuses the PTX.
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -19,6 +25,8 @@
 #include "absl/strings/str_join.h"
 #include "kernels/kernel.h"
 #include "kernels/kernel_registry.h"
+#include "kernels/targets.h"
+#include "server/cuda/nvjitlink.h"
 
 namespace {
 
@@ -30,7 +38,7 @@ using normgrad::kernels::KernelParam;
 
 constexpr char kUsage[] =
     "usage: normgrad-ptx --kernel NAME --hidden-dim N [--target sm_NN] [--ptx-version X.Y] "
-    "[--dtype f32] [-o FILE] | --list";
+    "[--dtype f32] [-o FILE] [--resource-usage [--nvjitlink PATH]] | --list";
 
 [[noreturn]] void Fail(const std::string& reason) {
   std::cerr << "normgrad-ptx: " << reason << "\n";
@@ -46,14 +54,45 @@ void List() {
   }
 }
 
+// The report line (client/tools/cli.cc's ResourceLine prints the same fields, then sha256).
+std::string ResourceLine(const normgrad::kernels::EmittedPtx& ptx,
+                         normgrad::kernels::DType dtype, const std::string& nvjitlink_path,
+                         bool* assembly_failed) {
+  absl::StatusOr<std::string> driver = normgrad::kernels::MinCudaDriverForPtx(ptx.version);
+  std::string line = absl::StrCat(ptx.entry, " dtype=", normgrad::kernels::DTypeName(dtype),
+                                  " target=sm_", ptx.target_sm,
+                                  " ptx_version=", ptx.version.ToString(),
+                                  " min_cuda_driver=", driver.ok() ? *driver : "unknown");
+  absl::StatusOr<std::unique_ptr<normgrad::server::NvJitLink>> jit =
+      normgrad::server::NvJitLink::Load(nvjitlink_path);
+  if (!jit.ok()) {
+    return absl::StrCat(line, " resources=unknown (", jit.status().message(), ")");
+  }
+  absl::StatusOr<normgrad::server::NvJitLink::Assembled> assembled =
+      (*jit)->Assemble(ptx.text, ptx.target_sm);
+  if (!assembled.ok()) {
+    *assembly_failed = true;
+    return absl::StrCat(line, " resources=unknown (", assembled.status().message(), ")");
+  }
+  absl::StatusOr<normgrad::server::AssemblerReport> r =
+      normgrad::server::ParseAssemblerReport(assembled->info_log, ptx.entry);
+  if (!r.ok()) return absl::StrCat(line, " resources=unknown (", r.status().message(), ")");
+  return absl::StrCat(line, " registers=", r->registers, " spill_store_bytes=",
+                      r->spill_store_bytes, " spill_load_bytes=", r->spill_load_bytes,
+                      " shared_memory_bytes=", r->shared_memory_bytes,
+                      " local_memory_bytes=", r->stack_frame_bytes, " barriers=", r->barriers);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string kernel_name;
   std::optional<uint32_t> hidden_dim;
   std::string output;
+  std::string nvjitlink_path;  // empty: nvJitLink's default search (server/cuda/nvjitlink.h)
   KernelConfig config;
   bool list = false;
+  bool resource_usage = false;
 
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -89,6 +128,10 @@ int main(int argc, char** argv) {
       config.dtype = *d;
     } else if (arg == "-o" || arg == "--output") {
       output = value();
+    } else if (arg == "--resource-usage") {
+      resource_usage = true;
+    } else if (arg == "--nvjitlink") {
+      nvjitlink_path = value();
     } else {
       Fail(absl::StrCat("unknown argument \"", arg, "\"; ", kUsage));
     }
@@ -111,10 +154,16 @@ int main(int argc, char** argv) {
   absl::StatusOr<normgrad::kernels::EmittedPtx> ptx = kernel->Emit(config);
   if (!ptx.ok()) Fail(std::string(ptx.status().message()));
 
-  if (output.empty()) {
+  int status = 0;
+  if (resource_usage) {
+    bool assembly_failed = false;
+    std::cout << ResourceLine(*ptx, config.dtype, nvjitlink_path, &assembly_failed) << "\n";
+    if (assembly_failed) status = 1;
+  } else if (output.empty()) {
     std::cout << ptx->text;
     return std::cout.good() ? 0 : 1;
   }
+  if (output.empty()) return std::cout.good() ? status : 1;
   std::ofstream file(output, std::ios::binary | std::ios::trunc);
   file << ptx->text;
   file.close();
@@ -122,5 +171,5 @@ int main(int argc, char** argv) {
     std::cerr << "normgrad-ptx: cannot write " << output << "\n";
     return 1;
   }
-  return 0;
+  return status;
 }

@@ -49,7 +49,8 @@ class NvJitLink {
   // when the PTX does not compile for that target.
   absl::StatusOr<std::string> Compile(absl::string_view ptx, int target_sm) const;
 
-  // Compile with -verbose: the cubin and the assembler's info log (the same bytes of cubin).
+  // Compile with -verbose: the cubin and the assembler's info log. Compile() is Assemble()'s
+  // cubin, so both give the same bytes.
   struct Assembled {
     std::string cubin;
     std::string info_log;  // ptxas -v's lines; parse with ParseAssemblerReport

@@ -1,5 +1,5 @@
 // normgrad-ptx, run as a program: prints the same PTX as Kernel::Emit, writes -o files, lists the
-// kernels, and exits 2 with one line on stderr for bad arguments.
+// kernels, exits 2 with one line on stderr for bad arguments, and reports resource usage.
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -46,6 +46,32 @@ RunResult RunTool(const std::string& args) {
   std::remove(out_path.c_str());
   std::remove(err_path.c_str());
   return r;
+}
+
+// --resource-usage: one line instead of the PTX, with the lowest CUDA driver for its ISA, and
+// without nvJitLink the reason in place of the resources.
+TEST(NormgradPtxTest, ResourceUsageLineWithAndWithoutNvJitLink) {
+  RunResult none = RunTool(
+      "--kernel rms_norm_backward_row_resident --hidden-dim 4096 --target sm_90 --dtype bf16 "
+      "--resource-usage --nvjitlink /nonexistent/libnvJitLink.so.13");
+  ASSERT_EQ(none.exit_code, 0) << none.err;
+  EXPECT_EQ(none.out.rfind("rms_norm_backward_row_resident dtype=bf16 target=sm_90 "
+                           "ptx_version=7.8 min_cuda_driver=11.8 resources=unknown (nvJitLink "
+                           "is not available",
+                           0),
+            0u)
+      << none.out;
+  EXPECT_EQ(std::count(none.out.begin(), none.out.end(), '\n'), 1);
+
+  RunResult r = RunTool(
+      "--kernel rms_norm_backward_row_resident --hidden-dim 4096 --target sm_90 --dtype bf16 "
+      "--resource-usage");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  if (absl::StrContains(r.out, "resources=unknown")) GTEST_SKIP() << "no nvJitLink: " << r.out;
+  EXPECT_TRUE(absl::StrContains(r.out, " min_cuda_driver=11.8 registers=")) << r.out;
+  EXPECT_TRUE(absl::StrContains(r.out, " spill_store_bytes=0 spill_load_bytes=0 "
+                                       "shared_memory_bytes=64 local_memory_bytes=0 barriers=1\n"))
+      << r.out;
 }
 
 TEST(NormgradPtxTest, PrintsTheSameBytesAsEmit) {
