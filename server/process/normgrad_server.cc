@@ -42,6 +42,9 @@ namespace normgrad::server {
 namespace {
 
 constexpr char kServiceName[] = "normgrad.v1.NormGrad";
+// How long a draining server's gRPC shutdown lets the calls that arrived during the drain finish
+// (the service answers them at once) before it cancels what is left (Shutdown).
+constexpr absl::Duration kLateCallGrace = absl::Milliseconds(500);
 
 void SetHealth(grpc::Server* server, bool serving) {
   if (server == nullptr) return;
@@ -654,13 +657,23 @@ void NormGradServer::Shutdown(absl::Duration grace) {
     env_->draining.store(true);
     SetServing(false);
     const absl::Time deadline = absl::Now() + grace;
-    streams_->WaitUntilEmpty(deadline);
-    // GOAWAY at once; calls the transport accepted meanwhile (new streams, which the draining
-    // service answers UNAVAILABLE before any response so clients retry them elsewhere, and
-    // unary calls) still finish until the deadline; then what is left is cancelled. Returns
-    // once every call is done. (Shutdown(now) here used to cancel those late arrivals: their
-    // clients saw CANCELLED, which they do not retry.)
-    grpc_server_->Shutdown(absl::ToChronoTime(deadline));
+    // 1. The work admitted before the drain (streams, EmitPtx calls) runs to its end, up to the
+    //    deadline. Calls arriving meanwhile are answered UNAVAILABLE at once by the draining
+    //    service (clients retry them elsewhere) and are not waited for: clients that keep
+    //    retrying on the open connection cannot hold the drain open. Polled: the counts live
+    //    in the admission controller, and 5 ms is nothing against a drain.
+    while ((env_->admission->active_streams() > 0 || env_->admission->emit_ptx_calls() > 0) &&
+           absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    // 2. GOAWAY, and the listeners close. The calls the transport accepted meanwhile finish
+    //    (the service refuses them at once) within kLateCallGrace; gRPC then cancels what is
+    //    left (the calls it took but never handed to the service wait for their own deadlines
+    //    otherwise, and the process would linger until that client's deadline). A stream still
+    //    running when the grace ran out is cancelled here too; its client sees UNAVAILABLE
+    //    ("Cancelling all calls"), which it retries. (Shutdown(now) cancelled the late arrivals
+    //    before the service saw them: their clients saw CANCELLED, which they do not retry.)
+    grpc_server_->Shutdown(absl::ToChronoTime(std::min(deadline, absl::Now() + kLateCallGrace)));
     streams_->WaitUntilEmpty(absl::InfiniteFuture());  // workers finish their current chunk
   }
   {

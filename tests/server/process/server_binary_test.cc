@@ -6,9 +6,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -82,6 +87,104 @@ TEST(ServerBinaryTest, PrintsReadyLineServesAndExitsZeroOnSigterm) {
   EXPECT_EQ(more, 2);
   EXPECT_EQ(ExitCode(server->WaitExit(absl::Seconds(60))), 0) << server->Stderr();
   EXPECT_THAT(server->Stderr(), HasSubstr("SIGTERM received"));
+}
+
+// Started with extra flags; the gRPC port from its ready line (0 when it never got ready).
+int StartServer(std::optional<ChildProcess>& server, std::vector<std::string> extra) {
+  absl::StatusOr<ChildProcess> child = StartChild(ServerArgs(std::move(extra)));
+  if (!child.ok()) return 0;
+  server.emplace(std::move(*child));
+  return ParseReadyLine(server->ReadLine(absl::Seconds(60))).grpc_port;
+}
+
+// When --shutdown-grace runs out, a stream that is still open (here: its client stalls after
+// the first chunk) is cancelled by gRPC: its client sees UNAVAILABLE, which it retries on
+// another replica (docs/api.md), and the process exits 0 at once.
+TEST(ServerBinaryTest, StreamStillOpenWhenTheGraceRunsOutEndsUnavailable) {
+  std::optional<ChildProcess> server;
+  const int port = StartServer(server, {"--shutdown-grace=1s", "--stream-idle-timeout=60s"});
+  ASSERT_GT(port, 0) << (server ? server->Stderr() : "");
+  auto stub = testing::StubFor(port);
+  const testing::Batch batch = testing::RandomBatch(30, 64, 43);
+  grpc::ClientContext context;
+  auto stream = stub->RmsNormBackward(&context);
+  ASSERT_TRUE(testing::WriteHeaderAndRows(*stream, batch, 10));
+  v1::BackwardResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+  const absl::Time sigterm = absl::Now();
+  server->Signal(SIGTERM);
+  while (stream->Read(&response)) {
+  }
+  const grpc::Status s = stream->Finish();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+  EXPECT_EQ(ExitCode(server->WaitExit(absl::Seconds(30))), 0) << server->Stderr();
+  const absl::Duration took = absl::Now() - sigterm;
+  EXPECT_LT(took, absl::Seconds(5)) << "grace 1s; " << server->Stderr();
+}
+
+// The process exits as soon as its last stream has ended, also while other clients keep opening
+// new streams (each refused UNAVAILABLE, and retried): the drain waits for neither the refused
+// ones nor the grace (20 s). Repeated, as the linger it guards against came and went. (Fails
+// when the drain waits out the grace.)
+TEST(ServerBinaryTest, DrainExitsPromptlyAfterTheLastStreamEvenWhileClientsRetry) {
+  constexpr int kRepeats = 5;
+  absl::Duration slowest;
+  for (int r = 0; r < kRepeats; ++r) {
+    std::optional<ChildProcess> server;
+    const int port = StartServer(server, {"--shutdown-grace=20s"});
+    ASSERT_GT(port, 0) << (server ? server->Stderr() : "");
+    auto stub = testing::StubFor(port);
+    const testing::Batch batch = testing::RandomBatch(30, 64, 44 + r);
+    grpc::ClientContext context;
+    auto stream = stub->RmsNormBackward(&context);
+    ASSERT_TRUE(testing::WriteHeaderAndRows(*stream, batch, 10));
+    v1::BackwardResponse response;
+    ASSERT_TRUE(stream->Read(&response));
+
+    std::atomic<bool> stop{false};
+    std::atomic<int> refused{0};
+    // Four callers, each opening its next stream as soon as the last one was refused: there is
+    // always one of theirs open on the server.
+    std::vector<std::thread> retriers;
+    for (int t = 0; t < 4; ++t) {
+      retriers.emplace_back([&] {
+        auto retry_stub = testing::StubFor(port);
+        while (!stop.load()) {
+          grpc::ClientContext c;
+          c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+          auto s = retry_stub->RmsNormBackward(&c);
+          s->Write(testing::HeaderFor(batch));  // whole calls: one admitted before the drain ends
+          s->Write(testing::ChunkFor(batch, 0, 30));
+          s->WritesDone();
+          v1::BackwardResponse ignored;
+          while (s->Read(&ignored)) {
+          }
+          if (s->Finish().error_code() == grpc::StatusCode::UNAVAILABLE) ++refused;
+        }
+      });
+    }
+    server->Signal(SIGTERM);
+    absl::SleepFor(absl::Milliseconds(200));  // the retrier meets the draining server
+    ASSERT_TRUE(stream->Write(testing::ChunkFor(batch, 10, 20)));
+    stream->WritesDone();
+    while (stream->Read(&response)) {
+    }
+    const grpc::Status s = stream->Finish();
+    const absl::Time last_stream_ended = absl::Now();
+    const int code = ExitCode(server->WaitExit(absl::Seconds(60)));
+    const absl::Duration exit_after = absl::Now() - last_stream_ended;
+    stop.store(true);
+    for (std::thread& t : retriers) t.join();
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(code, 0) << server->Stderr();
+    EXPECT_GT(refused.load(), 0) << "the retrier never met the draining server";
+    EXPECT_LT(exit_after, absl::Seconds(2)) << "repeat " << r << ": exit "
+                                            << absl::FormatDuration(exit_after)
+                                            << " after the last stream ended";
+    slowest = std::max(slowest, exit_after);
+  }
+  std::printf("drain: slowest exit after the last stream of %d: %s\n", kRepeats,
+              absl::FormatDuration(slowest).c_str());
 }
 
 TEST(ServerBinaryTest, PortInUseExitsOneWithOneClearLine) {
