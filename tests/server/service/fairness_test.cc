@@ -6,8 +6,10 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <cstdio>
 #include <filesystem>
+#include <future>
 #include <map>
 #include <memory>
 #include <string>
@@ -18,7 +20,12 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "normgrad/v1/normgrad.grpc.pb.h"
+#include "server/cpu/cpu_backend.h"
+#include "server/metrics/metrics.h"
 #include "server/process/normgrad_server.h"
+#include "server/ptx/ptx_service.h"
+#include "server/service/normgrad_service.h"
+#include "server/thread_pool/thread_pool.h"
 #include "tests/server/service/service_test_util.h"
 
 namespace normgrad::server {
@@ -245,6 +252,72 @@ TEST(FairnessTest, EmitPtxBeyondItsQueueBytesIsResourceExhaustedNamingTheFlagAnd
   EXPECT_TRUE(s.ok()) << s.error_message();
   EXPECT_FALSE(response.ptx().empty());
   EXPECT_EQ(Metrics(*second)["normgrad_emit_ptx_queued"], 0);
+}
+
+// EmitPtx runs on its own workers: with every one of them busy (a compile that does not end until
+// the test says), an EmitPtx call waits, and a backward stream is still computed on the chunk
+// workers. (When EmitPtx shared the chunk workers, a compile held a chunk worker.)
+TEST(EmitPtxWorkersTest, ChunksAreComputedWhileEveryEmitPtxWorkerIsBusy) {
+  MetricsRegistry metrics;
+  DescribeServiceMetrics(metrics);
+  std::unique_ptr<Backend> backend = NewCpuBackend({.threads = 1});
+  PtxService ptx(PtxServiceOptions{});
+  AdmissionController admission(AdmissionLimits{}, &metrics);
+  StreamRegistry streams;
+  ThreadPool chunk_workers(1);
+  ThreadPool emit_ptx_workers(1);
+  ServiceEnv env;
+  env.config.max_message_bytes = 4 << 20;
+  env.backend = backend.get();
+  env.ptx = &ptx;
+  env.admission = &admission;
+  env.metrics = &metrics;
+  env.pool = &chunk_workers;
+  env.emit_ptx_pool = &emit_ptx_workers;
+  env.streams = &streams;
+  NormGradService service(&env);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  ASSERT_GT(port, 0);
+
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  emit_ptx_workers.Schedule([released] { released.wait(); });  // the busy "compile"
+
+  auto stub = testing::StubFor(port);
+  v1::EmitPtxRequest request;
+  request.set_kernel("batched_rms_norm_backward");
+  request.set_hidden_dim(896);
+  request.set_target("sm_90");
+  grpc::ClientContext emit_context;
+  v1::EmitPtxResponse emit_response;
+  grpc::Status emit_status;
+  std::atomic<bool> emit_done{false};
+  stub->async()->EmitPtx(&emit_context, &request, &emit_response, [&](grpc::Status s) {
+    emit_status = std::move(s);
+    emit_done.store(true);
+  });
+  ASSERT_TRUE(WaitFor([&] { return admission.emit_ptx_calls() == 1; }));  // admitted, queued
+
+  const testing::Batch batch = testing::RandomBatch(64, 256, 11);
+  std::vector<float> dx, dgamma;
+  testing::ReferenceFor(batch, dx, dgamma);
+  const testing::BackwardResult r = testing::RunBackward(*stub, batch, 8, absl::Seconds(20));
+  EXPECT_TRUE(r.status.ok()) << r.status.error_code() << ": " << r.status.error_message();
+  EXPECT_LE(testing::MaxDxError(batch, r.dx, dx), 1e-5);
+  EXPECT_FALSE(emit_done.load()) << "EmitPtx did not wait for its own (busy) workers";
+
+  release.set_value();
+  ASSERT_TRUE(WaitFor([&] { return emit_done.load(); }));
+  EXPECT_TRUE(emit_status.ok()) << emit_status.error_message();
+  EXPECT_FALSE(emit_response.ptx().empty());
+  EXPECT_EQ(admission.emit_ptx_calls(), 0u);
+  server->Shutdown();
+  server->Wait();
 }
 
 }  // namespace
