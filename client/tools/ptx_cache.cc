@@ -123,8 +123,8 @@ absl::Status PtxCache::WriteAtomically(const std::string& path, absl::string_vie
   if (rename(tmp.c_str(), path.c_str()) != 0) {
     const std::string error = ErrnoText();
     unlink(tmp.c_str());
-    return absl::InternalError(absl::StrCat("cache: cannot rename ", tmp, " to ", path, ": ",
-                                            error));
+    return absl::InternalError(
+        absl::StrCat("cache: cannot rename ", tmp, " to ", path, ": ", error));
   }
   return absl::OkStatus();
 }
@@ -190,8 +190,8 @@ absl::Status PtxCache::Write(const std::string& key, const v1::EmitPtxArtifact& 
                          absl::StrCat(kEntryMagic, "\n", Sha256Hex(body), "\n", body));
 }
 
-absl::StatusOr<v1::EmitPtxArtifact> PtxCache::GetOrFetch(const std::string& key,
-                                                         const Fetch& fetch, std::string* notes) {
+absl::StatusOr<v1::EmitPtxArtifact> PtxCache::GetOrFetch(const std::string& key, const Fetch& fetch,
+                                                         std::string* notes) {
   absl::StatusOr<v1::EmitPtxArtifact> cached = Read(key);
   if (cached.ok()) return cached;
   // One process fetches a key; the others wait here and then find it written.
@@ -206,7 +206,8 @@ absl::StatusOr<v1::EmitPtxArtifact> PtxCache::GetOrFetch(const std::string& key,
   if (!fetched.ok()) return fetched;
   // The server's digests are checked before anything is stored.
   if (Sha256Hex(fetched->ptx()) != fetched->digest().sha256() ||
-      (fetched->has_cubin_digest() && Sha256Hex(fetched->cubin()) != fetched->cubin_digest().sha256())) {
+      (fetched->has_cubin_digest() &&
+       Sha256Hex(fetched->cubin()) != fetched->cubin_digest().sha256())) {
     return absl::DataLossError("the server's PTX or cubin does not match its digest");
   }
   if (fetched->resource_usage_unknown().empty()) {

@@ -1,7 +1,8 @@
 // normgrad-ptx: prints the PTX of one kernel configuration, with no server and no GPU.
 //
 //   normgrad-ptx --kernel batched_rms_norm_backward --hidden-dim 896 --target sm_90
-//                [--ptx-version 8.0] [--dtype f32] [-o out.ptx] [--resource-usage [--nvjitlink PATH]]
+//                [--ptx-version 8.0] [--dtype f32] [-o out.ptx]
+//                [--resource-usage [--nvjitlink PATH]]
 //   normgrad-ptx --list
 //
 // --resource-usage prints, instead of the PTX (which -o still writes), one line with what the

@@ -1,5 +1,7 @@
 #include "server/ptx/ptx_service.h"
 
+#include <algorithm>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -65,9 +67,9 @@ absl::StatusOr<v1::EmitPtxResponse> PtxService::Emit(const v1::EmitPtxRequest& r
                      request.targets_size(), " items) are both set; set one of them"));
   }
   if (request.dtype() != v1::DTYPE_UNSPECIFIED && request.dtypes_size() > 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("dtype (", static_cast<int>(request.dtype()), ") and dtypes (",
-                     request.dtypes_size(), " items) are both set; set one of them"));
+    return absl::InvalidArgumentError(absl::StrCat("dtype (", static_cast<int>(request.dtype()),
+                                                   ") and dtypes (", request.dtypes_size(),
+                                                   " items) are both set; set one of them"));
   }
   const uint64_t num_targets = std::max(1, request.targets_size());
   const uint64_t num_dtypes = std::max(1, request.dtypes_size());
@@ -93,9 +95,8 @@ absl::StatusOr<v1::EmitPtxResponse> PtxService::Emit(const v1::EmitPtxRequest& r
     if (!sm.ok()) return Prefixed(sm.status(), absl::StrCat(field, ": "));
     for (int j = 0; j < i; ++j) {
       if (targets[j] == *sm) {
-        return absl::InvalidArgumentError(absl::StrCat(field, " ",
-                                                       kernels::BoundedQuote(request.targets(i)),
-                                                       " repeats targets[", j, "]"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, " ", kernels::BoundedQuote(request.targets(i)), " repeats targets[", j, "]"));
       }
     }
     targets.push_back(*sm);
@@ -110,8 +111,8 @@ absl::StatusOr<v1::EmitPtxResponse> PtxService::Emit(const v1::EmitPtxRequest& r
     NORMGRAD_ASSIGN_OR_RETURN(kernels::DType d, DTypeFromProto(request.dtypes(i), field));
     for (int j = 0; j < i; ++j) {
       if (dtypes[j] == d) {
-        return absl::InvalidArgumentError(absl::StrCat(field, " (", kernels::DTypeName(d),
-                                                       ") repeats dtypes[", j, "]"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, " (", kernels::DTypeName(d), ") repeats dtypes[", j, "]"));
       }
     }
     dtypes.push_back(d);
@@ -132,9 +133,9 @@ absl::StatusOr<v1::EmitPtxResponse> PtxService::Emit(const v1::EmitPtxRequest& r
       c.config.target_sm = targets[t];
       c.config.ptx_version = ptx_version;
       if (batch) {
-        c.name = absl::StrCat("configuration ", configurations.size(), " (targets[", t, "] sm_",
-                              targets[t], ", dtypes[", d, "] ", kernels::DTypeName(dtypes[d]),
-                              "): ");
+        c.name =
+            absl::StrCat("configuration ", configurations.size(), " (targets[", t, "] sm_",
+                         targets[t], ", dtypes[", d, "] ", kernels::DTypeName(dtypes[d]), "): ");
       }
       if (absl::Status s = kernel->CanImplement(c.config); !s.ok()) return Prefixed(s, c.name);
       configurations.push_back(std::move(c));
@@ -214,8 +215,7 @@ absl::StatusOr<v1::EmitPtxArtifact> PtxService::EmitOne(const Configuration& c, 
     NORMGRAD_ASSIGN_OR_RETURN(NvJitLink::Assembled assembled,
                               jit.Assemble(ptx->ptx(), config.target_sm));
     auto artifact = std::make_shared<v1::EmitPtxArtifact>(*ptx);
-    absl::StatusOr<AssemblerReport> report =
-        ParseAssemblerReport(assembled.info_log, ptx->entry());
+    absl::StatusOr<AssemblerReport> report = ParseAssemblerReport(assembled.info_log, ptx->entry());
     if (report.ok()) {
       ToProto(*report, artifact->mutable_resource_usage());
     } else {
