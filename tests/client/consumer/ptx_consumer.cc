@@ -76,12 +76,12 @@ int main(int argc, char** argv) {
            file + ": digest " + image->sha256 + " embedded, " + digest + " of the file");
     Expect(std::string(image->entry) == image->kernel, file + ": entry " + image->entry);
     if (ptx) Expect(image->data[image->size] == 0, file + ": PTX not NUL-terminated");
-    if (!ptx) Expect(image->bytes().substr(0, 4) == "\x7f" "ELF", file + ": not an ELF cubin");
+    if (!ptx) Expect(image->bytes().substr(0, 4) == "\177ELF", file + ": not an ELF cubin");
     // The entry's parameters, written as normgrad-ptx --list writes them.
     std::string signature = std::string(image->entry) + "(";
     for (size_t i = 0; i < image->num_params; ++i) {
-      signature += std::string(i == 0 ? "" : ", ") + image->params[i].name + ": " +
-                   image->params[i].type;
+      signature +=
+          std::string(i == 0 ? "" : ", ") + image->params[i].name + ": " + image->params[i].type;
     }
     signature += ")\n";
     Expect(list.find(signature) != std::string::npos,
@@ -94,12 +94,12 @@ int main(int argc, char** argv) {
     const char* expected;
   };
   const Case cases[] = {
-      {75, "none"},                                      // older than every target
-      {80, cubins ? "cubin sm_80" : "PTX sm_80"},        // its own cubin
-      {86, "PTX sm_80"},                                 // no sm_86 cubin: newest PTX <= 86
+      {75, "none"},                                // older than every target
+      {80, cubins ? "cubin sm_80" : "PTX sm_80"},  // its own cubin
+      {86, "PTX sm_80"},                           // no sm_86 cubin: newest PTX <= 86
       {89, "PTX sm_80"},
       {90, cubins ? "cubin sm_90" : "PTX sm_90"},
-      {120, "PTX sm_90"},                                // newer than every target: JIT sm_90
+      {120, "PTX sm_90"},  // newer than every target: JIT sm_90
   };
   for (const char* kernel : kKernels) {
     for (const Case& c : cases) {
