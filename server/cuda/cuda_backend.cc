@@ -45,13 +45,14 @@ class DeviceContext {
 
   const cuda::DriverApi& api() const { return driver_->api(); }
   const CudaDriver& driver() const { return *driver_; }
-  // CudaDriver::Check; an error that means the device is lost (cuda::IsDeviceLost) also marks
-  // the device failed.
+  // CudaDriver::Check; an error that means the device is lost (cuda::IsDeviceLost) marks the
+  // device failed and returns the failure (UNAVAILABLE, "the GPU failed ...: <call> failed: ...").
   absl::Status Check(CUresult r, absl::string_view call) const {
     if (r == CUDA_SUCCESS) return absl::OkStatus();
     absl::Status s = driver_->Check(r, call);
-    if (cuda::IsDeviceLost(r)) Fail(s);
-    return s;
+    if (!cuda::IsDeviceLost(r)) return s;
+    Fail(s);
+    return failure();
   }
 
   // The device's failure (UNAVAILABLE) once one was seen, else OK. Thread-safe.

@@ -128,6 +128,7 @@ TEST_F(DeviceFailureTest, StickyErrorMeansNotServingUnavailableAndExitThree) {
   // gets UNAVAILABLE (which clients retry elsewhere), and by then health is NOT_SERVING.
   const grpc::Status failed = RunStream(ready.grpc_port);
   EXPECT_EQ(failed.error_code(), grpc::StatusCode::UNAVAILABLE) << failed.error_message();
+  EXPECT_THAT(failed.error_message(), HasSubstr("the GPU failed"));
   EXPECT_THAT(failed.error_message(), HasSubstr("CUDA_ERROR_ILLEGAL_ADDRESS"));
   EXPECT_EQ(HealthStatus(ready.grpc_port), kNotServing);
   EXPECT_EQ(HealthStatus(ready.health_port), kNotServing);
@@ -135,6 +136,8 @@ TEST_F(DeviceFailureTest, StickyErrorMeansNotServingUnavailableAndExitThree) {
   // A new stream is refused at once, saying why.
   const grpc::Status refused = RunStream(ready.grpc_port);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
+  EXPECT_THAT(refused.error_message(), HasSubstr("takes no streams"));
+  EXPECT_THAT(Info(ready.grpc_port).health().reason(), HasSubstr("CUDA_ERROR_ILLEGAL_ADDRESS"));
 
   EXPECT_EQ(ExitCode(server->WaitExit(absl::Seconds(60))), kExitDeviceFailed) << server->Stderr();
   EXPECT_THAT(server->Stderr(), HasSubstr("exiting with code 3"));
