@@ -15,7 +15,8 @@
 # Where the images come from, decided when the project is configured:
 #   - a server, when NORMGRAD_PTX_SERVER (CMake variable) or else $ENV{NORMGRAD_TARGET} names
 #     one: the installed `normgrad emit-ptx` fetches each configuration (extra client flags, such
-#     as --tls or --token-file, in the list NORMGRAD_PTX_SERVER_ARGS);
+#     as --tls or --token-file, in the list NORMGRAD_PTX_SERVER_ARGS; NORMGRAD_PTX_CACHE_DIR, the
+#     CLI's --cache-dir, else the CLI's $NORMGRAD_PTX_CACHE at build time);
 #   - else offline: the installed normgrad-ptx prints the PTX and normgrad-cubin compiles cubins.
 # Both emit the same bytes. Cubins: ON requires them, OFF leaves them out, AUTO embeds them when
 # nvJitLink is there (the server's, as `normgrad info` reports it, or this machine's, as
@@ -145,13 +146,16 @@ function(normgrad_add_ptx_library name)
           endif()
           set(flags --kernel ${kernel} --hidden-dim ${hidden} --dtype ${dtype} --target ${target})
           if(server)
-            set(cubin_flag "")
+            set(fetch_flags "")
             if(cubins)
-              set(cubin_flag --cubin ${cubin})
+              set(fetch_flags --cubin ${cubin})
+            endif()
+            if(NORMGRAD_PTX_CACHE_DIR)
+              list(APPEND fetch_flags --cache-dir ${NORMGRAD_PTX_CACHE_DIR})
             endif()
             add_custom_command(OUTPUT ${outputs}
               COMMAND normgrad::normgrad emit-ptx --server ${server} ${NORMGRAD_PTX_SERVER_ARGS}
-                      ${flags} -o ${ptx} ${cubin_flag}
+                      ${flags} -o ${ptx} ${fetch_flags}
               DEPENDS $<TARGET_FILE:normgrad::normgrad>
               COMMENT "normgrad: fetching ${stem} from ${server}" VERBATIM)
           else()

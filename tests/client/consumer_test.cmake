@@ -131,10 +131,17 @@ if(EXISTS ${BUILD_DIR}/bin/normgrad-server)
   step(${CMAKE_COMMAND} -E env NORMGRAD_TARGET=127.0.0.1:${port}
        ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/build-server -G ${GENERATOR}
        -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_BUILD_TYPE=Release
+       -DNORMGRAD_PTX_CACHE_DIR=${WORK_DIR}/ptx-cache
        "-DCMAKE_CXX_FLAGS=${flags}" "-DCMAKE_EXE_LINKER_FLAGS=${flags}")
   step(${CMAKE_COMMAND} --build ${WORK_DIR}/build-server --target ptx_consumer)
   if(NOT out MATCHES "fetching [^ ]+ from 127.0.0.1:${port}")
     fail("the server build did not fetch from the server:\n${out}")
+  endif()
+  # Through the CLI's cache (docs/build-systems.md, Cache): one entry per configuration.
+  file(GLOB entries ${WORK_DIR}/ptx-cache/ac/*)
+  list(LENGTH entries num_entries)
+  if(NOT num_entries EQUAL 4)
+    fail("NORMGRAD_PTX_CACHE_DIR holds ${num_entries} cache entries, expected 4: ${entries}")
   endif()
   step(${WORK_DIR}/build-server/ptx_consumer ${ref} ${cubins})
   message(STATUS "from the server: ${out}")
