@@ -227,6 +227,8 @@ StreamTotals BackwardPipeline::OnDone() {
   t.bytes_in = bytes_in_;
   t.bytes_out = bytes_out_;
   t.rows = rows_sent_;
+  t.tensor_bytes = tensor_bytes_in_ + rows_sent_ * validator_.row_bytes();
+  t.shared_memory = used_shared_memory_;
   if (admitted_) {
     admitted_ = false;
     env_->metrics->AddGauge("normgrad_inflight_streams", {}, -1);
@@ -276,8 +278,8 @@ void BackwardPipeline::OnMessageLocked(StreamActions& a) {
   // The rows' bytes wherever they are (in the message or in a shared-memory region).
   tensor_bytes_in_ += accepted->is_header
                           ? message.header().gamma().size()
-                          : 2 * accepted->chunk.num_rows * validator_.row_bytes() +
-                                message.rms().size();
+                          : accepted->chunk.num_rows * (2 * validator_.row_bytes() +
+                                                        (validator_.spec().rms_provided ? 4 : 0));
   Job job;
   job.request = std::move(request_);
   request_ = std::make_unique<v1::BackwardRequest>();
@@ -292,6 +294,7 @@ void BackwardPipeline::OnMessageLocked(StreamActions& a) {
   job.kind = Job::kChunk;
   job.chunk = accepted->chunk;
   if (job.request->has_shm()) {
+    used_shared_memory_ = true;
     absl::StatusOr<RegionRows> rows = FindRegionRowsLocked(job.request->shm(), job.chunk);
     if (!rows.ok()) {
       FinishLocked(rows.status(), a);

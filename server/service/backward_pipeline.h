@@ -60,6 +60,9 @@ struct StreamTotals {
   uint64_t bytes_in = 0;
   uint64_t bytes_out = 0;
   uint64_t rows = 0;
+  // x, dy, rms and gamma in, grad_input out, wherever they travelled (messages or a region).
+  uint64_t tensor_bytes = 0;
+  bool shared_memory = false;  // some chunk's rows were in a shared-memory region
 };
 
 class BackwardPipeline {
@@ -166,6 +169,7 @@ class BackwardPipeline {
   uint64_t bytes_in_ = 0;  // guarded by mu_
   uint64_t bytes_out_ = 0;  // guarded by mu_
   uint64_t rows_sent_ = 0;  // guarded by mu_
+  bool used_shared_memory_ = false;  // guarded by mu_
   absl::Time last_progress_;  // guarded by mu_
   absl::Time header_time_ = absl::Now();  // guarded by mu_
   // The minimum rate (CheckRateLocked): x, dy and gamma bytes received; the time the stream

@@ -86,6 +86,12 @@ void DescribeServiceMetrics(MetricsRegistry& m) {
                     "Calls refused, or streams ended, by a server limit: by method and the "
                     "limit's flag (max-streams, max-streams-per-client, max-inflight-bytes, "
                     "min-stream-bytes-per-second, max-emit-ptx-queue[-bytes][-per-connection]).");
+  m.DescribeCounter("normgrad_transport_streams_total",
+                    "Finished RmsNormBackward streams by transport: shm (rows in a shared-memory "
+                    "region), unix (bytes over a unix-domain socket) or tcp.");
+  m.DescribeCounter("normgrad_transport_tensor_bytes_total",
+                    "x, dy, rms and gamma bytes received and grad_input bytes sent by "
+                    "RmsNormBackward streams, by transport (as normgrad_transport_streams_total).");
   m.DescribeGauge("normgrad_emit_ptx_queued",
                   "EmitPtx calls admitted and not finished (queued or running on its workers).");
   m.DescribeGauge("normgrad_emit_ptx_queued_bytes", "Request bytes those EmitPtx calls hold.");
@@ -113,6 +119,7 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   BackwardStream(ServiceEnv* env, grpc::CallbackServerContext* context)
       : env_(env),
         context_(context),
+        listener_(absl::StartsWith(context->peer(), "unix:") ? "unix" : "tcp"),
         pipeline_(env, absl::FromChrono(context->deadline()), PeerIsLocal(context->peer()),
                   ClientIdentity(*context)) {
     env_->streams->Add(this);
@@ -152,6 +159,12 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     }
     const double seconds = absl::ToDoubleSeconds(absl::Now() - pipeline_.start_time());
     env_->metrics->IncrementCounter("normgrad_rows_total", {}, static_cast<double>(t.rows));
+    const char* transport = t.shared_memory ? "shm" : listener_;
+    env_->metrics->IncrementCounter("normgrad_transport_tensor_bytes_total",
+                                    {{"transport", transport}},
+                                    static_cast<double>(t.tensor_bytes));
+    env_->metrics->IncrementCounter("normgrad_transport_streams_total",
+                                    {{"transport", transport}});
     RecordRpc(*env_->metrics, kBackwardMethod, t.code, seconds, t.bytes_in, t.bytes_out);
     Unref();
   }
@@ -226,6 +239,7 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
 
   ServiceEnv* const env_;
   grpc::CallbackServerContext* const context_;
+  const char* const listener_;  // "unix" or "tcp": the transport label when no rows were in shm
   std::atomic<int> refs_{1};  // gRPC's, dropped in OnDone
   BackwardPipeline pipeline_;
   std::recursive_mutex context_mu_;

@@ -91,6 +91,13 @@ class SharedMemoryTest : public ::testing::Test {
     }
   }
 
+  // A counter by its name and labels as the exposition text writes them, 0 when absent.
+  double Counter(const std::string& series) {
+    const std::string text = server_->metrics().RenderText();
+    const size_t at = text.find("\n" + series + " ");
+    return at == std::string::npos ? 0.0 : std::stod(text.substr(at + series.size() + 2));
+  }
+
   std::unique_ptr<v1::NormGrad::Stub> UnixStub() {
     return v1::NormGrad::NewStub(
         grpc::CreateChannel("unix:" + socket_, grpc::InsecureChannelCredentials()));
@@ -164,6 +171,15 @@ TEST_F(SharedMemoryTest, AutoTransportStagesOrdinaryBuffersThroughSharedMemory) 
   ASSERT_TRUE(g.ok()) << g.status();
   ExpectGradientsClose(g->dx, g->dgamma, b);
   EXPECT_GE(ReceivedBytes(++calls) - before, 2.0 * 50 * 64 * 4);
+  // The transport metrics tell the two apart: two streams through the region, one over the
+  // socket, each with its x, dy (rms) and gamma in and its grad_input out.
+  EXPECT_EQ(Counter("normgrad_transport_streams_total{transport=\"shm\"}"), 2);
+  EXPECT_EQ(Counter("normgrad_transport_streams_total{transport=\"unix\"}"), 1);
+  EXPECT_EQ(Counter("normgrad_transport_streams_total{transport=\"tcp\"}"), 0);
+  EXPECT_EQ(Counter("normgrad_transport_tensor_bytes_total{transport=\"shm\"}"),
+            2 * (3.0 * 777 * 96 * 4 + 96 * 4) + 777 * 4);
+  EXPECT_EQ(Counter("normgrad_transport_tensor_bytes_total{transport=\"unix\"}"),
+            3.0 * 50 * 64 * 4 + 64 * 4);
 }
 
 TEST_F(SharedMemoryTest, SharedMemoryOverTcpOrWithoutTheServerFlagIsFailedPrecondition) {
