@@ -266,8 +266,9 @@ absl::Status BackwardPipeline::CancelStatusLocked() const {
 
 void BackwardPipeline::OnMessageLocked(StreamActions& a) {
   const v1::BackwardRequest& message = *request_;
-  const uint64_t message_bytes = message.x().size() + message.dy().size() +
-                                 message.rms().size() + message.header().gamma().size();
+  // Everything the parsed message holds, fields this server does not know included (a client
+  // could otherwise pad chunks past --max-inflight-bytes with them).
+  const uint64_t message_bytes = message.ByteSizeLong();
   const uint64_t x_bytes = message.x().size();
   bytes_in_ += message_bytes;
   absl::StatusOr<AcceptedMessage> accepted = validator_.Accept(message);

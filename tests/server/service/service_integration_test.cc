@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <grpcpp/generic/generic_stub.h>
+#include <google/protobuf/unknown_field_set.h>
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
@@ -621,6 +622,27 @@ TEST(ServiceAdmissionTest, ChunkBeyondMaxInflightBytesGetsResourceExhausted) {
   EXPECT_THAT(s.error_message(), HasSubstr("--max-inflight-bytes"));
   // Smaller chunks of the same batch fit.
   ExpectMatchesReference(*stub, batch, 20);
+}
+
+// The budget counts everything a chunk makes the server hold, fields this server does not know
+// included: 10 rows (15 KiB held) fit in 64 KiB; the same rows padded with a 100 KiB unknown
+// field do not, and the refusal counts the padding.
+TEST(ServiceAdmissionTest, UnknownFieldsCountAgainstMaxInflightBytes) {
+  ServerOptions options = testing::TestServerOptions();
+  options.batch.max_hidden_dim = 1024;
+  options.admission.max_inflight_bytes = 64 << 10;
+  std::unique_ptr<NormGradServer> server = StartServer(options);
+  ASSERT_NE(server, nullptr);
+  auto stub = testing::StubFor(server->port());
+  const Batch batch = testing::RandomBatch(10, 128, 27);
+  ExpectMatchesReference(*stub, batch, 10);
+  v1::BackwardRequest padded = testing::ChunkFor(batch, 0, 10);
+  padded.GetReflection()->MutableUnknownFields(&padded)->AddLengthDelimited(
+      1000, std::string(100 << 10, 'u'));
+  grpc::Status s = testing::SendMessages(*stub, {testing::HeaderFor(batch), padded});
+  EXPECT_EQ(s.error_code(), grpc::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("--max-inflight-bytes"));
+  EXPECT_THAT(s.error_message(), ::testing::ContainsRegex("needs 1[0-9]{5} bytes"));
 }
 
 // ---------------------------------------------------------------------------------------------
