@@ -166,6 +166,16 @@ TEST(PtxServiceTest, ConfigurationsPerRequestAreBounded) {
   ASSERT_TRUE(all.ok()) << all.status();
   EXPECT_EQ(all->artifacts_size(), 30);
 
+  // 32 is allowed (16 targets x 2 dtypes pass the bound; the repeats are what fails), 33 not.
+  v1::EmitPtxRequest at_bound = Request("batched_rms_norm_backward");
+  for (int i = 0; i < 16; ++i) at_bound.add_targets("sm_90");
+  for (v1::DType d : {v1::DTYPE_F32, v1::DTYPE_BF16}) at_bound.add_dtypes(d);
+  EXPECT_EQ(ptx.Emit(at_bound).status().code(), absl::StatusCode::kInvalidArgument);
+  v1::EmitPtxRequest above = Request("batched_rms_norm_backward");
+  for (int i = 0; i < 11; ++i) above.add_targets("sm_90");
+  for (v1::DType d : {v1::DTYPE_F32, v1::DTYPE_BF16, v1::DTYPE_F16}) above.add_dtypes(d);
+  EXPECT_EQ(ptx.Emit(above).status().code(), absl::StatusCode::kResourceExhausted);
+
   v1::EmitPtxRequest too_many = Request("batched_rms_norm_backward");
   for (int i = 0; i < 17; ++i) too_many.add_targets("sm_90");  // checked before the items
   for (v1::DType d : {v1::DTYPE_F32, v1::DTYPE_BF16, v1::DTYPE_F16}) too_many.add_dtypes(d);
@@ -173,7 +183,7 @@ TEST(PtxServiceTest, ConfigurationsPerRequestAreBounded) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(r.status().message(),
-              HasSubstr("targets (17) x dtypes (3) = 51 configurations; at most 48"));
+              HasSubstr("targets (17) x dtypes (3) = 51 configurations; at most 32"));
 }
 
 TEST(PtxServiceTest, ResourceUsageWithoutNvJitLinkSaysWhyAndStillAnswers) {
