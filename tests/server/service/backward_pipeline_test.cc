@@ -160,18 +160,23 @@ TEST(BackwardPipelineTest, StopsReadingWithThreeChunksHeldAndResumesWhenOneIsWri
   call.Start();
   call.Deliver(testing::HeaderFor(b));
   call.RunJobs();  // the session starts
+  // Each chunk holds its whole message (x, dy and the fields around them) and its dx.
+  std::vector<uint64_t> chunk_bytes;
   for (int i = 0; i < kMaxChunksHeldPerStream; ++i) {
     ASSERT_TRUE(call.read_pending()) << "chunk " << i;
-    call.Deliver(testing::ChunkFor(b, i, 1));
+    const v1::BackwardRequest chunk = testing::ChunkFor(b, i, 1);
+    chunk_bytes.push_back(chunk.ByteSizeLong() + b.hidden * 4);
+    EXPECT_GT(chunk_bytes.back(), 3 * b.hidden * 4);  // x, dy, dx
+    call.Deliver(chunk);
   }
   EXPECT_FALSE(call.read_pending()) << "a fourth read with three chunks held";
   const uint64_t held = call.admission().inflight_bytes();
-  EXPECT_EQ(held, uint64_t{kMaxChunksHeldPerStream} * (3 * b.hidden * 4));  // x, dy, dx each
+  EXPECT_EQ(held, chunk_bytes[0] + chunk_bytes[1] + chunk_bytes[2]);
   call.RunJobs();
   EXPECT_FALSE(call.read_pending()) << "computed but not written is still held";
   call.CompleteWrite();
   EXPECT_TRUE(call.read_pending());
-  EXPECT_EQ(call.admission().inflight_bytes(), held - 3 * b.hidden * 4);
+  EXPECT_EQ(call.admission().inflight_bytes(), held - chunk_bytes[0]);
 }
 
 TEST(BackwardPipelineTest, AChunkOverTheByteBudgetWithNothingHeldFailsWithResourceExhausted) {
