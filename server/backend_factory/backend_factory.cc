@@ -37,6 +37,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCuda(const BackendOptions& options)
   cuda.device_ordinal = options.device_ordinal;
   cuda.cache.max_entries = options.cache_max_entries;
   cuda.cache.max_bytes = options.cache_max_bytes;
+  cuda.max_staging_bytes = options.max_staging_bytes;
   return NewCudaBackend(cuda);
 #else
   return absl::FailedPreconditionError(

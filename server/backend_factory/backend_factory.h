@@ -28,6 +28,9 @@ struct BackendOptions {
   int cpu_threads = 0;  // 0: hardware concurrency
   uint64_t cache_max_entries = 256;
   uint64_t cache_max_bytes = 256ull << 20;
+  // CUDA: bound of the staging pool, pinned and device bytes each (the server passes
+  // --max-inflight-bytes; cuda_backend.h).
+  uint64_t max_staging_bytes = 1ull << 30;
 };
 
 // kAuto: CUDA when a driver loads and a device is usable, else CPU; logs one line to stderr

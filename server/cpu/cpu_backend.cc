@@ -27,6 +27,10 @@ uint64_t RowsPerPartition(uint64_t rows, uint32_t hidden_dim) {
   return std::max<uint64_t>({by_count, by_size, 1});
 }
 
+uint64_t StagingRows(uint32_t hidden_dim) {
+  return std::max<uint64_t>(1, kStagingElements / std::max<uint32_t>(hidden_dim, 1));
+}
+
 }  // namespace cpu_internal
 
 namespace {
@@ -77,17 +81,27 @@ class CpuBackwardSession : public BackwardSession {
         host_rows::BackwardRowsF32(block);
         return;
       }
-      std::vector<float> staged(3 * n * h);
+      // Staged a few rows at a time (cpu_internal::StagingRows): the f32 copies a thread holds
+      // do not grow with the chunk. Rows are independent and grad_gamma is added row by row,
+      // so the bits are those of staging the partition whole.
+      const size_t tile = std::min<size_t>(n, cpu_internal::StagingRows(spec_.hidden_dim));
+      std::vector<float> staged(3 * tile * h);
       float* sx = staged.data();
-      float* sdy = sx + n * h;
-      float* sdx = sdy + n * h;
-      host_rows::ConvertToF32(spec_.dtype, x.data() + offset * elem_bytes, sx, n * h);
-      host_rows::ConvertToF32(spec_.dtype, dy.data() + offset * elem_bytes, sdy, n * h);
-      block.x = sx;
-      block.dy = sdy;
-      block.dx = sdx;
-      host_rows::BackwardRowsF32(block);
-      host_rows::ConvertFromF32(spec_.dtype, sdx, dx.data() + offset * elem_bytes, n * h);
+      float* sdy = sx + tile * h;
+      float* sdx = sdy + tile * h;
+      for (size_t done = 0; done < n; done += tile) {
+        const size_t m = std::min(tile, n - done);
+        const size_t at = (offset + done * h) * elem_bytes;
+        host_rows::ConvertToF32(spec_.dtype, x.data() + at, sx, m * h);
+        host_rows::ConvertToF32(spec_.dtype, dy.data() + at, sdy, m * h);
+        block.x = sx;
+        block.dy = sdy;
+        block.dx = sdx;
+        block.rms = spec_.rms_provided ? rms.data() + first + done : nullptr;
+        block.num_rows = m;
+        host_rows::BackwardRowsF32(block);
+        host_rows::ConvertFromF32(spec_.dtype, sdx, dx.data() + at, m * h);
+      }
     });
 
     // Fixed order: partition 0, 1, ... into the batch's accumulator.

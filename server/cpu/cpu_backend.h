@@ -15,7 +15,8 @@
 // a different vector width, which changes the order of each row's two sums: bits may then
 // differ in the last place.)
 //
-// dtypes: f32 natively; bf16 and f16 are converted to f32 on load and rounded back on store.
+// dtypes: f32 natively; bf16 and f16 are converted to f32 on load and rounded back on store, a
+// few rows at a time (kStagingElements).
 #ifndef NORMGRAD_SERVER_CPU_CPU_BACKEND_H_
 #define NORMGRAD_SERVER_CPU_CPU_BACKEND_H_
 
@@ -42,6 +43,13 @@ uint64_t RowsPerPartition(uint64_t rows, uint32_t hidden_dim);
 
 // dx of a chunk at least this large is written with non-temporal stores.
 inline constexpr uint64_t kStreamDxBytes = 8ull << 20;
+
+// bf16/f16 (and unaligned f32) rows are converted to f32 at most StagingRows(hidden_dim) rows
+// at a time per thread: kStagingElements elements, or one row when rows are wider. A thread
+// then holds at most 12 x max(kStagingElements, hidden_dim) bytes of f32 copies (x, dy and dx),
+// whatever the chunk's size (docs/operations.md, "Memory and overload").
+inline constexpr uint64_t kStagingElements = 16384;
+uint64_t StagingRows(uint32_t hidden_dim);
 
 }  // namespace cpu_internal
 }  // namespace normgrad::server

@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -71,8 +73,8 @@ class DeviceContext {
     {
       std::lock_guard<std::mutex> lock(health_mu_);
       if (!failure_.ok()) return;
-      failure_ = absl::UnavailableError(
-          absl::StrCat("the GPU failed and this server cannot use it any more: ", reason.message()));
+      failure_ = absl::UnavailableError(absl::StrCat(
+          "the GPU failed and this server cannot use it any more: ", reason.message()));
       status = failure_;
       handler = failure_handler_;
     }
@@ -108,10 +110,10 @@ class DeviceContext {
       for (const auto& [id, since] : waits_) longest = std::max(longest, now - since);
     }
     if (longest > bound) {
-      Fail(absl::DeadlineExceededError(absl::StrCat(
-          "cuStreamSynchronize has not returned for ", absl::FormatDuration(longest),
-          ", more than the device timeout of ", absl::FormatDuration(bound),
-          " (the GPU is hung)")));
+      Fail(absl::DeadlineExceededError(
+          absl::StrCat("cuStreamSynchronize has not returned for ", absl::FormatDuration(longest),
+                       ", more than the device timeout of ", absl::FormatDuration(bound),
+                       " (the GPU is hung)")));
     }
     return failure();
   }
@@ -161,9 +163,9 @@ class DeviceContext {
   mutable std::mutex host_mu_;
   mutable std::map<uintptr_t, uint64_t> host_ranges_;  // base -> bytes; guarded by host_mu_
   mutable std::mutex health_mu_;
-  mutable absl::Status failure_;                              // guarded by health_mu_
-  mutable Backend::DeviceFailureHandler failure_handler_;     // guarded by health_mu_
-  mutable uint64_t next_wait_id_ = 0;                         // guarded by health_mu_
+  mutable absl::Status failure_;                           // guarded by health_mu_
+  mutable Backend::DeviceFailureHandler failure_handler_;  // guarded by health_mu_
+  mutable uint64_t next_wait_id_ = 0;                      // guarded by health_mu_
   mutable std::map<uint64_t, absl::Time> waits_;  // synchronizes waiting: id -> start; health_mu_
 };
 
@@ -216,74 +218,164 @@ absl::StatusOr<std::shared_ptr<const LoadedModule>> LoadModule(
   return std::shared_ptr<const LoadedModule>(std::move(loaded));
 }
 
-// Device memory from the stream-ordered pool when available, else cuMemAlloc.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-
-  // Grows to at least `bytes` (contents are not kept).
-  absl::Status Reserve(const DeviceContext& ctx, CUstream stream, size_t bytes) {
-    if (bytes <= capacity_) return absl::OkStatus();
-    Release(ctx, stream);
-    CUdeviceptr p = 0;
-    const absl::Status s =
-        ctx.stream_ordered
-            ? ctx.Check(ctx.api().cuMemAllocAsync(&p, bytes, stream), "cuMemAllocAsync")
-            : ctx.Check(ctx.api().cuMemAlloc_v2(&p, bytes), "cuMemAlloc");
-    if (!s.ok()) return s;
-    ptr_ = p;
-    capacity_ = bytes;
-    return absl::OkStatus();
-  }
-
-  void Release(const DeviceContext& ctx, CUstream stream) {
-    if (ptr_ == 0) return;
-    if (ctx.stream_ordered) {
-      ctx.api().cuMemFreeAsync(ptr_, stream);
-    } else {
-      ctx.api().cuMemFree_v2(ptr_);
-    }
-    ptr_ = 0;
-    capacity_ = 0;
-  }
-
-  CUdeviceptr get() const { return ptr_; }
-
- private:
-  CUdeviceptr ptr_ = 0;
-  size_t capacity_ = 0;
+// One chunk's work area on the device: a stream, pinned host memory and device memory, lent by
+// the backend's StagingPool for one ProcessChunk call.
+struct StagingSlot {
+  CUstream stream = nullptr;
+  uint8_t* host = nullptr;  // cuMemHostAlloc
+  size_t host_bytes = 0;
+  CUdeviceptr device = 0;  // stream-ordered on `stream` when the device has pools
+  size_t device_bytes = 0;
 };
 
-// Page-locked host memory for the copies to and from the device.
-class PinnedBuffer {
+// The backend's staging slots (cuda_backend.h): the pinned bytes of every slot, lent or idle,
+// stay within max_bytes, and so do the device bytes, except for one slot lent alone. Thread-safe.
+class StagingPool {
  public:
-  PinnedBuffer() = default;
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  StagingPool(std::shared_ptr<const DeviceContext> ctx, uint64_t max_bytes)
+      : ctx_(std::move(ctx)), max_bytes_(max_bytes) {}
+  StagingPool(const StagingPool&) = delete;
+  StagingPool& operator=(const StagingPool&) = delete;
+  ~StagingPool() {
+    for (std::unique_ptr<StagingSlot>& slot : idle_) Free(*slot);
+  }
 
-  absl::Status Reserve(const DeviceContext& ctx, size_t bytes) {
-    if (bytes <= capacity_) return absl::OkStatus();
-    Release(ctx);
-    void* p = nullptr;
-    NORMGRAD_RETURN_IF_ERROR(ctx.Check(ctx.api().cuMemHostAlloc(&p, bytes, 0), "cuMemHostAlloc"));
-    ptr_ = static_cast<uint8_t*>(p);
-    capacity_ = bytes;
+  // A slot with at least `host_bytes` pinned and `device_bytes` of device memory: an idle one
+  // that is large enough, else a new one (idle slots freed first to make room under the bound,
+  // else waiting for a lent one to come back). The device's failure ends the wait.
+  absl::StatusOr<std::unique_ptr<StagingSlot>> Acquire(size_t host_bytes, size_t device_bytes) {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      auto best = idle_.end();
+      for (auto it = idle_.begin(); it != idle_.end(); ++it) {
+        const StagingSlot& s = **it;
+        if (s.host_bytes < host_bytes || s.device_bytes < device_bytes) continue;
+        if (best == idle_.end() ||
+            s.host_bytes + s.device_bytes < (*best)->host_bytes + (*best)->device_bytes) {
+          best = it;
+        }
+      }
+      if (best != idle_.end()) {
+        std::unique_ptr<StagingSlot> slot = std::move(*best);
+        idle_.erase(best);
+        ++lent_;
+        return slot;
+      }
+      // No idle slot fits: free idle ones (smallest first: they fit fewer chunks) until the
+      // new slot fits under the bound.
+      std::sort(idle_.begin(), idle_.end(), [](const auto& a, const auto& b) {
+        return a->host_bytes + a->device_bytes > b->host_bytes + b->device_bytes;
+      });
+      while (!idle_.empty() && !FitsLocked(host_bytes, device_bytes)) {
+        std::unique_ptr<StagingSlot> slot = std::move(idle_.back());
+        idle_.pop_back();
+        host_held_ -= slot->host_bytes;
+        device_held_ -= slot->device_bytes;
+        Free(*slot);
+      }
+      if (FitsLocked(host_bytes, device_bytes) || lent_ == 0) break;
+      NORMGRAD_RETURN_IF_ERROR(ctx_->failure());
+      returned_.wait_for(lock, std::chrono::milliseconds(100));
+    }
+    host_held_ += host_bytes;
+    device_held_ += device_bytes;
+    ++lent_;
+    lock.unlock();
+    auto slot = std::make_unique<StagingSlot>();
+    absl::Status s = Allocate(*slot, host_bytes, device_bytes);
+    if (!s.ok()) {
+      Free(*slot);
+      std::lock_guard<std::mutex> relock(mu_);
+      host_held_ -= host_bytes;
+      device_held_ -= device_bytes;
+      --lent_;
+      returned_.notify_all();
+      return s;
+    }
+    return slot;
+  }
+
+  // A slot whose stream has no work left (synchronized), kept for reuse.
+  void Return(std::unique_ptr<StagingSlot> slot) {
+    std::lock_guard<std::mutex> lock(mu_);
+    idle_.push_back(std::move(slot));
+    --lent_;
+    returned_.notify_all();
+  }
+
+  // A slot after a failed chunk: freed once its stream is idle. On a failed device nothing is
+  // freed (a synchronize might never return; the process is going away) and its bytes stay
+  // counted.
+  void Drop(std::unique_ptr<StagingSlot> slot) {
+    const bool freed =
+        ctx_->failure().ok() && ctx_->MakeCurrent().ok() &&
+        (slot->stream == nullptr || ctx_->api().cuStreamSynchronize(slot->stream) == CUDA_SUCCESS);
+    if (freed) Free(*slot);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (freed) {
+      host_held_ -= slot->host_bytes;
+      device_held_ -= slot->device_bytes;
+    }
+    --lent_;
+    returned_.notify_all();
+  }
+
+ private:
+  bool FitsLocked(size_t host_bytes, size_t device_bytes) const {
+    return host_held_ + host_bytes <= max_bytes_ && device_held_ + device_bytes <= max_bytes_;
+  }
+
+  absl::Status Allocate(StagingSlot& slot, size_t host_bytes, size_t device_bytes) const {
+    const cuda::DriverApi& api = ctx_->api();
+    NORMGRAD_RETURN_IF_ERROR(ctx_->MakeCurrent());
+    NORMGRAD_RETURN_IF_ERROR(
+        ctx_->Check(api.cuStreamCreate(&slot.stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate"));
+    if (host_bytes != 0) {
+      void* p = nullptr;
+      NORMGRAD_RETURN_IF_ERROR(
+          ctx_->Check(api.cuMemHostAlloc(&p, host_bytes, 0), "cuMemHostAlloc"));
+      slot.host = static_cast<uint8_t*>(p);
+      slot.host_bytes = host_bytes;
+    }
+    if (device_bytes != 0) {
+      CUdeviceptr p = 0;
+      NORMGRAD_RETURN_IF_ERROR(
+          ctx_->stream_ordered
+              ? ctx_->Check(api.cuMemAllocAsync(&p, device_bytes, slot.stream), "cuMemAllocAsync")
+              : ctx_->Check(api.cuMemAlloc_v2(&p, device_bytes), "cuMemAlloc"));
+      slot.device = p;
+      slot.device_bytes = device_bytes;
+    }
     return absl::OkStatus();
   }
 
-  void Release(const DeviceContext& ctx) {
-    if (ptr_ != nullptr) ctx.api().cuMemFreeHost(ptr_);
-    ptr_ = nullptr;
-    capacity_ = 0;
+  // Frees what `slot` holds (its stream has no work left). Nothing on a failed device.
+  void Free(StagingSlot& slot) const {
+    if (!ctx_->failure().ok() || !ctx_->MakeCurrent().ok()) return;
+    const cuda::DriverApi& api = ctx_->api();
+    if (slot.device != 0) {
+      if (ctx_->stream_ordered) {
+        api.cuMemFreeAsync(slot.device, slot.stream);
+      } else {
+        api.cuMemFree_v2(slot.device);
+      }
+    }
+    if (slot.stream != nullptr) {
+      api.cuStreamSynchronize(slot.stream);
+      api.cuStreamDestroy_v2(slot.stream);
+    }
+    if (slot.host != nullptr) api.cuMemFreeHost(slot.host);
+    slot = StagingSlot{};
   }
 
-  uint8_t* get() const { return ptr_; }
-
- private:
-  uint8_t* ptr_ = nullptr;
-  size_t capacity_ = 0;
+  const std::shared_ptr<const DeviceContext> ctx_;
+  const uint64_t max_bytes_;
+  std::mutex mu_;
+  std::condition_variable returned_;
+  std::vector<std::unique_ptr<StagingSlot>> idle_;  // guarded by mu_
+  uint64_t host_held_ = 0;                          // lent and idle; guarded by mu_
+  uint64_t device_held_ = 0;                        // lent and idle; guarded by mu_
+  uint32_t lent_ = 0;                               // guarded by mu_
 };
 
 // How a session computes: on the GPU through a kernels::BackwardPlan (which kernels, in which
@@ -291,10 +383,10 @@ class PinnedBuffer {
 // for (hidden_dim > 32 without the row-resident kernel): dx and grad_gamma from the CPU
 // backend's rows, exactly from the given rms.
 //
-// Device memory of a chunk: x, dy, dx (and rms) in device buffers grown to the largest chunk,
-// the plan's workspace, and the chunk's f32 grad_gamma, which the host adds (double) in chunk
-// order. Where the plan leaves grad_gamma to the caller (DgammaOutput::kNone), the host computes
-// it from the chunk and the given rms.
+// Device memory of a chunk, in a slot borrowed from the backend's StagingPool for the chunk
+// only: gamma, x, dy, dx (and rms), the plan's workspace, and the chunk's f32 grad_gamma, which
+// the host adds (double) in chunk order. Where the plan leaves grad_gamma to the caller
+// (DgammaOutput::kNone), the host computes it from the chunk and the given rms.
 class CudaBackwardSession : public BackwardSession, private kernels::KernelLauncher {
  public:
   // plan: null for the host path; modules: one per plan step, loaded in the device's context.
@@ -302,8 +394,10 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
   CudaBackwardSession(std::shared_ptr<const DeviceContext> ctx, const BatchSpec& spec,
                       std::optional<kernels::BackwardPlan> plan,
                       std::vector<std::shared_ptr<const LoadedModule>> modules,
-                      std::vector<uint8_t> gamma, std::vector<float> gamma_f32)
+                      std::vector<uint8_t> gamma, std::vector<float> gamma_f32,
+                      std::shared_ptr<StagingPool> staging)
       : ctx_(std::move(ctx)),
+        staging_(std::move(staging)),
         spec_(spec),
         plan_(std::move(plan)),
         modules_(std::move(modules)),
@@ -311,41 +405,6 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
         gamma_(std::move(gamma)),
         gamma_f32_(std::move(gamma_f32)),
         dgamma_sum_(spec.hidden_dim, 0.0) {}
-
-  ~CudaBackwardSession() override {
-    // A failed device: nothing can be freed, and a synchronize might never return.
-    if (!ctx_->failure().ok() || !ctx_->MakeCurrent().ok()) return;
-    for (DeviceBuffer* b : {&d_gamma_, &d_x_, &d_dy_, &d_dx_, &d_rms_, &d_dgamma_, &d_workspace_}) {
-      b->Release(*ctx_, stream_);
-    }
-    if (stream_ != nullptr) {
-      ctx_->api().cuStreamSynchronize(stream_);
-      ctx_->api().cuStreamDestroy_v2(stream_);
-    }
-    in_.Release(*ctx_);
-    out_.Release(*ctx_);
-  }
-
-  // Stream, gamma upload. Called once before the session is handed out.
-  absl::Status Init() {
-    if (!plan_.has_value()) return absl::OkStatus();
-    const cuda::DriverApi& api = ctx_->api();
-    NORMGRAD_RETURN_IF_ERROR(ctx_->MakeCurrent());
-    NORMGRAD_RETURN_IF_ERROR(
-        ctx_->Check(api.cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate"));
-    const size_t gamma_bytes = gamma_.size();
-    NORMGRAD_RETURN_IF_ERROR(d_gamma_.Reserve(*ctx_, stream_, gamma_bytes));
-    NORMGRAD_RETURN_IF_ERROR(in_.Reserve(*ctx_, gamma_bytes));
-    std::memcpy(in_.get(), gamma_.data(), gamma_bytes);
-    NORMGRAD_RETURN_IF_ERROR(
-        ctx_->Check(api.cuMemcpyHtoDAsync_v2(d_gamma_.get(), in_.get(), gamma_bytes, stream_),
-                    "cuMemcpyHtoDAsync(gamma)"));
-    if (plan_->dgamma_output() != kernels::DgammaOutput::kNone) {  // f32 for every dtype
-      NORMGRAD_RETURN_IF_ERROR(d_dgamma_.Reserve(*ctx_, stream_, spec_.hidden_dim * sizeof(float)));
-    }
-    // The staging buffer is reused by the first chunk: the upload must be done by then.
-    return ctx_->Synchronize(stream_);
-  }
 
   absl::Status ProcessChunk(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
                             absl::Span<const float> rms, uint64_t rows,
@@ -360,7 +419,7 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
     compute_seconds_ +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (!s.ok()) {
-      broken_ = s;  // device buffers may hold half a chunk: the session cannot go on
+      broken_ = s;  // the device may hold half a chunk: the session cannot go on
       return s;
     }
     rows_done_ += rows;
@@ -394,8 +453,75 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
         absl::StrCat("cuLaunchKernel(", m.entry, ")"));
   }
 
+  // One chunk on the device, in a slot of the staging pool held for this call only. Slot
+  // layout: pinned [gamma | x | dy | rms | dx | grad_gamma] (x, dy, rms and dx only when the
+  // chunk is not in registered host memory), device [gamma | x | dy | dx | rms | workspace |
+  // grad_gamma], each part 256-byte aligned.
   absl::Status DeviceChunk(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
                            absl::Span<const float> rms, uint64_t rows, absl::Span<uint8_t> dx) {
+    const kernels::BackwardPlan& plan = *plan_;
+    const size_t h = spec_.hidden_dim;
+    const size_t data_bytes = rows * h * element_bytes_;
+    const bool rms_to_device = plan.requires_rms() || (plan.reads_rms() && spec_.rms_provided);
+    const bool dgamma_on_device = plan.dgamma_output() != kernels::DgammaOutput::kNone;
+    const size_t rms_bytes = rms_to_device ? rows * sizeof(float) : 0;
+    const size_t dgamma_bytes = dgamma_on_device ? h * sizeof(float) : 0;
+    // A chunk whose x, dy, rms and dx all lie in registered host memory (a shared-memory
+    // region) is copied straight from and to it; any other goes through pinned staging.
+    const bool in_place = ctx_->IsRegisteredHost(x.data(), data_bytes) &&
+                          ctx_->IsRegisteredHost(dy.data(), data_bytes) &&
+                          (rms_bytes == 0 || ctx_->IsRegisteredHost(rms.data(), rms_bytes)) &&
+                          ctx_->IsRegisteredHost(dx.data(), data_bytes);
+    const size_t staged = in_place ? 0 : data_bytes;
+    const size_t staged_rms = in_place ? 0 : rms_bytes;
+    SlotLayout host;
+    const size_t h_gamma = host.Add(gamma_.size()), h_x = host.Add(staged), h_dy = host.Add(staged),
+                 h_rms = host.Add(staged_rms), h_dx = host.Add(staged),
+                 h_dgamma = host.Add(dgamma_bytes);
+    SlotLayout device;
+    const size_t d_gamma = device.Add(gamma_.size()), d_x = device.Add(data_bytes),
+                 d_dy = device.Add(data_bytes), d_dx = device.Add(data_bytes),
+                 d_rms = device.Add(rms_bytes), d_workspace = device.Add(plan.WorkspaceBytes(rows)),
+                 d_dgamma = device.Add(dgamma_bytes);
+    NORMGRAD_ASSIGN_OR_RETURN(std::unique_ptr<StagingSlot> slot,
+                              staging_->Acquire(host.bytes(), device.bytes()));
+    stream_ = slot->stream;
+    absl::Status s = DeviceChunkIn(*slot, x, dy, rms, rows, dx, in_place,
+                                   {h_gamma, h_x, h_dy, h_rms, h_dx, h_dgamma},
+                                   {d_gamma, d_x, d_dy, d_dx, d_rms, d_workspace, d_dgamma});
+    stream_ = nullptr;
+    if (s.ok()) {
+      staging_->Return(std::move(slot));
+    } else {
+      staging_->Drop(std::move(slot));
+    }
+    return s;
+  }
+
+  // Offsets of the parts of a staging slot, 256-byte aligned.
+  class SlotLayout {
+   public:
+    size_t Add(size_t bytes) {
+      const size_t at = bytes_;
+      bytes_ += (bytes + 255) / 256 * 256;
+      return at;
+    }
+    size_t bytes() const { return bytes_; }
+
+   private:
+    size_t bytes_ = 0;
+  };
+  struct HostOffsets {
+    size_t gamma, x, dy, rms, dx, dgamma;
+  };
+  struct DeviceOffsets {
+    size_t gamma, x, dy, dx, rms, workspace, dgamma;
+  };
+
+  absl::Status DeviceChunkIn(const StagingSlot& slot, absl::Span<const uint8_t> x,
+                             absl::Span<const uint8_t> dy, absl::Span<const float> rms,
+                             uint64_t rows, absl::Span<uint8_t> dx, bool in_place,
+                             const HostOffsets& ho, const DeviceOffsets& dof) {
     const cuda::DriverApi& api = ctx_->api();
     const kernels::BackwardPlan& plan = *plan_;
     const size_t h = spec_.hidden_dim;
@@ -404,78 +530,66 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
     const bool dgamma_on_device = plan.dgamma_output() != kernels::DgammaOutput::kNone;
     const size_t rms_bytes = rms_to_device ? rows * sizeof(float) : 0;
     const size_t dgamma_bytes = dgamma_on_device ? h * sizeof(float) : 0;
-    const size_t workspace_bytes = plan.WorkspaceBytes(rows);
-    // grad_gamma (f32) follows dx in the output staging buffer, 16-byte aligned (dx of a 16-bit
-    // dtype may end mid-float).
-    const size_t dgamma_offset = (data_bytes + 15) / 16 * 16;
     NORMGRAD_RETURN_IF_ERROR(ctx_->MakeCurrent());
-    for (auto [buffer, bytes] : {std::pair{&d_x_, data_bytes}, std::pair{&d_dy_, data_bytes},
-                                 std::pair{&d_dx_, data_bytes}, std::pair{&d_rms_, rms_bytes},
-                                 std::pair{&d_workspace_, workspace_bytes}}) {
-      if (bytes != 0) NORMGRAD_RETURN_IF_ERROR(buffer->Reserve(*ctx_, stream_, bytes));
-    }
-    // A chunk whose x, dy, rms and dx all lie in registered host memory (a shared-memory
-    // region) is copied straight from and to it; any other goes through the pinned buffers.
-    const bool in_place = ctx_->IsRegisteredHost(x.data(), data_bytes) &&
-                          ctx_->IsRegisteredHost(dy.data(), data_bytes) &&
-                          (rms_bytes == 0 || ctx_->IsRegisteredHost(rms.data(), rms_bytes)) &&
-                          ctx_->IsRegisteredHost(dx.data(), data_bytes);
-    if (!in_place) NORMGRAD_RETURN_IF_ERROR(in_.Reserve(*ctx_, 2 * data_bytes + rms_bytes));
-    NORMGRAD_RETURN_IF_ERROR(out_.Reserve(*ctx_, dgamma_offset + dgamma_bytes));
+    uint8_t* const pinned = slot.host;
+    const CUdeviceptr dev = slot.device;
 
+    std::memcpy(pinned + ho.gamma, gamma_.data(), gamma_.size());
+    NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
+        api.cuMemcpyHtoDAsync_v2(dev + dof.gamma, pinned + ho.gamma, gamma_.size(), stream_),
+        "cuMemcpyHtoDAsync(gamma)"));
     const uint8_t* x_host = x.data();
     const uint8_t* dy_host = dy.data();
     const uint8_t* rms_host = reinterpret_cast<const uint8_t*>(rms.data());
     if (!in_place) {
-      uint8_t* in = in_.get();
-      std::memcpy(in, x.data(), data_bytes);
-      std::memcpy(in + data_bytes, dy.data(), data_bytes);
-      if (rms_bytes != 0) std::memcpy(in + 2 * data_bytes, rms.data(), rms_bytes);
-      x_host = in;
-      dy_host = in + data_bytes;
-      rms_host = in + 2 * data_bytes;
+      std::memcpy(pinned + ho.x, x.data(), data_bytes);
+      std::memcpy(pinned + ho.dy, dy.data(), data_bytes);
+      if (rms_bytes != 0) std::memcpy(pinned + ho.rms, rms.data(), rms_bytes);
+      x_host = pinned + ho.x;
+      dy_host = pinned + ho.dy;
+      rms_host = pinned + ho.rms;
     }
-    NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
-        api.cuMemcpyHtoDAsync_v2(d_x_.get(), x_host, data_bytes, stream_), "cuMemcpyHtoDAsync(x)"));
     NORMGRAD_RETURN_IF_ERROR(
-        ctx_->Check(api.cuMemcpyHtoDAsync_v2(d_dy_.get(), dy_host, data_bytes, stream_),
+        ctx_->Check(api.cuMemcpyHtoDAsync_v2(dev + dof.x, x_host, data_bytes, stream_),
+                    "cuMemcpyHtoDAsync(x)"));
+    NORMGRAD_RETURN_IF_ERROR(
+        ctx_->Check(api.cuMemcpyHtoDAsync_v2(dev + dof.dy, dy_host, data_bytes, stream_),
                     "cuMemcpyHtoDAsync(dy)"));
     if (rms_bytes != 0) {
-      NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
-          api.cuMemcpyHtoDAsync_v2(d_rms_.get(), rms_host, rms_bytes, stream_),
-          "cuMemcpyHtoDAsync(rms)"));
+      NORMGRAD_RETURN_IF_ERROR(
+          ctx_->Check(api.cuMemcpyHtoDAsync_v2(dev + dof.rms, rms_host, rms_bytes, stream_),
+                      "cuMemcpyHtoDAsync(rms)"));
     }
     if (plan.dgamma_output() == kernels::DgammaOutput::kAccumulated) {  // atomics add into it
-      NORMGRAD_RETURN_IF_ERROR(ctx_->Check(api.cuMemsetD32Async(d_dgamma_.get(), 0, h, stream_),
+      NORMGRAD_RETURN_IF_ERROR(ctx_->Check(api.cuMemsetD32Async(dev + dof.dgamma, 0, h, stream_),
                                            "cuMemsetD32Async(grad_gamma)"));
     }
     kernels::BackwardArgs args;
-    args.x = d_x_.get();
-    args.dy = d_dy_.get();
-    args.dx = d_dx_.get();
-    args.gamma = d_gamma_.get();
-    args.rms = rms_bytes != 0 ? d_rms_.get() : 0;
-    args.dgamma = d_dgamma_.get();
-    args.workspace = d_workspace_.get();
+    args.x = dev + dof.x;
+    args.dy = dev + dof.dy;
+    args.dx = dev + dof.dx;
+    args.gamma = dev + dof.gamma;
+    args.rms = rms_bytes != 0 ? dev + dof.rms : 0;
+    args.dgamma = dgamma_on_device ? dev + dof.dgamma : 0;
+    args.workspace = dev + dof.workspace;
     args.rows = rows;
     args.hidden_dim = spec_.hidden_dim;
     args.eps = spec_.eps;
     NORMGRAD_RETURN_IF_ERROR(plan.Run(args, *this));
 
-    uint8_t* out = out_.get();
     NORMGRAD_RETURN_IF_ERROR(
-        ctx_->Check(api.cuMemcpyDtoHAsync_v2(in_place ? dx.data() : out, d_dx_.get(), data_bytes,
-                                             stream_),
+        ctx_->Check(api.cuMemcpyDtoHAsync_v2(in_place ? dx.data() : pinned + ho.dx, dev + dof.dx,
+                                             data_bytes, stream_),
                     "cuMemcpyDtoHAsync(dx)"));
     if (dgamma_bytes != 0) {
       NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
-          api.cuMemcpyDtoHAsync_v2(out + dgamma_offset, d_dgamma_.get(), dgamma_bytes, stream_),
+          api.cuMemcpyDtoHAsync_v2(pinned + ho.dgamma, dev + dof.dgamma, dgamma_bytes, stream_),
           "cuMemcpyDtoHAsync(grad_gamma)"));
     }
     NORMGRAD_RETURN_IF_ERROR(ctx_->Synchronize(stream_));
-    if (!in_place) std::memcpy(dx.data(), out, data_bytes);
+    if (!in_place) std::memcpy(dx.data(), pinned + ho.dx, data_bytes);
     if (dgamma_on_device) {
-      const float* chunk_dgamma = reinterpret_cast<const float*>(out + dgamma_offset);
+      const float* chunk_dgamma = reinterpret_cast<const float*>(pinned + ho.dgamma);
       for (size_t i = 0; i < h; ++i) dgamma_sum_[i] += chunk_dgamma[i];
     } else {
       AddHostGradGamma(x, dy, rms, rows);
@@ -484,54 +598,72 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
   }
 
   // grad_gamma_i += dy_ri * x_ri / rms_r in row order (double), for the warp plan's narrow rows.
+  // Converted to f32 a few rows at a time (StagingRows).
   void AddHostGradGamma(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
                         absl::Span<const float> rms, uint64_t rows) {
     const size_t h = spec_.hidden_dim;
-    std::vector<float> xf(rows * h), yf(rows * h);
-    host_rows::ConvertToF32(spec_.dtype, x.data(), xf.data(), xf.size());
-    host_rows::ConvertToF32(spec_.dtype, dy.data(), yf.data(), yf.size());
-    for (uint64_t r = 0; r < rows; ++r) {
-      const double inv_rms = 1.0 / static_cast<double>(rms[r]);
-      for (size_t i = 0; i < h; ++i) {
-        dgamma_sum_[i] += static_cast<double>(yf[r * h + i]) * xf[r * h + i] * inv_rms;
+    const size_t tile = std::min<uint64_t>(rows, StagingRows());
+    std::vector<float> xf(tile * h), yf(tile * h);
+    for (uint64_t first = 0; first < rows; first += tile) {
+      const size_t m = std::min<uint64_t>(tile, rows - first);
+      host_rows::ConvertToF32(spec_.dtype, x.data() + first * h * element_bytes_, xf.data(), m * h);
+      host_rows::ConvertToF32(spec_.dtype, dy.data() + first * h * element_bytes_, yf.data(),
+                              m * h);
+      for (uint64_t r = 0; r < m; ++r) {
+        const double inv_rms = 1.0 / static_cast<double>(rms[first + r]);
+        for (size_t i = 0; i < h; ++i) {
+          dgamma_sum_[i] += static_cast<double>(yf[r * h + i]) * xf[r * h + i] * inv_rms;
+        }
       }
     }
+  }
+
+  // Rows converted to f32 at once on the host paths: kHostStagingElements elements, or one row
+  // when rows are wider, so the f32 copies held do not grow with the chunk (at most
+  // 12 x max(kHostStagingElements, hidden_dim) bytes per session computing).
+  static constexpr uint64_t kHostStagingElements = 16384;
+  uint64_t StagingRows() const {
+    return std::max<uint64_t>(1, kHostStagingElements / spec_.hidden_dim);
   }
 
   // The host path: the CPU backend's rows with the given rms (exact), one thread.
   absl::Status HostChunk(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
                          absl::Span<const float> rms, uint64_t rows, absl::Span<uint8_t> dx) {
-    const size_t n = rows * spec_.hidden_dim;
-    std::vector<float> staged(3 * n);
-    host_rows::ConvertToF32(spec_.dtype, x.data(), staged.data(), n);
-    host_rows::ConvertToF32(spec_.dtype, dy.data(), staged.data() + n, n);
+    const size_t h = spec_.hidden_dim;
+    const size_t tile = std::min<uint64_t>(rows, StagingRows());
+    std::vector<float> staged(3 * tile * h);
     std::vector<double> partial(spec_.hidden_dim, 0.0);
     host_rows::RowBlock block;
     block.x = staged.data();
-    block.dy = staged.data() + n;
-    block.dx = staged.data() + 2 * n;
+    block.dy = staged.data() + tile * h;
+    block.dx = staged.data() + 2 * tile * h;
     block.gamma = gamma_f32_.data();
-    block.rms = rms.data();
     block.dgamma = partial.data();
-    block.num_rows = rows;
     block.hidden_dim = spec_.hidden_dim;
     block.eps = spec_.eps;
-    host_rows::BackwardRowsF32(block);
-    host_rows::ConvertFromF32(spec_.dtype, block.dx, dx.data(), n);
+    for (uint64_t first = 0; first < rows; first += tile) {
+      const size_t m = std::min<uint64_t>(tile, rows - first);
+      const size_t at = first * h * element_bytes_;
+      host_rows::ConvertToF32(spec_.dtype, x.data() + at, staged.data(), m * h);
+      host_rows::ConvertToF32(spec_.dtype, dy.data() + at, staged.data() + tile * h, m * h);
+      block.rms = rms.data() + first;
+      block.num_rows = m;
+      host_rows::BackwardRowsF32(block);
+      host_rows::ConvertFromF32(spec_.dtype, block.dx, dx.data() + at, m * h);
+    }
     for (size_t i = 0; i < partial.size(); ++i) dgamma_sum_[i] += partial[i];
     return absl::OkStatus();
   }
 
   const std::shared_ptr<const DeviceContext> ctx_;
+  const std::shared_ptr<StagingPool> staging_;
   const BatchSpec spec_;
   const std::optional<kernels::BackwardPlan> plan_;                 // empty: the host path
   const std::vector<std::shared_ptr<const LoadedModule>> modules_;  // one per plan step
   const size_t element_bytes_;
   const std::vector<uint8_t> gamma_;
   const std::vector<float> gamma_f32_;
-  CUstream stream_ = nullptr;
-  DeviceBuffer d_gamma_, d_x_, d_dy_, d_dx_, d_rms_, d_dgamma_, d_workspace_;
-  PinnedBuffer in_, out_;
+  CUstream stream_ = nullptr;  // the borrowed slot's, during DeviceChunk
   std::vector<double> dgamma_sum_;
   uint64_t rows_done_ = 0;
   double compute_seconds_ = 0;
@@ -541,8 +673,12 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
 class CudaBackend : public Backend {
  public:
   CudaBackend(std::shared_ptr<const DeviceContext> ctx, DeviceDescription device, int target_sm,
-              ModuleCacheOptions cache)
-      : ctx_(std::move(ctx)), device_(std::move(device)), target_sm_(target_sm), cache_(cache) {}
+              ModuleCacheOptions cache, uint64_t max_staging_bytes)
+      : ctx_(std::move(ctx)),
+        device_(std::move(device)),
+        target_sm_(target_sm),
+        cache_(cache),
+        staging_(std::make_shared<StagingPool>(ctx_, max_staging_bytes)) {}
 
   ~CudaBackend() override { cache_.Clear(); }
 
@@ -572,11 +708,9 @@ class CudaBackend : public Backend {
         modules.push_back(std::move(m));
       }
     }
-    auto session =
-        std::make_unique<CudaBackwardSession>(ctx_, spec, std::move(plan), std::move(modules),
-                                              std::move(gamma_bytes), std::move(gamma_f32));
-    NORMGRAD_RETURN_IF_ERROR(session->Init());
-    return std::unique_ptr<BackwardSession>(std::move(session));
+    return std::unique_ptr<BackwardSession>(std::make_unique<CudaBackwardSession>(
+        ctx_, spec, std::move(plan), std::move(modules), std::move(gamma_bytes),
+        std::move(gamma_f32), staging_));
   }
 
   absl::Status Preload(const kernels::Kernel& kernel,
@@ -653,6 +787,7 @@ class CudaBackend : public Backend {
   const DeviceDescription device_;
   const int target_sm_;
   ModuleCache<LoadedModule> cache_;
+  const std::shared_ptr<StagingPool> staging_;  // shared with the sessions
 };
 
 // Device set-up on a loaded driver (see cuda_backend.h); any failure means no usable GPU.
@@ -718,8 +853,8 @@ absl::StatusOr<std::unique_ptr<Backend>> OpenDevice(std::shared_ptr<const CudaDr
                           api.cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
                                                     &threshold) == CUDA_SUCCESS;
   }
-  return std::unique_ptr<Backend>(
-      new CudaBackend(std::move(ctx), std::move(d), major * 10 + minor, options.cache));
+  return std::unique_ptr<Backend>(new CudaBackend(std::move(ctx), std::move(d), major * 10 + minor,
+                                                  options.cache, options.max_staging_bytes));
 }
 
 }  // namespace

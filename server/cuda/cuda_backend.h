@@ -6,9 +6,16 @@
 // from the device's default pool with CU_MEMPOOL_ATTR_RELEASE_THRESHOLD raised to UINT64_MAX
 // (cuMemAlloc when the driver or device lacks pools).
 //
-// Per session: one CU_STREAM_NON_BLOCKING stream, device buffers grown to the largest chunk,
-// pinned host staging (cuMemHostAlloc) for the chunk's inputs and outputs. Every call that
-// issues work first makes the context current on the calling thread (cuCtxSetCurrent).
+// Staging, per backend, not per session: a chunk borrows a slot from the backend's staging pool
+// for the length of one ProcessChunk call (a CU_STREAM_NON_BLOCKING stream, pinned host memory
+// from cuMemHostAlloc and device memory for gamma, x, dy, dx, rms, the plan's workspace and the
+// chunk's grad_gamma), and gives it back once its stream is synchronized; an idle session holds
+// none. Slots are reused across sessions and RPCs. The pinned bytes of all slots, in use or
+// idle, stay within max_staging_bytes, and so do the device bytes (a slot that alone is larger
+// is still lent when no other slot is held); a chunk that would pass the bound first frees
+// idle slots, then waits for one in use to come back. The server passes --max-inflight-bytes
+// (docs/operations.md, "Memory and overload"). Every call that issues work first makes the
+// context current on the calling thread (cuCtxSetCurrent).
 //
 // Which kernel runs (BatchSpec::kernel empty = the backend's choice):
 //   hidden_dim <= 16384             rms_norm_backward_row_resident (x and dy read once; the given
@@ -32,6 +39,7 @@
 #ifndef NORMGRAD_SERVER_CUDA_CUDA_BACKEND_H_
 #define NORMGRAD_SERVER_CUDA_CUDA_BACKEND_H_
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -45,6 +53,8 @@ struct CudaBackendOptions {
   std::string driver_library;  // empty: $NORMGRAD_CUDA_DRIVER, else "libcuda.so.1"
   int device_ordinal = 0;
   ModuleCacheOptions cache;
+  // Bound of the staging pool: pinned host bytes, and device bytes, each (see above).
+  uint64_t max_staging_bytes = 1ull << 30;
 };
 
 // FAILED_PRECONDITION saying why when no usable GPU is found (library not loadable or not a

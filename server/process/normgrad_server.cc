@@ -316,7 +316,10 @@ absl::StatusOr<std::unique_ptr<NormGradServer>> NormGradServer::Start(
   NORMGRAD_ASSIGN_OR_RETURN(const std::vector<PreloadEntry> preload,
                             ParsePreloadEntries(options.preload));
   if (backend == nullptr) {
-    NORMGRAD_ASSIGN_OR_RETURN(backend, CreateBackend(options.backend));
+    BackendOptions backend_options = options.backend;
+    // The CUDA backend's staging pool stays within the in-flight budget (docs/operations.md).
+    backend_options.max_staging_bytes = options.admission.max_inflight_bytes;
+    NORMGRAD_ASSIGN_OR_RETURN(backend, CreateBackend(backend_options));
   }
   // From here on a failure returns through ~NormGradServer, which stops what was started.
   std::unique_ptr<NormGradServer> server(new NormGradServer(options, std::move(backend)));
