@@ -59,7 +59,7 @@ absl::StatusOr<Module> BuiltKernel::StartModule(const KernelConfig& config) cons
       const PtxVersion version,
       ResolvePtxVersion(config.target_sm, config.ptx_version, InstructionsVersion(config.dtype)));
   Module m(version, config.target_sm);
-  m.AddEntry(EntryName());
+  m.AddEntry(EntryName()).set_max_threads(BlockThreads(config));
   return m;
 }
 

@@ -60,7 +60,8 @@ class BuiltKernel : public Kernel {
 
  protected:
   // Build's opening: CanImplement, then a module at the lowest PTX version the target and the
-  // dtype's instructions allow (or the requested one) with one entry named EntryName().
+  // dtype's instructions allow (or the requested one) with one entry named EntryName() that
+  // declares `.maxntid BlockThreads(config), 1, 1`.
   absl::StatusOr<Module> StartModule(const KernelConfig& config) const;
 
  private:

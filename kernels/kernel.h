@@ -6,6 +6,7 @@
 //   NORMGRAD_RETURN_IF_ERROR(k->CanImplement(config));   // cheap, no emission
 //   absl::StatusOr<EmittedPtx> ptx = k->Emit(config);                  // deterministic bytes
 //   LaunchGeometry g = k->Geometry(config, num_rows);                  // grid/block/shared
+//   uint32_t t = k->BlockThreads(config);        // == g.block[0]; the PTX's `.maxntid t, 1, 1`
 //   std::string key = k->ConfigKey(config);                            // what the PTX bakes in
 //
 // Contract: a value is either a run-time kernel parameter or part of ConfigKey(), never half of
@@ -91,8 +92,16 @@ class Kernel {
   // value and the limit.
   virtual absl::Status CanImplement(const KernelConfig& config) const = 0;
 
-  // Grid, block and dynamic shared memory to process `num_rows` rows. Never launches a
-  // full-mask shuffle with fewer than 32 live threads.
+  // Threads per block of every launch at `config` (blocks are 1-D: Geometry's block.x). The
+  // emitted entry declares it as `.maxntid <threads>, 1, 1`: ptxas, whole-program or
+  // relocatable (as nvJitLink runs it), must then fit registers * threads into the 65,536
+  // registers of an SM, so every cubin made from the PTX launches at this block size; the driver
+  // refuses a larger block (CUDA_ERROR_INVALID_VALUE), which the kernels' fixed tiling could
+  // not process anyway. Depends only on what ConfigKey() names.
+  virtual uint32_t BlockThreads(const KernelConfig& config) const = 0;
+
+  // Grid, block and dynamic shared memory to process `num_rows` rows; block = (BlockThreads, 1,
+  // 1). Never launches a full-mask shuffle with fewer than 32 live threads.
   virtual LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const = 0;
 
   // Stable text naming everything baked into the emitted PTX (entry, specialised values,
@@ -105,7 +114,8 @@ class Kernel {
 };
 
 // Bumped whenever emission changes for an unchanged config; part of every ConfigKey.
-inline constexpr absl::string_view kGeneratorVersion = "normgrad-ptx/1";
+// 2: entries declare `.maxntid`.
+inline constexpr absl::string_view kGeneratorVersion = "normgrad-ptx/2";
 
 }  // namespace normgrad::kernels
 

@@ -244,6 +244,12 @@ class Function {
   SharedArray AddShared(absl::string_view name, uint32_t bytes, uint32_t align = 16);
   const std::vector<SharedDecl>& shared() const { return shared_; }
 
+  // The most threads a block launching this entry has: emitted as `.maxntid <n>, 1, 1` between
+  // the parameter list and the body (0: not declared). ptxas then keeps registers * n within the
+  // SM's register file, and the driver refuses a larger block (CUDA_ERROR_INVALID_VALUE).
+  void set_max_threads(uint32_t n) { max_threads_ = n; }
+  uint32_t max_threads() const { return max_threads_; }
+
   Value NewRegister(PtxType type);
   uint32_t num_registers() const { return static_cast<uint32_t>(registers_.size()); }
   PtxType register_type(uint32_t index) const { return registers_[index].type; }
@@ -273,6 +279,7 @@ class Function {
   std::string name_;
   std::vector<ParamDecl> params_;
   std::vector<SharedDecl> shared_;
+  uint32_t max_threads_ = 0;
   std::vector<RegisterInfo> registers_;
   std::vector<uint32_t> class_counts_ = std::vector<uint32_t>(6, 0);
   std::vector<LabelDecl> labels_;

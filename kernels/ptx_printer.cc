@@ -188,7 +188,9 @@ std::string EmitPtx(const Module& module) {
       absl::StrAppend(&out, i == 0 ? "\n" : ",\n", "\t.param .", PtxTypeName(f.params()[i].type),
                       " ", f.params()[i].name);
     }
-    absl::StrAppend(&out, f.params().empty() ? ")\n{\n" : "\n)\n{\n");
+    absl::StrAppend(&out, f.params().empty() ? ")\n" : "\n)\n");
+    if (f.max_threads() != 0) absl::StrAppend(&out, ".maxntid ", f.max_threads(), ", 1, 1\n");
+    out += "{\n";
     for (const Function::RegClassUse& c : f.RegisterClasses()) {
       absl::StrAppend(&out, "\t.reg .", c.decl_type, " ", c.prefix, "<", c.count, ">;\n");
     }

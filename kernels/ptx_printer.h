@@ -1,6 +1,7 @@
 // PTX text from the IR (kernels/ptx_ir.h): EmitPtx() writes a whole module in the conventional
-// layout (header, one `.visible .entry` each with its `.reg` and `.shared` declarations, one
-// instruction per line); InstructionText() writes one instruction, for messages and tests.
+// layout (header, one `.visible .entry` each with its `.maxntid` when declared, its `.reg` and
+// `.shared` declarations, one instruction per line); InstructionText() writes one instruction, for
+// messages and tests.
 //
 //   NORMGRAD_RETURN_IF_ERROR(Verify(module));   // kernels/verifier.h
 //   std::string text = EmitPtx(module);                       // deterministic bytes

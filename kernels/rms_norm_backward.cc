@@ -108,7 +108,7 @@ LaunchGeometry RmsNormBackwardKernel::Geometry(const KernelConfig& config,
   LaunchGeometry g;
   const uint64_t blocks = (num_rows + kRowsPerBlock - 1) / kRowsPerBlock;
   g.grid[0] = static_cast<uint32_t>(std::clamp<uint64_t>(blocks, 1, kMaxGridX));
-  g.block[0] = 32 * kRowsPerBlock;
+  g.block[0] = BlockThreads(config);
   return g;
 }
 
@@ -178,7 +178,7 @@ LaunchGeometry BatchedRmsNormBackwardKernel::Geometry(const KernelConfig& config
                                                       uint64_t num_rows) const {
   LaunchGeometry g;
   g.grid[0] = static_cast<uint32_t>(std::clamp<uint64_t>(num_rows, 1, kMaxGridX));
-  g.block[0] = 32;
+  g.block[0] = BlockThreads(config);
   return g;
 }
 

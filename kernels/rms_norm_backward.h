@@ -43,6 +43,9 @@ class RmsNormBackwardKernel : public BuiltKernel {
   RmsNormBackwardKernel()
       : BuiltKernel(kEntryName, kMaxHiddenDim,
                     " (one warp per row); use batched_rms_norm_backward") {}
+  // 32 * kRowsPerBlock. (The kernel reads the block size from %ntid.x, so a smaller block of
+  // whole warps computes too; `.maxntid` refuses a larger one.)
+  uint32_t BlockThreads(const KernelConfig& config) const override { return 32 * kRowsPerBlock; }
   // grid.x = ceil(num_rows / kRowsPerBlock) (at least 1, at most 2^31-1); callers split row
   // ranges above kRowsPerBlock * (2^31-1) or above the u32 num_rows parameter.
   LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;
@@ -61,6 +64,8 @@ class BatchedRmsNormBackwardKernel : public BuiltKernel {
   static constexpr absl::string_view kEntryName = "batched_rms_norm_backward";
 
   BatchedRmsNormBackwardKernel() : BuiltKernel(kEntryName, kMaxHiddenDim) {}
+  // 32: one warp per row, columns strided by 32.
+  uint32_t BlockThreads(const KernelConfig& config) const override { return 32; }
   // grid.x = num_rows (at least 1); block.x = 32. grid.x is capped at 2^31-1: callers split
   // launches (offsetting the row pointers) when num_rows exceeds it.
   LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;

@@ -188,15 +188,19 @@ RowResidentRmsNormBackwardKernel::RowResidentRmsNormBackwardKernel()
                                " elements per thread of a ", kMaxThreads,
                                "-thread block); use batched_rms_norm_backward")) {}
 
+uint32_t RowResidentRmsNormBackwardKernel::BlockThreads(const KernelConfig& config) const {
+  return TilingFor(config).threads;
+}
+
 LaunchGeometry RowResidentRmsNormBackwardKernel::Geometry(const KernelConfig& config,
                                                           uint64_t num_rows) const {
-  const RowTiling t = TilingFor(config);
+  const uint32_t threads = BlockThreads(config);
   const uint64_t sms = config.sm_count == 0 ? kDefaultSmCount : config.sm_count;
-  const uint64_t per_sm = std::clamp<uint64_t>(kResidentThreadsPerSm / t.threads, 1, 8);
+  const uint64_t per_sm = std::clamp<uint64_t>(kResidentThreadsPerSm / threads, 1, 8);
   LaunchGeometry g;
   g.grid[0] =
       static_cast<uint32_t>(std::clamp<uint64_t>(std::min(num_rows, sms * per_sm), 1, kMaxGridX));
-  g.block[0] = t.threads;
+  g.block[0] = threads;
   return g;
 }
 
@@ -387,7 +391,7 @@ LaunchGeometry RmsNormBackwardDgammaReduceKernel::Geometry(const KernelConfig& c
                                                            uint64_t num_rows) const {
   LaunchGeometry g;
   g.grid[0] = std::max<uint32_t>(1, CeilDiv(std::max<uint32_t>(config.hidden_dim, 1), 32));
-  g.block[0] = 32 * kGroups;
+  g.block[0] = BlockThreads(config);
   return g;
 }
 

@@ -84,6 +84,9 @@ class RowResidentRmsNormBackwardKernel : public BuiltKernel {
   static constexpr absl::string_view kEntryName = "rms_norm_backward_row_resident";
 
   RowResidentRmsNormBackwardKernel();
+  // T of TilingFor(config): the tiling is baked into the PTX, so no other block size computes
+  // the row.
+  uint32_t BlockThreads(const KernelConfig& config) const override;
   // block.x = T; grid.x = G = clamp(min(num_rows, sm_count * blocks_per_sm), 1, 2^31-1): the
   // number of dgamma partial rows. shared_bytes = 0 (the reduction's shared array is static).
   LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;
@@ -108,6 +111,8 @@ class RmsNormBackwardDgammaReduceKernel : public BuiltKernel {
   static constexpr absl::string_view kEntryName = "rms_norm_backward_dgamma_reduce";
 
   RmsNormBackwardDgammaReduceKernel() : BuiltKernel(kEntryName, kMaxHiddenDim) {}
+  // 32 * kGroups: the shared array holds one sum per thread of kGroups warps.
+  uint32_t BlockThreads(const KernelConfig& config) const override { return 32 * kGroups; }
   // block.x = 32 * kGroups, grid.x = ceil(hidden_dim / 32) from config.hidden_dim; `num_rows`
   // unused.
   LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;

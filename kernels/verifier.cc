@@ -37,6 +37,8 @@ bool IsIdentifier(absl::string_view s) {
 
 // Static `.shared` declarations of one entry may not exceed 48 KiB.
 constexpr uint64_t kMaxStaticSharedBytes = 48 * 1024;
+// Threads per block on every target (sm_75 ... sm_121).
+constexpr uint32_t kMaxThreadsPerBlock = 1024;
 
 bool IsIeeeRounding(Rounding r) {
   return r == Rounding::kRn || r == Rounding::kRz || r == Rounding::kRm || r == Rounding::kRp;
@@ -85,6 +87,11 @@ class FunctionVerifier {
       return absl::InvalidArgumentError(absl::StrCat(
           "entry ", f_.name(), ": ", shared_bytes, " bytes of static shared memory exceed ",
           kMaxStaticSharedBytes, ", the static limit (use dynamic shared memory beyond it)"));
+    }
+    if (f_.max_threads() > kMaxThreadsPerBlock) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("entry ", f_.name(), ": .maxntid ", f_.max_threads(), " exceeds ",
+                       kMaxThreadsPerBlock, ", the most threads a block has on any target"));
     }
     const std::vector<Instruction>& code = f_.instructions();
     for (size_t i = 0; i < code.size(); ++i) {

@@ -12,7 +12,8 @@
 // exactly once; every ld.param names a declared parameter of that type; guards are predicates;
 // constant address offsets are multiples of the access size (16 for a .v4.f32); shared arrays have
 // unique names, a power-of-two alignment and at most 48 KiB in all, and their addresses are only
-// taken with mov; control does not run off the end of an entry.
+// taken with mov; a declared `.maxntid` is at most 1024; control does not run off the end of an
+// entry.
 #ifndef NORMGRAD_KERNELS_VERIFIER_H_
 #define NORMGRAD_KERNELS_VERIFIER_H_
 

@@ -7,11 +7,17 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "gtest/gtest.h"
 #include "kernels/kernel.h"
 #include "kernels/kernel_params.h"
 #include "kernels/kernel_registry.h"
+#include "kernels/rms_norm_backward_row_resident.h"
+#include "kernels/targets.h"
 
 namespace normgrad::kernels {
 namespace {
@@ -271,6 +277,80 @@ TEST(BackwardPlan, CreateRefusesWhatTheKernelRefusesAndTheReduceAlone) {
   const absl::Status reduce = BackwardPlan::Create(*FindKernel(kReduce), Config(64)).status();
   EXPECT_EQ(reduce.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(reduce.message().find("not a backward kernel"), absl::string_view::npos) << reduce;
+}
+
+// The block size the entry of `ptx` declares: the line after its parameter list must be
+// `.maxntid X, 1, 1` and the next one `{`. 0 when the directive is missing or malformed.
+uint32_t DeclaredMaxThreads(const std::string& ptx) {
+  const std::vector<absl::string_view> lines = absl::StrSplit(ptx, '\n');
+  for (size_t i = 0; i + 2 < lines.size(); ++i) {
+    if (lines[i] != ")") continue;
+    std::vector<absl::string_view> words = absl::StrSplit(lines[i + 1], ' ');
+    uint32_t x = 0;
+    if (words.size() == 4 && words[0] == ".maxntid" && absl::ConsumeSuffix(&words[1], ",") &&
+        absl::SimpleAtoi(words[1], &x) && words[2] == "1," && words[3] == "1" &&
+        lines[i + 2] == "{") {
+      return x;
+    }
+    return 0;
+  }
+  return 0;
+}
+
+// Every registry kernel, dtype and supported target, at hidden dims that reach every
+// row-resident tiling (128 to 512 threads) and the other kernels' limits: the PTX declares the
+// block size its launches use, so ptxas (and nvJitLink's relocatable ptxas) fits its registers
+// to that block and the driver refuses a larger one.
+TEST(LaunchBounds, EveryKernelDeclaresMaxntidEqualToItsLaunchBlock) {
+  const std::vector<uint32_t> hidden_dims = {1,    32,   512,  896,  2048,  2049,
+                                             4096, 4097, 8192, 8193, 12288, 16384};
+  int checked = 0;
+  for (const Kernel* k : AllKernels()) {
+    for (const DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
+      for (const uint32_t hidden : hidden_dims) {
+        for (const int target : SupportedTargets()) {
+          const KernelConfig config{.hidden_dim = hidden, .dtype = dtype, .target_sm = target};
+          if (!k->CanImplement(config).ok()) continue;
+          const std::string what = absl::StrCat(k->ConfigKey(config), " hidden_dim ", hidden);
+          absl::StatusOr<EmittedPtx> ptx = k->Emit(config);
+          ASSERT_TRUE(ptx.ok()) << what << ": " << ptx.status();
+          const uint32_t declared = DeclaredMaxThreads(ptx->text);
+          EXPECT_EQ(declared, k->BlockThreads(config)) << what;
+          for (const uint64_t rows : {uint64_t{1}, uint64_t{1000}, uint64_t{1} << 33}) {
+            const LaunchGeometry g = k->Geometry(config, rows);
+            EXPECT_EQ(g.block[0], declared) << what << ", " << rows << " rows";
+            EXPECT_EQ(g.block[1] * g.block[2], 1u) << what;
+          }
+          ++checked;
+        }
+      }
+    }
+  }
+  // 4 kernels; bf16 on 10 of the 11 targets; rms_norm_backward at hidden_dim <= 32 only.
+  EXPECT_GT(checked, 800);
+}
+
+TEST(LaunchBounds, RowResidentTilingsSpanEveryBlockSize) {
+  const Kernel* k = FindKernel(kRowResident);
+  ASSERT_NE(k, nullptr);
+  EXPECT_EQ(k->BlockThreads({.hidden_dim = 896}), 128u);
+  EXPECT_EQ(k->BlockThreads({.hidden_dim = 4096}), 256u);
+  EXPECT_EQ(k->BlockThreads({.hidden_dim = 16384}), 512u);
+  EXPECT_EQ(k->BlockThreads({.hidden_dim = 16384}),
+            RowResidentRmsNormBackwardKernel::TilingFor({.hidden_dim = 16384}).threads);
+}
+
+TEST(LaunchBounds, TheParserOfThisTestNeedsTheDirective) {
+  const Kernel* k = FindKernel(kBatched);
+  ASSERT_NE(k, nullptr);
+  absl::StatusOr<EmittedPtx> ptx = k->Emit({.hidden_dim = 64, .target_sm = 90});
+  ASSERT_TRUE(ptx.ok()) << ptx.status();
+  EXPECT_EQ(DeclaredMaxThreads(ptx->text), 32u);
+  std::string without = ptx->text;
+  const size_t at = without.find(".maxntid 32, 1, 1\n");
+  ASSERT_NE(at, std::string::npos);
+  without.erase(at, std::strlen(".maxntid 32, 1, 1\n"));
+  EXPECT_EQ(DeclaredMaxThreads(without), 0u);
 }
 
 TEST(BackwardPlan, NoRowsLaunchNothing) {

@@ -92,7 +92,7 @@ TEST(RowResidentKernelTest, TilingHoldsTheWholeRowWithinTheRegisterBudget) {
 
 TEST(RowResidentKernelTest, TheKeyNamesTheTilingButNotTheSmCount) {
   const std::string a = Main().ConfigKey({.hidden_dim = 4096, .target_sm = 90});
-  EXPECT_EQ(a, "rms_norm_backward_row_resident|dtype=f32|sm_90|ptx=7.8|normgrad-ptx/1|tile=256x4");
+  EXPECT_EQ(a, "rms_norm_backward_row_resident|dtype=f32|sm_90|ptx=7.8|normgrad-ptx/2|tile=256x4");
   // Same tiling, same key, same bytes.
   EXPECT_EQ(Main().ConfigKey({.hidden_dim = 4000, .target_sm = 90}), a);
   EXPECT_EQ(Main().Emit({.hidden_dim = 4000, .target_sm = 90})->text,

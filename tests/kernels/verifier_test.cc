@@ -275,6 +275,16 @@ TEST(VerifierTest, RejectsDuplicateEntries) {
   ExpectRejected(m, "declared twice");
 }
 
+TEST(VerifierTest, RejectsAMaxntidAboveTheDevicesBlockLimit) {
+  Module m(PtxVersion{7, 0}, 80);
+  Function& f = m.AddEntry("k");
+  Builder(&f).Ret();
+  f.set_max_threads(1024);
+  ExpectAccepted(m);
+  f.set_max_threads(1025);
+  ExpectRejected(m, "entry k: .maxntid 1025 exceeds 1024");
+}
+
 TEST(VerifierTest, MessageNamesTheInstructionIndexAndText) {
   Fixture fx;
   Value u = fx.b.Mov(Value::U32(1));
