@@ -336,4 +336,53 @@ TEST_F(EmulatedDriverTest, OutOfBoundsLaunchIsIllegalAddressAndTheContextStaysUs
   EXPECT_EQ(cuMemFree(data), CUDA_SUCCESS);
 }
 
+// The driver refuses a block with more threads than the entry's .maxntid (the product of its
+// extents) with CUDA_ERROR_INVALID_VALUE, as it refuses one above the device's 1024; every
+// kernel normgrad emits declares its block size this way (docs/kernels.md).
+TEST_F(EmulatedDriverTest, ALaunchAboveTheEntrysMaxntidIsInvalidValue) {
+  MakeCurrent();
+  std::string bounded = kScalePtx;
+  const size_t body = bounded.find(")\n{");
+  ASSERT_NE(body, std::string::npos);
+  bounded.insert(body + 1, "\n.maxntid 64, 1, 1");
+  CUmodule module = nullptr;
+  ASSERT_EQ(cuModuleLoadDataEx(&module, bounded.c_str(), 0, nullptr, nullptr), CUDA_SUCCESS);
+  CUfunction fn = nullptr;
+  ASSERT_EQ(cuModuleGetFunction(&fn, module, "scale"), CUDA_SUCCESS);
+  constexpr uint32_t kN = 64;
+  CUdeviceptr data = 0;
+  ASSERT_EQ(cuMemAlloc(&data, kN * sizeof(float)), CUDA_SUCCESS);
+  ASSERT_EQ(cuMemsetD32Async(data, 0x3f800000u, kN, nullptr), CUDA_SUCCESS);  // 1.0f
+  uint32_t n = kN;
+  float factor = 3.0f;
+  void* params[] = {&data, &n, &factor};
+
+  EXPECT_EQ(cuLaunchKernel(fn, 1, 1, 1, 128, 1, 1, 0, nullptr, params, nullptr),
+            CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(cuLaunchKernel(fn, 1, 1, 1, 8, 16, 1, 0, nullptr, params, nullptr),
+            CUDA_ERROR_INVALID_VALUE);  // 128 threads in two dimensions
+  EXPECT_EQ(cuLaunchKernel(fn, 1, 1, 1, 65, 1, 1, 0, nullptr, params, nullptr),
+            CUDA_ERROR_INVALID_VALUE);
+  std::vector<float> back(kN);
+  ASSERT_EQ(cuMemcpyDtoHAsync(back.data(), data, kN * sizeof(float), nullptr), CUDA_SUCCESS);
+  EXPECT_EQ(back[0], 1.0f);  // the refused launches ran nothing
+
+  // 64 threads in any shape are within the bound.
+  EXPECT_EQ(cuLaunchKernel(fn, 1, 1, 1, 8, 8, 1, 0, nullptr, params, nullptr), CUDA_SUCCESS);
+  ASSERT_EQ(cuMemsetD32Async(data, 0x3f800000u, kN, nullptr), CUDA_SUCCESS);
+  EXPECT_EQ(cuLaunchKernel(fn, 1, 1, 1, 64, 1, 1, 0, nullptr, params, nullptr), CUDA_SUCCESS);
+  ASSERT_EQ(cuMemcpyDtoHAsync(back.data(), data, kN * sizeof(float), nullptr), CUDA_SUCCESS);
+  for (uint32_t i = 0; i < kN; ++i) EXPECT_EQ(back[i], 3.0f) << i;
+
+  // Without the directive the same 128-thread block launches.
+  CUmodule unbounded = nullptr;
+  CUfunction plain = nullptr;
+  ASSERT_NO_FATAL_FAILURE(LoadScaleKernel(&unbounded, &plain));
+  EXPECT_EQ(cuLaunchKernel(plain, 1, 1, 1, 128, 1, 1, 0, nullptr, params, nullptr), CUDA_SUCCESS);
+
+  EXPECT_EQ(cuModuleUnload(unbounded), CUDA_SUCCESS);
+  EXPECT_EQ(cuModuleUnload(module), CUDA_SUCCESS);
+  EXPECT_EQ(cuMemFree(data), CUDA_SUCCESS);
+}
+
 }  // namespace

@@ -1,7 +1,9 @@
 #include "tests/ptxsim/parser.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
@@ -438,14 +440,19 @@ class Parser {
     while (Peek().text != "{") {
       const Token d = Next();
       if (d.text == ".maxntid" || d.text == ".reqntid") {
+        // The limit is the product of the 1 to 3 extents (what the driver compares a block's
+        // thread count with); ptxas refuses an extent of 0. Saturated, so no product wraps to 0
+        // ("undeclared").
         uint64_t product = 1;
         for (int k = 0; k < 3; ++k) {
           const Token v = Next();
           absl::StatusOr<uint64_t> value = ParseIntegerLiteral(v.text);
-          if (v.kind != Token::Kind::kNumber || !value.ok()) {
-            return Error(v.line, absl::StrCat("bad ", d.text, " value '", v.text, "'"));
+          if (v.kind != Token::Kind::kNumber || !value.ok() || *value == 0) {
+            return Error(v.line, absl::StrCat("bad ", d.text, " value '", v.text,
+                                              "' (a positive integer expected)"));
           }
-          product *= *value;
+          product =
+              std::min<uint64_t>(product * std::min<uint64_t>(*value, UINT32_MAX), UINT32_MAX);
           if (Peek().text != ",") break;
           Next();
         }

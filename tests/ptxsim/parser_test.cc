@@ -1,6 +1,7 @@
 // The parser accepts the conventional PTX subset and refuses the rest with the line and reason.
 #include "tests/ptxsim/parser.h"
 
+#include <cstdint>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -144,6 +145,35 @@ TEST(PtxParser, RefusesDeviceFunctionsAndBadHeaders) {
   ASSERT_FALSE(garbage.ok());
   EXPECT_THAT(std::string(garbage.status().message()),
               HasSubstr("line 3: unexpected character '#'"));
+}
+
+// `directive` between the parameter list and the body, as ptxas and the kernels write it.
+std::string ModuleWith(absl::string_view directive) {
+  return absl::StrCat(kHeader, ".visible .entry k(\n  .param .u64 out\n)\n", directive,
+                      "\n{\nret;\n}\n");
+}
+
+TEST(PtxParser, ReadsMaxntidAsTheProductOfItsExtents) {
+  const auto limit = [](absl::string_view directive) -> uint32_t {
+    absl::StatusOr<Module> m = ParsePtx(ModuleWith(directive));
+    EXPECT_TRUE(m.ok()) << directive << ": " << m.status();
+    return m.ok() ? m->entries[0].max_threads_per_block : 0;
+  };
+  EXPECT_EQ(limit(""), 0u);  // undeclared: only the device's 1024 applies
+  EXPECT_EQ(limit(".maxntid 256, 1, 1"), 256u);
+  EXPECT_EQ(limit(".maxntid 32"), 32u);
+  EXPECT_EQ(limit(".maxntid 16, 2"), 32u);
+  EXPECT_EQ(limit(".reqntid 8, 8, 2"), 128u);
+  EXPECT_EQ(limit(".maxntid 512, 1, 1\n.minnctapersm 1"), 512u);
+  // Saturates instead of wrapping to 0 ("undeclared").
+  EXPECT_EQ(limit(".maxntid 65536, 65536, 65536"), UINT32_MAX);
+
+  // ptxas: "Positive non-zero value expected for maxntid".
+  for (absl::string_view bad : {".maxntid 0, 1, 1", ".maxntid 64, 0", ".maxntid x"}) {
+    absl::StatusOr<Module> m = ParsePtx(ModuleWith(bad));
+    ASSERT_FALSE(m.ok()) << bad;
+    EXPECT_THAT(std::string(m.status().message()), HasSubstr("line 7: bad .maxntid value")) << bad;
+  }
 }
 
 TEST(PtxParser, ReadsTargetsWithSuffixAndNulTerminatedImages) {
