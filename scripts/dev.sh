@@ -110,7 +110,7 @@ stage_asan() {
 TSAN_TARGETS=(thread_pool_test service_concurrency_test metrics_test module_cache_test
   cpu_backend_test ptxsim_emulated_driver_test)
 TSAN_GRPC_TARGETS=(service_integration_test hostile_clients_test client_server_test
-  client_scripted_server_test)
+  client_scripted_server_test fairness_test)
 stage_tsan() {
   local dir=${TSAN_BUILD_DIR:-build-tsan}
   cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
@@ -143,7 +143,7 @@ stage_tsan() {
   mkdir -p "$logs"
   LD_LIBRARY_PATH="$abs_dir/abseil-tsan/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
     TSAN_OPTIONS="halt_on_error=0:exitcode=0:ignore_noninstrumented_modules=1:log_path=$logs/report" \
-    run_ctest "$dir" -R '^(Service[A-Za-z]*Test|HostileClientTest|(Client|Secure|Cli|Load)ServerTest|ClientProtocolTest|SharedMemoryTest|UnixSocketTest)\.'
+    run_ctest "$dir" -R '^(Service[A-Za-z]*Test|HostileClientTest|(Client|Secure|Cli|Load)ServerTest|ClientProtocolTest|SharedMemoryTest|UnixSocketTest|FairnessTest|EmitPtxWorkersTest)\.'
   python3 "$ROOT/tests/tsan/triage.py" "$ROOT" "$logs"
 }
 
