@@ -11,6 +11,7 @@
 #include <cuda.h>
 #undef cuEventElapsedTime  // export the unversioned name, as server/cuda/driver_api.h looks up
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -52,6 +53,32 @@ CUresult DescribeResult(CUresult r, bool description, const char** out) {
     return CUDA_SUCCESS;
   }
   return CUDA_ERROR_INVALID_VALUE;
+}
+
+// Live pinned and device bytes and streams, with the peaks since the last reset (the CUDA
+// backend's staging pool is checked against them).
+struct Allocations {
+  std::mutex mu;
+  std::map<uintptr_t, size_t> host, device;  // base -> bytes
+  size_t host_bytes = 0, device_bytes = 0, peak_host = 0, peak_device = 0;
+  int streams = 0;
+};
+Allocations& Live() {
+  static Allocations* a = new Allocations;
+  return *a;
+}
+void Track(std::map<uintptr_t, size_t>& map, size_t& bytes, size_t& peak, void* p, size_t n) {
+  std::lock_guard<std::mutex> lock(Live().mu);
+  map[reinterpret_cast<uintptr_t>(p)] = n;
+  bytes += n;
+  peak = std::max(peak, bytes);
+}
+void Untrack(std::map<uintptr_t, size_t>& map, size_t& bytes, void* p) {
+  std::lock_guard<std::mutex> lock(Live().mu);
+  auto it = map.find(reinterpret_cast<uintptr_t>(p));
+  if (it == map.end()) return;
+  bytes -= it->second;
+  map.erase(it);
 }
 
 int DummyContextStorage;
@@ -167,6 +194,30 @@ int normgrad_scripted_cuda_live_modules() { return live_modules.load(); }
 void normgrad_scripted_cuda_reset() {
   module_loads = 0;
   launches = 0;
+  std::lock_guard<std::mutex> lock(Live().mu);
+  Live().peak_host = Live().host_bytes;
+  Live().peak_device = Live().device_bytes;
+}
+// Pinned (cuMemHostAlloc) and device bytes live now, and their peaks since the last reset.
+size_t normgrad_scripted_cuda_host_bytes() {
+  std::lock_guard<std::mutex> lock(Live().mu);
+  return Live().host_bytes;
+}
+size_t normgrad_scripted_cuda_device_bytes() {
+  std::lock_guard<std::mutex> lock(Live().mu);
+  return Live().device_bytes;
+}
+size_t normgrad_scripted_cuda_peak_host_bytes() {
+  std::lock_guard<std::mutex> lock(Live().mu);
+  return Live().peak_host;
+}
+size_t normgrad_scripted_cuda_peak_device_bytes() {
+  std::lock_guard<std::mutex> lock(Live().mu);
+  return Live().peak_device;
+}
+int normgrad_scripted_cuda_live_streams() {
+  std::lock_guard<std::mutex> lock(Live().mu);
+  return Live().streams;
 }
 
 CUresult cuInit(unsigned int) {
@@ -332,9 +383,11 @@ CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t bytes) {
   if (NoContext()) return CUDA_ERROR_INVALID_CONTEXT;
   if (Mode() == "oom") return CUDA_ERROR_OUT_OF_MEMORY;
   *p = reinterpret_cast<CUdeviceptr>(std::malloc(bytes));
+  Track(Live().device, Live().device_bytes, Live().peak_device, reinterpret_cast<void*>(*p), bytes);
   return CUDA_SUCCESS;
 }
 CUresult cuMemFree_v2(CUdeviceptr p) {
+  Untrack(Live().device, Live().device_bytes, reinterpret_cast<void*>(p));
   std::free(reinterpret_cast<void*>(p));
   return CUDA_SUCCESS;
 }
@@ -351,9 +404,11 @@ CUresult cuMemPoolSetAttribute(CUmemoryPool, CUmemPool_attribute a, void* v) {
 CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned int) {
   if (NoContext()) return CUDA_ERROR_INVALID_CONTEXT;
   *p = std::malloc(bytes);
+  Track(Live().host, Live().host_bytes, Live().peak_host, *p, bytes);
   return CUDA_SUCCESS;
 }
 CUresult cuMemFreeHost(void* p) {
+  Untrack(Live().host, Live().host_bytes, p);
   std::free(p);
   return CUDA_SUCCESS;
 }
@@ -382,9 +437,15 @@ CUresult cuStreamCreate(CUstream* s, unsigned int flags) {
   if (NoContext()) return CUDA_ERROR_INVALID_CONTEXT;
   if (flags != CU_STREAM_NON_BLOCKING) return CUDA_ERROR_INVALID_VALUE;  // the backend's contract
   *s = reinterpret_cast<CUstream>(new int(0));
+  std::lock_guard<std::mutex> lock(Live().mu);
+  ++Live().streams;
   return CUDA_SUCCESS;
 }
 CUresult cuStreamDestroy_v2(CUstream s) {
+  {
+    std::lock_guard<std::mutex> lock(Live().mu);
+    --Live().streams;
+  }
   delete reinterpret_cast<int*>(s);
   return CUDA_SUCCESS;
 }

@@ -67,6 +67,17 @@ int ModuleLoads() { return ScriptedSymbol<int (*)()>("normgrad_scripted_cuda_mod
 int Launches() { return ScriptedSymbol<int (*)()>("normgrad_scripted_cuda_launches")(); }
 int LiveModules() { return ScriptedSymbol<int (*)()>("normgrad_scripted_cuda_live_modules")(); }
 void ResetCounters() { ScriptedSymbol<void (*)()>("normgrad_scripted_cuda_reset")(); }
+size_t PinnedBytes() { return ScriptedSymbol<size_t (*)()>("normgrad_scripted_cuda_host_bytes")(); }
+size_t DeviceBytes() {
+  return ScriptedSymbol<size_t (*)()>("normgrad_scripted_cuda_device_bytes")();
+}
+size_t PeakPinnedBytes() {
+  return ScriptedSymbol<size_t (*)()>("normgrad_scripted_cuda_peak_host_bytes")();
+}
+size_t PeakDeviceBytes() {
+  return ScriptedSymbol<size_t (*)()>("normgrad_scripted_cuda_peak_device_bytes")();
+}
+int LiveStreams() { return ScriptedSymbol<int (*)()>("normgrad_scripted_cuda_live_streams")(); }
 
 absl::StatusOr<std::unique_ptr<Backend>> Create(BackendKind kind, const std::string& library) {
   BackendOptions options;
@@ -76,8 +87,12 @@ absl::StatusOr<std::unique_ptr<Backend>> Create(BackendKind kind, const std::str
   return CreateBackend(options);
 }
 
-std::unique_ptr<Backend> ScriptedCuda() {
-  absl::StatusOr<std::unique_ptr<Backend>> b = Create(BackendKind::kCuda, kScripted);
+std::unique_ptr<Backend> ScriptedCuda(uint64_t max_staging_bytes = 1ull << 30) {
+  BackendOptions options;
+  options.kind = BackendKind::kCuda;
+  options.cuda_driver_library = kScripted;
+  options.max_staging_bytes = max_staging_bytes;
+  absl::StatusOr<std::unique_ptr<Backend>> b = CreateBackend(options);
   EXPECT_TRUE(b.ok()) << b.status();
   return b.ok() ? *std::move(b) : nullptr;
 }
@@ -138,10 +153,10 @@ TEST(CudaDriverTest, ResultsConvertToStatusCodesNamingTheCall) {
   EXPECT_EQ(cuda::CudaResultToStatus(nullptr, CUDA_ERROR_UNSUPPORTED_PTX_VERSION, "load").code(),
             absl::StatusCode::kFailedPrecondition);
   // A lost device (sticky errors) is UNAVAILABLE: the work may succeed on another replica.
-  for (CUresult lost : {CUDA_ERROR_ILLEGAL_ADDRESS, CUDA_ERROR_LAUNCH_FAILED,
-                        CUDA_ERROR_ECC_UNCORRECTABLE, CUDA_ERROR_HARDWARE_STACK_ERROR,
-                        CUDA_ERROR_ILLEGAL_INSTRUCTION, CUDA_ERROR_MISALIGNED_ADDRESS,
-                        CUDA_ERROR_INVALID_PC, CUDA_ERROR_DEVICE_UNAVAILABLE}) {
+  for (CUresult lost :
+       {CUDA_ERROR_ILLEGAL_ADDRESS, CUDA_ERROR_LAUNCH_FAILED, CUDA_ERROR_ECC_UNCORRECTABLE,
+        CUDA_ERROR_HARDWARE_STACK_ERROR, CUDA_ERROR_ILLEGAL_INSTRUCTION,
+        CUDA_ERROR_MISALIGNED_ADDRESS, CUDA_ERROR_INVALID_PC, CUDA_ERROR_DEVICE_UNAVAILABLE}) {
     EXPECT_TRUE(cuda::IsDeviceLost(lost)) << lost;
     EXPECT_EQ(cuda::CudaResultToStatus(nullptr, lost, "sync").code(),
               absl::StatusCode::kUnavailable)
@@ -438,6 +453,69 @@ TEST(CudaBackendTest, ChunksFromOtherThreadsMakeTheContextCurrent) {
   worker.join();
   ASSERT_TRUE(got.ok()) << got.status();
   ExpectNearReference(b, *got);
+}
+
+// Staging is the backend's, not the sessions': sessions that computed a chunk and wait for
+// their next one hold no stream, pinned or device memory; the chunks, one after another, reused
+// one slot.
+TEST(CudaBackendTest, IdleSessionsHoldNoStagingAndChunksReuseOneSlot) {
+  const size_t pinned_before = PinnedBytes(), device_before = DeviceBytes();
+  const int streams_before = LiveStreams();
+  {
+    std::unique_ptr<Backend> cuda = ScriptedCuda();
+    ASSERT_NE(cuda, nullptr);
+    const Batch b = MakeBatch(64, 256, false);
+    BatchSpec spec;
+    spec.num_rows = b.rows;
+    spec.hidden_dim = b.hidden;
+    std::vector<std::unique_ptr<BackwardSession>> sessions;
+    std::vector<float> dx(32 * b.hidden);
+    for (int i = 0; i < 8; ++i) {
+      auto session = cuda->StartBackward(spec, Bytes(b.gamma));
+      ASSERT_TRUE(session.ok()) << session.status();
+      const size_t bytes = 32 * b.hidden * 4;
+      ASSERT_TRUE((*session)
+                      ->ProcessChunk(Bytes(b.x).subspan(0, bytes), Bytes(b.dy).subspan(0, bytes),
+                                     {}, 32, MutableBytes(dx))
+                      .ok());
+      sessions.push_back(*std::move(session));
+    }
+    // One slot: 32 rows of x, dy and dx pinned and on the device, plus gamma and grad_gamma.
+    const size_t chunk = 32 * b.hidden * 4;
+    EXPECT_EQ(LiveStreams(), streams_before + 1);
+    EXPECT_GE(PinnedBytes() - pinned_before, 3 * chunk);
+    EXPECT_LT(PinnedBytes() - pinned_before, 3 * chunk + 8192);
+    EXPECT_GE(DeviceBytes() - device_before, 3 * chunk);
+    EXPECT_LT(DeviceBytes() - device_before, 3 * chunk + 8192 + 32 * 4 * 1024);
+  }
+  EXPECT_EQ(LiveStreams(), streams_before);
+  EXPECT_EQ(PinnedBytes(), pinned_before);
+  EXPECT_EQ(DeviceBytes(), device_before);
+}
+
+// Chunks computing at once on 8 threads never hold more pinned (or device) staging than the
+// pool's bound, here room for two slots: the others wait for a slot, and every result is right.
+TEST(CudaBackendTest, ConcurrentChunksStayWithinTheStagingBound) {
+  const Batch b = MakeBatch(96, 512, false);
+  const uint64_t slot = 3 * 16 * 512 * 4 + 16 * 1024;  // 16-row chunks, and gamma, grad_gamma
+  std::unique_ptr<Backend> cuda = ScriptedCuda(2 * slot);
+  ASSERT_NE(cuda, nullptr);
+  const size_t pinned_before = PinnedBytes(), device_before = DeviceBytes();
+  ResetCounters();
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  for (int i = 0; i < 8; ++i) {
+    threads.emplace_back([&] {
+      absl::StatusOr<Gradients> got = RunF32(*cuda, b, 16);
+      if (got.ok()) ok.fetch_add(1);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(ok.load(), 8);
+  EXPECT_LE(PeakPinnedBytes() - pinned_before, 2 * slot);
+  EXPECT_LE(PeakDeviceBytes() - device_before, 2 * slot);
+  EXPECT_GT(PeakPinnedBytes(), pinned_before);
+  ExpectRunNearReference(*cuda, b, 16);
 }
 
 }  // namespace
