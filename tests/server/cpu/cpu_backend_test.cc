@@ -75,9 +75,12 @@ TEST(CpuBackendTest, HundredThousandRowsGradGammaWithin1e5OfReference) {
   }
 }
 
-TEST(CpuBackendTest, MisalignedF32BuffersGiveTheSameResult) {
-  const Batch b = MakeBatch(50, 37, false);
-  absl::StatusOr<Gradients> aligned = RunF32(*Cpu(2), b, 50);
+// Misaligned f32 goes through the f32 staging (as bf16/f16 do), aligned f32 is used in place:
+// both give the same bits, with the partition staged whole (50 x 37) or a few rows at a time
+// (600 x 100, with a given rms: StagingRows(100) = 163 rows per step, 4 steps).
+void ExpectMisalignedSameAsAligned(uint64_t rows, uint32_t hidden, bool with_rms) {
+  const Batch b = MakeBatch(rows, hidden, with_rms);
+  absl::StatusOr<Gradients> aligned = RunF32(*Cpu(2), b, rows);
   ASSERT_TRUE(aligned.ok());
   // The same bytes one byte into their buffers.
   const size_t n = b.x.size() * 4;
@@ -85,21 +88,37 @@ TEST(CpuBackendTest, MisalignedF32BuffersGiveTheSameResult) {
   std::memcpy(x.data() + 1, b.x.data(), n);
   std::memcpy(dy.data() + 1, b.dy.data(), n);
   BatchSpec spec;
-  spec.num_rows = 50;
-  spec.hidden_dim = 37;
+  spec.num_rows = rows;
+  spec.hidden_dim = hidden;
   spec.eps = b.eps;
+  spec.rms_provided = with_rms;
   std::unique_ptr<Backend> cpu = Cpu(2);
   auto session = cpu->StartBackward(spec, Bytes(b.gamma));
   ASSERT_TRUE(session.ok());
   ASSERT_TRUE((*session)
                   ->ProcessChunk(absl::MakeConstSpan(x).subspan(1),
-                                 absl::MakeConstSpan(dy).subspan(1), {}, 50,
+                                 absl::MakeConstSpan(dy).subspan(1), b.rms, rows,
                                  absl::MakeSpan(dx).subspan(1))
                   .ok());
-  std::vector<float> dgamma(37);
+  std::vector<float> dgamma(hidden);
   ASSERT_TRUE((*session)->Finish(MutableBytes(dgamma)).ok());
   EXPECT_EQ(0, std::memcmp(dx.data() + 1, aligned->dx.data(), n));
-  EXPECT_EQ(0, std::memcmp(dgamma.data(), aligned->dgamma.data(), 37 * 4));
+  EXPECT_EQ(0, std::memcmp(dgamma.data(), aligned->dgamma.data(), hidden * 4));
+}
+
+TEST(CpuBackendTest, MisalignedF32BuffersGiveTheSameResult) {
+  ExpectMisalignedSameAsAligned(50, 37, false);
+}
+
+TEST(CpuBackendTest, StagingAFewRowsAtATimeGivesTheSameBits) {
+  ASSERT_EQ(cpu_internal::StagingRows(100), 163u);
+  ExpectMisalignedSameAsAligned(600, 100, true);
+}
+
+TEST(CpuBackendTest, StagingIsBoundedPerThreadWhateverTheChunk) {
+  EXPECT_EQ(cpu_internal::StagingRows(4096), 4u);   // 16384 elements: 192 KiB of f32 x, dy, dx
+  EXPECT_EQ(cpu_internal::StagingRows(65536), 1u);  // one row when rows are wider
+  EXPECT_EQ(cpu_internal::StagingRows(1), 16384u);
 }
 
 TEST(CpuBackendTest, DeviceNamesThreadsAndSimdTarget) {
