@@ -65,10 +65,11 @@ uint32_t AdmissionController::streams_per_client() const {
 absl::Status AdmissionController::AdmitStream(absl::string_view client) {
   std::unique_lock<std::mutex> lock(mu_);
   if (streams_ >= limits_.max_streams) {
+    const uint32_t in_use = streams_;  // read under the lock: the message is built after it
     lock.unlock();
     CountRejection(kBackwardMethod, "max-streams");
     return absl::ResourceExhaustedError(
-        absl::StrCat("too many concurrent streams: ", streams_, " of ", limits_.max_streams,
+        absl::StrCat("too many concurrent streams: ", in_use, " of ", limits_.max_streams,
                      " in use (--max-streams); retry later"));
   }
   const uint32_t share = streams_per_client();
