@@ -81,6 +81,13 @@ absl::StatusOr<PtxVersion> ResolvePtxVersion(int target_sm, std::optional<PtxVer
         "ptx_version ", requested->ToString(), " is below ", instructions_min.ToString(),
         ", the lowest PTX ISA version that has the kernel's instructions (shfl.sync)"));
   }
+  // Within the range but never released (8.9, 7.9, ...): ptxas refuses such a .version, and
+  // no driver is known to load it.
+  if (absl::Status released = MinCudaDriverForPtx(*requested).status(); !released.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ptx_version ", requested->ToString(),
+                     " is not a released PTX ISA version (6.0-6.5, 7.0-7.8, 8.0-8.8, 9.0)"));
+  }
   return *requested;
 }
 

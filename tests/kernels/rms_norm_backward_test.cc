@@ -246,6 +246,14 @@ TEST(KernelContractTest, ExplicitPtxVersionIsHonouredOrRefusedWithTheReason) {
       k->Emit({.hidden_dim = 8, .target_sm = 90, .ptx_version = PtxVersion{9, 9}}).status();
   EXPECT_EQ(too_new.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(too_new.message(), "9.9")) << too_new;
+
+  // Within the range but never released: ptxas refuses such a .version, and so do we (the
+  // emit_ptx fuzzer found 8.9 accepted, with no minimum driver to report).
+  absl::Status unreleased =
+      k->Emit({.hidden_dim = 8, .target_sm = 90, .ptx_version = PtxVersion{8, 9}}).status();
+  EXPECT_EQ(unreleased.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(unreleased.message(), "8.9 is not a released PTX ISA version"))
+      << unreleased;
 }
 
 TEST(KernelContractTest, UnsupportedTargetIsAnInvalidArgument) {
