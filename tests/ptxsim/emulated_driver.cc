@@ -8,8 +8,19 @@
 //    $NORMGRAD_EMULATED_SM says otherwise), one primary context, a per-thread current context
 //    (calls that need one fail with CUDA_ERROR_INVALID_CONTEXT without it, like the driver).
 //  - Device memory is host memory (256-byte aligned); a device pointer is the host address.
-//    Every allocation is registered so the interpreter bounds-checks each global access.
-//    Capacity: $NORMGRAD_EMULATED_MEMORY_MB (default 16384) MiB.
+//    Every allocation is a memfd ("normgrad-emu-<id>", the id unique across processes) mapped
+//    MAP_SHARED, so another process can map the same pages, and is registered so the
+//    interpreter bounds-checks each global access. Capacity: $NORMGRAD_EMULATED_MEMORY_MB
+//    (default 16384) MiB of this process's own allocations, each rounded up to 256 bytes.
+//  - The device's UUID is $NORMGRAD_EMULATED_DEVICE_UUID (32 hex digits, dashes ignored; anything
+//    else aborts with a message) or a fixed default, so a test can put two processes on
+//    "different GPUs".
+//  - CUDA IPC: cuIpcGetMemHandle's handle names the exporter's pid, the memfd's fd number, the
+//    allocation's id and size and the device UUID; cuIpcOpenMemHandle opens
+//    /proc/<pid>/fd/<fd>, checks it is still that memfd and maps it (reference-counted per
+//    handle) until cuIpcCloseMemHandle. A freed or exited exporter's handle is
+//    CUDA_ERROR_INVALID_HANDLE, another UUID CUDA_ERROR_INVALID_DEVICE, the exporting process
+//    itself CUDA_ERROR_INVALID_CONTEXT; an open mapping outlives its exporter.
 //  - Streams execute synchronously at enqueue time, so every *Async call is complete when it
 //    returns; events record the host clock.
 //  - cuModuleLoadDataEx parses the PTX (never cubin); a parse error is CUDA_ERROR_INVALID_PTX
@@ -28,9 +39,14 @@
 //    Anything else there aborts with a message.
 //  - $NORMGRAD_EMULATED_CUDA_VERBOSE=1 prints one line per launch (instructions, seconds).
 #include <cuda.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -38,6 +54,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -54,6 +71,9 @@
 // too, for loaders that ask for it by that name.
 #undef cuEventElapsedTime
 extern "C" CUresult CUDAAPI cuEventElapsedTime(float* pMilliseconds, CUevent hStart, CUevent hEnd);
+// The same for cuDeviceGetUuid (cuDeviceGetUuid_v2).
+#undef cuDeviceGetUuid
+extern "C" CUresult CUDAAPI cuDeviceGetUuid(CUuuid* uuid, CUdevice dev);
 
 #define NG_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -132,6 +152,53 @@ FaultPlan ParseFaultPlan() {
   return plan;
 }
 
+// $NORMGRAD_EMULATED_DEVICE_UUID (see the top of this file).
+CUuuid ParseDeviceUuid() {
+  CUuuid uuid;
+  // "ngemu-device-000" in ASCII: recognizably the emulator's in a dump.
+  std::memcpy(uuid.bytes, "ngemu-device-000", sizeof(uuid.bytes));
+  const char* v = std::getenv("NORMGRAD_EMULATED_DEVICE_UUID");
+  if (v == nullptr || *v == '\0') return uuid;
+  std::string hex;
+  for (const char* c = v; *c != '\0'; ++c) {
+    if (*c != '-') hex.push_back(*c);
+  }
+  bool ok = hex.size() == 2 * sizeof(uuid.bytes);
+  for (size_t i = 0; ok && i < sizeof(uuid.bytes); ++i) {
+    unsigned int byte = 0;
+    ok = std::isxdigit(static_cast<unsigned char>(hex[2 * i])) &&
+         std::isxdigit(static_cast<unsigned char>(hex[2 * i + 1])) &&
+         std::sscanf(hex.c_str() + 2 * i, "%2x", &byte) == 1;
+    uuid.bytes[i] = static_cast<char>(byte);
+  }
+  if (!ok) {
+    std::fprintf(stderr,
+                 "[emulated cuda] NORMGRAD_EMULATED_DEVICE_UUID=%s is not 32 hex digits (dashes "
+                 "allowed)\n",
+                 v);
+    std::abort();
+  }
+  return uuid;
+}
+
+// A device allocation of this process: the memfd that backs it stays open while it lives, so an
+// importer can open it through /proc/<pid>/fd/<fd>.
+struct DeviceAllocation {
+  uint64_t id = 0;     // in the memfd's name, "normgrad-emu-<id>"
+  int fd = -1;
+  uint64_t size = 0;   // rounded up to 256 bytes: what the MemoryMap and capacity count
+  uint64_t mapped = 0; // rounded up to pages: the memfd's size and the mapping's
+};
+
+// Another process's allocation mapped here by cuIpcOpenMemHandle.
+struct ImportedMapping {
+  int32_t pid = 0;
+  uint64_t id = 0;
+  uint64_t size = 0;
+  uint64_t mapped = 0;
+  int refs = 0;  // cuIpcOpenMemHandle calls not yet closed
+};
+
 class EmulatedDriver {
  public:
   EmulatedDriver()
@@ -140,14 +207,21 @@ class EmulatedDriver {
         max_warp_instructions_(
             EnvU64("NORMGRAD_EMULATED_MAX_WARP_INSTRUCTIONS", uint64_t{1} << 36)),
         verbose_(EnvU64("NORMGRAD_EMULATED_CUDA_VERBOSE", 0) != 0),
-        fault_(ParseFaultPlan()) {}
+        fault_(ParseFaultPlan()),
+        uuid_(ParseDeviceUuid()),
+        first_allocation_id_(std::random_device()() * uint64_t{0x100000000} ^
+                             (static_cast<uint64_t>(getpid()) << 20)) {}
 
   std::mutex mu;
   bool initialized = false;  // guarded by mu
   int primary_refs = 0;      // guarded by mu
   EmuContext primary;
   EmuPool pool;
-  MemoryMap memory;                            // device allocations (thread-safe on its own)
+  MemoryMap memory;  // own and imported device memory (thread-safe on its own)
+  std::map<uint64_t, DeviceAllocation> allocations;  // own, by base; guarded by mu
+  uint64_t allocated_bytes = 0;  // sum of allocations' size (the capacity); guarded by mu
+  uint64_t next_allocation = 0;  // guarded by mu
+  std::map<uint64_t, ImportedMapping> imports;  // by base in this process; guarded by mu
   std::unordered_set<void*> host_allocations;  // guarded by mu
   std::map<uintptr_t, size_t> host_registrations;  // cuMemHostRegister: base -> bytes; mu
   uint64_t registered_copies = 0;  // async copies whose host side was registered memory; mu
@@ -161,6 +235,10 @@ class EmulatedDriver {
   const uint64_t max_warp_instructions_;
   const bool verbose_;
   const FaultPlan fault_;
+  const CUuuid uuid_;
+  // Allocation ids count up from here: random and mixed with the pid, so that a handle's
+  // (pid, fd, id) cannot name a memfd of a later process that reuses the pid and fd number.
+  const uint64_t first_allocation_id_;
   std::atomic<uint64_t> launches{0};
   std::atomic<bool> fault_tripped{false};  // the fault's launch happened
   std::unordered_set<CUstream> hung_streams;   // hang:N: never synchronize again; guarded by mu
@@ -295,22 +373,70 @@ CUresult Allocate(CUdeviceptr* dptr, size_t bytes) {
   if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
   if (dptr == nullptr || bytes == 0) return CUDA_ERROR_INVALID_VALUE;
   EmulatedDriver& d = Driver();
-  const size_t rounded = (bytes + 255) / 256 * 256;
-  if (d.memory.BytesInUse() + rounded > d.total_bytes_) return CUDA_ERROR_OUT_OF_MEMORY;
-  void* p = std::aligned_alloc(256, rounded);
-  if (p == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
-  d.memory.Add(reinterpret_cast<uint64_t>(p), rounded);
-  *dptr = reinterpret_cast<CUdeviceptr>(p);
+  DeviceAllocation a;
+  a.size = (bytes + 255) / 256 * 256;
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  a.mapped = (a.size + page - 1) / page * page;
+  {
+    std::lock_guard<std::mutex> lock(d.mu);
+    if (d.allocated_bytes + a.size > d.total_bytes_) return CUDA_ERROR_OUT_OF_MEMORY;
+    d.allocated_bytes += a.size;  // reserved now, so concurrent allocations respect the capacity
+    a.id = d.first_allocation_id_ + d.next_allocation++;
+  }
+  const std::string name = absl::StrCat("normgrad-emu-", a.id);
+  a.fd = memfd_create(name.c_str(), MFD_CLOEXEC);
+  void* p = MAP_FAILED;
+  if (a.fd >= 0 && ftruncate(a.fd, static_cast<off_t>(a.mapped)) == 0) {
+    p = mmap(nullptr, a.mapped, PROT_READ | PROT_WRITE, MAP_SHARED, a.fd, 0);
+  }
+  if (p == MAP_FAILED) {
+    if (a.fd >= 0) close(a.fd);
+    std::lock_guard<std::mutex> lock(d.mu);
+    d.allocated_bytes -= a.size;
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  const uint64_t base = reinterpret_cast<uint64_t>(p);  // page-aligned, so 256-byte aligned
+  {
+    std::lock_guard<std::mutex> lock(d.mu);
+    d.allocations.emplace(base, a);
+  }
+  d.memory.Add(base, a.size);
+  *dptr = static_cast<CUdeviceptr>(base);
   return CUDA_SUCCESS;
 }
 
 CUresult Release(CUdeviceptr dptr) {
   if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
   if (dptr == 0) return CUDA_SUCCESS;
-  if (!Driver().memory.Remove(dptr)) return CUDA_ERROR_INVALID_VALUE;
-  std::free(reinterpret_cast<void*>(dptr));
+  EmulatedDriver& d = Driver();
+  DeviceAllocation a;
+  {
+    std::lock_guard<std::mutex> lock(d.mu);
+    auto it = d.allocations.find(dptr);
+    if (it == d.allocations.end()) return CUDA_ERROR_INVALID_VALUE;  // imported ones included
+    a = it->second;
+    d.allocations.erase(it);
+    d.allocated_bytes -= a.size;
+    d.memory.Remove(dptr);
+  }
+  munmap(reinterpret_cast<void*>(dptr), a.mapped);
+  close(a.fd);  // an importer's mapping keeps the pages; new opens of the handle now fail
   return CUDA_SUCCESS;
 }
+
+// cuIpcGetMemHandle's 64 bytes (CU_IPC_HANDLE_SIZE); only this file reads them.
+struct IpcHandle {
+  uint32_t magic = 0;
+  int32_t pid = 0;
+  int32_t fd = -1;
+  uint32_t reserved = 0;
+  uint64_t id = 0;
+  uint64_t size = 0;
+  char uuid[16] = {};
+  char padding[16] = {};
+};
+static_assert(sizeof(IpcHandle) == CU_IPC_HANDLE_SIZE);
+constexpr uint32_t kIpcMagic = 0x4e474950;  // "NGIP"
 
 // Hands `object` out as a handle: it is registered in `live` (one of the driver's sets, under its
 // mutex) until Unregister.
@@ -881,6 +1007,135 @@ NG_EXPORT CUresult CUDAAPI cuMemGetInfo(size_t* free, size_t* total) {
   if (free == nullptr || total == nullptr) return CUDA_ERROR_INVALID_VALUE;
   EmulatedDriver& d = Driver();
   *total = d.total_bytes_;
-  *free = d.total_bytes_ - std::min<uint64_t>(d.total_bytes_, d.memory.BytesInUse());
+  std::lock_guard<std::mutex> lock(d.mu);
+  *free = d.total_bytes_ - std::min<uint64_t>(d.total_bytes_, d.allocated_bytes);
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuDeviceGetUuid_v2(CUuuid* uuid, CUdevice dev) {
+  if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
+  if (dev != 0) return CUDA_ERROR_INVALID_DEVICE;
+  if (uuid == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  *uuid = Driver().uuid_;
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuDeviceGetUuid(CUuuid* uuid, CUdevice dev) {
+  return cuDeviceGetUuid_v2(uuid, dev);
+}
+
+NG_EXPORT CUresult CUDAAPI cuMemGetAddressRange_v2(CUdeviceptr* pbase, size_t* psize,
+                                                   CUdeviceptr dptr) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  const normgrad::ptxsim::MemoryRange range = Driver().memory.Find(dptr);
+  if (range.size == 0) return CUDA_ERROR_NOT_FOUND;
+  if (pbase != nullptr) *pbase = static_cast<CUdeviceptr>(range.base);
+  if (psize != nullptr) *psize = static_cast<size_t>(range.size);
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuIpcGetMemHandle(CUipcMemHandle* pHandle, CUdeviceptr dptr) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  if (pHandle == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  EmulatedDriver& d = Driver();
+  normgrad::ptxsim::IpcHandle h;
+  {
+    std::lock_guard<std::mutex> lock(d.mu);
+    auto it = d.allocations.find(dptr);  // the base of an own allocation, as the driver wants
+    if (it == d.allocations.end()) return CUDA_ERROR_INVALID_VALUE;
+    h.fd = it->second.fd;
+    h.id = it->second.id;
+    h.size = it->second.size;
+  }
+  h.magic = normgrad::ptxsim::kIpcMagic;
+  h.pid = static_cast<int32_t>(getpid());
+  std::memcpy(h.uuid, d.uuid_.bytes, sizeof(h.uuid));
+  std::memset(pHandle, 0, sizeof(*pHandle));
+  std::memcpy(pHandle->reserved, &h, sizeof(h));
+  return CUDA_SUCCESS;
+}
+
+namespace {
+
+// Opens the memfd `h` names in its exporter and checks it is still that allocation's (not freed,
+// not a later file under the same fd number); -1 when it is not.
+int OpenExportedMemfd(const normgrad::ptxsim::IpcHandle& h, uint64_t mapped) {
+  const std::string path = absl::StrCat("/proc/", h.pid, "/fd/", h.fd);
+  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return -1;
+  // What we hold, not what the path names now: no race with the exporter closing the fd.
+  char link[256];
+  const std::string self = absl::StrCat("/proc/self/fd/", fd);
+  const ssize_t n = readlink(self.c_str(), link, sizeof(link) - 1);
+  const std::string expected = absl::StrCat("/memfd:normgrad-emu-", h.id);
+  bool ok = n > 0;
+  if (ok) {
+    const std::string target(link, static_cast<size_t>(n));
+    ok = target == expected || target == expected + " (deleted)";
+  }
+  struct stat st;
+  ok = ok && fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) == mapped;
+  if (!ok) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+}  // namespace
+
+NG_EXPORT CUresult CUDAAPI cuIpcOpenMemHandle_v2(CUdeviceptr* pdptr, CUipcMemHandle handle,
+                                                 unsigned int Flags) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  if (pdptr == nullptr || Flags != CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  EmulatedDriver& d = Driver();
+  normgrad::ptxsim::IpcHandle h;
+  std::memcpy(&h, handle.reserved, sizeof(h));
+  if (h.magic != normgrad::ptxsim::kIpcMagic || h.size == 0 || h.size % 256 != 0 || h.pid <= 0 ||
+      h.fd < 0) {
+    return CUDA_ERROR_INVALID_HANDLE;
+  }
+  if (std::memcmp(h.uuid, d.uuid_.bytes, sizeof(h.uuid)) != 0) return CUDA_ERROR_INVALID_DEVICE;
+  if (h.pid == static_cast<int32_t>(getpid())) return CUDA_ERROR_INVALID_CONTEXT;
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t mapped = (h.size + page - 1) / page * page;
+  // Held across the open and map, so two threads opening one handle map it once.
+  std::lock_guard<std::mutex> lock(d.mu);
+  for (auto& [base, m] : d.imports) {
+    if (m.pid == h.pid && m.id == h.id) {
+      ++m.refs;
+      *pdptr = static_cast<CUdeviceptr>(base);
+      return CUDA_SUCCESS;
+    }
+  }
+  const int fd = OpenExportedMemfd(h, mapped);
+  if (fd < 0) return CUDA_ERROR_INVALID_HANDLE;
+  void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);  // the mapping keeps the pages
+  if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  const uint64_t base = reinterpret_cast<uint64_t>(p);
+  normgrad::ptxsim::ImportedMapping& m = d.imports[base];
+  m.pid = h.pid;
+  m.id = h.id;
+  m.size = h.size;
+  m.mapped = mapped;
+  m.refs = 1;
+  d.memory.Add(base, h.size);
+  *pdptr = static_cast<CUdeviceptr>(base);
+  return CUDA_SUCCESS;
+}
+
+NG_EXPORT CUresult CUDAAPI cuIpcCloseMemHandle(CUdeviceptr dptr) {
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  EmulatedDriver& d = Driver();
+  std::lock_guard<std::mutex> lock(d.mu);
+  auto it = d.imports.find(dptr);
+  if (it == d.imports.end()) return CUDA_ERROR_INVALID_VALUE;
+  if (--it->second.refs > 0) return CUDA_SUCCESS;
+  d.memory.Remove(dptr);
+  munmap(reinterpret_cast<void*>(dptr), it->second.mapped);
+  d.imports.erase(it);
   return CUDA_SUCCESS;
 }
