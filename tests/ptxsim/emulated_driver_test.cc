@@ -1,9 +1,17 @@
 // Loads libnormgrad_emulated_cuda.so with dlopen and drives it through the Driver API, as the
 // server's CUDA backend does: device queries, context rules, memory, copies, module loading
-// (and its JIT error log), launches, streams and events.
+// (and its JIT error log), launches, streams and events; and CUDA IPC between this process and
+// a child (this binary re-executed with NORMGRAD_EMULATED_IPC_TEST_ROLE set, which plays one
+// side and exits before any test runs).
 #include <cuda.h>
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -16,9 +24,10 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// Every symbol server/cuda/driver_api.h resolves, by its exported name: the name cuda.h's macros
-// map a call to, so that `cuMemAlloc(...)` below calls the cuMemAlloc_v2 member. (The
-// unversioned cuEventElapsedTime, exported too, is checked by name only.)
+// Every symbol server/cuda/driver_api.h resolves, and the IPC ones its IPC data path uses, by
+// its exported name: the name cuda.h's macros map a call to, so that `cuMemAlloc(...)` below
+// calls the cuMemAlloc_v2 member. (The unversioned cuEventElapsedTime and cuDeviceGetUuid,
+// exported too, are checked by name only.)
 #define NG_DRIVER_SYMBOLS(X)      \
   X(cuInit)                       \
   X(cuDriverGetVersion)           \
@@ -59,7 +68,12 @@ using ::testing::HasSubstr;
   X(cuEventDestroy_v2)            \
   X(cuGetErrorName)               \
   X(cuGetErrorString)             \
-  X(cuMemGetInfo_v2)
+  X(cuMemGetInfo_v2)              \
+  X(cuDeviceGetUuid_v2)           \
+  X(cuMemGetAddressRange_v2)      \
+  X(cuIpcGetMemHandle)            \
+  X(cuIpcOpenMemHandle_v2)        \
+  X(cuIpcCloseMemHandle)
 
 constexpr char kScalePtx[] = R"(
 .version 7.8
@@ -97,6 +111,205 @@ struct Api {
   }
 };
 
+// ---- The child's side of the IPC tests ----
+
+// The environment that makes this binary a child: its role, and the parent's handle (hex).
+constexpr char kRoleVariable[] = "NORMGRAD_EMULATED_IPC_TEST_ROLE";
+constexpr char kHandleVariable[] = "NORMGRAD_EMULATED_IPC_TEST_HANDLE";
+constexpr char kExpectVariable[] = "NORMGRAD_EMULATED_IPC_TEST_EXPECT";  // a CUresult
+// The exported buffer: kIpcFloats floats, element i holding i * (the role's factor).
+constexpr uint32_t kIpcFloats = 256;
+
+std::string HandleToHex(const CUipcMemHandle& handle) {
+  std::string hex;
+  char byte[3];
+  for (char c : handle.reserved) {
+    std::snprintf(byte, sizeof(byte), "%02x", static_cast<unsigned char>(c));
+    hex += byte;
+  }
+  return hex;
+}
+
+bool HexToHandle(const char* hex, CUipcMemHandle* handle) {
+  if (hex == nullptr || std::strlen(hex) != 2 * sizeof(handle->reserved)) return false;
+  for (size_t i = 0; i < sizeof(handle->reserved); ++i) {
+    unsigned int byte = 0;
+    if (std::sscanf(hex + 2 * i, "%2x", &byte) != 1) return false;
+    handle->reserved[i] = static_cast<char>(byte);
+  }
+  return true;
+}
+
+// The driver's entry points for a child, which runs before gtest does.
+struct ChildDriver {
+#define NG_DECLARE(symbol) decltype(&::symbol) symbol = nullptr;
+  NG_DRIVER_SYMBOLS(NG_DECLARE)
+#undef NG_DECLARE
+
+  // dlopen, every symbol, cuInit, the primary context made current.
+  bool Load() {
+    void* lib = dlopen(NORMGRAD_EMULATED_CUDA_PATH, RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) return false;
+    bool ok = true;
+#define NG_LOAD(symbol)                                                \
+  symbol = reinterpret_cast<decltype(&::symbol)>(dlsym(lib, #symbol)); \
+  ok = ok && symbol != nullptr;
+    NG_DRIVER_SYMBOLS(NG_LOAD)
+#undef NG_LOAD
+    CUcontext ctx = nullptr;
+    return ok && cuInit(0) == CUDA_SUCCESS && cuDevicePrimaryCtxRetain(&ctx, 0) == CUDA_SUCCESS &&
+           cuCtxSetCurrent(ctx) == CUDA_SUCCESS;
+  }
+};
+
+// Role "import": open the parent's handle (twice: the same pointer), read i * 1.0, check the
+// address range of an interior pointer, scale the buffer by 2 with a kernel launched here, write
+// -1 into the last element, close twice. The exit code names the first step that failed.
+int ImportAndWrite(ChildDriver& cu, const CUipcMemHandle& handle) {
+  constexpr size_t kBytes = kIpcFloats * sizeof(float);
+  CUdeviceptr p = 0, again = 0;
+  if (cu.cuIpcOpenMemHandle(&p, handle, 0) != CUDA_ERROR_INVALID_VALUE) return 20;  // flags
+  if (cu.cuIpcOpenMemHandle(&p, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) != CUDA_SUCCESS)
+    return 21;
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  if (cu.cuMemGetAddressRange(&base, &size, p + 100) != CUDA_SUCCESS || base != p ||
+      size != kBytes)
+    return 22;
+  std::vector<float> host(kIpcFloats);
+  if (cu.cuMemcpyDtoHAsync(host.data(), p, kBytes, nullptr) != CUDA_SUCCESS) return 23;
+  for (uint32_t i = 0; i < kIpcFloats; ++i) {
+    if (host[i] != static_cast<float>(i)) return 24;
+  }
+  if (cu.cuIpcOpenMemHandle(&again, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) != CUDA_SUCCESS ||
+      again != p)
+    return 25;
+  if (cu.cuIpcCloseMemHandle(p) != CUDA_SUCCESS) return 26;
+  // One reference left: still mapped, still a device range.
+  if (cu.cuMemGetAddressRange(&base, nullptr, p) != CUDA_SUCCESS) return 27;
+  CUmodule module = nullptr;
+  CUfunction fn = nullptr;
+  if (cu.cuModuleLoadDataEx(&module, kScalePtx, 0, nullptr, nullptr) != CUDA_SUCCESS ||
+      cu.cuModuleGetFunction(&fn, module, "scale") != CUDA_SUCCESS)
+    return 28;
+  uint32_t n = kIpcFloats;
+  float factor = 2.0f;
+  void* params[] = {&p, &n, &factor};
+  if (cu.cuLaunchKernel(fn, kIpcFloats / 64, 1, 1, 64, 1, 1, 0, nullptr, params, nullptr) !=
+      CUDA_SUCCESS)
+    return 29;
+  const float marker = -1.0f;
+  if (cu.cuMemcpyHtoDAsync(p + kBytes - sizeof(float), &marker, sizeof(float), nullptr) !=
+      CUDA_SUCCESS)
+    return 30;
+  if (cu.cuModuleUnload(module) != CUDA_SUCCESS) return 31;
+  if (cu.cuIpcCloseMemHandle(p) != CUDA_SUCCESS) return 32;
+  if (cu.cuIpcCloseMemHandle(p) != CUDA_ERROR_INVALID_VALUE) return 33;  // no reference left
+  if (cu.cuMemGetAddressRange(&base, &size, p) != CUDA_ERROR_NOT_FOUND) return 34;
+  return 0;
+}
+
+// Role "export": allocate kIpcFloats floats holding i * 3, print the handle's hex on stdout, wait
+// for a byte (or EOF) on stdin, free the allocation and exit.
+int ExportAndExit(ChildDriver& cu) {
+  constexpr size_t kBytes = kIpcFloats * sizeof(float);
+  std::vector<float> host(kIpcFloats);
+  for (uint32_t i = 0; i < kIpcFloats; ++i) host[i] = 3.0f * static_cast<float>(i);
+  CUdeviceptr p = 0;
+  CUipcMemHandle handle;
+  if (cu.cuMemAlloc(&p, kBytes) != CUDA_SUCCESS ||
+      cu.cuMemcpyHtoDAsync(p, host.data(), kBytes, nullptr) != CUDA_SUCCESS ||
+      cu.cuIpcGetMemHandle(&handle, p) != CUDA_SUCCESS)
+    return 50;
+  const std::string line = HandleToHex(handle) + "\n";
+  if (write(STDOUT_FILENO, line.data(), line.size()) != static_cast<ssize_t>(line.size()))
+    return 51;
+  char go = 0;
+  if (read(STDIN_FILENO, &go, 1) < 0) return 52;
+  return cu.cuMemFree(p) == CUDA_SUCCESS ? 0 : 53;
+}
+
+// Runs the child's role when this binary was started as one; returns otherwise.
+void RunChildRoleIfAsked() {
+  const char* role = std::getenv(kRoleVariable);
+  if (role == nullptr) return;
+  ChildDriver cu;
+  if (!cu.Load()) std::exit(10);
+  const std::string r = role;
+  CUipcMemHandle handle;
+  const bool have_handle = HexToHandle(std::getenv(kHandleVariable), &handle);
+  if (r == "import") std::exit(have_handle ? ImportAndWrite(cu, handle) : 11);
+  if (r == "export") std::exit(ExportAndExit(cu));
+  if (r == "expect") {  // one open, whose result must be $NORMGRAD_EMULATED_IPC_TEST_EXPECT
+    const char* expect = std::getenv(kExpectVariable);
+    if (!have_handle || expect == nullptr) std::exit(11);
+    CUdeviceptr p = 0;
+    const CUresult got = cu.cuIpcOpenMemHandle(&p, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+    if (got == std::atoi(expect)) std::exit(0);
+    std::fprintf(stderr, "cuIpcOpenMemHandle returned %d, expected %s\n", static_cast<int>(got),
+                 expect);
+    std::exit(12);
+  }
+  std::exit(13);
+}
+
+// Before main, so that a child never starts gtest (and never runs a test).
+const bool kChildRoleRan = (RunChildRoleIfAsked(), true);
+
+// ---- The parent's side ----
+
+// This binary, re-executed as a child with `variables` ("NAME=value") added to the environment;
+// with `pipes`, its stdin and stdout are pipes from and to the parent.
+struct Child {
+  pid_t pid = -1;
+  int to_child = -1;    // the child's stdin, with pipes
+  int from_child = -1;  // the child's stdout, with pipes
+};
+
+Child StartChild(const std::vector<std::string>& variables, bool pipes) {
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) env_strings.push_back(*e);
+  env_strings.insert(env_strings.end(), variables.begin(), variables.end());
+  std::vector<char*> envp;
+  for (std::string& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  char exe[] = "/proc/self/exe";
+  char* argv[] = {exe, nullptr};
+  int in[2] = {-1, -1}, out[2] = {-1, -1};
+  if (pipes && (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0)) return {};
+  Child child;
+  child.pid = fork();
+  if (child.pid == 0) {  // only async-signal-safe calls from here to execve
+    if (pipes && (dup2(in[0], STDIN_FILENO) < 0 || dup2(out[1], STDOUT_FILENO) < 0)) _exit(126);
+    execve(exe, argv, envp.data());
+    _exit(127);
+  }
+  if (pipes) {
+    close(in[0]);
+    close(out[1]);
+    child.to_child = in[1];
+    child.from_child = out[0];
+  }
+  return child;
+}
+
+// Waits for `child` and describes how it ended: "exit 0" is success.
+std::string WaitForChild(Child& child) {
+  if (child.to_child >= 0) close(child.to_child);
+  if (child.from_child >= 0) close(child.from_child);
+  child.to_child = child.from_child = -1;
+  int status = 0;
+  if (child.pid < 0 || waitpid(child.pid, &status, 0) != child.pid) return "not started";
+  if (WIFEXITED(status)) return "exit " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return "signal " + std::to_string(WTERMSIG(status));
+  return "status " + std::to_string(status);
+}
+
+std::string RunChild(const std::vector<std::string>& variables) {
+  Child child = StartChild(variables, /*pipes=*/false);
+  return WaitForChild(child);
+}
+
 class EmulatedDriverTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -131,7 +344,7 @@ class EmulatedDriverTest : public ::testing::Test {
 
 TEST_F(EmulatedDriverTest, ExportsEveryDriverApiSymbolTheBackendResolves) {
 #define NG_NAME(symbol) #symbol,
-  for (const char* name : {NG_DRIVER_SYMBOLS(NG_NAME) "cuEventElapsedTime"}) {
+  for (const char* name : {NG_DRIVER_SYMBOLS(NG_NAME) "cuEventElapsedTime", "cuDeviceGetUuid"}) {
     EXPECT_NE(dlsym(api_.lib, name), nullptr) << name;
   }
 #undef NG_NAME
@@ -383,6 +596,189 @@ TEST_F(EmulatedDriverTest, ALaunchAboveTheEntrysMaxntidIsInvalidValue) {
   EXPECT_EQ(cuModuleUnload(unbounded), CUDA_SUCCESS);
   EXPECT_EQ(cuModuleUnload(module), CUDA_SUCCESS);
   EXPECT_EQ(cuMemFree(data), CUDA_SUCCESS);
+}
+
+// ---- CUDA IPC ----
+
+TEST_F(EmulatedDriverTest, DeviceUuidIsTheSameThroughBothNames) {
+  CUuuid v2, plain;
+  ASSERT_EQ(cuDeviceGetUuid(&v2, 0), CUDA_SUCCESS);  // cuDeviceGetUuid_v2
+  auto unversioned = api_.Get<CUresult (*)(CUuuid*, CUdevice)>("cuDeviceGetUuid");
+  ASSERT_NE(unversioned, nullptr);
+  ASSERT_EQ(unversioned(&plain, 0), CUDA_SUCCESS);
+  EXPECT_EQ(std::memcmp(v2.bytes, plain.bytes, sizeof(v2.bytes)), 0);
+  EXPECT_EQ(cuDeviceGetUuid(&v2, 1), CUDA_ERROR_INVALID_DEVICE);
+  EXPECT_EQ(cuDeviceGetUuid(nullptr, 0), CUDA_ERROR_INVALID_VALUE);
+}
+
+TEST_F(EmulatedDriverTest, AMalformedDeviceUuidVariableAbortsTheProcess) {
+  EXPECT_EQ(RunChild({"NORMGRAD_EMULATED_IPC_TEST_ROLE=import",
+                      "NORMGRAD_EMULATED_DEVICE_UUID=0123456789abcdef-not-hex-0123456789"}),
+            "signal " + std::to_string(SIGABRT));
+}
+
+TEST_F(EmulatedDriverTest, MemGetAddressRangeGivesTheAllocationContainingAPointer) {
+  MakeCurrent();
+  CUdeviceptr data = 0;
+  ASSERT_EQ(cuMemAlloc(&data, 1000), CUDA_SUCCESS);
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  ASSERT_EQ(cuMemGetAddressRange(&base, &size, data + 777), CUDA_SUCCESS);
+  EXPECT_EQ(base, data);
+  EXPECT_EQ(size, 1024u);  // 256-byte granularity
+  EXPECT_EQ(cuMemGetAddressRange(nullptr, &size, data + 1023), CUDA_SUCCESS);
+  EXPECT_EQ(cuMemGetAddressRange(&base, nullptr, data), CUDA_SUCCESS);
+  EXPECT_EQ(cuMemGetAddressRange(&base, &size, data + 1024), CUDA_ERROR_NOT_FOUND);
+  EXPECT_EQ(cuMemGetAddressRange(&base, &size, 0), CUDA_ERROR_NOT_FOUND);
+  ASSERT_EQ(cuMemFree(data), CUDA_SUCCESS);
+  EXPECT_EQ(cuMemGetAddressRange(&base, &size, data), CUDA_ERROR_NOT_FOUND);
+}
+
+TEST_F(EmulatedDriverTest, IpcGetMemHandleNeedsTheBaseOfALiveAllocation) {
+  MakeCurrent();
+  CUdeviceptr data = 0;
+  ASSERT_EQ(cuMemAlloc(&data, 4096), CUDA_SUCCESS);
+  EXPECT_EQ(data % 256, 0u);
+  CUipcMemHandle handle;
+  EXPECT_EQ(cuIpcGetMemHandle(&handle, data + 256), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(cuIpcGetMemHandle(&handle, 0), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(cuIpcGetMemHandle(nullptr, data), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(cuIpcGetMemHandle(&handle, data), CUDA_SUCCESS);
+  ASSERT_EQ(cuMemFree(data), CUDA_SUCCESS);
+  EXPECT_EQ(cuIpcGetMemHandle(&handle, data), CUDA_ERROR_INVALID_VALUE);
+  ASSERT_EQ(cuCtxSetCurrent(nullptr), CUDA_SUCCESS);
+  EXPECT_EQ(cuIpcGetMemHandle(&handle, data), CUDA_ERROR_INVALID_CONTEXT);
+}
+
+TEST_F(EmulatedDriverTest, IpcOpenInTheExportingProcessIsInvalidContext) {
+  MakeCurrent();
+  CUdeviceptr data = 0;
+  ASSERT_EQ(cuMemAlloc(&data, 4096), CUDA_SUCCESS);
+  CUipcMemHandle handle;
+  ASSERT_EQ(cuIpcGetMemHandle(&handle, data), CUDA_SUCCESS);
+  CUdeviceptr opened = 0;
+  EXPECT_EQ(cuIpcOpenMemHandle(&opened, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+            CUDA_ERROR_INVALID_CONTEXT);
+  EXPECT_EQ(cuIpcOpenMemHandle(&opened, handle, 0), CUDA_ERROR_INVALID_VALUE);
+  CUipcMemHandle garbage;
+  std::memset(&garbage, 0x5a, sizeof(garbage));
+  EXPECT_EQ(cuIpcOpenMemHandle(&opened, garbage, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+            CUDA_ERROR_INVALID_HANDLE);
+  // Only a pointer cuIpcOpenMemHandle returned can be closed; an own allocation cannot.
+  EXPECT_EQ(cuIpcCloseMemHandle(data), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(cuMemFree(data), CUDA_SUCCESS);
+}
+
+// The parent exports i * 1.0; the child reads it, opens twice (one pointer, two closes), scales
+// it by 2 with a kernel launched in the child and writes -1 last; the parent sees all of that.
+TEST_F(EmulatedDriverTest, AnotherProcessReadsAndWritesAnExportedAllocation) {
+  MakeCurrent();
+  constexpr size_t kBytes = kIpcFloats * sizeof(float);
+  CUdeviceptr data = 0;
+  ASSERT_EQ(cuMemAlloc(&data, kBytes), CUDA_SUCCESS);
+  std::vector<float> host(kIpcFloats);
+  for (uint32_t i = 0; i < kIpcFloats; ++i) host[i] = static_cast<float>(i);
+  ASSERT_EQ(cuMemcpyHtoDAsync(data, host.data(), kBytes, nullptr), CUDA_SUCCESS);
+  CUipcMemHandle handle;
+  ASSERT_EQ(cuIpcGetMemHandle(&handle, data), CUDA_SUCCESS);
+
+  // Exit codes: see ImportAndWrite.
+  EXPECT_EQ(RunChild({"NORMGRAD_EMULATED_IPC_TEST_ROLE=import",
+                      "NORMGRAD_EMULATED_IPC_TEST_HANDLE=" + HandleToHex(handle)}),
+            "exit 0");
+  ASSERT_EQ(cuMemcpyDtoHAsync(host.data(), data, kBytes, nullptr), CUDA_SUCCESS);
+  for (uint32_t i = 0; i + 1 < kIpcFloats; ++i) EXPECT_EQ(host[i], 2.0f * i) << i;
+  EXPECT_EQ(host[kIpcFloats - 1], -1.0f);
+  EXPECT_EQ(cuMemFree(data), CUDA_SUCCESS);
+}
+
+// Freed, with the fd number most likely reused by the next allocation: the handle names a memfd
+// that is gone (or another one), so opening it is CUDA_ERROR_INVALID_HANDLE.
+TEST_F(EmulatedDriverTest, AFreedAllocationsHandleIsInvalidHandle) {
+  MakeCurrent();
+  CUdeviceptr data = 0;
+  ASSERT_EQ(cuMemAlloc(&data, 4096), CUDA_SUCCESS);
+  CUipcMemHandle handle;
+  ASSERT_EQ(cuIpcGetMemHandle(&handle, data), CUDA_SUCCESS);
+  ASSERT_EQ(cuMemFree(data), CUDA_SUCCESS);
+  CUdeviceptr successor = 0;
+  ASSERT_EQ(cuMemAlloc(&successor, 4096), CUDA_SUCCESS);
+  const std::string expect_invalid_handle =
+      "NORMGRAD_EMULATED_IPC_TEST_EXPECT=" + std::to_string(CUDA_ERROR_INVALID_HANDLE);
+  EXPECT_EQ(RunChild({"NORMGRAD_EMULATED_IPC_TEST_ROLE=expect", expect_invalid_handle,
+                      "NORMGRAD_EMULATED_IPC_TEST_HANDLE=" + HandleToHex(handle)}),
+            "exit 0");
+  ASSERT_EQ(cuMemFree(successor), CUDA_SUCCESS);
+  EXPECT_EQ(RunChild({"NORMGRAD_EMULATED_IPC_TEST_ROLE=expect", expect_invalid_handle,
+                      "NORMGRAD_EMULATED_IPC_TEST_HANDLE=" + HandleToHex(handle)}),
+            "exit 0");
+}
+
+TEST_F(EmulatedDriverTest, AHandleFromADeviceWithAnotherUuidIsInvalidDevice) {
+  MakeCurrent();
+  CUuuid uuid;
+  ASSERT_EQ(cuDeviceGetUuid(&uuid, 0), CUDA_SUCCESS);
+  uuid.bytes[15] = static_cast<char>(uuid.bytes[15] ^ 1);
+  std::string other;  // as nvidia-smi writes one: 8-4-4-4-12
+  char byte[3];
+  for (int i = 0; i < 16; ++i) {
+    std::snprintf(byte, sizeof(byte), "%02x", static_cast<unsigned char>(uuid.bytes[i]));
+    other += byte;
+    if (i == 3 || i == 5 || i == 7 || i == 9) other += '-';
+  }
+  CUdeviceptr data = 0;
+  ASSERT_EQ(cuMemAlloc(&data, 4096), CUDA_SUCCESS);
+  CUipcMemHandle handle;
+  ASSERT_EQ(cuIpcGetMemHandle(&handle, data), CUDA_SUCCESS);
+  const std::string handle_variable = "NORMGRAD_EMULATED_IPC_TEST_HANDLE=" + HandleToHex(handle);
+  EXPECT_EQ(RunChild({"NORMGRAD_EMULATED_IPC_TEST_ROLE=expect", handle_variable,
+                      "NORMGRAD_EMULATED_IPC_TEST_EXPECT=" +
+                          std::to_string(CUDA_ERROR_INVALID_DEVICE),
+                      "NORMGRAD_EMULATED_DEVICE_UUID=" + other}),
+            "exit 0");
+  // The same handle on this device opens (then the child exits with it open: no crash).
+  EXPECT_EQ(RunChild({"NORMGRAD_EMULATED_IPC_TEST_ROLE=expect", handle_variable,
+                      "NORMGRAD_EMULATED_IPC_TEST_EXPECT=" + std::to_string(CUDA_SUCCESS)}),
+            "exit 0");
+  EXPECT_EQ(cuMemFree(data), CUDA_SUCCESS);
+}
+
+// This process imports the child's allocation; the child frees it and exits; the mapping here
+// stays readable and writable (a kernel scales it) until closed, and the handle no longer opens.
+TEST_F(EmulatedDriverTest, AnImportedMappingOutlivesItsExporter) {
+  MakeCurrent();
+  constexpr size_t kBytes = kIpcFloats * sizeof(float);
+  Child child = StartChild({"NORMGRAD_EMULATED_IPC_TEST_ROLE=export"}, /*pipes=*/true);
+  ASSERT_GT(child.pid, 0);
+  std::string hex;
+  char c = 0;
+  while (read(child.from_child, &c, 1) == 1 && c != '\n') hex += c;
+  CUipcMemHandle handle;
+  ASSERT_TRUE(HexToHandle(hex.c_str(), &handle)) << "child said '" << hex << "'";
+  CUdeviceptr p = 0;
+  ASSERT_EQ(cuIpcOpenMemHandle(&p, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), CUDA_SUCCESS);
+  std::vector<float> host(kIpcFloats);
+  ASSERT_EQ(cuMemcpyDtoHAsync(host.data(), p, kBytes, nullptr), CUDA_SUCCESS);
+  EXPECT_EQ(host[5], 15.0f);
+
+  ASSERT_EQ(write(child.to_child, "x", 1), 1);
+  EXPECT_EQ(WaitForChild(child), "exit 0");  // freed and gone
+
+  CUmodule module = nullptr;
+  CUfunction fn = nullptr;
+  ASSERT_NO_FATAL_FAILURE(LoadScaleKernel(&module, &fn));
+  uint32_t n = kIpcFloats;
+  float factor = 2.0f;
+  void* params[] = {&p, &n, &factor};
+  ASSERT_EQ(cuLaunchKernel(fn, kIpcFloats / 64, 1, 1, 64, 1, 1, 0, nullptr, params, nullptr),
+            CUDA_SUCCESS);
+  ASSERT_EQ(cuMemcpyDtoHAsync(host.data(), p, kBytes, nullptr), CUDA_SUCCESS);
+  for (uint32_t i = 0; i < kIpcFloats; ++i) EXPECT_EQ(host[i], 6.0f * i) << i;
+  EXPECT_EQ(cuModuleUnload(module), CUDA_SUCCESS);
+  EXPECT_EQ(cuIpcCloseMemHandle(p), CUDA_SUCCESS);
+  CUdeviceptr reopened = 0;
+  EXPECT_EQ(cuIpcOpenMemHandle(&reopened, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+            CUDA_ERROR_INVALID_HANDLE);
 }
 
 }  // namespace
