@@ -209,8 +209,9 @@ int ImportAndWrite(ChildDriver& cu, const CUipcMemHandle& handle) {
   return 0;
 }
 
-// Role "export": allocate kIpcFloats floats holding i * 3, print the handle's hex on stdout, wait
-// for a byte (or EOF) on stdin, free the allocation and exit.
+// Role "export": allocate kIpcFloats floats holding i * 3, print the handle's hex on a line of
+// its own on stdout (after gtest's banner lines), wait for a byte (or EOF) on stdin, free the
+// allocation and exit.
 int ExportAndExit(ChildDriver& cu) {
   constexpr size_t kBytes = kIpcFloats * sizeof(float);
   std::vector<float> host(kIpcFloats);
@@ -253,8 +254,15 @@ void RunChildRoleIfAsked() {
   std::exit(13);
 }
 
-// Before main, so that a child never starts gtest (and never runs a test).
-const bool kChildRoleRan = (RunChildRoleIfAsked(), true);
+// gtest sets global environments up before the first test, so a child plays its role and exits
+// without running one. (From main, not from a static initializer: LeakSanitizer's check at exit
+// crashes when exit is called during static initialization.)
+class ChildRoleEnvironment : public ::testing::Environment {
+ public:
+  void SetUp() override { RunChildRoleIfAsked(); }
+};
+::testing::Environment* const kChildRoleEnvironment =
+    ::testing::AddGlobalTestEnvironment(new ChildRoleEnvironment);  // gtest owns it
 
 // ---- The parent's side ----
 
@@ -750,11 +758,20 @@ TEST_F(EmulatedDriverTest, AnImportedMappingOutlivesItsExporter) {
   constexpr size_t kBytes = kIpcFloats * sizeof(float);
   Child child = StartChild({"NORMGRAD_EMULATED_IPC_TEST_ROLE=export"}, /*pipes=*/true);
   ASSERT_GT(child.pid, 0);
-  std::string hex;
-  char c = 0;
-  while (read(child.from_child, &c, 1) == 1 && c != '\n') hex += c;
+  std::string said, line;
   CUipcMemHandle handle;
-  ASSERT_TRUE(HexToHandle(hex.c_str(), &handle)) << "child said '" << hex << "'";
+  bool have_handle = false;
+  char c = 0;
+  while (!have_handle && read(child.from_child, &c, 1) == 1) {  // gtest's banner, then the handle
+    if (c != '\n') {
+      line += c;
+      continue;
+    }
+    have_handle = HexToHandle(line.c_str(), &handle);
+    said += line + "\n";
+    line.clear();
+  }
+  ASSERT_TRUE(have_handle) << "child said:\n" << said;
   CUdeviceptr p = 0;
   ASSERT_EQ(cuIpcOpenMemHandle(&p, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), CUDA_SUCCESS);
   std::vector<float> host(kIpcFloats);
