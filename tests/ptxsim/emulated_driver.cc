@@ -11,7 +11,8 @@
 //    Every allocation is a memfd ("normgrad-emu-<id>", the id unique across processes) mapped
 //    MAP_SHARED, so another process can map the same pages, and is registered so the
 //    interpreter bounds-checks each global access. Capacity: $NORMGRAD_EMULATED_MEMORY_MB
-//    (default 16384) MiB of this process's own allocations, each rounded up to 256 bytes.
+//    (default 16384) MiB of this process's own allocations, each rounded up to 256 bytes. Each
+//    allocation holds a file descriptor, so the driver raises RLIMIT_NOFILE to its hard limit.
 //  - The device's UUID is $NORMGRAD_EMULATED_DEVICE_UUID (32 hex digits, dashes ignored; anything
 //    else aborts with a message) or a fixed default, so a test can put two processes on
 //    "different GPUs".
@@ -41,6 +42,7 @@
 #include <cuda.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -210,7 +212,15 @@ class EmulatedDriver {
         fault_(ParseFaultPlan()),
         uuid_(ParseDeviceUuid()),
         first_allocation_id_(std::random_device()() * uint64_t{0x100000000} ^
-                             (static_cast<uint64_t>(getpid()) << 20)) {}
+                             (static_cast<uint64_t>(getpid()) << 20)) {
+    // Every live allocation holds its memfd open: allow as many descriptors as the hard limit,
+    // so a process with many buffers does not run out at a soft limit of 1024.
+    rlimit files;
+    if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+      files.rlim_cur = files.rlim_max;
+      setrlimit(RLIMIT_NOFILE, &files);
+    }
+  }
 
   std::mutex mu;
   bool initialized = false;  // guarded by mu
