@@ -115,6 +115,24 @@ absl::Status ValidateRaw(const RawBackwardArgs& a) {
     if (got == want) return absl::OkStatus();
     return absl::InvalidArgumentError(absl::StrCat(name, ": ", got, " bytes, expected ", want));
   };
+  if (a.device.has_value()) {
+    const CudaIpcTensors& d = *a.device;
+    if (!a.x.empty() || !a.dy.empty() || !a.rms.empty() || !a.dx.empty()) {
+      return absl::InvalidArgumentError(
+          "device: set, so x, dy, rms and dx must be empty (they are in device memory)");
+    }
+    if (d.device_uuid.size() != 16) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("device.device_uuid: ", d.device_uuid.size(), " bytes, expected 16"));
+    }
+    absl::Status s = check("device.x.handle", d.x.handle.size(), 64);
+    if (s.ok()) s = check("device.dy.handle", d.dy.handle.size(), 64);
+    if (s.ok()) s = check("device.dx.handle", d.dx.handle.size(), 64);
+    if (s.ok() && d.rms.has_value()) s = check("device.rms.handle", d.rms->handle.size(), 64);
+    if (s.ok()) s = check("gamma", a.gamma.size(), a.hidden_dim * elem);
+    if (s.ok()) s = check("dgamma", a.dgamma.size(), a.hidden_dim * elem);
+    return s;
+  }
   absl::Status s = check("x", a.x.size(), tensor);
   if (s.ok()) s = check("dy", a.dy.size(), tensor);
   if (s.ok()) s = check("gamma", a.gamma.size(), a.hidden_dim * elem);
@@ -289,7 +307,8 @@ class ClientImpl final : public Client {
       done(s);
       return;
     }
-    absl::StatusOr<std::optional<ShmPlan>> plan = shm_.Plan(args);
+    absl::StatusOr<std::optional<ShmPlan>> plan =
+        args.device.has_value() ? std::optional<ShmPlan>() : shm_.Plan(args);
     if (!plan.ok()) {
       done(plan.status());
       return;
@@ -486,8 +505,9 @@ BackwardCall::BackwardCall(ClientImpl* client, std::shared_ptr<Shared> shared, i
       attempt_(attempt),
       chunker_(shared_->args.num_rows,
                uint64_t{shared_->args.hidden_dim} * ElementBytes(shared_->args.type),
-               shared_->shm.has_value() ? client->options().shm_chunk_bytes
-                                        : client->options().chunk_bytes),
+               shared_->shm.has_value() || shared_->args.device.has_value()
+                   ? client->options().shm_chunk_bytes
+                   : client->options().chunk_bytes),
       row_bytes_(uint64_t{shared_->args.hidden_dim} * ElementBytes(shared_->args.type)) {}
 
 void BackwardCall::Start() {
@@ -502,7 +522,7 @@ void BackwardCall::Start() {
     header->set_eps(a.eps);
     header->set_dtype(ToProto(a.type));
     header->set_gamma(a.gamma.data(), a.gamma.size());
-    header->set_rms_provided(!a.rms.empty());
+    header->set_rms_provided(a.device.has_value() ? a.device->rms.has_value() : !a.rms.empty());
     if (!shared_->options.kernel.empty())
       header->mutable_options()->set_kernel(shared_->options.kernel);
   }
@@ -524,6 +544,21 @@ void BackwardCall::FillChunkLocked(uint64_t index) {
   request_.Clear();
   const uint64_t offset = range.first_row * row_bytes_;
   const uint64_t bytes = range.num_rows * row_bytes_;
+  if (a.device.has_value()) {
+    const CudaIpcTensors& d = *a.device;
+    v1::CudaIpcChunk* ipc = request_.mutable_cuda_ipc();
+    ipc->set_device_uuid(d.device_uuid);
+    ipc->set_num_rows(range.num_rows);
+    const auto set = [](v1::CudaIpcBuffer* to, const CudaIpcBuffer& from, uint64_t at) {
+      to->set_handle(from.handle);
+      to->set_offset(from.offset + at);
+    };
+    set(ipc->mutable_x(), d.x, offset);
+    set(ipc->mutable_dy(), d.dy, offset);
+    set(ipc->mutable_grad_input(), d.dx, offset);
+    if (d.rms.has_value()) set(ipc->mutable_rms(), *d.rms, range.first_row * 4);
+    return;
+  }
   if (shared_->shm.has_value()) {
     const ShmPlan& plan = *shared_->shm;
     v1::SharedMemoryChunk* shm = request_.mutable_shm();
@@ -578,14 +613,16 @@ absl::Status BackwardCall::TakeResponseLocked() {
                        rows_received_, "): ", first < rows_received_ ? "an overlap" : "a gap",
                        "; the next chunk must start at row ", rows_received_));
     }
-    if (shared_->shm.has_value()) {
-      // grad_input is in the region already; from a staging region it is copied out.
+    if (shared_->shm.has_value() || a.device.has_value()) {
+      // grad_input is in the region or device buffer already; from a staging region it is
+      // copied out.
       if (!response_.grad_input().empty()) {
-        return absl::InternalError(absl::StrCat("server sent ", response_.grad_input().size(),
-                                                " grad_input bytes for a shared-memory chunk"));
+        return absl::InternalError(
+            absl::StrCat("server sent ", response_.grad_input().size(), " grad_input bytes for a ",
+                         a.device.has_value() ? "device" : "shared-memory", " chunk"));
       }
-      const ShmPlan& plan = *shared_->shm;
-      if (plan.staging != nullptr) {
+      if (shared_->shm.has_value() && shared_->shm->staging != nullptr) {
+        const ShmPlan& plan = *shared_->shm;
         std::memcpy(a.dx.data() + first * row_bytes_,
                     plan.staging->data() + plan.dx + first * row_bytes_, rows * row_bytes_);
       }

@@ -51,6 +51,25 @@ struct BatchSpec {
   std::string kernel;  // entry name; empty = the backend's best choice
 };
 
+// The size of a CUDA IPC memory handle (cuda.h's CU_IPC_HANDLE_SIZE).
+inline constexpr size_t kCudaIpcHandleBytes = 64;
+
+// Device memory another process on this GPU exported (cuIpcGetMemHandle), opened by the
+// backend: the allocation's base address in this process and its size. It stays open while
+// any holder keeps the shared_ptr (and the backend's bounded cache may hold it longer).
+struct DeviceBuffer {
+  uint64_t address = 0;
+  uint64_t bytes = 0;
+};
+
+// One chunk whose x, dy, rms and dx are device addresses (inside opened DeviceBuffers; the
+// caller checked every range): rows * hidden_dim elements of the dtype each, rms: `rows` f32
+// (0 unless rms_provided).
+struct DeviceRows {
+  uint64_t x = 0, dy = 0, rms = 0, dx = 0;
+  uint64_t rows = 0;
+};
+
 class BackwardSession {
  public:
   virtual ~BackwardSession() = default;
@@ -62,6 +81,12 @@ class BackwardSession {
   virtual absl::Status ProcessChunk(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
                                     absl::Span<const float> rms, uint64_t rows,
                                     absl::Span<uint8_t> dx) = 0;
+
+  // The same for a chunk in device memory (CUDA IPC): computed on the device in place, with
+  // no host copy of the rows. FAILED_PRECONDITION on a backend without a device.
+  virtual absl::Status ProcessDeviceChunk(const DeviceRows& rows) {
+    return absl::FailedPreconditionError("this backend computes no chunk in device memory");
+  }
 
   // Writes grad_gamma (hidden_dim elements of the dtype). Call once, after the last chunk.
   virtual absl::Status Finish(absl::Span<uint8_t> dgamma) = 0;
@@ -96,6 +121,18 @@ class Backend {
   // chunks like any other.
   virtual absl::Status RegisterHostMemory(void* base, uint64_t bytes) { return absl::OkStatus(); }
   virtual void UnregisterHostMemory(void* base) {}
+
+  // CUDA IPC. DeviceUuid: the GPU's 16-byte UUID (cuDeviceGetUuid), empty when the backend
+  // cannot open device memory of other processes (the CPU backend, a driver without IPC).
+  // OpenIpcBuffer: the allocation an exported 64-byte handle names, opened once and kept in a
+  // bounded cache (least recently used closed first). Errors: INVALID_ARGUMENT for a handle the
+  // driver refuses (its buffer freed, its process gone, another GPU), FAILED_PRECONDITION
+  // without IPC, UNAVAILABLE when the device failed.
+  virtual std::string DeviceUuid() const { return {}; }
+  virtual absl::StatusOr<std::shared_ptr<const DeviceBuffer>> OpenIpcBuffer(
+      absl::string_view handle) {
+    return absl::FailedPreconditionError("this backend opens no CUDA IPC handles");
+  }
 
   // Device failure. A device can fail for good (the CUDA backend: a sticky driver error such as
   // an illegal address or an uncorrectable ECC error, or work that never completes); from then

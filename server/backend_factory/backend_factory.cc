@@ -38,6 +38,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCuda(const BackendOptions& options)
   cuda.cache.max_entries = options.cache_max_entries;
   cuda.cache.max_bytes = options.cache_max_bytes;
   cuda.max_staging_bytes = options.max_staging_bytes;
+  cuda.max_ipc_handles = options.max_ipc_handles;
   return NewCudaBackend(cuda);
 #else
   return absl::FailedPreconditionError(

@@ -31,6 +31,8 @@ struct BackendOptions {
   // CUDA: bound of the staging pool, pinned and device bytes each (the server passes
   // --max-inflight-bytes; cuda_backend.h).
   uint64_t max_staging_bytes = 1ull << 30;
+  // CUDA IPC: device allocations of other processes kept open (--max-cuda-ipc-handles).
+  uint32_t max_ipc_handles = 64;
 };
 
 // kAuto: CUDA when a driver loads and a device is usable, else CPU; logs one line to stderr

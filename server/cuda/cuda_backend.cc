@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -378,6 +379,72 @@ class StagingPool {
   uint32_t lent_ = 0;                               // guarded by mu_
 };
 
+// Device memory of other processes (CUDA IPC), opened with cuIpcOpenMemHandle and kept open in
+// a bounded cache keyed by the handle's bytes, least recently used closed first (a buffer still
+// computing is closed when its last holder lets go). The driver counts opens of one handle per
+// context, so every entry is one open and one close.
+class IpcBufferCache {
+ public:
+  IpcBufferCache(std::shared_ptr<const DeviceContext> ctx, uint32_t max_open)
+      : ctx_(std::move(ctx)), max_open_(std::max<uint32_t>(1, max_open)) {}
+
+  absl::StatusOr<std::shared_ptr<const DeviceBuffer>> Open(absl::string_view handle) {
+    if (handle.size() != sizeof(CUipcMemHandle)) {
+      return absl::InvalidArgumentError(absl::StrCat("a CUDA IPC handle has ",
+                                                     sizeof(CUipcMemHandle), " bytes, not ",
+                                                     handle.size()));
+    }
+    std::lock_guard<std::mutex> lock(mu_);  // one open at a time: the driver's count stays 1
+    for (auto it = lru_.begin(); it != lru_.end(); ++it) {
+      if (it->first == handle) {
+        lru_.splice(lru_.begin(), lru_, it);
+        return lru_.front().second;
+      }
+    }
+    NORMGRAD_RETURN_IF_ERROR(ctx_->MakeCurrent());
+    CUipcMemHandle h;
+    std::memcpy(h.reserved, handle.data(), sizeof(h.reserved));
+    CUdeviceptr base = 0;
+    const CUresult r =
+        ctx_->api().cuIpcOpenMemHandle_v2(&base, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+    if (r == CUDA_ERROR_INVALID_HANDLE || r == CUDA_ERROR_INVALID_VALUE ||
+        r == CUDA_ERROR_INVALID_DEVICE || r == CUDA_ERROR_INVALID_CONTEXT ||
+        r == CUDA_ERROR_MAP_FAILED) {
+      // The client's mistake, not the server's: name the driver's reason.
+      return absl::InvalidArgumentError(absl::StrCat(
+          ctx_->driver().Check(r, "cuIpcOpenMemHandle").message(),
+          " (the buffer was freed or its process exited, it is on another GPU, or the handle "
+          "was exported by the server's own process)"));
+    }
+    NORMGRAD_RETURN_IF_ERROR(ctx_->Check(r, "cuIpcOpenMemHandle"));
+    size_t bytes = 0;
+    CUdeviceptr range_base = 0;
+    if (absl::Status s = ctx_->Check(
+            ctx_->api().cuMemGetAddressRange_v2(&range_base, &bytes, base), "cuMemGetAddressRange");
+        !s.ok()) {
+      ctx_->api().cuIpcCloseMemHandle(base);
+      return s;
+    }
+    auto opened = std::shared_ptr<DeviceBuffer>(new DeviceBuffer{base, bytes},
+                                                [ctx = ctx_](DeviceBuffer* b) {
+                                                  if (ctx->MakeCurrent().ok()) {
+                                                    ctx->api().cuIpcCloseMemHandle(b->address);
+                                                  }
+                                                  delete b;
+                                                });
+    lru_.emplace_front(std::string(handle), opened);
+    while (lru_.size() > max_open_) lru_.pop_back();
+    return std::shared_ptr<const DeviceBuffer>(std::move(opened));
+  }
+
+ private:
+  const std::shared_ptr<const DeviceContext> ctx_;
+  const uint32_t max_open_;
+  mutable std::mutex mu_;
+  // Most recently used first; a handle's bytes -> its opened buffer. Guarded by mu_.
+  std::list<std::pair<std::string, std::shared_ptr<const DeviceBuffer>>> lru_;
+};
+
 // How a session computes: on the GPU through a kernels::BackwardPlan (which kernels, in which
 // order, with which workspace), or on the host for a given rms with rows no GPU kernel takes it
 // for (hidden_dim > 32 without the row-resident kernel): dx and grad_gamma from the CPU
@@ -423,6 +490,32 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
       return s;
     }
     rows_done_ += rows;
+    return absl::OkStatus();
+  }
+
+  absl::Status ProcessDeviceChunk(const DeviceRows& rows) override {
+    if (!broken_.ok()) return broken_;
+    NORMGRAD_RETURN_IF_ERROR(ctx_->failure());
+    if (!plan_.has_value()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "no GPU kernel takes a given rms for rows of hidden_dim = ", spec_.hidden_dim,
+          " (> 32): this server computes such chunks on the host, so send them as bytes or in "
+          "shared memory, not in device memory"));
+    }
+    if (rows.rows == 0 || rows.rows > spec_.num_rows - rows_done_) {
+      return absl::InvalidArgumentError(absl::StrCat("a device chunk of ", rows.rows,
+                                                     " rows after ", rows_done_, " of ",
+                                                     spec_.num_rows));
+    }
+    const auto start = std::chrono::steady_clock::now();
+    absl::Status s = DeviceChunkInPlace(rows);
+    compute_seconds_ +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (!s.ok()) {
+      broken_ = s;
+      return s;
+    }
+    rows_done_ += rows.rows;
     return absl::OkStatus();
   }
 
@@ -597,6 +690,92 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
     return absl::OkStatus();
   }
 
+  // One chunk whose rows are in device memory (CUDA IPC): the plan runs on them in place. The
+  // slot holds only gamma, the workspace and grad_gamma on the device; where the plan leaves
+  // grad_gamma to the host (the warp plan), x, dy and rms come to pinned memory for it.
+  absl::Status DeviceChunkInPlace(const DeviceRows& in) {
+    const kernels::BackwardPlan& plan = *plan_;
+    const cuda::DriverApi& api = ctx_->api();
+    const size_t h = spec_.hidden_dim;
+    const uint64_t rows = in.rows;
+    const size_t data_bytes = rows * h * element_bytes_;
+    const bool rms_to_device = plan.requires_rms() || (plan.reads_rms() && spec_.rms_provided);
+    const bool dgamma_on_device = plan.dgamma_output() != kernels::DgammaOutput::kNone;
+    if ((rms_to_device || !dgamma_on_device) && in.rms == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(plan.kernel().EntryName(), " needs the forward pass's rms for each row"));
+    }
+    const size_t dgamma_bytes = dgamma_on_device ? h * sizeof(float) : 0;
+    const size_t to_host = dgamma_on_device ? 0 : data_bytes;
+    const size_t rms_to_host = dgamma_on_device ? 0 : rows * sizeof(float);
+    SlotLayout host;
+    const size_t h_gamma = host.Add(gamma_.size()), h_dgamma = host.Add(dgamma_bytes),
+                 h_x = host.Add(to_host), h_dy = host.Add(to_host), h_rms = host.Add(rms_to_host);
+    SlotLayout device;
+    const size_t d_gamma = device.Add(gamma_.size()),
+                 d_workspace = device.Add(plan.WorkspaceBytes(rows)),
+                 d_dgamma = device.Add(dgamma_bytes);
+    NORMGRAD_ASSIGN_OR_RETURN(std::unique_ptr<StagingSlot> slot,
+                              staging_->Acquire(host.bytes(), device.bytes()));
+    stream_ = slot->stream;
+    uint8_t* const pinned = slot->host;
+    const CUdeviceptr dev = slot->device;
+    absl::Status s = [&]() -> absl::Status {
+      NORMGRAD_RETURN_IF_ERROR(ctx_->MakeCurrent());
+      std::memcpy(pinned + h_gamma, gamma_.data(), gamma_.size());
+      NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
+          api.cuMemcpyHtoDAsync_v2(dev + d_gamma, pinned + h_gamma, gamma_.size(), stream_),
+          "cuMemcpyHtoDAsync(gamma)"));
+      if (plan.dgamma_output() == kernels::DgammaOutput::kAccumulated) {
+        NORMGRAD_RETURN_IF_ERROR(ctx_->Check(api.cuMemsetD32Async(dev + d_dgamma, 0, h, stream_),
+                                             "cuMemsetD32Async(grad_gamma)"));
+      }
+      kernels::BackwardArgs args;
+      args.x = in.x;
+      args.dy = in.dy;
+      args.dx = in.dx;
+      args.gamma = dev + d_gamma;
+      args.rms = rms_to_device ? in.rms : 0;
+      args.dgamma = dgamma_on_device ? dev + d_dgamma : 0;
+      args.workspace = dev + d_workspace;
+      args.rows = rows;
+      args.hidden_dim = spec_.hidden_dim;
+      args.eps = spec_.eps;
+      NORMGRAD_RETURN_IF_ERROR(plan.Run(args, *this));
+      if (dgamma_on_device) {
+        NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
+            api.cuMemcpyDtoHAsync_v2(pinned + h_dgamma, dev + d_dgamma, dgamma_bytes, stream_),
+            "cuMemcpyDtoHAsync(grad_gamma)"));
+      } else {
+        for (auto [to, from, bytes, what] :
+             {std::tuple{h_x, in.x, data_bytes, "x"}, std::tuple{h_dy, in.dy, data_bytes, "dy"},
+              std::tuple{h_rms, in.rms, rms_to_host, "rms"}}) {
+          NORMGRAD_RETURN_IF_ERROR(
+              ctx_->Check(api.cuMemcpyDtoHAsync_v2(pinned + to, from, bytes, stream_),
+                          absl::StrCat("cuMemcpyDtoHAsync(", what, ")")));
+        }
+      }
+      NORMGRAD_RETURN_IF_ERROR(ctx_->Synchronize(stream_));
+      if (dgamma_on_device) {
+        const float* chunk_dgamma = reinterpret_cast<const float*>(pinned + h_dgamma);
+        for (size_t i = 0; i < h; ++i) dgamma_sum_[i] += chunk_dgamma[i];
+      } else {
+        AddHostGradGamma(absl::MakeConstSpan(pinned + h_x, data_bytes),
+                         absl::MakeConstSpan(pinned + h_dy, data_bytes),
+                         absl::MakeConstSpan(reinterpret_cast<const float*>(pinned + h_rms), rows),
+                         rows);
+      }
+      return absl::OkStatus();
+    }();
+    stream_ = nullptr;
+    if (s.ok()) {
+      staging_->Return(std::move(slot));
+    } else {
+      staging_->Drop(std::move(slot));
+    }
+    return s;
+  }
+
   // grad_gamma_i += dy_ri * x_ri / rms_r in row order (double), for the warp plan's narrow rows.
   // Converted to f32 a few rows at a time (StagingRows).
   void AddHostGradGamma(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
@@ -672,13 +851,17 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
 
 class CudaBackend : public Backend {
  public:
+  // uuid: the device's 16 bytes, empty when the driver has no CUDA IPC.
   CudaBackend(std::shared_ptr<const DeviceContext> ctx, DeviceDescription device, int target_sm,
-              ModuleCacheOptions cache, uint64_t max_staging_bytes)
+              ModuleCacheOptions cache, uint64_t max_staging_bytes, std::string uuid,
+              uint32_t max_ipc_handles)
       : ctx_(std::move(ctx)),
         device_(std::move(device)),
         target_sm_(target_sm),
         cache_(cache),
-        staging_(std::make_shared<StagingPool>(ctx_, max_staging_bytes)) {}
+        staging_(std::make_shared<StagingPool>(ctx_, max_staging_bytes)),
+        uuid_(std::move(uuid)),
+        ipc_(ctx_, max_ipc_handles) {}
 
   ~CudaBackend() override { cache_.Clear(); }
 
@@ -727,6 +910,17 @@ class CudaBackend : public Backend {
     return ctx_->RegisterHost(base, bytes);
   }
   void UnregisterHostMemory(void* base) override { ctx_->UnregisterHost(base); }
+
+  std::string DeviceUuid() const override { return uuid_; }
+  absl::StatusOr<std::shared_ptr<const DeviceBuffer>> OpenIpcBuffer(
+      absl::string_view handle) override {
+    NORMGRAD_RETURN_IF_ERROR(ctx_->failure());
+    if (uuid_.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(ctx_->driver().path(), " has no CUDA IPC (cuIpcOpenMemHandle)"));
+    }
+    return ipc_.Open(handle);
+  }
 
   void SetDeviceFailureHandler(DeviceFailureHandler handler) override {
     ctx_->set_failure_handler(std::move(handler));
@@ -788,6 +982,8 @@ class CudaBackend : public Backend {
   const int target_sm_;
   ModuleCache<LoadedModule> cache_;
   const std::shared_ptr<StagingPool> staging_;  // shared with the sessions
+  const std::string uuid_;
+  IpcBufferCache ipc_;
 };
 
 // Device set-up on a loaded driver (see cuda_backend.h); any failure means no usable GPU.
@@ -853,8 +1049,14 @@ absl::StatusOr<std::unique_ptr<Backend>> OpenDevice(std::shared_ptr<const CudaDr
                           api.cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
                                                     &threshold) == CUDA_SUCCESS;
   }
+  std::string uuid;
+  CUuuid id;
+  if (driver->HasIpc() && api.cuDeviceGetUuid_v2(&id, device) == CUDA_SUCCESS) {
+    uuid.assign(id.bytes, sizeof(id.bytes));
+  }
   return std::unique_ptr<Backend>(new CudaBackend(std::move(ctx), std::move(d), major * 10 + minor,
-                                                  options.cache, options.max_staging_bytes));
+                                                  options.cache, options.max_staging_bytes,
+                                                  std::move(uuid), options.max_ipc_handles));
 }
 
 }  // namespace

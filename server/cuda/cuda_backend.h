@@ -55,6 +55,8 @@ struct CudaBackendOptions {
   ModuleCacheOptions cache;
   // Bound of the staging pool: pinned host bytes, and device bytes, each (see above).
   uint64_t max_staging_bytes = 1ull << 30;
+  // CUDA IPC: other processes' device allocations kept open (least recently used closed first).
+  uint32_t max_ipc_handles = 64;
 };
 
 // FAILED_PRECONDITION saying why when no usable GPU is found (library not loadable or not a

@@ -6,7 +6,8 @@
 // cuda.h's macros map to, e.g. cuMemAlloc -> cuMemAlloc_v2). A library that stands in for the
 // driver (an emulator used by tests) exports exactly these. X(name, required): a missing
 // required symbol makes the library unusable; a missing optional one leaves its pointer null
-// (stream-ordered allocation then falls back to cuMemAlloc_v2/cuMemFree_v2).
+// (stream-ordered allocation then falls back to cuMemAlloc_v2/cuMemFree_v2; without the IPC
+// functions the backend takes no CUDA IPC chunks).
 //
 //   absl::StatusOr<std::shared_ptr<const CudaDriver>> driver = CudaDriver::Load("libcuda.so.1");
 //   CUdevice dev;
@@ -69,7 +70,11 @@ extern "C" CUresult CUDAAPI cuEventElapsedTime(float* milliseconds, CUevent star
   X(cuEventDestroy_v2, true)              \
   X(cuGetErrorName, true)                 \
   X(cuGetErrorString, true)               \
-  X(cuMemGetInfo_v2, true)
+  X(cuMemGetInfo_v2, true)                 \
+  X(cuDeviceGetUuid_v2, false)            \
+  X(cuIpcOpenMemHandle_v2, false)         \
+  X(cuIpcCloseMemHandle, false)           \
+  X(cuMemGetAddressRange_v2, false)
 
 namespace normgrad::server::cuda {
 
@@ -120,6 +125,12 @@ class CudaDriver {
   absl::Status Check(CUresult result, absl::string_view call) const {
     if (result == CUDA_SUCCESS) return absl::OkStatus();
     return CudaResultToStatus(&api_, result, call);
+  }
+
+  // True when CUDA IPC (opening other processes' device memory) and the device UUID were found.
+  bool HasIpc() const {
+    return api_.cuDeviceGetUuid_v2 != nullptr && api_.cuIpcOpenMemHandle_v2 != nullptr &&
+           api_.cuIpcCloseMemHandle != nullptr && api_.cuMemGetAddressRange_v2 != nullptr;
   }
 
   // True when stream-ordered allocation (cuMemAllocAsync and friends) was found.

@@ -321,6 +321,11 @@ absl::StatusOr<std::unique_ptr<NormGradServer>> NormGradServer::Start(
     backend_options.max_staging_bytes = options.admission.max_inflight_bytes;
     NORMGRAD_ASSIGN_OR_RETURN(backend, CreateBackend(backend_options));
   }
+  if (options.cuda_ipc && backend->DeviceUuid().empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--cuda-ipc: the ", backend->Name(), " backend cannot open other processes' device "
+        "memory (it needs the CUDA backend on a driver with cuIpcOpenMemHandle)"));
+  }
   // From here on a failure returns through ~NormGradServer, which stops what was started.
   std::unique_ptr<NormGradServer> server(new NormGradServer(options, std::move(backend)));
   server->AssembleService();
@@ -371,6 +376,8 @@ void NormGradServer::AssembleService() {
   env_->pool = pool_.get();
   env_->emit_ptx_pool = emit_ptx_pool_.get();
   env_->streams = streams_.get();
+  env_->cuda_ipc = options_.cuda_ipc;
+  env_->max_cuda_ipc_handles = options_.backend.max_ipc_handles;
   if (options_.shared_memory) {
     Backend* backend = backend_.get();
     regions_ = std::make_unique<RegionRegistry>(

@@ -62,6 +62,9 @@ struct ServerOptions {
   // PATH.shm (server/shared_memory/); off by default.
   bool shared_memory = false;
   RegionLimits regions;
+  // CUDA IPC: chunks may name device buffers of clients on this machine (CUDA backend only;
+  // backend.max_ipc_handles bounds the allocations kept open); off by default.
+  bool cuda_ipc = false;
   std::string metrics_listen = "0.0.0.0:9464";  // empty: no metrics endpoint
   BackendOptions backend;
   std::vector<std::string> preload;             // KERNEL:TARGET[:HIDDEN_DIM] entries

@@ -24,6 +24,12 @@ ABSL_FLAG(uint32_t, shared_memory_max_regions, 64,
           "Shared-memory regions registered at once, all clients together.");
 ABSL_FLAG(uint64_t, shared_memory_max_bytes, 16ull << 30,
           "Bytes of shared-memory regions registered at once, all clients together.");
+ABSL_FLAG(bool, cuda_ipc, false,
+          "Take x and dy from, and write grad_input into, CUDA device memory of clients on this "
+          "machine and GPU, named by CUDA IPC handles (docs/api.md); CUDA backend only.");
+ABSL_FLAG(uint32_t, max_cuda_ipc_handles, 64,
+          "Device allocations of clients kept open for CUDA IPC (least recently used closed "
+          "first).");
 ABSL_FLAG(std::string, unix_socket_mode, "0660",
           "File mode (octal) of every unix:/PATH socket of --listen: who may connect.");
 ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
@@ -175,6 +181,8 @@ absl::StatusOr<ServerOptions> ServerOptionsFromFlags() {
   }
   o.unix_socket_mode = mode_bits;
   o.shared_memory = absl::GetFlag(FLAGS_shared_memory);
+  o.cuda_ipc = absl::GetFlag(FLAGS_cuda_ipc);
+  o.backend.max_ipc_handles = absl::GetFlag(FLAGS_max_cuda_ipc_handles);
   o.regions.max_regions = absl::GetFlag(FLAGS_shared_memory_max_regions);
   o.regions.max_bytes = absl::GetFlag(FLAGS_shared_memory_max_bytes);
   o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);

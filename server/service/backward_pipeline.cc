@@ -6,12 +6,22 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "kernels/kernel.h"
 #include "kernels/status_macros.h"
 
 namespace normgrad::server {
+namespace {
+
+// A device UUID as the CUDA tools print it (32 hex digits), or what was sent when not 16 bytes.
+std::string HexUuid(const std::string& uuid) {
+  if (uuid.size() != 16) return absl::StrCat("(", uuid.size(), " bytes, not 16)");
+  return absl::BytesToHexString(uuid);
+}
+
+}  // namespace
 
 BackwardPipeline::BackwardPipeline(ServiceEnv* env, absl::Time deadline, bool peer_is_local,
                                    std::string client)
@@ -228,7 +238,7 @@ StreamTotals BackwardPipeline::OnDone() {
   t.bytes_out = bytes_out_;
   t.rows = rows_sent_;
   t.tensor_bytes = tensor_bytes_in_ + rows_sent_ * validator_.row_bytes();
-  t.shared_memory = used_shared_memory_;
+  t.payload_transport = payload_transport_;
   if (admitted_) {
     admitted_ = false;
     env_->metrics->AddGauge("normgrad_inflight_streams", {}, -1);
@@ -294,8 +304,15 @@ void BackwardPipeline::OnMessageLocked(StreamActions& a) {
   }
   job.kind = Job::kChunk;
   job.chunk = accepted->chunk;
+  if (job.request->has_cuda_ipc()) {
+    payload_transport_ = "cuda_ipc";
+    if (absl::Status s = CheckDeviceChunkLocked(job.request->cuda_ipc(), job.chunk); !s.ok()) {
+      FinishLocked(s, a);
+      return;
+    }
+  }
   if (job.request->has_shm()) {
-    used_shared_memory_ = true;
+    payload_transport_ = "shm";
     absl::StatusOr<RegionRows> rows = FindRegionRowsLocked(job.request->shm(), job.chunk);
     if (!rows.ok()) {
       FinishLocked(rows.status(), a);
@@ -367,6 +384,102 @@ absl::StatusOr<BackwardPipeline::RegionRows> BackwardPipeline::FindRegionRowsLoc
   rows.dy = shm.dy_offset();
   rows.rms = shm.rms_offset();
   rows.grad_input = shm.grad_input_offset();
+  return rows;
+}
+
+// What the message alone says about a chunk in device memory; the buffers are opened, and the
+// ranges checked against them, on a worker (OpenDeviceRows): opening a handle is a driver call.
+absl::Status BackwardPipeline::CheckDeviceChunkLocked(const v1::CudaIpcChunk& ipc,
+                                                      const RowChunk& chunk) const {
+  const std::string where = absl::StrCat("chunk ", chunk.index, ": ");
+  const std::string server_uuid = env_->cuda_ipc ? env_->backend->DeviceUuid() : "";
+  if (server_uuid.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, "carries cuda_ipc but this server takes no CUDA IPC (start it with --cuda-ipc on "
+        "the CUDA backend, and reach it on its unix socket)"));
+  }
+  if (!peer_is_local_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, "carries cuda_ipc but the client is not on this machine (CUDA IPC is taken only "
+        "on a unix socket or a loopback address)"));
+  }
+  if (ipc.device_uuid() != server_uuid) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, "cuda_ipc.device_uuid = ", HexUuid(ipc.device_uuid()),
+        " is not this server's GPU (", HexUuid(server_uuid),
+        "): the buffers must be on the server's device"));
+  }
+  const bool rms = validator_.spec().rms_provided;
+  const std::pair<const char*, const v1::CudaIpcBuffer*> buffers[] = {
+      {"cuda_ipc.x", &ipc.x()},
+      {"cuda_ipc.dy", &ipc.dy()},
+      {"cuda_ipc.grad_input", &ipc.grad_input()},
+      {"cuda_ipc.rms", rms ? &ipc.rms() : nullptr}};
+  for (const auto& [field, buffer] : buffers) {
+    if (buffer == nullptr) continue;
+    if (buffer->handle().size() != kCudaIpcHandleBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(where, field, ".handle has ",
+                                                     buffer->handle().size(), " bytes, not ",
+                                                     kCudaIpcHandleBytes));
+    }
+  }
+  if (!rms && ipc.has_rms()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "cuda_ipc.rms is set but header.rms_provided is false"));
+  }
+  // grad_input is written while x, dy and rms are read: within one allocation it must not
+  // overlap them.
+  if (chunk.num_rows > UINT64_MAX / validator_.row_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "cuda_ipc.num_rows = ", chunk.num_rows,
+                                                   " rows do not fit in any buffer"));
+  }
+  const uint64_t bytes = chunk.num_rows * validator_.row_bytes();
+  const v1::CudaIpcBuffer& out = ipc.grad_input();
+  const std::tuple<const char*, const v1::CudaIpcBuffer*, uint64_t> inputs[] = {
+      {"cuda_ipc.x", &ipc.x(), bytes},
+      {"cuda_ipc.dy", &ipc.dy(), bytes},
+      {"cuda_ipc.rms", &ipc.rms(), rms ? chunk.num_rows * 4 : 0}};
+  for (const auto& [field, in, in_bytes] : inputs) {
+    if (in_bytes == 0 || in->handle() != out.handle()) continue;
+    if (out.offset() < in->offset() + in_bytes && in->offset() < out.offset() + bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, "cuda_ipc.grad_input.offset = ", out.offset(), " (", bytes,
+          " bytes) overlaps ", field, ".offset = ", in->offset(), " (", in_bytes,
+          " bytes) in the same allocation"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// On a worker, outside mu_ (the batch's spec is fixed once the header was accepted).
+absl::StatusOr<DeviceRows> BackwardPipeline::OpenDeviceRows(
+    const v1::CudaIpcChunk& ipc, const RowChunk& chunk,
+    std::vector<std::shared_ptr<const DeviceBuffer>>& held) const {
+  const std::string where = absl::StrCat("chunk ", chunk.index, ": ");
+  const uint64_t bytes = chunk.num_rows * validator_.row_bytes();
+  const bool rms_provided = validator_.spec().rms_provided;
+  const uint64_t element = kernels::DTypeBytes(validator_.spec().dtype);
+  DeviceRows rows;
+  rows.rows = chunk.num_rows;
+  const std::tuple<const char*, const v1::CudaIpcBuffer*, uint64_t, uint64_t, uint64_t*> parts[] =
+      {{"cuda_ipc.x", &ipc.x(), bytes, element, &rows.x},
+       {"cuda_ipc.dy", &ipc.dy(), bytes, element, &rows.dy},
+       {"cuda_ipc.grad_input", &ipc.grad_input(), bytes, element, &rows.dx},
+       {"cuda_ipc.rms", &ipc.rms(), rms_provided ? chunk.num_rows * 4 : 0, 4, &rows.rms}};
+  for (const auto& [field, buffer, part_bytes, alignment, address] : parts) {
+    if (part_bytes == 0) continue;
+    absl::StatusOr<std::shared_ptr<const DeviceBuffer>> opened =
+        env_->backend->OpenIpcBuffer(buffer->handle());
+    if (!opened.ok()) {
+      return absl::Status(opened.status().code(), absl::StrCat(where, field, ".handle: ",
+                                                               opened.status().message()));
+    }
+    NORMGRAD_RETURN_IF_ERROR(CheckRegionRange(absl::StrCat(where, field, ".offset"),
+                                              buffer->offset(), part_bytes, (*opened)->bytes,
+                                              alignment));
+    *address = (*opened)->address + buffer->offset();
+    held.push_back(*std::move(opened));
+  }
   return rows;
 }
 
@@ -461,6 +574,18 @@ absl::StatusOr<std::unique_ptr<BackwardPipeline::Outgoing>> BackwardPipeline::Ru
       out->is_chunk = true;
       out->response.set_first_row(job.chunk.first_row);
       out->response.set_num_rows(job.chunk.num_rows);
+      if (r.has_cuda_ipc()) {
+        // Zero copy on the device: the kernels read and write the client's buffers.
+        std::vector<std::shared_ptr<const DeviceBuffer>> held;  // open until computed
+        NORMGRAD_ASSIGN_OR_RETURN(
+            const DeviceRows rows,
+            OpenDeviceRows(r.cuda_ipc(), job.chunk, held));
+        NORMGRAD_RETURN_IF_ERROR(session_->ProcessDeviceChunk(rows));
+        env_->metrics->IncrementCounter("normgrad_chunks_total", {});
+        std::lock_guard<std::mutex> lock(mu_);
+        rows_sent_ += job.chunk.num_rows;
+        return out;
+      }
       if (job.in_region.has_value()) {
         // Zero copy: the backend reads x, dy and rms in the client's region and writes dx there.
         const RegionRows& in = *job.in_region;

@@ -27,6 +27,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -62,7 +63,9 @@ struct StreamTotals {
   uint64_t rows = 0;
   // x, dy, rms and gamma in, grad_input out, wherever they travelled (messages or a region).
   uint64_t tensor_bytes = 0;
-  bool shared_memory = false;  // some chunk's rows were in a shared-memory region
+  // "shm" or "cuda_ipc" when some chunk's rows were in a shared-memory region or in device
+  // memory of the client (the last such kind), else null.
+  const char* payload_transport = nullptr;
 };
 
 class BackwardPipeline {
@@ -132,6 +135,11 @@ class BackwardPipeline {
   void OnMessageLocked(StreamActions& a);
   absl::StatusOr<RegionRows> FindRegionRowsLocked(const v1::SharedMemoryChunk& shm,
                                                   const RowChunk& chunk) const;
+  absl::Status CheckDeviceChunkLocked(const v1::CudaIpcChunk& ipc, const RowChunk& chunk) const;
+  // Opens the chunk's device buffers (kept open in `held`) and checks its ranges against them.
+  absl::StatusOr<DeviceRows> OpenDeviceRows(
+      const v1::CudaIpcChunk& ipc, const RowChunk& chunk,
+      std::vector<std::shared_ptr<const DeviceBuffer>>& held) const;
   void AdmitWaitingChunkLocked(StreamActions& a);
   void MaybeStartReadLocked(StreamActions& a);
   void ScheduleComputeLocked(StreamActions& a);
@@ -169,7 +177,7 @@ class BackwardPipeline {
   uint64_t bytes_in_ = 0;  // guarded by mu_
   uint64_t bytes_out_ = 0;  // guarded by mu_
   uint64_t rows_sent_ = 0;  // guarded by mu_
-  bool used_shared_memory_ = false;  // guarded by mu_
+  const char* payload_transport_ = nullptr;  // StreamTotals::payload_transport; mu_
   absl::Time last_progress_;  // guarded by mu_
   absl::Time header_time_ = absl::Now();  // guarded by mu_
   // The minimum rate (CheckRateLocked): x, dy and gamma bytes received; the time the stream

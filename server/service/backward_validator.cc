@@ -97,7 +97,7 @@ absl::StatusOr<RowChunk> BackwardValidator::AcceptChunk(const v1::BackwardReques
     return absl::InvalidArgumentError(
         absl::StrCat(where, "header repeated; only the first message may carry `header`"));
   }
-  if (message.has_shm()) return AcceptSharedMemoryChunk(message, where);
+  if (message.has_shm() || message.has_cuda_ipc()) return AcceptReferencedChunk(message, where);
   const uint64_t x_bytes = message.x().size();
   const uint64_t dy_bytes = message.dy().size();
   if (x_bytes == 0 && dy_bytes == 0) {
@@ -134,34 +134,38 @@ absl::StatusOr<RowChunk> BackwardValidator::AcceptChunk(const v1::BackwardReques
     return absl::InvalidArgumentError(absl::StrCat(where, "rms has ", message.rms().size(),
                                                    " bytes but header.rms_provided is false"));
   }
-  RowChunk chunk;
-  chunk.index = index;
-  chunk.first_row = rows_received_;
-  chunk.num_rows = rows;
-  rows_received_ += rows;
-  ++chunks_received_;
-  return chunk;
+  return TakeRows(rows);
 }
 
-// The region and its offsets are checked by whoever holds the regions (BackwardPipeline): here,
-// only what the message alone says.
-absl::StatusOr<RowChunk> BackwardValidator::AcceptSharedMemoryChunk(
+// The region or device buffers and their offsets are checked by whoever holds them
+// (BackwardPipeline): here, only what the message alone says.
+absl::StatusOr<RowChunk> BackwardValidator::AcceptReferencedChunk(
     const v1::BackwardRequest& message, const std::string& where) {
+  const bool shm = message.has_shm();
+  const char* field = shm ? "shm" : "cuda_ipc";
+  if (shm && message.has_cuda_ipc()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "carries both shm and cuda_ipc; send one or the other"));
+  }
   if (!message.x().empty() || !message.dy().empty() || !message.rms().empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        where, "carries shm and also row bytes (x: ", message.x().size(), ", dy: ",
+        where, "carries ", field, " and also row bytes (x: ", message.x().size(), ", dy: ",
         message.dy().size(), ", rms: ", message.rms().size(), "); send one or the other"));
   }
-  const uint64_t rows = message.shm().num_rows();
+  const uint64_t rows = shm ? message.shm().num_rows() : message.cuda_ipc().num_rows();
   if (rows == 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat(where, "shm.num_rows is 0; a chunk carries at least one row"));
+        absl::StrCat(where, field, ".num_rows is 0; a chunk carries at least one row"));
   }
   if (rows > spec_.num_rows - rows_received_) {
     return absl::InvalidArgumentError(absl::StrCat(
-        where, "shm.num_rows = ", rows, " after ", rows_received_,
+        where, field, ".num_rows = ", rows, " after ", rows_received_,
         " rows would exceed header.num_rows = ", spec_.num_rows));
   }
+  return TakeRows(rows);
+}
+
+RowChunk BackwardValidator::TakeRows(uint64_t rows) {
   RowChunk chunk;
   chunk.index = chunks_received_;
   chunk.first_row = rows_received_;

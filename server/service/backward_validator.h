@@ -47,8 +47,8 @@ class BackwardValidator {
 
   // The first message must carry `header` (and gamma) and nothing else; every later message is a
   // row chunk: x and dy of equal length (elements of header.dtype), a whole number of rows, no more rows than declared, and
-  // `rms` (rows * 4 bytes) exactly when header.rms_provided. A chunk with `shm` carries no row
-  // bytes and shm.num_rows rows (its region and offsets are the caller's to check).
+  // `rms` (rows * 4 bytes) exactly when header.rms_provided. A chunk with `shm` (or `cuda_ipc`)
+  // carries no row bytes and shm.num_rows rows (its region or buffers are the caller's to check).
   absl::StatusOr<AcceptedMessage> Accept(const v1::BackwardRequest& message);
 
   // OK when a header arrived and the chunks carried exactly header.num_rows rows.
@@ -63,8 +63,10 @@ class BackwardValidator {
  private:
   absl::Status AcceptHeader(const v1::BackwardRequest& message);
   absl::StatusOr<RowChunk> AcceptChunk(const v1::BackwardRequest& message);
-  absl::StatusOr<RowChunk> AcceptSharedMemoryChunk(const v1::BackwardRequest& message,
-                                                   const std::string& where);
+  // A chunk whose rows are elsewhere (shm or cuda_ipc).
+  absl::StatusOr<RowChunk> AcceptReferencedChunk(const v1::BackwardRequest& message,
+                                                 const std::string& where);
+  RowChunk TakeRows(uint64_t rows);  // records the next chunk of `rows` rows
 
   BackwardLimits limits_;
   bool has_header_ = false;

@@ -159,7 +159,7 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     }
     const double seconds = absl::ToDoubleSeconds(absl::Now() - pipeline_.start_time());
     env_->metrics->IncrementCounter("normgrad_rows_total", {}, static_cast<double>(t.rows));
-    const char* transport = t.shared_memory ? "shm" : listener_;
+    const char* transport = t.payload_transport != nullptr ? t.payload_transport : listener_;
     env_->metrics->IncrementCounter("normgrad_transport_tensor_bytes_total",
                                     {{"transport", transport}},
                                     static_cast<double>(t.tensor_bytes));
@@ -378,6 +378,12 @@ grpc::ServerUnaryReactor* NormGradService::GetServerInfo(grpc::CallbackServerCon
     shm->set_enabled(true);
     shm->set_max_regions(env_->regions->limits().max_regions);
     shm->set_max_region_bytes(env_->regions->limits().max_bytes);
+  }
+  if (env_->cuda_ipc) {
+    v1::CudaIpcInfo* ipc = response->mutable_cuda_ipc();
+    ipc->set_enabled(true);
+    ipc->set_device_uuid(env_->backend->DeviceUuid());
+    ipc->set_max_open_handles(env_->max_cuda_ipc_handles);
   }
   for (std::string& name : KernelNames()) response->add_kernels(std::move(name));
   response->mutable_health()->set_serving(env_->device_health.healthy() && !env_->draining.load());

@@ -68,6 +68,8 @@ struct ServiceEnv {
   ThreadPool* emit_ptx_pool = nullptr;
   StreamRegistry* streams = nullptr;
   RegionRegistry* regions = nullptr;  // shared-memory regions; null without --shared-memory
+  bool cuda_ipc = false;  // --cuda-ipc: chunks may name device memory (backend->DeviceUuid())
+  uint32_t max_cuda_ipc_handles = 0;  // --max-cuda-ipc-handles
   std::atomic<bool> draining{false};
   DeviceHealth device_health;
 };

@@ -22,6 +22,7 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -143,6 +144,22 @@ struct Gradients {
   int attempts = 1;  // streams started (more than one after UNAVAILABLE retries)
 };
 
+// A tensor in CUDA device memory, for CUDA IPC (docs/api.md, "CUDA IPC"): the 64-byte handle
+// cuIpcGetMemHandle returned for its allocation, and its byte offset from the allocation's base.
+// ExportCudaBuffer (normgrad/cuda_ipc.h) makes one from a device pointer.
+struct CudaIpcBuffer {
+  std::string handle;
+  uint64_t offset = 0;
+};
+
+// The tensors of a Backward call that live on the server's GPU, in another process's device
+// memory (this one's): the server runs the kernels on them in place, with no host copy.
+struct CudaIpcTensors {
+  std::string device_uuid;  // 16 bytes: cuDeviceGetUuid of their GPU (CudaDeviceUuid)
+  CudaIpcBuffer x, dy, dx;  // num_rows * hidden_dim elements each
+  std::optional<CudaIpcBuffer> rms;  // num_rows f32 values, or none (the server recomputes)
+};
+
 // The byte-level form of a Backward call, for any element type. Spans are caller-owned and must
 // outlive the call (for the async forms: until the callback has run).
 struct RawBackwardArgs {
@@ -156,6 +173,9 @@ struct RawBackwardArgs {
   absl::Span<const uint8_t> rms;    // num_rows f32 values, or empty
   absl::Span<uint8_t> dx;           // num_rows * hidden_dim elements (required)
   absl::Span<uint8_t> dgamma;       // hidden_dim elements (required)
+  // Set: x, dy, rms and dx are these device buffers (the spans above stay empty; gamma and
+  // dgamma are host memory still). Needs a server started with --cuda-ipc on this machine.
+  std::optional<CudaIpcTensors> device;
 };
 
 struct RawBackwardResult {
