@@ -186,10 +186,10 @@ CUuuid ParseDeviceUuid() {
 // A device allocation of this process: the memfd that backs it stays open while it lives, so an
 // importer can open it through /proc/<pid>/fd/<fd>.
 struct DeviceAllocation {
-  uint64_t id = 0;     // in the memfd's name, "normgrad-emu-<id>"
+  uint64_t id = 0;  // in the memfd's name, "normgrad-emu-<id>"
   int fd = -1;
-  uint64_t size = 0;   // rounded up to 256 bytes: what the MemoryMap and capacity count
-  uint64_t mapped = 0; // rounded up to pages: the memfd's size and the mapping's
+  uint64_t size = 0;    // rounded up to 256 bytes: what the MemoryMap and capacity count
+  uint64_t mapped = 0;  // rounded up to pages: the memfd's size and the mapping's
 };
 
 // Another process's allocation mapped here by cuIpcOpenMemHandle.
