@@ -1,0 +1,305 @@
+// CUDA IPC end to end: normgrad-server as a subprocess on the CUDA backend over the emulated
+// driver (whose device memory is shareable between processes: tests/ptxsim/emulated_driver.cc),
+// with --cuda-ipc; this process is the client, with its own device buffers on the "same GPU"
+// (the same emulated driver library, loaded here too). The server opens the buffers from their
+// IPC handles and runs the kernels on them in place: grad_input appears in this process's device
+// memory, and no tensor byte crosses the socket. Skipped when the build has no emulated driver.
+#include <dlfcn.h>
+#include <sys/wait.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "normgrad/client.h"
+#include "normgrad/cuda_ipc.h"
+#include "tests/common/child_process.h"
+#include "tests/server/service/service_test_util.h"
+
+namespace normgrad {
+namespace {
+
+using ::normgrad::testing::ChildOptions;
+using ::normgrad::testing::ChildProcess;
+using ::normgrad::testing::ReadyLine;
+using ::testing::HasSubstr;
+namespace st = ::normgrad::server::testing;
+
+// The Driver API calls this client makes itself (allocating and filling its buffers), with the
+// ABI's types, so the test builds without cuda.h.
+struct TestDriver {
+  using Ptr = unsigned long long;  // NOLINT(runtime/int): CUdeviceptr
+  int (*cuInit)(unsigned int);
+  int (*cuDeviceGet)(int*, int);
+  int (*cuDevicePrimaryCtxRetain)(void**, int);
+  int (*cuCtxSetCurrent)(void*);
+  int (*cuMemAlloc_v2)(Ptr*, size_t);
+  int (*cuMemFree_v2)(Ptr);
+  int (*cuMemcpyHtoDAsync_v2)(Ptr, const void*, size_t, void*);
+  int (*cuMemcpyDtoHAsync_v2)(void*, Ptr, size_t, void*);
+  int (*cuStreamSynchronize)(void*);
+};
+
+template <typename F>
+void Resolve(void* lib, const char* name, F& out) {
+  out = reinterpret_cast<F>(dlsym(lib, name));
+  ASSERT_NE(out, nullptr) << name;
+}
+
+class CudaIpcTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (std::string(NORMGRAD_EMULATED_CUDA).empty()) {
+      GTEST_SKIP() << "built without the emulated CUDA driver (no cuda.h)";
+    }
+    // The client library's ExportCudaBuffer loads the same library: one driver in this process.
+    setenv("NORMGRAD_CUDA_DRIVER", NORMGRAD_EMULATED_CUDA, 1);
+    void* lib = dlopen(NORMGRAD_EMULATED_CUDA, RTLD_NOW | RTLD_LOCAL);
+    ASSERT_NE(lib, nullptr) << dlerror();
+    Resolve(lib, "cuInit", d_.cuInit);
+    Resolve(lib, "cuDeviceGet", d_.cuDeviceGet);
+    Resolve(lib, "cuDevicePrimaryCtxRetain", d_.cuDevicePrimaryCtxRetain);
+    Resolve(lib, "cuCtxSetCurrent", d_.cuCtxSetCurrent);
+    Resolve(lib, "cuMemAlloc_v2", d_.cuMemAlloc_v2);
+    Resolve(lib, "cuMemFree_v2", d_.cuMemFree_v2);
+    Resolve(lib, "cuMemcpyHtoDAsync_v2", d_.cuMemcpyHtoDAsync_v2);
+    Resolve(lib, "cuMemcpyDtoHAsync_v2", d_.cuMemcpyDtoHAsync_v2);
+    Resolve(lib, "cuStreamSynchronize", d_.cuStreamSynchronize);
+    ASSERT_EQ(d_.cuInit(0), 0);
+    int device = 0;
+    ASSERT_EQ(d_.cuDeviceGet(&device, 0), 0);
+    void* context = nullptr;
+    ASSERT_EQ(d_.cuDevicePrimaryCtxRetain(&context, device), 0);
+    ASSERT_EQ(d_.cuCtxSetCurrent(context), 0);
+  }
+
+  void TearDown() override {
+    for (TestDriver::Ptr p : allocations_) d_.cuMemFree_v2(p);
+  }
+
+  // The server on the emulated driver, with `flags` after the common ones.
+  ChildProcess StartServer(std::vector<std::string> flags) {
+    std::vector<std::string> args = {"/usr/bin/env",
+                                     absl::StrCat("NORMGRAD_CUDA_DRIVER=", NORMGRAD_EMULATED_CUDA),
+                                     NORMGRAD_SERVER_BINARY,
+                                     "--listen=127.0.0.1:0",
+                                     "--metrics-listen=127.0.0.1:0",
+                                     "--worker-threads=2"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    ChildOptions options;
+    options.capture_stderr = true;
+    absl::StatusOr<ChildProcess> child = ChildProcess::Start(std::move(args), options);
+    EXPECT_TRUE(child.ok()) << child.status();
+    return *std::move(child);
+  }
+
+  std::unique_ptr<Client> ClientFor(int port, uint64_t chunk_bytes = uint64_t{64} << 20) {
+    ClientOptions o;
+    o.target = absl::StrCat("127.0.0.1:", port);
+    o.max_attempts = 1;
+    o.default_deadline = absl::Seconds(120);
+    o.shm_chunk_bytes = chunk_bytes;  // rows per device chunk too
+    absl::StatusOr<std::unique_ptr<Client>> c = Client::Create(o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return *std::move(c);
+  }
+
+  TestDriver::Ptr Alloc(size_t bytes) {
+    TestDriver::Ptr p = 0;
+    EXPECT_EQ(d_.cuMemAlloc_v2(&p, bytes), 0);
+    allocations_.push_back(p);
+    return p;
+  }
+  void Upload(TestDriver::Ptr to, const void* from, size_t bytes) {
+    ASSERT_EQ(d_.cuMemcpyHtoDAsync_v2(to, from, bytes, nullptr), 0);
+    ASSERT_EQ(d_.cuStreamSynchronize(nullptr), 0);
+  }
+  std::vector<float> Download(TestDriver::Ptr from, size_t count) {
+    std::vector<float> out(count, std::nanf(""));
+    EXPECT_EQ(d_.cuMemcpyDtoHAsync_v2(out.data(), from, count * 4, nullptr), 0);
+    EXPECT_EQ(d_.cuStreamSynchronize(nullptr), 0);
+    return out;
+  }
+  static CudaIpcBuffer Export(TestDriver::Ptr p) {
+    absl::StatusOr<CudaIpcBuffer> b = ExportCudaBuffer(p);
+    EXPECT_TRUE(b.ok()) << b.status();
+    return b.ok() ? *b : CudaIpcBuffer{};
+  }
+
+  // A batch placed in one allocation, [x | dy | dx], and its host-side arguments.
+  struct DeviceBatch {
+    st::Batch batch;
+    TestDriver::Ptr base = 0;
+    std::vector<float> dgamma;
+    RawBackwardArgs args;
+  };
+  DeviceBatch Place(uint64_t rows, uint32_t hidden, uint32_t seed, bool with_rms = false) {
+    DeviceBatch b;
+    b.batch = st::RandomBatch(rows, hidden, seed, with_rms);
+    const size_t bytes = rows * hidden * 4;
+    b.base = Alloc(3 * bytes);
+    Upload(b.base, b.batch.x.data(), bytes);
+    Upload(b.base + bytes, b.batch.dy.data(), bytes);
+    b.dgamma.assign(hidden, std::nanf(""));
+    absl::StatusOr<std::string> uuid = CudaDeviceUuid(0);
+    EXPECT_TRUE(uuid.ok()) << uuid.status();
+    CudaIpcTensors t;
+    t.device_uuid = uuid.ok() ? *uuid : "";
+    t.x = Export(b.base);
+    t.dy = Export(b.base + bytes);
+    t.dx = Export(b.base + 2 * bytes);
+    b.args.num_rows = rows;
+    b.args.hidden_dim = hidden;
+    b.args.eps = b.batch.eps;
+    b.args.gamma = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(b.batch.gamma.data()),
+                                       hidden * 4u);
+    b.args.dgamma = absl::MakeSpan(reinterpret_cast<uint8_t*>(b.dgamma.data()), hidden * 4u);
+    b.args.device = std::move(t);
+    return b;
+  }
+
+  // dx in device memory and dgamma against the reference.
+  void ExpectMatchesReference(const DeviceBatch& b) {
+    std::vector<float> want_dx, want_dgamma;
+    st::ReferenceFor(b.batch, want_dx, want_dgamma);
+    const size_t bytes = b.batch.rows * b.batch.hidden * 4;
+    const std::vector<float> dx = Download(b.base + 2 * bytes, want_dx.size());
+    for (size_t i = 0; i < dx.size(); ++i) {
+      ASSERT_NEAR(dx[i], want_dx[i], 1e-4f * (1 + std::fabs(want_dx[i]))) << "dx[" << i << "]";
+    }
+    for (size_t i = 0; i < want_dgamma.size(); ++i) {
+      ASSERT_NEAR(b.dgamma[i], want_dgamma[i], 1e-3f * (1 + std::fabs(want_dgamma[i])))
+          << "dgamma[" << i << "]";
+    }
+  }
+
+  TestDriver d_{};
+  std::vector<TestDriver::Ptr> allocations_;
+};
+
+TEST_F(CudaIpcTest, TheServerComputesInPlaceInTheClientsDeviceBuffers) {
+  ChildProcess server = StartServer({"--backend=cuda", "--cuda-ipc"});
+  const ReadyLine ready = server.AwaitReady(absl::Seconds(120));
+  ASSERT_GT(ready.grpc_port, 0) << server.Stderr();
+  // 48 rows of 256 f32 in chunks of 16 rows: three chunks, each at its own offsets.
+  std::unique_ptr<Client> client = ClientFor(ready.grpc_port, 16 * 256 * 4);
+  DeviceBatch b = Place(48, 256, 11);
+  absl::StatusOr<RawBackwardResult> r = client->BackwardRaw(b.args, {});
+  ASSERT_TRUE(r.ok()) << r.status() << "\n" << server.Stderr();
+  EXPECT_EQ(r->summary.backend, "cuda");
+  EXPECT_EQ(r->summary.chunks, 3u);
+  ExpectMatchesReference(b);
+
+  // GetServerInfo says what the client must match.
+  absl::StatusOr<v1::GetServerInfoResponse> info = client->ServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_TRUE(info->cuda_ipc().enabled());
+  EXPECT_EQ(info->cuda_ipc().device_uuid(), b.args.device->device_uuid);
+  EXPECT_EQ(info->cuda_ipc().max_open_handles(), 64u);
+  // The payload never crossed the socket: the stream is counted under cuda_ipc.
+  int code = 0;
+  auto m = st::ParsePrometheusText(
+      st::HttpGet(ready.metrics_port, "/metrics", &code), nullptr);
+  EXPECT_EQ(m["normgrad_transport_streams_total{transport=\"cuda_ipc\"}"], 1);
+  EXPECT_EQ(m["normgrad_transport_streams_total{transport=\"tcp\"}"], 0);
+}
+
+// The warp kernel (hidden_dim <= 32, rms given) leaves grad_gamma to the host: x, dy and the
+// client's rms come back from its device buffers for it.
+TEST_F(CudaIpcTest, AGivenRmsInItsOwnAllocationIsReadFromTheDevice) {
+  ChildProcess server = StartServer({"--backend=cuda", "--cuda-ipc"});
+  const ReadyLine ready = server.AwaitReady(absl::Seconds(120));
+  ASSERT_GT(ready.grpc_port, 0) << server.Stderr();
+  std::unique_ptr<Client> client = ClientFor(ready.grpc_port, 8 * 32 * 4);
+  DeviceBatch b = Place(24, 32, 12, /*with_rms=*/true);
+  const TestDriver::Ptr rms = Alloc(64 + 24 * 4);  // at offset 64 of its allocation
+  Upload(rms + 64, b.batch.rms.data(), 24 * 4);
+  CudaIpcBuffer rms_buffer = Export(rms);
+  rms_buffer.offset = 64;
+  b.args.device->rms = rms_buffer;
+  BackwardOptions options;
+  options.kernel = "rms_norm_backward";
+  absl::StatusOr<RawBackwardResult> r = client->BackwardRaw(b.args, options);
+  ASSERT_TRUE(r.ok()) << r.status() << "\n" << server.Stderr();
+  EXPECT_EQ(r->summary.kernel, "rms_norm_backward");
+  ExpectMatchesReference(b);
+}
+
+TEST_F(CudaIpcTest, BadBuffersAreRefusedNamingTheFieldAndTheServerKeepsServing) {
+  ChildProcess server = StartServer({"--backend=cuda", "--cuda-ipc"});
+  const ReadyLine ready = server.AwaitReady(absl::Seconds(120));
+  ASSERT_GT(ready.grpc_port, 0) << server.Stderr();
+  std::unique_ptr<Client> client = ClientFor(ready.grpc_port);
+  const uint64_t bytes = 8 * 64 * 4;
+  auto call = [&](auto mutate) {
+    DeviceBatch b = Place(8, 64, 13);
+    mutate(*b.args.device);
+    return client->BackwardRaw(b.args, {}).status();
+  };
+
+  absl::Status s = call([](CudaIpcTensors& t) { t.device_uuid[0] ^= 1; });
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(), HasSubstr("cuda_ipc.device_uuid = "));
+  EXPECT_THAT(s.message(), HasSubstr("is not this server's GPU"));
+
+  s = call([&](CudaIpcTensors& t) { t.x.offset = 3 * bytes + 4; });  // past [x | dy | dx]
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr(absl::StrCat("cuda_ipc.x.offset is ", 3 * bytes + 4)));
+  EXPECT_THAT(s.message(), HasSubstr("past the end"));
+
+  s = call([&](CudaIpcTensors& t) { t.x.offset = 2; });  // not on an f32 boundary
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("cuda_ipc.x.offset is 2, not a multiple of 4"));
+
+  s = call([&](CudaIpcTensors& t) { t.dx.offset = bytes / 2; });  // over x and dy
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("overlaps cuda_ipc.x.offset = 0"));
+
+  // A buffer freed before the server opened it: the driver refuses its handle.
+  const TestDriver::Ptr gone = Alloc(3 * bytes);
+  const CudaIpcBuffer gone_buffer = Export(gone);
+  ASSERT_EQ(d_.cuMemFree_v2(gone), 0);
+  allocations_.pop_back();
+  s = call([&](CudaIpcTensors& t) { t.dy = gone_buffer; });
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("cuda_ipc.dy.handle: cuIpcOpenMemHandle failed"));
+
+  s = call([](CudaIpcTensors& t) { t.x.handle.resize(12); });  // the client refuses it
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("device.x.handle: 12 bytes, expected 64"));
+
+  // Nothing of that hurt the server.
+  DeviceBatch good = Place(8, 64, 14);
+  absl::StatusOr<RawBackwardResult> r = client->BackwardRaw(good.args, {});
+  ASSERT_TRUE(r.ok()) << r.status();
+  ExpectMatchesReference(good);
+}
+
+TEST_F(CudaIpcTest, WithoutTheFlagOrWithoutAGpuCudaIpcIsRefused) {
+  {
+    ChildProcess server = StartServer({"--backend=cuda"});
+    const ReadyLine ready = server.AwaitReady(absl::Seconds(120));
+    ASSERT_GT(ready.grpc_port, 0) << server.Stderr();
+    std::unique_ptr<Client> client = ClientFor(ready.grpc_port);
+    DeviceBatch b = Place(8, 64, 15);
+    const absl::Status s = client->BackwardRaw(b.args, {}).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_THAT(s.message(), HasSubstr("start it with --cuda-ipc"));
+  }
+  ChildProcess cpu = StartServer({"--backend=cpu", "--cuda-ipc"});
+  const std::optional<int> status = cpu.WaitExit(absl::Seconds(60));
+  ASSERT_TRUE(status.has_value());
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) != 0);
+  EXPECT_THAT(cpu.Stderr(), HasSubstr("--cuda-ipc: the cpu backend cannot open"));
+}
+
+}  // namespace
+}  // namespace normgrad
