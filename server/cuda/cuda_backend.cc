@@ -576,12 +576,21 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
                  d_dy = device.Add(data_bytes), d_dx = device.Add(data_bytes),
                  d_rms = device.Add(rms_bytes), d_workspace = device.Add(plan.WorkspaceBytes(rows)),
                  d_dgamma = device.Add(dgamma_bytes);
+    return WithSlot(host.bytes(), device.bytes(), [&](const StagingSlot& slot) {
+      return DeviceChunkIn(slot, x, dy, rms, rows, dx, in_place,
+                           {h_gamma, h_x, h_dy, h_rms, h_dx, h_dgamma},
+                           {d_gamma, d_x, d_dy, d_dx, d_rms, d_workspace, d_dgamma});
+    });
+  }
+
+  // Runs `work(slot)` with a slot of the staging pool (its stream is stream_ meanwhile), then
+  // gives the slot back, or drops it when the work failed (its stream may hold half a chunk).
+  template <typename Work>
+  absl::Status WithSlot(size_t host_bytes, size_t device_bytes, Work work) {
     NORMGRAD_ASSIGN_OR_RETURN(std::unique_ptr<StagingSlot> slot,
-                              staging_->Acquire(host.bytes(), device.bytes()));
+                              staging_->Acquire(host_bytes, device_bytes));
     stream_ = slot->stream;
-    absl::Status s = DeviceChunkIn(*slot, x, dy, rms, rows, dx, in_place,
-                                   {h_gamma, h_x, h_dy, h_rms, h_dx, h_dgamma},
-                                   {d_gamma, d_x, d_dy, d_dx, d_rms, d_workspace, d_dgamma});
+    absl::Status s = work(*slot);
     stream_ = nullptr;
     if (s.ok()) {
       staging_->Return(std::move(slot));
@@ -715,12 +724,9 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
     const size_t d_gamma = device.Add(gamma_.size()),
                  d_workspace = device.Add(plan.WorkspaceBytes(rows)),
                  d_dgamma = device.Add(dgamma_bytes);
-    NORMGRAD_ASSIGN_OR_RETURN(std::unique_ptr<StagingSlot> slot,
-                              staging_->Acquire(host.bytes(), device.bytes()));
-    stream_ = slot->stream;
-    uint8_t* const pinned = slot->host;
-    const CUdeviceptr dev = slot->device;
-    absl::Status s = [&]() -> absl::Status {
+    return WithSlot(host.bytes(), device.bytes(), [&](const StagingSlot& slot) -> absl::Status {
+      uint8_t* const pinned = slot.host;
+      const CUdeviceptr dev = slot.device;
       NORMGRAD_RETURN_IF_ERROR(ctx_->MakeCurrent());
       std::memcpy(pinned + h_gamma, gamma_.data(), gamma_.size());
       NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
@@ -766,14 +772,7 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
                          rows);
       }
       return absl::OkStatus();
-    }();
-    stream_ = nullptr;
-    if (s.ok()) {
-      staging_->Return(std::move(slot));
-    } else {
-      staging_->Drop(std::move(slot));
-    }
-    return s;
+    });
   }
 
   // grad_gamma_i += dy_ri * x_ri / rms_r in row order (double), for the warp plan's narrow rows.
