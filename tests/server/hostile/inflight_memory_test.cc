@@ -25,6 +25,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/common/child_process.h"
+#include "tests/common/sanitized.h"
 #include "tests/server/service/service_test_util.h"
 
 #ifndef NORMGRAD_EMULATED_CUDA
@@ -46,17 +47,7 @@ constexpr uint64_t kSlackBytes = 48ull << 20;
 // The largest chunk whose message (x and dy in bf16, with framing) fits in a message.
 constexpr uint64_t kChunkRows = (kMaxMessageBytes - 64) / (2 * kHidden * 2);
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-#else
-constexpr bool kSanitized = false;
-#endif
+using ::normgrad::testing::kSanitized;
 
 // bf16 of a float (truncated: any finite value will do as input).
 uint16_t Bf16(float f) {

@@ -18,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/common/child_process.h"
+#include "tests/common/sanitized.h"
 #include "tests/server/service/service_test_util.h"
 
 namespace normgrad::server {
@@ -33,17 +34,7 @@ constexpr int kStreams = 256;
 
 // Sanitizer runtimes (ASan's quarantine, TSan's shadow) add their own memory to the server's:
 // there the bound is printed, not asserted. The server is built in the same tree as this test.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-#else
-constexpr bool kSanitized = false;
-#endif
+using ::normgrad::testing::kSanitized;
 
 TEST(OverloadTest, StreamsBeyondAdmissionLimitsAreRefusedAcceptedOnesExactMemoryBounded) {
   // stdout on a pipe for the ready line, stderr inherited; SIGKILL at the end.
