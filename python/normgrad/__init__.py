@@ -2,7 +2,8 @@
 
     import normgrad
     client = normgrad.Client("localhost:50051")
-    dx, dgamma = client.backward(x, dy, gamma, eps=1e-5)   # numpy arrays or torch CPU tensors
+    dx, dgamma = client.backward(x, dy, gamma, eps=1e-5)   # numpy arrays or torch tensors
+    dgamma = client.backward_device(x_ptr, dy_ptr, dx_ptr, gamma, num_rows=r, hidden_dim=h)
     future = client.backward_async(x, dy, gamma)            # concurrent.futures.Future
     ptx = client.emit_ptx("rms_norm_backward_row_resident", 4096, target="sm_90")
     client.info()      # dict: backend, device, limits, ...
@@ -10,15 +11,18 @@
 
 Every call goes through the C++ client (normgrad::client: chunking, retries, TLS, tokens);
 this module checks shapes and dtypes and hands the arrays' memory to it without copying
-(docs/python.md). A failed call raises normgrad.Error (a subclass per gRPC code) whose .code
+(docs/python.md). Torch CUDA tensors (and raw device pointers, backward_device) go by CUDA IPC
+to a server on the same GPU started with --cuda-ipc: it computes on them in place. A failed call raises normgrad.Error (a subclass per gRPC code) whose .code
 is the gRPC code's name and whose .message is the server's message, unchanged.
 
 normgrad.torch has rms_norm and RMSNorm, whose backward runs on the server.
 """
 
+import base64
 import concurrent.futures
 import dataclasses
 import json
+import operator
 import threading
 
 from . import _native
@@ -34,8 +38,10 @@ __all__ = [
 # How a Client moves tensors (the C++ client's transports, docs/client.md): "bytes" in the gRPC
 # messages; "shm" through a shared-memory region (a unix: target whose server runs with
 # --shared-memory; FAILED_PRECONDITION otherwise); "auto" shared memory when the target offers
-# it, bytes otherwise.
-TRANSPORTS = ("auto", "bytes", "shm")
+# it, bytes otherwise, and CUDA tensors by CUDA IPC when the server offers it; "cuda_ipc" CUDA
+# tensors by CUDA IPC only (FAILED_PRECONDITION when the server takes none; host arrays are a
+# ValueError). With "bytes" and "shm", CUDA tensors are copied to the host and back.
+TRANSPORTS = ("auto", "bytes", "shm", "cuda_ipc")
 
 
 class Error(Exception):
@@ -189,6 +195,85 @@ def _prepare_torch(x, dy, gamma, rms):
     return p
 
 
+def _check_torch_cuda(x, dy, gamma, rms):
+    """Checks a Backward whose x is a CUDA tensor: dy and rms on x's device, gamma anywhere."""
+    import torch
+    others = (("dy", dy), ("gamma", gamma)) + ((("rms", rms),) if rms is not None else ())
+    for name, value in others:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch tensor like x, got {type(value).__name__}")
+        if name != "gamma" and value.device != x.device:
+            raise ValueError(f"{name}: tensor is on {value.device}, x on {x.device}; they must "
+                             "be on one device")
+    if _torch_types().get(x.dtype) is None:
+        raise TypeError(f"x: dtype {x.dtype} is not supported; torch tensors must be float32, "
+                        "bfloat16 or float16")
+    _check_shapes(tuple(x.shape), tuple(dy.shape), tuple(gamma.shape), x.dtype, dy.dtype,
+                  gamma.dtype)
+
+
+def _device_route(transport, server_takes_cuda_ipc, target):
+    """How a Backward on CUDA tensors goes: "cuda_ipc" (the server reads them in place) or
+    "host" (copied to the host and back). transport "cuda_ipc" without a server that takes
+    it is FAILED_PRECONDITION."""
+    if transport in ("bytes", "shm"):
+        return "host"
+    if server_takes_cuda_ipc:
+        return "cuda_ipc"
+    if transport == "cuda_ipc":
+        raise _make_error("FAILED_PRECONDITION",
+                          f"transport \"cuda_ipc\": the server at {target} takes no CUDA IPC "
+                          "for this GPU (GetServerInfo cuda_ipc.enabled is false, or its "
+                          "device_uuid is another GPU's); start it with --cuda-ipc on the CUDA "
+                          "backend on this GPU, or use transport \"auto\" to copy through the "
+                          "host")
+    return "host"
+
+
+_DEVICE_DTYPES = ("f32", "bf16", "f16")
+
+
+def _gamma_host(gamma, dtype, hidden):
+    """gamma for backward_device as a contiguous host buffer of `dtype` and the grad_gamma
+    output of the same kind (numpy array or torch CPU tensor): (grad_gamma, buffers)."""
+    import numpy as np
+    if _is_torch(gamma):
+        import torch
+        if not isinstance(gamma, torch.Tensor) or gamma.device.type != "cpu":
+            raise ValueError(f"gamma: expected a host (CPU) tensor, got one on {gamma.device}")
+        if _torch_types().get(gamma.dtype) != dtype:
+            raise TypeError(f"gamma: dtype {gamma.dtype} is not dtype {dtype!r}")
+        gamma = gamma.detach().contiguous()
+        grad = torch.empty_like(gamma)
+        buffers = (_torch_buffer(gamma, dtype), _torch_buffer(grad, dtype))
+    else:
+        if not isinstance(gamma, np.ndarray):
+            raise TypeError(f"gamma: expected a numpy array or torch CPU tensor, got "
+                            f"{type(gamma).__name__}")
+        # numpy has no bfloat16: bf16 gamma travels as its bits in a uint16 (or int16) array.
+        want = {"f32": ("float32",), "f16": ("float16",), "bf16": ("uint16", "int16")}[dtype]
+        if gamma.dtype.name not in want:
+            raise TypeError(f"gamma: numpy dtype {gamma.dtype} does not hold dtype {dtype!r} "
+                            f"(expected {' or '.join(want)})")
+        gamma = np.ascontiguousarray(gamma)
+        grad = np.empty_like(gamma)
+        buffers = (gamma, grad)
+    if tuple(gamma.shape) != (hidden,):
+        raise ValueError(f"gamma: shape {tuple(gamma.shape)}, expected ({hidden},) (hidden_dim)")
+    return grad, buffers
+
+
+def _pointer(name, value):
+    try:
+        pointer = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected a device pointer (int), got "
+                        f"{type(value).__name__}") from None
+    if pointer <= 0 or pointer >= 1 << 64:
+        raise ValueError(f"{name}: {pointer:#x} is not a device pointer")
+    return pointer
+
+
 def _rms_buffer(rms, rows):
     """The forward pass's per-row rms as a contiguous float32 buffer of `rows` values."""
     import numpy as np
@@ -223,7 +308,7 @@ class Client:
       target URI ("dns:///svc:50051", "unix:/path").
     token: bearer token sent on every call (refused in clear text except to loopback/unix).
     tls: None (plaintext), True (TLS with the system's roots) or a normgrad.Tls.
-    transport: "auto", "bytes" or "shm" (see TRANSPORTS).
+    transport: "auto", "bytes", "shm" or "cuda_ipc" (see TRANSPORTS).
     deadline: seconds per call; None: the C++ client's default (60 s); math.inf: none.
     max_attempts: attempts for a call that fails UNAVAILABLE (the C++ client's retries).
     async_workers: threads that carry backward_async calls (each waits without the GIL).
@@ -247,20 +332,38 @@ class Client:
         self._native = _native.Client(
             target, _text(token), tls is not None, _text(tls and tls.root_certs),
             _text(tls and tls.cert), _text(tls and tls.key), _text(tls and tls.server_name),
-            None if deadline is None else float(deadline), int(max_attempts), transport)
+            None if deadline is None else float(deadline), int(max_attempts),
+            # The C++ client sends device buffers by CUDA IPC whatever its transport.
+            "auto" if transport == "cuda_ipc" else transport)
         self._async_workers = async_workers
         self._executor = None
         self._executor_lock = threading.Lock()
+        # GetServerInfo's cuda_ipc (enabled, device_uuid), asked at the first CUDA tensor, and
+        # the UUIDs of this process's CUDA devices compared with it.
+        self._cuda_ipc_lock = threading.Lock()
+        self._server_cuda_ipc = None
+        self._device_uuids = {}
 
     def backward(self, x, dy, gamma, *, eps=1e-5, rms=None, kernel=None):
         """dx and dgamma of y = x / rms(x) * gamma for upstream gradient dy.
 
-        x, dy: (..., hidden) arrays of one kind and dtype: numpy float32/float16 or torch CPU
+        x, dy: (..., hidden) arrays of one kind and dtype: numpy float32/float16 or torch
         float32/bfloat16/float16; leading dimensions are rows. gamma: (hidden,), same dtype.
         rms: the forward pass's per-row sqrt(mean(x^2) + eps) (float32, one per row); given,
         the server uses it and ignores eps. kernel: the server's kernel name (None: its choice).
         Returns (dx, dgamma) of x's and gamma's kind, dtype and shape.
+
+        Torch CUDA tensors (x, dy and rms on one device; gamma anywhere) go by CUDA IPC when the
+        server takes it for their GPU (takes_cuda_ipc): the server writes dx into a tensor
+        allocated here on x's device, and dgamma is returned on x's device too. Otherwise
+        (transport "auto", "bytes" or "shm") they are copied to the host and the results back.
         """
+        if _is_torch(x) and getattr(x, "is_cuda", False):
+            return self._backward_cuda(x, dy, gamma, eps, rms, kernel)
+        if self.transport == "cuda_ipc":
+            raise ValueError(f"x: transport \"cuda_ipc\" takes torch CUDA tensors (or device "
+                             f"pointers: backward_device), got a host {type(x).__name__}; use "
+                             "transport \"auto\" for host arrays")
         p = _prepare_torch(x, dy, gamma, rms) if _is_torch(x) else _prepare_numpy(x, dy, gamma,
                                                                                   rms)
         if p.rows == 0 or p.hidden == 0:
@@ -268,6 +371,85 @@ class Client:
         self._native.backward_raw(p.dtype, p.rows, p.hidden, float(eps), *p.buffers,
                                   kernel or "")
         return p.dx, p.dgamma
+
+    def backward_device(self, x_ptr, dy_ptr, dx_ptr, gamma, *, num_rows, hidden_dim, dtype="f32",
+                        eps=1e-5, rms_ptr=None, device=0, kernel=None):
+        """Backward on tensors in CUDA device memory of this process, by CUDA IPC: the server
+        (same GPU, started with --cuda-ipc) reads x and dy and writes dx in place.
+
+        x_ptr, dy_ptr, dx_ptr: device addresses (ints, e.g. tensor.data_ptr()) of num_rows *
+        hidden_dim contiguous elements of dtype ("f32", "bf16" or "f16") on CUDA device
+        `device`; dx must not overlap x or dy. rms_ptr: num_rows float32 values of the forward's
+        rms, or None (the server recomputes it from eps). gamma: (hidden_dim,) host array of
+        dtype (numpy float32/float16, bf16 as its bits in uint16; or a torch CPU tensor).
+        Returns grad_gamma, a host array of gamma's kind. The caller's work on the buffers must
+        be finished (synchronize its stream) before the call, the CUDA context that owns them
+        must be current on this thread, and they must stay allocated while the server may use
+        them (docs/python.md). dx holds grad_input when this returns.
+        """
+        if self.transport in ("bytes", "shm"):
+            raise ValueError(f"transport {self.transport!r} moves host memory; backward_device "
+                             "needs \"auto\" or \"cuda_ipc\"")
+        if dtype not in _DEVICE_DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DEVICE_DTYPES)}")
+        num_rows, hidden_dim = operator.index(num_rows), operator.index(hidden_dim)
+        if num_rows <= 0 or hidden_dim <= 0:
+            raise ValueError(f"num_rows = {num_rows} and hidden_dim = {hidden_dim}: both must be "
+                             ">= 1")
+        pointers = [_pointer(name, value) for name, value in
+                    (("x_ptr", x_ptr), ("dy_ptr", dy_ptr), ("dx_ptr", dx_ptr))]
+        rms_pointer = None if rms_ptr is None else _pointer("rms_ptr", rms_ptr)
+        grad_gamma, (gamma_buffer, grad_buffer) = _gamma_host(gamma, dtype, hidden_dim)
+        self._native.backward_device(dtype, num_rows, hidden_dim, float(eps), *pointers,
+                                     rms_pointer, gamma_buffer, grad_buffer, kernel or "",
+                                     operator.index(device))
+        return grad_gamma
+
+    def takes_cuda_ipc(self, device=0):
+        """Whether the server takes CUDA IPC for CUDA device `device` of this process: started
+        with --cuda-ipc, on that GPU (GetServerInfo asked once and remembered)."""
+        with self._cuda_ipc_lock:
+            if self._server_cuda_ipc is None:
+                ipc = self.info().get("cuda_ipc") or {}
+                uuid = base64.b64decode(ipc.get("device_uuid") or "")
+                self._server_cuda_ipc = (bool(ipc.get("enabled")), uuid)
+            enabled, server_uuid = self._server_cuda_ipc
+            if not enabled:
+                return False
+            if device not in self._device_uuids:
+                self._device_uuids[device] = _native.cuda_device_uuid(device)
+            return self._device_uuids[device] == server_uuid
+
+    def _backward_cuda(self, x, dy, gamma, eps, rms, kernel):
+        """backward for a torch CUDA x: by CUDA IPC (_device_route), or through the host."""
+        import torch
+        _check_torch_cuda(x, dy, gamma, rms)
+        device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if rows == 0:
+            raise ValueError(f"x: shape {tuple(x.shape)} has no elements")
+        if rms is not None and rms.numel() != rows:
+            raise ValueError(f"rms: {rms.numel()} values, expected one per row ({rows})")
+        with torch.cuda.device(device):  # the device's context current on this thread
+            takes = self.transport not in ("bytes", "shm") and self.takes_cuda_ipc(device)
+            if _device_route(self.transport, takes, self.target) == "host":
+                dx, dgamma = self.backward(x.cpu(), dy.cpu(), gamma.cpu(), eps=eps,
+                                           rms=None if rms is None else rms.cpu(),
+                                           kernel=kernel)
+                return dx.to(x.device), dgamma.to(x.device)
+            # The locals hold every tensor until the call returns (the server reads them).
+            x, dy = x.detach().contiguous(), dy.detach().contiguous()
+            rms = None if rms is None else rms.detach().to(torch.float32).contiguous()
+            dx = torch.empty_like(x)
+            gamma_host = gamma.detach().cpu().contiguous()
+            # PyTorch's kernels are asynchronous: x, dy and rms must be written before another
+            # process reads them.
+            torch.cuda.current_stream(device).synchronize()
+            dgamma = self.backward_device(
+                x.data_ptr(), dy.data_ptr(), dx.data_ptr(), gamma_host, num_rows=rows,
+                hidden_dim=x.shape[-1], dtype=_torch_types()[x.dtype], eps=eps,
+                rms_ptr=None if rms is None else rms.data_ptr(), device=device, kernel=kernel)
+            return dx, dgamma.to(x.device)
 
     def backward_async(self, x, dy, gamma, *, eps=1e-5, rms=None, kernel=None):
         """backward on one of the Client's worker threads: a concurrent.futures.Future of

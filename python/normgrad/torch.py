@@ -11,6 +11,11 @@ per-row rms (float32) for the backward, so the server does not recompute it. x m
 number of leading dimensions, any layout (non-contiguous inputs are made contiguous: one copy)
 and dtype float32, bfloat16 or float16 (the server accumulates in float32). weight may have
 another dtype than x: it is sent as x's dtype and its gradient cast back.
+
+x may be a CUDA tensor: the forward runs on its device, and the backward goes through
+Client.backward, by CUDA IPC when the server takes it for that GPU (started with --cuda-ipc on
+the same GPU; the server computes dx in place in device memory), else copied through the host
+(transport "auto"; transport "cuda_ipc" makes that a normgrad.FailedPreconditionError).
 """
 
 import torch
@@ -46,7 +51,8 @@ class _RemoteRmsNorm(torch.autograd.Function):
 
 def rms_norm(x, weight, eps=1e-6, *, client):
     """y = x / sqrt(mean(x^2, -1) + eps) * weight, computed here; its backward on `client`'s
-    server (normgrad.Client). x: (..., hidden) CPU tensor; weight: (hidden,)."""
+    server (normgrad.Client). x: (..., hidden) CPU or CUDA tensor (CUDA: the backward by CUDA
+    IPC when the server takes it, see Client.backward); weight: (hidden,), on x's device."""
     if x.shape[-1:] != weight.shape:
         raise ValueError(f"weight: shape {tuple(weight.shape)}, expected ({x.shape[-1]},) "
                          "(x's last dimension)")

@@ -7,6 +7,9 @@
 //   client = _native.Client(target, token, use_tls, tls_roots, tls_cert, tls_key,
 //                           tls_server_name, deadline_s, max_attempts, transport)
 //   summary = client.backward_raw("f32", rows, hidden, eps, x, dy, gamma, rms, dx, dgamma, kernel)
+//   summary = client.backward_device("f32", rows, hidden, eps, x_ptr, dy_ptr, dx_ptr, rms_ptr,
+//                                    gamma, dgamma, kernel, device)   # CUDA IPC
+//   uuid = cuda_device_uuid(device)                                   # 16 bytes
 //
 // Errors: a failed call raises the exception that the factory registered with
 // set_error_factory(code_name, message) returns (normgrad.Error and its subclasses).
@@ -32,6 +35,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "normgrad/client.h"
+#include "normgrad/cuda_ipc.h"
 
 namespace py = pybind11;
 
@@ -142,6 +146,35 @@ py::dict SummaryDict(const RawBackwardResult& result) {
   return d;
 }
 
+// The same status with "<field>: " before its message.
+absl::Status Prefixed(const absl::Status& status, const char* field) {
+  return absl::Status(status.code(), absl::StrCat(field, ": ", status.message()));
+}
+
+// args.device for the pointers: GPU `device`'s UUID and each pointer's IPC handle and offset.
+absl::Status ExportDeviceTensors(int device, uint64_t x_ptr, uint64_t dy_ptr, uint64_t dx_ptr,
+                                 std::optional<uint64_t> rms_ptr, RawBackwardArgs& args) {
+  absl::StatusOr<std::string> uuid = CudaDeviceUuid(device);
+  if (!uuid.ok()) return Prefixed(uuid.status(), absl::StrCat("device ", device).c_str());
+  CudaIpcTensors tensors;
+  tensors.device_uuid = *std::move(uuid);
+  const std::pair<const char*, uint64_t> buffers[] = {
+      {"x_ptr", x_ptr}, {"dy_ptr", dy_ptr}, {"dx_ptr", dx_ptr}};
+  CudaIpcBuffer* outs[] = {&tensors.x, &tensors.dy, &tensors.dx};
+  for (size_t i = 0; i < 3; ++i) {
+    absl::StatusOr<CudaIpcBuffer> b = ExportCudaBuffer(buffers[i].second);
+    if (!b.ok()) return Prefixed(b.status(), buffers[i].first);
+    *outs[i] = *std::move(b);
+  }
+  if (rms_ptr.has_value()) {
+    absl::StatusOr<CudaIpcBuffer> b = ExportCudaBuffer(*rms_ptr);
+    if (!b.ok()) return Prefixed(b.status(), "rms_ptr");
+    tensors.rms = *std::move(b);
+  }
+  args.device = std::move(tensors);
+  return absl::OkStatus();
+}
+
 class PyClient {
  public:
   PyClient(const std::string& target, const std::string& token, bool use_tls,
@@ -185,6 +218,41 @@ class PyClient {
     if (rms_info.has_value()) args.rms = BytesOf(*rms_info, "rms");
     args.dx = WritableBytesOf(dx_info, "dx");
     args.dgamma = WritableBytesOf(dgamma_info, "dgamma");
+    BackwardOptions options;
+    options.kernel = kernel;
+    options.cancellation = std::make_shared<CallCancellation>();
+    auto promise = std::make_shared<std::promise<absl::StatusOr<RawBackwardResult>>>();
+    std::future<absl::StatusOr<RawBackwardResult>> future = promise->get_future();
+    client_->BackwardRawAsync(args, options, [promise](absl::StatusOr<RawBackwardResult> r) {
+      promise->set_value(std::move(r));
+    });
+    absl::StatusOr<RawBackwardResult> result =
+        WaitInterruptibly(future, options.cancellation.get());
+    if (!result.ok()) RaiseStatus(result.status());
+    return SummaryDict(*result);
+  }
+
+  // One Backward on device buffers of this process by CUDA IPC (normgrad/cuda_ipc.h): x, dy, dx
+  // (and rms) are device pointers of GPU `device`, exported as IPC handles; gamma and dgamma are
+  // host buffers. The driver calls need the pointers' CUDA context current on this thread.
+  py::dict BackwardDevice(const std::string& type, uint64_t num_rows, uint32_t hidden_dim,
+                          double eps, uint64_t x_ptr, uint64_t dy_ptr, uint64_t dx_ptr,
+                          std::optional<uint64_t> rms_ptr, const py::buffer& gamma,
+                          const py::buffer& dgamma, const std::string& kernel, int device) {
+    const py::buffer_info gamma_info = gamma.request(), dgamma_info = dgamma.request(true);
+    RawBackwardArgs args;
+    args.type = ParseType(type);
+    args.num_rows = num_rows;
+    args.hidden_dim = hidden_dim;
+    args.eps = static_cast<float>(eps);
+    args.gamma = BytesOf(gamma_info, "gamma");
+    args.dgamma = WritableBytesOf(dgamma_info, "grad_gamma");
+    absl::Status exported;
+    {
+      py::gil_scoped_release release;
+      exported = ExportDeviceTensors(device, x_ptr, dy_ptr, dx_ptr, rms_ptr, args);
+    }
+    if (!exported.ok()) RaiseStatus(exported);
     BackwardOptions options;
     options.kernel = kernel;
     options.cancellation = std::make_shared<CallCancellation>();
@@ -261,6 +329,18 @@ PYBIND11_MODULE(_native, m) {
       "set_error_factory",
       [](py::object factory) { normgrad::python_internal::ErrorFactory() = std::move(factory); },
       "Registers (code_name, message) -> exception, raised for every failed call.");
+  m.def(
+      "cuda_device_uuid",
+      [](int device) {
+        absl::StatusOr<std::string> uuid;
+        {
+          py::gil_scoped_release release;
+          uuid = normgrad::CudaDeviceUuid(device);
+        }
+        if (!uuid.ok()) normgrad::python_internal::RaiseStatus(uuid.status());
+        return py::bytes(*uuid);
+      },
+      py::arg("device"), "cuDeviceGetUuid of CUDA device `device` (16 bytes).");
   py::class_<PyClient>(m, "Client")
       .def(py::init<const std::string&, const std::string&, bool, const std::string&,
                     const std::string&, const std::string&, const std::string&,
@@ -271,6 +351,10 @@ PYBIND11_MODULE(_native, m) {
       .def("backward_raw", &PyClient::BackwardRaw, py::arg("dtype"), py::arg("num_rows"),
            py::arg("hidden_dim"), py::arg("eps"), py::arg("x"), py::arg("dy"), py::arg("gamma"),
            py::arg("rms"), py::arg("dx"), py::arg("dgamma"), py::arg("kernel"))
+      .def("backward_device", &PyClient::BackwardDevice, py::arg("dtype"), py::arg("num_rows"),
+           py::arg("hidden_dim"), py::arg("eps"), py::arg("x_ptr"), py::arg("dy_ptr"),
+           py::arg("dx_ptr"), py::arg("rms_ptr"), py::arg("gamma"), py::arg("dgamma"),
+           py::arg("kernel"), py::arg("device"))
       .def("emit_ptx", &PyClient::EmitPtx)
       .def("server_info_json", &PyClient::ServerInfoJson)
       .def("health", &PyClient::Health, py::arg("service") = "");

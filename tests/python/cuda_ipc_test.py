@@ -1,0 +1,266 @@
+"""CUDA IPC from Python: normgrad-server on the emulated CUDA driver with --cuda-ipc, and this
+process the client with its own device buffers from the same emulated driver library (loaded
+here with ctypes). client.backward_device hands the buffers' IPC handles to the server, which
+computes in place: dx is read back from this process's device memory. Also the errors (a server
+without --cuda-ipc, a pointer that is not device memory) and how the torch CUDA path picks its
+route, which needs no GPU. The torch CUDA path itself runs only on a real GPU."""
+
+import ctypes
+import os
+import unittest
+
+import numpy as np
+
+import normgrad
+from gradients_test import EPS, RTOL, reference_gradients_numpy
+from server_process import ServerProcess, emulated_cuda_driver, skip_without_emulated_cuda
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+
+class EmulatedDevice:
+    """Device 0 of the emulated driver in this process: its primary context current on this
+    thread, allocations freed by free_all()."""
+
+    def __init__(self, path):
+        self.lib = ctypes.CDLL(path)
+        ptr, size, handle = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
+        for name, args in (("cuInit", [ctypes.c_uint]),
+                           ("cuDeviceGet", [ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
+                           ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(handle), ctypes.c_int]),
+                           ("cuCtxSetCurrent", [handle]),
+                           ("cuMemAlloc_v2", [ctypes.POINTER(ptr), size]),
+                           ("cuMemFree_v2", [ptr]),
+                           ("cuMemcpyHtoDAsync_v2", [ptr, handle, size, handle]),
+                           ("cuMemcpyDtoHAsync_v2", [handle, ptr, size, handle]),
+                           ("cuStreamSynchronize", [handle])):
+            function = getattr(self.lib, name)
+            function.argtypes, function.restype = args, ctypes.c_int
+        self._check(self.lib.cuInit(0), "cuInit")
+        device, context = ctypes.c_int(), handle()
+        self._check(self.lib.cuDeviceGet(ctypes.byref(device), 0), "cuDeviceGet")
+        self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device),
+                    "cuDevicePrimaryCtxRetain")
+        self._check(self.lib.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+        self.allocations = []
+
+    @staticmethod
+    def _check(result, call):
+        if result != 0:
+            raise RuntimeError(f"{call} failed: CUresult {result}")
+
+    def alloc(self, nbytes):
+        p = ctypes.c_uint64()
+        self._check(self.lib.cuMemAlloc_v2(ctypes.byref(p), nbytes), "cuMemAlloc_v2")
+        self.allocations.append(p.value)
+        return p.value
+
+    def upload(self, pointer, array):
+        array = np.ascontiguousarray(array)
+        self._check(self.lib.cuMemcpyHtoDAsync_v2(pointer, array.ctypes.data, array.nbytes, None),
+                    "cuMemcpyHtoDAsync_v2")
+        self._check(self.lib.cuStreamSynchronize(None), "cuStreamSynchronize")
+
+    def download(self, pointer, dtype, count):
+        out = np.full(count, np.nan, dtype=dtype)
+        self._check(self.lib.cuMemcpyDtoHAsync_v2(out.ctypes.data, pointer, out.nbytes, None),
+                    "cuMemcpyDtoHAsync_v2")
+        self._check(self.lib.cuStreamSynchronize(None), "cuStreamSynchronize")
+        return out
+
+    def free_all(self):
+        for p in self.allocations:
+            self.lib.cuMemFree_v2(p)
+        self.allocations = []
+
+
+def random_case(rows, hidden, dtype, seed):
+    """x, dy, gamma rounded to `dtype` (numpy) and the float64 reference on those values."""
+    rng = np.random.default_rng(seed)
+    x, dy = rng.uniform(-2, 2, (rows, hidden)), rng.uniform(-2, 2, (rows, hidden))
+    gamma = 1 + 0.25 * rng.uniform(-1, 1, hidden)
+    x, dy, gamma = (a.astype(dtype) for a in (x, dy, gamma))
+    dx_ref, dgamma_ref = reference_gradients_numpy(x, dy, gamma, EPS)
+    return x, dy, gamma, dx_ref, dgamma_ref
+
+
+def assert_close(test, got, want, rtol, what):
+    scale = max(float(np.abs(want).max()), 1e-30)
+    error = float(np.abs(np.asarray(got, dtype=np.float64) - want).max()) / scale
+    test.assertLessEqual(error, rtol, f"{what}: max error {error:.3g} of the largest value")
+
+
+@skip_without_emulated_cuda
+class CudaIpcTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        # The native module's driver loader reads this at its first CUDA call: the same library
+        # as the one this process allocates from, so both see one device and one memory.
+        os.environ["NORMGRAD_CUDA_DRIVER"] = emulated_cuda_driver()
+        cls.device = EmulatedDevice(emulated_cuda_driver())
+        cls.server = ServerProcess("cuda", ["--cuda-ipc"])
+        cls.client = normgrad.Client(cls.server.address, deadline=120, max_attempts=1)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.stop()
+        cls.device.free_all()
+
+    def place(self, x, dy):
+        """x, dy and room for dx in one device allocation, [x | dy | dx]: their pointers."""
+        nbytes = x.nbytes
+        base = self.device.alloc(3 * nbytes)
+        self.device.upload(base, x)
+        self.device.upload(base + nbytes, dy)
+        return base, base + nbytes, base + 2 * nbytes
+
+    def check(self, dtype_name, np_dtype, rows, hidden, seed, with_rms=False, kernel=None):
+        x, dy, gamma, dx_ref, dgamma_ref = random_case(rows, hidden, np_dtype, seed)
+        x_ptr, dy_ptr, dx_ptr = self.place(x, dy)
+        rms_ptr = None
+        if with_rms:
+            x64 = x.astype(np.float64)
+            rms = np.sqrt((x64 * x64).mean(-1) + EPS).astype(np.float32)
+            rms_ptr = self.device.alloc(64 + rms.nbytes) + 64  # not at its allocation's base
+            self.device.upload(rms_ptr, rms)
+        grad_gamma = self.client.backward_device(
+            x_ptr, dy_ptr, dx_ptr, gamma, num_rows=rows, hidden_dim=hidden, dtype=dtype_name,
+            eps=EPS, rms_ptr=rms_ptr, kernel=kernel)
+        self.assertIsInstance(grad_gamma, np.ndarray)
+        self.assertEqual((grad_gamma.dtype, grad_gamma.shape), (gamma.dtype, gamma.shape))
+        dx = self.device.download(dx_ptr, np_dtype, rows * hidden).reshape(rows, hidden)
+        assert_close(self, dx, dx_ref, RTOL[dtype_name], "dx")
+        assert_close(self, grad_gamma, dgamma_ref, RTOL[dtype_name], "grad_gamma")
+
+    def test_f32_gradients_are_computed_in_place_in_this_processs_device_memory(self):
+        self.check("f32", np.float32, rows=6, hidden=256, seed=1)
+
+    def test_f32_with_the_forwards_rms_at_an_offset_in_its_own_allocation(self):
+        # hidden 32 with a given rms: the warp kernel, whose grad_gamma the server sums on the
+        # host from the device buffers.
+        self.check("f32", np.float32, rows=8, hidden=32, seed=2, with_rms=True,
+                   kernel="rms_norm_backward")
+
+    def test_f16_gradients(self):
+        self.check("f16", np.float16, rows=4, hidden=128, seed=3)
+
+    def test_the_server_takes_cuda_ipc_for_this_device(self):
+        info = self.client.info()
+        self.assertTrue(info["cuda_ipc"]["enabled"])
+        self.assertTrue(self.client.takes_cuda_ipc(0))
+
+    def test_a_pointer_that_is_not_device_memory_is_invalid_argument_naming_it(self):
+        x, dy, gamma, _, _ = random_case(2, 64, np.float32, 4)
+        x_ptr, dy_ptr, dx_ptr = self.place(x, dy)
+        host = np.zeros(2 * 64, dtype=np.float32)
+        with self.assertRaises(normgrad.InvalidArgumentError) as caught:
+            self.client.backward_device(x_ptr, host.ctypes.data, dx_ptr, gamma, num_rows=2,
+                                        hidden_dim=64)
+        message = caught.exception.message
+        self.assertIn("dy_ptr: cuMemGetAddressRange(0x", message)
+        self.assertIn(f"{host.ctypes.data:x}", message)
+        # The server is not involved, and the Client keeps working.
+        self.check("f32", np.float32, rows=2, hidden=64, seed=5)
+
+    def test_a_range_past_the_allocation_is_refused_by_the_server_naming_the_field(self):
+        x, dy, gamma, _, _ = random_case(4, 64, np.float32, 6)
+        x_ptr, dy_ptr, _ = self.place(x, dy)
+        dx_ptr = self.device.alloc(x.nbytes)
+        with self.assertRaises(normgrad.InvalidArgumentError) as caught:
+            # 5 rows where dx's allocation holds 4
+            self.client.backward_device(x_ptr, dy_ptr, dx_ptr, gamma[:64], num_rows=5,
+                                        hidden_dim=64)
+        self.assertIn("cuda_ipc.grad_input.offset is 0 with 1280 bytes to access, past the end "
+                      "of the 1024-byte region", caught.exception.message)
+
+    def test_host_side_argument_checks(self):
+        gamma = np.ones(64, dtype=np.float32)
+        with self.assertRaisesRegex(ValueError, "num_rows = 0"):
+            self.client.backward_device(1, 2, 3, gamma, num_rows=0, hidden_dim=64)
+        with self.assertRaisesRegex(TypeError, "x_ptr: expected a device pointer"):
+            self.client.backward_device("x", 2, 3, gamma, num_rows=1, hidden_dim=64)
+        with self.assertRaisesRegex(ValueError, r"gamma: shape \(64,\), expected \(32,\)"):
+            self.client.backward_device(1, 2, 3, gamma, num_rows=1, hidden_dim=32)
+        with self.assertRaisesRegex(TypeError, "gamma: numpy dtype float32 does not hold dtype "
+                                               "'f16'"):
+            self.client.backward_device(1, 2, 3, gamma, num_rows=1, hidden_dim=64, dtype="f16")
+        with self.assertRaisesRegex(ValueError, "dtype 'f64' is not one of"):
+            self.client.backward_device(1, 2, 3, gamma, num_rows=1, hidden_dim=64, dtype="f64")
+
+
+@skip_without_emulated_cuda
+class CudaIpcOffTest(unittest.TestCase):
+    """A CUDA-backend server started without --cuda-ipc."""
+
+    @classmethod
+    def setUpClass(cls):
+        os.environ["NORMGRAD_CUDA_DRIVER"] = emulated_cuda_driver()
+        cls.device = EmulatedDevice(emulated_cuda_driver())
+        cls.server = ServerProcess("cuda")
+        cls.client = normgrad.Client(cls.server.address, deadline=120, max_attempts=1)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.stop()
+        cls.device.free_all()
+
+    def test_backward_device_is_failed_precondition_naming_the_flag(self):
+        x, dy, gamma, _, _ = random_case(2, 64, np.float32, 7)
+        base = self.device.alloc(3 * x.nbytes)
+        with self.assertRaises(normgrad.FailedPreconditionError) as caught:
+            self.client.backward_device(base, base + x.nbytes, base + 2 * x.nbytes, gamma,
+                                        num_rows=2, hidden_dim=64)
+        self.assertIn("takes no CUDA IPC", caught.exception.message)
+        self.assertIn("--cuda-ipc", caught.exception.message)
+
+    def test_the_client_sees_that_it_takes_none(self):
+        # GetServerInfo leaves cuda_ipc unset (so out of the JSON) when it is off.
+        self.assertFalse(self.client.info().get("cuda_ipc", {}).get("enabled", False))
+        self.assertFalse(self.client.takes_cuda_ipc(0))
+
+
+class CudaRouteTest(unittest.TestCase):
+    """How Client.backward sends torch CUDA tensors, decided without a GPU."""
+
+    def test_auto_uses_cuda_ipc_when_the_server_takes_it_else_the_host(self):
+        self.assertEqual(normgrad._device_route("auto", True, "t"), "cuda_ipc")
+        self.assertEqual(normgrad._device_route("auto", False, "t"), "host")
+
+    def test_host_transports_copy_through_the_host(self):
+        for transport in ("bytes", "shm"):
+            self.assertEqual(normgrad._device_route(transport, True, "t"), "host")
+
+    def test_cuda_ipc_without_a_server_that_takes_it_is_failed_precondition(self):
+        self.assertEqual(normgrad._device_route("cuda_ipc", True, "t"), "cuda_ipc")
+        with self.assertRaises(normgrad.FailedPreconditionError) as caught:
+            normgrad._device_route("cuda_ipc", False, "127.0.0.1:1")
+        self.assertIn('transport "cuda_ipc": the server at 127.0.0.1:1 takes no CUDA IPC',
+                      caught.exception.message)
+        self.assertIn("--cuda-ipc", caught.exception.message)
+
+    def test_cuda_ipc_is_a_transport_and_takes_no_host_arrays(self):
+        self.assertIn("cuda_ipc", normgrad.TRANSPORTS)
+        client = normgrad.Client("127.0.0.1:1", transport="cuda_ipc")  # connects at a call
+        x = np.ones((2, 8), dtype=np.float32)
+        with self.assertRaisesRegex(ValueError, 'x: transport "cuda_ipc" takes torch CUDA '
+                                                'tensors .* got a host ndarray'):
+            client.backward(x, x, np.ones(8, dtype=np.float32))
+        if torch is not None:
+            t = torch.ones(2, 8)
+            with self.assertRaisesRegex(ValueError, "got a host Tensor"):
+                client.backward(t, t, torch.ones(8))
+
+    def test_backward_device_needs_a_transport_that_takes_device_memory(self):
+        client = normgrad.Client("127.0.0.1:1", transport="bytes")
+        with self.assertRaisesRegex(ValueError, "backward_device needs \"auto\" or \"cuda_ipc\""):
+            client.backward_device(1, 2, 3, np.ones(8, dtype=np.float32), num_rows=1,
+                                   hidden_dim=8)
+
+
+if __name__ == "__main__":
+    unittest.main()
