@@ -94,7 +94,7 @@ int StartServer(std::optional<ChildProcess>& server, std::vector<std::string> ex
   absl::StatusOr<ChildProcess> child = StartChild(ServerArgs(std::move(extra)));
   if (!child.ok()) return 0;
   server.emplace(std::move(*child));
-  return ParseReadyLine(server->ReadLine(absl::Seconds(60))).grpc_port;
+  return server->AwaitReady(absl::Seconds(60)).grpc_port;
 }
 
 // When --shutdown-grace runs out, a stream that is still open (here: its client stalls after
