@@ -87,6 +87,14 @@ def random_case(rows, hidden, dtype, seed):
     return x, dy, gamma, dx_ref, dgamma_ref
 
 
+def reference_given_rms(x, dy, gamma, rms):
+    """dx and dgamma in float64 with the per-row rms used as given (kernels/reference.h)."""
+    x, dy, gamma = (np.asarray(a, dtype=np.float64) for a in (x, dy, gamma))
+    r = np.asarray(rms, dtype=np.float64)[:, None]
+    dx = (gamma * dy - x / r**2 * (x * dy * gamma).mean(-1, keepdims=True)) / r
+    return dx, (dy * x / r).sum(0)
+
+
 def assert_close(test, got, want, rtol, what):
     scale = max(float(np.abs(want).max()), 1e-30)
     error = float(np.abs(np.asarray(got, dtype=np.float64) - want).max()) / scale
@@ -123,8 +131,10 @@ class CudaIpcTest(unittest.TestCase):
         x_ptr, dy_ptr, dx_ptr = self.place(x, dy)
         rms_ptr = None
         if with_rms:
+            # 1.25 times the true rms: results that only the given values explain.
             x64 = x.astype(np.float64)
-            rms = np.sqrt((x64 * x64).mean(-1) + EPS).astype(np.float32)
+            rms = (1.25 * np.sqrt((x64 * x64).mean(-1) + EPS)).astype(np.float32)
+            dx_ref, dgamma_ref = reference_given_rms(x, dy, gamma, rms)
             rms_ptr = self.device.alloc(64 + rms.nbytes) + 64  # not at its allocation's base
             self.device.upload(rms_ptr, rms)
         grad_gamma = self.client.backward_device(
@@ -222,6 +232,40 @@ class CudaIpcOffTest(unittest.TestCase):
         # GetServerInfo leaves cuda_ipc unset (so out of the JSON) when it is off.
         self.assertFalse(self.client.info().get("cuda_ipc", {}).get("enabled", False))
         self.assertFalse(self.client.takes_cuda_ipc(0))
+
+
+@skip_without_emulated_cuda
+class CudaIpcOtherGpuTest(unittest.TestCase):
+    """A server with --cuda-ipc on another (emulated) GPU than this process's device 0."""
+
+    @classmethod
+    def setUpClass(cls):
+        os.environ["NORMGRAD_CUDA_DRIVER"] = emulated_cuda_driver()
+        cls.device = EmulatedDevice(emulated_cuda_driver())
+        os.environ["NORMGRAD_EMULATED_DEVICE_UUID"] = "0123456789abcdef0123456789abcdef"
+        try:  # only the server's environment
+            cls.server = ServerProcess("cuda", ["--cuda-ipc"])
+        finally:
+            del os.environ["NORMGRAD_EMULATED_DEVICE_UUID"]
+        cls.client = normgrad.Client(cls.server.address, deadline=120, max_attempts=1)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.stop()
+        cls.device.free_all()
+
+    def test_the_client_sees_that_it_takes_none_for_this_device(self):
+        self.assertTrue(self.client.info()["cuda_ipc"]["enabled"])
+        self.assertFalse(self.client.takes_cuda_ipc(0))
+
+    def test_backward_device_is_failed_precondition_naming_both_gpus(self):
+        x, dy, gamma, _, _ = random_case(2, 64, np.float32, 8)
+        base = self.device.alloc(3 * x.nbytes)
+        with self.assertRaises(normgrad.FailedPreconditionError) as caught:
+            self.client.backward_device(base, base + x.nbytes, base + 2 * x.nbytes, gamma,
+                                        num_rows=2, hidden_dim=64)
+        self.assertIn("is not this server's GPU (0123456789abcdef", caught.exception.message)
 
 
 class CudaRouteTest(unittest.TestCase):
