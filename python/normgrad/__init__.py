@@ -12,8 +12,9 @@
 Every call goes through the C++ client (normgrad::client: chunking, retries, TLS, tokens);
 this module checks shapes and dtypes and hands the arrays' memory to it without copying
 (docs/python.md). Torch CUDA tensors (and raw device pointers, backward_device) go by CUDA IPC
-to a server on the same GPU started with --cuda-ipc: it computes on them in place. A failed call raises normgrad.Error (a subclass per gRPC code) whose .code
-is the gRPC code's name and whose .message is the server's message, unchanged.
+to a server on the same GPU started with --cuda-ipc: it computes on them in place. A failed
+call raises normgrad.Error (a subclass per gRPC code) whose .code is the gRPC code's name and
+whose .message is the server's message, unchanged.
 
 normgrad.torch has rms_norm and RMSNorm, whose backward runs on the server.
 """
