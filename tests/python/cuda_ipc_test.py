@@ -65,7 +65,8 @@ class EmulatedDevice:
         self._check(self.lib.cuStreamSynchronize(None), "cuStreamSynchronize")
 
     def download(self, pointer, dtype, count):
-        out = np.full(count, np.nan, dtype=dtype)
+        # NaN (0xFFFF: a bfloat16 NaN) where nothing was written
+        out = np.full(count, np.nan if np.dtype(dtype).kind == "f" else 0xFFFF, dtype=dtype)
         self._check(self.lib.cuMemcpyDtoHAsync_v2(out.ctypes.data, pointer, out.nbytes, None),
                     "cuMemcpyDtoHAsync_v2")
         self._check(self.lib.cuStreamSynchronize(None), "cuStreamSynchronize")
@@ -85,6 +86,16 @@ def random_case(rows, hidden, dtype, seed):
     x, dy, gamma = (a.astype(dtype) for a in (x, dy, gamma))
     dx_ref, dgamma_ref = reference_gradients_numpy(x, dy, gamma, EPS)
     return x, dy, gamma, dx_ref, dgamma_ref
+
+
+def to_bf16_bits(a):
+    """float values rounded to bfloat16 (to nearest even), as their 16 bits in uint16."""
+    bits = np.asarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_bf16_bits(bits):
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def reference_given_rms(x, dy, gamma, rms):
@@ -157,6 +168,20 @@ class CudaIpcTest(unittest.TestCase):
 
     def test_f16_gradients(self):
         self.check("f16", np.float16, rows=4, hidden=128, seed=3)
+
+    def test_bf16_gradients_with_gamma_as_uint16_bits(self):
+        rows, hidden = 4, 128
+        x, dy, gamma, _, _ = random_case(rows, hidden, np.float32, 9)
+        x, dy, gamma = to_bf16_bits(x), to_bf16_bits(dy), to_bf16_bits(gamma)
+        dx_ref, dgamma_ref = reference_gradients_numpy(
+            from_bf16_bits(x), from_bf16_bits(dy), from_bf16_bits(gamma), EPS)
+        x_ptr, dy_ptr, dx_ptr = self.place(x, dy)
+        grad_gamma = self.client.backward_device(x_ptr, dy_ptr, dx_ptr, gamma, num_rows=rows,
+                                                 hidden_dim=hidden, dtype="bf16", eps=EPS)
+        self.assertEqual(grad_gamma.dtype, np.uint16)
+        dx = self.device.download(dx_ptr, np.uint16, rows * hidden).reshape(rows, hidden)
+        assert_close(self, from_bf16_bits(dx), dx_ref, RTOL["bf16"], "dx")
+        assert_close(self, from_bf16_bits(grad_gamma), dgamma_ref, RTOL["bf16"], "grad_gamma")
 
     def test_the_server_takes_cuda_ipc_for_this_device(self):
         info = self.client.info()
