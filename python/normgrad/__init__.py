@@ -444,7 +444,8 @@ class Client:
             dx = torch.empty_like(x)
             gamma_host = gamma.detach().cpu().contiguous()
             # PyTorch's kernels are asynchronous: x, dy and rms must be written before another
-            # process reads them.
+            # process reads them. (This first runtime call on the thread also makes the device's
+            # primary context current, which the driver calls of the export need.)
             torch.cuda.current_stream(device).synchronize()
             dgamma = self.backward_device(
                 x.data_ptr(), dy.data_ptr(), dx.data_ptr(), gamma_host, num_rows=rows,
