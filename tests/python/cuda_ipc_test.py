@@ -7,6 +7,7 @@ route, which needs no GPU. The torch CUDA path itself runs only on a real GPU.""
 
 import ctypes
 import os
+import threading
 import unittest
 
 import numpy as np
@@ -200,6 +201,25 @@ class CudaIpcTest(unittest.TestCase):
         self.assertIn(f"{host.ctypes.data:x}", message)
         # The server is not involved, and the Client keeps working.
         self.check("f32", np.float32, rows=2, hidden=64, seed=5)
+
+    def test_a_thread_without_the_context_current_gets_the_drivers_error(self):
+        x, dy, gamma, _, _ = random_case(2, 64, np.float32, 10)
+        x_ptr, dy_ptr, dx_ptr = self.place(x, dy)
+        caught = []
+
+        def call():  # a new thread: no CUDA context current on it
+            try:
+                self.client.backward_device(x_ptr, dy_ptr, dx_ptr, gamma, num_rows=2,
+                                            hidden_dim=64)
+            except normgrad.Error as e:
+                caught.append(e)
+        thread = threading.Thread(target=call)
+        thread.start()
+        thread.join()
+        self.assertEqual(len(caught), 1)
+        self.assertIsInstance(caught[0], normgrad.InvalidArgumentError)
+        self.assertIn("x_ptr: cuMemGetAddressRange(0x", caught[0].message)
+        self.assertIn("CUDA_ERROR_INVALID_CONTEXT", caught[0].message)
 
     def test_a_range_past_the_allocation_is_refused_by_the_server_naming_the_field(self):
         x, dy, gamma, _, _ = random_case(4, 64, np.float32, 6)
