@@ -217,6 +217,20 @@ absl::Status ValidateOptions(const ServerOptions& o) {
           o.regions.max_bytes, ": both must be > 0"));
     }
   }
+  if (!o.unix_allowed_uids.empty()) {
+    const bool has_unix = std::any_of(o.listen.begin(), o.listen.end(), [](const std::string& a) {
+      return absl::StartsWith(a, "unix:");
+    });
+    if (!has_unix) {
+      return absl::InvalidArgumentError(
+          "--unix-allowed-uids needs a --listen=unix:/PATH (it governs unix-socket clients)");
+    }
+    if (!o.security.cert_file.empty() || !UnixGrpcListener::Supported()) {
+      return absl::InvalidArgumentError(
+          "--unix-allowed-uids needs plaintext unix sockets: with --tls-cert gRPC accepts their "
+          "connections itself and gives no peer credentials");
+    }
+  }
   if (o.unix_socket_mode > 0777) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "--unix-socket-mode=%o: only permission bits (0..0777)", o.unix_socket_mode));
@@ -369,6 +383,7 @@ void NormGradServer::AssembleService() {
   env_->config.stream_idle_timeout = options_.stream_idle_timeout;
   env_->config.min_stream_bytes_per_second = options_.min_stream_bytes_per_second;
   env_->config.min_stream_rate_window = options_.min_stream_rate_window;
+  env_->config.unix_allowed_uids = options_.unix_allowed_uids;
   env_->backend = backend_.get();
   env_->ptx = ptx_.get();
   env_->admission = admission_.get();
@@ -376,6 +391,8 @@ void NormGradServer::AssembleService() {
   env_->pool = pool_.get();
   env_->emit_ptx_pool = emit_ptx_pool_.get();
   env_->streams = streams_.get();
+  unix_peers_ = std::make_unique<UnixPeers>();
+  env_->unix_peers = unix_peers_.get();
   env_->cuda_ipc = options_.cuda_ipc;
   env_->max_cuda_ipc_handles = options_.backend.max_ipc_handles;
   if (options_.shared_memory) {
@@ -446,7 +463,12 @@ absl::Status NormGradServer::StartGrpcPort(
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   std::vector<int> selected_ports(addresses.size(), 0);
+  // Plaintext unix sockets are accepted here, for the peers' credentials (UnixGrpcListener);
+  // with TLS gRPC listens on them itself.
+  const bool accept_unix_here =
+      options_.security.cert_file.empty() && UnixGrpcListener::Supported();
   for (size_t i = 0; i < addresses.size(); ++i) {
+    if (accept_unix_here && addresses[i].kind == ListenAddress::kUnix) continue;
     builder.AddListeningPort(addresses[i].text, credentials, &selected_ports[i]);
   }
   builder.SetMaxReceiveMessageSize(static_cast<int>(options_.max_message_bytes));
@@ -458,7 +480,16 @@ absl::Status NormGradServer::StartGrpcPort(
   grpc_server_ = builder.BuildAndStart();
   umask(old_umask);
   for (size_t i = 0; i < addresses.size(); ++i) {
+    if (grpc_server_ != nullptr && accept_unix_here && addresses[i].kind == ListenAddress::kUnix) {
+      absl::StatusOr<std::unique_ptr<UnixGrpcListener>> listener = UnixGrpcListener::Start(
+          addresses[i].path, options_.unix_socket_mode, grpc_server_.get(), unix_peers_.get());
+      if (listener.ok()) {
+        unix_listeners_.push_back(*std::move(listener));
+        selected_ports[i] = 1;  // listening
+      }
+    }
     if (grpc_server_ != nullptr && selected_ports[i] != 0) continue;
+    unix_listeners_.clear();
     if (grpc_server_ != nullptr) {
       grpc_server_->Shutdown(std::chrono::system_clock::now());
       grpc_server_->Wait();
@@ -679,6 +710,7 @@ void NormGradServer::Shutdown(absl::Duration grace) {
     //    running when the grace ran out is cancelled here too; its client sees UNAVAILABLE
     //    ("Cancelling all calls"), which it retries. (Shutdown(now) cancelled the late arrivals
     //    before the service saw them: their clients saw CANCELLED, which they do not retry.)
+    for (auto& listener : unix_listeners_) listener->Stop();
     grpc_server_->Shutdown(absl::ToChronoTime(std::min(deadline, absl::Now() + kLateCallGrace)));
     streams_->WaitUntilEmpty(absl::InfiniteFuture());  // workers finish their current chunk
   }

@@ -35,6 +35,8 @@
 #include "server/process/transport_security.h"
 #include "server/service/admission.h"
 #include "server/service/backward_validator.h"
+#include "server/process/unix_grpc_listener.h"
+#include "server/service/unix_peers.h"
 #include "server/shared_memory/region_registry.h"
 
 namespace grpc {
@@ -58,6 +60,9 @@ struct ServerOptions {
   // HOST:PORT (port 0 picks a free one; at most one) and unix:/PATH addresses (listen_address.h).
   std::vector<std::string> listen = {"0.0.0.0:50051"};
   uint32_t unix_socket_mode = 0660;             // chmod of every unix:/PATH socket
+  // Users whose unix-socket connections may call the service; empty: any (the file mode
+  // decides). Needs plaintext unix sockets (accepted by the server, which reads SO_PEERCRED).
+  std::vector<uint32_t> unix_allowed_uids;
   // Shared-memory regions of co-located clients: for each unix:/PATH listener a region socket
   // PATH.shm (server/shared_memory/); off by default.
   bool shared_memory = false;
@@ -181,8 +186,12 @@ class NormGradServer {
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<ThreadPool> emit_ptx_pool_;
   std::unique_ptr<ServiceEnv> env_;
+  std::unique_ptr<UnixPeers> unix_peers_;  // credentials of accepted unix connections
   std::unique_ptr<NormGradService> service_;
   std::unique_ptr<grpc::Server> grpc_server_;
+  // Plaintext unix sockets, accepted here for their peers' credentials; before grpc_server_ in
+  // destruction (they hand connections to it).
+  std::vector<std::unique_ptr<UnixGrpcListener>> unix_listeners_;
   std::unique_ptr<grpc::Server> health_server_;  // --health-listen; health service only
   std::unique_ptr<grpc::CallbackGenericService> health_port_rejecter_;  // other methods there
   std::unique_ptr<MetricsHttpServer> metrics_http_;

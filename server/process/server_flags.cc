@@ -8,6 +8,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/status_macros.h"
@@ -30,6 +31,11 @@ ABSL_FLAG(bool, cuda_ipc, false,
 ABSL_FLAG(uint32_t, max_cuda_ipc_handles, 64,
           "Device allocations of clients kept open for CUDA IPC (least recently used closed "
           "first).");
+ABSL_FLAG(std::vector<std::string>, unix_allowed_uids, {},
+          "User ids whose connections on the unix sockets may call the service (comma "
+          "separated); others get PERMISSION_DENIED naming their uid and pid. Empty: any user "
+          "the socket file's mode lets connect. Needs plaintext unix sockets (not with "
+          "--tls-cert).");
 ABSL_FLAG(std::string, unix_socket_mode, "0660",
           "File mode (octal) of every unix:/PATH socket of --listen: who may connect.");
 ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
@@ -180,6 +186,14 @@ absl::StatusOr<ServerOptions> ServerOptionsFromFlags() {
         "--unix-socket-mode=", mode, ": not an octal file mode in 0..0777 such as 0660"));
   }
   o.unix_socket_mode = mode_bits;
+  for (const std::string& text : absl::GetFlag(FLAGS_unix_allowed_uids)) {
+    uint32_t uid = 0;
+    if (!absl::SimpleAtoi(text, &uid)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--unix-allowed-uids: \"", text, "\" is not a user id (0..4294967295)"));
+    }
+    o.unix_allowed_uids.push_back(uid);
+  }
   o.shared_memory = absl::GetFlag(FLAGS_shared_memory);
   o.cuda_ipc = absl::GetFlag(FLAGS_cuda_ipc);
   o.backend.max_ipc_handles = absl::GetFlag(FLAGS_max_cuda_ipc_handles);

@@ -38,7 +38,9 @@ absl::Status CheckAdmissionLimits(const AdmissionLimits& l) {
 }
 
 std::string ClientIdentityFromPeer(absl::string_view peer) {
-  if (absl::StartsWith(peer, "unix")) return "unix";  // unix: and unix-abstract:
+  // unix: and unix-abstract:, and "fd:N" (a unix-socket connection whose credentials were not
+  // found; the service names a known one by its uid).
+  if (absl::StartsWith(peer, "unix") || absl::StartsWith(peer, "fd:")) return "unix";
   const size_t colon = peer.rfind(':');
   // "ipv4:" or "ipv6:" and at least one character before the port's colon.
   if (colon == absl::string_view::npos || colon <= 5 || colon + 1 == peer.size()) {

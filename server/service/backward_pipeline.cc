@@ -53,10 +53,12 @@ BackwardPipeline::~BackwardPipeline() {
   }
 }
 
-StreamActions BackwardPipeline::Start() {
+StreamActions BackwardPipeline::Start(absl::Status refused) {
   StreamActions a;
   std::lock_guard<std::mutex> lock(mu_);
-  if (env_->draining.load()) {
+  if (!refused.ok()) {
+    FinishLocked(refused, a);
+  } else if (env_->draining.load()) {
     FinishLocked(absl::UnavailableError(
                      "the server is shutting down and takes no new streams; retry elsewhere"),
                  a);

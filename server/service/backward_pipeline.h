@@ -85,7 +85,9 @@ class BackwardPipeline {
   BackwardPipeline& operator=(const BackwardPipeline&) = delete;
 
   // Admits the stream (or refuses it: draining, --max-streams) and starts the first read.
-  StreamActions Start();
+  // `refused`: not OK when the caller may not use the service (its unix peer's user); the stream
+  // then ends with it at once.
+  StreamActions Start(absl::Status refused = absl::OkStatus());
   // `ok` false: the client half-closed or the call died; `call_cancelled` says which.
   StreamActions OnReadDone(bool ok, bool call_cancelled);
   // A message arrived (`bytes` long) that does not parse as a BackwardRequest: the stream ends

@@ -2,6 +2,7 @@
 
 #include <grpcpp/impl/codegen/proto_utils.h>
 
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <memory>
@@ -19,6 +20,7 @@
 #include "server/proto_conversion/proto_conversion.h"
 #include "server/service/backward_pipeline.h"
 #include "server/service/status_conversion.h"
+#include "server/service/unix_peers.h"
 #include "server/shared_memory/region_registry.h"
 
 namespace normgrad::server {
@@ -50,16 +52,21 @@ absl::Status UnparsableRequest(const grpc::ByteBuffer& request, const char* type
                                                  " bytes) does not parse as a normgrad.v1.", type));
 }
 
-// gRPC's peer strings: "unix:...", "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", ...
+// gRPC's peer strings: "unix:...", "fd:17" (a unix-socket connection the server accepted
+// itself: server/process/unix_grpc_listener.h), "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", ...
+bool IsUnixPeer(absl::string_view peer) {
+  return absl::StartsWith(peer, "unix:") || absl::StartsWith(peer, "fd:");
+}
 bool PeerIsLocal(absl::string_view peer) {
-  return absl::StartsWith(peer, "unix:") || absl::StartsWith(peer, "ipv4:127.") ||
+  return IsUnixPeer(peer) || absl::StartsWith(peer, "ipv4:127.") ||
          absl::StartsWith(peer, "ipv6:[::1]") || absl::StartsWith(peer, "ipv6:%5B::1%5D");
 }
 
 // Who the caller is, for its share of the stream slots: the verified client certificate's name
-// under mutual TLS, else the peer address without the port (every unix-socket peer is one
-// client). The bearer token names no one: every client presents the same one.
-std::string ClientIdentity(const grpc::CallbackServerContext& context) {
+// under mutual TLS; on a unix socket the peer's user ("uid:1000", from the credentials read at
+// accept); else the peer address without the port. The bearer token names no one: every client
+// presents the same one.
+std::string ClientIdentity(const grpc::CallbackServerContext& context, const ServiceEnv& env) {
   std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
   if (auth != nullptr && auth->IsPeerAuthenticated()) {
     const std::vector<grpc::string_ref> names = auth->GetPeerIdentity();
@@ -67,7 +74,27 @@ std::string ClientIdentity(const grpc::CallbackServerContext& context) {
       return absl::StrCat("x509:", absl::string_view(names.front().data(), names.front().size()));
     }
   }
+  if (env.unix_peers != nullptr) {
+    if (std::optional<PeerCredentials> c = env.unix_peers->Find(context.peer())) {
+      return absl::StrCat("uid:", c->uid);
+    }
+  }
   return ClientIdentityFromPeer(context.peer());
+}
+
+// PERMISSION_DENIED for a unix-socket peer whose user --unix-allowed-uids does not list (counted
+// in normgrad_rejected_total{limit="unix-allowed-uids"}); OK for every other caller.
+absl::Status CheckUnixPeer(const ServiceEnv& env, absl::string_view peer, const char* method) {
+  const std::vector<uint32_t>& allowed = env.config.unix_allowed_uids;
+  if (allowed.empty() || env.unix_peers == nullptr) return absl::OkStatus();
+  const std::optional<PeerCredentials> c = env.unix_peers->Find(peer);
+  if (!c.has_value()) return absl::OkStatus();  // not a unix-socket connection
+  if (std::find(allowed.begin(), allowed.end(), c->uid) != allowed.end()) return absl::OkStatus();
+  env.metrics->IncrementCounter("normgrad_rejected_total",
+                                {{"method", method}, {"limit", "unix-allowed-uids"}});
+  return absl::PermissionDeniedError(absl::StrCat(
+      "this unix-socket client runs as ", DescribePeer(*c),
+      ", which --unix-allowed-uids does not list"));
 }
 
 }  // namespace
@@ -119,13 +146,13 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   BackwardStream(ServiceEnv* env, grpc::CallbackServerContext* context)
       : env_(env),
         context_(context),
-        listener_(absl::StartsWith(context->peer(), "unix:") ? "unix" : "tcp"),
+        listener_(IsUnixPeer(context->peer()) ? "unix" : "tcp"),
         pipeline_(env, absl::FromChrono(context->deadline()), PeerIsLocal(context->peer()),
-                  ClientIdentity(*context)) {
+                  ClientIdentity(*context, *env)) {
     env_->streams->Add(this);
     // Published to OnReadDone, whose first step is parsing the read buffer (below).
     { std::lock_guard<std::mutex> lock(read_mu_); }
-    Apply(pipeline_.Start());
+    Apply(pipeline_.Start(CheckUnixPeer(*env, context->peer(), kBackwardMethod)));
   }
 
   // Every reaction's first access to this object takes a lock the constructor released (the
@@ -298,10 +325,13 @@ grpc::ServerUnaryReactor* NormGradService::EmitPtx(grpc::CallbackServerContext* 
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const absl::Time start = absl::Now();
   ServiceEnv* env = env_;
-  if (env->draining.load()) {
-    absl::Status s = absl::UnavailableError("the server is shutting down; retry elsewhere");
-    RecordRpc(*env->metrics, kEmitPtxMethod, s.code(), 0, 0, 0);
-    reactor->Finish(ToGrpcStatus(s));
+  absl::Status refused = CheckUnixPeer(*env, context->peer(), kEmitPtxMethod);
+  if (refused.ok() && env->draining.load()) {
+    refused = absl::UnavailableError("the server is shutting down; retry elsewhere");
+  }
+  if (!refused.ok()) {
+    RecordRpc(*env->metrics, kEmitPtxMethod, refused.code(), 0, 0, 0);
+    reactor->Finish(ToGrpcStatus(refused));
     return reactor;
   }
   auto request = std::make_shared<v1::EmitPtxRequest>();
@@ -348,6 +378,11 @@ grpc::ServerUnaryReactor* NormGradService::GetServerInfo(grpc::CallbackServerCon
                                                          grpc::ByteBuffer* raw_response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (absl::Status s = CheckUnixPeer(*env_, context->peer(), kServerInfoMethod); !s.ok()) {
+    RecordRpc(*env_->metrics, kServerInfoMethod, s.code(), 0, 0, 0);
+    reactor->Finish(ToGrpcStatus(s));
+    return reactor;
+  }
   v1::GetServerInfoRequest request;
   grpc::ByteBuffer bytes(*raw_request);
   if (!ParseMessage(bytes, &request)) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -21,6 +22,7 @@
 namespace normgrad::server {
 
 class RegionRegistry;
+class UnixPeers;
 class StreamRegistry;
 
 struct ServiceConfig {
@@ -32,6 +34,9 @@ struct ServiceConfig {
   // on its client (server compute and queueing not counted), is ended; 0: no minimum.
   uint64_t min_stream_bytes_per_second = 0;
   absl::Duration min_stream_rate_window = absl::Seconds(30);
+  // Users whose unix-socket connections may call the service (--unix-allowed-uids); empty: any
+  // that the socket file's mode lets connect.
+  std::vector<uint32_t> unix_allowed_uids;
 };
 
 // Whether the device can serve. NormGradServer marks it unhealthy (a failed device, a failed
@@ -68,6 +73,9 @@ struct ServiceEnv {
   ThreadPool* emit_ptx_pool = nullptr;
   StreamRegistry* streams = nullptr;
   RegionRegistry* regions = nullptr;  // shared-memory regions; null without --shared-memory
+  // Credentials of the unix-socket connections the server accepted itself; null when gRPC
+  // listens on the unix sockets (TLS) or there are none.
+  const UnixPeers* unix_peers = nullptr;
   bool cuda_ipc = false;  // --cuda-ipc: chunks may name device memory (backend->DeviceUuid())
   uint32_t max_cuda_ipc_handles = 0;  // --max-cuda-ipc-handles
   std::atomic<bool> draining{false};

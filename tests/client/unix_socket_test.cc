@@ -156,6 +156,51 @@ TEST(UnixSocketTest, AStaleSocketIsReplacedButALiveOneOrAFileIsNeverTaken) {
   EXPECT_EQ(text, "someone's file");
 }
 
+// The server accepts unix-socket connections itself and reads each peer's credentials: a user
+// --unix-allowed-uids does not list is refused PERMISSION_DENIED naming its uid and pid, on
+// every method; a listed one is served; TCP callers are not concerned.
+TEST(UnixSocketTest, PeerCredentialsDecideWhoMayCallAndAreNamed) {
+  const SocketDir dir;
+  const std::string path = dir.path() + "/grpc.sock";
+  const uint32_t me = getuid();
+  auto refusing = StartTestServer([&](server::ServerOptions& o) {
+    o.listen = {"127.0.0.1:0", "unix:" + path};
+    o.unix_allowed_uids = {me + 1};  // anyone but this process's user
+  });
+  ASSERT_NE(refusing, nullptr);
+  ClientOptions options;
+  options.target = "unix:" + path;
+  options.max_attempts = 1;
+  std::unique_ptr<Client> c = *Client::Create(options);
+  const Batch b(8, 64, /*seed=*/6);
+  absl::StatusOr<Gradients> g = c->Backward(b.x, b.dy, b.gamma, 1e-5f);
+  ASSERT_EQ(g.status().code(), absl::StatusCode::kPermissionDenied) << g.status();
+  EXPECT_THAT(g.status().message(),
+              HasSubstr(absl::StrCat("runs as uid:", me, " (pid ", getpid(), ")")));
+  EXPECT_THAT(g.status().message(), HasSubstr("--unix-allowed-uids"));
+  EXPECT_EQ(c->ServerInfo().status().code(), absl::StatusCode::kPermissionDenied);
+  v1::EmitPtxRequest emit;
+  emit.set_kernel("batched_rms_norm_backward");
+  emit.set_hidden_dim(896);
+  EXPECT_EQ(c->EmitPtx(emit).status().code(), absl::StatusCode::kPermissionDenied);
+  // Over TCP the same server serves.
+  ClientOptions tcp;
+  tcp.target = absl::StrCat("127.0.0.1:", refusing->port());
+  absl::StatusOr<Gradients> over_tcp = (*Client::Create(tcp))->Backward(b.x, b.dy, b.gamma, 1e-5f);
+  ASSERT_TRUE(over_tcp.ok()) << over_tcp.status();
+  refusing.reset();
+
+  auto allowing = StartTestServer([&](server::ServerOptions& o) {
+    o.listen = {"unix:" + path};
+    o.unix_allowed_uids = {me + 1, me};
+  });
+  ASSERT_NE(allowing, nullptr);
+  std::unique_ptr<Client> c2 = *Client::Create(options);
+  g = c2->Backward(b.x, b.dy, b.gamma, 1e-5f);
+  ASSERT_TRUE(g.ok()) << g.status();
+  ExpectGradientsClose(g->dx, g->dgamma, b);
+}
+
 TEST(UnixSocketTest, BadListenValuesAreInvalidArgumentNamingThem) {
   server::ServerOptions o;
   o.metrics_listen = "";
@@ -170,6 +215,15 @@ TEST(UnixSocketTest, BadListenValuesAreInvalidArgumentNamingThem) {
   o.listen = {"unix:/tmp/x.sock"};
   o.unix_socket_mode = 01777;
   EXPECT_THAT(server::CheckServerOptions(o).message(), HasSubstr("--unix-socket-mode"));
+  o.unix_socket_mode = 0660;
+  o.unix_allowed_uids = {1000};
+  o.listen = {"127.0.0.1:0"};
+  EXPECT_THAT(server::CheckServerOptions(o).message(),
+              HasSubstr("--unix-allowed-uids needs a --listen=unix:/PATH"));
+  o.listen = {"unix:/tmp/x.sock"};
+  o.security.cert_file = "server.pem";
+  EXPECT_THAT(server::CheckServerOptions(o).message(),
+              HasSubstr("--unix-allowed-uids needs plaintext unix sockets"));
 }
 
 TEST(UnixSocketTest, RepeatedListenFlagsAreJoinedInOrder) {
