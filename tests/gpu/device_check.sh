@@ -3,8 +3,10 @@
 #   1. configures a gRPC-free build (-DNORMGRAD_WITH_GRPC=OFF) and builds the kernels, the
 #      backends, the backend tests and normgrad-gpu-bench;
 #   2. runs the backend suite against the CUDA backend on the real driver (CPU reference oracle);
-#   3. runs normgrad-gpu-bench (copy bandwidth, each kernel's bandwidth and fraction of it);
-#   4. where `import torch` works, PyTorch's RMSNorm backward on the same shapes, as ratios.
+#   3. runs normgrad-gpu-bench (copy bandwidth, each kernel's bandwidth and fraction of it, L2
+#      flushed before every run; 1x896 to 16384x4096, f32 and bf16);
+#   4. where `import torch` works, PyTorch's RMSNorm backward on the same shapes (eager,
+#      torch.compile, torch.nn.functional.rms_norm where present), as ratios, and the targets.
 # Results: <out>/bench.json, <out>/bench.txt, <out>/summary.json, <out>/summary.txt.
 #
 #   bash tests/gpu/device_check.sh [--smoke] [--build-dir DIR] [--out DIR] [--iters N] [--no-build]

@@ -1,22 +1,41 @@
 #!/usr/bin/env python3
-"""PyTorch's RMSNorm backward on the shapes normgrad-gpu-bench measured, as ratios.
+"""PyTorch's RMSNorm backward on the shapes normgrad-gpu-bench measured, and the kit's verdict.
 
     torch_rmsnorm_bench.py --kernels-json bench.json --out summary.json [--iters N]
                            [--allow-cpu] [--no-torch]
 
-For each (dtype, rows, hidden) in bench.json: the backward of a hand-written RMSNorm
-(y = x * rsqrt(mean(x^2) + eps) * gamma, autograd for dx and dgamma with dy given), eager and,
-when it compiles, torch.compile'd; median of N timed runs (CUDA events on a GPU, wall clock on
-the CPU with --allow-cpu). Prints one table and writes summary.json: the benchmark's rows plus
-torch_eager_ms, torch_compile_ms (null when unavailable) and speedup_vs_torch_* =
-torch time / row-resident time (> 1: normgrad faster). --no-torch writes the summary without
-PyTorch columns. Exit 1 with one line on stderr when the input is unusable.
+For each (dtype, rows, hidden) in bench.json, the backward pass (dx and dgamma from a given dy;
+the forward runs outside the timed region) of three PyTorch baselines, each where the installed
+PyTorch has it and skipped with its reason where not:
+  - eager:      a hand-written RMSNorm (y = x * rsqrt(mean(x^2) + eps) * gamma in f32), autograd;
+  - compile:    the same function through torch.compile;
+  - functional: torch.nn.functional.rms_norm (PyTorch 2.4 and newer), autograd.
+Median of up to N timed runs, at least MIN_TIMED_RUNS and then only while their sum stays within
+TIMED_BUDGET_MS (CUDA events on a GPU; wall clock on the CPU with --allow-cpu). On a GPU, L2 is
+flushed before every run the way normgrad-gpu-bench does it: a write of bench.json's
+l2_flush_bytes (twice the L2 size), not timed.
+
+Prints one table and the targets, and writes summary.json: bench.json plus, per result,
+torch_<baseline>_ms, speedup_vs_torch_<baseline> = torch ms / row-resident ms (> 1: normgrad
+faster), large_shape, meets_copy_target and faster_than_torch; and "baselines" (measured or the
+reason it was skipped) and "targets": the row-resident kernel at >= 90% of the copy kernel's
+bandwidth on the large shapes (rows x hidden >= 4096 x 4096), and faster than every PyTorch
+baseline on every shape (judged only when PyTorch ran on a GPU). --no-torch writes the summary
+without PyTorch figures. Exit 1 with one line on stderr when the input is unusable.
 """
 import argparse
 import json
 import statistics
 import sys
 import time
+
+BASELINES = ("eager", "compile", "functional")
+COPY_TARGET = 0.90            # row-resident bandwidth / copy bandwidth, on the large shapes
+LARGE_ELEMENTS = 4096 * 4096  # rows x hidden from which a shape counts as large
+MIN_TIMED_RUNS = 5
+TIMED_BUDGET_MS = 500.0
+
+torch = None  # imported in main() only where PyTorch is wanted
 
 
 def fail(message):
@@ -30,15 +49,22 @@ def rmsnorm(x, gamma, eps):
     return (x32 * inv * gamma.float()).to(x.dtype)
 
 
-def time_backward(fn, x, gamma, dy, iters, device):
-    """Median ms of the backward pass only (the forward runs outside the timed region)."""
+def functional_rmsnorm(x, gamma, eps):
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), gamma, eps)
+
+
+def time_backward(fn, x, gamma, dy, iters, device, flush):
+    """Median ms of the backward pass only, after a warm-up run (which also compiles)."""
     samples = []
     for i in range(iters + 1):
+        if i > MIN_TIMED_RUNS and sum(samples) > TIMED_BUDGET_MS:
+            break
         xr = x.detach().requires_grad_(True)
         gr = gamma.detach().requires_grad_(True)
         y = fn(xr, gr, 1e-5)
         if device == "cuda":
-            torch.cuda.synchronize()
+            if flush is not None:
+                flush.fill_(i & 1)  # evicts what the forward and the last run left in L2
             start = torch.cuda.Event(enable_timing=True)
             stop = torch.cuda.Event(enable_timing=True)
             start.record()
@@ -50,12 +76,129 @@ def time_backward(fn, x, gamma, dy, iters, device):
             t0 = time.perf_counter()
             y.backward(dy)
             ms = (time.perf_counter() - t0) * 1e3
-        if i > 0:  # the first run warms up (and compiles)
+        if i > 0:
             samples.append(ms)
     return statistics.median(samples)
 
 
+def available_baselines(device):
+    """{name: function} of the baselines this PyTorch has, and {name: reason} of the others."""
+    found, skipped = {"eager": rmsnorm}, {}
+    if not hasattr(torch, "compile"):
+        skipped["compile"] = f"torch {torch.__version__} has no torch.compile (added in 2.0)"
+    else:
+        try:
+            compiled = torch.compile(rmsnorm)
+            x = torch.randn(4, 64, device=device, requires_grad=True)
+            compiled(x, torch.ones(64, device=device, requires_grad=True), 1e-5).sum().backward()
+            found["compile"] = compiled
+        except Exception as e:  # a missing compiler toolchain, an unsupported platform, ...
+            first = (str(e).splitlines() or [""])[0][:160]
+            skipped["compile"] = f"torch.compile failed: {type(e).__name__}: {first}"
+    if hasattr(torch.nn.functional, "rms_norm"):
+        found["functional"] = functional_rmsnorm
+    else:
+        skipped["functional"] = (f"torch {torch.__version__} has no "
+                                 "torch.nn.functional.rms_norm (added in 2.4)")
+    return found, skipped
+
+
+def summarize(bench, torch_ms, torch_device, skipped):
+    """The summary: bench.json's results with the PyTorch times, ratios and verdicts.
+
+    torch_ms: one {baseline: ms or None} per result (None where not measured); skipped:
+    {baseline: reason}; torch_device: "cuda", "cpu" or None (no PyTorch).
+    """
+    results = []
+    copy_failing, torch_failing = [], []
+    for r, times in zip(bench["results"], torch_ms):
+        entry = dict(r)
+        shape = f"{r['dtype']} {r['rows']}x{r['hidden']}"
+        ours = r["row_resident_ms"]
+        entry["torch_device"] = torch_device
+        speedups = []
+        for name in BASELINES:
+            ms = times.get(name)
+            entry[f"torch_{name}_ms"] = ms
+            speedup = ms / ours if ms and ours > 0 else None
+            entry[f"speedup_vs_torch_{name}"] = speedup
+            if speedup is not None:
+                speedups.append(speedup)
+        entry["large_shape"] = r["rows"] * r["hidden"] >= LARGE_ELEMENTS
+        entry["meets_copy_target"] = (r["row_resident_of_copy"] >= COPY_TARGET
+                                      if entry["large_shape"] else None)
+        if entry["meets_copy_target"] is False:
+            copy_failing.append(shape)
+        entry["faster_than_torch"] = (all(s > 1 for s in speedups)
+                                      if torch_device == "cuda" and speedups else None)
+        if entry["faster_than_torch"] is False:
+            torch_failing.append(shape)
+        results.append(entry)
+
+    large = [e for e in results if e["large_shape"]]
+    copy_target = {
+        "target": f"row_resident_of_copy >= {COPY_TARGET} where rows x hidden >= 4096 x 4096",
+        "holds": not copy_failing if large else None,
+        "failing": copy_failing,
+    }
+    if not large:
+        copy_target["why_not_judged"] = "no large shape in this run"
+    torch_target = {
+        "target": "faster than every PyTorch baseline on every shape",
+        "holds": None,
+        "failing": torch_failing,
+    }
+    if torch_device != "cuda":
+        torch_target["why_not_judged"] = (
+            "PyTorch ran on the CPU" if torch_device == "cpu" else "no PyTorch")
+    elif not any(e["faster_than_torch"] is not None for e in results):
+        torch_target["why_not_judged"] = "no PyTorch baseline measured"
+    else:
+        torch_target["holds"] = not torch_failing
+    summary = dict(bench)
+    summary["results"] = results
+    summary["torch_device"] = torch_device
+    summary["baselines"] = {name: ({"skipped": skipped[name]} if name in skipped
+                                   else {"measured": torch_device is not None})
+                            for name in BASELINES}
+    summary["targets"] = {"copy_fraction_on_large_shapes": copy_target,
+                          "faster_than_torch": torch_target}
+    return summary
+
+
+def fmt(v, spec):
+    return format(v, spec) if v is not None else "-"
+
+
+def verdict(target):
+    if target["holds"] is None:
+        return f"not judged ({target.get('why_not_judged', '')})"
+    if target["holds"]:
+        return "holds"
+    return "FAILS at " + ", ".join(target["failing"])
+
+
+def print_summary(summary):
+    print(f"device: {summary.get('device')} ({summary.get('target')}); "
+          f"torch on {summary['torch_device'] or 'none'}; L2: {summary.get('l2_policy', '?')} "
+          f"({summary.get('l2_flush_bytes', '?')} bytes before every run)")
+    for name, b in summary["baselines"].items():
+        if "skipped" in b:
+            print(f"baseline {name}: skipped: {b['skipped']}")
+    print(f"{'dtype':5} {'rows x hidden':>14} {'normgrad ms':>12} {'of copy':>8} "
+          + " ".join(f"{name + ' ms':>13} {'x':>6}" for name in BASELINES))
+    for e in summary["results"]:
+        cells = " ".join(f"{fmt(e[f'torch_{n}_ms'], '13.4f'):>13} "
+                         f"{fmt(e[f'speedup_vs_torch_{n}'], '6.2f'):>6}" for n in BASELINES)
+        print(f"{e['dtype']:5} {str(e['rows']) + 'x' + str(e['hidden']):>14} "
+              f"{e['row_resident_ms']:12.4f} {e['row_resident_of_copy']:8.3f} {cells}")
+    print("(x = torch ms / normgrad ms: above 1, normgrad is faster)")
+    for key, target in summary["targets"].items():
+        print(f"target {key} ({target['target']}): {verdict(target)}")
+
+
 def main():
+    global torch
     parser = argparse.ArgumentParser()
     parser.add_argument("--kernels-json", required=True)
     parser.add_argument("--out", required=True)
@@ -64,72 +207,50 @@ def main():
     parser.add_argument("--no-torch", action="store_true")
     args = parser.parse_args()
     if args.iters < 1:
-        fail("--iters must be at least 1")
+        fail(f"--iters must be at least 1 (got {args.iters})")
     try:
         with open(args.kernels_json) as f:
             bench = json.load(f)
-        results = bench["results"]
-    except (OSError, ValueError, KeyError) as e:
-        fail(f"cannot read {args.kernels_json}: {e}")
+        for r in bench["results"]:
+            for key in ("dtype", "rows", "hidden", "row_resident_ms", "row_resident_of_copy"):
+                r[key]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        fail(f"cannot read {args.kernels_json}: {type(e).__name__}: {e}")
 
     device = None
-    compiled = None
+    found, skipped = {}, {name: "--no-torch" for name in BASELINES}
+    torch_ms = [{} for _ in bench["results"]]
     if not args.no_torch:
-        global torch
-        import torch  # noqa: PLC0415 (only where PyTorch is installed)
+        import torch as torch_module  # noqa: PLC0415 (only where PyTorch is installed)
+        torch = torch_module
         if torch.cuda.is_available():
             device = "cuda"
         elif args.allow_cpu:
             device = "cpu"
         else:
             fail("torch has no CUDA device (use --allow-cpu only for a smoke run)")
-        try:
-            compiled = torch.compile(rmsnorm)
-            x = torch.randn(4, 64, device=device, requires_grad=True)
-            compiled(x, torch.ones(64, device=device, requires_grad=True), 1e-5).sum().backward()
-        except Exception as e:  # torch.compile is optional: missing compiler, old torch, ...
-            print(f"torch.compile unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-            compiled = None
+        found, skipped = available_baselines(device)
         iters = min(args.iters, 3) if device == "cpu" else args.iters
-
-    dtypes = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
-    rows_out = []
-    header = (f"{'dtype':5} {'rows x hidden':>14} {'normgrad ms':>12} {'torch ms':>10} "
-              f"{'speedup':>8} {'compile ms':>11} {'speedup':>8} {'of copy':>8}")
-    print(f"device: {bench.get('device')} ({bench.get('target')}); torch on {device or 'none'}")
-    print(header)
-    for r in results:
-        entry = dict(r)
-        eager_ms = compile_ms = None
-        if device is not None:
-            dt = getattr(torch, dtypes[r["dtype"]])
+        flush = None
+        if device == "cuda":
+            flush = torch.empty(int(bench.get("l2_flush_bytes", 256 << 20)), dtype=torch.uint8,
+                                device=device)
+        dtypes = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+        for r, times in zip(bench["results"], torch_ms):
             g = torch.Generator(device="cpu").manual_seed(0)
+            dt = dtypes[r["dtype"]]
             x = torch.randn(r["rows"], r["hidden"], generator=g).to(device=device, dtype=dt)
             dy = torch.randn(r["rows"], r["hidden"], generator=g).to(device=device, dtype=dt)
             gamma = (torch.rand(r["hidden"], generator=g) + 0.5).to(device=device, dtype=dt)
-            eager_ms = time_backward(rmsnorm, x, gamma, dy, iters, device)
-            if compiled is not None:
+            for name, fn in found.items():
                 try:
-                    compile_ms = time_backward(compiled, x, gamma, dy, iters, device)
-                except Exception as e:
-                    print(f"torch.compile failed at {r['rows']}x{r['hidden']}: {type(e).__name__}")
-        ours = r["row_resident_ms"]
-        entry["torch_device"] = device
-        entry["torch_eager_ms"] = eager_ms
-        entry["torch_compile_ms"] = compile_ms
-        entry["speedup_vs_torch_eager"] = eager_ms / ours if eager_ms and ours > 0 else None
-        entry["speedup_vs_torch_compile"] = compile_ms / ours if compile_ms and ours > 0 else None
-        rows_out.append(entry)
-
-        def fmt(v, spec):
-            return format(v, spec) if v is not None else "-"
-
-        print(f"{r['dtype']:5} {str(r['rows']) + 'x' + str(r['hidden']):>14} {ours:12.4f} "
-              f"{fmt(eager_ms, '10.4f'):>10} {fmt(entry['speedup_vs_torch_eager'], '8.2f'):>8} "
-              f"{fmt(compile_ms, '11.4f'):>11} {fmt(entry['speedup_vs_torch_compile'], '8.2f'):>8} "
-              f"{r['row_resident_of_copy']:8.3f}")
-    summary = dict(bench)
-    summary["results"] = rows_out
+                    times[name] = time_backward(fn, x, gamma, dy, iters, device, flush)
+                except Exception as e:  # one shape the baseline cannot do: say so, go on
+                    print(f"{name} failed at {r['dtype']} {r['rows']}x{r['hidden']}: "
+                          f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}")
+            del x, dy, gamma
+    summary = summarize(bench, torch_ms, device, skipped)
+    print_summary(summary)
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=2)
         f.write("\n")
