@@ -8,7 +8,9 @@ For each (dtype, rows, hidden) in bench.json, the backward pass (dx and dgamma f
 the forward runs outside the timed region) of three PyTorch baselines, each where the installed
 PyTorch has it and skipped with its reason where not:
   - eager:      a hand-written RMSNorm (y = x * rsqrt(mean(x^2) + eps) * gamma in f32), autograd;
-  - compile:    the same function through torch.compile;
+  - compile:    the same function through torch.compile(dynamic=False), compiled afresh for each
+                shape and dtype (its warm-up run compiles; Dynamo's cache is reset in between, so
+                its recompile limit never turns it back into eager);
   - functional: torch.nn.functional.rms_norm (PyTorch 2.4 and newer), autograd.
 Median of up to N timed runs, at least MIN_TIMED_RUNS and then only while their sum stays within
 TIMED_BUDGET_MS (CUDA events on a GPU; wall clock on the CPU with --allow-cpu). On a GPU, L2 is
@@ -81,22 +83,31 @@ def time_backward(fn, x, gamma, dy, iters, device, flush):
     return statistics.median(samples)
 
 
+def compile_rmsnorm():
+    """rmsnorm through torch.compile, specialized to the shapes it is called with."""
+    dynamo = getattr(torch, "_dynamo", None)
+    if dynamo is not None and hasattr(dynamo, "reset"):
+        dynamo.reset()
+    return torch.compile(rmsnorm, dynamic=False)
+
+
 def available_baselines(device):
-    """{name: function} of the baselines this PyTorch has, and {name: reason} of the others."""
-    found, skipped = {"eager": rmsnorm}, {}
+    """{name: maker} of the baselines this PyTorch has, and {name: reason} of the others; a maker
+    returns the function to time for the next shape."""
+    found, skipped = {"eager": lambda: rmsnorm}, {}
     if not hasattr(torch, "compile"):
         skipped["compile"] = f"torch {torch.__version__} has no torch.compile (added in 2.0)"
     else:
         try:
-            compiled = torch.compile(rmsnorm)
+            compiled = compile_rmsnorm()
             x = torch.randn(4, 64, device=device, requires_grad=True)
             compiled(x, torch.ones(64, device=device, requires_grad=True), 1e-5).sum().backward()
-            found["compile"] = compiled
+            found["compile"] = compile_rmsnorm
         except Exception as e:  # a missing compiler toolchain, an unsupported platform, ...
             first = (str(e).splitlines() or [""])[0][:160]
             skipped["compile"] = f"torch.compile failed: {type(e).__name__}: {first}"
     if hasattr(torch.nn.functional, "rms_norm"):
-        found["functional"] = functional_rmsnorm
+        found["functional"] = lambda: functional_rmsnorm
     else:
         skipped["functional"] = (f"torch {torch.__version__} has no "
                                  "torch.nn.functional.rms_norm (added in 2.4)")
@@ -242,9 +253,9 @@ def main():
             x = torch.randn(r["rows"], r["hidden"], generator=g).to(device=device, dtype=dt)
             dy = torch.randn(r["rows"], r["hidden"], generator=g).to(device=device, dtype=dt)
             gamma = (torch.rand(r["hidden"], generator=g) + 0.5).to(device=device, dtype=dt)
-            for name, fn in found.items():
+            for name, make in found.items():
                 try:
-                    times[name] = time_backward(fn, x, gamma, dy, iters, device, flush)
+                    times[name] = time_backward(make(), x, gamma, dy, iters, device, flush)
                 except Exception as e:  # one shape the baseline cannot do: say so, go on
                     print(f"{name} failed at {r['dtype']} {r['rows']}x{r['hidden']}: "
                           f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}")
