@@ -668,6 +668,10 @@ class Launcher {
       reg_mask_[r] = t == Type::kPred ? 1 : Mask(TypeBits(t));
     }
     warps_.assign(nwarps_, WarpState{});
+    if (config_.count_traffic) {
+      read_sectors_.assign(ranges_.size(), {});
+      written_sectors_.assign(ranges_.size(), {});
+    }
 
     for (uint32_t z = 0; z < g.z; ++z) {
       for (uint32_t y = 0; y < g.y; ++y) {
@@ -680,7 +684,118 @@ class Launcher {
     return absl::OkStatus();
   }
 
+  // Fills report_->traffic's distinct-sector figures from the sectors marked so far.
+  void FinishTraffic() {
+    if (!config_.count_traffic) return;
+    TrafficReport& t = report_->traffic;
+    for (size_t i = 0; i < read_sectors_.size(); ++i) {
+      t.read_bytes += CountBits(read_sectors_[i]) * TrafficReport::kSectorBytes;
+      t.written_bytes += CountBits(written_sectors_[i]) * TrafficReport::kSectorBytes;
+    }
+    // Each sector of a marked range once, even where marked ranges overlap.
+    std::vector<std::pair<uint64_t, uint64_t>> spans;  // [first, last] sector
+    for (const MemoryRange& m : config_.traffic_marked) {
+      if (m.size != 0) spans.push_back({m.base >> 5, (m.base + m.size - 1) >> 5});
+    }
+    std::sort(spans.begin(), spans.end());
+    uint64_t next = 0;  // first sector not yet counted
+    for (const auto& [span_first, last] : spans) {
+      const uint64_t first = std::max(span_first, next);
+      if (first > last) continue;
+      next = last + 1;
+      for (size_t i = 0; i < ranges_.size(); ++i) {
+        const uint64_t r_first = ranges_[i].base >> 5;
+        const uint64_t r_last = (ranges_[i].base + ranges_[i].size - 1) >> 5;
+        for (uint64_t s = std::max(first, r_first); s <= std::min(last, r_last); ++s) {
+          t.marked_read_bytes += TestBit(read_sectors_[i], s - r_first) * TrafficReport::kSectorBytes;
+          t.marked_written_bytes +=
+              TestBit(written_sectors_[i], s - r_first) * TrafficReport::kSectorBytes;
+        }
+      }
+    }
+  }
+
  private:
+  static uint64_t CountBits(const std::vector<uint64_t>& bits) {
+    uint64_t n = 0;
+    for (uint64_t w : bits) n += static_cast<uint64_t>(__builtin_popcountll(w));
+    return n;
+  }
+  static uint64_t TestBit(const std::vector<uint64_t>& bits, uint64_t i) {
+    return i / 64 < bits.size() ? (bits[i / 64] >> (i % 64)) & 1 : 0;
+  }
+
+  // Traffic of warp-level access `in` (`size` bytes per lane of `exec`): its distinct sectors
+  // and useful bytes, and its sectors marked read and/or written in their allocation's bitmap.
+  // Runs before the access is checked; an access that then fails ends the launch anyway.
+  void CountTraffic(const Instruction& in, uint32_t exec, const uint64_t* r, uint32_t size,
+                    bool read, bool write) {
+    if (in.space != Space::kGlobal && in.space != Space::kGeneric) return;
+    uint64_t sectors[64];
+    uint64_t starts[32];  // the lanes' addresses, for the bytes they ask for
+    int n = 0;
+    int lanes = 0;
+    for (uint32_t m = exec; m; m &= m - 1) {
+      const int lane = __builtin_ctz(m);
+      const uint64_t addr = Address(in.src[0], r, lane);
+      if (in.space == Space::kGeneric && addr >= kSharedWindow &&
+          addr - kSharedWindow < (uint64_t{1} << 32)) {
+        continue;  // shared memory
+      }
+      starts[lanes++] = addr;
+      const uint64_t last = (addr + size - 1) >> 5;
+      // An aligned access of up to 32 bytes spans one sector; a misaligned one (a finding) two.
+      for (uint64_t s = addr >> 5; s <= last && n < 64; ++s) sectors[n++] = s;
+    }
+    if (lanes == 0) return;
+    std::sort(sectors, sectors + n);
+    n = static_cast<int>(std::unique(sectors, sectors + n) - sectors);
+    // Useful bytes: the union of the lanes' [addr, addr + size), so that lanes reading the same
+    // word (a broadcast) ask for it once.
+    std::sort(starts, starts + lanes);
+    uint64_t useful = 0;
+    uint64_t covered = 0;  // end of the union so far
+    for (int i = 0; i < lanes; ++i) {
+      const uint64_t end = starts[i] + size;
+      if (i == 0 || starts[i] >= covered) {
+        useful += size;
+      } else if (end > covered) {
+        useful += end - covered;
+      }
+      if (i == 0 || end > covered) covered = end;
+    }
+    const uint64_t times = uint64_t{read} + uint64_t{write};
+    TrafficReport& t = report_->traffic;
+    t.accesses += times;
+    t.requested_sector_bytes += times * static_cast<uint64_t>(n) * TrafficReport::kSectorBytes;
+    t.useful_bytes += times * useful;
+    for (int i = 0; i < n; ++i) {
+      const size_t range = RangeOfSector(sectors[i]);
+      if (range == kNoRange) continue;  // outside every allocation: the access fails
+      const uint64_t bit = sectors[i] - (ranges_[range].base >> 5);
+      if (read) SetBit(read_sectors_[range], bit, ranges_[range]);
+      if (write) SetBit(written_sectors_[range], bit, ranges_[range]);
+    }
+  }
+
+  static constexpr size_t kNoRange = ~size_t{0};
+  // The allocation holding part of `sector` (the last one found is tried first).
+  size_t RangeOfSector(uint64_t sector) {
+    const uint64_t lo = sector << 5;
+    const uint64_t hi = lo + 31;
+    auto holds = [&](const MemoryRange& m) { return m.base <= hi && m.base + m.size > lo; };
+    if (last_range_ < ranges_.size() && holds(ranges_[last_range_])) return last_range_;
+    auto it = std::upper_bound(ranges_.begin(), ranges_.end(), hi,
+                               [](uint64_t a, const MemoryRange& m) { return a < m.base; });
+    if (it == ranges_.begin() || !holds(*(it - 1))) return kNoRange;
+    last_range_ = static_cast<size_t>(it - 1 - ranges_.begin());
+    return last_range_;
+  }
+  static void SetBit(std::vector<uint64_t>& bits, uint64_t i, const MemoryRange& range) {
+    if (bits.empty()) bits.assign(((range.base + range.size - 1) / 32 - range.base / 32) / 64 + 1, 0);
+    bits[i / 64] |= uint64_t{1} << (i % 64);
+  }
+
   absl::Status Invalid(absl::string_view why) {
     report_->finding = Finding::kInvalidLaunch;
     return absl::InvalidArgumentError(absl::StrCat("launch of '", entry_.name, "': ", why));
@@ -1010,6 +1125,7 @@ class Launcher {
 
   absl::Status Atomic(const Instruction& in, uint32_t w, uint32_t exec, uint64_t* r, uint32_t* d) {
     const uint32_t size = static_cast<uint32_t>(TypeBits(in.type) / 8);
+    if (config_.count_traffic) CountTraffic(in, exec, r, size, /*read=*/true, /*write=*/true);
     for (uint32_t m = exec; m; m &= m - 1) {
       const int lane = __builtin_ctz(m);
       absl::Status status;
@@ -1028,6 +1144,10 @@ class Launcher {
   }
 
   absl::Status Load(const Instruction& in, uint32_t w, uint32_t exec, uint64_t* r, uint32_t* d) {
+    if (config_.count_traffic) {
+      CountTraffic(in, exec, r, static_cast<uint32_t>(TypeBits(in.type) / 8) * in.vec,
+                   /*read=*/true, /*write=*/false);
+    }
     if (in.space == Space::kGlobal && in.vec == 1 && TypeBits(in.type) == 32) {
       // Hot path: 4-byte global loads that hit the cached allocation; the rest go the long way.
       uint64_t* out = r + in.dst[0].reg * 32;
@@ -1073,6 +1193,10 @@ class Launcher {
   }
 
   absl::Status Store(const Instruction& in, uint32_t w, uint32_t exec, const uint64_t* r) {
+    if (config_.count_traffic) {
+      CountTraffic(in, exec, r, static_cast<uint32_t>(TypeBits(in.type) / 8) * in.vec,
+                   /*read=*/false, /*write=*/true);
+    }
     if (in.space == Space::kGlobal && in.vec == 1 && TypeBits(in.type) == 32) {
       uint32_t rest = 0;
       for (uint32_t m = exec; m; m &= m - 1) {
@@ -1439,6 +1563,11 @@ class Launcher {
   std::vector<uint64_t> reg_mask_;
   std::vector<WarpState> warps_;
   Dim3 block_;
+  // With count_traffic, per allocation of ranges_: one bit per sector it overlaps (allocated on
+  // the first access), set when the launch reads / writes it.
+  std::vector<std::vector<uint64_t>> read_sectors_;
+  std::vector<std::vector<uint64_t>> written_sectors_;
+  size_t last_range_ = 0;
 };
 
 }  // namespace
@@ -1449,7 +1578,9 @@ absl::Status Launch(const Entry& entry, const LaunchConfig& config, void* const*
   if (report == nullptr) report = &local;
   *report = LaunchReport{};
   Launcher launcher(entry, config, kernel_params, memory, report);
-  return launcher.Run();
+  absl::Status status = launcher.Run();
+  launcher.FinishTraffic();
+  return status;
 }
 
 }  // namespace normgrad::ptxsim

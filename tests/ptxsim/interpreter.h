@@ -17,6 +17,7 @@
 #define NORMGRAD_TESTS_PTXSIM_INTERPRETER_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -38,6 +39,50 @@ struct LaunchConfig {
   // Bound on executed warp-instructions for the whole launch (a hung kernel becomes a finding,
   // not a hung test).
   uint64_t max_warp_instructions = uint64_t{1} << 36;
+  // Count global-memory traffic into LaunchReport::traffic (off by default: it costs time).
+  bool count_traffic = false;
+  // With count_traffic: address ranges (a workspace, say) whose distinct sectors are also
+  // reported apart, in TrafficReport::marked_read_bytes / marked_written_bytes.
+  std::vector<MemoryRange> traffic_marked;
+};
+
+// Global-memory traffic of a launch, counted the way the hardware moves memory: in 32-byte
+// sectors. Every warp-level ld/st/atom/red whose address is global (ld.global, or generic outside
+// the shared window) counts; an atom or red counts as a load and a store of its sectors. Sums of
+// several launches are meaningful (operator+=); ratios are computed from the sums.
+struct TrafficReport {
+  static constexpr uint64_t kSectorBytes = 32;
+  uint64_t accesses = 0;  // warp-level access instructions (an atomic counts twice)
+  // Per access: the distinct sectors its active lanes touch x 32 (what L1/L2 serve; a sector
+  // read again by another access counts again), and the bytes the lanes asked for (each byte
+  // once per access: lanes reading the same word ask for it once).
+  uint64_t requested_sector_bytes = 0;
+  uint64_t useful_bytes = 0;
+  // Per launch: the distinct sectors read and written x 32 (the compulsory DRAM traffic: a
+  // sector read by many warps counts once, as a cache would serve it). A sector that two
+  // allocations share counts once for each.
+  uint64_t read_bytes = 0;
+  uint64_t written_bytes = 0;
+  // The part of read_bytes / written_bytes inside LaunchConfig::traffic_marked.
+  uint64_t marked_read_bytes = 0;
+  uint64_t marked_written_bytes = 0;
+
+  // useful / requested (1 when nothing was requested).
+  double SectorEfficiency() const {
+    return requested_sector_bytes == 0
+               ? 1.0
+               : static_cast<double>(useful_bytes) / static_cast<double>(requested_sector_bytes);
+  }
+  TrafficReport& operator+=(const TrafficReport& o) {
+    accesses += o.accesses;
+    requested_sector_bytes += o.requested_sector_bytes;
+    useful_bytes += o.useful_bytes;
+    read_bytes += o.read_bytes;
+    written_bytes += o.written_bytes;
+    marked_read_bytes += o.marked_read_bytes;
+    marked_written_bytes += o.marked_written_bytes;
+    return *this;
+  }
 };
 
 enum class Finding {
@@ -57,6 +102,7 @@ struct LaunchReport {
   Finding finding = Finding::kNone;
   uint64_t warp_instructions = 0;    // instructions issued (one per warp group)
   uint64_t thread_instructions = 0;  // instructions executed by individual threads
+  TrafficReport traffic;             // zero unless LaunchConfig::count_traffic
 };
 
 // kernel_params[i] points at the value of the entry's i-th parameter (entry.params[i].size
