@@ -16,10 +16,11 @@
 // too, L2 is flushed: a memset of a buffer twice CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, outside the
 // timed region, so no run reads its inputs from what the previous run left in L2 (4096x896 f32
 // moves 44 MB, less than an H100's 50 MB L2). Each kernel's runs stop early once their timed sum
-// passes kTimedBudgetMs (at least kMinTimedRuns runs), so a slow kernel cannot stretch the run. The row-resident kernel's dx and dgamma are checked against
-// ReferenceBackward on the first rows (max relative error in the output). Prints a table; writes
-// JSON with --json. Exit status: 0; 1 with one line on stderr when the device cannot run it; 2
-// for bad arguments; 3 when the row-resident kernel's output is outside the tolerance.
+// passes kTimedBudgetMs (at least kMinTimedRuns runs), so a slow kernel cannot stretch the run. The
+// row-resident kernel's dx and dgamma are checked against ReferenceBackward on the first rows (max
+// relative error in the output). Prints a table; writes JSON with --json. Exit status: 0; 1 with
+// one line on stderr when the device cannot run it; 2 for bad arguments; 3 when the row-resident
+// kernel's output is outside the tolerance.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -432,8 +433,8 @@ absl::StatusOr<Row> RunShape(Bench& bench, DType dtype, Shape shape, CUfunction 
     }
     const kernel_testing::BackwardReference want = kernel_testing::ReferenceFor(p, false);
     const std::vector<float> got_dx = kernel_testing::DecodeElements(dx, dtype);
-    row.max_rel_err_dx = kernel_testing::MaxRelativeError(
-        got_dx, absl::MakeConstSpan(want.dx).first(check));
+    row.max_rel_err_dx =
+        kernel_testing::MaxRelativeError(got_dx, absl::MakeConstSpan(want.dx).first(check));
     row.max_rel_err_dgamma = kernel_testing::MaxRelativeError(dgamma, want.dgamma);
   }
 
@@ -466,8 +467,8 @@ std::string Json(const Bench& bench, const std::vector<Row>& rows, int iters) {
   return absl::StrCat("{\n  \"device\": \"", bench.name(), "\",\n  \"target\": \"sm_",
                       bench.target_sm(), "\",\n  \"sm_count\": ", bench.sm_count(),
                       ",\n  \"l2_cache_bytes\": ", bench.l2_bytes(),
-                      ",\n  \"l2_policy\": \"flush\",\n  \"l2_flush_bytes\": ",
-                      bench.flush_bytes(), ",\n  \"iters\": ", iters, ",\n  \"results\": [\n",
+                      ",\n  \"l2_policy\": \"flush\",\n  \"l2_flush_bytes\": ", bench.flush_bytes(),
+                      ",\n  \"iters\": ", iters, ",\n  \"results\": [\n",
                       absl::StrJoin(items, ",\n"), "\n  ]\n}\n");
 }
 
@@ -506,7 +507,7 @@ int Main(int argc, char** argv) {
   }
   const std::vector<Shape> shapes =
       smoke ? std::vector<Shape>{{1, 896}, {64, 896}, {8, 4096}, {2, 16384}}
-            : std::vector<Shape>{{1, 896},     {64, 4096},   {4096, 896}, {4096, 4096},
+            : std::vector<Shape>{{1, 896},      {64, 4096},   {4096, 896}, {4096, 4096},
                                  {16384, 4096}, {8192, 8192}, {32768, 896}};
   if (smoke) iters = std::min(iters, 2);
 
@@ -533,9 +534,10 @@ int Main(int argc, char** argv) {
   }
   std::printf("device: %s (sm_%d, %u SMs), median of up to %d runs\n", bench.name().c_str(),
               bench.target_sm(), bench.sm_count(), iters);
-  std::printf("L2: flush (a %zu-byte memset, twice the %zu-byte L2, before every run of every "
-              "kernel, copy included; not timed)\n",
-              bench.flush_bytes(), bench.l2_bytes());
+  std::printf(
+      "L2: flush (a %zu-byte memset, twice the %zu-byte L2, before every run of every "
+      "kernel, copy included; not timed)\n",
+      bench.flush_bytes(), bench.l2_bytes());
   std::printf("%-5s %14s %10s %18s %7s %18s %7s %10s %10s\n", "dtype", "rows x hidden", "copy GB/s",
               "row_resident GB/s", "/copy", "batched(seed) GB/s", "/copy", "dx err", "dgamma err");
   std::vector<Row> rows;

@@ -36,17 +36,21 @@ void Trace(const char* format, A... a) {
 // One pointer per entry point, filled from the inner library (or with a tracer below) before
 // any call, and one exported symbol per entry point that jumps through it.
 // (Hidden, so the jump reaches them %rip-relative from a shared object.)
-#define NORMGRAD_TRACE_DEFINE(name, required) \
-  extern "C" {                                \
+#define NORMGRAD_TRACE_DEFINE(name, required)                                  \
+  extern "C" {                                                                 \
   __attribute__((visibility("hidden"))) void* normgrad_trace_##name = nullptr; \
   }
 NORMGRAD_CUDA_DRIVER_FUNCTIONS(NORMGRAD_TRACE_DEFINE)
-#define NORMGRAD_TRACE_TRAMPOLINE(name, required)  \
-  asm(".pushsection .text\n"                       \
-      ".globl " #name "\n"                         \
-      ".type " #name ", @function\n" #name ":\n"   \
-      "  jmp *normgrad_trace_" #name "(%rip)\n"    \
-      ".size " #name ", .-" #name "\n"             \
+#define NORMGRAD_TRACE_TRAMPOLINE(name, required) \
+  asm(".pushsection .text\n"                      \
+      ".globl " #name                             \
+      "\n"                                        \
+      ".type " #name ", @function\n" #name        \
+      ":\n"                                       \
+      "  jmp *normgrad_trace_" #name              \
+      "(%rip)\n"                                  \
+      ".size " #name ", .-" #name                 \
+      "\n"                                        \
       ".popsection\n");
 NORMGRAD_CUDA_DRIVER_FUNCTIONS(NORMGRAD_TRACE_TRAMPOLINE)
 
@@ -92,7 +96,8 @@ __attribute__((constructor)) void LoadInnerDriver() {
   const char* path = std::getenv("NORMGRAD_TRACE_FILE");
   void* handle = inner != nullptr ? dlopen(inner, RTLD_NOW | RTLD_LOCAL) : nullptr;
   if (handle == nullptr || path == nullptr) {
-    std::fprintf(stderr, "stream_trace_driver: needs NORMGRAD_TRACE_INNER_DRIVER (a loadable driver"
+    std::fprintf(stderr,
+                 "stream_trace_driver: needs NORMGRAD_TRACE_INNER_DRIVER (a loadable driver"
                  " library; got %s) and NORMGRAD_TRACE_FILE (got %s)\n",
                  inner != nullptr ? inner : "nothing", path != nullptr ? path : "nothing");
     std::abort();
