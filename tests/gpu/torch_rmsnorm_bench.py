@@ -19,8 +19,8 @@ l2_flush_bytes (twice the L2 size), not timed.
 
 Prints one table and the targets, and writes summary.json: bench.json plus, per result,
 torch_<baseline>_ms, speedup_vs_torch_<baseline> = torch ms / row-resident ms (> 1: normgrad
-faster), large_shape, meets_copy_target and faster_than_torch; and "baselines" (measured or the
-reason it was skipped) and "targets": the row-resident kernel at >= 90% of the copy kernel's
+faster), large_shape, meets_copy_target and faster_than_torch; "baselines" ({"measured_shapes":
+N} or {"skipped": why}); and "targets": the row-resident kernel at >= 90% of the copy kernel's
 bandwidth on the large shapes (rows x hidden >= 4096 x 4096), and faster than every PyTorch
 baseline on every shape (judged only when PyTorch ran on a GPU). --no-torch writes the summary
 without PyTorch figures. Exit 1 with one line on stderr when the input is unusable.
@@ -169,9 +169,10 @@ def summarize(bench, torch_ms, torch_device, skipped):
     summary = dict(bench)
     summary["results"] = results
     summary["torch_device"] = torch_device
-    summary["baselines"] = {name: ({"skipped": skipped[name]} if name in skipped
-                                   else {"measured": torch_device is not None})
-                            for name in BASELINES}
+    summary["baselines"] = {
+        name: ({"skipped": skipped[name]} if name in skipped else
+               {"measured_shapes": sum(1 for t in torch_ms if t.get(name) is not None)})
+        for name in BASELINES}
     summary["targets"] = {"copy_fraction_on_large_shapes": copy_target,
                           "faster_than_torch": torch_target}
     return summary

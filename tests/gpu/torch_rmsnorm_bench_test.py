@@ -76,11 +76,13 @@ class SummaryTest(unittest.TestCase):
             self.assertEqual([e["faster_than_torch"] for e in s["results"]], [None] * 4)
 
     def test_skipped_baselines_keep_their_reason(self):
-        s = kit.summarize(BENCH, [{"eager": 1.0}] * 4, "cuda",
+        times = [{"eager": 1.0, "compile": 2.0}] * 3 + [{"eager": 1.0}]  # compile failed once
+        s = kit.summarize(BENCH, times, "cuda",
                           {"functional": "torch 2.1 has no torch.nn.functional.rms_norm"})
         self.assertEqual(s["baselines"]["functional"],
                          {"skipped": "torch 2.1 has no torch.nn.functional.rms_norm"})
-        self.assertEqual(s["baselines"]["eager"], {"measured": True})
+        self.assertEqual(s["baselines"]["eager"], {"measured_shapes": 4})
+        self.assertEqual(s["baselines"]["compile"], {"measured_shapes": 3})
 
 
 class CommandLineTest(unittest.TestCase):
