@@ -191,9 +191,12 @@ def verdict(target):
 
 
 def print_summary(summary):
+    torch_l2 = {"cuda": "the same flush", "cpu": "no flush (CPU)"}.get(summary["torch_device"],
+                                                                      "not run")
     print(f"device: {summary.get('device')} ({summary.get('target')}); "
           f"torch on {summary['torch_device'] or 'none'}; L2: {summary.get('l2_policy', '?')} "
-          f"({summary.get('l2_flush_bytes', '?')} bytes before every run)")
+          f"({summary.get('l2_flush_bytes', '?')} bytes before every kernel run; PyTorch: "
+          f"{torch_l2})")
     for name, b in summary["baselines"].items():
         if "skipped" in b:
             print(f"baseline {name}: skipped: {b['skipped']}")
