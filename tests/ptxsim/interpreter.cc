@@ -707,7 +707,8 @@ class Launcher {
         const uint64_t r_first = ranges_[i].base >> 5;
         const uint64_t r_last = (ranges_[i].base + ranges_[i].size - 1) >> 5;
         for (uint64_t s = std::max(first, r_first); s <= std::min(last, r_last); ++s) {
-          t.marked_read_bytes += TestBit(read_sectors_[i], s - r_first) * TrafficReport::kSectorBytes;
+          t.marked_read_bytes +=
+              TestBit(read_sectors_[i], s - r_first) * TrafficReport::kSectorBytes;
           t.marked_written_bytes +=
               TestBit(written_sectors_[i], s - r_first) * TrafficReport::kSectorBytes;
         }
@@ -792,7 +793,10 @@ class Launcher {
     return last_range_;
   }
   static void SetBit(std::vector<uint64_t>& bits, uint64_t i, const MemoryRange& range) {
-    if (bits.empty()) bits.assign(((range.base + range.size - 1) / 32 - range.base / 32) / 64 + 1, 0);
+    if (bits.empty()) {
+      const uint64_t sectors = (range.base + range.size - 1) / 32 - range.base / 32 + 1;
+      bits.assign((sectors + 63) / 64, 0);
+    }
     bits[i / 64] |= uint64_t{1} << (i % 64);
   }
 

@@ -13,8 +13,8 @@
 #include <cstdlib>
 #include <string>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "tests/ptxsim/traffic.h"
 
 namespace {
@@ -45,8 +45,9 @@ int main(int argc, char** argv) {
       if (!absl::SimpleAtoi(value, &number) || number == 0) {
         return Usage(flag + " needs a positive integer, not '" + value + "'");
       }
-      (flag == "--rows" ? options.rows : flag == "--hidden" ? options.hidden : options.sm_count) =
-          number;
+      (flag == "--rows"     ? options.rows
+       : flag == "--hidden" ? options.hidden
+                            : options.sm_count) = number;
     } else if (flag == "--dtype") {
       if (value == "f32") {
         options.dtype = DType::kF32;

@@ -66,7 +66,8 @@ absl::StatusOr<PlanTraffic> RunPlanTraffic(const PlanTrafficOptions& options) {
   if (kernel == nullptr || !kernel->CanImplement(config).ok()) {
     kernel = kernels::FindKernel("batched_rms_norm_backward");
   }
-  if (kernel == nullptr) return absl::InternalError("the kernels library lacks the backward kernels");
+  if (kernel == nullptr)
+    return absl::InternalError("the kernels library lacks the backward kernels");
   if (absl::Status s = kernel->CanImplement(config); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("hidden ", options.hidden, ": ", s.message()));
   }
@@ -108,9 +109,10 @@ absl::StatusOr<PlanTraffic> RunPlanTraffic(const PlanTrafficOptions& options) {
   const uint8_t* dx = AlignedDeviceMemory::Pointer<uint8_t>(args.dx);
   const std::vector<float> got =
       kernel_testing::DecodeElements(absl::MakeConstSpan(dx, dx_bytes), options.dtype);
-  const kernel_testing::BackwardReference want = kernel_testing::ReferenceFor(p, /*with_rms=*/false);
-  if (absl::Status s = kernel_testing::CheckClose(
-          got, want.dx, kernel_testing::DxTolerance(options.dtype), "dx");
+  const kernel_testing::BackwardReference want =
+      kernel_testing::ReferenceFor(p, /*with_rms=*/false);
+  if (absl::Status s = kernel_testing::CheckClose(got, want.dx,
+                                                  kernel_testing::DxTolerance(options.dtype), "dx");
       !s.ok()) {
     return s;
   }

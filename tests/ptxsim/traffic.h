@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <deque>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -92,11 +93,11 @@ struct PlanTrafficOptions {
 struct PlanTraffic {
   uint32_t rows = 0;
   uint32_t hidden = 0;
-  std::string kernel;                 // the plan's first kernel (the one the backend chose)
-  uint64_t workspace_bytes = 0;       // the plan's workspace (grad_gamma partial rows)
+  std::string kernel;            // the plan's first kernel (the one the backend chose)
+  uint64_t workspace_bytes = 0;  // the plan's workspace (grad_gamma partial rows)
   std::vector<LaunchTraffic> launches;
-  TrafficReport total;                // sum over the launches
-  double max_dx_error = 0;            // relative to max(1, |ref|), within DxTolerance
+  TrafficReport total;      // sum over the launches
+  double max_dx_error = 0;  // relative to max(1, |ref|), within DxTolerance
 
   double Elements() const { return static_cast<double>(rows) * hidden; }
   // Distinct sectors' bytes read + written, summed over the launches, per element.

@@ -64,9 +64,9 @@ class Buffers {
 uint64_t Address(const void* p) { return reinterpret_cast<uint64_t>(p); }
 
 // Launches `ptx` over `threads` threads with in/out; the launch's traffic.
-TrafficReport CountLaunch(const std::string& ptx, const Buffers& buffers, const void* in, const void* out,
-                  uint32_t threads = kThreads, bool count = true,
-                  std::vector<MemoryRange> marked = {}) {
+TrafficReport CountLaunch(const std::string& ptx, const Buffers& buffers, const void* in,
+                          const void* out, uint32_t threads = kThreads, bool count = true,
+                          std::vector<MemoryRange> marked = {}) {
   absl::StatusOr<Module> module = ParsePtx(ptx);
   EXPECT_TRUE(module.ok()) << module.status();
   if (!module.ok()) return {};
@@ -142,7 +142,7 @@ TEST(PtxTraffic, StridedReadUsesOneSectorPerLane) {
   EXPECT_EQ(t.requested_sector_bytes, warps * (1024 + 128));
   EXPECT_EQ(t.useful_bytes, warps * (128 + 128));
   EXPECT_DOUBLE_EQ(t.SectorEfficiency(), 256.0 / 1152.0);  // 0.2222
-  EXPECT_EQ(t.read_bytes, kThreads * 32);  // every sector of `in`, once
+  EXPECT_EQ(t.read_bytes, kThreads * 32);                  // every sector of `in`, once
   EXPECT_EQ(t.written_bytes, kThreads * 4);
 }
 
@@ -156,7 +156,7 @@ TEST(PtxTraffic, ReReadCountsDistinctSectorsOnceAndRequestsTwice) {
   st.global.f32 [%rd4], %f3;
 )");
   const TrafficReport t = CountLaunch(ptx, b, in, out);
-  EXPECT_EQ(t.read_bytes, kThreads * 4);                        // distinct: once
+  EXPECT_EQ(t.read_bytes, kThreads * 4);                                 // distinct: once
   EXPECT_EQ(t.requested_sector_bytes, 2 * kThreads * 4 + kThreads * 4);  // requested: twice
   EXPECT_EQ(t.written_bytes, kThreads * 4);
   EXPECT_EQ(t.SectorEfficiency(), 1.0);
@@ -188,8 +188,8 @@ TEST(PtxTraffic, MarkedRangeIsReportedApart) {
   Buffers b;
   float* in = b.Alloc<float>(kThreads);
   float* out = b.Alloc<float>(kThreads);
-  const TrafficReport t =
-      CountLaunch(CopyKernel(), b, in, out, kThreads, true, {{Address(out + kThreads / 2), kThreads * 2}});
+  const TrafficReport t = CountLaunch(CopyKernel(), b, in, out, kThreads, true,
+                                      {{Address(out + kThreads / 2), kThreads * 2}});
   EXPECT_EQ(t.marked_written_bytes, kThreads * 2);
   EXPECT_EQ(t.marked_read_bytes, 0u);
   EXPECT_EQ(t.written_bytes, kThreads * 4);
