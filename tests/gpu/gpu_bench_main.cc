@@ -289,7 +289,7 @@ class Bench {
   int target_sm_ = 0;
   uint32_t sm_count_ = 1;
   std::vector<CUdeviceptr> allocations_;
-  CUdeviceptr flush_ = 0;  // lives for the process, as the context does
+  CUdeviceptr flush_ = 0;  // allocated once (AllocateFlushBuffer), freed with the Bench
   size_t l2_bytes_ = 0, flush_bytes_ = 0;
   unsigned char flush_value_ = 0;
 };
