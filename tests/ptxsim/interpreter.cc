@@ -703,7 +703,7 @@ class Launcher {
       const uint64_t first = std::max(span_first, next);
       if (first > last) continue;
       next = last + 1;
-      for (size_t i = 0; i < ranges_.size(); ++i) {
+      for (size_t i = 0; i < read_sectors_.size(); ++i) {
         const uint64_t r_first = ranges_[i].base >> 5;
         const uint64_t r_last = (ranges_[i].base + ranges_[i].size - 1) >> 5;
         for (uint64_t s = std::max(first, r_first); s <= std::min(last, r_last); ++s) {
