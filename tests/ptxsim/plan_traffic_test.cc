@@ -9,6 +9,7 @@
 #include <ostream>
 #include <string>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/kernel.h"
 #include "kernels/kernel_registry.h"
@@ -83,12 +84,36 @@ INSTANTIATE_TEST_SUITE_P(IssueRatios, RowResidentPlanTraffic,
                                   std::to_string(info.param.hidden);
                          });
 
+// Above the row-resident kernel's hidden sizes the backend runs the batched kernel: one launch,
+// no workspace, grad_gamma by f32 atomics (read and written: 4 + 4 bytes per column per chunk
+// distinct, 8 bytes per element requested), x, dy and gamma requested 7 elements per element over
+// its passes (at most today's), every access coalesced.
+TEST(PlanTraffic, BatchedPlanAtHidden65536IsOneCoalescedLaunch) {
+  for (const DType dtype : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(dtype == DType::kF32 ? "f32" : "bf16");
+    PlanTrafficOptions options;
+    options.dtype = dtype;
+    options.hidden = 65536;
+    options.rows = 4;
+    absl::StatusOr<PlanTraffic> t = RunPlanTraffic(options);
+    ASSERT_TRUE(t.ok()) << t.status();
+    ASSERT_EQ(t->launches.size(), 1u);
+    EXPECT_EQ(t->launches[0].entry, "batched_rms_norm_backward");
+    const double elem = static_cast<double>(kernels::DTypeBytes(dtype));
+    EXPECT_DOUBLE_EQ(t->BytesPerElement(), 3.0 * elem + (elem + 8.0) / options.rows);
+    EXPECT_EQ(t->PartialBytesPerElement(), 0.0);
+    EXPECT_LE(t->L2BytesPerElement(), 7.0 * elem + 8.0);
+    EXPECT_EQ(t->total.SectorEfficiency(), 1.0);
+  }
+}
+
 TEST(PlanTraffic, RejectsAnEmptyShape) {
   PlanTrafficOptions options;
   options.rows = 0;
   options.hidden = 4096;
   absl::StatusOr<PlanTraffic> t = RunPlanTraffic(options);
   EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(t.status().message()), ::testing::HasSubstr("rows (0)"));
 }
 
 }  // namespace
