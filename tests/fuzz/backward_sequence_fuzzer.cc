@@ -60,9 +60,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     Check(chunk.num_rows > 0);
     Check(chunk.first_row == rows_before);
     Check(chunk.first_row + chunk.num_rows <= validator.spec().num_rows);
-    if (request.has_shm()) {  // rows in a shared-memory region: none in the message
+    if (request.has_shm() || request.has_cuda_ipc()) {
+      // Rows in a shared-memory region or in device memory: none in the message, and one place.
       Check(request.x().empty() && request.dy().empty() && request.rms().empty());
-      Check(chunk.num_rows == request.shm().num_rows());
+      Check(!(request.has_shm() && request.has_cuda_ipc()));
+      Check(chunk.num_rows ==
+            (request.has_shm() ? request.shm().num_rows() : request.cuda_ipc().num_rows()));
     } else {
       Check(uint64_t{request.x().size()} == chunk.num_rows * validator.row_bytes());
     }
