@@ -91,19 +91,10 @@ absl::Status AdmissionController::AdmitStream(absl::string_view client) {
 }
 
 void AdmissionController::ReleaseStream(absl::string_view client) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (streams_ > 0) --streams_;
-    auto it = streams_by_client_.find(client);
-    if (it != streams_by_client_.end() && --it->second == 0) streams_by_client_.erase(it);
-  }
-  idle_.notify_all();
-}
-
-bool AdmissionController::WaitUntilIdle(absl::Time deadline) {
-  std::unique_lock<std::mutex> lock(mu_);
-  return idle_.wait_until(lock, absl::ToChronoTime(deadline),
-                          [this] { return streams_ == 0 && emit_total_.calls == 0; });
+  std::lock_guard<std::mutex> lock(mu_);
+  if (streams_ > 0) --streams_;
+  auto it = streams_by_client_.find(client);
+  if (it != streams_by_client_.end() && --it->second == 0) streams_by_client_.erase(it);
 }
 
 absl::Status AdmissionController::ReserveBytes(uint64_t bytes) {
@@ -169,18 +160,14 @@ absl::Status AdmissionController::AdmitEmitPtx(absl::string_view connection, uin
 }
 
 void AdmissionController::ReleaseEmitPtx(absl::string_view connection, uint64_t bytes) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (emit_total_.calls > 0) --emit_total_.calls;
-    emit_total_.bytes = bytes > emit_total_.bytes ? 0 : emit_total_.bytes - bytes;
-    auto it = emit_by_connection_.find(connection);
-    if (it != emit_by_connection_.end()) {
-      if (it->second.calls > 0) --it->second.calls;
-      it->second.bytes = bytes > it->second.bytes ? 0 : it->second.bytes - bytes;
-      if (it->second.calls == 0) emit_by_connection_.erase(it);
-    }
-  }
-  idle_.notify_all();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (emit_total_.calls > 0) --emit_total_.calls;
+  emit_total_.bytes = bytes > emit_total_.bytes ? 0 : emit_total_.bytes - bytes;
+  auto it = emit_by_connection_.find(connection);
+  if (it == emit_by_connection_.end()) return;
+  if (it->second.calls > 0) --it->second.calls;
+  it->second.bytes = bytes > it->second.bytes ? 0 : it->second.bytes - bytes;
+  if (it->second.calls == 0) emit_by_connection_.erase(it);
 }
 
 uint32_t AdmissionController::active_streams() const {

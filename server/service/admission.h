@@ -16,7 +16,6 @@
 #ifndef NORMGRAD_SERVER_SERVICE_ADMISSION_H_
 #define NORMGRAD_SERVER_SERVICE_ADMISSION_H_
 
-#include <condition_variable>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -24,7 +23,6 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
-#include "absl/time/time.h"
 #include "server/metrics/metrics.h"
 
 namespace normgrad::server {
@@ -67,10 +65,6 @@ class AdmissionController {
   absl::Status AdmitEmitPtx(absl::string_view connection, uint64_t bytes);
   void ReleaseEmitPtx(absl::string_view connection, uint64_t bytes);
 
-  // Blocks until no stream and no EmitPtx call is admitted (true), or until `deadline` (false).
-  // The drain waits here.
-  bool WaitUntilIdle(absl::Time deadline);
-
   uint32_t active_streams() const;
   uint32_t streams_of(absl::string_view client) const;
   uint64_t inflight_bytes() const;
@@ -90,7 +84,6 @@ class AdmissionController {
   const AdmissionLimits limits_;
   MetricsRegistry* const metrics_;
   mutable std::mutex mu_;
-  std::condition_variable idle_;  // notified on every release (WaitUntilIdle)
   uint32_t streams_ = 0;  // guarded by mu_
   uint64_t bytes_ = 0;  // guarded by mu_
   absl::flat_hash_map<std::string, uint32_t> streams_by_client_;  // guarded by mu_; no zeros

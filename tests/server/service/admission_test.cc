@@ -3,9 +3,6 @@
 // numbers, and counted. (Many threads at once: service_concurrency_test.)
 #include "server/service/admission.h"
 
-#include <thread>
-
-#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "absl/strings/str_cat.h"
@@ -122,25 +119,6 @@ TEST(AdmissionControllerTest, EmitPtxIsBoundedInCallsAndBytesPerConnectionAndInT
   a.ReleaseEmitPtx("unix:", 200);
   EXPECT_EQ(a.emit_ptx_calls(), 0u);
   EXPECT_EQ(a.emit_ptx_bytes(), 0u);
-}
-
-// What the drain waits on: every admitted stream and EmitPtx call released, or the deadline.
-TEST(AdmissionControllerTest, WaitUntilIdleReturnsWhenTheLastCallIsReleasedOrAtTheDeadline) {
-  AdmissionController a(AdmissionLimits{});
-  EXPECT_TRUE(a.WaitUntilIdle(absl::Now()));  // nothing admitted
-  ASSERT_TRUE(a.AdmitStream("c").ok());
-  ASSERT_TRUE(a.AdmitEmitPtx("p", 10).ok());
-  EXPECT_FALSE(a.WaitUntilIdle(absl::Now() + absl::Milliseconds(20)));  // both held
-  std::thread releaser([&] {
-    a.ReleaseStream("c");
-    absl::SleepFor(absl::Milliseconds(20));
-    a.ReleaseEmitPtx("p", 10);
-  });
-  // Woken by the releases (the deadline is far): true only once both are gone.
-  EXPECT_TRUE(a.WaitUntilIdle(absl::Now() + absl::Seconds(60)));
-  EXPECT_EQ(a.active_streams(), 0u);
-  EXPECT_EQ(a.emit_ptx_calls(), 0u);
-  releaser.join();
 }
 
 TEST(AdmissionLimitsTest, BadLimitsNameTheFlagAndValue) {
