@@ -218,18 +218,7 @@ class PyClient {
     if (rms_info.has_value()) args.rms = BytesOf(*rms_info, "rms");
     args.dx = WritableBytesOf(dx_info, "dx");
     args.dgamma = WritableBytesOf(dgamma_info, "dgamma");
-    BackwardOptions options;
-    options.kernel = kernel;
-    options.cancellation = std::make_shared<CallCancellation>();
-    auto promise = std::make_shared<std::promise<absl::StatusOr<RawBackwardResult>>>();
-    std::future<absl::StatusOr<RawBackwardResult>> future = promise->get_future();
-    client_->BackwardRawAsync(args, options, [promise](absl::StatusOr<RawBackwardResult> r) {
-      promise->set_value(std::move(r));
-    });
-    absl::StatusOr<RawBackwardResult> result =
-        WaitInterruptibly(future, options.cancellation.get());
-    if (!result.ok()) RaiseStatus(result.status());
-    return SummaryDict(*result);
+    return RunRaw(args, kernel);
   }
 
   // One Backward on device buffers of this process by CUDA IPC (normgrad/cuda_ipc.h): x, dy, dx
@@ -253,6 +242,11 @@ class PyClient {
       exported = ExportDeviceTensors(device, x_ptr, dy_ptr, dx_ptr, rms_ptr, args);
     }
     if (!exported.ok()) RaiseStatus(exported);
+    return RunRaw(args, kernel);
+  }
+
+  // Runs one BackwardRaw, interruptible by Ctrl-C (WaitInterruptibly); raises on failure.
+  py::dict RunRaw(const RawBackwardArgs& args, const std::string& kernel) {
     BackwardOptions options;
     options.kernel = kernel;
     options.cancellation = std::make_shared<CallCancellation>();
