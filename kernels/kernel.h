@@ -114,8 +114,8 @@ class Kernel {
 };
 
 // Bumped whenever emission changes for an unchanged config; part of every ConfigKey.
-// 2: entries declare `.maxntid`.
-inline constexpr absl::string_view kGeneratorVersion = "normgrad-ptx/2";
+// 2: entries declare `.maxntid`. 3: the row-resident kernel writes grad_gamma itself (one launch).
+inline constexpr absl::string_view kGeneratorVersion = "normgrad-ptx/3";
 
 }  // namespace normgrad::kernels
 

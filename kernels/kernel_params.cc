@@ -17,6 +17,7 @@ constexpr KernelParamSpec kSpecs[] = {
     {KernelParamId::kGradGamma, "grad_gamma_ptr", PtxType::kU64},
     {KernelParamId::kDgammaPartials, "dgamma_partials_ptr", PtxType::kU64},
     {KernelParamId::kDgamma, "dgamma_ptr", PtxType::kU64},
+    {KernelParamId::kSemaphores, "semaphores_ptr", PtxType::kU64},
     {KernelParamId::kNumRows, "num_rows", PtxType::kU32},
     {KernelParamId::kNumPartials, "num_partials", PtxType::kU32},
     {KernelParamId::kHiddenDim, "hidden_dim", PtxType::kU32},
@@ -43,6 +44,8 @@ void* ValueSlot(KernelParamValues& v, KernelParamId id) {
       return &v.dgamma_partials;
     case KernelParamId::kDgamma:
       return &v.dgamma;
+    case KernelParamId::kSemaphores:
+      return &v.semaphores;
     case KernelParamId::kNumRows:
       return &v.num_rows;
     case KernelParamId::kNumPartials:

@@ -31,13 +31,14 @@ enum class KernelParamId : uint8_t {
   kGradInput,       // grad_input_ptr: dx (written)
   kGradGamma,       // grad_gamma_ptr: f32 [hidden_dim], accumulated with atomics
   kDgammaPartials,  // dgamma_partials_ptr: f32 [partial rows, hidden_dim]
-  kDgamma,          // dgamma_ptr: [hidden_dim] of the reduce's dtype (written)
+  kDgamma,          // dgamma_ptr: [hidden_dim] f32 (row-resident) or the reduce's dtype (written)
+  kSemaphores,      // semaphores_ptr: u32 counters, zero before a launch and left zero after it
   kNumRows,         // num_rows
   kNumPartials,     // num_partials
   kHiddenDim,       // hidden_dim
   kEps,             // eps
 };
-inline constexpr int kNumKernelParamIds = 12;
+inline constexpr int kNumKernelParamIds = 13;
 
 struct KernelParamSpec {
   KernelParamId id;
@@ -72,6 +73,7 @@ struct KernelParamValues {
   uint64_t grad_gamma = 0;
   uint64_t dgamma_partials = 0;
   uint64_t dgamma = 0;
+  uint64_t semaphores = 0;
   uint32_t num_rows = 0;
   uint32_t num_partials = 0;
   uint32_t hidden_dim = 0;

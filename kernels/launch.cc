@@ -36,12 +36,7 @@ absl::StatusOr<BackwardPlan> BackwardPlan::Create(const Kernel& kernel,
                                                   const KernelConfig& config) {
   NORMGRAD_RETURN_IF_ERROR(kernel.CanImplement(config));
   if (dynamic_cast<const RowResidentRmsNormBackwardKernel*>(&kernel) != nullptr) {
-    const Kernel* reduce = FindKernel(RmsNormBackwardDgammaReduceKernel::kEntryName);
-    if (reduce == nullptr) return absl::InternalError("the grad_gamma reduction is not registered");
-    KernelConfig reduce_config = config;
-    reduce_config.dtype = DType::kF32;  // the chunk's grad_gamma stays f32
-    NORMGRAD_RETURN_IF_ERROR(reduce->CanImplement(reduce_config));
-    return BackwardPlan(Kind::kRowResident, {{&kernel, config}, {reduce, reduce_config}});
+    return BackwardPlan(Kind::kRowResident, {{&kernel, config}});
   }
   if (dynamic_cast<const BatchedRmsNormBackwardKernel*>(&kernel) != nullptr) {
     return BackwardPlan(Kind::kBatched, {{&kernel, config}});
@@ -56,8 +51,16 @@ absl::StatusOr<BackwardPlan> BackwardPlan::Create(const Kernel& kernel,
 uint64_t BackwardPlan::WorkspaceBytes(uint64_t rows) const {
   if (kind_ != Kind::kRowResident) return 0;
   const Step& main = steps_.front();
-  const uint64_t partial_rows = main.kernel->Geometry(main.config, rows).grid[0];
-  return partial_rows * main.config.hidden_dim * sizeof(float);
+  const uint32_t blocks = main.kernel->Geometry(main.config, rows).grid[0];
+  const uint64_t row_floats = RowResidentRmsNormBackwardKernel::TilingFor(main.config).capacity();
+  return uint64_t{RowResidentRmsNormBackwardKernel::TreeRows(blocks)} * row_floats * sizeof(float);
+}
+
+uint64_t BackwardPlan::SemaphoreBytes(uint64_t rows) const {
+  if (kind_ != Kind::kRowResident) return 0;
+  const Step& main = steps_.front();
+  const uint32_t blocks = main.kernel->Geometry(main.config, rows).grid[0];
+  return uint64_t{RowResidentRmsNormBackwardKernel::TreeSemaphores(blocks)} * sizeof(uint32_t);
 }
 
 absl::Status BackwardPlan::CanImplement(const BackwardArgs& args) const {
@@ -78,6 +81,15 @@ absl::Status BackwardPlan::CanImplement(const BackwardArgs& args) const {
   if (WorkspaceBytes(args.rows) != 0 && args.workspace == 0) {
     return absl::InvalidArgumentError(absl::StrCat("workspace of ", WorkspaceBytes(args.rows),
                                                    " bytes for ", args.rows, " rows is not given"));
+  }
+  if (WorkspaceBytes(args.rows) != 0 && args.workspace % 16 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("workspace at 0x", absl::Hex(args.workspace), " is not 16-byte aligned"));
+  }
+  if (SemaphoreBytes(args.rows) != 0 && args.semaphores == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("semaphores of ", SemaphoreBytes(args.rows),
+                                                   " bytes for ", args.rows,
+                                                   " rows are not given"));
   }
   return absl::OkStatus();
 }
@@ -111,22 +123,16 @@ KernelParamValues BackwardPlan::RowsOf(const BackwardArgs& args, uint64_t first,
   return v;
 }
 
-// The row-resident kernel (persistent grid: G blocks, G partial rows of grad_gamma in the
-// workspace), then the fixed-order reduction of the partials into the f32 dgamma.
+// The row-resident kernel: one launch of G blocks writes dx and, through its grad_gamma tree in
+// the workspace and semaphores, the f32 dgamma.
 absl::Status BackwardPlan::RunRowResident(const BackwardArgs& args,
                                           KernelLauncher& launcher) const {
   const Step& main = steps_[0];
-  const Step& reduce = steps_[1];
-  const LaunchGeometry g = main.kernel->Geometry(main.config, args.rows);
   KernelParamValues rows = RowsOf(args, 0, args.rows);
+  rows.dgamma = args.dgamma;
   rows.dgamma_partials = args.workspace;
-  NORMGRAD_RETURN_IF_ERROR(LaunchStep(0, g, rows, launcher));
-  KernelParamValues sum;
-  sum.dgamma_partials = args.workspace;
-  sum.dgamma = args.dgamma;
-  sum.num_partials = g.grid[0];
-  sum.hidden_dim = args.hidden_dim;
-  return LaunchStep(1, reduce.kernel->Geometry(reduce.config, g.grid[0]), sum, launcher);
+  rows.semaphores = args.semaphores;
+  return LaunchStep(0, main.kernel->Geometry(main.config, args.rows), rows, launcher);
 }
 
 // The seed kernels over args.rows rows, in pieces of at most 2^32-1 rows (their u32 num_rows)

@@ -8,7 +8,8 @@
 //   for (const BackwardPlan::Step& step : plan->steps()) ... load step.kernel->Emit(step.config)
 //   BackwardArgs args{.x = d_x, .dy = d_dy, .dx = d_dx, .gamma = d_gamma, .dgamma = d_dgamma,
 //                     .rows = rows, .hidden_dim = h, .eps = 1e-5f};
-//   args.workspace = Allocate(plan->WorkspaceBytes(rows));
+//   args.workspace = Allocate(plan->WorkspaceBytes(rows));     // 16-byte aligned
+//   args.semaphores = AllocateZeroed(plan->SemaphoreBytes(rows));  // once: Run leaves them zero
 //   if (plan->dgamma_output() == DgammaOutput::kAccumulated) zero args.dgamma first;
 //   absl::Status s = plan->Run(args, launcher);
 //
@@ -46,7 +47,11 @@ struct BackwardArgs {
   uint64_t gamma = 0;      // hidden_dim elements of the dtype
   uint64_t rms = 0;        // rows f32, the forward's rms (contains eps); 0: recompute from x, eps
   uint64_t dgamma = 0;     // hidden_dim f32; see BackwardPlan::dgamma_output()
-  uint64_t workspace = 0;  // WorkspaceBytes(rows) bytes (ignored when that is 0)
+  uint64_t workspace = 0;  // WorkspaceBytes(rows) bytes, 16-byte aligned (ignored when that is 0)
+  // SemaphoreBytes(rows) bytes (ignored when that is 0), zero before Run; a Run whose launches
+  // completed leaves them zero, so their owner zeroes them once, when it allocates them. Runs
+  // that may overlap (other streams) need their own.
+  uint64_t semaphores = 0;
   uint64_t rows = 0;
   uint32_t hidden_dim = 0;
   float eps = 1e-5f;
@@ -66,9 +71,8 @@ class KernelLauncher {
 };
 
 // Every launch of one backward request for one kernel configuration:
-//   rms_norm_backward_row_resident: the row-resident kernel writes dx and one f32 grad_gamma
-//     partial row per block into the workspace, then rms_norm_backward_dgamma_reduce (f32)
-//     sums them in a fixed order into dgamma (kWritten). rms optional.
+//   rms_norm_backward_row_resident: one launch writes dx and dgamma (f32, a fixed-order sum of
+//     the blocks' partial sums through the workspace and semaphores: kWritten). rms optional.
 //   batched_rms_norm_backward: dx, and grad_gamma by atomics (kAccumulated); rms is recomputed
 //     (a given one is not read). Launched in pieces when the grid would pass the device's limit.
 //   rms_norm_backward: dx from the given rms (required); grad_gamma is the caller's (kNone).
@@ -95,6 +99,9 @@ class BackwardPlan {
 
   // Device memory Run needs besides the arguments' own buffers, for `rows` rows.
   uint64_t WorkspaceBytes(uint64_t rows) const;
+  // u32 counters Run needs for `rows` rows (BackwardArgs::semaphores): one per group of kFanIn
+  // blocks per tree level, 4 * (G / 15 + 3) bytes at most (G: the grid).
+  uint64_t SemaphoreBytes(uint64_t rows) const;
 
   // Cheap check of `args` against the plan: hidden_dim equal to the config's, rows within what
   // the kernels' u32 row counts take, rms given where required, workspace present when needed.

@@ -104,8 +104,14 @@ void Builder::MemoryOp(Opcode op, StateSpace space, PtxType type, Address addr,
   in.space = space;
   in.offset = addr.offset;
   in.guard = guard;
+  if (space == StateSpace::kGlobal && (op == Opcode::kLd || op == Opcode::kSt)) in.cache = cache_;
   Append(std::move(in));
 }
+
+Builder::CacheScope::CacheScope(Builder* b, CacheOp op) : b_(b), saved_(b->cache_) {
+  b_->cache_ = op;
+}
+Builder::CacheScope::~CacheScope() { b_->cache_ = saved_; }
 
 Value Builder::Ld(StateSpace space, PtxType type, Address addr) {
   const Value d = fn_->NewRegister(type);
@@ -290,6 +296,8 @@ void Builder::Exit() { Append(Op(Opcode::kExit, PtxType::kB32, {})); }
 void Builder::BarSync(uint32_t barrier) {
   Append(Op(Opcode::kBarSync, PtxType::kB32, {Value::U32(barrier)}));
 }
+
+void Builder::Fence() { Append(Op(Opcode::kFence, PtxType::kB32, {})); }
 
 Value Builder::Shfl(ShflMode mode, Value value, Value lane_or_delta, uint32_t member_mask) {
   // c = ((32 - width) << 8) | clamp; a full 32-lane segment clamps at 31 (up: at 0).

@@ -69,6 +69,22 @@ class Builder {
   [[nodiscard]] PredicateScope If(Value pred) { return PredicateScope(this, pred, false); }
   [[nodiscard]] PredicateScope IfNot(Value pred) { return PredicateScope(this, pred, true); }
 
+  // Cache operator: every global ld/st emitted while the scope lives carries `op` (loads: .ca .cg
+  // .cs .lu .cv; stores: .wb .cg .cs .wt; Verify checks the pairing). Shared and param accesses
+  // and atomics are unaffected.
+  class CacheScope {
+   public:
+    CacheScope(Builder* b, CacheOp op);
+    ~CacheScope();
+    CacheScope(const CacheScope&) = delete;
+    CacheScope& operator=(const CacheScope&) = delete;
+
+   private:
+    Builder* b_;
+    CacheOp saved_;
+  };
+  [[nodiscard]] CacheScope WithCache(CacheOp op) { return CacheScope(this, op); }
+
   // Data movement.
   Value LdParam(Param param);
   // ld.param of each parameter, in order: const auto [n, x] = b.LdParams({rows, x_ptr});
@@ -142,6 +158,9 @@ class Builder {
   void Ret();
   void Exit();
   void BarSync(uint32_t barrier = 0);
+  // fence.acq_rel.gpu: this thread's memory accesses before it are seen by the whole GPU before
+  // its accesses after it (with an atomic, the release/acquire of a last-block-done count).
+  void Fence();
 
   // shfl.sync.<mode>.b32 with the clamp value for a full 32-lane segment.
   Value Shfl(ShflMode mode, Value value, Value lane_or_delta, uint32_t member_mask);
@@ -165,6 +184,7 @@ class Builder {
   size_t insert_at_;
   Value guard_;
   bool guard_negated_ = false;
+  CacheOp cache_ = CacheOp::kNone;
 };
 
 }  // namespace normgrad::kernels

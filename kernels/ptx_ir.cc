@@ -92,6 +92,7 @@ constexpr absl::string_view kOpcodeNames[] = {
     "bar",    // kBarSync
     "ret",    // kRet
     "exit",   // kExit
+    "fence",  // kFence
     "label",  // kLabel
 };
 static_assert(std::size(kOpcodeNames) == static_cast<size_t>(Opcode::kLabel) + 1, "one per Opcode");
@@ -188,8 +189,15 @@ Function& Module::AddEntry(absl::string_view name) {
   return functions_.back();
 }
 
+absl::string_view CacheOpName(CacheOp op) {
+  static constexpr absl::string_view kNames[] = {"", "ca", "cg", "cs", "lu", "cv", "wb", "wt"};
+  static_assert(std::size(kNames) == static_cast<size_t>(CacheOp::kWt) + 1, "one per CacheOp");
+  return ptx_internal::EnumTableEntry(kNames, op, absl::string_view());
+}
+
 PtxVersion InstructionsMinPtxVersion(const Module& module) {
-  PtxVersion need{6, 0};  // shfl.sync and bar.sync with member semantics: PTX ISA 6.0
+  // shfl.sync, bar.sync with member semantics and fence.acq_rel: PTX ISA 6.0
+  PtxVersion need{6, 0};
   for (const Function& f : module.functions()) {
     for (const Instruction& inst : f.instructions()) {
       // bf16 arithmetic and cvt need 7.0 (sm_80); nothing else we emit needs more than 6.0.

@@ -177,6 +177,7 @@ enum class Opcode : uint8_t {
   kBarSync,
   kRet,
   kExit,
+  kFence,  // fence.acq_rel.gpu: orders this thread's memory accesses before/after at GPU scope
   kLabel,  // a pseudo-instruction that binds `label` here
 };
 absl::string_view OpcodeName(Opcode op);  // "add", "ld", ...
@@ -188,6 +189,12 @@ enum class Rounding : uint8_t { kNone, kRn, kRz, kRm, kRp, kApprox, kFull };
 enum class MulMode : uint8_t { kNone, kLo, kHi, kWide };
 enum class CmpOp : uint8_t { kEq, kNe, kLt, kLe, kGt, kGe };
 enum class ShflMode : uint8_t { kUp, kDown, kBfly, kIdx };
+// Cache operator of a global ld/st (PTX ISA "Cache Operators"): kNone leaves the default (.ca
+// for loads, .wb for stores). Loads take .ca .cg .cs .lu .cv, stores .wb .cg .cs .wt.
+//   kCs: streaming, likely read or written once (evict first): x, dy and dx of a backward.
+//   kCg: cache in L2 only, not L1: data other blocks wrote during this launch.
+enum class CacheOp : uint8_t { kNone, kCa, kCg, kCs, kLu, kCv, kWb, kWt };
+absl::string_view CacheOpName(CacheOp op);  // "cs", ...; "" for kNone
 
 // One PTX instruction. Operand layout per opcode:
 //   kLdParam: dst[0]; param.                     kLd: dst[0..vec); src[0] = address base.
@@ -196,7 +203,7 @@ enum class ShflMode : uint8_t { kUp, kDown, kBfly, kIdx };
 //   kMul/kMad with kWide: type is the source type; dst is twice as wide.
 //   kSetp: dst[0] pred; src = {a, b}; type = compared type.  kSelp: src = {a, b, pred}.
 //   kShfl: dst[0] (+ optional dst[1] pred); src = {value, lane/delta, clamp, member mask}; type
-//   b32. kBarSync: src[0] = barrier id.  kBra: label.  kLabel: label.
+//   b32. kBarSync: src[0] = barrier id.  kBra: label.  kLabel: label.  kFence: no operands.
 struct Instruction {
   Opcode op = Opcode::kMov;
   PtxType type = PtxType::kB32;
@@ -206,7 +213,8 @@ struct Instruction {
   CmpOp cmp = CmpOp::kEq;
   ShflMode shfl = ShflMode::kDown;
   StateSpace space = StateSpace::kGlobal;
-  bool uniform = false;  // bra.uni
+  CacheOp cache = CacheOp::kNone;  // kLd / kSt only
+  bool uniform = false;            // bra.uni
   std::vector<Value> dst;
   std::vector<Value> src;
   int64_t offset = 0;           // address offset of kLd/kSt/kAtomAdd
@@ -249,6 +257,11 @@ class Function {
   // SM's register file, and the driver refuses a larger block (CUDA_ERROR_INVALID_VALUE).
   void set_max_threads(uint32_t n) { max_threads_ = n; }
   uint32_t max_threads() const { return max_threads_; }
+  // Blocks of max_threads() that must fit on one SM at once: emitted as `.minnctapersm <n>` (0:
+  // not declared), so ptxas keeps registers <= 65536 / (n * max_threads) and the launch's grid
+  // can be sized from n without asking the driver.
+  void set_min_blocks_per_sm(uint32_t n) { min_blocks_per_sm_ = n; }
+  uint32_t min_blocks_per_sm() const { return min_blocks_per_sm_; }
 
   Value NewRegister(PtxType type);
   uint32_t num_registers() const { return static_cast<uint32_t>(registers_.size()); }
@@ -280,6 +293,7 @@ class Function {
   std::vector<ParamDecl> params_;
   std::vector<SharedDecl> shared_;
   uint32_t max_threads_ = 0;
+  uint32_t min_blocks_per_sm_ = 0;
   std::vector<RegisterInfo> registers_;
   std::vector<uint32_t> class_counts_ = std::vector<uint32_t>(6, 0);
   std::vector<LabelDecl> labels_;

@@ -124,12 +124,15 @@ std::string InstructionBody(const Function& f, const Instruction& in) {
           in.param < f.params().size() ? f.params()[in.param].name : "undeclared_param", "]");
     case Opcode::kLd: {
       const DataOperands dst = Data(f, in.dst, 0);
-      return absl::StrCat("ld.", space, dst.width, ".", t, " ", dst.text, ", ", AddressText(f, in));
+      return absl::StrCat("ld.", space, in.cache == CacheOp::kNone ? "" : ".",
+                          CacheOpName(in.cache), dst.width, ".", t, " ", dst.text, ", ",
+                          AddressText(f, in));
     }
     case Opcode::kSt: {
       const DataOperands values = Data(f, in.src, 1);
-      return absl::StrCat("st.", space, values.width, ".", t, " ", AddressText(f, in), ", ",
-                          values.text);
+      return absl::StrCat("st.", space, in.cache == CacheOp::kNone ? "" : ".",
+                          CacheOpName(in.cache), values.width, ".", t, " ", AddressText(f, in),
+                          ", ", values.text);
     }
     case Opcode::kAtomAdd:
       return absl::StrCat("atom.", space, ".add.", t, " ", OperandAt(f, in.dst, 0), ", ",
@@ -149,6 +152,8 @@ std::string InstructionBody(const Function& f, const Instruction& in) {
     }
     case Opcode::kBarSync:
       return absl::StrCat("bar.sync ", OperandAt(f, in.src, 0));
+    case Opcode::kFence:
+      return "fence.acq_rel.gpu";
     case Opcode::kBra:
       return absl::StrCat(in.uniform ? "bra.uni " : "bra ", LabelName(f, in.label));
     case Opcode::kRet:
@@ -190,6 +195,9 @@ std::string EmitPtx(const Module& module) {
     }
     absl::StrAppend(&out, f.params().empty() ? ")\n" : "\n)\n");
     if (f.max_threads() != 0) absl::StrAppend(&out, ".maxntid ", f.max_threads(), ", 1, 1\n");
+    if (f.min_blocks_per_sm() != 0) {
+      absl::StrAppend(&out, ".minnctapersm ", f.min_blocks_per_sm(), "\n");
+    }
     out += "{\n";
     for (const Function::RegClassUse& c : f.RegisterClasses()) {
       absl::StrAppend(&out, "\t.reg .", c.decl_type, " ", c.prefix, "<", c.count, ">;\n");

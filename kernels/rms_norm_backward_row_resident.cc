@@ -163,6 +163,189 @@ SlotPredicates MakeSlotPredicates(Builder& b, Value col0, uint32_t slot_col, uin
   return p;
 }
 
+// The parameters BuildDgammaTree reads, and the run-time hidden_dim.
+struct DgammaTreeParams {
+  Param dgamma;      // f32 [hidden_dim], written by the block that finishes last
+  Param workspace;   // f32 [TreeRows(G), stride]: the tree's rows
+  Param semaphores;  // u32 [TreeSemaphores(G)]: zero on entry, zero again on exit
+  Value hidden;
+};
+
+// grad_gamma in the same launch, in a fixed order: a last-block-done tree over the G blocks'
+// partial sums (`acc`, K*V f32 per thread, the columns the row loop gave it).
+//
+// Level 0 has G members (the blocks); member m belongs to group m / F (F = kFanIn). Every member
+// writes its sums as one workspace row, fences, and thread 0 counts its arrival on the group's
+// semaphore (atom.add); the member that arrives last (count == group size - 1) resets the
+// semaphore to 0, reads the group's rows in member order, adds them in that order, and goes on
+// as member m / F of the next level; the others exit. A level of one member is the top: its sums
+// are the whole grad_gamma, written to dgamma. Which block does a sum depends on timing; what it
+// adds, and in which order, depends only on G: same inputs and G, same bits. No block waits for
+// another, so the grid need not be resident.
+//
+// A workspace row is the tiling's capacity (T*K*V floats) in the threads' order: thread t's
+// floats 4q..4q+3 of slot k at ((k*V/4 + q)*T + t)*4, so each 16-byte vector access of a warp
+// covers 512 contiguous bytes (whole sectors). A thread whose slot starts at or past hidden_dim
+// rounded up to V neither writes nor reads it (the sectors it would touch are never moved); the
+// columns past hidden_dim below that hold the zeros their x and dy gave. The workspace is 16-byte
+// aligned (BackwardPlan::CanImplement). Workspace accesses are .cg: written by other blocks
+// during this launch, so read from L2, never from a stale L1 line.
+void BuildDgammaTree(Builder& b, const KernelConfig& config, Value col0, Value tid,
+                     SharedArray last_flag, const std::vector<Value>& acc,
+                     const DgammaTreeParams& p) {
+  using K_ = RowResidentRmsNormBackwardKernel;
+  const RowTiling tiling = K_::TilingFor(config);
+  const uint32_t T = tiling.threads;
+  const uint32_t K = tiling.vectors_per_thread;
+  const uint32_t V = tiling.vector_elements;
+  constexpr uint32_t F = K_::kFanIn;
+  constexpr uint32_t kLogF = K_::kLogFanIn;
+  static_assert((1u << kLogF) == F, "the fan-in is a power of two");
+  const Label level_loop = b.CreateLabel("tree_level");
+  const Label ticket_taken = b.CreateLabel("tree_ticket_taken");
+  const Label top = b.CreateLabel("tree_top");
+  const Label done = b.CreateLabel("tree_done");
+
+  const auto [dgamma, workspace, semaphores] = b.LdParams({p.dgamma, p.workspace, p.semaphores});
+  const Value hidden = p.hidden;
+  const Value stride_up = b.Add(hidden, Value::U32(V - 1));
+  const Value stride = b.And(stride_up, Value::U32(~(V - 1)));
+  const uint32_t row_bytes = tiling.capacity() * 4;
+  // Byte offset of slot k's quad q in a workspace row, past the thread's own 16 bytes.
+  auto quad_offset = [&](uint32_t k, uint32_t q) {
+    return int64_t{k * (V / 4) + q} * T * kVectorBytes;
+  };
+  const Value tid_bytes = b.MulWide(tid, Value::U32(kVectorBytes));
+  const Value ws_thread = b.Add(workspace, tid_bytes);
+  const Value col0_bytes = b.MulWide(col0, Value::U32(4));
+  const Value is_thread0 = b.Setp(CmpOp::kEq, tid, Value::U32(0));
+  const Value flag_addr = b.AddressOf(last_flag);
+
+  const Value count = b.Mov(SpecialReg::kNctaidX);  // members of this level
+  const Value member = b.Mov(SpecialReg::kCtaidX);  // this block's place in it
+  const Value level_row = b.Mov(Value::U32(0));     // the level's first workspace row
+  const Value level_sem = b.Mov(Value::U32(0));     // the level's first semaphore
+
+  // The whole loop is block-uniform: count, member and the flag are the same in every thread.
+  b.Bind(level_loop);
+  b.BraIf(b.Setp(CmpOp::kEq, count, Value::U32(1)), top);
+  {
+    const Value row = b.Add(level_row, member);
+    const Value row_off = b.MulWide(row, Value::U32(row_bytes));
+    const Value row_addr = b.Add(ws_thread, row_off);
+    {
+      auto l2 = b.WithCache(CacheOp::kCg);
+      for (uint32_t k = 0; k < K; ++k) {
+        const Value col = b.Add(col0, Value::U32(k * T * V));
+        const Value in_row = b.Setp(CmpOp::kLt, col, stride);
+        auto guard = b.If(in_row);
+        for (uint32_t q = 0; q < V / 4; ++q) {
+          const std::vector<Value> quad(acc.begin() + k * V + 4 * q,
+                                        acc.begin() + k * V + 4 * q + 4);
+          b.StV4(StateSpace::kGlobal, Address{row_addr, quad_offset(k, q)}, quad);
+        }
+      }
+    }
+    // Release: every thread's row stores are visible GPU-wide before thread 0's arrival.
+    b.Fence();
+    b.BarSync(0);
+    const Value group = b.Shr(member, Value::U32(kLogF));
+    const Value first = b.Shl(group, Value::U32(kLogF));
+    const Value left = b.Sub(count, first);
+    const Value size = b.Min(left, Value::U32(F));
+    const Value sem_index = b.Add(level_sem, group);
+    const Value sem_off = b.MulWide(sem_index, Value::U32(4));
+    const Value sem_addr = b.Add(semaphores, sem_off);
+    b.BraIfNot(is_thread0, ticket_taken);
+    {
+      const Value arrived = b.AtomAdd(StateSpace::kGlobal, Address{sem_addr, 0}, Value::U32(1));
+      const Value last_index = b.Sub(size, Value::U32(1));
+      const Value last = b.Setp(CmpOp::kEq, arrived, last_index);
+      const Value flag = b.Selp(Value::U32(1), Value::U32(0), last);
+      b.St(StateSpace::kShared, Address{flag_addr, 0}, flag);
+      {
+        // Every member has arrived: the semaphore is ready for the next launch.
+        auto reset = b.If(last);
+        b.St(StateSpace::kGlobal, Address{sem_addr, 0}, Value::U32(0));
+      }
+      // Acquire: the other members' rows are read after their arrivals were seen.
+      b.Fence();
+    }
+    b.Bind(ticket_taken);
+    b.BarSync(0);
+    const Value go = b.Ld(StateSpace::kShared, PtxType::kU32, Address{flag_addr, 0});
+    b.BraIf(b.Setp(CmpOp::kEq, go, Value::U32(0)), done);
+
+    // The last member: acc = row(first) + row(first + 1) + ... + row(first + size - 1), in that
+    // order. Rows past the group's size are not loaded (their predicate is false).
+    const Value first_row = b.Add(level_row, first);
+    const Value first_off = b.MulWide(first_row, Value::U32(row_bytes));
+    const Value member_addr = b.Add(ws_thread, first_off);
+    std::vector<Value> has_row(F);  // uniform: member i exists (size > i)
+    for (uint32_t i = 1; i < F; ++i) has_row[i] = b.Setp(CmpOp::kGt, size, Value::U32(i));
+    {
+      auto l2 = b.WithCache(CacheOp::kCg);
+      // Slot by slot (fewer registers live), member by member within a slot.
+      for (uint32_t k = 0; k < K; ++k) {
+        const Value col = b.Add(col0, Value::U32(k * T * V));
+        const Value in_row = b.Setp(CmpOp::kLt, col, stride);
+        const Value addr = b.Mov(member_addr);
+        for (uint32_t i = 0; i < F; ++i) {
+          if (i > 0) b.AddTo(addr, Value::U64(row_bytes));
+          Value load = in_row;
+          if (i > 0) {
+            const Value limit = b.Selp(stride, Value::U32(0), has_row[i]);
+            load = b.Setp(CmpOp::kLt, col, limit);
+          }
+          for (uint32_t q = 0; q < V / 4; ++q) {
+            // -0.0 is the identity of f32 addition (x + -0.0 == x for every x, -0.0 too).
+            std::vector<Value> quad;
+            for (int j = 0; j < 4; ++j) quad.push_back(b.Mov(Value::F32(-0.0f)));
+            b.LdInto(StateSpace::kGlobal, PtxType::kF32, Address{addr, quad_offset(k, q)}, quad,
+                     load);
+            for (int j = 0; j < 4; ++j) {
+              const Value& a = acc[k * V + 4 * q + j];
+              if (i == 0) {
+                b.Assign(a, quad[j]);
+              } else {
+                b.AddTo(a, quad[j]);
+              }
+            }
+          }
+        }
+      }
+    }
+    b.AddTo(level_row, count);
+    const Value groups_up = b.Add(count, Value::U32(F - 1));
+    const Value groups = b.Shr(groups_up, Value::U32(kLogF));
+    b.AddTo(level_sem, groups);
+    b.Assign(member, group);
+    b.Assign(count, groups);
+    b.Bra(level_loop);
+  }
+
+  // The top: acc is the whole grad_gamma (or, for G == 1, the one block's sums). dgamma is the
+  // caller's f32 [hidden_dim]: 16-byte vectors where it is aligned, else element by element.
+  b.Bind(top);
+  const Value dg_low64 = b.And(dgamma, Value::U64(kVectorBytes - 1));
+  const Value dg_low = b.Cvt(PtxType::kU32, dg_low64);
+  const Value hidden_low = b.And(hidden, Value::U32(3));
+  const Value misaligned = b.Or(dg_low, hidden_low);
+  const Value aligned = b.Setp(CmpOp::kEq, misaligned, Value::U32(0));
+  const Value vec_limit = b.Selp(hidden, Value::U32(0), aligned);
+  const Value dg_thread = b.Add(dgamma, col0_bytes);
+  for (uint32_t k = 0; k < K; ++k) {
+    for (uint32_t q = 0; q < V / 4; ++q) {
+      const uint32_t slot_col = k * T * V + 4 * q;
+      const SlotPredicates sp = MakeSlotPredicates(b, col0, slot_col, 4, vec_limit, hidden);
+      const std::vector<Value> quad(acc.begin() + k * V + 4 * q, acc.begin() + k * V + 4 * q + 4);
+      StoreSlot(b, DType::kF32, Address{dg_thread, 4 * int64_t{slot_col}}, sp.vec, sp.elem, quad);
+    }
+  }
+  b.Bind(done);
+  b.Ret();
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -172,20 +355,44 @@ RowTiling RowResidentRmsNormBackwardKernel::TilingFor(const KernelConfig& config
   RowTiling t;
   t.vector_elements = kVectorBytes / DTypeBytes(config.dtype);
   const uint32_t hidden = std::max<uint32_t>(config.hidden_dim, 1);
-  t.threads = kMinThreads;
-  while (t.threads < kMaxThreads &&
-         CeilDiv(hidden, t.threads * t.vector_elements) * t.vector_elements >
-             kPreferredElementsPerThread) {
-    t.threads *= 2;
+  // kResidentThreadsPerSm threads per SM at up to kPreferredElementsPerThread elements each
+  // (64 registers), in the fewest blocks that keep two per SM where the row allows: fewer blocks
+  // are fewer grad_gamma partial rows.
+  for (const uint32_t threads : {256u, 512u, 1024u}) {
+    const uint32_t k = CeilDiv(hidden, threads * t.vector_elements);
+    if (k * t.vector_elements <= kPreferredElementsPerThread) {
+      t.threads = threads;
+      t.vectors_per_thread = k;
+      t.blocks_per_sm = kResidentThreadsPerSm / threads;
+      return t;
+    }
   }
+  // Wider rows: 512 threads with up to kMaxElementsPerThread elements, one block per SM (128
+  // registers each).
+  t.threads = kWideRowThreads;
   t.vectors_per_thread = CeilDiv(hidden, t.threads * t.vector_elements);
+  t.blocks_per_sm = 1;
   return t;
+}
+
+uint32_t RowResidentRmsNormBackwardKernel::TreeRows(uint32_t blocks) {
+  uint32_t rows = 0;
+  for (uint32_t count = blocks; count > 1; count = CeilDiv(count, kFanIn)) rows += count;
+  return rows;
+}
+
+uint32_t RowResidentRmsNormBackwardKernel::TreeSemaphores(uint32_t blocks) {
+  uint32_t counters = 0;
+  for (uint32_t count = blocks; count > 1; count = CeilDiv(count, kFanIn)) {
+    counters += CeilDiv(count, kFanIn);
+  }
+  return counters;
 }
 
 RowResidentRmsNormBackwardKernel::RowResidentRmsNormBackwardKernel()
     : BuiltKernel(kEntryName, kMaxHiddenDim,
                   absl::StrCat(" (a row held in registers, at most ", kMaxElementsPerThread,
-                               " elements per thread of a ", kMaxThreads,
+                               " elements per thread of a ", kWideRowThreads,
                                "-thread block); use batched_rms_norm_backward")) {}
 
 uint32_t RowResidentRmsNormBackwardKernel::BlockThreads(const KernelConfig& config) const {
@@ -194,20 +401,19 @@ uint32_t RowResidentRmsNormBackwardKernel::BlockThreads(const KernelConfig& conf
 
 LaunchGeometry RowResidentRmsNormBackwardKernel::Geometry(const KernelConfig& config,
                                                           uint64_t num_rows) const {
-  const uint32_t threads = BlockThreads(config);
+  const RowTiling t = TilingFor(config);
   const uint64_t sms = config.sm_count == 0 ? kDefaultSmCount : config.sm_count;
-  const uint64_t per_sm = std::clamp<uint64_t>(kResidentThreadsPerSm / threads, 1, 8);
   LaunchGeometry g;
-  g.grid[0] =
-      static_cast<uint32_t>(std::clamp<uint64_t>(std::min(num_rows, sms * per_sm), 1, kMaxGridX));
-  g.block[0] = threads;
+  g.grid[0] = static_cast<uint32_t>(
+      std::clamp<uint64_t>(std::min(num_rows, sms * t.blocks_per_sm), 1, kMaxGridX));
+  g.block[0] = t.threads;
   return g;
 }
 
 std::string RowResidentRmsNormBackwardKernel::ConfigKey(const KernelConfig& config) const {
   const RowTiling t = TilingFor(config);
   return absl::StrCat(BuiltKernel::ConfigKey(config), "|tile=", t.threads, "x",
-                      t.vectors_per_thread);
+                      t.vectors_per_thread, "x", t.blocks_per_sm);
 }
 
 absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfig& config) const {
@@ -221,14 +427,17 @@ absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfi
   const uint32_t elem_bytes = DTypeBytes(dtype);
 
   Function& f = m.mutable_functions().front();
-  const auto [input_ptr, gamma_ptr, grad_output_ptr, grad_input_ptr, rms_ptr, partials_ptr,
-              num_rows, hidden_dim, eps_param] =
-      AddKernelParams(
-          f, {KernelParamId::kInput, KernelParamId::kGamma, KernelParamId::kGradOutput,
-              KernelParamId::kGradInput, KernelParamId::kRms, KernelParamId::kDgammaPartials,
-              KernelParamId::kNumRows, KernelParamId::kHiddenDim, KernelParamId::kEps});
+  f.set_min_blocks_per_sm(tiling.blocks_per_sm);
+  const auto [input_ptr, gamma_ptr, grad_output_ptr, grad_input_ptr, rms_ptr, dgamma_ptr,
+              partials_ptr, semaphores_ptr, num_rows, hidden_dim, eps_param] =
+      AddKernelParams(f, {KernelParamId::kInput, KernelParamId::kGamma, KernelParamId::kGradOutput,
+                          KernelParamId::kGradInput, KernelParamId::kRms, KernelParamId::kDgamma,
+                          KernelParamId::kDgammaPartials, KernelParamId::kSemaphores,
+                          KernelParamId::kNumRows, KernelParamId::kHiddenDim, KernelParamId::kEps});
   // Two f32 per warp: the warp's sum of x^2 and of x*gamma*dy for the current row.
   const SharedArray warp_sums = f.AddShared("warp_sums", 8 * warps, 16);
+  // Whether this block was the last of its group to arrive (written by thread 0).
+  const SharedArray last_flag = f.AddShared("last_flag", 4, 4);
 
   Builder b(&f);
   const Label row_loop = b.CreateLabel("row_loop");
@@ -237,9 +446,9 @@ absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfi
   const Value tid = b.Mov(SpecialReg::kTidX);
   const Value block = b.Mov(SpecialReg::kCtaidX);
   const Value grid = b.Mov(SpecialReg::kNctaidX);
-  const auto [rows, hidden, eps, x_base, gamma_base, dy_base, dx_base, rms_base, partials_base] =
+  const auto [rows, hidden, eps, x_base, gamma_base, dy_base, dx_base, rms_base] =
       b.LdParams({num_rows, hidden_dim, eps_param, input_ptr, gamma_ptr, grad_output_ptr,
-                  grad_input_ptr, rms_ptr, partials_ptr});
+                  grad_input_ptr, rms_ptr});
   const Value hidden_f = b.Cvt(PtxType::kF32, hidden, Rounding::kRn);
   const Value have_rms = b.Setp(CmpOp::kNe, rms_base, Value::U64(0));
 
@@ -292,8 +501,11 @@ absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfi
     for (uint32_t k = 0; k < K; ++k) {
       const SlotPredicates p = MakeSlotPredicates(b, col0, k * T * V, V, vec_limit, hidden);
       const int64_t off = int64_t{k} * T * kVectorBytes;
-      x_raw[k] = LoadSlotRaw(b, dtype, Address{x_thread, off}, p.vec, p.elem);
-      dy_raw[k] = LoadSlotRaw(b, dtype, Address{dy_thread, off}, p.vec, p.elem);
+      {
+        auto streamed = b.WithCache(CacheOp::kCs);  // read once: evict first, keep gamma
+        x_raw[k] = LoadSlotRaw(b, dtype, Address{x_thread, off}, p.vec, p.elem);
+        dy_raw[k] = LoadSlotRaw(b, dtype, Address{dy_thread, off}, p.vec, p.elem);
+      }
       const std::vector<Value> gs = LoadSlot(b, dtype, Address{gamma_thread, off}, p.vec, p.elem);
       const std::vector<Value> xs = SlotToF32(b, dtype, x_raw[k]);
       const std::vector<Value> dys = SlotToF32(b, dtype, dy_raw[k]);
@@ -358,29 +570,15 @@ absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfi
         const Value part = b.Mul(dyx, inv_rms);
         b.AddTo(acc[e], part);
       }
+      auto streamed = b.WithCache(CacheOp::kCs);  // written once, read by nobody here
       StoreSlot(b, dtype, Address{dx_thread, off}, p.vec, p.elem, dx);
     }
     b.AddTo(row, grid);
     b.Bra(row_loop);
   }
   b.Bind(rows_done);
-
-  // This block's row of partials: partials[block][col] for every col < hidden_dim.
-  const Value part_row_elems = b.MulWide(block, hidden);
-  const Value part_row_off = b.Shl(part_row_elems, Value::U32(2));
-  const Value part_row = b.Add(partials_base, part_row_off);
-  const Value col0_bytes = b.MulWide(col0, Value::U32(4));
-  const Value part_thread = b.Add(part_row, col0_bytes);
-  for (uint32_t k = 0; k < K; ++k) {
-    const Value col = b.Add(col0, Value::U32(k * T * V));
-    for (uint32_t j = 0; j < V; ++j) {
-      const Value c = b.Add(col, Value::U32(j));
-      const Value in_row = b.Setp(CmpOp::kLt, c, hidden);
-      auto guard = b.If(in_row);
-      b.St(StateSpace::kGlobal, Address{part_thread, 4 * (int64_t{k} * T * V + j)}, acc[k * V + j]);
-    }
-  }
-  b.Ret();
+  BuildDgammaTree(b, config, col0, tid, last_flag, acc,
+                  DgammaTreeParams{dgamma_ptr, partials_ptr, semaphores_ptr, hidden});
   return m;
 }
 

@@ -1,19 +1,22 @@
-// RMSNorm backward that reads x and dy from global memory once, with a reproducible grad_gamma.
+// RMSNorm backward that reads x and dy from global memory once and writes dx and a reproducible
+// grad_gamma in one launch.
 //
-// Two entries, served and cached like the seed's kernels (same math, see rms_norm_backward.h):
-//
-//   `rms_norm_backward_row_resident`: a persistent grid of G blocks (Geometry: about the device's
-//   SM count times the blocks that fit on one SM) takes rows in a grid-stride loop. A block holds
-//   one row in registers (each thread a fixed set of columns) between the two block reductions
-//   (sum x^2 and sum x*gamma*dy: warp shuffles, then shared memory + bar.sync, summed in warp
-//   order) and the output, so x and dy are read once and dx written once. Loads and stores are
-//   16-byte vectors (ld/st.global.v4.f32, or .v4.u32 holding eight f16/bf16) when every row start
-//   is 16-byte aligned, else element by element; the tail of any hidden_dim is element by element.
-//   grad_gamma: each thread accumulates its columns over the block's rows in fp32 registers, and
-//   the block writes one row of `dgamma_partials` (fp32 [G, hidden_dim]) at the end. No atomics.
+//   `rms_norm_backward_row_resident`: a persistent grid of G blocks (Geometry: the device's SM
+//   count times the blocks the entry's `.minnctapersm` keeps resident on one SM) takes rows in a
+//   grid-stride loop. A block holds one row in registers (each thread a fixed set of columns)
+//   between the two block reductions (sum x^2 and sum x*gamma*dy: warp shuffles, then shared
+//   memory + bar.sync, summed in warp order) and the output, so x and dy are read once and dx
+//   written once. Loads and stores are 16-byte vectors (ld/st.global.v4.f32, or .v4.u32 holding
+//   eight f16/bf16) when every row start is 16-byte aligned, else element by element; the tail of
+//   any hidden_dim is element by element. grad_gamma: each thread accumulates its columns over
+//   the block's rows in fp32 registers; then the blocks' sums are added by a last-block-done tree
+//   (fan-in kFanIn, through the workspace and a few u32 semaphores) whose order depends only on
+//   G, and the block that finishes last writes dgamma (f32). No waiting between blocks, no
+//   atomics on data.
 //
 //   `rms_norm_backward_dgamma_reduce`: dgamma[i] = sum over p < num_partials of partials[p][i]
-//   in a fixed order (below), rounded once to the output dtype.
+//   in a fixed order (below), rounded once to the output dtype. Served for callers of the earlier
+//   two-launch contract; the plan no longer launches it.
 //
 // Same inputs and the same G give the same bits, run after run. G depends on num_rows and
 // KernelConfig::sm_count, so results are bitwise equal for equal (rows, sm_count), and equal to
@@ -22,9 +25,10 @@
 //   KernelConfig config{.hidden_dim = 4096, .dtype = DType::kBF16, .target_sm = 90,
 //                       .sm_count = 132};
 //   const Kernel* k = FindKernel("rms_norm_backward_row_resident");
-//   LaunchGeometry g = k->Geometry(config, num_rows);   // g.grid[0] = G partial rows
-//   ... launch with (x, gamma, dy, dx, rms or 0, partials, num_rows, hidden_dim, eps), then
-//   FindKernel("rms_norm_backward_dgamma_reduce") with (partials, dgamma, G, hidden_dim).
+//   LaunchGeometry g = k->Geometry(config, num_rows);   // g.grid[0] = G
+//   ... launch with (x, gamma, dy, dx, rms or 0, dgamma, workspace, semaphores, num_rows,
+//   hidden_dim, eps): workspace TreeRows(G) x stride f32, semaphores TreeSemaphores(G) u32 that
+//   are zero (the launch leaves them zero). kernels/launch.h's BackwardPlan does all of this.
 #ifndef NORMGRAD_KERNELS_RMS_NORM_BACKWARD_ROW_RESIDENT_H_
 #define NORMGRAD_KERNELS_RMS_NORM_BACKWARD_ROW_RESIDENT_H_
 
@@ -40,22 +44,25 @@
 
 namespace normgrad::kernels {
 
-// How a row is spread over a block; baked into the PTX, so part of ConfigKey ("tile=TxK").
+// How a row is spread over a block; baked into the PTX, so part of ConfigKey ("tile=TxKxN").
 // Thread t holds columns t*V + k*T*V + j for k < K, j < V: K 16-byte vectors per row.
 struct RowTiling {
-  uint32_t threads = 0;             // T = block.x: 128, 256 or 512
+  uint32_t threads = 0;             // T = block.x: 256, 512 or 1024
   uint32_t vectors_per_thread = 0;  // K
   uint32_t vector_elements = 0;     // V: 4 for f32, 8 for f16/bf16 (16 bytes)
+  uint32_t blocks_per_sm = 0;       // N: the entry's .minnctapersm; G = sm_count * N
   uint32_t capacity() const { return threads * vectors_per_thread * vector_elements; }
   uint32_t elements_per_thread() const { return vectors_per_thread * vector_elements; }
 };
 
 // `rms_norm_backward_row_resident`.
-// Params: input_ptr, gamma_ptr, grad_output_ptr, grad_input_ptr, rms_ptr, dgamma_partials_ptr
-//         (u64), num_rows, hidden_dim (u32), eps (f32).
+// Params: input_ptr, gamma_ptr, grad_output_ptr, grad_input_ptr, rms_ptr, dgamma_ptr,
+//         dgamma_partials_ptr, semaphores_ptr (u64), num_rows, hidden_dim (u32), eps (f32).
 // rms_ptr == 0: rms recomputed from x and eps; otherwise rms_ptr[row] (f32, the forward's rms,
-// already containing eps) is used as is. dgamma_partials_ptr: f32 [grid.x, hidden_dim], every
-// element written (blocks without rows write zeros).
+// already containing eps) is used as is. dgamma_ptr: f32 [hidden_dim], written.
+// dgamma_partials_ptr: the tree's workspace, f32 [TreeRows(grid.x), capacity()] in the threads'
+// order, 16-byte aligned. semaphores_ptr: u32 [TreeSemaphores(grid.x)], zero before the launch; the
+// launch leaves them zero (so a caller zeroes them once, when it allocates them).
 // hidden_dim: CanImplement accepts 1..kMaxHiddenDim (32 elements per thread at 512 threads).
 // Above that the row does not fit in registers: callers use batched_rms_norm_backward, which
 // re-reads the row (docs/kernels.md, "Row-resident kernel"). The run-time
@@ -67,19 +74,28 @@ class RowResidentRmsNormBackwardKernel : public BuiltKernel {
   // element. 512 threads x 32 elements keeps that under the 128 registers per thread a 512-thread
   // block may use (checked with ptxas by the tests).
   static constexpr uint32_t kMaxHiddenDim = 16384;
-  static constexpr uint32_t kPreferredElementsPerThread = 16;
+  // Up to this many elements per thread, kResidentThreadsPerSm threads are resident per SM
+  // (64 registers each, the entry's .minnctapersm).
+  static constexpr uint32_t kPreferredElementsPerThread = 8;
   static constexpr uint32_t kMaxElementsPerThread = 32;
-  static constexpr uint32_t kMinThreads = 128;
-  static constexpr uint32_t kMaxThreads = 512;
-  // Grid sizing: blocks per SM = max(1, kResidentThreadsPerSm / T), capped at 8.
   static constexpr uint32_t kResidentThreadsPerSm = 1024;
+  // Rows wider than 1024 threads x kPreferredElementsPerThread: 512 threads, one block per SM.
+  static constexpr uint32_t kWideRowThreads = 512;
+  static constexpr uint32_t kMaxThreads = 1024;
   // Used by Geometry when KernelConfig::sm_count is 0 (unknown): an H100 SXM's 132 SMs.
   static constexpr uint32_t kDefaultSmCount = 132;
+  // Members per group of the grad_gamma tree (a power of two).
+  static constexpr uint32_t kFanIn = 16;
+  static constexpr uint32_t kLogFanIn = 4;
 
-  // The tiling for config.hidden_dim and dtype: the smallest power-of-two T in 128..512 with
-  // K*V <= kPreferredElementsPerThread, K = ceil(hidden_dim / (T*V)); T = 512 with up to
-  // kMaxElementsPerThread above 8192 columns.
+  // The tiling for config.hidden_dim and dtype: the smallest T in {256, 512, 1024} with
+  // K*V <= kPreferredElementsPerThread (K = ceil(hidden_dim / (T*V))) and N = 1024 / T; above
+  // that, T = 512 with up to kMaxElementsPerThread and N = 1.
   static RowTiling TilingFor(const KernelConfig& config);
+  // Workspace rows and semaphores of the grad_gamma tree over `blocks` blocks: the sum of every
+  // level's members (semaphores: groups) below the top, which has one.
+  static uint32_t TreeRows(uint32_t blocks);
+  static uint32_t TreeSemaphores(uint32_t blocks);
 
   static constexpr absl::string_view kEntryName = "rms_norm_backward_row_resident";
 
@@ -87,10 +103,10 @@ class RowResidentRmsNormBackwardKernel : public BuiltKernel {
   // T of TilingFor(config): the tiling is baked into the PTX, so no other block size computes
   // the row.
   uint32_t BlockThreads(const KernelConfig& config) const override;
-  // block.x = T; grid.x = G = clamp(min(num_rows, sm_count * blocks_per_sm), 1, 2^31-1): the
-  // number of dgamma partial rows. shared_bytes = 0 (the reduction's shared array is static).
+  // block.x = T; grid.x = G = clamp(min(num_rows, sm_count * N), 1, 2^31-1). shared_bytes = 0
+  // (the reductions' shared arrays are static).
   LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;
-  // BuiltKernel's key plus "|tile=<T>x<K>".
+  // BuiltKernel's key plus "|tile=<T>x<K>x<N>".
   std::string ConfigKey(const KernelConfig& config) const override;
   absl::StatusOr<Module> Build(const KernelConfig& config) const override;
 };

@@ -93,6 +93,14 @@ class FunctionVerifier {
           absl::StrCat("entry ", f_.name(), ": .maxntid ", f_.max_threads(), " exceeds ",
                        kMaxThreadsPerBlock, ", the most threads a block has on any target"));
     }
+    if (f_.min_blocks_per_sm() != 0 &&
+        (f_.max_threads() == 0 ||
+         uint64_t{f_.min_blocks_per_sm()} * f_.max_threads() > kMaxThreadsPerBlock)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("entry ", f_.name(), ": .minnctapersm ", f_.min_blocks_per_sm(),
+                       " with .maxntid ", f_.max_threads(), " needs a .maxntid and at most ",
+                       kMaxThreadsPerBlock, " threads per SM (what every target keeps resident)"));
+    }
     const std::vector<Instruction>& code = f_.instructions();
     for (size_t i = 0; i < code.size(); ++i) {
       if (absl::Status s = CheckInstruction(code[i]); !s.ok()) return Located(i, s.message());
@@ -237,6 +245,7 @@ class FunctionVerifier {
         NORMGRAD_RETURN_IF_ERROR(ExpectAddress(in.src[0]));
         NORMGRAD_RETURN_IF_ERROR(ExpectAlignedOffset(in, in.dst.size()));
         for (const Value& d : in.dst) NORMGRAD_RETURN_IF_ERROR(ExpectDst(d, t, "destination"));
+        NORMGRAD_RETURN_IF_ERROR(ExpectCacheOp(in));
         return NoRounding(in);
       case Opcode::kSt:
         if (in.space == StateSpace::kParam) {
@@ -251,6 +260,7 @@ class FunctionVerifier {
         NORMGRAD_RETURN_IF_ERROR(ExpectAlignedOffset(in, in.src.size() - 1));
         for (size_t k = 1; k < in.src.size(); ++k)
           NORMGRAD_RETURN_IF_ERROR(Expect(in.src[k], t, "value"));
+        NORMGRAD_RETURN_IF_ERROR(ExpectCacheOp(in));
         return NoRounding(in);
       case Opcode::kAtomAdd:
         NORMGRAD_RETURN_IF_ERROR(ExpectCounts(in, 1, 2));
@@ -488,9 +498,29 @@ class FunctionVerifier {
         return absl::OkStatus();
       case Opcode::kRet:
       case Opcode::kExit:
+      case Opcode::kFence:
         return ExpectCounts(in, 0, 0);
     }
     return absl::InvalidArgumentError("unknown opcode");
+  }
+
+  // A cache operator only on global ld/st, and one of those the access kind has (PTX ISA, "Cache
+  // Operators": loads .ca .cg .cs .lu .cv, stores .wb .cg .cs .wt).
+  static absl::Status ExpectCacheOp(const Instruction& in) {
+    if (in.cache == CacheOp::kNone) return absl::OkStatus();
+    if (in.space != StateSpace::kGlobal) {
+      return absl::InvalidArgumentError("a cache operator applies to .global accesses only");
+    }
+    const bool load = in.op == Opcode::kLd;
+    const bool ok =
+        in.cache == CacheOp::kCg || in.cache == CacheOp::kCs ||
+        (load ? in.cache == CacheOp::kCa || in.cache == CacheOp::kLu || in.cache == CacheOp::kCv
+              : in.cache == CacheOp::kWb || in.cache == CacheOp::kWt);
+    if (!ok) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(load ? "ld" : "st", " has no cache operator .", CacheOpName(in.cache)));
+    }
+    return absl::OkStatus();
   }
 
   // Forward must-analysis: a register is defined at a point when every path from the entry

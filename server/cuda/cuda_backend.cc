@@ -31,7 +31,6 @@ namespace normgrad::server {
 namespace {
 
 using backend_internal::kBatchedKernel;
-using backend_internal::kDgammaReduceKernel;
 using backend_internal::kRowResidentKernel;
 using backend_internal::kWarpKernel;
 using cuda::CudaDriver;
@@ -222,11 +221,17 @@ absl::StatusOr<std::shared_ptr<const LoadedModule>> LoadModule(
 // One chunk's work area on the device: a stream, pinned host memory and device memory, lent by
 // the backend's StagingPool for one ProcessChunk call.
 struct StagingSlot {
+  // The plan's semaphores (kernels::BackwardArgs::semaphores) for every chunk on this slot:
+  // zeroed once when the slot is made; every completed run leaves them zero, and a slot whose
+  // chunk failed is dropped, not reused. 1024 counters: a grid of up to ~15,000 blocks.
+  static constexpr size_t kSemaphoreBytes = 4096;
+
   CUstream stream = nullptr;
   uint8_t* host = nullptr;  // cuMemHostAlloc
   size_t host_bytes = 0;
   CUdeviceptr device = 0;  // stream-ordered on `stream` when the device has pools
   size_t device_bytes = 0;
+  CUdeviceptr semaphores = 0;  // kSemaphoreBytes, likewise
 };
 
 // The backend's staging slots (cuda_backend.h): the pinned bytes of every slot, lent or idle,
@@ -339,26 +344,36 @@ class StagingPool {
       slot.host_bytes = host_bytes;
     }
     if (device_bytes != 0) {
-      CUdeviceptr p = 0;
-      NORMGRAD_RETURN_IF_ERROR(
-          ctx_->stream_ordered
-              ? ctx_->Check(api.cuMemAllocAsync(&p, device_bytes, slot.stream), "cuMemAllocAsync")
-              : ctx_->Check(api.cuMemAlloc_v2(&p, device_bytes), "cuMemAlloc"));
-      slot.device = p;
+      NORMGRAD_ASSIGN_OR_RETURN(slot.device, AllocateDevice(slot, device_bytes));
       slot.device_bytes = device_bytes;
     }
-    return absl::OkStatus();
+    NORMGRAD_ASSIGN_OR_RETURN(slot.semaphores, AllocateDevice(slot, StagingSlot::kSemaphoreBytes));
+    return ctx_->Check(
+        api.cuMemsetD32Async(slot.semaphores, 0, StagingSlot::kSemaphoreBytes / sizeof(uint32_t),
+                             slot.stream),
+        "cuMemsetD32Async(semaphores)");
+  }
+
+  absl::StatusOr<CUdeviceptr> AllocateDevice(const StagingSlot& slot, size_t bytes) const {
+    const cuda::DriverApi& api = ctx_->api();
+    CUdeviceptr p = 0;
+    NORMGRAD_RETURN_IF_ERROR(
+        ctx_->stream_ordered
+            ? ctx_->Check(api.cuMemAllocAsync(&p, bytes, slot.stream), "cuMemAllocAsync")
+            : ctx_->Check(api.cuMemAlloc_v2(&p, bytes), "cuMemAlloc"));
+    return p;
   }
 
   // Frees what `slot` holds (its stream has no work left). Nothing on a failed device.
   void Free(StagingSlot& slot) const {
     if (!ctx_->failure().ok() || !ctx_->MakeCurrent().ok()) return;
     const cuda::DriverApi& api = ctx_->api();
-    if (slot.device != 0) {
+    for (const CUdeviceptr p : {slot.device, slot.semaphores}) {
+      if (p == 0) continue;
       if (ctx_->stream_ordered) {
-        api.cuMemFreeAsync(slot.device, slot.stream);
+        api.cuMemFreeAsync(p, slot.stream);
       } else {
-        api.cuMemFree_v2(slot.device);
+        api.cuMemFree_v2(p);
       }
     }
     if (slot.stream != nullptr) {
@@ -390,9 +405,8 @@ class IpcBufferCache {
 
   absl::StatusOr<std::shared_ptr<const DeviceBuffer>> Open(absl::string_view handle) {
     if (handle.size() != sizeof(CUipcMemHandle)) {
-      return absl::InvalidArgumentError(absl::StrCat("a CUDA IPC handle has ",
-                                                     sizeof(CUipcMemHandle), " bytes, not ",
-                                                     handle.size()));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a CUDA IPC handle has ", sizeof(CUipcMemHandle), " bytes, not ", handle.size()));
     }
     std::lock_guard<std::mutex> lock(mu_);  // one open at a time: the driver's count stays 1
     for (auto it = lru_.begin(); it != lru_.end(); ++it) {
@@ -419,19 +433,19 @@ class IpcBufferCache {
     NORMGRAD_RETURN_IF_ERROR(ctx_->Check(r, "cuIpcOpenMemHandle"));
     size_t bytes = 0;
     CUdeviceptr range_base = 0;
-    if (absl::Status s = ctx_->Check(
-            ctx_->api().cuMemGetAddressRange_v2(&range_base, &bytes, base), "cuMemGetAddressRange");
+    if (absl::Status s = ctx_->Check(ctx_->api().cuMemGetAddressRange_v2(&range_base, &bytes, base),
+                                     "cuMemGetAddressRange");
         !s.ok()) {
       ctx_->api().cuIpcCloseMemHandle(base);
       return s;
     }
-    auto opened = std::shared_ptr<DeviceBuffer>(new DeviceBuffer{base, bytes},
-                                                [ctx = ctx_](DeviceBuffer* b) {
-                                                  if (ctx->MakeCurrent().ok()) {
-                                                    ctx->api().cuIpcCloseMemHandle(b->address);
-                                                  }
-                                                  delete b;
-                                                });
+    auto opened =
+        std::shared_ptr<DeviceBuffer>(new DeviceBuffer{base, bytes}, [ctx = ctx_](DeviceBuffer* b) {
+          if (ctx->MakeCurrent().ok()) {
+            ctx->api().cuIpcCloseMemHandle(b->address);
+          }
+          delete b;
+        });
     lru_.emplace_front(std::string(handle), opened);
     while (lru_.size() > max_open_) lru_.pop_back();
     return std::shared_ptr<const DeviceBuffer>(std::move(opened));
@@ -503,9 +517,8 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
           "shared memory, not in device memory"));
     }
     if (rows.rows == 0 || rows.rows > spec_.num_rows - rows_done_) {
-      return absl::InvalidArgumentError(absl::StrCat("a device chunk of ", rows.rows,
-                                                     " rows after ", rows_done_, " of ",
-                                                     spec_.num_rows));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a device chunk of ", rows.rows, " rows after ", rows_done_, " of ", spec_.num_rows));
     }
     const auto start = std::chrono::steady_clock::now();
     absl::Status s = DeviceChunkInPlace(rows);
@@ -600,6 +613,15 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
     return s;
   }
 
+  // The plan's semaphores for `rows` fit in a slot's (a grid far beyond any device's would not).
+  static absl::Status CheckSemaphores(const kernels::BackwardPlan& plan, uint64_t rows) {
+    if (plan.SemaphoreBytes(rows) <= StagingSlot::kSemaphoreBytes) return absl::OkStatus();
+    return absl::InternalError(absl::StrCat(plan.kernel().EntryName(), " needs ",
+                                            plan.SemaphoreBytes(rows), " bytes of semaphores for ",
+                                            rows, " rows; a staging slot has ",
+                                            StagingSlot::kSemaphoreBytes));
+  }
+
   // Offsets of the parts of a staging slot, 256-byte aligned.
   class SlotLayout {
    public:
@@ -674,7 +696,9 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
     args.rms = rms_bytes != 0 ? dev + dof.rms : 0;
     args.dgamma = dgamma_on_device ? dev + dof.dgamma : 0;
     args.workspace = dev + dof.workspace;
+    args.semaphores = slot.semaphores;
     args.rows = rows;
+    NORMGRAD_RETURN_IF_ERROR(CheckSemaphores(plan, rows));
     args.hidden_dim = spec_.hidden_dim;
     args.eps = spec_.eps;
     NORMGRAD_RETURN_IF_ERROR(plan.Run(args, *this));
@@ -744,7 +768,9 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
       args.rms = rms_to_device ? in.rms : 0;
       args.dgamma = dgamma_on_device ? dev + d_dgamma : 0;
       args.workspace = dev + d_workspace;
+      args.semaphores = slot.semaphores;
       args.rows = rows;
+      NORMGRAD_RETURN_IF_ERROR(CheckSemaphores(plan, rows));
       args.hidden_dim = spec_.hidden_dim;
       args.eps = spec_.eps;
       NORMGRAD_RETURN_IF_ERROR(plan.Run(args, *this));

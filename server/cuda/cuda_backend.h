@@ -19,10 +19,10 @@
 //
 // Which kernel runs (BatchSpec::kernel empty = the backend's choice):
 //   hidden_dim <= 16384             rms_norm_backward_row_resident (x and dy read once; the given
-//                                   rms when there is one) writes dx and one f32 grad_gamma
-//                                   partial row per block; rms_norm_backward_dgamma_reduce sums
-//                                   them in a fixed order into the chunk's grad_gamma, which the
-//                                   host adds (double) in chunk order.
+//                                   rms when there is one), one launch: dx and the chunk's f32
+//                                   grad_gamma, summed in a fixed order (the blocks' partial sums
+//                                   through a last-block-done tree), which the host adds (double)
+//                                   in chunk order.
 //   wider, rms not given            batched_rms_norm_backward: dx on the GPU, the chunk's
 //                                   grad_gamma by atomics into a zeroed device buffer.
 //   wider, rms given                no GPU kernel takes a given rms for such rows: the host path

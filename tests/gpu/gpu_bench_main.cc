@@ -9,8 +9,8 @@
 // 16384x4096, 8192x8192, 32768x896; --smoke: 1x896, 64x896, 8x4096, 2x16384):
 //   - copy: a 16-byte-vector copy kernel over (2 + 1) * rows * hidden elements' worth of bytes
 //     (what the backward kernels move), bandwidth = bytes read + bytes written / time;
-//   - rms_norm_backward_row_resident + rms_norm_backward_dgamma_reduce (timed together), and the
-//     seed's batched_rms_norm_backward (with its grad_gamma memset);
+//   - rms_norm_backward_row_resident (one launch: dx and grad_gamma), and the seed's
+//     batched_rms_norm_backward (with its grad_gamma memset);
 // bandwidth = (x + dy read + dx written) bytes / median time of N launches (CUDA events), and the
 // fraction of the copy bandwidth. Before every run (warm-up included) of every kernel, the copy
 // too, L2 is flushed: a memset of a buffer twice CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, outside the
@@ -56,6 +56,9 @@ namespace {
 using kernels::DType;
 using server::cuda::CudaDriver;
 using server::cuda::DriverApi;
+
+// The row-resident plan's semaphores (as a staging slot of the CUDA backend has).
+constexpr size_t kSemaphoreBytes = 4096;
 
 struct Shape {
   uint32_t rows;
@@ -377,10 +380,16 @@ absl::StatusOr<Row> RunShape(Bench& bench, DType dtype, Shape shape, CUfunction 
   absl::StatusOr<CUdeviceptr> d_x = bench.Alloc(n * eb), d_dy = bench.Alloc(n * eb),
                               d_dx = bench.Alloc(n * eb), d_gamma = bench.Alloc(shape.hidden * eb),
                               d_workspace = bench.Alloc(workspace_bytes),
-                              d_dgamma = bench.Alloc(size_t{shape.hidden} * 4);
-  for (const auto* d : {&d_x, &d_dy, &d_dx, &d_gamma, &d_workspace, &d_dgamma}) {
+                              d_dgamma = bench.Alloc(size_t{shape.hidden} * 4),
+                              d_semaphores = bench.Alloc(kSemaphoreBytes);
+  for (const auto* d : {&d_x, &d_dy, &d_dx, &d_gamma, &d_workspace, &d_dgamma, &d_semaphores}) {
     if (!d->ok()) return d->status();
   }
+  // Zeroed once, as the backend does: every run leaves them zero.
+  if (row_resident->plan->SemaphoreBytes(shape.rows) > kSemaphoreBytes) {
+    return absl::InternalError("the row-resident plan needs more semaphores than allocated");
+  }
+  if (absl::Status s = bench.Memset(*d_semaphores, kSemaphoreBytes / 4); !s.ok()) return s;
   // Copy: the same bytes moved as the backward (2n read + n written, as 1.5n read + 1.5n written).
   const size_t copy_bytes = (n * eb * 3 / 2 + 15) / 16 * 16;
   absl::StatusOr<CUdeviceptr> c_src = bench.Alloc(copy_bytes), c_dst = bench.Alloc(copy_bytes);
@@ -399,6 +408,7 @@ absl::StatusOr<Row> RunShape(Bench& bench, DType dtype, Shape shape, CUfunction 
   args.gamma = *d_gamma;
   args.dgamma = *d_dgamma;
   args.workspace = *d_workspace;
+  args.semaphores = *d_semaphores;
   args.rows = shape.rows;
   args.hidden_dim = shape.hidden;
   args.eps = p.eps;

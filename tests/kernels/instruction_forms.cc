@@ -9,6 +9,8 @@ namespace normgrad::kernels {
 Module EveryInstructionFormModule() {
   Module m(PtxVersion{7, 0}, kEveryFormTargetSm);
   Function& f = m.AddEntry(kEveryFormEntry);
+  f.set_max_threads(256);  // launch bounds: .maxntid 256, 1, 1 and .minnctapersm 2
+  f.set_min_blocks_per_sm(2);
   const Param p64 = f.AddParam(PtxType::kU64, "ptr");
   const Param p32 = f.AddParam(PtxType::kU32, "n");
   const Param pf = f.AddParam(PtxType::kF32, "scale");
@@ -125,6 +127,16 @@ Module EveryInstructionFormModule() {
   b.St(StateSpace::kGlobal, Address{b.Add(ptr, d4), -4}, back);
   b.StV4(StateSpace::kGlobal, Address{ptr, 32}, v4);
   b.St(StateSpace::kGlobal, Address{ptr}, b.Cvt(PtxType::kU32, d2));
+  // Cache operators on global loads and stores, and a GPU-scope fence.
+  for (CacheOp op : {CacheOp::kCa, CacheOp::kCg, CacheOp::kCs, CacheOp::kLu, CacheOp::kCv}) {
+    auto hint = b.WithCache(op);
+    b.LdInto(StateSpace::kGlobal, PtxType::kF32, Address{ptr, 80}, v4);
+  }
+  for (CacheOp op : {CacheOp::kWb, CacheOp::kCg, CacheOp::kCs, CacheOp::kWt}) {
+    auto hint = b.WithCache(op);
+    b.StV4(StateSpace::kGlobal, Address{ptr, 96}, v4);
+  }
+  b.Fence();
   // Control flow.
   b.BraIf(ok, done);
   b.Bra(uni, /*uniform=*/true);

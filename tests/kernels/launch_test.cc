@@ -29,11 +29,19 @@ constexpr char kWarp[] = "rms_norm_backward";
 
 // Every field a different value, so that a value in the wrong slot shows.
 KernelParamValues DistinctValues() {
-  return KernelParamValues{
-      /*input=*/0x1000,           /*gamma=*/0x2000,      /*rms=*/0x3000,
-      /*grad_output=*/0x4000,     /*grad_input=*/0x5000, /*grad_gamma=*/0x6000,
-      /*dgamma_partials=*/0x7000, /*dgamma=*/0x8000,     /*num_rows=*/11,
-      /*num_partials=*/12,        /*hidden_dim=*/13,     /*eps=*/0.25f};
+  return KernelParamValues{/*input=*/0x1000,
+                           /*gamma=*/0x2000,
+                           /*rms=*/0x3000,
+                           /*grad_output=*/0x4000,
+                           /*grad_input=*/0x5000,
+                           /*grad_gamma=*/0x6000,
+                           /*dgamma_partials=*/0x7000,
+                           /*dgamma=*/0x8000,
+                           /*semaphores=*/0x9000,
+                           /*num_rows=*/11,
+                           /*num_partials=*/12,
+                           /*hidden_dim=*/13,
+                           /*eps=*/0.25f};
 }
 
 TEST(KernelParamTable, EveryIdHasOneEntryAndItsNameFindsIt) {
@@ -90,9 +98,10 @@ TEST(PackArgs, TheRowResidentKernelsArrayIsInItsDeclarationOrder) {
   uint32_t eps_bits;
   const float eps = 0.25f;
   std::memcpy(&eps_bits, &eps, 4);
-  // x, gamma, dy, dx, rms, partials, rows, hidden, eps: the order Build declares.
-  EXPECT_EQ(slots, (std::vector<uint64_t>{0x1000, 0x2000, 0x4000, 0x5000, 0x3000, 0x7000, 11, 13,
-                                          eps_bits}));
+  // x, gamma, dy, dx, rms, dgamma, workspace, semaphores, rows, hidden, eps: the order Build
+  // declares.
+  EXPECT_EQ(slots, (std::vector<uint64_t>{0x1000, 0x2000, 0x4000, 0x5000, 0x3000, 0x8000, 0x7000,
+                                          0x9000, 11, 13, eps_bits}));
 }
 
 TEST(PackArgs, AParameterTheContractDoesNotKnowIsAnInternalErrorNamingIt) {
@@ -154,44 +163,59 @@ BackwardArgs Args(uint64_t rows, uint32_t hidden) {
   a.rms = 0x50000;
   a.dgamma = 0x60000;
   a.workspace = 0x70000;
+  a.semaphores = 0x80000;
   a.rows = rows;
   a.hidden_dim = hidden;
   a.eps = 1e-3f;
   return a;
 }
 
-TEST(BackwardPlan, RowResidentLaunchesTheKernelThenTheF32ReduceOfItsPartialRows) {
+TEST(BackwardPlan, RowResidentIsOneLaunchWritingDxAndDgammaThroughItsTree) {
   const KernelConfig config = Config(896, DType::kBF16);
   absl::StatusOr<BackwardPlan> plan = BackwardPlan::Create(*FindKernel(kRowResident), config);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  ASSERT_EQ(plan->steps().size(), 2u);
-  EXPECT_EQ(plan->steps()[1].kernel->EntryName(), kReduce);
-  EXPECT_EQ(plan->steps()[1].config.dtype, DType::kF32);
+  ASSERT_EQ(plan->steps().size(), 1u);
   EXPECT_EQ(plan->dgamma_output(), DgammaOutput::kWritten);
   EXPECT_TRUE(plan->reads_rms());
   EXPECT_FALSE(plan->requires_rms());
 
+  // sm_count 4 x 4 blocks of 256 threads: G = 16 for 1000 rows, one group, two levels (16, 1):
+  // 16 workspace rows of the tiling's capacity (256 threads x 8 bf16) and one semaphore.
   const uint64_t rows = 1000;
-  const uint32_t partial_rows = FindKernel(kRowResident)->Geometry(config, rows).grid[0];
-  EXPECT_EQ(plan->WorkspaceBytes(rows), uint64_t{partial_rows} * 896 * sizeof(float));
+  const uint32_t blocks = FindKernel(kRowResident)->Geometry(config, rows).grid[0];
+  EXPECT_EQ(blocks, 16u);
+  EXPECT_EQ(plan->WorkspaceBytes(rows), uint64_t{16} * 256 * 8 * sizeof(float));
+  EXPECT_EQ(plan->SemaphoreBytes(rows), 4u);
+  // One row: G = 1, no tree at all.
+  EXPECT_EQ(plan->WorkspaceBytes(1), 0u);
+  EXPECT_EQ(plan->SemaphoreBytes(1), 0u);
 
   RecordingLauncher launcher(*plan);
   ASSERT_TRUE(plan->Run(Args(rows, 896), launcher).ok());
-  ASSERT_EQ(launcher.launched().size(), 2u);
+  ASSERT_EQ(launcher.launched().size(), 1u);
   const auto& main = launcher.launched()[0];
-  const auto& reduce = launcher.launched()[1];
   EXPECT_EQ(main.step, 0u);
-  EXPECT_EQ(main.geometry.grid[0], partial_rows);
+  EXPECT_EQ(main.geometry.grid[0], blocks);
   EXPECT_EQ(main.values.input, 0x10000u);
   EXPECT_EQ(main.values.rms, 0x50000u);
+  EXPECT_EQ(main.values.dgamma, 0x60000u);
   EXPECT_EQ(main.values.dgamma_partials, 0x70000u);
+  EXPECT_EQ(main.values.semaphores, 0x80000u);
   EXPECT_EQ(main.values.num_rows, rows);
   EXPECT_EQ(main.values.eps, 1e-3f);
-  EXPECT_EQ(reduce.step, 1u);
-  EXPECT_EQ(reduce.values.dgamma_partials, 0x70000u);
-  EXPECT_EQ(reduce.values.dgamma, 0x60000u);
-  EXPECT_EQ(reduce.values.num_partials, partial_rows);
-  EXPECT_EQ(reduce.values.hidden_dim, 896u);
+}
+
+TEST(RowResidentTree, RowsAndSemaphoresPerLevel) {
+  using K = RowResidentRmsNormBackwardKernel;
+  EXPECT_EQ(K::TreeRows(1), 0u);
+  EXPECT_EQ(K::TreeSemaphores(1), 0u);
+  EXPECT_EQ(K::TreeRows(2), 2u);  // 2 -> 1
+  EXPECT_EQ(K::TreeSemaphores(2), 1u);
+  EXPECT_EQ(K::TreeRows(16), 16u);  // 16 -> 1
+  EXPECT_EQ(K::TreeRows(17), 19u);  // 17 -> 2 -> 1
+  EXPECT_EQ(K::TreeSemaphores(17), 3u);
+  EXPECT_EQ(K::TreeRows(264), 264u + 17 + 2);  // 264 -> 17 -> 2 -> 1
+  EXPECT_EQ(K::TreeSemaphores(264), 17u + 2 + 1);
 }
 
 TEST(BackwardPlan, SeedKernelsLaunchInPiecesBelowTheDevicesGridLimit) {
@@ -251,11 +275,17 @@ TEST(BackwardPlan, CanImplementNamesTheFieldAndTheNumbers) {
   BackwardArgs other_hidden = Args(4, 65);
   BackwardArgs no_workspace = Args(4, 64);
   no_workspace.workspace = 0;
+  BackwardArgs misaligned_workspace = Args(4, 64);
+  misaligned_workspace.workspace = 0x70004;
+  BackwardArgs no_semaphores = Args(4, 64);
+  no_semaphores.semaphores = 0;
   BackwardArgs too_many_rows = Args(uint64_t{1} << 32, 64);
   BackwardArgs no_rms = Args(4, 16);
   no_rms.rms = 0;
   for (const Case& c : {Case{*row, other_hidden, "hidden_dim 65 differs from the plan's 64"},
                         Case{*row, no_workspace, "workspace of"},
+                        Case{*row, misaligned_workspace, "workspace at 0x70004 is not 16-byte"},
+                        Case{*row, no_semaphores, "semaphores of 4 bytes for 4 rows"},
                         Case{*row, too_many_rows, "rows 4294967296 exceed 4294967295"},
                         Case{*warp, no_rms, "needs the forward's rms"}}) {
     const absl::Status s = c.plan.CanImplement(c.args);
@@ -280,16 +310,19 @@ TEST(BackwardPlan, CreateRefusesWhatTheKernelRefusesAndTheReduceAlone) {
 }
 
 // The block size the entry of `ptx` declares: the line after its parameter list must be
-// `.maxntid X, 1, 1` and the next one `{`. 0 when the directive is missing or malformed.
+// `.maxntid X, 1, 1` and the next one `{` (or `.minnctapersm N`, then `{`). 0 when the directive
+// is missing or malformed.
 uint32_t DeclaredMaxThreads(const std::string& ptx) {
   const std::vector<absl::string_view> lines = absl::StrSplit(ptx, '\n');
   for (size_t i = 0; i + 2 < lines.size(); ++i) {
     if (lines[i] != ")") continue;
     std::vector<absl::string_view> words = absl::StrSplit(lines[i + 1], ' ');
     uint32_t x = 0;
+    const bool body_next =
+        lines[i + 2] == "{" || (absl::StartsWith(lines[i + 2], ".minnctapersm ") &&
+                                i + 3 < lines.size() && lines[i + 3] == "{");
     if (words.size() == 4 && words[0] == ".maxntid" && absl::ConsumeSuffix(&words[1], ",") &&
-        absl::SimpleAtoi(words[1], &x) && words[2] == "1," && words[3] == "1" &&
-        lines[i + 2] == "{") {
+        absl::SimpleAtoi(words[1], &x) && words[2] == "1," && words[3] == "1" && body_next) {
       return x;
     }
     return 0;
@@ -298,7 +331,7 @@ uint32_t DeclaredMaxThreads(const std::string& ptx) {
 }
 
 // Every registry kernel, dtype and supported target, at hidden dims that reach every
-// row-resident tiling (128 to 512 threads) and the other kernels' limits: the PTX declares the
+// row-resident tiling (256 to 1024 threads) and the other kernels' limits: the PTX declares the
 // block size its launches use, so ptxas (and nvJitLink's relocatable ptxas) fits its registers
 // to that block and the driver refuses a larger one.
 TEST(LaunchBounds, EveryKernelDeclaresMaxntidEqualToItsLaunchBlock) {
@@ -333,8 +366,9 @@ TEST(LaunchBounds, EveryKernelDeclaresMaxntidEqualToItsLaunchBlock) {
 TEST(LaunchBounds, RowResidentTilingsSpanEveryBlockSize) {
   const Kernel* k = FindKernel(kRowResident);
   ASSERT_NE(k, nullptr);
-  EXPECT_EQ(k->BlockThreads({.hidden_dim = 896}), 128u);
-  EXPECT_EQ(k->BlockThreads({.hidden_dim = 4096}), 256u);
+  EXPECT_EQ(k->BlockThreads({.hidden_dim = 896}), 256u);
+  EXPECT_EQ(k->BlockThreads({.hidden_dim = 4096}), 512u);
+  EXPECT_EQ(k->BlockThreads({.hidden_dim = 8192}), 1024u);
   EXPECT_EQ(k->BlockThreads({.hidden_dim = 16384}), 512u);
   EXPECT_EQ(k->BlockThreads({.hidden_dim = 16384}),
             RowResidentRmsNormBackwardKernel::TilingFor({.hidden_dim = 16384}).threads);

@@ -69,8 +69,9 @@ TEST(NormgradPtxTest, ResourceUsageLineWithAndWithoutNvJitLink) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   if (absl::StrContains(r.out, "resources=unknown")) GTEST_SKIP() << "no nvJitLink: " << r.out;
   EXPECT_TRUE(absl::StrContains(r.out, " min_cuda_driver=11.8 registers=")) << r.out;
-  EXPECT_TRUE(absl::StrContains(r.out, " spill_store_bytes=0 spill_load_bytes=0 "
-                                       "shared_memory_bytes=64 local_memory_bytes=0 barriers=1\n"))
+  EXPECT_TRUE(absl::StrContains(r.out,
+                                " spill_store_bytes=0 spill_load_bytes=0 "
+                                "shared_memory_bytes=132 local_memory_bytes=0 barriers=1\n"))
       << r.out;
 }
 

@@ -192,7 +192,7 @@ TEST(KernelContractTest, SameRequestSameBytes) {
 TEST(KernelContractTest, ConfigKeyNamesEverythingBakedIn) {
   const Kernel* k = FindKernel("batched_rms_norm_backward");
   const std::string key = k->ConfigKey({.hidden_dim = 896, .target_sm = 90});
-  EXPECT_EQ(key, "batched_rms_norm_backward|dtype=f32|sm_90|ptx=7.8|normgrad-ptx/2");
+  EXPECT_EQ(key, "batched_rms_norm_backward|dtype=f32|sm_90|ptx=7.8|normgrad-ptx/3");
   std::set<std::string> keys;
   for (int sm : {75, 80, 90, 100}) keys.insert(k->ConfigKey({.hidden_dim = 1, .target_sm = sm}));
   keys.insert(k->ConfigKey({.hidden_dim = 1, .target_sm = 90, .ptx_version = PtxVersion{8, 0}}));
@@ -279,7 +279,8 @@ TEST(KernelContractTest, Bf16NeedsSm80AndSaysSo) {
 // grad_gamma (batched kernel) stay f32. The dtype is part of the key and changes the text.
 TEST(KernelContractTest, HalfPrecisionLoadsSixteenBitsAndComputesInF32) {
   // The seed kernels; the row-resident pair has its own checks (row_resident_kernel_test).
-  for (const Kernel* k : {FindKernel("rms_norm_backward"), FindKernel("batched_rms_norm_backward")}) {
+  for (const Kernel* k :
+       {FindKernel("rms_norm_backward"), FindKernel("batched_rms_norm_backward")}) {
     const std::string f32 = EmitText(k->EntryName(), {.hidden_dim = 16, .target_sm = 80});
     const std::string f16 =
         EmitText(k->EntryName(), {.hidden_dim = 16, .dtype = DType::kF16, .target_sm = 80});

@@ -41,10 +41,11 @@ TEST(RowResidentKernelTest, IsRegisteredWithItsParameters) {
   ASSERT_NE(FindKernel("rms_norm_backward_dgamma_reduce"), nullptr);
   std::vector<std::string> names;
   for (const KernelParam& p : Main().Params()) names.push_back(p.name + ":" + p.ptx_type);
-  EXPECT_EQ(names, (std::vector<std::string>{"input_ptr:u64", "gamma_ptr:u64",
-                                             "grad_output_ptr:u64", "grad_input_ptr:u64",
-                                             "rms_ptr:u64", "dgamma_partials_ptr:u64",
-                                             "num_rows:u32", "hidden_dim:u32", "eps:f32"}));
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"input_ptr:u64", "gamma_ptr:u64", "grad_output_ptr:u64",
+                                      "grad_input_ptr:u64", "rms_ptr:u64", "dgamma_ptr:u64",
+                                      "dgamma_partials_ptr:u64", "semaphores_ptr:u64",
+                                      "num_rows:u32", "hidden_dim:u32", "eps:f32"}));
   absl::StatusOr<EmittedPtx> ptx = Main().Emit({.hidden_dim = 4096, .target_sm = 90});
   ASSERT_TRUE(ptx.ok()) << ptx.status();
   ASSERT_EQ(ptx->params.size(), Main().Params().size());
@@ -79,20 +80,38 @@ TEST(RowResidentKernelTest, TilingHoldsTheWholeRowWithinTheRegisterBudget) {
       EXPECT_GE(t.capacity(), h) << h;
       EXPECT_LE(t.elements_per_thread(), RowResidentRmsNormBackwardKernel::kMaxElementsPerThread);
       EXPECT_EQ(t.vector_elements * DTypeBytes(d), 16u);
-      EXPECT_TRUE(t.threads == 128 || t.threads == 256 || t.threads == 512) << t.threads;
+      EXPECT_TRUE(t.threads == 256 || t.threads == 512 || t.threads == 1024) << t.threads;
       // Not wasteful: one slot less per thread would not hold the row (or T is the minimum).
       EXPECT_TRUE(t.vectors_per_thread == 1 ||
                   (t.vectors_per_thread - 1) * t.threads * t.vector_elements < h);
+      // 1024 resident threads per SM (64 registers each) up to 8 elements per thread, else one
+      // 512-thread block (128 registers each).
+      if (t.elements_per_thread() <= 8) {
+        EXPECT_EQ(t.threads * t.blocks_per_sm, 1024u) << h;
+      } else {
+        EXPECT_EQ(t.threads, 512u) << h;
+        EXPECT_EQ(t.blocks_per_sm, 1u) << h;
+      }
     }
   }
-  const RowTiling big = RowResidentRmsNormBackwardKernel::TilingFor({.hidden_dim = 16384});
-  EXPECT_EQ(big.threads, 512u);
-  EXPECT_EQ(big.elements_per_thread(), 32u);
+  // The shapes: f32 896 -> 256 x 1 (4 per SM), 4096 -> 512 x 2 (2 per SM), 8192 ->
+  // 1024 x 2 (1 per SM), 16384 -> 512 x 8 (1 per SM); bf16 4096 -> 512 x 1.
+  auto tile = [](uint32_t h, DType d) {
+    const RowTiling t = RowResidentRmsNormBackwardKernel::TilingFor({.hidden_dim = h, .dtype = d});
+    return std::vector<uint32_t>{t.threads, t.vectors_per_thread, t.blocks_per_sm};
+  };
+  EXPECT_EQ(tile(896, DType::kF32), (std::vector<uint32_t>{256, 1, 4}));
+  EXPECT_EQ(tile(4096, DType::kF32), (std::vector<uint32_t>{512, 2, 2}));
+  EXPECT_EQ(tile(8192, DType::kF32), (std::vector<uint32_t>{1024, 2, 1}));
+  EXPECT_EQ(tile(16384, DType::kF32), (std::vector<uint32_t>{512, 8, 1}));
+  EXPECT_EQ(tile(4096, DType::kBF16), (std::vector<uint32_t>{512, 1, 2}));
+  EXPECT_EQ(tile(16384, DType::kBF16), (std::vector<uint32_t>{512, 4, 1}));
 }
 
 TEST(RowResidentKernelTest, TheKeyNamesTheTilingButNotTheSmCount) {
   const std::string a = Main().ConfigKey({.hidden_dim = 4096, .target_sm = 90});
-  EXPECT_EQ(a, "rms_norm_backward_row_resident|dtype=f32|sm_90|ptx=7.8|normgrad-ptx/2|tile=256x4");
+  EXPECT_EQ(a,
+            "rms_norm_backward_row_resident|dtype=f32|sm_90|ptx=7.8|normgrad-ptx/3|tile=512x2x2");
   // Same tiling, same key, same bytes.
   EXPECT_EQ(Main().ConfigKey({.hidden_dim = 4000, .target_sm = 90}), a);
   EXPECT_EQ(Main().Emit({.hidden_dim = 4000, .target_sm = 90})->text,
@@ -109,15 +128,15 @@ TEST(RowResidentKernelTest, TheKeyNamesTheTilingButNotTheSmCount) {
 TEST(RowResidentKernelTest, GeometryIsAPersistentGridSizedBySmCount) {
   const KernelConfig c{.hidden_dim = 4096, .target_sm = 90, .sm_count = 132};
   LaunchGeometry g = Main().Geometry(c, 1u << 20);
-  EXPECT_EQ(g.block[0], 256u);
-  EXPECT_EQ(g.grid[0], 132u * 4);                  // 1024 resident threads per SM / 256
+  EXPECT_EQ(g.block[0], 512u);
+  EXPECT_EQ(g.grid[0], 132u * 2);                  // the entry's .minnctapersm 2
   EXPECT_EQ(Main().Geometry(c, 10).grid[0], 10u);  // never more blocks than rows
   EXPECT_EQ(Main().Geometry(c, 0).grid[0], 1u);
-  EXPECT_EQ(Main().Geometry({.hidden_dim = 16384, .sm_count = 132}, 1u << 20).grid[0], 264u);
-  EXPECT_EQ(Main().Geometry({.hidden_dim = 896, .sm_count = 132}, 1u << 20).grid[0], 132u * 8);
+  EXPECT_EQ(Main().Geometry({.hidden_dim = 16384, .sm_count = 132}, 1u << 20).grid[0], 132u);
+  EXPECT_EQ(Main().Geometry({.hidden_dim = 896, .sm_count = 132}, 1u << 20).grid[0], 132u * 4);
   // Unknown SM count: the documented default.
   EXPECT_EQ(Main().Geometry({.hidden_dim = 4096}, 1u << 20).grid[0],
-            RowResidentRmsNormBackwardKernel::kDefaultSmCount * 4);
+            RowResidentRmsNormBackwardKernel::kDefaultSmCount * 2);
   const LaunchGeometry r = Reduce().Geometry({.hidden_dim = 4097}, 0);
   EXPECT_EQ(r.block[0], 512u);
   EXPECT_EQ(r.grid[0], 129u);  // 32 columns per block
@@ -126,21 +145,38 @@ TEST(RowResidentKernelTest, GeometryIsAPersistentGridSizedBySmCount) {
   }
 }
 
-TEST(RowResidentKernelTest, EmitsVectorAccessesNoAtomicsAndTwoBarriersPerRow) {
+TEST(RowResidentKernelTest, EmitsStreamedVectorAccessesAndTheTreesCountsAndFences) {
   for (DType d : {DType::kF32, DType::kBF16, DType::kF16}) {
     absl::StatusOr<EmittedPtx> ptx = Main().Emit({.hidden_dim = 4096, .dtype = d, .target_sm = 80});
     ASSERT_TRUE(ptx.ok()) << ptx.status();
     const std::string& t = ptx->text;
     const std::string v4 = d == DType::kF32 ? ".v4.f32" : ".v4.u32";
-    const uint32_t slots =
-        RowResidentRmsNormBackwardKernel::TilingFor({.hidden_dim = 4096, .dtype = d})
-            .vectors_per_thread;
-    // Per slot: x, dy, gamma before the reduction, gamma again after it (cache hits).
-    EXPECT_EQ(Count(t, "ld.global" + v4), 4 * static_cast<int>(slots));
-    EXPECT_EQ(Count(t, "st.global" + v4), static_cast<int>(slots));  // dx
-    EXPECT_EQ(Count(t, "atom."), 0);
-    EXPECT_EQ(Count(t, "bar.sync"), 2);
+    const RowTiling tiling =
+        RowResidentRmsNormBackwardKernel::TilingFor({.hidden_dim = 4096, .dtype = d});
+    const int slots = static_cast<int>(tiling.vectors_per_thread);
+    const int quads = slots * static_cast<int>(tiling.vector_elements / 4);
+    // Per slot: x and dy streamed (evict first); gamma before the reduction and again after it
+    // (cache hits, default policy); dx streamed.
+    EXPECT_EQ(Count(t, "ld.global.cs" + v4), 2 * slots);
+    EXPECT_EQ(Count(t, "ld.global" + v4), 2 * slots);
+    EXPECT_EQ(Count(t, "st.global.cs" + v4), slots);
+    // The tree: each thread's quads stored once per level and loaded from kFanIn members, L2
+    // only; dgamma stored once (default policy).
+    EXPECT_EQ(Count(t, "st.global.cg.v4.f32"), quads);
+    EXPECT_EQ(Count(t, "ld.global.cg.v4.f32"),
+              quads * static_cast<int>(RowResidentRmsNormBackwardKernel::kFanIn));
+    EXPECT_EQ(Count(t, "st.global.v4.f32"), quads);
+    // One arrival count per level (the only atomic), a release and an acquire fence, two
+    // barriers per row and two per level, the entry's launch bounds.
+    EXPECT_EQ(Count(t, "atom.global.add.u32"), 1);
+    EXPECT_EQ(Count(t, "atom."), 1);
+    EXPECT_EQ(Count(t, "fence.acq_rel.gpu"), 2);
+    EXPECT_EQ(Count(t, "bar.sync"), 4);
     EXPECT_EQ(Count(t, "shfl.sync.bfly"), 10);
+    EXPECT_TRUE(
+        absl::StrContains(t, absl::StrCat(".maxntid ", tiling.threads, ", 1, 1\n.minnctapersm ",
+                                          tiling.blocks_per_sm, "\n")))
+        << t.substr(0, 600);
   }
   absl::StatusOr<EmittedPtx> reduce =
       Reduce().Emit({.hidden_dim = 16, .dtype = DType::kBF16, .target_sm = 80});
@@ -213,8 +249,11 @@ TEST(RowResidentKernelTest, PtxasAssemblesEveryTargetWithRegistersThatFitTheBloc
         ASSERT_TRUE(std::regex_search(out, match, used)) << out;
         int regs = 0;
         ASSERT_TRUE(absl::SimpleAtoi(match[1].str(), &regs));
+        const RowTiling tiling = RowResidentRmsNormBackwardKernel::TilingFor(c);
         const uint32_t threads = Main().Geometry(c, 1).block[0];
-        EXPECT_LE(regs * threads, 65536u) << DTypeName(d) << " h" << h << " sm_" << sm;
+        // .minnctapersm holds: that many blocks fit in an SM's 65,536 registers.
+        EXPECT_LE(regs * threads * tiling.blocks_per_sm, 65536u)
+            << DTypeName(d) << " h" << h << " sm_" << sm;
         EXPECT_TRUE(absl::StrContains(out, "0 bytes spill stores")) << out;
         if (sm == 90 && (h == 896 || h == 4096 || h == 16384)) {
           std::cout << "rms_norm_backward_row_resident " << DTypeName(d) << " hidden_dim=" << h

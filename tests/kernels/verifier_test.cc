@@ -111,10 +111,15 @@ const BrokenEntry kBrokenEntries[] = {
      },
      "bound twice"},
     {"ABranchToALabelNeverCreated", [](Fixture& fx) { fx.b.Bra(Label{42}); }, "never created"},
-    {"AnUndeclaredParameter", [](Fixture& fx) { fx.b.LdParam(Param{7, PtxType::kU64}); },
+    {"AnUndeclaredParameter",
+     [](Fixture& fx) {
+       fx.b.LdParam(Param{7, PtxType::kU64});
+     },
      "parameter #7, which is not declared"},
     {"AParameterLoadedWithTheWrongType",
-     [](Fixture& fx) { fx.b.LdParam(Param{fx.n.index, PtxType::kU64}); },  // n is .u32
+     [](Fixture& fx) {
+       fx.b.LdParam(Param{fx.n.index, PtxType::kU64});
+     },  // n is .u32
      "declared .u32"},
     {"ADuplicateParameterName", [](Fixture& fx) { fx.f.AddParam(PtxType::kU32, "n"); },
      "declared twice"},
@@ -180,10 +185,36 @@ const BrokenEntry kBrokenEntries[] = {
        fx.b.Add(Value::Register(0, PtxType::kF32), Value::F32(1.0f));  // register 0 is .u32
      },
      "register %r1 is .u32"},
-    {"ARegisterThatDoesNotExist",
-     [](Fixture& fx) { fx.b.Mov(Value::Register(99, PtxType::kU32)); }, "does not exist"},
+    {"ARegisterThatDoesNotExist", [](Fixture& fx) { fx.b.Mov(Value::Register(99, PtxType::kU32)); },
+     "does not exist"},
     {"AnImmediateDestination", [](Fixture& fx) { fx.b.Assign(Value::U32(5), Value::U32(6)); },
      "destination must be a register"},
+    // Cache operators.
+    {"AStoreCacheOperatorOnALoad",
+     [](Fixture& fx) {
+       auto hint = fx.b.WithCache(CacheOp::kWt);
+       fx.b.Ld(StateSpace::kGlobal, PtxType::kF32, Address{fx.b.LdParam(fx.out)});
+     },
+     "ld has no cache operator .wt"},
+    {"ALoadCacheOperatorOnAStore",
+     [](Fixture& fx) {
+       const Value out = fx.b.LdParam(fx.out);
+       auto hint = fx.b.WithCache(CacheOp::kLu);
+       fx.b.St(StateSpace::kGlobal, Address{out}, Value::F32(0.0f));
+     },
+     "st has no cache operator .lu"},
+    {"ACacheOperatorOnSharedMemory",
+     [](Fixture& fx) {
+       SharedArray buf = fx.f.AddShared("buf", 16);
+       Instruction in;
+       in.op = Opcode::kSt;
+       in.type = PtxType::kF32;
+       in.space = StateSpace::kShared;
+       in.cache = CacheOp::kCs;
+       in.src = {fx.b.AddressOf(buf), Value::F32(0.0f)};
+       fx.b.Append(in);
+     },
+     "applies to .global accesses only"},
     // Shared arrays.
     {"ASharedArrayNamedLikeAParameter", [](Fixture& fx) { fx.f.AddShared("n", 16); },
      "already used"},
@@ -283,6 +314,18 @@ TEST(VerifierTest, RejectsAMaxntidAboveTheDevicesBlockLimit) {
   ExpectAccepted(m);
   f.set_max_threads(1025);
   ExpectRejected(m, "entry k: .maxntid 1025 exceeds 1024");
+}
+
+TEST(VerifierTest, RejectsMinBlocksPerSmWithoutMaxntidOrAboveTheThreadsAnSmKeeps) {
+  Module m(PtxVersion{7, 0}, 80);
+  Function& f = m.AddEntry("k");
+  Builder(&f).Ret();
+  f.set_min_blocks_per_sm(2);
+  ExpectRejected(m, "entry k: .minnctapersm 2 with .maxntid 0 needs a .maxntid");
+  f.set_max_threads(512);
+  ExpectAccepted(m);
+  f.set_min_blocks_per_sm(3);
+  ExpectRejected(m, ".minnctapersm 3 with .maxntid 512");
 }
 
 TEST(VerifierTest, MessageNamesTheInstructionIndexAndText) {

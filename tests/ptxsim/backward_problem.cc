@@ -83,6 +83,8 @@ double DxTolerance(DType dtype) {
   return dtype == DType::kF32 ? 1e-5 : dtype == DType::kF16 ? 5e-4 : 4e-3;
 }
 
+double DgammaTolerance(uint32_t rows) { return 1e-5 * std::max(1.0, std::sqrt(rows / 64.0)); }
+
 BackwardProblem MakeBackwardProblem(DType dtype, uint32_t rows, uint32_t hidden, float eps) {
   BackwardProblem p;
   p.dtype = dtype;

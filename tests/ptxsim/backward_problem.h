@@ -37,6 +37,10 @@ std::vector<float> DecodeElements(absl::Span<const uint8_t> bytes, kernels::DTyp
 // dx against the unrounded reference, relative to max(1, |ref|): half an ulp of the element
 // type plus the f32 error (1e-5 f32, 5e-4 f16, 4e-3 bf16).
 double DxTolerance(kernels::DType dtype);
+// f32 dgamma (a sum over `rows` rows in f32) against the double reference, relative to
+// max(1, |ref|): 1e-5 up to 64 rows, growing as sqrt(rows) beyond (the rounding error of a sum of
+// n terms of either sign grows about as sqrt(n)).
+double DgammaTolerance(uint32_t rows);
 
 struct BackwardProblem {
   kernels::DType dtype = kernels::DType::kF32;

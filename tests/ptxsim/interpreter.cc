@@ -676,7 +676,8 @@ class Launcher {
     for (uint32_t z = 0; z < g.z; ++z) {
       for (uint32_t y = 0; y < g.y; ++y) {
         for (uint32_t x = 0; x < g.x; ++x) {
-          block_ = {x, y, z};
+          block_ = config_.reverse_block_order ? Dim3{g.x - 1 - x, g.y - 1 - y, g.z - 1 - z}
+                                               : Dim3{x, y, z};
           if (absl::Status s = RunBlock(); !s.ok()) return s;
         }
       }

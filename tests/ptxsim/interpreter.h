@@ -10,9 +10,10 @@
 //                           memory, &report);
 //   // !s.ok(): report.finding says what went wrong; s.message() is the diagnosis.
 //
-// Blocks run one after another on the calling thread; the warps of a block run one at a time
-// until each blocks at a barrier or exits. Launch() is reentrant: concurrent launches on
-// different threads share nothing but `memory` (read) and the global memory they touch.
+// Blocks run one after another on the calling thread (in index order, or reversed); the warps of a
+// block run one at a time until each blocks at a barrier or exits. Launch() is reentrant:
+// concurrent launches on different threads share nothing but `memory` (read) and the global memory
+// they touch.
 #ifndef NORMGRAD_TESTS_PTXSIM_INTERPRETER_H_
 #define NORMGRAD_TESTS_PTXSIM_INTERPRETER_H_
 
@@ -39,6 +40,9 @@ struct LaunchConfig {
   // Bound on executed warp-instructions for the whole launch (a hung kernel becomes a finding,
   // not a hung test).
   uint64_t max_warp_instructions = uint64_t{1} << 36;
+  // Blocks run from the last to the first instead (blocks that count arrivals, such as a
+  // last-block-done reduction, then see another arrival order).
+  bool reverse_block_order = false;
   // Count global-memory traffic into LaunchReport::traffic (off by default: it costs time).
   bool count_traffic = false;
   // With count_traffic: address ranges (a workspace, say) whose distinct sectors are also

@@ -1,11 +1,13 @@
-// rms_norm_backward_row_resident + rms_norm_backward_dgamma_reduce, as kernels/ emits them,
-// executed by the interpreter (with its sanitizer: exact-size buffers, alignment, barriers,
-// shuffles) against ReferenceBackward: dx within 1e-5 (f32) / 5e-4 (f16) / 4e-3 (bf16) relative to
-// max(1, |ref|) (half an ulp of the element type plus the f32 error; the reference unrounded),
-// dgamma (f32 partials, fixed-order sum) within 1e-5.
+// rms_norm_backward_row_resident (one launch: dx and grad_gamma through its last-block-done
+// tree) and rms_norm_backward_dgamma_reduce, as kernels/ emits them, executed by the interpreter
+// (with its sanitizer: exact-size buffers, alignment, barriers, shuffles) against
+// ReferenceBackward: dx within 1e-5 (f32) / 5e-4 (f16) / 4e-3 (bf16) relative to max(1, |ref|)
+// (half an ulp of the element type plus the f32 error; the reference unrounded), dgamma (f32
+// partial sums, fixed-order tree) within 1e-5.
 // Shapes cover hidden_dim 1, 3, 33, 4095, 4097, 16384 for every dtype, one row and many (more
 // rows than blocks, so blocks loop), 16-byte-aligned buffers (vector path) and buffers offset by 4
-// bytes (element path), rms recomputed and given. grad_gamma is bitwise reproducible.
+// bytes (element path), rms recomputed and given. grad_gamma is bitwise reproducible, whichever
+// block arrives last: the interpreter also runs the blocks in reverse order.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -35,6 +37,7 @@ using kernel_testing::RoundToElement;
 using kernels::BackwardArgs;
 using kernels::BackwardPlan;
 using kernels::DType;
+using kernels::DTypeName;
 using kernels::FindKernel;
 using kernels::KernelConfig;
 
@@ -57,19 +60,21 @@ BackwardProblem MakeProblem(const Case& c) {
 struct Result {
   bool ok = false;
   std::vector<float> dx;
-  std::vector<float> dgamma;        // f32 reduce (the plan's)
-  std::vector<uint8_t> dgamma_raw;  // the reduce in the case's dtype, as stored
-  uint32_t partial_rows = 0;
+  std::vector<float> dgamma;  // f32 (the plan's)
+  uint32_t blocks = 0;        // G
+  bool semaphores_left_zero = false;
 };
 
-// Runs the row-resident plan (main kernel + f32 reduce) on the interpreter, then the reduce once
-// more with a dtype output; sm_count 1 so that blocks loop over several rows.
-Result RunBoth(const Case& c, const BackwardProblem& p, uint32_t sm_count = 1) {
+// Runs the row-resident plan (one launch) on the interpreter, `runs` times on the same
+// semaphores (zeroed once, as the backend does), blocks in index order or reversed; sm_count 1
+// so that blocks loop over several rows. The workspace starts as NaN: a tree row read before it
+// was written would poison dgamma.
+Result RunPlan(const Case& c, const BackwardProblem& p, uint32_t sm_count = 1,
+               bool reverse_blocks = false, int runs = 1) {
   Result out;
   const kernels::Kernel* main = FindKernel(kMain);
-  const kernels::Kernel* reduce = FindKernel(kReduce);
-  if (main == nullptr || reduce == nullptr) {
-    ADD_FAILURE() << "kernels not registered";
+  if (main == nullptr) {
+    ADD_FAILURE() << "kernel not registered";
     return out;
   }
   KernelConfig config;
@@ -83,13 +88,13 @@ Result RunBoth(const Case& c, const BackwardProblem& p, uint32_t sm_count = 1) {
     return out;
   }
   SimHarness sim;
+  sim.set_reverse_block_order(reverse_blocks);
   absl::StatusOr<SimLauncher> launcher = SimLauncher::ForPlan(&sim, *plan);
-  absl::StatusOr<kernels::EmittedPtx> reduce_dtype = reduce->Emit(config);
-  if (!launcher.ok() || !reduce_dtype.ok()) {
-    ADD_FAILURE() << launcher.status() << " " << reduce_dtype.status();
+  if (!launcher.ok()) {
+    ADD_FAILURE() << launcher.status();
     return out;
   }
-  out.partial_rows = main->Geometry(config, c.rows).grid[0];
+  out.blocks = main->Geometry(config, c.rows).grid[0];
 
   const size_t elem = kernels::DTypeBytes(c.dtype);
   const size_t shift = c.offset ? 4 : 0;
@@ -116,42 +121,29 @@ Result RunBoth(const Case& c, const BackwardProblem& p, uint32_t sm_count = 1) {
   float* rms = sim.Alloc<float>(c.rows);
   std::copy(p.rms.begin(), p.rms.end(), rms);
   args.rms = c.given_rms ? SimHarness::Address(rms) : 0;
-  const size_t partial_floats = plan->WorkspaceBytes(c.rows) / sizeof(float);
-  float* partials = sim.Alloc<float>(partial_floats);
-  std::fill(partials, partials + partial_floats, std::nanf(""));
-  args.workspace = SimHarness::Address(partials);
-  float* dgamma = sim.Alloc<float>(c.hidden);
+  // The workspace is 16-byte aligned (the plan's contract); dgamma shifts with the others.
+  const size_t tree_floats = plan->WorkspaceBytes(c.rows) / sizeof(float);
+  float* tree = tree_floats == 0 ? nullptr : sim.Alloc<float>(tree_floats);
+  if (tree != nullptr) std::fill(tree, tree + tree_floats, std::nanf(""));
+  args.workspace = tree == nullptr ? 0 : SimHarness::Address(tree);
+  const size_t sem_count = plan->SemaphoreBytes(c.rows) / sizeof(uint32_t);
+  uint32_t* sems = sem_count == 0 ? nullptr : sim.Alloc<uint32_t>(sem_count);
+  args.semaphores = sems == nullptr ? 0 : SimHarness::Address(sems);
+  float* dgamma = reinterpret_cast<float*>(place(c.hidden * sizeof(float)));
   args.dgamma = SimHarness::Address(dgamma);
   args.rows = c.rows;
   args.hidden_dim = c.hidden;
   args.eps = 1e-5f;
-  if (absl::Status s = plan->Run(args, *launcher); !s.ok()) {
-    ADD_FAILURE() << s;
-    return out;
+  for (int run = 0; run < runs; ++run) {
+    std::fill(dgamma, dgamma + c.hidden, std::nanf(""));
+    if (absl::Status s = plan->Run(args, *launcher); !s.ok()) {
+      ADD_FAILURE() << s;
+      return out;
+    }
   }
-
-  // The reduce alone, writing the case's dtype.
-  uint8_t* dgamma_dtype = sim.Alloc<uint8_t>(c.hidden * elem);
-  kernels::KernelParamValues values;
-  values.dgamma_partials = SimHarness::Address(partials);
-  values.dgamma = SimHarness::Address(dgamma_dtype);
-  values.num_partials = out.partial_rows;
-  values.hidden_dim = c.hidden;
-  absl::StatusOr<kernels::PackedArgs> packed = kernels::PackArgs(reduce_dtype->params, values);
-  if (!packed.ok()) {
-    ADD_FAILURE() << packed.status();
-    return out;
-  }
-  const kernels::LaunchGeometry rg = reduce->Geometry(config, out.partial_rows);
-  if (absl::Status s = sim.Run(reduce_dtype->text, reduce_dtype->entry, {rg.grid[0], 1, 1},
-                               {rg.block[0], 1, 1}, packed->pointers());
-      !s.ok()) {
-    ADD_FAILURE() << s;
-    return out;
-  }
+  out.semaphores_left_zero = std::all_of(sems, sems + sem_count, [](uint32_t v) { return v == 0; });
   out.dx = DecodeElements(absl::MakeConstSpan(dx, n * elem), c.dtype);
   out.dgamma.assign(dgamma, dgamma + c.hidden);
-  out.dgamma_raw.assign(dgamma_dtype, dgamma_dtype + c.hidden * elem);
   out.ok = true;
   return out;
 }
@@ -173,18 +165,13 @@ class RowResidentOnInterpreter : public ::testing::TestWithParam<Case> {};
 TEST_P(RowResidentOnInterpreter, MatchesTheReference) {
   const Case& c = GetParam();
   const BackwardProblem p = MakeProblem(c);
-  const Result r = RunBoth(c, p);
+  const Result r = RunPlan(c, p);
   ASSERT_TRUE(r.ok);
   const kernel_testing::BackwardReference want = ReferenceFor(p, c.given_rms);
   // Against the unrounded reference: half an ulp of the element type plus the f32 error.
   ExpectClose(r.dx, want.dx, DxTolerance(c.dtype), "dx");
   ExpectClose(r.dgamma, want.dgamma, 1e-5, "dgamma");
-  // The dtype output of the reduce is the f32 sum rounded once to nearest even.
-  const std::vector<float> dgamma_dtype = DecodeElements(r.dgamma_raw, c.dtype);
-  for (uint32_t i = 0; i < c.hidden; ++i) {
-    ASSERT_EQ(dgamma_dtype[i], RoundToElement(r.dgamma[i], c.dtype))
-        << "dgamma in dtype, column " << i;
-  }
+  EXPECT_TRUE(r.semaphores_left_zero);
 }
 
 std::vector<Case> Cases() {
@@ -208,12 +195,44 @@ TEST(RowResidentDeterminism, TwoRunsGiveTheSameBits) {
   for (DType d : {DType::kF32, DType::kBF16}) {
     const Case c{d, 4097, 23};
     const BackwardProblem p = MakeProblem(c);
-    const Result a = RunBoth(c, p);
-    const Result b = RunBoth(c, p);
+    const Result a = RunPlan(c, p);
+    const Result b = RunPlan(c, p);
     ASSERT_TRUE(a.ok && b.ok);
     ASSERT_EQ(0, std::memcmp(a.dgamma.data(), b.dgamma.data(), 4 * c.hidden));
     ASSERT_EQ(0, std::memcmp(a.dx.data(), b.dx.data(), 4 * a.dx.size()));
   }
+}
+
+TEST(RowResidentDgammaTree, WhicheverBlockArrivesLastTheBitsAreTheSame) {
+  // 300 blocks (hidden 33: 256 threads, 4 per SM, 75 SMs): a tree of 300 -> 19 -> 2 -> 1. Run
+  // in index order the highest block of each group arrives last; reversed, the lowest. Both
+  // must add the same rows in the same order.
+  for (DType d : {DType::kF32, DType::kBF16}) {
+    const Case c{d, 33, 300};
+    const BackwardProblem p = MakeProblem(c);
+    const Result forward = RunPlan(c, p, 75);
+    const Result reversed = RunPlan(c, p, 75, /*reverse_blocks=*/true);
+    ASSERT_TRUE(forward.ok && reversed.ok);
+    EXPECT_EQ(forward.blocks, 300u);
+    ExpectClose(forward.dgamma, ReferenceFor(p, false).dgamma, 1e-5, "dgamma");
+    ASSERT_EQ(0, std::memcmp(forward.dgamma.data(), reversed.dgamma.data(), 4 * c.hidden));
+    ASSERT_EQ(0, std::memcmp(forward.dx.data(), reversed.dx.data(), 4 * forward.dx.size()));
+    EXPECT_TRUE(forward.semaphores_left_zero && reversed.semaphores_left_zero);
+  }
+}
+
+TEST(RowResidentDgammaTree, SemaphoresZeroedOnceServeLaunchAfterLaunch) {
+  // Three launches on the same semaphores, never zeroed again: each leaves them zero, so each
+  // gives the bits of a launch on fresh ones (a semaphore left at 1 would make a later group
+  // finish early, before its last member, and read a NaN row).
+  const Case c{DType::kF32, 896, 40};
+  const BackwardProblem p = MakeProblem(c);
+  const Result once = RunPlan(c, p, 5);
+  const Result thrice = RunPlan(c, p, 5, false, /*runs=*/3);
+  ASSERT_TRUE(once.ok && thrice.ok);
+  EXPECT_EQ(once.blocks, 20u);
+  EXPECT_TRUE(thrice.semaphores_left_zero);
+  ASSERT_EQ(0, std::memcmp(once.dgamma.data(), thrice.dgamma.data(), 4 * c.hidden));
 }
 
 TEST(RowResidentDeterminism, DxDoesNotDependOnTheGridAndDgammaStaysWithinTolerance) {
@@ -221,26 +240,63 @@ TEST(RowResidentDeterminism, DxDoesNotDependOnTheGridAndDgammaStaysWithinToleran
   // so it may differ in the last bits but stays within the f32 tolerance of the reference.
   const Case c{DType::kF32, 896, 29};
   const BackwardProblem p = MakeProblem(c);
-  const Result one = RunBoth(c, p, 1);
-  const Result many = RunBoth(c, p, 3);
+  const Result one = RunPlan(c, p, 1);
+  const Result many = RunPlan(c, p, 3);
   ASSERT_TRUE(one.ok && many.ok);
-  EXPECT_NE(one.partial_rows, many.partial_rows);
+  EXPECT_NE(one.blocks, many.blocks);
   ASSERT_EQ(0, std::memcmp(one.dx.data(), many.dx.data(), 4 * one.dx.size()));
   ExpectClose(one.dgamma, many.dgamma, 1e-5, "dgamma across grids");
 }
 
-TEST(RowResidentDgammaReduce, SumsHundredsOfPartialRowsInAFixedOrder) {
-  // 40 SMs x 8 blocks: 300 rows give 300 partial rows, so every warp of the reduce loops several
-  // times over its rows (16 groups x 8 loads per step) and some loads fall past the last row.
+TEST(RowResidentDgammaReduce, SumsHundredsOfPartialRowsInTheDocumentedOrder) {
+  // The standalone reduce (served for the two-launch contract): 300 partial rows of 33 columns,
+  // every warp loops (16 groups x 8 loads per step) and some loads fall past the last row. The
+  // result is the documented order's f32 sum exactly: group w adds rows w, w + 16, ... in
+  // increasing row, then the group sums in order w = 0..15, rounded once to the dtype.
+  constexpr uint32_t kRows = 300, kHidden = 33, kGroups = 16;
+  std::vector<float> partials(kRows * kHidden);
+  for (size_t i = 0; i < partials.size(); ++i) {
+    partials[i] = static_cast<float>((i * 2654435761u) % 2001) / 997.0f - 1.0f;
+  }
+  std::vector<float> want(kHidden);
+  for (uint32_t col = 0; col < kHidden; ++col) {
+    float total = 0;
+    for (uint32_t w = 0; w < kGroups; ++w) {
+      float group = 0;
+      for (uint32_t r = w; r < kRows; r += kGroups) group += partials[r * kHidden + col];
+      total = w == 0 ? group : total + group;
+    }
+    want[col] = total;
+  }
+  const kernels::Kernel* reduce = FindKernel(kReduce);
+  ASSERT_NE(reduce, nullptr);
   for (DType d : {DType::kF32, DType::kBF16}) {
-    const Case c{d, 33, 300};
-    const BackwardProblem p = MakeProblem(c);
-    const Result a = RunBoth(c, p, 40);
-    const Result b = RunBoth(c, p, 40);
-    ASSERT_TRUE(a.ok && b.ok);
-    EXPECT_EQ(a.partial_rows, 300u);
-    ExpectClose(a.dgamma, ReferenceFor(p, false).dgamma, 1e-5, "dgamma");
-    ASSERT_EQ(0, std::memcmp(a.dgamma.data(), b.dgamma.data(), 4 * c.hidden));
+    KernelConfig config;
+    config.hidden_dim = kHidden;
+    config.dtype = d;
+    config.target_sm = 80;
+    absl::StatusOr<kernels::EmittedPtx> ptx = reduce->Emit(config);
+    ASSERT_TRUE(ptx.ok()) << ptx.status();
+    SimHarness sim;
+    float* in = sim.Alloc<float>(partials.size());
+    std::copy(partials.begin(), partials.end(), in);
+    const size_t elem = kernels::DTypeBytes(d);
+    uint8_t* out = sim.Alloc<uint8_t>(kHidden * elem);
+    kernels::KernelParamValues values;
+    values.dgamma_partials = SimHarness::Address(in);
+    values.dgamma = SimHarness::Address(out);
+    values.num_partials = kRows;
+    values.hidden_dim = kHidden;
+    absl::StatusOr<kernels::PackedArgs> packed = kernels::PackArgs(ptx->params, values);
+    ASSERT_TRUE(packed.ok()) << packed.status();
+    const kernels::LaunchGeometry g = reduce->Geometry(config, kRows);
+    ASSERT_TRUE(
+        sim.Run(ptx->text, ptx->entry, {g.grid[0], 1, 1}, {g.block[0], 1, 1}, packed->pointers())
+            .ok());
+    const std::vector<float> got = DecodeElements(absl::MakeConstSpan(out, kHidden * elem), d);
+    for (uint32_t col = 0; col < kHidden; ++col) {
+      ASSERT_EQ(got[col], RoundToElement(want[col], d)) << DTypeName(d) << " column " << col;
+    }
   }
 }
 
@@ -251,8 +307,8 @@ TEST(RowResidentVectorPath, AlignedAndOffsetBuffersGiveTheSameBits) {
     Case offset = aligned;
     offset.offset = true;
     const BackwardProblem p = MakeProblem(aligned);
-    const Result a = RunBoth(aligned, p);
-    const Result b = RunBoth(offset, p);
+    const Result a = RunPlan(aligned, p);
+    const Result b = RunPlan(offset, p);
     ASSERT_TRUE(a.ok && b.ok);
     ASSERT_EQ(0, std::memcmp(a.dx.data(), b.dx.data(), 4 * a.dx.size()));
     ASSERT_EQ(0, std::memcmp(a.dgamma.data(), b.dgamma.data(), 4 * a.dgamma.size()));

@@ -61,6 +61,8 @@ class SimHarness {
     return reinterpret_cast<uint64_t>(p);
   }
   MemoryMap& memory() { return memory_; }
+  // Every later Run executes its blocks from the last to the first (LaunchConfig).
+  void set_reverse_block_order(bool reverse) { reverse_block_order_ = reverse; }
 
   absl::Status Run(absl::string_view ptx, absl::string_view entry_name, Dim3 grid, Dim3 block,
                    const KernelArgs& args, LaunchReport* report = nullptr,
@@ -83,12 +85,14 @@ class SimHarness {
     config.block = block;
     config.dynamic_shared_bytes = dynamic_shared;
     config.max_warp_instructions = max_warp_instructions;
+    config.reverse_block_order = reverse_block_order_;
     return Launch(*entry, config, args, memory_, report);
   }
 
  private:
   MemoryMap memory_;
   std::deque<std::vector<uint8_t>> buffers_;
+  bool reverse_block_order_ = false;
 };
 
 }  // namespace normgrad::ptxsim

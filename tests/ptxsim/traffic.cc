@@ -92,13 +92,17 @@ absl::StatusOr<PlanTraffic> RunPlanTraffic(const PlanTrafficOptions& options) {
   args.dx = device.Alloc(dx_bytes);
   const uint64_t workspace_bytes = plan->WorkspaceBytes(options.rows);
   args.workspace = workspace_bytes == 0 ? 0 : device.Alloc(workspace_bytes);
-  args.dgamma = device.Alloc(size_t{options.hidden} * sizeof(float));  // zeroed (kAccumulated)
+  // Zeroed: the semaphores' state before a first launch, and dgamma for kAccumulated.
+  const uint64_t semaphore_bytes = plan->SemaphoreBytes(options.rows);
+  args.semaphores = semaphore_bytes == 0 ? 0 : device.Alloc(semaphore_bytes);
+  args.dgamma = device.Alloc(size_t{options.hidden} * sizeof(float));
   args.rows = options.rows;
   args.hidden_dim = options.hidden;
   args.eps = p.eps;
 
   std::vector<MemoryRange> marked;
   if (workspace_bytes != 0) marked.push_back({args.workspace, workspace_bytes});
+  if (semaphore_bytes != 0) marked.push_back({args.semaphores, semaphore_bytes});
   absl::StatusOr<TrafficLauncher> launcher =
       TrafficLauncher::ForPlan(*plan, &device.memory(), std::move(marked));
   if (!launcher.ok()) return launcher.status();
@@ -115,6 +119,15 @@ absl::StatusOr<PlanTraffic> RunPlanTraffic(const PlanTrafficOptions& options) {
                                                   kernel_testing::DxTolerance(options.dtype), "dx");
       !s.ok()) {
     return s;
+  }
+  if (plan->dgamma_output() != kernels::DgammaOutput::kNone) {
+    const float* dgamma = AlignedDeviceMemory::Pointer<float>(args.dgamma);
+    if (absl::Status s = kernel_testing::CheckClose(
+            std::vector<float>(dgamma, dgamma + options.hidden), want.dgamma,
+            kernel_testing::DgammaTolerance(options.rows), "dgamma");
+        !s.ok()) {
+      return s;
+    }
   }
 
   PlanTraffic out;

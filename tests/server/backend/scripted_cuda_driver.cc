@@ -343,11 +343,11 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned,
   if (!batched && !row_resident && m.entry != "rms_norm_backward") return CUDA_ERROR_NOT_FOUND;
   // rms: the given one (warp kernel; row-resident when rms_ptr != 0), else from x and eps.
   const float* given_rms = batched ? nullptr : Ptr<const float>(v.rms);
-  // grad_gamma: atomics into one vector (batched), or one partial row per block with rows taken
-  // grid-stride (row-resident: block b has rows b, b + G, ...).
+  // grad_gamma: atomics into one vector (batched), or written whole (row-resident: the sum over
+  // the launch's rows, here in row order).
   const uint32_t h = v.hidden_dim;
-  float* partials = row_resident ? Ptr<float>(v.dgamma_partials) : nullptr;
-  if (row_resident) std::memset(partials, 0, uint64_t{gx} * h * sizeof(float));
+  float* dgamma = row_resident ? Ptr<float>(v.dgamma) : nullptr;
+  if (row_resident) std::memset(dgamma, 0, uint64_t{h} * sizeof(float));
   const void* x = Ptr<const void>(v.input);
   const void* gamma = Ptr<const void>(v.gamma);
   const void* dy = Ptr<const void>(v.grad_output);
@@ -372,7 +372,7 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned,
       if (batched) {
         Ptr<float>(v.grad_gamma)[i] += yi * xi * inv;
       } else if (row_resident) {
-        partials[uint64_t{r % gx} * h + i] += yi * xi * inv;
+        dgamma[i] += yi * xi * inv;
       }
     }
   }

@@ -1,10 +1,12 @@
 // A GPU that fails must not keep taking traffic: normgrad-server as a subprocess on the CUDA
 // backend over the emulated driver, with a fault injected through NORMGRAD_EMULATED_CUDA_FAULT
 // (tests/ptxsim/emulated_driver.cc; counted in kernel launches, and the start-up self-test makes
-// the first two). A sticky device error or a hung device turns health NOT_SERVING on both gRPC
+// the first). A sticky device error or a hung device turns health NOT_SERVING on both gRPC
 // ports, fails streams UNAVAILABLE and ends the process with exit code 3; a self-test whose
 // results differ from the CPU reference keeps the server up but NOT_SERVING, saying why in
 // GetServerInfo. Skipped when the build has no emulated driver (no cuda.h).
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/wait.h>
 
@@ -13,9 +15,6 @@
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <grpcpp/generic/generic_stub.h>
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -113,18 +112,18 @@ class DeviceFailureTest : public ::testing::Test {
 };
 
 TEST_F(DeviceFailureTest, StickyErrorMeansNotServingUnavailableAndExitThree) {
-  absl::StatusOr<ChildProcess> server = StartServer("sticky:3");
+  absl::StatusOr<ChildProcess> server = StartServer("sticky:2");
   ASSERT_TRUE(server.ok()) << server.status();
   const ReadyLine ready = server->AwaitReady(absl::Seconds(120));
   ASSERT_GT(ready.grpc_port, 0) << server->Stderr();
   ASSERT_GT(ready.health_port, 0);
-  // The self-test (launches 1 and 2) passed: serving on both ports.
+  // The self-test (launch 1) passed: serving on both ports.
   EXPECT_EQ(HealthStatus(ready.grpc_port), kServing) << server->Stderr();
   EXPECT_EQ(HealthStatus(ready.health_port), kServing);
   EXPECT_TRUE(Info(ready.grpc_port).health().serving());
   EXPECT_EQ(DeviceHealthyGauge(ready.metrics_port), 1);
 
-  // Launch 3 fails with CUDA_ERROR_ILLEGAL_ADDRESS, as on a lost device: the stream that met it
+  // Launch 2 fails with CUDA_ERROR_ILLEGAL_ADDRESS, as on a lost device: the stream that met it
   // gets UNAVAILABLE (which clients retry elsewhere), and by then health is NOT_SERVING.
   const grpc::Status failed = RunStream(ready.grpc_port);
   EXPECT_EQ(failed.error_code(), grpc::StatusCode::UNAVAILABLE) << failed.error_message();
@@ -144,8 +143,8 @@ TEST_F(DeviceFailureTest, StickyErrorMeansNotServingUnavailableAndExitThree) {
 }
 
 TEST_F(DeviceFailureTest, HungDeviceIsFoundByTheDeviceTimeoutAndExitsThree) {
-  // Launch 3 returns, but the synchronize after it never does.
-  absl::StatusOr<ChildProcess> server = StartServer("hang:3", {"--device-timeout=1s"});
+  // Launch 2 returns, but the synchronize after it never does.
+  absl::StatusOr<ChildProcess> server = StartServer("hang:2", {"--device-timeout=1s"});
   ASSERT_TRUE(server.ok()) << server.status();
   const ReadyLine ready = server->AwaitReady(absl::Seconds(120));
   ASSERT_GT(ready.grpc_port, 0) << server->Stderr();

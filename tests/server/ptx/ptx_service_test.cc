@@ -220,7 +220,9 @@ TEST(PtxServiceTest, ResourceUsageFromNvJitLinksReport) {
     EXPECT_LE(a.resource_usage().registers(), 255u);
     EXPECT_GT(a.resource_usage().shared_memory_bytes(), 0u);
     EXPECT_GE(a.resource_usage().barriers(), 1u);
-    EXPECT_EQ(a.resource_usage().spill_store_bytes(), 0u);
+    // At the 64 registers its .minnctapersm 2 allows, nvJitLink's relocatable assembly for
+    // sm_80 keeps one word on the stack (docs/kernels.md, "Resource usage"); sm_90 none.
+    EXPECT_LE(a.resource_usage().spill_store_bytes(), a.target() == "sm_90" ? 0u : 8u);
     EXPECT_TRUE(a.cubin().empty());  // resources only: no cubin bytes
     EXPECT_FALSE(a.has_cubin_digest());
   }
@@ -232,7 +234,9 @@ TEST(PtxServiceTest, ResourceUsageFromNvJitLinksReport) {
   EXPECT_EQ(ptx.CacheStats().compiles, compiles);
   EXPECT_EQ(with_cubin->artifacts(1).resource_usage().registers(),
             r->artifacts(1).resource_usage().registers());
-  EXPECT_EQ(with_cubin->artifacts(1).cubin().substr(0, 4), "\x7f" "ELF");
+  EXPECT_EQ(with_cubin->artifacts(1).cubin().substr(0, 4),
+            "\x7f"
+            "ELF");
 }
 
 }  // namespace
