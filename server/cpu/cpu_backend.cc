@@ -41,7 +41,11 @@ using kernels::DType;
 class CpuBackwardSession : public BackwardSession {
  public:
   CpuBackwardSession(const BatchSpec& spec, std::vector<float> gamma, ThreadPool* pool)
-      : spec_(spec), gamma_(std::move(gamma)), pool_(pool), dgamma_sum_(spec.hidden_dim, 0.0) {}
+      : spec_(spec),
+        gamma_(std::move(gamma)),
+        gamma_f64_(gamma_.begin(), gamma_.end()),
+        pool_(pool),
+        dgamma_sum_(spec.hidden_dim, 0.0) {}
 
   absl::Status ProcessChunk(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
                             absl::Span<const float> rms, uint64_t rows,
@@ -68,6 +72,7 @@ class CpuBackwardSession : public BackwardSession {
       std::fill(partial, partial + h, 0.0);
       host_rows::RowBlock block;
       block.gamma = gamma_.data();
+      block.gamma_f64 = gamma_f64_.data();
       block.rms = spec_.rms_provided ? rms.data() + first : nullptr;
       block.dgamma = partial;
       block.num_rows = n;
@@ -132,6 +137,7 @@ class CpuBackwardSession : public BackwardSession {
 
   const BatchSpec spec_;
   const std::vector<float> gamma_;
+  const std::vector<double> gamma_f64_;  // promoted once per batch instead of per partition
   ThreadPool* const pool_;
   std::vector<double> dgamma_sum_;  // the batch's grad_gamma so far
   std::vector<double> partials_;    // per partition of the current chunk

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "server/host_rows/host_rows.cc"
@@ -19,98 +20,193 @@ namespace hn = hwy::HWY_NAMESPACE;
 // One element the way the vector body computes it: dx = inv * fma(-x, c, g*dy) and
 // dgamma = fma(dy*x, inv, dgamma), so heads and tails round exactly like the vector lanes
 // on targets with FMA.
-HWY_INLINE void ScalarElement(float xf, float yf, float gf, double inv_rms, double correction,
+HWY_INLINE void ScalarElement(float xf, float yf, double g, double inv_rms, double correction,
                               float* dx, double* dgamma) {
-  const double x = xf, y = yf, g = gf;
+  const double x = xf, y = yf;
   *dx = static_cast<float>(inv_rms * std::fma(-x, correction, g * y));
   *dgamma = std::fma(y * x, inv_rms, *dgamma);
 }
 
-void BackwardRowsF32Impl(const RowBlock& b) {
+// Rows r .. r + R - 1 of `b`: pass 1 for each of them, then one pass 2 over hidden_dim for all
+// of them, so that gamma and the grad_gamma partial are loaded (and grad_gamma stored) once per
+// R rows instead of once per row. Each row's operations are those of R = 1 in the same order,
+// and grad_gamma receives row r's term before row r + 1's, so the grouping never changes a bit.
+// With kStream, the caller guarantees that every row's dx has the same misalignment (the same
+// scalar head).
+template <size_t R, bool kStream>
+HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT gamma, size_t r,
+                                 size_t prefetch_rows) {
   const hn::ScalableTag<double> d;
   const hn::Rebind<float, decltype(d)> df;  // half-width f32 vectors, promoted to double
+  using V = hn::Vec<decltype(d)>;
   const size_t lanes = hn::Lanes(d);
   const size_t h = b.hidden_dim;
   const double h_double = static_cast<double>(h);
-
-  for (size_t r = 0; r < b.num_rows; ++r) {
-    const float* HWY_RESTRICT x = b.x + r * h;
-    const float* HWY_RESTRICT dy = b.dy + r * h;
-    const float* HWY_RESTRICT gamma = b.gamma;
-    float* HWY_RESTRICT dx = b.dx + r * h;
-    double* HWY_RESTRICT dgamma = b.dgamma;
-
-    // Pass 1: sum x^2 (unless the forward's rms is given) and sum x*dy*gamma, two
-    // accumulators each for instruction-level parallelism.
-    auto sq0 = hn::Zero(d), sq1 = hn::Zero(d), xg0 = hn::Zero(d), xg1 = hn::Zero(d);
-    size_t i = 0;
-    for (; i + 2 * lanes <= h; i += 2 * lanes) {
-      const auto x0 = hn::PromoteTo(d, hn::LoadU(df, x + i));
-      const auto x1 = hn::PromoteTo(d, hn::LoadU(df, x + i + lanes));
-      const auto y0 = hn::PromoteTo(d, hn::LoadU(df, dy + i));
-      const auto y1 = hn::PromoteTo(d, hn::LoadU(df, dy + i + lanes));
-      const auto g0 = hn::PromoteTo(d, hn::LoadU(df, gamma + i));
-      const auto g1 = hn::PromoteTo(d, hn::LoadU(df, gamma + i + lanes));
-      sq0 = hn::MulAdd(x0, x0, sq0);
-      sq1 = hn::MulAdd(x1, x1, sq1);
-      xg0 = hn::MulAdd(hn::Mul(x0, y0), g0, xg0);
-      xg1 = hn::MulAdd(hn::Mul(x1, y1), g1, xg1);
-    }
-    for (; i + lanes <= h; i += lanes) {
-      const auto x0 = hn::PromoteTo(d, hn::LoadU(df, x + i));
-      const auto y0 = hn::PromoteTo(d, hn::LoadU(df, dy + i));
-      const auto g0 = hn::PromoteTo(d, hn::LoadU(df, gamma + i));
-      sq0 = hn::MulAdd(x0, x0, sq0);
-      xg0 = hn::MulAdd(hn::Mul(x0, y0), g0, xg0);
-    }
-    double sum_sq = hn::GetLane(hn::SumOfLanes(d, hn::Add(sq0, sq1)));
-    double sum_xdyg = hn::GetLane(hn::SumOfLanes(d, hn::Add(xg0, xg1)));
-    for (; i < h; ++i) {
-      const double xi = x[i];
-      sum_sq += xi * xi;
-      sum_xdyg += xi * static_cast<double>(dy[i]) * static_cast<double>(gamma[i]);
-    }
-
-    const double rms = b.rms != nullptr ? static_cast<double>(b.rms[r])
-                                        : std::sqrt(sum_sq / h_double + static_cast<double>(b.eps));
-    const double inv_rms = 1.0 / rms;
-    const double correction = inv_rms * inv_rms * (sum_xdyg / h_double);
-
-    // Pass 2 (the row is still in L1/L2): dx = inv_rms * (gamma*dy - x*correction) and
-    // dgamma += dy*x*inv_rms.
-    const auto inv_v = hn::Set(d, inv_rms);
-    const auto corr_v = hn::Set(d, correction);
-    // Scalar head up to the vector alignment of dx when streaming (same operations as the
-    // vector body, fused the same way, so an element's bits do not depend on its address).
-    i = 0;
-    if (b.stream_dx) {
-      const size_t misalign = reinterpret_cast<uintptr_t>(dx) % (lanes * sizeof(float));
-      size_t head = misalign == 0 ? 0 : (lanes * sizeof(float) - misalign) / sizeof(float);
-      head = std::min(head, h);
-      for (; i < head; ++i)
-        ScalarElement(x[i], dy[i], gamma[i], inv_rms, correction, dx + i, dgamma + i);
-      for (; i + lanes <= h; i += lanes) {
-        const auto x0 = hn::PromoteTo(d, hn::LoadU(df, x + i));
-        const auto y0 = hn::PromoteTo(d, hn::LoadU(df, dy + i));
-        const auto g0 = hn::PromoteTo(d, hn::LoadU(df, gamma + i));
-        const auto dx0 = hn::Mul(inv_v, hn::NegMulAdd(x0, corr_v, hn::Mul(g0, y0)));
-        hn::Stream(hn::DemoteTo(df, dx0), df, dx + i);
-        hn::StoreU(hn::MulAdd(hn::Mul(y0, x0), inv_v, hn::LoadU(d, dgamma + i)), d, dgamma + i);
-      }
-    } else {
-      for (; i + lanes <= h; i += lanes) {
-        const auto x0 = hn::PromoteTo(d, hn::LoadU(df, x + i));
-        const auto y0 = hn::PromoteTo(d, hn::LoadU(df, dy + i));
-        const auto g0 = hn::PromoteTo(d, hn::LoadU(df, gamma + i));
-        const auto dx0 = hn::Mul(inv_v, hn::NegMulAdd(x0, corr_v, hn::Mul(g0, y0)));
-        hn::StoreU(hn::DemoteTo(df, dx0), df, dx + i);
-        hn::StoreU(hn::MulAdd(hn::Mul(y0, x0), inv_v, hn::LoadU(d, dgamma + i)), d, dgamma + i);
-      }
-    }
-    for (; i < h; ++i)
-      ScalarElement(x[i], dy[i], gamma[i], inv_rms, correction, dx + i, dgamma + i);
+  double* HWY_RESTRICT dgamma = b.dgamma;
+  const float* x[R];
+  const float* dy[R];
+  float* dx[R];
+  HWY_UNROLL(4)
+  for (size_t k = 0; k < R; ++k) {
+    x[k] = b.x + (r + k) * h;
+    dy[k] = b.dy + (r + k) * h;
+    dx[k] = b.dx + (r + k) * h;
   }
-  if (b.stream_dx) hwy::FlushStream();
+
+  // The next group's x is prefetched during pass 1 and its dy during pass 2, one prefetch per row
+  // and vector step, so that memory keeps working while this group's rows are computed from the
+  // cache (without it, memory idled during pass 2 until the next rows' first misses). Into L2
+  // (locality 2): the current rows, gamma and the partial already fill much of L1.
+  const float* next_x[R];
+  const float* next_dy[R];
+  HWY_UNROLL(4)
+  for (size_t k = 0; k < R; ++k) {
+    // Past the block's end: prefetch this group's own (cached) rows, harmless.
+    const size_t next = k < prefetch_rows ? r + R + k : r + k;
+    next_x[k] = b.x + next * h;
+    next_dy[k] = b.dy + next * h;
+  }
+
+  // Pass 1: sum x^2 (unless the forward's rms is given) and sum x*dy*gamma, two
+  // accumulators each for instruction-level parallelism.
+  V sq0[R], sq1[R], xg0[R], xg1[R];
+  HWY_UNROLL(4)
+  for (size_t k = 0; k < R; ++k) sq0[k] = sq1[k] = xg0[k] = xg1[k] = hn::Zero(d);
+  size_t i = 0;
+  for (; i + 2 * lanes <= h; i += 2 * lanes) {
+    const V g0 = hn::LoadU(d, gamma + i);
+    const V g1 = hn::LoadU(d, gamma + i + lanes);
+    HWY_UNROLL(4)
+    for (size_t k = 0; k < R; ++k) {
+      __builtin_prefetch(next_x[k] + i, 0, 2);
+      const V x0 = hn::PromoteTo(d, hn::LoadU(df, x[k] + i));
+      const V x1 = hn::PromoteTo(d, hn::LoadU(df, x[k] + i + lanes));
+      const V y0 = hn::PromoteTo(d, hn::LoadU(df, dy[k] + i));
+      const V y1 = hn::PromoteTo(d, hn::LoadU(df, dy[k] + i + lanes));
+      sq0[k] = hn::MulAdd(x0, x0, sq0[k]);
+      sq1[k] = hn::MulAdd(x1, x1, sq1[k]);
+      xg0[k] = hn::MulAdd(hn::Mul(x0, y0), g0, xg0[k]);
+      xg1[k] = hn::MulAdd(hn::Mul(x1, y1), g1, xg1[k]);
+    }
+  }
+  for (; i + lanes <= h; i += lanes) {
+    const V g0 = hn::LoadU(d, gamma + i);
+    HWY_UNROLL(4)
+    for (size_t k = 0; k < R; ++k) {
+      const V x0 = hn::PromoteTo(d, hn::LoadU(df, x[k] + i));
+      const V y0 = hn::PromoteTo(d, hn::LoadU(df, dy[k] + i));
+      sq0[k] = hn::MulAdd(x0, x0, sq0[k]);
+      xg0[k] = hn::MulAdd(hn::Mul(x0, y0), g0, xg0[k]);
+    }
+  }
+  const size_t tail = i;
+  V inv_v[R], corr_v[R];
+  double inv_rms[R], correction[R];
+  HWY_UNROLL(4)
+  for (size_t k = 0; k < R; ++k) {
+    double sum_sq = hn::GetLane(hn::SumOfLanes(d, hn::Add(sq0[k], sq1[k])));
+    double sum_xdyg = hn::GetLane(hn::SumOfLanes(d, hn::Add(xg0[k], xg1[k])));
+    for (i = tail; i < h; ++i) {
+      const double xi = x[k][i];
+      sum_sq += xi * xi;
+      sum_xdyg += xi * static_cast<double>(dy[k][i]) * gamma[i];
+    }
+    const double rms = b.rms != nullptr ? static_cast<double>(b.rms[r + k])
+                                        : std::sqrt(sum_sq / h_double + static_cast<double>(b.eps));
+    inv_rms[k] = 1.0 / rms;
+    correction[k] = inv_rms[k] * inv_rms[k] * (sum_xdyg / h_double);
+    inv_v[k] = hn::Set(d, inv_rms[k]);
+    corr_v[k] = hn::Set(d, correction[k]);
+  }
+
+  // Pass 2 (the rows are still in L1/L2): dx = inv_rms * (gamma*dy - x*correction) and
+  // dgamma += dy*x*inv_rms.
+  i = 0;
+  if (kStream) {
+    // Scalar head up to the vector alignment of dx (same operations as the vector body, fused
+    // the same way, so an element's bits do not depend on its address).
+    const size_t misalign = reinterpret_cast<uintptr_t>(dx[0]) % (lanes * sizeof(float));
+    const size_t head = misalign == 0 ? 0 : (lanes * sizeof(float) - misalign) / sizeof(float);
+    for (; i < std::min(head, h); ++i) {
+      for (size_t k = 0; k < R; ++k) {
+        ScalarElement(x[k][i], dy[k][i], gamma[i], inv_rms[k], correction[k], dx[k] + i,
+                      dgamma + i);
+      }
+    }
+  }
+  for (; i + lanes <= h; i += lanes) {
+    const V g0 = hn::LoadU(d, gamma + i);
+    V dg = hn::LoadU(d, dgamma + i);
+    // Every row's loads before the first store: dx may alias x/dy for all the compiler knows, so
+    // it keeps this order, and a later row's load then never waits behind an earlier row's dx
+    // store whose address matches it in the low 12 bits (rows 16 KiB apart do).
+    V xs[R], ys[R];
+    HWY_UNROLL(4)
+    for (size_t k = 0; k < R; ++k) {
+      __builtin_prefetch(next_dy[k] + i, 0, 2);
+      xs[k] = hn::PromoteTo(d, hn::LoadU(df, x[k] + i));
+      ys[k] = hn::PromoteTo(d, hn::LoadU(df, dy[k] + i));
+    }
+    HWY_UNROLL(4)
+    for (size_t k = 0; k < R; ++k) {
+      const V x0 = xs[k];
+      const V y0 = ys[k];
+      const V dx0 = hn::Mul(inv_v[k], hn::NegMulAdd(x0, corr_v[k], hn::Mul(g0, y0)));
+      if (kStream) {
+        hn::Stream(hn::DemoteTo(df, dx0), df, dx[k] + i);
+      } else {
+        hn::StoreU(hn::DemoteTo(df, dx0), df, dx[k] + i);
+      }
+      dg = hn::MulAdd(hn::Mul(y0, x0), inv_v[k], dg);
+    }
+    hn::StoreU(dg, d, dgamma + i);
+  }
+  for (; i < h; ++i) {
+    for (size_t k = 0; k < R; ++k) {
+      ScalarElement(x[k][i], dy[k][i], gamma[i], inv_rms[k], correction[k], dx[k] + i, dgamma + i);
+    }
+  }
+}
+
+// Rows of at most this many elements go four at a time, wider ones two at a time. Four short
+// rows keep the per-group costs (reductions, heads, the grad_gamma load and store) small and
+// prefetch further ahead; four wide rows whose stride is a multiple of 4 KiB would put a dozen
+// streams (x, dy, dx of each row, gamma, grad_gamma) on the same L1 sets, which measured slower.
+constexpr size_t kFourRowsMaxElements = 2048;
+
+template <bool kStream>
+void BackwardRows(const RowBlock& b, const double* gamma) {
+  size_t r = 0;
+  // Streaming needs every row of a group to have the same scalar head: true when a row is a
+  // whole number of f32 vectors.
+  const hn::ScalableTag<double> d;
+  if (!kStream || b.hidden_dim % hn::Lanes(d) == 0) {
+    if (b.hidden_dim <= kFourRowsMaxElements) {
+      for (; r + 4 <= b.num_rows; r += 4) {
+        BackwardRowGroup<4, kStream>(b, gamma, r, b.num_rows - r - 4);
+      }
+    }
+    for (; r + 2 <= b.num_rows; r += 2) {
+      BackwardRowGroup<2, kStream>(b, gamma, r, b.num_rows - r - 2);
+    }
+  }
+  for (; r < b.num_rows; ++r) BackwardRowGroup<1, kStream>(b, gamma, r, b.num_rows - r - 1);
+}
+
+void BackwardRowsF32Impl(const RowBlock& b) {
+  // gamma in double: read as is by every row instead of promoted twice per row.
+  std::vector<double> promoted;
+  const double* gamma = b.gamma_f64;
+  if (gamma == nullptr) {
+    promoted.assign(b.gamma, b.gamma + b.hidden_dim);
+    gamma = promoted.data();
+  }
+  if (b.stream_dx) {
+    BackwardRows<true>(b, gamma);
+    hwy::FlushStream();
+  } else {
+    BackwardRows<false>(b, gamma);
+  }
 }
 
 // Vector conversions; a tail shorter than a vector goes through a zero-padded local buffer so

@@ -10,6 +10,10 @@
 // computed in double from f32 inputs, and dx is rounded to f32 once, as ReferenceBackward
 // does; only the summation order differs (SIMD lanes), so dx agrees with the reference to
 // within an ulp or two of f32.
+//
+// Rows go two or four at a time (pass 2 of a group loads gamma and the grad_gamma partial once),
+// each row computed exactly as alone, and the next group is prefetched meanwhile
+// (docs/backends.md, "CPU backend").
 #ifndef NORMGRAD_SERVER_HOST_ROWS_HOST_ROWS_H_
 #define NORMGRAD_SERVER_HOST_ROWS_HOST_ROWS_H_
 
@@ -23,12 +27,13 @@ namespace normgrad::server::host_rows {
 
 // Rows [0, num_rows) of one partition, all pointers already offset to its first row.
 struct RowBlock {
-  const float* x = nullptr;      // num_rows * hidden_dim
-  const float* dy = nullptr;     // num_rows * hidden_dim
-  const float* gamma = nullptr;  // hidden_dim
-  const float* rms = nullptr;    // num_rows, or nullptr to recompute from x and eps
-  float* dx = nullptr;           // num_rows * hidden_dim (written)
-  double* dgamma = nullptr;      // hidden_dim; each row's dy*x/rms is added in row order
+  const float* x = nullptr;           // num_rows * hidden_dim
+  const float* dy = nullptr;          // num_rows * hidden_dim
+  const float* gamma = nullptr;       // hidden_dim
+  const double* gamma_f64 = nullptr;  // gamma as double, or nullptr: promoted on each call
+  const float* rms = nullptr;         // num_rows, or nullptr to recompute from x and eps
+  float* dx = nullptr;                // num_rows * hidden_dim (written)
+  double* dgamma = nullptr;           // hidden_dim; each row's dy*x/rms is added in row order
   size_t num_rows = 0;
   size_t hidden_dim = 0;
   float eps = 0;

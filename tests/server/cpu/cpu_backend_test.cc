@@ -1,6 +1,6 @@
 // CPU-backend specifics: grad_gamma bits independent of the thread count, streaming stores,
-// partitions by shape, accuracy over many rows, misaligned buffers. (What every backend must do:
-// tests/server/backend/backend_test.cc.)
+// partitions by shape, accuracy over many rows, misaligned buffers, rows grouped by host_rows.
+// (What every backend must do: tests/server/backend/backend_test.cc.)
 #include "server/cpu/cpu_backend.h"
 
 #include <cmath>
@@ -9,6 +9,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/reference.h"
+#include "server/host_rows/host_rows.h"
 #include "tests/server/backend/backend_test_util.h"
 
 // In the test utilities' namespace: Batch, MakeBatch, RunF32... without qualification.
@@ -119,6 +120,55 @@ TEST(CpuBackendTest, StagingIsBoundedPerThreadWhateverTheChunk) {
   EXPECT_EQ(cpu_internal::StagingRows(4096), 4u);   // 16384 elements: 192 KiB of f32 x, dy, dx
   EXPECT_EQ(cpu_internal::StagingRows(65536), 1u);  // one row when rows are wider
   EXPECT_EQ(cpu_internal::StagingRows(1), 16384u);
+}
+
+// host_rows runs rows four or two at a time (pass 2 of a group shares the gamma and grad_gamma
+// loads). A row's dx and the grad_gamma partial must not depend on the grouping, nor on whether
+// gamma comes promoted: 7 rows in one block (4 + 2 + 1, or 2 + 2 + 2 + 1 for wide rows) against
+// 7 blocks of one row, with and without streaming stores, dx off the vector alignment (heads).
+void ExpectGroupingKeepsBits(uint32_t hidden, bool stream, bool with_rms) {
+  SCOPED_TRACE(::testing::Message()
+               << "hidden " << hidden << " stream " << stream << " rms " << with_rms);
+  constexpr uint64_t kRows = 7;
+  const Batch b = MakeBatch(kRows, hidden, with_rms);
+  const std::vector<double> gamma_f64(b.gamma.begin(), b.gamma.end());
+  auto run = [&](bool one_by_one, bool promoted, std::vector<float>& dx_buffer,
+                 std::vector<double>& dgamma) {
+    dx_buffer.assign(b.x.size() + 3, 0.0f);
+    float* dx = dx_buffer.data() + 3;  // 12 bytes past the allocation's alignment
+    dgamma.assign(hidden, 0.0);
+    host_rows::RowBlock block;
+    block.gamma = b.gamma.data();
+    block.gamma_f64 = promoted ? gamma_f64.data() : nullptr;
+    block.dgamma = dgamma.data();
+    block.hidden_dim = hidden;
+    block.eps = b.eps;
+    block.stream_dx = stream;
+    const uint64_t step = one_by_one ? 1 : kRows;
+    for (uint64_t first = 0; first < kRows; first += step) {
+      block.x = b.x.data() + first * hidden;
+      block.dy = b.dy.data() + first * hidden;
+      block.rms = with_rms ? b.rms.data() + first : nullptr;
+      block.dx = dx + first * hidden;
+      block.num_rows = step;
+      host_rows::BackwardRowsF32(block);
+    }
+  };
+  std::vector<float> dx_grouped, dx_single;
+  std::vector<double> dgamma_grouped, dgamma_single;
+  run(/*one_by_one=*/false, /*promoted=*/true, dx_grouped, dgamma_grouped);
+  run(/*one_by_one=*/true, /*promoted=*/false, dx_single, dgamma_single);
+  EXPECT_EQ(0, std::memcmp(dx_grouped.data(), dx_single.data(), dx_grouped.size() * 4));
+  EXPECT_EQ(0, std::memcmp(dgamma_grouped.data(), dgamma_single.data(), hidden * 8));
+}
+
+TEST(CpuBackendTest, RowGroupingDoesNotChangeBits) {
+  for (uint32_t hidden : {1u, 33u, 896u, 2048u, 2049u, 2056u, 4096u}) {
+    for (bool stream : {false, true}) {
+      ExpectGroupingKeepsBits(hidden, stream, /*with_rms=*/false);
+      ExpectGroupingKeepsBits(hidden, stream, /*with_rms=*/true);
+    }
+  }
 }
 
 TEST(CpuBackendTest, DeviceNamesThreadsAndSimdTarget) {
