@@ -39,6 +39,9 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCuda(const BackendOptions& options)
   cuda.cache.max_bytes = options.cache_max_bytes;
   cuda.max_staging_bytes = options.max_staging_bytes;
   cuda.max_ipc_handles = options.max_ipc_handles;
+  if (options.cuda_pipeline_piece_bytes != 0) {
+    cuda.pipeline_piece_bytes = options.cuda_pipeline_piece_bytes;
+  }
   return NewCudaBackend(cuda);
 #else
   return absl::FailedPreconditionError(

@@ -33,6 +33,9 @@ struct BackendOptions {
   uint64_t max_staging_bytes = 1ull << 30;
   // CUDA IPC: device allocations of other processes kept open (--max-cuda-ipc-handles).
   uint32_t max_ipc_handles = 64;
+  // CUDA: bytes of x per piece of a chunk's pipeline (cuda_backend.h); 0: the backend's
+  // default (8 MiB). Tests make it small.
+  uint64_t cuda_pipeline_piece_bytes = 0;
 };
 
 // kAuto: CUDA when a driver loads and a device is usable, else CPU; logs one line to stderr

@@ -218,20 +218,23 @@ absl::StatusOr<std::shared_ptr<const LoadedModule>> LoadModule(
   return std::shared_ptr<const LoadedModule>(std::move(loaded));
 }
 
-// One chunk's work area on the device: a stream, pinned host memory and device memory, lent by
-// the backend's StagingPool for one ProcessChunk call.
+// One chunk's work area on the device: two streams, pinned host memory and device memory, lent
+// by the backend's StagingPool for one ProcessChunk call. A chunk's pieces alternate between the
+// two streams (CudaBackwardSession::DeviceChunk), so one piece's copies overlap the other's kernel.
 struct StagingSlot {
-  // The plan's semaphores (kernels::BackwardArgs::semaphores) for every chunk on this slot:
-  // zeroed once when the slot is made; every completed run leaves them zero, and a slot whose
-  // chunk failed is dropped, not reused. 1024 counters: a grid of up to ~15,000 blocks.
+  static constexpr int kStreams = 2;
+  // The plan's semaphores (kernels::BackwardArgs::semaphores) for every launch on stream i:
+  // semaphores[i], zeroed once when the slot is made; every completed run leaves them zero, and
+  // a slot whose chunk failed is dropped, not reused. 1024 counters each: a grid of up to
+  // ~15,000 blocks.
   static constexpr size_t kSemaphoreBytes = 4096;
 
-  CUstream stream = nullptr;
+  CUstream streams[kStreams] = {};
   uint8_t* host = nullptr;  // cuMemHostAlloc
   size_t host_bytes = 0;
-  CUdeviceptr device = 0;  // stream-ordered on `stream` when the device has pools
+  CUdeviceptr device = 0;  // stream-ordered on streams[0] when the device has pools
   size_t device_bytes = 0;
-  CUdeviceptr semaphores = 0;  // kSemaphoreBytes, likewise
+  CUdeviceptr semaphores[kStreams] = {};  // kSemaphoreBytes each, likewise
 };
 
 // The backend's staging slots (cuda_backend.h): the pinned bytes of every slot, lent or idle,
@@ -309,13 +312,15 @@ class StagingPool {
     returned_.notify_all();
   }
 
-  // A slot after a failed chunk: freed once its stream is idle. On a failed device nothing is
+  // A slot after a failed chunk: freed once its streams are idle. On a failed device nothing is
   // freed (a synchronize might never return; the process is going away) and its bytes stay
   // counted.
   void Drop(std::unique_ptr<StagingSlot> slot) {
-    const bool freed =
-        ctx_->failure().ok() && ctx_->MakeCurrent().ok() &&
-        (slot->stream == nullptr || ctx_->api().cuStreamSynchronize(slot->stream) == CUDA_SUCCESS);
+    bool freed = ctx_->failure().ok() && ctx_->MakeCurrent().ok();
+    for (CUstream stream : slot->streams) {
+      freed =
+          freed && (stream == nullptr || ctx_->api().cuStreamSynchronize(stream) == CUDA_SUCCESS);
+    }
     if (freed) Free(*slot);
     std::lock_guard<std::mutex> lock(mu_);
     if (freed) {
@@ -331,11 +336,15 @@ class StagingPool {
     return host_held_ + host_bytes <= max_bytes_ && device_held_ + device_bytes <= max_bytes_;
   }
 
+  // Both streams are synchronized once at the end, so memory allocated in stream order on one
+  // of them is usable on either from then on.
   absl::Status Allocate(StagingSlot& slot, size_t host_bytes, size_t device_bytes) const {
     const cuda::DriverApi& api = ctx_->api();
     NORMGRAD_RETURN_IF_ERROR(ctx_->MakeCurrent());
-    NORMGRAD_RETURN_IF_ERROR(
-        ctx_->Check(api.cuStreamCreate(&slot.stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate"));
+    for (CUstream& stream : slot.streams) {
+      NORMGRAD_RETURN_IF_ERROR(
+          ctx_->Check(api.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate"));
+    }
     if (host_bytes != 0) {
       void* p = nullptr;
       NORMGRAD_RETURN_IF_ERROR(
@@ -344,41 +353,49 @@ class StagingPool {
       slot.host_bytes = host_bytes;
     }
     if (device_bytes != 0) {
-      NORMGRAD_ASSIGN_OR_RETURN(slot.device, AllocateDevice(slot, device_bytes));
+      NORMGRAD_ASSIGN_OR_RETURN(slot.device, AllocateDevice(slot.streams[0], device_bytes));
       slot.device_bytes = device_bytes;
     }
-    NORMGRAD_ASSIGN_OR_RETURN(slot.semaphores, AllocateDevice(slot, StagingSlot::kSemaphoreBytes));
-    return ctx_->Check(
-        api.cuMemsetD32Async(slot.semaphores, 0, StagingSlot::kSemaphoreBytes / sizeof(uint32_t),
-                             slot.stream),
-        "cuMemsetD32Async(semaphores)");
+    for (int i = 0; i < StagingSlot::kStreams; ++i) {
+      NORMGRAD_ASSIGN_OR_RETURN(slot.semaphores[i],
+                                AllocateDevice(slot.streams[i], StagingSlot::kSemaphoreBytes));
+      NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
+          api.cuMemsetD32Async(slot.semaphores[i], 0,
+                               StagingSlot::kSemaphoreBytes / sizeof(uint32_t), slot.streams[i]),
+          "cuMemsetD32Async(semaphores)"));
+    }
+    for (CUstream stream : slot.streams) {
+      NORMGRAD_RETURN_IF_ERROR(ctx_->Check(api.cuStreamSynchronize(stream), "cuStreamSynchronize"));
+    }
+    return absl::OkStatus();
   }
 
-  absl::StatusOr<CUdeviceptr> AllocateDevice(const StagingSlot& slot, size_t bytes) const {
+  absl::StatusOr<CUdeviceptr> AllocateDevice(CUstream stream, size_t bytes) const {
     const cuda::DriverApi& api = ctx_->api();
     CUdeviceptr p = 0;
     NORMGRAD_RETURN_IF_ERROR(
         ctx_->stream_ordered
-            ? ctx_->Check(api.cuMemAllocAsync(&p, bytes, slot.stream), "cuMemAllocAsync")
+            ? ctx_->Check(api.cuMemAllocAsync(&p, bytes, stream), "cuMemAllocAsync")
             : ctx_->Check(api.cuMemAlloc_v2(&p, bytes), "cuMemAlloc"));
     return p;
   }
 
-  // Frees what `slot` holds (its stream has no work left). Nothing on a failed device.
+  // Frees what `slot` holds (its streams have no work left). Nothing on a failed device.
   void Free(StagingSlot& slot) const {
     if (!ctx_->failure().ok() || !ctx_->MakeCurrent().ok()) return;
     const cuda::DriverApi& api = ctx_->api();
-    for (const CUdeviceptr p : {slot.device, slot.semaphores}) {
+    for (const CUdeviceptr p : {slot.device, slot.semaphores[0], slot.semaphores[1]}) {
       if (p == 0) continue;
-      if (ctx_->stream_ordered) {
-        api.cuMemFreeAsync(p, slot.stream);
+      if (ctx_->stream_ordered && slot.streams[0] != nullptr) {
+        api.cuMemFreeAsync(p, slot.streams[0]);
       } else {
         api.cuMemFree_v2(p);
       }
     }
-    if (slot.stream != nullptr) {
-      api.cuStreamSynchronize(slot.stream);
-      api.cuStreamDestroy_v2(slot.stream);
+    for (CUstream stream : slot.streams) {
+      if (stream == nullptr) continue;
+      api.cuStreamSynchronize(stream);
+      api.cuStreamDestroy_v2(stream);
     }
     if (slot.host != nullptr) api.cuMemFreeHost(slot.host);
     slot = StagingSlot{};
@@ -476,9 +493,10 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
                       std::optional<kernels::BackwardPlan> plan,
                       std::vector<std::shared_ptr<const LoadedModule>> modules,
                       std::vector<uint8_t> gamma, std::vector<float> gamma_f32,
-                      std::shared_ptr<StagingPool> staging)
+                      std::shared_ptr<StagingPool> staging, uint64_t piece_bytes)
       : ctx_(std::move(ctx)),
         staging_(std::move(staging)),
+        piece_bytes_(std::max<uint64_t>(piece_bytes, 1)),
         spec_(spec),
         plan_(std::move(plan)),
         modules_(std::move(modules)),
@@ -559,10 +577,19 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
         absl::StrCat("cuLaunchKernel(", m.entry, ")"));
   }
 
-  // One chunk on the device, in a slot of the staging pool held for this call only. Slot
-  // layout: pinned [gamma | x | dy | rms | dx | grad_gamma] (x, dy, rms and dx only when the
-  // chunk is not in registered host memory), device [gamma | x | dy | dx | rms | workspace |
-  // grad_gamma], each part 256-byte aligned.
+  // One chunk on the device, in a slot of the staging pool held for this call only, as a
+  // pipeline of pieces of PieceRows() rows that alternate between the slot's two streams. Each
+  // piece is: its rows staged into pinned memory (host), copied to the device, the plan's
+  // launches, dx and its grad_gamma copied back. Piece p+1 is staged and issued before the host
+  // waits for piece p, so the host's staging copies, the copies in each direction (PCIe is full
+  // duplex) and the kernels of neighbouring pieces overlap; the host then copies piece p's dx
+  // out while the device works on p+1. Each stream has its own gamma, workspace, semaphores and
+  // grad_gamma, so the two streams share nothing but the rows' disjoint ranges. The pieces'
+  // grad_gamma are added (double) in piece order: the same chunk always gives the same bits.
+  //
+  // Slot layout: pinned [gamma | x | dy | rms | dx | grad_gamma x2] (x, dy, rms and dx only when
+  // the chunk is not in registered host memory), device [gamma x2 | x | dy | dx | rms |
+  // workspace x2 | grad_gamma x2], each part 256-byte aligned.
   absl::Status DeviceChunk(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
                            absl::Span<const float> rms, uint64_t rows, absl::Span<uint8_t> dx) {
     const kernels::BackwardPlan& plan = *plan_;
@@ -572,6 +599,8 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
     const bool dgamma_on_device = plan.dgamma_output() != kernels::DgammaOutput::kNone;
     const size_t rms_bytes = rms_to_device ? rows * sizeof(float) : 0;
     const size_t dgamma_bytes = dgamma_on_device ? h * sizeof(float) : 0;
+    const uint64_t piece_rows = PieceRows(rows);
+    const int streams = rows > piece_rows ? StagingSlot::kStreams : 1;
     // A chunk whose x, dy, rms and dx all lie in registered host memory (a shared-memory
     // region) is copied straight from and to it; any other goes through pinned staging.
     const bool in_place = ctx_->IsRegisteredHost(x.data(), data_bytes) &&
@@ -580,29 +609,55 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
                           ctx_->IsRegisteredHost(dx.data(), data_bytes);
     const size_t staged = in_place ? 0 : data_bytes;
     const size_t staged_rms = in_place ? 0 : rms_bytes;
+    ChunkLayout at;
     SlotLayout host;
-    const size_t h_gamma = host.Add(gamma_.size()), h_x = host.Add(staged), h_dy = host.Add(staged),
-                 h_rms = host.Add(staged_rms), h_dx = host.Add(staged),
-                 h_dgamma = host.Add(dgamma_bytes);
+    at.host_gamma = host.Add(gamma_.size());
+    at.host_x = host.Add(staged);
+    at.host_dy = host.Add(staged);
+    at.host_rms = host.Add(staged_rms);
+    at.host_dx = host.Add(staged);
     SlotLayout device;
-    const size_t d_gamma = device.Add(gamma_.size()), d_x = device.Add(data_bytes),
-                 d_dy = device.Add(data_bytes), d_dx = device.Add(data_bytes),
-                 d_rms = device.Add(rms_bytes), d_workspace = device.Add(plan.WorkspaceBytes(rows)),
-                 d_dgamma = device.Add(dgamma_bytes);
-    return WithSlot(host.bytes(), device.bytes(), [&](const StagingSlot& slot) {
-      return DeviceChunkIn(slot, x, dy, rms, rows, dx, in_place,
-                           {h_gamma, h_x, h_dy, h_rms, h_dx, h_dgamma},
-                           {d_gamma, d_x, d_dy, d_dx, d_rms, d_workspace, d_dgamma});
+    for (int i = 0; i < streams; ++i) at.gamma[i] = device.Add(gamma_.size());
+    at.x = device.Add(data_bytes);
+    at.dy = device.Add(data_bytes);
+    at.dx = device.Add(data_bytes);
+    at.rms = device.Add(rms_bytes);
+    for (int i = 0; i < streams; ++i) {
+      at.workspace[i] = device.Add(plan.WorkspaceBytes(piece_rows));
+      at.dgamma[i] = device.Add(dgamma_bytes);
+      at.host_dgamma[i] = host.Add(dgamma_bytes);
+    }
+    return WithSlot(host.bytes(), device.bytes(), [&](const StagingSlot& slot) -> absl::Status {
+      NORMGRAD_RETURN_IF_ERROR(ctx_->MakeCurrent());
+      std::memcpy(slot.host + at.host_gamma, gamma_.data(), gamma_.size());
+      const ChunkRows chunk{x, dy, rms, dx, rows, in_place, rms_bytes != 0, dgamma_bytes};
+      const uint64_t pieces = (rows + piece_rows - 1) / piece_rows;
+      NORMGRAD_RETURN_IF_ERROR(IssuePiece(slot, at, chunk, 0, piece_rows));
+      for (uint64_t p = 0; p < pieces; ++p) {
+        if (p + 1 < pieces) {
+          NORMGRAD_RETURN_IF_ERROR(IssuePiece(slot, at, chunk, p + 1, piece_rows));
+        }
+        NORMGRAD_RETURN_IF_ERROR(CompletePiece(slot, at, chunk, p, piece_rows));
+      }
+      return absl::OkStatus();
     });
   }
 
-  // Runs `work(slot)` with a slot of the staging pool (its stream is stream_ meanwhile), then
-  // gives the slot back, or drops it when the work failed (its stream may hold half a chunk).
+  // Rows per piece of a chunk of `rows` (DeviceChunk): about pipeline_piece_bytes of x each,
+  // at least one row; a function of the shape only, so the same chunk is cut the same way.
+  uint64_t PieceRows(uint64_t rows) const {
+    const uint64_t row_bytes = uint64_t{spec_.hidden_dim} * element_bytes_;
+    return std::clamp<uint64_t>(piece_bytes_ / row_bytes, 1, rows);
+  }
+
+  // Runs `work(slot)` with a slot of the staging pool (stream_ is its first stream meanwhile),
+  // then gives the slot back, or drops it when the work failed (its streams may hold half a
+  // chunk).
   template <typename Work>
   absl::Status WithSlot(size_t host_bytes, size_t device_bytes, Work work) {
     NORMGRAD_ASSIGN_OR_RETURN(std::unique_ptr<StagingSlot> slot,
                               staging_->Acquire(host_bytes, device_bytes));
-    stream_ = slot->stream;
+    stream_ = slot->streams[0];
     absl::Status s = work(*slot);
     stream_ = nullptr;
     if (s.ok()) {
@@ -635,90 +690,121 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
    private:
     size_t bytes_ = 0;
   };
-  struct HostOffsets {
-    size_t gamma, x, dy, rms, dx, dgamma;
+  // Where DeviceChunk's parts lie in the slot: host_* in pinned memory, the rest on the device;
+  // [i]: stream i's own.
+  struct ChunkLayout {
+    size_t host_gamma = 0, host_x = 0, host_dy = 0, host_rms = 0, host_dx = 0;
+    size_t host_dgamma[StagingSlot::kStreams] = {};
+    size_t gamma[StagingSlot::kStreams] = {};
+    size_t x = 0, dy = 0, dx = 0, rms = 0;
+    size_t workspace[StagingSlot::kStreams] = {};
+    size_t dgamma[StagingSlot::kStreams] = {};
   };
-  struct DeviceOffsets {
-    size_t gamma, x, dy, dx, rms, workspace, dgamma;
+  // The chunk DeviceChunk pipelines: its rows as the caller passed them.
+  struct ChunkRows {
+    absl::Span<const uint8_t> x, dy;
+    absl::Span<const float> rms;
+    absl::Span<uint8_t> dx;
+    uint64_t rows;
+    bool in_place;        // x, dy, rms and dx in registered host memory: no staging copies
+    bool rms_to_device;   // the plan reads the given rms
+    size_t dgamma_bytes;  // the plan's f32 grad_gamma on the device; 0: the host adds it
   };
 
-  absl::Status DeviceChunkIn(const StagingSlot& slot, absl::Span<const uint8_t> x,
-                             absl::Span<const uint8_t> dy, absl::Span<const float> rms,
-                             uint64_t rows, absl::Span<uint8_t> dx, bool in_place,
-                             const HostOffsets& ho, const DeviceOffsets& dof) {
+  // Stages piece p's rows (unless in place) and issues its copies and launches on stream p % 2.
+  // A stream's first piece of the chunk also copies gamma to that stream's own copy.
+  absl::Status IssuePiece(const StagingSlot& slot, const ChunkLayout& at, const ChunkRows& c,
+                          uint64_t p, uint64_t piece_rows) {
     const cuda::DriverApi& api = ctx_->api();
     const kernels::BackwardPlan& plan = *plan_;
-    const size_t h = spec_.hidden_dim;
-    const size_t data_bytes = rows * h * element_bytes_;
-    const bool rms_to_device = plan.requires_rms() || (plan.reads_rms() && spec_.rms_provided);
-    const bool dgamma_on_device = plan.dgamma_output() != kernels::DgammaOutput::kNone;
-    const size_t rms_bytes = rms_to_device ? rows * sizeof(float) : 0;
-    const size_t dgamma_bytes = dgamma_on_device ? h * sizeof(float) : 0;
-    NORMGRAD_RETURN_IF_ERROR(ctx_->MakeCurrent());
+    const int s = static_cast<int>(p % StagingSlot::kStreams);
+    const CUstream stream = slot.streams[s];
+    const uint64_t first = p * piece_rows;
+    const uint64_t rows = std::min(piece_rows, c.rows - first);
+    const size_t off = first * spec_.hidden_dim * element_bytes_;
+    const size_t bytes = rows * spec_.hidden_dim * element_bytes_;
+    const size_t rms_off = first * sizeof(float), rms_bytes = c.rms_to_device ? rows * 4 : 0;
     uint8_t* const pinned = slot.host;
     const CUdeviceptr dev = slot.device;
-
-    std::memcpy(pinned + ho.gamma, gamma_.data(), gamma_.size());
-    NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
-        api.cuMemcpyHtoDAsync_v2(dev + dof.gamma, pinned + ho.gamma, gamma_.size(), stream_),
-        "cuMemcpyHtoDAsync(gamma)"));
-    const uint8_t* x_host = x.data();
-    const uint8_t* dy_host = dy.data();
-    const uint8_t* rms_host = reinterpret_cast<const uint8_t*>(rms.data());
-    if (!in_place) {
-      std::memcpy(pinned + ho.x, x.data(), data_bytes);
-      std::memcpy(pinned + ho.dy, dy.data(), data_bytes);
-      if (rms_bytes != 0) std::memcpy(pinned + ho.rms, rms.data(), rms_bytes);
-      x_host = pinned + ho.x;
-      dy_host = pinned + ho.dy;
-      rms_host = pinned + ho.rms;
+    if (p < StagingSlot::kStreams) {
+      NORMGRAD_RETURN_IF_ERROR(
+          ctx_->Check(api.cuMemcpyHtoDAsync_v2(dev + at.gamma[s], pinned + at.host_gamma,
+                                               gamma_.size(), stream),
+                      "cuMemcpyHtoDAsync(gamma)"));
     }
+    const uint8_t* x_host = c.x.data() + off;
+    const uint8_t* dy_host = c.dy.data() + off;
+    const uint8_t* rms_host = reinterpret_cast<const uint8_t*>(c.rms.data()) + rms_off;
+    if (!c.in_place) {
+      std::memcpy(pinned + at.host_x + off, x_host, bytes);
+      std::memcpy(pinned + at.host_dy + off, dy_host, bytes);
+      if (rms_bytes != 0) std::memcpy(pinned + at.host_rms + rms_off, rms_host, rms_bytes);
+      x_host = pinned + at.host_x + off;
+      dy_host = pinned + at.host_dy + off;
+      rms_host = pinned + at.host_rms + rms_off;
+    }
+    NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
+        api.cuMemcpyHtoDAsync_v2(dev + at.x + off, x_host, bytes, stream), "cuMemcpyHtoDAsync(x)"));
     NORMGRAD_RETURN_IF_ERROR(
-        ctx_->Check(api.cuMemcpyHtoDAsync_v2(dev + dof.x, x_host, data_bytes, stream_),
-                    "cuMemcpyHtoDAsync(x)"));
-    NORMGRAD_RETURN_IF_ERROR(
-        ctx_->Check(api.cuMemcpyHtoDAsync_v2(dev + dof.dy, dy_host, data_bytes, stream_),
+        ctx_->Check(api.cuMemcpyHtoDAsync_v2(dev + at.dy + off, dy_host, bytes, stream),
                     "cuMemcpyHtoDAsync(dy)"));
     if (rms_bytes != 0) {
       NORMGRAD_RETURN_IF_ERROR(
-          ctx_->Check(api.cuMemcpyHtoDAsync_v2(dev + dof.rms, rms_host, rms_bytes, stream_),
+          ctx_->Check(api.cuMemcpyHtoDAsync_v2(dev + at.rms + rms_off, rms_host, rms_bytes, stream),
                       "cuMemcpyHtoDAsync(rms)"));
     }
     if (plan.dgamma_output() == kernels::DgammaOutput::kAccumulated) {  // atomics add into it
-      NORMGRAD_RETURN_IF_ERROR(ctx_->Check(api.cuMemsetD32Async(dev + dof.dgamma, 0, h, stream_),
-                                           "cuMemsetD32Async(grad_gamma)"));
+      NORMGRAD_RETURN_IF_ERROR(
+          ctx_->Check(api.cuMemsetD32Async(dev + at.dgamma[s], 0, spec_.hidden_dim, stream),
+                      "cuMemsetD32Async(grad_gamma)"));
     }
     kernels::BackwardArgs args;
-    args.x = dev + dof.x;
-    args.dy = dev + dof.dy;
-    args.dx = dev + dof.dx;
-    args.gamma = dev + dof.gamma;
-    args.rms = rms_bytes != 0 ? dev + dof.rms : 0;
-    args.dgamma = dgamma_on_device ? dev + dof.dgamma : 0;
-    args.workspace = dev + dof.workspace;
-    args.semaphores = slot.semaphores;
+    args.x = dev + at.x + off;
+    args.dy = dev + at.dy + off;
+    args.dx = dev + at.dx + off;
+    args.gamma = dev + at.gamma[s];
+    args.rms = rms_bytes != 0 ? dev + at.rms + rms_off : 0;
+    args.dgamma = c.dgamma_bytes != 0 ? dev + at.dgamma[s] : 0;
+    args.workspace = dev + at.workspace[s];
+    args.semaphores = slot.semaphores[s];
     args.rows = rows;
     NORMGRAD_RETURN_IF_ERROR(CheckSemaphores(plan, rows));
     args.hidden_dim = spec_.hidden_dim;
     args.eps = spec_.eps;
-    NORMGRAD_RETURN_IF_ERROR(plan.Run(args, *this));
-
-    NORMGRAD_RETURN_IF_ERROR(
-        ctx_->Check(api.cuMemcpyDtoHAsync_v2(in_place ? dx.data() : pinned + ho.dx, dev + dof.dx,
-                                             data_bytes, stream_),
-                    "cuMemcpyDtoHAsync(dx)"));
-    if (dgamma_bytes != 0) {
-      NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
-          api.cuMemcpyDtoHAsync_v2(pinned + ho.dgamma, dev + dof.dgamma, dgamma_bytes, stream_),
-          "cuMemcpyDtoHAsync(grad_gamma)"));
+    stream_ = stream;
+    const absl::Status ran = plan.Run(args, *this);
+    stream_ = slot.streams[0];
+    NORMGRAD_RETURN_IF_ERROR(ran);
+    NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
+        api.cuMemcpyDtoHAsync_v2(c.in_place ? c.dx.data() + off : pinned + at.host_dx + off,
+                                 dev + at.dx + off, bytes, stream),
+        "cuMemcpyDtoHAsync(dx)"));
+    if (c.dgamma_bytes != 0) {
+      NORMGRAD_RETURN_IF_ERROR(
+          ctx_->Check(api.cuMemcpyDtoHAsync_v2(pinned + at.host_dgamma[s], dev + at.dgamma[s],
+                                               c.dgamma_bytes, stream),
+                      "cuMemcpyDtoHAsync(grad_gamma)"));
     }
-    NORMGRAD_RETURN_IF_ERROR(ctx_->Synchronize(stream_));
-    if (!in_place) std::memcpy(dx.data(), pinned + ho.dx, data_bytes);
-    if (dgamma_on_device) {
-      const float* chunk_dgamma = reinterpret_cast<const float*>(pinned + ho.dgamma);
-      for (size_t i = 0; i < h; ++i) dgamma_sum_[i] += chunk_dgamma[i];
+    return absl::OkStatus();
+  }
+
+  // Waits for piece p (its stream holds nothing issued after it: the next piece on that stream
+  // is issued only after this), then copies its dx out of pinned memory and adds its grad_gamma.
+  absl::Status CompletePiece(const StagingSlot& slot, const ChunkLayout& at, const ChunkRows& c,
+                             uint64_t p, uint64_t piece_rows) {
+    const int s = static_cast<int>(p % StagingSlot::kStreams);
+    const uint64_t first = p * piece_rows;
+    const uint64_t rows = std::min(piece_rows, c.rows - first);
+    const size_t off = first * spec_.hidden_dim * element_bytes_;
+    const size_t bytes = rows * spec_.hidden_dim * element_bytes_;
+    NORMGRAD_RETURN_IF_ERROR(ctx_->Synchronize(slot.streams[s]));
+    if (!c.in_place) std::memcpy(c.dx.data() + off, slot.host + at.host_dx + off, bytes);
+    if (c.dgamma_bytes != 0) {
+      const float* piece_dgamma = reinterpret_cast<const float*>(slot.host + at.host_dgamma[s]);
+      for (size_t i = 0; i < spec_.hidden_dim; ++i) dgamma_sum_[i] += piece_dgamma[i];
     } else {
-      AddHostGradGamma(x, dy, rms, rows);
+      AddHostGradGamma(c.x.subspan(off, bytes), c.dy.subspan(off, bytes),
+                       c.rms.subspan(first, rows), rows);
     }
     return absl::OkStatus();
   }
@@ -768,7 +854,7 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
       args.rms = rms_to_device ? in.rms : 0;
       args.dgamma = dgamma_on_device ? dev + d_dgamma : 0;
       args.workspace = dev + d_workspace;
-      args.semaphores = slot.semaphores;
+      args.semaphores = slot.semaphores[0];
       args.rows = rows;
       NORMGRAD_RETURN_IF_ERROR(CheckSemaphores(plan, rows));
       args.hidden_dim = spec_.hidden_dim;
@@ -861,6 +947,7 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
 
   const std::shared_ptr<const DeviceContext> ctx_;
   const std::shared_ptr<StagingPool> staging_;
+  const uint64_t piece_bytes_;  // CudaBackendOptions::pipeline_piece_bytes
   const BatchSpec spec_;
   const std::optional<kernels::BackwardPlan> plan_;                 // empty: the host path
   const std::vector<std::shared_ptr<const LoadedModule>> modules_;  // one per plan step
@@ -879,14 +966,15 @@ class CudaBackend : public Backend {
   // uuid: the device's 16 bytes, empty when the driver has no CUDA IPC.
   CudaBackend(std::shared_ptr<const DeviceContext> ctx, DeviceDescription device, int target_sm,
               ModuleCacheOptions cache, uint64_t max_staging_bytes, std::string uuid,
-              uint32_t max_ipc_handles)
+              uint32_t max_ipc_handles, uint64_t pipeline_piece_bytes)
       : ctx_(std::move(ctx)),
         device_(std::move(device)),
         target_sm_(target_sm),
         cache_(cache),
         staging_(std::make_shared<StagingPool>(ctx_, max_staging_bytes)),
         uuid_(std::move(uuid)),
-        ipc_(ctx_, max_ipc_handles) {}
+        ipc_(ctx_, max_ipc_handles),
+        pipeline_piece_bytes_(pipeline_piece_bytes) {}
 
   ~CudaBackend() override { cache_.Clear(); }
 
@@ -918,7 +1006,7 @@ class CudaBackend : public Backend {
     }
     return std::unique_ptr<BackwardSession>(std::make_unique<CudaBackwardSession>(
         ctx_, spec, std::move(plan), std::move(modules), std::move(gamma_bytes),
-        std::move(gamma_f32), staging_));
+        std::move(gamma_f32), staging_, pipeline_piece_bytes_));
   }
 
   absl::Status Preload(const kernels::Kernel& kernel,
@@ -1009,6 +1097,7 @@ class CudaBackend : public Backend {
   const std::shared_ptr<StagingPool> staging_;  // shared with the sessions
   const std::string uuid_;
   IpcBufferCache ipc_;
+  const uint64_t pipeline_piece_bytes_;
 };
 
 // Device set-up on a loaded driver (see cuda_backend.h); any failure means no usable GPU.
@@ -1079,9 +1168,9 @@ absl::StatusOr<std::unique_ptr<Backend>> OpenDevice(std::shared_ptr<const CudaDr
   if (driver->HasIpc() && api.cuDeviceGetUuid_v2(&id, device) == CUDA_SUCCESS) {
     uuid.assign(id.bytes, sizeof(id.bytes));
   }
-  return std::unique_ptr<Backend>(new CudaBackend(std::move(ctx), std::move(d), major * 10 + minor,
-                                                  options.cache, options.max_staging_bytes,
-                                                  std::move(uuid), options.max_ipc_handles));
+  return std::unique_ptr<Backend>(new CudaBackend(
+      std::move(ctx), std::move(d), major * 10 + minor, options.cache, options.max_staging_bytes,
+      std::move(uuid), options.max_ipc_handles, options.pipeline_piece_bytes));
 }
 
 }  // namespace

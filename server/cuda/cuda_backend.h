@@ -7,15 +7,23 @@
 // (cuMemAlloc when the driver or device lacks pools).
 //
 // Staging, per backend, not per session: a chunk borrows a slot from the backend's staging pool
-// for the length of one ProcessChunk call (a CU_STREAM_NON_BLOCKING stream, pinned host memory
-// from cuMemHostAlloc and device memory for gamma, x, dy, dx, rms, the plan's workspace and the
-// chunk's grad_gamma), and gives it back once its stream is synchronized; an idle session holds
-// none. Slots are reused across sessions and RPCs. The pinned bytes of all slots, in use or
-// idle, stay within max_staging_bytes, and so do the device bytes (a slot that alone is larger
-// is still lent when no other slot is held); a chunk that would pass the bound first frees
-// idle slots, then waits for one in use to come back. The server passes --max-inflight-bytes
-// (docs/operations.md, "Memory and overload"). Every call that issues work first makes the
-// context current on the calling thread (cuCtxSetCurrent).
+// for the length of one ProcessChunk call (two CU_STREAM_NON_BLOCKING streams, pinned host
+// memory from cuMemHostAlloc and device memory for gamma, x, dy, dx, rms, the plan's workspace
+// and the chunk's grad_gamma), and gives it back once its streams are synchronized; an idle
+// session holds none. Slots are reused across sessions and RPCs. The pinned bytes of all slots,
+// in use or idle, stay within max_staging_bytes, and so do the device bytes (a slot that alone
+// is larger is still lent when no other slot is held); a chunk that would pass the bound first
+// frees idle slots, then waits for one in use to come back. The server passes
+// --max-inflight-bytes (docs/operations.md, "Memory and overload"). Every call that issues work
+// first makes the context current on the calling thread (cuCtxSetCurrent).
+//
+// The chunk pipeline: a chunk is cut into pieces of about pipeline_piece_bytes of x (whole
+// rows) that alternate between the slot's two streams. Piece p+1 is staged into pinned memory
+// and issued (host-to-device copies, the plan's launches, device-to-host copies) before the
+// host waits for piece p, so the host's staging copies, host-to-device and device-to-host copies
+// (PCIe is full duplex) and kernels of neighbouring pieces overlap. The pieces' f32 grad_gamma
+// are added on the host (double) in piece order; the cut depends only on the chunk's shape, so
+// the bits do too.
 //
 // Which kernel runs (BatchSpec::kernel empty = the backend's choice):
 //   hidden_dim <= 16384             rms_norm_backward_row_resident (x and dy read once; the given
@@ -49,6 +57,10 @@
 
 namespace normgrad::server {
 
+// 8 MiB of x per piece: a 64 MiB shared-memory chunk of x is 8 pieces; a gRPC chunk (1 MiB by
+// default, 4 MiB at most) is one.
+inline constexpr uint64_t kDefaultPipelinePieceBytes = uint64_t{8} << 20;
+
 struct CudaBackendOptions {
   std::string driver_library;  // empty: $NORMGRAD_CUDA_DRIVER, else "libcuda.so.1"
   int device_ordinal = 0;
@@ -57,6 +69,8 @@ struct CudaBackendOptions {
   uint64_t max_staging_bytes = 1ull << 30;
   // CUDA IPC: other processes' device allocations kept open (least recently used closed first).
   uint32_t max_ipc_handles = 64;
+  // The chunk pipeline (see above): bytes of x per piece (at least one row per piece).
+  uint64_t pipeline_piece_bytes = kDefaultPipelinePieceBytes;
 };
 
 // FAILED_PRECONDITION saying why when no usable GPU is found (library not loadable or not a

@@ -5,6 +5,9 @@
 //   NORMGRAD_TEST_BACKEND=cuda  CreateBackend(kCuda); the driver library comes from
 //                               NORMGRAD_CUDA_DRIVER (e.g. an emulated driver), else libcuda.so.1
 //   NORMGRAD_TEST_BACKEND=cuda:/path/to/driver.so   the same with that driver library
+//   NORMGRAD_TEST_CUDA_PIECE_BYTES=N  the CUDA backend's chunk pipeline cuts chunks into pieces
+//                               of N bytes of x (BackendOptions::cuda_pipeline_piece_bytes), so
+//                               small test chunks run as several pieces on two streams
 #ifndef NORMGRAD_TESTS_SERVER_BACKEND_BACKEND_TEST_UTIL_H_
 #define NORMGRAD_TESTS_SERVER_BACKEND_BACKEND_TEST_UTIL_H_
 
@@ -43,6 +46,9 @@ inline absl::StatusOr<std::unique_ptr<Backend>> MakeBackendUnderTest(int cpu_thr
   options.kind = *kind;
   options.cuda_driver_library = BackendUnderTestSetting(true);
   options.cpu_threads = cpu_threads;
+  if (const char* piece = std::getenv("NORMGRAD_TEST_CUDA_PIECE_BYTES")) {
+    options.cuda_pipeline_piece_bytes = std::strtoull(piece, nullptr, 10);
+  }
   return CreateBackend(options);
 }
 

@@ -6,6 +6,12 @@
 // environment, read at every call:
 //   NORMGRAD_SCRIPTED_CUDA=ok|init_fails|no_devices|jit_error|oom     (default ok)
 //   NORMGRAD_SCRIPTED_CUDA_MAX_GRID_X=N                             (default 2147483647)
+//   NORMGRAD_SCRIPTED_CUDA_STREAMS=deferred|immediate                (default immediate)
+// "deferred": copies, memsets and launches issued on a stream are queued and run, in issue
+// order, only when that stream is synchronized (or destroyed), as late as a GPU may run them: a
+// host that reads a result before waiting for its stream reads stale bytes, and work that needs
+// another stream's results without waiting for them runs without them. The most streams holding
+// queued work at once is counted (normgrad_scripted_cuda_max_busy_streams).
 // Work issued on a thread that has not made the context current fails with
 // CUDA_ERROR_INVALID_CONTEXT, as a real driver does.
 #include <cuda.h>
@@ -17,6 +23,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -62,6 +69,7 @@ struct Allocations {
   std::map<uintptr_t, size_t> host, device;  // base -> bytes
   size_t host_bytes = 0, device_bytes = 0, peak_host = 0, peak_device = 0;
   int streams = 0;
+  int busy_streams = 0, max_busy_streams = 0;  // streams with queued work (deferred mode)
 };
 Allocations& Live() {
   static Allocations* a = new Allocations;
@@ -132,6 +140,44 @@ struct Function {
 
 bool NoContext() { return current != kContext; }
 
+// A stream: the work queued on it in deferred mode.
+struct Stream {
+  std::vector<std::function<void()>> queued;  // guarded by Live().mu
+};
+
+bool Deferred() {
+  const char* m = std::getenv("NORMGRAD_SCRIPTED_CUDA_STREAMS");
+  return m != nullptr && std::string(m) == "deferred";
+}
+
+// Runs `op` now, or queues it on `stream` in deferred mode (the null stream runs it now).
+void Issue(CUstream stream, std::function<void()> op) {
+  if (stream == nullptr || !Deferred()) {
+    op();
+    return;
+  }
+  auto* s = reinterpret_cast<Stream*>(stream);
+  std::lock_guard<std::mutex> lock(Live().mu);
+  if (s->queued.empty()) {
+    ++Live().busy_streams;
+    Live().max_busy_streams = std::max(Live().max_busy_streams, Live().busy_streams);
+  }
+  s->queued.push_back(std::move(op));
+}
+
+// Runs what is queued on `stream`, in issue order.
+void Drain(CUstream stream) {
+  if (stream == nullptr) return;
+  auto* s = reinterpret_cast<Stream*>(stream);
+  std::vector<std::function<void()>> ops;
+  {
+    std::lock_guard<std::mutex> lock(Live().mu);
+    ops.swap(s->queued);
+    if (!ops.empty()) --Live().busy_streams;
+  }
+  for (auto& op : ops) op();
+}
+
 float F32FromBits(uint32_t bits) {
   float f;
   std::memcpy(&f, &bits, 4);
@@ -184,6 +230,56 @@ T* Ptr(uint64_t address) {
   return reinterpret_cast<T*>(address);
 }
 
+// The model of kernel `m.entry` on the unpacked arguments `v`.
+void RunKernel(const Module& m, const normgrad::kernels::KernelParamValues& v) {
+  if (m.entry == "rms_norm_backward_dgamma_reduce") {
+    const float* partials = Ptr<const float>(v.dgamma_partials);
+    for (uint32_t i = 0; i < v.hidden_dim; ++i) {
+      float sum = 0;
+      for (uint32_t p = 0; p < v.num_partials; ++p) sum += partials[uint64_t{p} * v.hidden_dim + i];
+      StoreElem(m.elem, Ptr<void>(v.dgamma), i, sum);
+    }
+    return;
+  }
+  const bool row_resident = m.entry == "rms_norm_backward_row_resident";
+  const bool batched = m.entry == "batched_rms_norm_backward";
+  // rms: the given one (warp kernel; row-resident when rms_ptr != 0), else from x and eps.
+  const float* given_rms = batched ? nullptr : Ptr<const float>(v.rms);
+  // grad_gamma: atomics into one vector (batched), or written whole (row-resident: the sum over
+  // the launch's rows, here in row order).
+  const uint32_t h = v.hidden_dim;
+  float* dgamma = row_resident ? Ptr<float>(v.dgamma) : nullptr;
+  if (row_resident) std::memset(dgamma, 0, uint64_t{h} * sizeof(float));
+  const void* x = Ptr<const void>(v.input);
+  const void* gamma = Ptr<const void>(v.gamma);
+  const void* dy = Ptr<const void>(v.grad_output);
+  void* dx = Ptr<void>(v.grad_input);
+  for (uint32_t r = 0; r < v.num_rows; ++r) {
+    const uint64_t row = uint64_t{r} * h;
+    float sum_sq = 0, sum_xdyg = 0;
+    for (uint32_t i = 0; i < h; ++i) {
+      const float xi = LoadElem(m.elem, x, row + i);
+      sum_sq += xi * xi;
+      sum_xdyg += xi * LoadElem(m.elem, dy, row + i) * LoadElem(m.elem, gamma, i);
+    }
+    const float rms =
+        given_rms != nullptr ? given_rms[r] : std::sqrt(sum_sq / static_cast<float>(h) + v.eps);
+    const float inv = 1.0f / rms;
+    const float mean = sum_xdyg / static_cast<float>(h);
+    for (uint32_t i = 0; i < h; ++i) {
+      const float xi = LoadElem(m.elem, x, row + i);
+      const float yi = LoadElem(m.elem, dy, row + i);
+      StoreElem(m.elem, dx, row + i,
+                inv * (LoadElem(m.elem, gamma, i) * yi - xi * inv * inv * mean));
+      if (batched) {
+        Ptr<float>(v.grad_gamma)[i] += yi * xi * inv;
+      } else if (row_resident) {
+        dgamma[i] += yi * xi * inv;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -197,6 +293,7 @@ void normgrad_scripted_cuda_reset() {
   std::lock_guard<std::mutex> lock(Live().mu);
   Live().peak_host = Live().host_bytes;
   Live().peak_device = Live().device_bytes;
+  Live().max_busy_streams = Live().busy_streams;
 }
 // Pinned (cuMemHostAlloc) and device bytes live now, and their peaks since the last reset.
 size_t normgrad_scripted_cuda_host_bytes() {
@@ -218,6 +315,11 @@ size_t normgrad_scripted_cuda_peak_device_bytes() {
 int normgrad_scripted_cuda_live_streams() {
   std::lock_guard<std::mutex> lock(Live().mu);
   return Live().streams;
+}
+// Deferred mode: the most streams that held queued work at once since the last reset.
+int normgrad_scripted_cuda_max_busy_streams() {
+  std::lock_guard<std::mutex> lock(Live().mu);
+  return Live().max_busy_streams;
 }
 
 CUresult cuInit(unsigned int) {
@@ -317,7 +419,7 @@ CUresult cuModuleGetFunction(CUfunction* f, CUmodule module, const char* name) {
 }
 
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned, unsigned, unsigned,
-                        unsigned, CUstream, void** args, void**) {
+                        unsigned, CUstream stream, void** args, void**) {
   if (NoContext()) return CUDA_ERROR_INVALID_CONTEXT;
   const char* g = std::getenv("NORMGRAD_SCRIPTED_CUDA_MAX_GRID_X");
   if (g != nullptr && gx > static_cast<unsigned>(std::atoi(g))) return CUDA_ERROR_INVALID_VALUE;
@@ -328,54 +430,12 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned,
   const absl::StatusOr<normgrad::kernels::KernelParamValues> unpacked =
       normgrad::kernels::UnpackArgs(m.params, args);
   if (!unpacked.ok()) return CUDA_ERROR_INVALID_VALUE;
-  const normgrad::kernels::KernelParamValues& v = *unpacked;
-  if (m.entry == "rms_norm_backward_dgamma_reduce") {
-    const float* partials = Ptr<const float>(v.dgamma_partials);
-    for (uint32_t i = 0; i < v.hidden_dim; ++i) {
-      float sum = 0;
-      for (uint32_t p = 0; p < v.num_partials; ++p) sum += partials[uint64_t{p} * v.hidden_dim + i];
-      StoreElem(m.elem, Ptr<void>(v.dgamma), i, sum);
-    }
-    return CUDA_SUCCESS;
+  const normgrad::kernels::KernelParamValues v = *unpacked;
+  if (m.entry != "rms_norm_backward_dgamma_reduce" && m.entry != "rms_norm_backward_row_resident" &&
+      m.entry != "batched_rms_norm_backward" && m.entry != "rms_norm_backward") {
+    return CUDA_ERROR_NOT_FOUND;
   }
-  const bool row_resident = m.entry == "rms_norm_backward_row_resident";
-  const bool batched = m.entry == "batched_rms_norm_backward";
-  if (!batched && !row_resident && m.entry != "rms_norm_backward") return CUDA_ERROR_NOT_FOUND;
-  // rms: the given one (warp kernel; row-resident when rms_ptr != 0), else from x and eps.
-  const float* given_rms = batched ? nullptr : Ptr<const float>(v.rms);
-  // grad_gamma: atomics into one vector (batched), or written whole (row-resident: the sum over
-  // the launch's rows, here in row order).
-  const uint32_t h = v.hidden_dim;
-  float* dgamma = row_resident ? Ptr<float>(v.dgamma) : nullptr;
-  if (row_resident) std::memset(dgamma, 0, uint64_t{h} * sizeof(float));
-  const void* x = Ptr<const void>(v.input);
-  const void* gamma = Ptr<const void>(v.gamma);
-  const void* dy = Ptr<const void>(v.grad_output);
-  void* dx = Ptr<void>(v.grad_input);
-  for (uint32_t r = 0; r < v.num_rows; ++r) {
-    const uint64_t row = uint64_t{r} * h;
-    float sum_sq = 0, sum_xdyg = 0;
-    for (uint32_t i = 0; i < h; ++i) {
-      const float xi = LoadElem(m.elem, x, row + i);
-      sum_sq += xi * xi;
-      sum_xdyg += xi * LoadElem(m.elem, dy, row + i) * LoadElem(m.elem, gamma, i);
-    }
-    const float rms =
-        given_rms != nullptr ? given_rms[r] : std::sqrt(sum_sq / static_cast<float>(h) + v.eps);
-    const float inv = 1.0f / rms;
-    const float mean = sum_xdyg / static_cast<float>(h);
-    for (uint32_t i = 0; i < h; ++i) {
-      const float xi = LoadElem(m.elem, x, row + i);
-      const float yi = LoadElem(m.elem, dy, row + i);
-      StoreElem(m.elem, dx, row + i,
-                inv * (LoadElem(m.elem, gamma, i) * yi - xi * inv * inv * mean));
-      if (batched) {
-        Ptr<float>(v.grad_gamma)[i] += yi * xi * inv;
-      } else if (row_resident) {
-        dgamma[i] += yi * xi * inv;
-      }
-    }
-  }
+  Issue(stream, [m, v] { RunKernel(m, v); });
   return CUDA_SUCCESS;
 }
 
@@ -412,45 +472,50 @@ CUresult cuMemFreeHost(void* p) {
   std::free(p);
   return CUDA_SUCCESS;
 }
-CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream) {
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream stream) {
   if (NoContext()) return CUDA_ERROR_INVALID_CONTEXT;
-  std::memcpy(reinterpret_cast<void*>(dst), src, n);
+  Issue(stream, [=] { std::memcpy(reinterpret_cast<void*>(dst), src, n); });
   return CUDA_SUCCESS;
 }
-CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream) {
+CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream stream) {
   if (NoContext()) return CUDA_ERROR_INVALID_CONTEXT;
-  std::memcpy(dst, reinterpret_cast<const void*>(src), n);
+  Issue(stream, [=] { std::memcpy(dst, reinterpret_cast<const void*>(src), n); });
   return CUDA_SUCCESS;
 }
-CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream) {
+CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream stream) {
   if (NoContext()) return CUDA_ERROR_INVALID_CONTEXT;
-  std::memset(reinterpret_cast<void*>(dst), v, n);
+  Issue(stream, [=] { std::memset(reinterpret_cast<void*>(dst), v, n); });
   return CUDA_SUCCESS;
 }
-CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int v, size_t n, CUstream) {
+CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int v, size_t n, CUstream stream) {
   if (NoContext()) return CUDA_ERROR_INVALID_CONTEXT;
-  auto* p = reinterpret_cast<uint32_t*>(dst);
-  for (size_t i = 0; i < n; ++i) p[i] = v;
+  Issue(stream, [=] {
+    auto* p = reinterpret_cast<uint32_t*>(dst);
+    for (size_t i = 0; i < n; ++i) p[i] = v;
+  });
   return CUDA_SUCCESS;
 }
 CUresult cuStreamCreate(CUstream* s, unsigned int flags) {
   if (NoContext()) return CUDA_ERROR_INVALID_CONTEXT;
   if (flags != CU_STREAM_NON_BLOCKING) return CUDA_ERROR_INVALID_VALUE;  // the backend's contract
-  *s = reinterpret_cast<CUstream>(new int(0));
+  *s = reinterpret_cast<CUstream>(new Stream);
   std::lock_guard<std::mutex> lock(Live().mu);
   ++Live().streams;
   return CUDA_SUCCESS;
 }
 CUresult cuStreamDestroy_v2(CUstream s) {
+  Drain(s);  // a destroyed stream's work still completes
   {
     std::lock_guard<std::mutex> lock(Live().mu);
     --Live().streams;
   }
-  delete reinterpret_cast<int*>(s);
+  delete reinterpret_cast<Stream*>(s);
   return CUDA_SUCCESS;
 }
-CUresult cuStreamSynchronize(CUstream) {
-  return NoContext() ? CUDA_ERROR_INVALID_CONTEXT : CUDA_SUCCESS;
+CUresult cuStreamSynchronize(CUstream s) {
+  if (NoContext()) return CUDA_ERROR_INVALID_CONTEXT;
+  Drain(s);
+  return CUDA_SUCCESS;
 }
 CUresult cuEventCreate(CUevent* e, unsigned int) {
   *e = reinterpret_cast<CUevent>(new int(0));

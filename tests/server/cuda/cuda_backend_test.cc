@@ -78,6 +78,9 @@ size_t PeakDeviceBytes() {
   return ScriptedSymbol<size_t (*)()>("normgrad_scripted_cuda_peak_device_bytes")();
 }
 int LiveStreams() { return ScriptedSymbol<int (*)()>("normgrad_scripted_cuda_live_streams")(); }
+int MaxBusyStreams() {
+  return ScriptedSymbol<int (*)()>("normgrad_scripted_cuda_max_busy_streams")();
+}
 
 absl::StatusOr<std::unique_ptr<Backend>> Create(BackendKind kind, const std::string& library) {
   BackendOptions options;
@@ -87,11 +90,13 @@ absl::StatusOr<std::unique_ptr<Backend>> Create(BackendKind kind, const std::str
   return CreateBackend(options);
 }
 
-std::unique_ptr<Backend> ScriptedCuda(uint64_t max_staging_bytes = 1ull << 30) {
+std::unique_ptr<Backend> ScriptedCuda(uint64_t max_staging_bytes = 1ull << 30,
+                                      uint64_t pipeline_piece_bytes = 0) {
   BackendOptions options;
   options.kind = BackendKind::kCuda;
   options.cuda_driver_library = kScripted;
   options.max_staging_bytes = max_staging_bytes;
+  options.cuda_pipeline_piece_bytes = pipeline_piece_bytes;
   absl::StatusOr<std::unique_ptr<Backend>> b = CreateBackend(options);
   EXPECT_TRUE(b.ok()) << b.status();
   return b.ok() ? *std::move(b) : nullptr;
@@ -480,15 +485,16 @@ TEST(CudaBackendTest, IdleSessionsHoldNoStagingAndChunksReuseOneSlot) {
                       .ok());
       sessions.push_back(*std::move(session));
     }
-    // One slot: 32 rows of x, dy and dx pinned and on the device, plus gamma and grad_gamma; on
-    // the device also the grad_gamma tree (32 blocks: 32 + 2 rows of the 256 x 4 tiling's 1024
-    // f32) and the slot's 4 KiB of semaphores.
+    // One slot with its two streams: 32 rows of x, dy and dx pinned and on the device, plus
+    // gamma and grad_gamma (one piece: one stream's); on the device also the grad_gamma tree
+    // (32 blocks: 32 + 2 rows of the 256 x 4 tiling's 1024 f32) and the two streams' 4 KiB of
+    // semaphores each.
     const size_t chunk = 32 * b.hidden * 4;
-    EXPECT_EQ(LiveStreams(), streams_before + 1);
+    EXPECT_EQ(LiveStreams(), streams_before + 2);
     EXPECT_GE(PinnedBytes() - pinned_before, 3 * chunk);
     EXPECT_LT(PinnedBytes() - pinned_before, 3 * chunk + 8192);
     EXPECT_GE(DeviceBytes() - device_before, 3 * chunk);
-    EXPECT_LT(DeviceBytes() - device_before, 3 * chunk + 8192 + 34 * 4 * 1024 + 4096);
+    EXPECT_LT(DeviceBytes() - device_before, 3 * chunk + 8192 + 34 * 4 * 1024 + 2 * 4096);
   }
   EXPECT_EQ(LiveStreams(), streams_before);
   EXPECT_EQ(PinnedBytes(), pinned_before);
@@ -518,6 +524,59 @@ TEST(CudaBackendTest, ConcurrentChunksStayWithinTheStagingBound) {
   EXPECT_LE(PeakDeviceBytes() - device_before, 2 * slot);
   EXPECT_GT(PeakPinnedBytes(), pinned_before);
   ExpectRunNearReference(*cuda, b, 16);
+}
+
+// The chunk pipeline, on a driver that runs a stream's work only when the host waits for that
+// stream (deferred): a chunk cut into pieces of 4 rows (4 KiB of x at hidden 256) keeps both of
+// its slot's streams busy at once, and every dx and grad_gamma is still right, so no piece's
+// result was read before its stream was waited for and no stream used the other's data. Chunks
+// of 30 rows: seven full pieces and one of 2 rows, 8 pieces alternating between two streams.
+class CudaPipelineTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CudaPipelineTest, PiecesOverlapOnTwoStreamsAndEveryResultIsRight) {
+  ScopedEnv deferred("NORMGRAD_SCRIPTED_CUDA_STREAMS", "deferred");
+  std::unique_ptr<Backend> cuda = ScriptedCuda(1ull << 30, 4 * 256 * 4);
+  ASSERT_NE(cuda, nullptr);
+  for (const bool with_rms : {false, true}) {
+    SCOPED_TRACE(with_rms ? "rms given" : "rms recomputed");
+    const Batch b = MakeBatch(90, 256, with_rms, 7);
+    ResetCounters();
+    absl::StatusOr<Gradients> got = RunF32(*cuda, b, 30, GetParam());
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(MaxBusyStreams(), 2);
+    ExpectNearReference(b, *got);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, CudaPipelineTest,
+                         ::testing::Values("", "rms_norm_backward_row_resident",
+                                           "batched_rms_norm_backward"),
+                         [](const auto& info) {
+                           return info.param.empty() ? std::string("Default") : info.param;
+                         });
+
+// A chunk that fits one piece uses one stream (once its slot exists: making a slot zeroes both
+// streams' semaphores); the cut depends on the shape only, so the same batch gives the same bits
+// every time, and dx (per row) the same bits pipelined or not.
+TEST(CudaPipelineCutTest, OnePieceUsesOneStreamAndTheCutIsReproducible) {
+  ScopedEnv deferred("NORMGRAD_SCRIPTED_CUDA_STREAMS", "deferred");
+  const Batch b = MakeBatch(60, 256, false, 3);
+  std::unique_ptr<Backend> whole = ScriptedCuda();
+  ASSERT_NE(whole, nullptr);
+  ASSERT_TRUE(RunF32(*whole, b, 30).ok());
+  ResetCounters();
+  absl::StatusOr<Gradients> one = RunF32(*whole, b, 30);
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(MaxBusyStreams(), 1);
+  std::unique_ptr<Backend> cut = ScriptedCuda(1ull << 30, 4 * 256 * 4);
+  ASSERT_NE(cut, nullptr);
+  absl::StatusOr<Gradients> first = RunF32(*cut, b, 30);
+  absl::StatusOr<Gradients> second = RunF32(*cut, b, 30);
+  ASSERT_TRUE(first.ok() && second.ok());
+  EXPECT_EQ(first->dx, second->dx);
+  EXPECT_EQ(first->dgamma, second->dgamma);
+  EXPECT_EQ(first->dx, one->dx);
+  ExpectNearReference(b, *first);
 }
 
 }  // namespace
