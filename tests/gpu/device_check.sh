@@ -5,9 +5,12 @@
 #   2. runs the backend suite against the CUDA backend on the real driver (CPU reference oracle);
 #   3. runs normgrad-gpu-bench (copy bandwidth, each kernel's bandwidth and fraction of it, L2
 #      flushed before every run; 1x896 to 16384x4096, f32 and bf16);
-#   4. where `import torch` works, PyTorch's RMSNorm backward on the same shapes (eager,
+#   4. runs normgrad-pipeline-bench (the CUDA backend's chunk pipeline against one piece per
+#      chunk, a 64 MiB chunk staged and registered, f32 and bf16);
+#   5. where `import torch` works, PyTorch's RMSNorm backward on the same shapes (eager,
 #      torch.compile, torch.nn.functional.rms_norm where present), as ratios, and the targets.
-# Results: <out>/bench.json, <out>/bench.txt, <out>/summary.json, <out>/summary.txt.
+# Results: <out>/bench.json, <out>/bench.txt, <out>/pipeline.txt, <out>/summary.json,
+# <out>/summary.txt.
 #
 #   bash tests/gpu/device_check.sh [--smoke] [--build-dir DIR] [--out DIR] [--iters N] [--no-build]
 #
@@ -34,7 +37,7 @@ while [[ $# -gt 0 ]]; do
     --out) [[ $# -ge 2 ]] || die "--out needs a directory"; OUT_DIR="$2"; shift ;;
     --iters) [[ $# -ge 2 && "$2" =~ ^[1-9][0-9]*$ ]] || die "--iters needs a positive integer"
              ITERS="$2"; shift ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
   shift
@@ -65,14 +68,15 @@ if [[ "${BUILD}" == 1 ]]; then
     -DNORMGRAD_WITH_GRPC=OFF -DNORMGRAD_BUILD_BENCHMARKS=OFF -DCUDA_HOME="${CUDA_HOME}" \
     > "${OUT_DIR}/configure.log" 2>&1 \
     || { tail -30 "${OUT_DIR}/configure.log" >&2; die "configure failed (log: ${OUT_DIR}/configure.log)"; }
-  step "building backend_test and normgrad-gpu-bench (${JOBS} jobs)"
-  timeout 900 cmake --build "${BUILD_DIR}" --target backend_test normgrad_gpu_bench -j "${JOBS}" \
+  step "building backend_test, normgrad-gpu-bench and normgrad-pipeline-bench (${JOBS} jobs)"
+  timeout 900 cmake --build "${BUILD_DIR}" --target backend_test normgrad_gpu_bench \
+    normgrad_pipeline_bench -j "${JOBS}" \
     > "${OUT_DIR}/build.log" 2>&1 \
     || { tail -30 "${OUT_DIR}/build.log" >&2; die "build failed (log: ${OUT_DIR}/build.log)"; }
 fi
 BIN="${BUILD_DIR}/bin"
-[[ -x "${BIN}/backend_test" && -x "${BIN}/normgrad-gpu-bench" ]] \
-  || die "${BIN} lacks backend_test or normgrad-gpu-bench (build first, without --no-build)"
+[[ -x "${BIN}/backend_test" && -x "${BIN}/normgrad-gpu-bench" && -x "${BIN}/normgrad-pipeline-bench" ]] \
+  || die "${BIN} lacks backend_test, normgrad-gpu-bench or normgrad-pipeline-bench (build first, without --no-build)"
 
 step "CUDA backend against the CPU reference on the driver"
 FILTER="*"
@@ -92,6 +96,12 @@ BENCH_ARGS=(--json "${OUT_DIR}/bench.json" --iters "${ITERS}")
 [[ "${SMOKE}" == 1 ]] && BENCH_ARGS+=(--smoke)
 timeout 600 "${BIN}/normgrad-gpu-bench" "${BENCH_ARGS[@]}" | tee "${OUT_DIR}/bench.txt" \
   || die "normgrad-gpu-bench failed (exit ${PIPESTATUS[0]}; see above)"
+
+step "the CUDA backend's chunk pipeline against one piece per chunk"
+PIPE_ARGS=(--iters "${ITERS}")
+[[ "${SMOKE}" == 1 ]] && PIPE_ARGS=(--smoke)
+timeout 300 "${BIN}/normgrad-pipeline-bench" "${PIPE_ARGS[@]}" | tee "${OUT_DIR}/pipeline.txt" \
+  || die "normgrad-pipeline-bench failed (exit ${PIPESTATUS[0]}; see above)"
 
 step "PyTorch's RMSNorm backward on the same shapes"
 TORCH_ARGS=(--kernels-json "${OUT_DIR}/bench.json" --out "${OUT_DIR}/summary.json" --iters "${ITERS}")
