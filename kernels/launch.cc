@@ -53,7 +53,8 @@ uint64_t BackwardPlan::WorkspaceBytes(uint64_t rows) const {
   const Step& main = steps_.front();
   const uint32_t blocks = main.kernel->Geometry(main.config, rows).grid[0];
   const uint64_t row_floats = RowResidentRmsNormBackwardKernel::TilingFor(main.config).capacity();
-  return uint64_t{RowResidentRmsNormBackwardKernel::TreeRows(blocks)} * row_floats * sizeof(float);
+  return uint64_t{RowResidentRmsNormBackwardKernel::WorkspaceRows(main.config, blocks)} *
+         row_floats * sizeof(float);
 }
 
 uint64_t BackwardPlan::SemaphoreBytes(uint64_t rows) const {

@@ -346,6 +346,398 @@ void BuildDgammaTree(Builder& b, const KernelConfig& config, Value col0, Value t
   b.Ret();
 }
 
+// Emits a block-uniform loop over a streamed row's segments: `body(seg, seg_bytes4)` for seg =
+// 0, step, 2*step, ... while seg < limit, where seg is the segment's first column relative to
+// the thread's (u32) and seg_bytes4 = 4 * seg as a u64 (the segment's byte offset in an f32
+// row: the workspace's and dgamma's).
+template <typename Body>
+void SegmentLoop(Builder& b, Value limit, uint32_t step, const char* name, Body body) {
+  const Label loop = b.CreateLabel(name);
+  const Label done = b.CreateLabel(absl::StrCat(name, "_done"));
+  const Value seg = b.Mov(Value::U32(0));
+  const Value seg_bytes4 = b.Mov(Value::U64(0));
+  b.Bind(loop);
+  b.BraIf(b.Setp(CmpOp::kGe, seg, limit), done);
+  body(seg, seg_bytes4);
+  b.AddTo(seg, Value::U32(step));
+  b.AddTo(seg_bytes4, Value::U64(uint64_t{step} * 4));
+  b.Bra(loop);
+  b.Bind(done);
+}
+
+// The last-block-done tree of BuildDgammaTree for a streamed tiling, whose sums are not in
+// registers: every block's level-0 row is already in the workspace (row ctaid, written by the row
+// loop), and the group's last member adds its members' rows segment by segment, in member order,
+// into its row of the next level, or into dgamma at the top. Same members, groups, order,
+// semaphores, layout and identity (-0.0) as the register tree, so the same bits for the same
+// sums. G == 1: row 0 is the whole grad_gamma, copied to dgamma.
+void BuildStreamedTree(Builder& b, const KernelConfig& config, Value col0, Value tid,
+                       SharedArray last_flag, const DgammaTreeParams& p) {
+  using K_ = RowResidentRmsNormBackwardKernel;
+  const RowTiling tiling = K_::TilingFor(config);
+  const uint32_t T = tiling.threads;
+  const uint32_t V = tiling.vector_elements;
+  constexpr uint32_t F = K_::kFanIn;
+  constexpr uint32_t kLogF = K_::kLogFanIn;
+  const Label level_loop = b.CreateLabel("stree_level");
+  const Label ticket_taken = b.CreateLabel("stree_ticket_taken");
+  const Label single = b.CreateLabel("stree_single");
+  const Label done = b.CreateLabel("stree_done");
+
+  const auto [dgamma, workspace, semaphores] = b.LdParams({p.dgamma, p.workspace, p.semaphores});
+  const Value hidden = p.hidden;
+  const Value stride_up = b.Add(hidden, Value::U32(V - 1));
+  const Value stride = b.And(stride_up, Value::U32(~(V - 1)));
+  const uint32_t row_bytes = tiling.capacity() * 4;
+  const Value tid_bytes = b.MulWide(tid, Value::U32(kVectorBytes));
+  const Value ws_thread = b.Add(workspace, tid_bytes);
+  const Value col0_bytes = b.MulWide(col0, Value::U32(4));
+  const Value dg_thread = b.Add(dgamma, col0_bytes);
+  const Value is_thread0 = b.Setp(CmpOp::kEq, tid, Value::U32(0));
+  const Value flag_addr = b.AddressOf(last_flag);
+  // dgamma in 16-byte vectors where it is aligned (pointer and hidden_dim % 4), as the top of the
+  // register tree.
+  const Value dg_low64 = b.And(dgamma, Value::U64(kVectorBytes - 1));
+  const Value dg_low = b.Cvt(PtxType::kU32, dg_low64);
+  const Value hidden_low = b.And(hidden, Value::U32(3));
+  const Value dg_misaligned = b.Or(dg_low, hidden_low);
+  const Value dg_aligned = b.Setp(CmpOp::kEq, dg_misaligned, Value::U32(0));
+  const Value dg_limit = b.Selp(hidden, Value::U32(0), dg_aligned);
+  // Stores quad q of a segment's sums to dgamma (f32, vector or element by element).
+  auto store_dgamma = [&](Value seg, Value seg_bytes4, uint32_t q, const std::vector<Value>& quad) {
+    const Value col = b.Add(col0, seg);
+    const SlotPredicates sp = MakeSlotPredicates(b, col, 4 * q, 4, dg_limit, hidden);
+    const Value addr = b.Add(dg_thread, seg_bytes4);
+    StoreSlot(b, DType::kF32, Address{addr, 16 * int64_t{q}}, sp.vec, sp.elem, quad);
+  };
+
+  const Value count = b.Mov(SpecialReg::kNctaidX);  // members of this level
+  const Value member = b.Mov(SpecialReg::kCtaidX);  // this block's place in it
+  const Value level_row = b.Mov(Value::U32(0));     // the level's first workspace row
+  const Value level_sem = b.Mov(Value::U32(0));     // the level's first semaphore
+  b.BraIf(b.Setp(CmpOp::kEq, count, Value::U32(1)), single);
+
+  // Block-uniform, as in BuildDgammaTree. This block's row of the level is written.
+  b.Bind(level_loop);
+  {
+    // Release: every thread's row stores are visible GPU-wide before thread 0's arrival.
+    b.Fence();
+    b.BarSync(0);
+    const Value group = b.Shr(member, Value::U32(kLogF));
+    const Value first = b.Shl(group, Value::U32(kLogF));
+    const Value left = b.Sub(count, first);
+    const Value size = b.Min(left, Value::U32(F));
+    const Value sem_index = b.Add(level_sem, group);
+    const Value sem_off = b.MulWide(sem_index, Value::U32(4));
+    const Value sem_addr = b.Add(semaphores, sem_off);
+    b.BraIfNot(is_thread0, ticket_taken);
+    {
+      const Value arrived = b.AtomAdd(StateSpace::kGlobal, Address{sem_addr, 0}, Value::U32(1));
+      const Value last_index = b.Sub(size, Value::U32(1));
+      const Value last = b.Setp(CmpOp::kEq, arrived, last_index);
+      const Value flag = b.Selp(Value::U32(1), Value::U32(0), last);
+      b.St(StateSpace::kShared, Address{flag_addr, 0}, flag);
+      {
+        auto reset = b.If(last);
+        b.St(StateSpace::kGlobal, Address{sem_addr, 0}, Value::U32(0));
+      }
+      // Acquire: the other members' rows are read after their arrivals were seen.
+      b.Fence();
+    }
+    b.Bind(ticket_taken);
+    b.BarSync(0);
+    const Value go = b.Ld(StateSpace::kShared, PtxType::kU32, Address{flag_addr, 0});
+    b.BraIf(b.Setp(CmpOp::kEq, go, Value::U32(0)), done);
+
+    // The last member: the group's rows in member order, into the next level's row `group` or,
+    // when the next level has one member, into dgamma.
+    const Value groups_up = b.Add(count, Value::U32(F - 1));
+    const Value groups = b.Shr(groups_up, Value::U32(kLogF));
+    const Value is_top = b.Setp(CmpOp::kEq, groups, Value::U32(1));
+    const Value first_row = b.Add(level_row, first);
+    const Value first_off = b.MulWide(first_row, Value::U32(row_bytes));
+    const Value member_addr = b.Add(ws_thread, first_off);
+    const Value next_base = b.Add(level_row, count);
+    const Value dest_row = b.Add(next_base, group);
+    const Value dest_off = b.MulWide(dest_row, Value::U32(row_bytes));
+    const Value dest_addr = b.Add(ws_thread, dest_off);
+    std::vector<Value> has_row(F);  // uniform: member i exists (size > i)
+    for (uint32_t i = 1; i < F; ++i) has_row[i] = b.Setp(CmpOp::kGt, size, Value::U32(i));
+    SegmentLoop(b, hidden, T * V, "stree_segment", [&](Value seg, Value seg_bytes4) {
+      const Value col = b.Add(col0, seg);
+      const Value in_row = b.Setp(CmpOp::kLt, col, stride);
+      const Value seg_addr = b.Add(member_addr, seg_bytes4);
+      for (uint32_t q = 0; q < V / 4; ++q) {
+        std::vector<Value> sum;
+        {
+          auto l2 = b.WithCache(CacheOp::kCg);
+          const Value addr = b.Mov(seg_addr);
+          for (uint32_t i = 0; i < F; ++i) {
+            if (i > 0) b.AddTo(addr, Value::U64(row_bytes));
+            Value load = in_row;
+            if (i > 0) {
+              const Value limit = b.Selp(stride, Value::U32(0), has_row[i]);
+              load = b.Setp(CmpOp::kLt, col, limit);
+            }
+            std::vector<Value> quad;
+            for (int j = 0; j < 4; ++j) quad.push_back(b.Mov(Value::F32(-0.0f)));
+            b.LdInto(StateSpace::kGlobal, PtxType::kF32,
+                     Address{addr, int64_t{q} * T * kVectorBytes}, quad, load);
+            for (int j = 0; j < 4; ++j) {
+              if (i == 0) {
+                sum.push_back(quad[j]);
+              } else {
+                b.AddTo(sum[j], quad[j]);
+              }
+            }
+          }
+        }
+        const Label to_dgamma = b.CreateLabel("stree_to_dgamma");
+        const Label stored = b.CreateLabel("stree_stored");
+        b.BraIf(is_top, to_dgamma);
+        {
+          const Value dest = b.Add(dest_addr, seg_bytes4);
+          auto l2 = b.WithCache(CacheOp::kCg);
+          auto guard = b.If(in_row);
+          b.StV4(StateSpace::kGlobal, Address{dest, int64_t{q} * T * kVectorBytes}, sum);
+        }
+        b.Bra(stored);
+        b.Bind(to_dgamma);
+        store_dgamma(seg, seg_bytes4, q, sum);
+        b.Bind(stored);
+      }
+    });
+    b.AddTo(level_row, count);
+    b.AddTo(level_sem, groups);
+    b.Assign(member, group);
+    b.Assign(count, groups);
+    b.BraIf(is_top, done);
+    b.Bra(level_loop);
+  }
+
+  // One block: its row 0 is the whole grad_gamma (its own stores, read back by the same threads).
+  b.Bind(single);
+  SegmentLoop(b, hidden, T * V, "stree_single_segment", [&](Value seg, Value seg_bytes4) {
+    const Value col = b.Add(col0, seg);
+    const Value in_row = b.Setp(CmpOp::kLt, col, stride);
+    const Value addr = b.Add(ws_thread, seg_bytes4);
+    for (uint32_t q = 0; q < V / 4; ++q) {
+      std::vector<Value> quad;
+      for (int j = 0; j < 4; ++j) quad.push_back(b.Mov(Value::F32(-0.0f)));
+      {
+        auto l2 = b.WithCache(CacheOp::kCg);
+        b.LdInto(StateSpace::kGlobal, PtxType::kF32, Address{addr, int64_t{q} * T * kVectorBytes},
+                 quad, in_row);
+      }
+      store_dgamma(seg, seg_bytes4, q, quad);
+    }
+  });
+  b.Bind(done);
+  b.Ret();
+}
+
+// rms_norm_backward_row_resident for a streamed tiling (hidden_dim > kMaxHeldHiddenDim): the
+// held kernel's per-row math with the row read twice, one 16-byte vector per thread per segment
+// of T*V columns (thread t: columns seg + t*V + j, the held layout's slot k = seg / (T*V)).
+//   pass 1: x and dy (.cg: kept in L2 for pass 2) and gamma; the per-thread sums in column order.
+//   the block reduction (warp butterfly, then the warps in order), 1/rms and the correction.
+//   pass 2: x and dy again (.cs), gamma; dx stored (.cs); the thread's grad_gamma sums for the
+//           segment's columns: workspace row ctaid, quad q at ((seg/(T*V)*V/4 + q)*T + t)*16
+//           bytes (the tree's layout), set to 0 + part on the block's first row and added to on
+//           the next ones (.cg: L2), where the held kernel adds in registers. Same bits.
+// Then BuildStreamedTree. Registers hold one segment (a few dozen), so T = 1024 fits 64.
+void BuildStreamedRows(Module& m, const KernelConfig& config) {
+  using K_ = RowResidentRmsNormBackwardKernel;
+  const DType dtype = config.dtype;
+  const RowTiling tiling = K_::TilingFor(config);
+  const uint32_t T = tiling.threads;
+  const uint32_t V = tiling.vector_elements;
+  const uint32_t warps = T / 32;
+  const uint32_t elem_bytes = DTypeBytes(dtype);
+  const uint32_t row_bytes_ws = tiling.capacity() * 4;
+
+  Function& f = m.mutable_functions().front();
+  f.set_min_blocks_per_sm(tiling.blocks_per_sm);
+  const auto [input_ptr, gamma_ptr, grad_output_ptr, grad_input_ptr, rms_ptr, dgamma_ptr,
+              partials_ptr, semaphores_ptr, num_rows, hidden_dim, eps_param] =
+      AddKernelParams(f, {KernelParamId::kInput, KernelParamId::kGamma, KernelParamId::kGradOutput,
+                          KernelParamId::kGradInput, KernelParamId::kRms, KernelParamId::kDgamma,
+                          KernelParamId::kDgammaPartials, KernelParamId::kSemaphores,
+                          KernelParamId::kNumRows, KernelParamId::kHiddenDim, KernelParamId::kEps});
+  const SharedArray warp_sums = f.AddShared("warp_sums", 8 * warps, 16);
+  const SharedArray last_flag = f.AddShared("last_flag", 4, 4);
+
+  Builder b(&f);
+  const Label row_loop = b.CreateLabel("row_loop");
+  const Label rows_done = b.CreateLabel("rows_done");
+
+  const Value tid = b.Mov(SpecialReg::kTidX);
+  const Value block = b.Mov(SpecialReg::kCtaidX);
+  const Value grid = b.Mov(SpecialReg::kNctaidX);
+  const auto [rows, hidden, eps, x_base, gamma_base, dy_base, dx_base, rms_base, ws_base] =
+      b.LdParams({num_rows, hidden_dim, eps_param, input_ptr, gamma_ptr, grad_output_ptr,
+                  grad_input_ptr, rms_ptr, partials_ptr});
+  const Value hidden_f = b.Cvt(PtxType::kF32, hidden, Rounding::kRn);
+  const Value have_rms = b.Setp(CmpOp::kNe, rms_base, Value::U64(0));
+
+  // 16-byte vectors only when every row start of x, dy, dx and gamma is 16-byte aligned (as the
+  // held kernel).
+  const Value ptr_or1 = b.Or(x_base, dy_base);
+  const Value ptr_or2 = b.Or(ptr_or1, dx_base);
+  const Value ptr_or = b.Or(ptr_or2, gamma_base);
+  const Value ptr_low64 = b.And(ptr_or, Value::U64(kVectorBytes - 1));
+  const Value ptr_low = b.Cvt(PtxType::kU32, ptr_low64);
+  const Value row_bytes32 = b.Mul(hidden, Value::U32(elem_bytes));
+  const Value row_low = b.And(row_bytes32, Value::U32(kVectorBytes - 1));
+  const Value misaligned = b.Or(ptr_low, row_low);
+  const Value aligned = b.Setp(CmpOp::kEq, misaligned, Value::U32(0));
+  const Value vec_limit = b.Selp(hidden, Value::U32(0), aligned);
+  const Value stride_up = b.Add(hidden, Value::U32(V - 1));
+  const Value stride = b.And(stride_up, Value::U32(~(V - 1)));
+
+  const Value col0 = b.Mul(tid, Value::U32(V));
+  const Value thread_bytes = b.MulWide(tid, Value::U32(kVectorBytes));
+  const Value gamma_thread = b.Add(gamma_base, thread_bytes);
+  const Value lane = b.And(tid, Value::U32(31));
+  const Value warp = b.Shr(tid, Value::U32(5));
+  const Value is_lane0 = b.Setp(CmpOp::kEq, lane, Value::U32(0));
+  const Value sums_base = b.AddressOf(warp_sums);
+  const Value warp_off = b.MulWide(warp, Value::U32(8));
+  const Value warp_slot = b.Add(sums_base, warp_off);
+  // This block's grad_gamma sums: workspace row ctaid (level 0 of the tree).
+  const Value own_off = b.MulWide(block, Value::U32(row_bytes_ws));
+  const Value ws_block = b.Add(ws_base, own_off);
+  const Value ws_thread = b.Add(ws_block, thread_bytes);
+  // A segment's byte offset in a row of the dtype, from its offset in an f32 row.
+  auto data_offset = [&](Value seg_bytes4) {
+    return elem_bytes == 4 ? seg_bytes4 : b.Shr(seg_bytes4, Value::U32(1));
+  };
+
+  const Value row = b.Mov(block);
+  b.Bind(row_loop);
+  b.BraIf(b.Setp(CmpOp::kGe, row, rows), rows_done);
+  {
+    const Value row_elems = b.MulWide(row, hidden);
+    const Value row_off = b.Shl(row_elems, Value::U32(elem_bytes == 4 ? 2 : 1));
+    const Value thread_off = b.Add(row_off, thread_bytes);
+    const Value x_thread = b.Add(x_base, thread_off);
+    const Value dy_thread = b.Add(dy_base, thread_off);
+    const Value dx_thread = b.Add(dx_base, thread_off);
+
+    const Value sum_sq = b.Mov(Value::F32(0.0f));
+    const Value sum_dot = b.Mov(Value::F32(0.0f));
+    SegmentLoop(b, hidden, T * V, "pass1", [&](Value seg, Value seg_bytes4) {
+      const Value col = b.Add(col0, seg);
+      const SlotPredicates p = MakeSlotPredicates(b, col, 0, V, vec_limit, hidden);
+      const Value off = data_offset(seg_bytes4);
+      const Value x_addr = b.Add(x_thread, off);
+      const Value dy_addr = b.Add(dy_thread, off);
+      const Value g_addr = b.Add(gamma_thread, off);
+      std::vector<Value> x_raw, dy_raw;
+      {
+        auto kept = b.WithCache(CacheOp::kCg);  // read again by pass 2: keep in L2
+        x_raw = LoadSlotRaw(b, dtype, Address{x_addr, 0}, p.vec, p.elem);
+        dy_raw = LoadSlotRaw(b, dtype, Address{dy_addr, 0}, p.vec, p.elem);
+      }
+      const std::vector<Value> gs = LoadSlot(b, dtype, Address{g_addr, 0}, p.vec, p.elem);
+      const std::vector<Value> xs = SlotToF32(b, dtype, x_raw);
+      const std::vector<Value> dys = SlotToF32(b, dtype, dy_raw);
+      for (uint32_t j = 0; j < V; ++j) {
+        b.FmaTo(sum_sq, xs[j], xs[j]);
+        const Value gdy = b.Mul(gs[j], dys[j]);
+        b.FmaTo(sum_dot, xs[j], gdy);
+      }
+    });
+
+    const Value warp_sq = WarpAllSum(b, sum_sq);
+    const Value warp_dot = WarpAllSum(b, sum_dot);
+    {
+      auto lane0 = b.If(is_lane0);
+      b.St(StateSpace::kShared, Address{warp_slot, 0}, warp_sq);
+      b.St(StateSpace::kShared, Address{warp_slot, 4}, warp_dot);
+    }
+    b.BarSync(0);
+    const Value total_sq = b.Ld(StateSpace::kShared, PtxType::kF32, Address{sums_base, 0});
+    const Value total_dot = b.Ld(StateSpace::kShared, PtxType::kF32, Address{sums_base, 4});
+    for (uint32_t w = 1; w < warps; ++w) {
+      const Value sq = b.Ld(StateSpace::kShared, PtxType::kF32, Address{sums_base, 8 * w});
+      b.AddTo(total_sq, sq);
+      const Value dot = b.Ld(StateSpace::kShared, PtxType::kF32, Address{sums_base, 8 * w + 4});
+      b.AddTo(total_dot, dot);
+    }
+    b.BarSync(0);
+
+    const Value mean_sq = b.Div(total_sq, hidden_f, Rounding::kRn);
+    const Value variance = b.Add(mean_sq, eps);
+    const Value rms_recomputed = b.Sqrt(variance, Rounding::kRn);
+    const Value inv_recomputed = b.Rcp(rms_recomputed, Rounding::kRn);
+    const Value rms_off = b.MulWide(row, Value::U32(4));
+    const Value rms_addr = b.Add(rms_base, rms_off);
+    const Value rms_given =
+        b.LdOr(StateSpace::kGlobal, have_rms, Address{rms_addr, 0}, Value::F32(1.0f));
+    const Value inv_given = b.Rcp(rms_given, Rounding::kRn);
+    const Value inv_rms = b.Selp(inv_given, inv_recomputed, have_rms);
+    const Value mean_dot = b.Div(total_dot, hidden_f, Rounding::kRn);
+    const Value mean_inv = b.Mul(mean_dot, inv_rms);
+    const Value correction = b.Mul(mean_inv, inv_rms);
+    // The block's first row starts its sums (0 + part, as the held kernel's zeroed registers);
+    // later rows add to what the same thread stored.
+    const Value first_row = b.Setp(CmpOp::kEq, row, block);
+    const Value acc_limit = b.Selp(Value::U32(0), stride, first_row);
+
+    SegmentLoop(b, hidden, T * V, "pass2", [&](Value seg, Value seg_bytes4) {
+      const Value col = b.Add(col0, seg);
+      const SlotPredicates p = MakeSlotPredicates(b, col, 0, V, vec_limit, hidden);
+      const Value off = data_offset(seg_bytes4);
+      const Value x_addr = b.Add(x_thread, off);
+      const Value dy_addr = b.Add(dy_thread, off);
+      const Value g_addr = b.Add(gamma_thread, off);
+      std::vector<Value> x_raw, dy_raw;
+      {
+        auto streamed = b.WithCache(CacheOp::kCs);  // last use
+        x_raw = LoadSlotRaw(b, dtype, Address{x_addr, 0}, p.vec, p.elem);
+        dy_raw = LoadSlotRaw(b, dtype, Address{dy_addr, 0}, p.vec, p.elem);
+      }
+      const std::vector<Value> gs = LoadSlot(b, dtype, Address{g_addr, 0}, p.vec, p.elem);
+      const std::vector<Value> xs = SlotToF32(b, dtype, x_raw);
+      const std::vector<Value> dys = SlotToF32(b, dtype, dy_raw);
+      std::vector<Value> dx(V), part(V);
+      for (uint32_t j = 0; j < V; ++j) {
+        const Value gdy = b.Mul(gs[j], dys[j]);
+        const Value xc = b.Mul(xs[j], correction);
+        const Value diff = b.Sub(gdy, xc);
+        dx[j] = b.Mul(inv_rms, diff);
+        const Value dyx = b.Mul(dys[j], xs[j]);
+        part[j] = b.Mul(dyx, inv_rms);
+      }
+      {
+        auto streamed = b.WithCache(CacheOp::kCs);
+        const Value dx_addr = b.Add(dx_thread, off);
+        StoreSlot(b, dtype, Address{dx_addr, 0}, p.vec, p.elem, dx);
+      }
+      // The sums: columns below hidden_dim rounded up to V (past hidden_dim they add 0).
+      const Value in_row = b.Setp(CmpOp::kLt, col, stride);
+      const Value add_to = b.Setp(CmpOp::kLt, col, acc_limit);
+      const Value ws_seg = b.Add(ws_thread, seg_bytes4);
+      auto l2 = b.WithCache(CacheOp::kCg);
+      for (uint32_t q = 0; q < V / 4; ++q) {
+        const Address at{ws_seg, int64_t{q} * T * kVectorBytes};
+        std::vector<Value> acc;
+        for (int j = 0; j < 4; ++j) acc.push_back(b.Mov(Value::F32(0.0f)));
+        b.LdInto(StateSpace::kGlobal, PtxType::kF32, at, acc, add_to);
+        for (int j = 0; j < 4; ++j) b.AddTo(acc[j], part[4 * q + j]);
+        auto guard = b.If(in_row);
+        b.StV4(StateSpace::kGlobal, at, acc);
+      }
+    });
+    b.AddTo(row, grid);
+    b.Bra(row_loop);
+  }
+  b.Bind(rows_done);
+  BuildStreamedTree(b, config, col0, tid, last_flag,
+                    DgammaTreeParams{dgamma_ptr, partials_ptr, semaphores_ptr, hidden});
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -367,6 +759,13 @@ RowTiling RowResidentRmsNormBackwardKernel::TilingFor(const KernelConfig& config
       return t;
     }
   }
+  if (hidden > kMaxHeldHiddenDim) {  // streamed: K segments of one vector per thread
+    t.threads = kStreamedThreads;
+    t.vectors_per_thread = CeilDiv(hidden, t.threads * t.vector_elements);
+    t.blocks_per_sm = 1;
+    t.streamed = true;
+    return t;
+  }
   // Wider rows: 512 threads with up to kMaxElementsPerThread elements, one block per SM (128
   // registers each).
   t.threads = kWideRowThreads;
@@ -381,6 +780,12 @@ uint32_t RowResidentRmsNormBackwardKernel::TreeRows(uint32_t blocks) {
   return rows;
 }
 
+uint32_t RowResidentRmsNormBackwardKernel::WorkspaceRows(const KernelConfig& config,
+                                                         uint32_t blocks) {
+  const uint32_t rows = TreeRows(blocks);
+  return TilingFor(config).streamed ? std::max<uint32_t>(rows, 1) : rows;
+}
+
 uint32_t RowResidentRmsNormBackwardKernel::TreeSemaphores(uint32_t blocks) {
   uint32_t counters = 0;
   for (uint32_t count = blocks; count > 1; count = CeilDiv(count, kFanIn)) {
@@ -391,9 +796,9 @@ uint32_t RowResidentRmsNormBackwardKernel::TreeSemaphores(uint32_t blocks) {
 
 RowResidentRmsNormBackwardKernel::RowResidentRmsNormBackwardKernel()
     : BuiltKernel(kEntryName, kMaxHiddenDim,
-                  absl::StrCat(" (a row held in registers, at most ", kMaxElementsPerThread,
-                               " elements per thread of a ", kWideRowThreads,
-                               "-thread block); use batched_rms_norm_backward")) {}
+                  absl::StrCat(" (rows held in registers up to ", kMaxHeldHiddenDim,
+                               ", streamed through a ", kStreamedThreads,
+                               "-thread block above); use batched_rms_norm_backward")) {}
 
 uint32_t RowResidentRmsNormBackwardKernel::BlockThreads(const KernelConfig& config) const {
   return TilingFor(config).threads;
@@ -413,11 +818,15 @@ LaunchGeometry RowResidentRmsNormBackwardKernel::Geometry(const KernelConfig& co
 std::string RowResidentRmsNormBackwardKernel::ConfigKey(const KernelConfig& config) const {
   const RowTiling t = TilingFor(config);
   return absl::StrCat(BuiltKernel::ConfigKey(config), "|tile=", t.threads, "x",
-                      t.vectors_per_thread, "x", t.blocks_per_sm);
+                      t.vectors_per_thread, "x", t.blocks_per_sm, t.streamed ? "s" : "");
 }
 
 absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfig& config) const {
   NORMGRAD_ASSIGN_OR_RETURN(Module m, StartModule(config));
+  if (TilingFor(config).streamed) {
+    BuildStreamedRows(m, config);
+    return m;
+  }
   const DType dtype = config.dtype;
   const RowTiling tiling = TilingFor(config);
   const uint32_t T = tiling.threads;

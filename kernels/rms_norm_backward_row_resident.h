@@ -14,6 +14,13 @@
 //   G, and the block that finishes last writes dgamma (f32). No waiting between blocks, no
 //   atomics on data.
 //
+//   Rows wider than a block can hold (hidden_dim > kMaxHeldHiddenDim, up to kMaxHiddenDim) are
+//   streamed instead: a block of 1024 threads reads the row twice, in segments of 1024 16-byte
+//   vectors (pass 1: the two sums, x and dy kept in L2 with .cg; pass 2: dx, x and dy loaded
+//   .cs), and keeps its grad_gamma sums in its own workspace row (level 0 of the same tree,
+//   added to in place, .cg) instead of registers; the tree then sums rows segment by segment.
+//   Same math, same per-thread column order, same tree order: one launch, reproducible.
+//
 //   `rms_norm_backward_dgamma_reduce`: dgamma[i] = sum over p < num_partials of partials[p][i]
 //   in a fixed order (below), rounded once to the output dtype. Served for callers of the earlier
 //   two-launch contract; the plan no longer launches it.
@@ -51,6 +58,9 @@ struct RowTiling {
   uint32_t vectors_per_thread = 0;  // K
   uint32_t vector_elements = 0;     // V: 4 for f32, 8 for f16/bf16 (16 bytes)
   uint32_t blocks_per_sm = 0;       // N: the entry's .minnctapersm; G = sm_count * N
+  // The row is streamed (read twice, K segments of T vectors, grad_gamma sums in the workspace)
+  // rather than held in registers: hidden_dim > kMaxHeldHiddenDim. Key: "tile=TxKxNs".
+  bool streamed = false;
   uint32_t capacity() const { return threads * vectors_per_thread * vector_elements; }
   uint32_t elements_per_thread() const { return vectors_per_thread * vector_elements; }
 };
@@ -60,12 +70,12 @@ struct RowTiling {
 //         dgamma_partials_ptr, semaphores_ptr (u64), num_rows, hidden_dim (u32), eps (f32).
 // rms_ptr == 0: rms recomputed from x and eps; otherwise rms_ptr[row] (f32, the forward's rms,
 // already containing eps) is used as is. dgamma_ptr: f32 [hidden_dim], written.
-// dgamma_partials_ptr: the tree's workspace, f32 [TreeRows(grid.x), capacity()] in the threads'
-// order, 16-byte aligned. semaphores_ptr: u32 [TreeSemaphores(grid.x)], zero before the launch; the
-// launch leaves them zero (so a caller zeroes them once, when it allocates them).
-// hidden_dim: CanImplement accepts 1..kMaxHiddenDim (32 elements per thread at 512 threads).
-// Above that the row does not fit in registers: callers use batched_rms_norm_backward, which
-// re-reads the row (docs/kernels.md, "Row-resident kernel"). The run-time
+// dgamma_partials_ptr: the tree's workspace, f32 [WorkspaceRows(config, grid.x), capacity()] in
+// the threads' order, 16-byte aligned. semaphores_ptr: u32 [TreeSemaphores(grid.x)], zero before
+// the launch; the launch leaves them zero (so a caller zeroes them once, when it allocates them).
+// hidden_dim: CanImplement accepts 1..kMaxHiddenDim. Up to kMaxHeldHiddenDim (32 elements per
+// thread at 512 threads) the row is held in registers; above, streamed (the top of this file;
+// docs/kernels.md, "Row-resident kernel"). Wider still: batched_rms_norm_backward. The run-time
 // hidden_dim must be at most the tiling's capacity for config.hidden_dim (equal is the normal
 // use; a smaller one works, a larger one only processes the first capacity() columns).
 class RowResidentRmsNormBackwardKernel : public BuiltKernel {
@@ -73,7 +83,10 @@ class RowResidentRmsNormBackwardKernel : public BuiltKernel {
   // The row is held as x, dy (f32) and the thread's grad_gamma accumulators: 3 registers per
   // element. 512 threads x 32 elements keeps that under the 128 registers per thread a 512-thread
   // block may use (checked with ptxas by the tests).
-  static constexpr uint32_t kMaxHiddenDim = 16384;
+  static constexpr uint32_t kMaxHeldHiddenDim = 16384;
+  // Streamed rows: up to the server's default --max-hidden-dim.
+  static constexpr uint32_t kMaxHiddenDim = 65536;
+  static constexpr uint32_t kStreamedThreads = 1024;
   // Up to this many elements per thread, kResidentThreadsPerSm threads are resident per SM
   // (64 registers each, the entry's .minnctapersm).
   static constexpr uint32_t kPreferredElementsPerThread = 8;
@@ -90,12 +103,16 @@ class RowResidentRmsNormBackwardKernel : public BuiltKernel {
 
   // The tiling for config.hidden_dim and dtype: the smallest T in {256, 512, 1024} with
   // K*V <= kPreferredElementsPerThread (K = ceil(hidden_dim / (T*V))) and N = 1024 / T; above
-  // that, T = 512 with up to kMaxElementsPerThread and N = 1.
+  // that, T = 512 with up to kMaxElementsPerThread and N = 1; above kMaxHeldHiddenDim, streamed:
+  // T = kStreamedThreads, K = ceil(hidden_dim / (T*V)) segments, N = 1.
   static RowTiling TilingFor(const KernelConfig& config);
   // Workspace rows and semaphores of the grad_gamma tree over `blocks` blocks: the sum of every
   // level's members (semaphores: groups) below the top, which has one.
   static uint32_t TreeRows(uint32_t blocks);
   static uint32_t TreeSemaphores(uint32_t blocks);
+  // Workspace rows a launch of `blocks` blocks needs: TreeRows(blocks), and for a streamed tiling
+  // at least 1 (a lone block still keeps its sums in row 0).
+  static uint32_t WorkspaceRows(const KernelConfig& config, uint32_t blocks);
 
   static constexpr absl::string_view kEntryName = "rms_norm_backward_row_resident";
 
@@ -106,7 +123,7 @@ class RowResidentRmsNormBackwardKernel : public BuiltKernel {
   // block.x = T; grid.x = G = clamp(min(num_rows, sm_count * N), 1, 2^31-1). shared_bytes = 0
   // (the reductions' shared arrays are static).
   LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;
-  // BuiltKernel's key plus "|tile=<T>x<K>x<N>".
+  // BuiltKernel's key plus "|tile=<T>x<K>x<N>" ("s" appended for a streamed tiling).
   std::string ConfigKey(const KernelConfig& config) const override;
   absl::StatusOr<Module> Build(const KernelConfig& config) const override;
 };

@@ -58,16 +58,18 @@ TEST(RowResidentKernelTest, IsRegisteredWithItsParameters) {
                                              "num_partials:u32", "hidden_dim:u32"}));
 }
 
-TEST(RowResidentKernelTest, RefusesRowsThatDoNotFitInRegisters) {
+TEST(RowResidentKernelTest, RefusesRowsWiderThanItStreams) {
   EXPECT_TRUE(Main().CanImplement({.hidden_dim = 16384}).ok());
-  absl::Status s = Main().CanImplement({.hidden_dim = 16385});
+  EXPECT_TRUE(Main().CanImplement({.hidden_dim = 16385}).ok());  // streamed
+  EXPECT_TRUE(Main().CanImplement({.hidden_dim = 65536}).ok());
+  absl::Status s = Main().CanImplement({.hidden_dim = 65537});
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(absl::StrContains(s.message(), "hidden_dim 16385 is outside 1..16384")) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "hidden_dim 65537 is outside 1..65536")) << s;
   EXPECT_TRUE(absl::StrContains(s.message(), "batched_rms_norm_backward")) << s;
   EXPECT_EQ(Main().CanImplement({.hidden_dim = 0}).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Main().CanImplement({.hidden_dim = 64, .dtype = DType::kBF16, .target_sm = 75}).code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(Main().Emit({.hidden_dim = 20000}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Main().Emit({.hidden_dim = 70000}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(Reduce().CanImplement({.hidden_dim = 100000}).ok());
 }
 
@@ -78,6 +80,15 @@ TEST(RowResidentKernelTest, TilingHoldsTheWholeRowWithinTheRegisterBudget) {
       const RowTiling t =
           RowResidentRmsNormBackwardKernel::TilingFor({.hidden_dim = h, .dtype = d});
       EXPECT_GE(t.capacity(), h) << h;
+      // Above kMaxHeldHiddenDim the row is streamed: one vector per thread per segment of a
+      // 1024-thread block, one block per SM, as many segments as the row needs.
+      EXPECT_EQ(t.streamed, h > RowResidentRmsNormBackwardKernel::kMaxHeldHiddenDim) << h;
+      if (t.streamed) {
+        EXPECT_EQ(t.threads, 1024u);
+        EXPECT_EQ(t.blocks_per_sm, 1u);
+        EXPECT_LT((t.vectors_per_thread - 1) * t.threads * t.vector_elements, h);
+        continue;
+      }
       EXPECT_LE(t.elements_per_thread(), RowResidentRmsNormBackwardKernel::kMaxElementsPerThread);
       EXPECT_EQ(t.vector_elements * DTypeBytes(d), 16u);
       EXPECT_TRUE(t.threads == 256 || t.threads == 512 || t.threads == 1024) << t.threads;
@@ -106,6 +117,8 @@ TEST(RowResidentKernelTest, TilingHoldsTheWholeRowWithinTheRegisterBudget) {
   EXPECT_EQ(tile(16384, DType::kF32), (std::vector<uint32_t>{512, 8, 1}));
   EXPECT_EQ(tile(4096, DType::kBF16), (std::vector<uint32_t>{512, 1, 2}));
   EXPECT_EQ(tile(16384, DType::kBF16), (std::vector<uint32_t>{512, 4, 1}));
+  EXPECT_EQ(tile(65536, DType::kF32), (std::vector<uint32_t>{1024, 16, 1}));
+  EXPECT_EQ(tile(65536, DType::kBF16), (std::vector<uint32_t>{1024, 8, 1}));
 }
 
 TEST(RowResidentKernelTest, TheKeyNamesTheTilingButNotTheSmCount) {
@@ -140,9 +153,13 @@ TEST(RowResidentKernelTest, GeometryIsAPersistentGridSizedBySmCount) {
   const LaunchGeometry r = Reduce().Geometry({.hidden_dim = 4097}, 0);
   EXPECT_EQ(r.block[0], 512u);
   EXPECT_EQ(r.grid[0], 129u);  // 32 columns per block
-  for (uint32_t h : {1u, 33u, 896u, 4097u, 16384u}) {
+  for (uint32_t h : {1u, 33u, 896u, 4097u, 16384u, 16385u, 65536u}) {
     EXPECT_EQ(Main().Geometry({.hidden_dim = h}, 100).block[0] % 32, 0u);
   }
+  // Streamed rows: one 1024-thread block per SM.
+  const LaunchGeometry wide = Main().Geometry({.hidden_dim = 65536, .sm_count = 132}, 1u << 20);
+  EXPECT_EQ(wide.grid[0], 132u);
+  EXPECT_EQ(wide.block[0], 1024u);
 }
 
 TEST(RowResidentKernelTest, EmitsStreamedVectorAccessesAndTheTreesCountsAndFences) {
@@ -185,9 +202,29 @@ TEST(RowResidentKernelTest, EmitsStreamedVectorAccessesAndTheTreesCountsAndFence
   EXPECT_EQ(Count(reduce->text, "atom."), 0);
 }
 
+TEST(RowResidentKernelTest, StreamedRowsReadTwiceAndSumTheTreeFromRows) {
+  for (DType d : {DType::kF32, DType::kBF16}) {
+    const KernelConfig c{.hidden_dim = 65536, .dtype = d, .target_sm = 90};
+    absl::StatusOr<EmittedPtx> ptx = Main().Emit(c);
+    ASSERT_TRUE(ptx.ok()) << ptx.status();
+    const std::string& t = ptx->text;
+    const std::string v4 = d == DType::kF32 ? ".v4.f32" : ".v4.u32";
+    // One segment of code per pass (a loop): pass 1 keeps x and dy in L2 (.cg), pass 2 reads
+    // them a last time (.cs) and streams dx out; gamma in both (default policy).
+    EXPECT_EQ(Count(t, "ld.global.cg" + v4), d == DType::kF32 ? 2 + 1 + 16 + 1 : 2);
+    EXPECT_EQ(Count(t, "ld.global.cs" + v4), 2);
+    EXPECT_EQ(Count(t, "st.global.cs" + v4), 1);
+    EXPECT_EQ(Count(t, "atom."), 1);
+    EXPECT_EQ(Count(t, "fence.acq_rel.gpu"), 2);
+    EXPECT_TRUE(absl::StrContains(t, ".maxntid 1024, 1, 1\n.minnctapersm 1\n")) << t.substr(0, 600);
+    EXPECT_TRUE(absl::StrContains(ptx->config_key, "|tile=1024x")) << ptx->config_key;
+    EXPECT_EQ(ptx->config_key.back(), 's');
+  }
+}
+
 TEST(RowResidentKernelTest, DivergenceAnalysisIsClean) {
   for (DType d : {DType::kF32, DType::kBF16, DType::kF16}) {
-    for (uint32_t h : {1u, 3u, 33u, 896u, 4095u, 4097u, 8193u, 16384u}) {
+    for (uint32_t h : {1u, 3u, 33u, 896u, 4095u, 4097u, 8193u, 16384u, 16385u, 40000u, 65536u}) {
       const KernelConfig c{.hidden_dim = h, .dtype = d, .target_sm = 80};
       for (const Kernel* k : {&Main(), &Reduce()}) {
         absl::StatusOr<Module> m = static_cast<const BuiltKernel*>(k)->Build(c);
@@ -238,7 +275,7 @@ TEST(RowResidentKernelTest, PtxasAssemblesEveryTargetWithRegistersThatFitTheBloc
   for (int sm : {75, 80, 90, 100}) {
     for (DType d : {DType::kF32, DType::kBF16, DType::kF16}) {
       if (d == DType::kBF16 && sm < 80) continue;
-      for (uint32_t h : {1u, 896u, 4096u, 4097u, 8192u, 16384u}) {
+      for (uint32_t h : {1u, 896u, 4096u, 4097u, 8192u, 16384u, 16385u, 65536u}) {
         const KernelConfig c{.hidden_dim = h, .dtype = d, .target_sm = sm};
         absl::StatusOr<EmittedPtx> ptx = Main().Emit(c);
         ASSERT_TRUE(ptx.ok()) << ptx.status();
@@ -255,7 +292,7 @@ TEST(RowResidentKernelTest, PtxasAssemblesEveryTargetWithRegistersThatFitTheBloc
         EXPECT_LE(regs * threads * tiling.blocks_per_sm, 65536u)
             << DTypeName(d) << " h" << h << " sm_" << sm;
         EXPECT_TRUE(absl::StrContains(out, "0 bytes spill stores")) << out;
-        if (sm == 90 && (h == 896 || h == 4096 || h == 16384)) {
+        if (sm == 90 && (h == 896 || h == 4096 || h == 16384 || h == 65536)) {
           std::cout << "rms_norm_backward_row_resident " << DTypeName(d) << " hidden_dim=" << h
                     << " sm_90 block=" << threads << ": " << regs << " registers\n";
         }

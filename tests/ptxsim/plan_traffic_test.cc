@@ -5,6 +5,7 @@
 // written once, gamma read and grad_gamma written once per chunk; the tree's rows (hidden_dim
 // rounded up to V f32 each) written once and read once and its semaphores counted (8 bytes per
 // column per tree row); every access in whole sectors (efficiency >= 0.99).
+#include <algorithm>
 #include <cstdint>
 #include <ostream>
 #include <string>
@@ -93,28 +94,89 @@ INSTANTIATE_TEST_SUITE_P(IssueRatios, RowResidentPlanTraffic,
                                   std::to_string(info.param.hidden);
                          });
 
-// Above the row-resident kernel's hidden sizes the backend runs the batched kernel: one launch,
-// no workspace, grad_gamma by f32 atomics (read and written: 4 + 4 bytes per column per chunk
-// distinct, 8 bytes per element requested), x, dy and gamma requested 7 elements per element over
-// its passes (at most today's), every access coalesced.
-TEST(PlanTraffic, BatchedPlanAtHidden65536IsOneCoalescedLaunch) {
-  for (const DType dtype : {DType::kF32, DType::kBF16}) {
-    SCOPED_TRACE(dtype == DType::kF32 ? "f32" : "bf16");
-    PlanTrafficOptions options;
-    options.dtype = dtype;
-    options.hidden = 65536;
-    options.rows = 4;
-    absl::StatusOr<PlanTraffic> t = RunPlanTraffic(options);
-    ASSERT_TRUE(t.ok()) << t.status();
-    ASSERT_EQ(t->launches.size(), 1u);
-    EXPECT_EQ(t->launches[0].entry, "batched_rms_norm_backward");
-    const double elem = static_cast<double>(kernels::DTypeBytes(dtype));
-    EXPECT_DOUBLE_EQ(t->BytesPerElement(), 3.0 * elem + (elem + 8.0) / options.rows);
-    EXPECT_EQ(t->PartialBytesPerElement(), 0.0);
-    EXPECT_LE(t->L2BytesPerElement(), 7.0 * elem + 8.0);
-    EXPECT_EQ(t->total.SectorEfficiency(), 1.0);
-  }
+// Streamed rows (hidden_dim > 16384, up to 65536): still one launch, and in DRAM terms (distinct
+// sectors) x and dy are read once, dx written once, the tree's rows written once and read once,
+// as for the held rows; what the second pass costs is requested (L2) traffic: x, dy and
+// gamma read twice each (7 elements per element with dx), and each block's workspace row read
+// and written once per row after its first (8 bytes per column per such row). Shapes: 16 rows
+// of 65536 (16 blocks, one group) and 80 rows of 16400 on 20 SMs (20 blocks: 20 -> 2 -> 1, four
+// rows per block, a last segment of 16 columns), f32 and bf16.
+struct StreamedShape {
+  DType dtype;
+  uint32_t hidden, rows, sm_count;
+};
+
+std::ostream& operator<<(std::ostream& os, const StreamedShape& s) {
+  return os << (s.dtype == DType::kF32 ? "f32" : "bf16") << "_" << s.hidden << "x" << s.rows;
 }
+
+class StreamedPlanTraffic : public ::testing::TestWithParam<StreamedShape> {};
+
+TEST_P(StreamedPlanTraffic, IsOneLaunchMovingEachElementOnceInDram) {
+  using kernels::RowResidentRmsNormBackwardKernel;
+  const StreamedShape shape = GetParam();
+  PlanTrafficOptions options;
+  options.dtype = shape.dtype;
+  options.hidden = shape.hidden;
+  options.rows = shape.rows;
+  options.sm_count = shape.sm_count;
+  kernels::KernelConfig config;
+  config.hidden_dim = shape.hidden;
+  config.dtype = shape.dtype;
+  config.target_sm = options.target_sm;
+  config.sm_count = options.sm_count;
+  ASSERT_TRUE(RowResidentRmsNormBackwardKernel::TilingFor(config).streamed);
+  absl::StatusOr<PlanTraffic> t = RunPlanTraffic(options);
+  ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_EQ(t->launches.size(), 1u);
+  EXPECT_EQ(t->launches[0].entry, "rms_norm_backward_row_resident");
+  const uint32_t grid = t->launches[0].geometry.grid[0];
+  EXPECT_EQ(grid, std::min(shape.rows, shape.sm_count));
+  const double rows = options.rows;
+  const double elements = rows * shape.hidden;
+  const double elem = static_cast<double>(kernels::DTypeBytes(shape.dtype));
+  const kernels::RowTiling tiling = RowResidentRmsNormBackwardKernel::TilingFor(config);
+  const uint32_t v = tiling.vector_elements;
+  const uint64_t stride = (shape.hidden + v - 1) / v * v;
+  // A workspace row in sectors: per segment and quad, the threads whose columns start below
+  // the stride write 16 contiguous bytes each (a partial last segment ends mid-sector).
+  uint64_t ws_row_bytes = 0;
+  for (uint64_t seg = 0; seg < shape.hidden; seg += uint64_t{tiling.threads} * v) {
+    const uint64_t threads = std::min<uint64_t>(tiling.threads, (stride - seg + v - 1) / v);
+    ws_row_bytes += (v / 4) * ((16 * threads + 31) / 32 * 32);
+  }
+  const uint64_t tree_bytes =
+      uint64_t{RowResidentRmsNormBackwardKernel::WorkspaceRows(config, grid)} * ws_row_bytes;
+  const uint64_t semaphore_bytes =
+      (uint64_t{RowResidentRmsNormBackwardKernel::TreeSemaphores(grid)} * 4 + 31) / 32 * 32;
+  const TrafficReport& traffic = t->launches[0].report.traffic;
+  EXPECT_EQ(traffic.marked_written_bytes, tree_bytes + semaphore_bytes);
+  EXPECT_EQ(traffic.marked_read_bytes, tree_bytes + semaphore_bytes);
+  // x, dy and dx rows start on sector boundaries at these shapes (rows of whole sectors).
+  EXPECT_DOUBLE_EQ(t->BytesPerElement() - t->PartialBytesPerElement(),
+                   3.0 * elem + (elem + 4.0) / rows);
+  const double rmw_rows = rows - grid;  // rows after each block's first
+  const double semaphore_accesses = 3.0 * grid * 32;
+  const double dgamma_requested = 4.0 * shape.hidden * (v / 4);
+  EXPECT_LE(t->L2BytesPerElement(), 7.0 * elem + (2.0 * ws_row_bytes * rmw_rows + 2.0 * tree_bytes +
+                                                  semaphore_accesses + dgamma_requested) /
+                                                     elements);
+  // The issue's bound on aligned shapes. What is lost is grad_gamma's store at 16-bit types (a
+  // thread's two f32 quads 16 bytes apart, once per launch: 4 bytes per column per chunk at half
+  // efficiency) and the tail of a partial last segment.
+  EXPECT_GE(t->total.SectorEfficiency(), 0.98);
+}
+
+INSTANTIATE_TEST_SUITE_P(WideRows, StreamedPlanTraffic,
+                         ::testing::Values(StreamedShape{DType::kF32, 65536, 16, 132},
+                                           StreamedShape{DType::kBF16, 65536, 16, 132},
+                                           StreamedShape{DType::kF32, 16400, 80, 20},
+                                           StreamedShape{DType::kBF16, 16400, 80, 20}),
+                         [](const ::testing::TestParamInfo<StreamedShape>& info) {
+                           return std::string(info.param.dtype == DType::kF32 ? "f32_" : "bf16_") +
+                                  std::to_string(info.param.hidden) + "x" +
+                                  std::to_string(info.param.rows);
+                         });
 
 TEST(PlanTraffic, RejectsAnEmptyShape) {
   PlanTrafficOptions options;

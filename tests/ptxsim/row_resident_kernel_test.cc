@@ -185,6 +185,13 @@ std::vector<Case> Cases() {
     }
     out.push_back({d, 896, 19, false, /*given_rms=*/true});
     out.push_back({d, 4096, 9, true, /*given_rms=*/true});
+    // Streamed rows (hidden_dim > 16384): one block loops over the rows (sm_count 1), so its
+    // workspace row is started by the first row and added to by the others.
+    for (uint32_t h : {16385u, 16392u, 65536u}) {
+      out.push_back({d, h, 1});
+      out.push_back({d, h, 3, /*offset=*/h == 16392});
+    }
+    out.push_back({d, 20000, 3, false, /*given_rms=*/true});
   }
   return out;
 }
@@ -218,6 +225,29 @@ TEST(RowResidentDgammaTree, WhicheverBlockArrivesLastTheBitsAreTheSame) {
     ASSERT_EQ(0, std::memcmp(forward.dgamma.data(), reversed.dgamma.data(), 4 * c.hidden));
     ASSERT_EQ(0, std::memcmp(forward.dx.data(), reversed.dx.data(), 4 * forward.dx.size()));
     EXPECT_TRUE(forward.semaphores_left_zero && reversed.semaphores_left_zero);
+  }
+}
+
+TEST(RowResidentDgammaTree, StreamedRowsTreeGivesTheSameBitsInEitherBlockOrder) {
+  // Streamed rows (hidden 16392, one 1024-thread block per SM): 40 SMs and 45 rows give 40
+  // blocks, a tree of 40 -> 3 -> 1 whose level-0 rows are the blocks' own workspace rows (five
+  // of them hold two rows' sums); either block order adds the same rows in the same order.
+  for (DType d : {DType::kF32, DType::kBF16}) {
+    const Case c{d, 16392, 45};
+    const BackwardProblem p = MakeProblem(c);
+    const Result forward = RunPlan(c, p, 40);
+    const Result reversed = RunPlan(c, p, 40, /*reverse_blocks=*/true);
+    ASSERT_TRUE(forward.ok && reversed.ok);
+    EXPECT_EQ(forward.blocks, 40u);
+    ExpectClose(forward.dx, ReferenceFor(p, false).dx, DxTolerance(d), "dx");
+    ExpectClose(forward.dgamma, ReferenceFor(p, false).dgamma, 1e-5, "dgamma");
+    ASSERT_EQ(0, std::memcmp(forward.dgamma.data(), reversed.dgamma.data(), 4 * c.hidden));
+    ASSERT_EQ(0, std::memcmp(forward.dx.data(), reversed.dx.data(), 4 * forward.dx.size()));
+    EXPECT_TRUE(forward.semaphores_left_zero && reversed.semaphores_left_zero);
+    // Launched again on the same semaphores: the same bits.
+    const Result twice = RunPlan(c, p, 40, false, /*runs=*/2);
+    ASSERT_TRUE(twice.ok);
+    ASSERT_EQ(0, std::memcmp(forward.dgamma.data(), twice.dgamma.data(), 4 * c.hidden));
   }
 }
 

@@ -352,10 +352,22 @@ TEST(CudaBackendTest, NamedWarpKernelUsesTheGivenRms) {
   ExpectRunNearReference(*cuda, b, 16, "rms_norm_backward");
 }
 
-TEST(CudaBackendTest, GivenRmsWithRowsTooWideForRegistersIsExactOnTheHostPath) {
+// Rows wider than registers hold (16384) are streamed by the row-resident kernel, which takes
+// the given rms as it is (scaled here, so recomputing it would be caught): one launch a chunk.
+TEST(CudaBackendTest, GivenRmsWithStreamedRowsRunsTheRowResidentKernel) {
   std::unique_ptr<Backend> cuda = ScriptedCuda();
   ASSERT_NE(cuda, nullptr);
-  Batch b = MakeBatch(5, 16400, /*with_rms=*/true);  // above the row-resident kernel's 16384
+  Batch b = MakeBatch(5, 16400, /*with_rms=*/true);
+  for (float& r : b.rms) r *= 0.8f;
+  ResetCounters();
+  ExpectRunNearReference(*cuda, b, 2);
+  EXPECT_EQ(Launches(), 3);  // chunks of 2, 2 and 1 rows
+}
+
+TEST(CudaBackendTest, GivenRmsWithRowsWiderThanAnyGpuKernelTakesIsExactOnTheHostPath) {
+  std::unique_ptr<Backend> cuda = ScriptedCuda();
+  ASSERT_NE(cuda, nullptr);
+  Batch b = MakeBatch(3, 65544, /*with_rms=*/true);  // above the row-resident kernel's 65536
   for (float& r : b.rms) r *= 0.8f;
   ResetCounters();
   ExpectRunNearReference(*cuda, b, 2);

@@ -143,16 +143,16 @@ TEST(PtxServiceTest, ABadItemFailsTheBatchNamingIndexFieldAndValue) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("target \"sm_90\" and targets (1 items) are both set"));
 
-  // hidden_dim 20000 is above the row-resident kernel's bound for every configuration: the
+  // hidden_dim 70000 is above the row-resident kernel's bound for every configuration: the
   // first one is named.
   v1::EmitPtxRequest too_wide = Request();
-  too_wide.set_hidden_dim(20000);
+  too_wide.set_hidden_dim(70000);
   too_wide.add_targets("sm_80");
   too_wide.add_dtypes(v1::DTYPE_BF16);
   s = error(too_wide);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("configuration 0 (targets[0] sm_80, dtypes[0] bf16): "));
-  EXPECT_THAT(s.message(), HasSubstr("20000"));
+  EXPECT_THAT(s.message(), HasSubstr("70000"));
 }
 
 TEST(PtxServiceTest, ConfigurationsPerRequestAreBounded) {
