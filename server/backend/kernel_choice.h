@@ -19,8 +19,8 @@ namespace normgrad::server::backend_internal {
 // The entry names the backends know how to drive.
 inline constexpr absl::string_view kWarpKernel = "rms_norm_backward";  // hidden <= 32, rms given
 inline constexpr absl::string_view kBatchedKernel = "batched_rms_norm_backward";  // any hidden
-// Row held in registers (hidden <= 16384), rms given or not, grad_gamma in a fixed order, one
-// launch.
+// Row held in registers (hidden <= 16384) or streamed (<= 65536), rms given or not, grad_gamma
+// in a fixed order, one launch.
 inline constexpr absl::string_view kRowResidentKernel = "rms_norm_backward_row_resident";
 
 // OK when spec.kernel is empty, else: INVALID_ARGUMENT for an unknown name, for a kernel the

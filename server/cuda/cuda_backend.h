@@ -26,8 +26,9 @@
 // the bits do too.
 //
 // Which kernel runs (BatchSpec::kernel empty = the backend's choice):
-//   hidden_dim <= 16384             rms_norm_backward_row_resident (x and dy read once; the given
-//                                   rms when there is one), one launch: dx and the chunk's f32
+//   hidden_dim <= 65536             rms_norm_backward_row_resident (the given rms when there is
+//                                   one; rows held in registers up to 16384, x and dy read once,
+//                                   streamed above), one launch: dx and the chunk's f32
 //                                   grad_gamma, summed in a fixed order (the blocks' partial sums
 //                                   through a last-block-done tree), which the host adds (double)
 //                                   in chunk order.
