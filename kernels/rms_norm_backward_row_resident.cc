@@ -163,6 +163,210 @@ SlotPredicates MakeSlotPredicates(Builder& b, Value col0, uint32_t slot_col, uin
   return p;
 }
 
+// What both forms of the entry (held and streamed rows) declare: the parameters, in the one
+// order kernels/kernel_params.h gives them, the launch bounds' blocks per SM, and the shared
+// arrays of the row reduction (two f32 per warp: its sums of x^2 and x*gamma*dy) and of the tree
+// (whether this block arrived last, written by thread 0).
+struct RowKernelDecl {
+  Param input, gamma, grad_output, grad_input, rms, dgamma, partials, semaphores, num_rows,
+      hidden_dim, eps;
+  SharedArray warp_sums, last_flag;
+};
+RowKernelDecl DeclareRowKernel(Function& f, const RowTiling& tiling) {
+  f.set_min_blocks_per_sm(tiling.blocks_per_sm);
+  RowKernelDecl d;
+  std::tie(d.input, d.gamma, d.grad_output, d.grad_input, d.rms, d.dgamma, d.partials, d.semaphores,
+           d.num_rows, d.hidden_dim, d.eps) =
+      std::tuple_cat(AddKernelParams(
+          f, {KernelParamId::kInput, KernelParamId::kGamma, KernelParamId::kGradOutput,
+              KernelParamId::kGradInput, KernelParamId::kRms, KernelParamId::kDgamma,
+              KernelParamId::kDgammaPartials, KernelParamId::kSemaphores, KernelParamId::kNumRows,
+              KernelParamId::kHiddenDim, KernelParamId::kEps}));
+  d.warp_sums = f.AddShared("warp_sums", 8 * (tiling.threads / 32), 16);
+  d.last_flag = f.AddShared("last_flag", 4, 4);
+  return d;
+}
+
+// What both compute before their row loop.
+struct RowKernelValues {
+  Value tid, block, grid;
+  Value rows, hidden, eps, x_base, gamma_base, dy_base, dx_base, rms_base;
+  Value hidden_f;                        // hidden_dim as f32
+  Value have_rms;                        // rms_ptr != 0 (the same for the whole grid)
+  Value vec_limit;                       // see below
+  Value col0;                            // this thread's first column: tid * V
+  Value thread_bytes, gamma_thread;      // its byte offset in a row (tid * 16) and in gamma
+  Value is_lane0, sums_base, warp_slot;  // the row reduction's lane 0, array and warp's pair
+};
+RowKernelValues LoadRowKernelValues(Builder& b, const RowKernelDecl& d, const RowTiling& tiling,
+                                    DType dtype) {
+  RowKernelValues v;
+  v.tid = b.Mov(SpecialReg::kTidX);
+  v.block = b.Mov(SpecialReg::kCtaidX);
+  v.grid = b.Mov(SpecialReg::kNctaidX);
+  std::tie(v.rows, v.hidden, v.eps, v.x_base, v.gamma_base, v.dy_base, v.dx_base, v.rms_base) =
+      std::tuple_cat(b.LdParams(
+          {d.num_rows, d.hidden_dim, d.eps, d.input, d.gamma, d.grad_output, d.grad_input, d.rms}));
+  v.hidden_f = b.Cvt(PtxType::kF32, v.hidden, Rounding::kRn);
+  v.have_rms = b.Setp(CmpOp::kNe, v.rms_base, Value::U64(0));
+
+  // 16-byte vectors only when every row start of x, dy, dx and gamma is 16-byte aligned:
+  // hidden_dim * elem_bytes % 16 == 0 and the four base pointers aligned. vec_limit is
+  // hidden_dim then, 0 otherwise (no slot passes `slot_end <= vec_limit`).
+  const Value ptr_or1 = b.Or(v.x_base, v.dy_base);
+  const Value ptr_or2 = b.Or(ptr_or1, v.dx_base);
+  const Value ptr_or = b.Or(ptr_or2, v.gamma_base);
+  const Value ptr_low64 = b.And(ptr_or, Value::U64(kVectorBytes - 1));
+  const Value ptr_low = b.Cvt(PtxType::kU32, ptr_low64);
+  const Value row_bytes32 = b.Mul(v.hidden, Value::U32(DTypeBytes(dtype)));
+  const Value row_low = b.And(row_bytes32, Value::U32(kVectorBytes - 1));
+  const Value misaligned = b.Or(ptr_low, row_low);
+  const Value aligned = b.Setp(CmpOp::kEq, misaligned, Value::U32(0));
+  v.vec_limit = b.Selp(v.hidden, Value::U32(0), aligned);
+
+  // This thread's first column and its byte offset in a row; slot k adds k*T*V columns.
+  v.col0 = b.Mul(v.tid, Value::U32(tiling.vector_elements));
+  v.thread_bytes = b.MulWide(v.tid, Value::U32(kVectorBytes));
+  v.gamma_thread = b.Add(v.gamma_base, v.thread_bytes);
+  const Value lane = b.And(v.tid, Value::U32(31));
+  const Value warp = b.Shr(v.tid, Value::U32(5));
+  v.is_lane0 = b.Setp(CmpOp::kEq, lane, Value::U32(0));
+  v.sums_base = b.AddressOf(d.warp_sums);
+  const Value warp_off = b.MulWide(warp, Value::U32(8));
+  v.warp_slot = b.Add(v.sums_base, warp_off);
+  return v;
+}
+
+// Adds one slot's columns to the thread's sums of x^2 and x*gamma*dy, in column order.
+void AddRowSums(Builder& b, const std::vector<Value>& xs, const std::vector<Value>& dys,
+                const std::vector<Value>& gs, Value sum_sq, Value sum_dot) {
+  for (size_t j = 0; j < xs.size(); ++j) {
+    b.FmaTo(sum_sq, xs[j], xs[j]);
+    const Value gdy = b.Mul(gs[j], dys[j]);
+    b.FmaTo(sum_dot, xs[j], gdy);
+  }
+}
+
+// The row's 1/rms and correction = mean(x*gamma*dy) / rms^2 from the threads' sums: a butterfly
+// per warp (every lane the same bits), lane 0's pair to shared memory, every thread adds the
+// warps' pairs in warp order (deterministic), a second barrier so the next row's stores wait for
+// every read. 1/rms from the forward's rms when given (used as is: it contains eps), else
+// recomputed.
+struct RowScale {
+  Value inv_rms, correction;
+};
+RowScale ReduceRowSums(Builder& b, const RowKernelValues& v, uint32_t warps, Value sum_sq,
+                       Value sum_dot, Value row) {
+  const Value warp_sq = WarpAllSum(b, sum_sq);
+  const Value warp_dot = WarpAllSum(b, sum_dot);
+  {
+    auto lane0 = b.If(v.is_lane0);
+    b.St(StateSpace::kShared, Address{v.warp_slot, 0}, warp_sq);
+    b.St(StateSpace::kShared, Address{v.warp_slot, 4}, warp_dot);
+  }
+  b.BarSync(0);
+  const Value total_sq = b.Ld(StateSpace::kShared, PtxType::kF32, Address{v.sums_base, 0});
+  const Value total_dot = b.Ld(StateSpace::kShared, PtxType::kF32, Address{v.sums_base, 4});
+  for (uint32_t w = 1; w < warps; ++w) {
+    const Value sq = b.Ld(StateSpace::kShared, PtxType::kF32, Address{v.sums_base, 8 * w});
+    b.AddTo(total_sq, sq);
+    const Value dot = b.Ld(StateSpace::kShared, PtxType::kF32, Address{v.sums_base, 8 * w + 4});
+    b.AddTo(total_dot, dot);
+  }
+  b.BarSync(0);
+
+  const Value mean_sq = b.Div(total_sq, v.hidden_f, Rounding::kRn);
+  const Value variance = b.Add(mean_sq, v.eps);
+  const Value rms_recomputed = b.Sqrt(variance, Rounding::kRn);
+  const Value inv_recomputed = b.Rcp(rms_recomputed, Rounding::kRn);
+  const Value rms_off = b.MulWide(row, Value::U32(4));
+  const Value rms_addr = b.Add(v.rms_base, rms_off);
+  const Value rms_given =
+      b.LdOr(StateSpace::kGlobal, v.have_rms, Address{rms_addr, 0}, Value::F32(1.0f));
+  const Value inv_given = b.Rcp(rms_given, Rounding::kRn);
+  RowScale out;
+  out.inv_rms = b.Selp(inv_given, inv_recomputed, v.have_rms);
+  const Value mean_dot = b.Div(total_dot, v.hidden_f, Rounding::kRn);
+  const Value mean_inv = b.Mul(mean_dot, out.inv_rms);
+  out.correction = b.Mul(mean_inv, out.inv_rms);
+  return out;
+}
+
+// One slot's dx = inv_rms * (gamma*dy - x*correction) and grad_gamma parts dy*x*inv_rms, column
+// by column; `on_part(j, part)` takes each part as it is made.
+template <typename OnPart>
+std::vector<Value> SlotDx(Builder& b, const std::vector<Value>& xs, const std::vector<Value>& dys,
+                          const std::vector<Value>& gs, const RowScale& scale, OnPart on_part) {
+  std::vector<Value> dx(xs.size());
+  for (size_t j = 0; j < xs.size(); ++j) {
+    const Value gdy = b.Mul(gs[j], dys[j]);
+    const Value xc = b.Mul(xs[j], scale.correction);
+    const Value diff = b.Sub(gdy, xc);
+    dx[j] = b.Mul(scale.inv_rms, diff);
+    // Columns past hidden_dim hold x = dy = 0 and add 0.
+    const Value dyx = b.Mul(dys[j], xs[j]);
+    on_part(j, b.Mul(dyx, scale.inv_rms));
+  }
+  return dx;
+}
+
+// The ticket of the last-block-done tree, the same at every level of both trees: release this
+// block's row (fence, barrier), count its arrival on its group's semaphore (thread 0; the last
+// to arrive resets the semaphore and fences to acquire the others' rows) and leave the tree
+// (`done`) unless this block arrived last. Returns the group and its first member and size.
+struct GroupTicket {
+  Value group, first, size;
+};
+GroupTicket TakeGroupTicket(Builder& b, Value count, Value member, Value level_sem,
+                            Value semaphores, Value is_thread0, Value flag_addr, Label ticket_taken,
+                            Label done) {
+  constexpr uint32_t F = RowResidentRmsNormBackwardKernel::kFanIn;
+  constexpr uint32_t kLogF = RowResidentRmsNormBackwardKernel::kLogFanIn;
+  static_assert((1u << kLogF) == F, "the fan-in is a power of two");
+  // Release: every thread's row stores are visible GPU-wide before thread 0's arrival.
+  b.Fence();
+  b.BarSync(0);
+  GroupTicket t;
+  t.group = b.Shr(member, Value::U32(kLogF));
+  t.first = b.Shl(t.group, Value::U32(kLogF));
+  const Value left = b.Sub(count, t.first);
+  t.size = b.Min(left, Value::U32(F));
+  const Value sem_index = b.Add(level_sem, t.group);
+  const Value sem_off = b.MulWide(sem_index, Value::U32(4));
+  const Value sem_addr = b.Add(semaphores, sem_off);
+  b.BraIfNot(is_thread0, ticket_taken);
+  {
+    const Value arrived = b.AtomAdd(StateSpace::kGlobal, Address{sem_addr, 0}, Value::U32(1));
+    const Value last_index = b.Sub(t.size, Value::U32(1));
+    const Value last = b.Setp(CmpOp::kEq, arrived, last_index);
+    const Value flag = b.Selp(Value::U32(1), Value::U32(0), last);
+    b.St(StateSpace::kShared, Address{flag_addr, 0}, flag);
+    {
+      // Every member has arrived: the semaphore is ready for the next launch.
+      auto reset = b.If(last);
+      b.St(StateSpace::kGlobal, Address{sem_addr, 0}, Value::U32(0));
+    }
+    // Acquire: the other members' rows are read after their arrivals were seen.
+    b.Fence();
+  }
+  b.Bind(ticket_taken);
+  b.BarSync(0);
+  const Value go = b.Ld(StateSpace::kShared, PtxType::kU32, Address{flag_addr, 0});
+  b.BraIf(b.Setp(CmpOp::kEq, go, Value::U32(0)), done);
+  return t;
+}
+
+// Where dgamma (f32 [hidden_dim]) takes 16-byte vectors: hidden_dim when the pointer is 16-byte
+// aligned and hidden_dim % 4 == 0, else 0 (every quad element by element).
+Value DgammaVectorLimit(Builder& b, Value dgamma, Value hidden) {
+  const Value dg_low64 = b.And(dgamma, Value::U64(kVectorBytes - 1));
+  const Value dg_low = b.Cvt(PtxType::kU32, dg_low64);
+  const Value hidden_low = b.And(hidden, Value::U32(3));
+  const Value misaligned = b.Or(dg_low, hidden_low);
+  const Value aligned = b.Setp(CmpOp::kEq, misaligned, Value::U32(0));
+  return b.Selp(hidden, Value::U32(0), aligned);
+}
+
 // The parameters BuildDgammaTree reads, and the run-time hidden_dim.
 struct DgammaTreeParams {
   Param dgamma;      // f32 [hidden_dim], written by the block that finishes last
@@ -246,35 +450,8 @@ void BuildDgammaTree(Builder& b, const KernelConfig& config, Value col0, Value t
         }
       }
     }
-    // Release: every thread's row stores are visible GPU-wide before thread 0's arrival.
-    b.Fence();
-    b.BarSync(0);
-    const Value group = b.Shr(member, Value::U32(kLogF));
-    const Value first = b.Shl(group, Value::U32(kLogF));
-    const Value left = b.Sub(count, first);
-    const Value size = b.Min(left, Value::U32(F));
-    const Value sem_index = b.Add(level_sem, group);
-    const Value sem_off = b.MulWide(sem_index, Value::U32(4));
-    const Value sem_addr = b.Add(semaphores, sem_off);
-    b.BraIfNot(is_thread0, ticket_taken);
-    {
-      const Value arrived = b.AtomAdd(StateSpace::kGlobal, Address{sem_addr, 0}, Value::U32(1));
-      const Value last_index = b.Sub(size, Value::U32(1));
-      const Value last = b.Setp(CmpOp::kEq, arrived, last_index);
-      const Value flag = b.Selp(Value::U32(1), Value::U32(0), last);
-      b.St(StateSpace::kShared, Address{flag_addr, 0}, flag);
-      {
-        // Every member has arrived: the semaphore is ready for the next launch.
-        auto reset = b.If(last);
-        b.St(StateSpace::kGlobal, Address{sem_addr, 0}, Value::U32(0));
-      }
-      // Acquire: the other members' rows are read after their arrivals were seen.
-      b.Fence();
-    }
-    b.Bind(ticket_taken);
-    b.BarSync(0);
-    const Value go = b.Ld(StateSpace::kShared, PtxType::kU32, Address{flag_addr, 0});
-    b.BraIf(b.Setp(CmpOp::kEq, go, Value::U32(0)), done);
+    const auto [group, first, size] = TakeGroupTicket(b, count, member, level_sem, semaphores,
+                                                      is_thread0, flag_addr, ticket_taken, done);
 
     // The last member: acc = row(first) + row(first + 1) + ... + row(first + size - 1), in that
     // order. Rows past the group's size are not loaded (their predicate is false).
@@ -327,12 +504,7 @@ void BuildDgammaTree(Builder& b, const KernelConfig& config, Value col0, Value t
   // The top: acc is the whole grad_gamma (or, for G == 1, the one block's sums). dgamma is the
   // caller's f32 [hidden_dim]: 16-byte vectors where it is aligned, else element by element.
   b.Bind(top);
-  const Value dg_low64 = b.And(dgamma, Value::U64(kVectorBytes - 1));
-  const Value dg_low = b.Cvt(PtxType::kU32, dg_low64);
-  const Value hidden_low = b.And(hidden, Value::U32(3));
-  const Value misaligned = b.Or(dg_low, hidden_low);
-  const Value aligned = b.Setp(CmpOp::kEq, misaligned, Value::U32(0));
-  const Value vec_limit = b.Selp(hidden, Value::U32(0), aligned);
+  const Value vec_limit = DgammaVectorLimit(b, dgamma, hidden);
   const Value dg_thread = b.Add(dgamma, col0_bytes);
   for (uint32_t k = 0; k < K; ++k) {
     for (uint32_t q = 0; q < V / 4; ++q) {
@@ -395,14 +567,7 @@ void BuildStreamedTree(Builder& b, const KernelConfig& config, Value col0, Value
   const Value dg_thread = b.Add(dgamma, col0_bytes);
   const Value is_thread0 = b.Setp(CmpOp::kEq, tid, Value::U32(0));
   const Value flag_addr = b.AddressOf(last_flag);
-  // dgamma in 16-byte vectors where it is aligned (pointer and hidden_dim % 4), as the top of the
-  // register tree.
-  const Value dg_low64 = b.And(dgamma, Value::U64(kVectorBytes - 1));
-  const Value dg_low = b.Cvt(PtxType::kU32, dg_low64);
-  const Value hidden_low = b.And(hidden, Value::U32(3));
-  const Value dg_misaligned = b.Or(dg_low, hidden_low);
-  const Value dg_aligned = b.Setp(CmpOp::kEq, dg_misaligned, Value::U32(0));
-  const Value dg_limit = b.Selp(hidden, Value::U32(0), dg_aligned);
+  const Value dg_limit = DgammaVectorLimit(b, dgamma, hidden);
   // Stores quad q of a segment's sums to dgamma (f32, vector or element by element).
   auto store_dgamma = [&](Value seg, Value seg_bytes4, uint32_t q, const std::vector<Value>& quad) {
     const Value col = b.Add(col0, seg);
@@ -420,34 +585,8 @@ void BuildStreamedTree(Builder& b, const KernelConfig& config, Value col0, Value
   // Block-uniform, as in BuildDgammaTree. This block's row of the level is written.
   b.Bind(level_loop);
   {
-    // Release: every thread's row stores are visible GPU-wide before thread 0's arrival.
-    b.Fence();
-    b.BarSync(0);
-    const Value group = b.Shr(member, Value::U32(kLogF));
-    const Value first = b.Shl(group, Value::U32(kLogF));
-    const Value left = b.Sub(count, first);
-    const Value size = b.Min(left, Value::U32(F));
-    const Value sem_index = b.Add(level_sem, group);
-    const Value sem_off = b.MulWide(sem_index, Value::U32(4));
-    const Value sem_addr = b.Add(semaphores, sem_off);
-    b.BraIfNot(is_thread0, ticket_taken);
-    {
-      const Value arrived = b.AtomAdd(StateSpace::kGlobal, Address{sem_addr, 0}, Value::U32(1));
-      const Value last_index = b.Sub(size, Value::U32(1));
-      const Value last = b.Setp(CmpOp::kEq, arrived, last_index);
-      const Value flag = b.Selp(Value::U32(1), Value::U32(0), last);
-      b.St(StateSpace::kShared, Address{flag_addr, 0}, flag);
-      {
-        auto reset = b.If(last);
-        b.St(StateSpace::kGlobal, Address{sem_addr, 0}, Value::U32(0));
-      }
-      // Acquire: the other members' rows are read after their arrivals were seen.
-      b.Fence();
-    }
-    b.Bind(ticket_taken);
-    b.BarSync(0);
-    const Value go = b.Ld(StateSpace::kShared, PtxType::kU32, Address{flag_addr, 0});
-    b.BraIf(b.Setp(CmpOp::kEq, go, Value::U32(0)), done);
+    const auto [group, first, size] = TakeGroupTicket(b, count, member, level_sem, semaphores,
+                                                      is_thread0, flag_addr, ticket_taken, done);
 
     // The last member: the group's rows in member order, into the next level's row `group` or,
     // when the next level has one member, into dgamma.
@@ -552,170 +691,88 @@ void BuildStreamedRows(Module& m, const KernelConfig& config) {
   const RowTiling tiling = K_::TilingFor(config);
   const uint32_t T = tiling.threads;
   const uint32_t V = tiling.vector_elements;
-  const uint32_t warps = T / 32;
   const uint32_t elem_bytes = DTypeBytes(dtype);
-  const uint32_t row_bytes_ws = tiling.capacity() * 4;
 
   Function& f = m.mutable_functions().front();
-  f.set_min_blocks_per_sm(tiling.blocks_per_sm);
-  const auto [input_ptr, gamma_ptr, grad_output_ptr, grad_input_ptr, rms_ptr, dgamma_ptr,
-              partials_ptr, semaphores_ptr, num_rows, hidden_dim, eps_param] =
-      AddKernelParams(f, {KernelParamId::kInput, KernelParamId::kGamma, KernelParamId::kGradOutput,
-                          KernelParamId::kGradInput, KernelParamId::kRms, KernelParamId::kDgamma,
-                          KernelParamId::kDgammaPartials, KernelParamId::kSemaphores,
-                          KernelParamId::kNumRows, KernelParamId::kHiddenDim, KernelParamId::kEps});
-  const SharedArray warp_sums = f.AddShared("warp_sums", 8 * warps, 16);
-  const SharedArray last_flag = f.AddShared("last_flag", 4, 4);
-
+  const RowKernelDecl d = DeclareRowKernel(f, tiling);
   Builder b(&f);
   const Label row_loop = b.CreateLabel("row_loop");
   const Label rows_done = b.CreateLabel("rows_done");
-
-  const Value tid = b.Mov(SpecialReg::kTidX);
-  const Value block = b.Mov(SpecialReg::kCtaidX);
-  const Value grid = b.Mov(SpecialReg::kNctaidX);
-  const auto [rows, hidden, eps, x_base, gamma_base, dy_base, dx_base, rms_base, ws_base] =
-      b.LdParams({num_rows, hidden_dim, eps_param, input_ptr, gamma_ptr, grad_output_ptr,
-                  grad_input_ptr, rms_ptr, partials_ptr});
-  const Value hidden_f = b.Cvt(PtxType::kF32, hidden, Rounding::kRn);
-  const Value have_rms = b.Setp(CmpOp::kNe, rms_base, Value::U64(0));
-
-  // 16-byte vectors only when every row start of x, dy, dx and gamma is 16-byte aligned (as the
-  // held kernel).
-  const Value ptr_or1 = b.Or(x_base, dy_base);
-  const Value ptr_or2 = b.Or(ptr_or1, dx_base);
-  const Value ptr_or = b.Or(ptr_or2, gamma_base);
-  const Value ptr_low64 = b.And(ptr_or, Value::U64(kVectorBytes - 1));
-  const Value ptr_low = b.Cvt(PtxType::kU32, ptr_low64);
-  const Value row_bytes32 = b.Mul(hidden, Value::U32(elem_bytes));
-  const Value row_low = b.And(row_bytes32, Value::U32(kVectorBytes - 1));
-  const Value misaligned = b.Or(ptr_low, row_low);
-  const Value aligned = b.Setp(CmpOp::kEq, misaligned, Value::U32(0));
-  const Value vec_limit = b.Selp(hidden, Value::U32(0), aligned);
-  const Value stride_up = b.Add(hidden, Value::U32(V - 1));
+  const RowKernelValues v = LoadRowKernelValues(b, d, tiling, dtype);
+  const Value stride_up = b.Add(v.hidden, Value::U32(V - 1));
   const Value stride = b.And(stride_up, Value::U32(~(V - 1)));
-
-  const Value col0 = b.Mul(tid, Value::U32(V));
-  const Value thread_bytes = b.MulWide(tid, Value::U32(kVectorBytes));
-  const Value gamma_thread = b.Add(gamma_base, thread_bytes);
-  const Value lane = b.And(tid, Value::U32(31));
-  const Value warp = b.Shr(tid, Value::U32(5));
-  const Value is_lane0 = b.Setp(CmpOp::kEq, lane, Value::U32(0));
-  const Value sums_base = b.AddressOf(warp_sums);
-  const Value warp_off = b.MulWide(warp, Value::U32(8));
-  const Value warp_slot = b.Add(sums_base, warp_off);
   // This block's grad_gamma sums: workspace row ctaid (level 0 of the tree).
-  const Value own_off = b.MulWide(block, Value::U32(row_bytes_ws));
+  const Value ws_base = b.LdParam(d.partials);
+  const Value own_off = b.MulWide(v.block, Value::U32(tiling.capacity() * 4));
   const Value ws_block = b.Add(ws_base, own_off);
-  const Value ws_thread = b.Add(ws_block, thread_bytes);
+  const Value ws_thread = b.Add(ws_block, v.thread_bytes);
   // A segment's byte offset in a row of the dtype, from its offset in an f32 row.
   auto data_offset = [&](Value seg_bytes4) {
     return elem_bytes == 4 ? seg_bytes4 : b.Shr(seg_bytes4, Value::U32(1));
   };
 
-  const Value row = b.Mov(block);
+  const Value row = b.Mov(v.block);
   b.Bind(row_loop);
-  b.BraIf(b.Setp(CmpOp::kGe, row, rows), rows_done);
+  b.BraIf(b.Setp(CmpOp::kGe, row, v.rows), rows_done);
   {
-    const Value row_elems = b.MulWide(row, hidden);
+    const Value row_elems = b.MulWide(row, v.hidden);
     const Value row_off = b.Shl(row_elems, Value::U32(elem_bytes == 4 ? 2 : 1));
-    const Value thread_off = b.Add(row_off, thread_bytes);
-    const Value x_thread = b.Add(x_base, thread_off);
-    const Value dy_thread = b.Add(dy_base, thread_off);
-    const Value dx_thread = b.Add(dx_base, thread_off);
+    const Value thread_off = b.Add(row_off, v.thread_bytes);
+    const Value x_thread = b.Add(v.x_base, thread_off);
+    const Value dy_thread = b.Add(v.dy_base, thread_off);
+    const Value dx_thread = b.Add(v.dx_base, thread_off);
+    // One segment's x, dy (with `cache`) and gamma as f32, and its predicates.
+    struct Segment {
+      SlotPredicates p;
+      Value off;
+      std::vector<Value> xs, dys, gs;
+    };
+    auto load_segment = [&](Value seg, Value seg_bytes4, CacheOp cache) {
+      Segment sg;
+      const Value col = b.Add(v.col0, seg);
+      sg.p = MakeSlotPredicates(b, col, 0, V, v.vec_limit, v.hidden);
+      sg.off = data_offset(seg_bytes4);
+      const Value x_addr = b.Add(x_thread, sg.off);
+      const Value dy_addr = b.Add(dy_thread, sg.off);
+      const Value g_addr = b.Add(v.gamma_thread, sg.off);
+      std::vector<Value> x_raw, dy_raw;
+      {
+        auto policy = b.WithCache(cache);
+        x_raw = LoadSlotRaw(b, dtype, Address{x_addr, 0}, sg.p.vec, sg.p.elem);
+        dy_raw = LoadSlotRaw(b, dtype, Address{dy_addr, 0}, sg.p.vec, sg.p.elem);
+      }
+      sg.gs = LoadSlot(b, dtype, Address{g_addr, 0}, sg.p.vec, sg.p.elem);
+      sg.xs = SlotToF32(b, dtype, x_raw);
+      sg.dys = SlotToF32(b, dtype, dy_raw);
+      return sg;
+    };
 
+    // Pass 1: the sums (x and dy kept in L2 for pass 2).
     const Value sum_sq = b.Mov(Value::F32(0.0f));
     const Value sum_dot = b.Mov(Value::F32(0.0f));
-    SegmentLoop(b, hidden, T * V, "pass1", [&](Value seg, Value seg_bytes4) {
-      const Value col = b.Add(col0, seg);
-      const SlotPredicates p = MakeSlotPredicates(b, col, 0, V, vec_limit, hidden);
-      const Value off = data_offset(seg_bytes4);
-      const Value x_addr = b.Add(x_thread, off);
-      const Value dy_addr = b.Add(dy_thread, off);
-      const Value g_addr = b.Add(gamma_thread, off);
-      std::vector<Value> x_raw, dy_raw;
-      {
-        auto kept = b.WithCache(CacheOp::kCg);  // read again by pass 2: keep in L2
-        x_raw = LoadSlotRaw(b, dtype, Address{x_addr, 0}, p.vec, p.elem);
-        dy_raw = LoadSlotRaw(b, dtype, Address{dy_addr, 0}, p.vec, p.elem);
-      }
-      const std::vector<Value> gs = LoadSlot(b, dtype, Address{g_addr, 0}, p.vec, p.elem);
-      const std::vector<Value> xs = SlotToF32(b, dtype, x_raw);
-      const std::vector<Value> dys = SlotToF32(b, dtype, dy_raw);
-      for (uint32_t j = 0; j < V; ++j) {
-        b.FmaTo(sum_sq, xs[j], xs[j]);
-        const Value gdy = b.Mul(gs[j], dys[j]);
-        b.FmaTo(sum_dot, xs[j], gdy);
-      }
+    SegmentLoop(b, v.hidden, T * V, "pass1", [&](Value seg, Value seg_bytes4) {
+      const Segment sg = load_segment(seg, seg_bytes4, CacheOp::kCg);
+      AddRowSums(b, sg.xs, sg.dys, sg.gs, sum_sq, sum_dot);
     });
-
-    const Value warp_sq = WarpAllSum(b, sum_sq);
-    const Value warp_dot = WarpAllSum(b, sum_dot);
-    {
-      auto lane0 = b.If(is_lane0);
-      b.St(StateSpace::kShared, Address{warp_slot, 0}, warp_sq);
-      b.St(StateSpace::kShared, Address{warp_slot, 4}, warp_dot);
-    }
-    b.BarSync(0);
-    const Value total_sq = b.Ld(StateSpace::kShared, PtxType::kF32, Address{sums_base, 0});
-    const Value total_dot = b.Ld(StateSpace::kShared, PtxType::kF32, Address{sums_base, 4});
-    for (uint32_t w = 1; w < warps; ++w) {
-      const Value sq = b.Ld(StateSpace::kShared, PtxType::kF32, Address{sums_base, 8 * w});
-      b.AddTo(total_sq, sq);
-      const Value dot = b.Ld(StateSpace::kShared, PtxType::kF32, Address{sums_base, 8 * w + 4});
-      b.AddTo(total_dot, dot);
-    }
-    b.BarSync(0);
-
-    const Value mean_sq = b.Div(total_sq, hidden_f, Rounding::kRn);
-    const Value variance = b.Add(mean_sq, eps);
-    const Value rms_recomputed = b.Sqrt(variance, Rounding::kRn);
-    const Value inv_recomputed = b.Rcp(rms_recomputed, Rounding::kRn);
-    const Value rms_off = b.MulWide(row, Value::U32(4));
-    const Value rms_addr = b.Add(rms_base, rms_off);
-    const Value rms_given =
-        b.LdOr(StateSpace::kGlobal, have_rms, Address{rms_addr, 0}, Value::F32(1.0f));
-    const Value inv_given = b.Rcp(rms_given, Rounding::kRn);
-    const Value inv_rms = b.Selp(inv_given, inv_recomputed, have_rms);
-    const Value mean_dot = b.Div(total_dot, hidden_f, Rounding::kRn);
-    const Value mean_inv = b.Mul(mean_dot, inv_rms);
-    const Value correction = b.Mul(mean_inv, inv_rms);
+    const RowScale scale = ReduceRowSums(b, v, T / 32, sum_sq, sum_dot, row);
     // The block's first row starts its sums (0 + part, as the held kernel's zeroed registers);
     // later rows add to what the same thread stored.
-    const Value first_row = b.Setp(CmpOp::kEq, row, block);
+    const Value first_row = b.Setp(CmpOp::kEq, row, v.block);
     const Value acc_limit = b.Selp(Value::U32(0), stride, first_row);
 
-    SegmentLoop(b, hidden, T * V, "pass2", [&](Value seg, Value seg_bytes4) {
-      const Value col = b.Add(col0, seg);
-      const SlotPredicates p = MakeSlotPredicates(b, col, 0, V, vec_limit, hidden);
-      const Value off = data_offset(seg_bytes4);
-      const Value x_addr = b.Add(x_thread, off);
-      const Value dy_addr = b.Add(dy_thread, off);
-      const Value g_addr = b.Add(gamma_thread, off);
-      std::vector<Value> x_raw, dy_raw;
-      {
-        auto streamed = b.WithCache(CacheOp::kCs);  // last use
-        x_raw = LoadSlotRaw(b, dtype, Address{x_addr, 0}, p.vec, p.elem);
-        dy_raw = LoadSlotRaw(b, dtype, Address{dy_addr, 0}, p.vec, p.elem);
-      }
-      const std::vector<Value> gs = LoadSlot(b, dtype, Address{g_addr, 0}, p.vec, p.elem);
-      const std::vector<Value> xs = SlotToF32(b, dtype, x_raw);
-      const std::vector<Value> dys = SlotToF32(b, dtype, dy_raw);
-      std::vector<Value> dx(V), part(V);
-      for (uint32_t j = 0; j < V; ++j) {
-        const Value gdy = b.Mul(gs[j], dys[j]);
-        const Value xc = b.Mul(xs[j], correction);
-        const Value diff = b.Sub(gdy, xc);
-        dx[j] = b.Mul(inv_rms, diff);
-        const Value dyx = b.Mul(dys[j], xs[j]);
-        part[j] = b.Mul(dyx, inv_rms);
-      }
+    // Pass 2: dx, and the sums' parts into the workspace row.
+    SegmentLoop(b, v.hidden, T * V, "pass2", [&](Value seg, Value seg_bytes4) {
+      const Segment sg = load_segment(seg, seg_bytes4, CacheOp::kCs);  // last use
+      std::vector<Value> part(V);
+      const std::vector<Value> dx =
+          SlotDx(b, sg.xs, sg.dys, sg.gs, scale, [&](size_t j, Value p) { part[j] = p; });
       {
         auto streamed = b.WithCache(CacheOp::kCs);
-        const Value dx_addr = b.Add(dx_thread, off);
-        StoreSlot(b, dtype, Address{dx_addr, 0}, p.vec, p.elem, dx);
+        const Value dx_addr = b.Add(dx_thread, sg.off);
+        StoreSlot(b, dtype, Address{dx_addr, 0}, sg.p.vec, sg.p.elem, dx);
       }
-      // The sums: columns below hidden_dim rounded up to V (past hidden_dim they add 0).
+      // Columns below hidden_dim rounded up to V (past hidden_dim they add 0).
+      const Value col = b.Add(v.col0, seg);
       const Value in_row = b.Setp(CmpOp::kLt, col, stride);
       const Value add_to = b.Setp(CmpOp::kLt, col, acc_limit);
       const Value ws_seg = b.Add(ws_thread, seg_bytes4);
@@ -730,12 +787,12 @@ void BuildStreamedRows(Module& m, const KernelConfig& config) {
         b.StV4(StateSpace::kGlobal, at, acc);
       }
     });
-    b.AddTo(row, grid);
+    b.AddTo(row, v.grid);
     b.Bra(row_loop);
   }
   b.Bind(rows_done);
-  BuildStreamedTree(b, config, col0, tid, last_flag,
-                    DgammaTreeParams{dgamma_ptr, partials_ptr, semaphores_ptr, hidden});
+  BuildStreamedTree(b, config, v.col0, v.tid, d.last_flag,
+                    DgammaTreeParams{d.dgamma, d.partials, d.semaphores, v.hidden});
 }
 
 }  // namespace
@@ -832,75 +889,30 @@ absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfi
   const uint32_t T = tiling.threads;
   const uint32_t K = tiling.vectors_per_thread;
   const uint32_t V = tiling.vector_elements;
-  const uint32_t warps = T / 32;
   const uint32_t elem_bytes = DTypeBytes(dtype);
 
   Function& f = m.mutable_functions().front();
-  f.set_min_blocks_per_sm(tiling.blocks_per_sm);
-  const auto [input_ptr, gamma_ptr, grad_output_ptr, grad_input_ptr, rms_ptr, dgamma_ptr,
-              partials_ptr, semaphores_ptr, num_rows, hidden_dim, eps_param] =
-      AddKernelParams(f, {KernelParamId::kInput, KernelParamId::kGamma, KernelParamId::kGradOutput,
-                          KernelParamId::kGradInput, KernelParamId::kRms, KernelParamId::kDgamma,
-                          KernelParamId::kDgammaPartials, KernelParamId::kSemaphores,
-                          KernelParamId::kNumRows, KernelParamId::kHiddenDim, KernelParamId::kEps});
-  // Two f32 per warp: the warp's sum of x^2 and of x*gamma*dy for the current row.
-  const SharedArray warp_sums = f.AddShared("warp_sums", 8 * warps, 16);
-  // Whether this block was the last of its group to arrive (written by thread 0).
-  const SharedArray last_flag = f.AddShared("last_flag", 4, 4);
-
+  const RowKernelDecl d = DeclareRowKernel(f, tiling);
   Builder b(&f);
   const Label row_loop = b.CreateLabel("row_loop");
   const Label rows_done = b.CreateLabel("rows_done");
-
-  const Value tid = b.Mov(SpecialReg::kTidX);
-  const Value block = b.Mov(SpecialReg::kCtaidX);
-  const Value grid = b.Mov(SpecialReg::kNctaidX);
-  const auto [rows, hidden, eps, x_base, gamma_base, dy_base, dx_base, rms_base] =
-      b.LdParams({num_rows, hidden_dim, eps_param, input_ptr, gamma_ptr, grad_output_ptr,
-                  grad_input_ptr, rms_ptr});
-  const Value hidden_f = b.Cvt(PtxType::kF32, hidden, Rounding::kRn);
-  const Value have_rms = b.Setp(CmpOp::kNe, rms_base, Value::U64(0));
-
-  // 16-byte vectors only when every row start of x, dy, dx and gamma is 16-byte aligned:
-  // hidden_dim * elem_bytes % 16 == 0 and the four base pointers aligned. vec_limit is
-  // hidden_dim then, 0 otherwise (no slot passes `slot_end <= vec_limit`).
-  const Value ptr_or1 = b.Or(x_base, dy_base);
-  const Value ptr_or2 = b.Or(ptr_or1, dx_base);
-  const Value ptr_or = b.Or(ptr_or2, gamma_base);
-  const Value ptr_low64 = b.And(ptr_or, Value::U64(kVectorBytes - 1));
-  const Value ptr_low = b.Cvt(PtxType::kU32, ptr_low64);
-  const Value row_bytes32 = b.Mul(hidden, Value::U32(elem_bytes));
-  const Value row_low = b.And(row_bytes32, Value::U32(kVectorBytes - 1));
-  const Value misaligned = b.Or(ptr_low, row_low);
-  const Value aligned = b.Setp(CmpOp::kEq, misaligned, Value::U32(0));
-  const Value vec_limit = b.Selp(hidden, Value::U32(0), aligned);
-
-  // This thread's first column and its byte offset in a row; slot k adds k*T*V columns.
-  const Value col0 = b.Mul(tid, Value::U32(V));
-  const Value thread_bytes = b.MulWide(tid, Value::U32(kVectorBytes));
-  const Value gamma_thread = b.Add(gamma_base, thread_bytes);
-  const Value lane = b.And(tid, Value::U32(31));
-  const Value warp = b.Shr(tid, Value::U32(5));
-  const Value is_lane0 = b.Setp(CmpOp::kEq, lane, Value::U32(0));
-  const Value sums_base = b.AddressOf(warp_sums);
-  const Value warp_off = b.MulWide(warp, Value::U32(8));
-  const Value warp_slot = b.Add(sums_base, warp_off);
+  const RowKernelValues v = LoadRowKernelValues(b, d, tiling, dtype);
 
   // fp32 grad_gamma accumulators for this thread's columns, over all rows of this block.
   std::vector<Value> acc;
   for (uint32_t e = 0; e < K * V; ++e) acc.push_back(b.Mov(Value::F32(0.0f)));
 
   // Grid-stride loop over rows; the trip count is the same for every thread of the block.
-  const Value row = b.Mov(block);
+  const Value row = b.Mov(v.block);
   b.Bind(row_loop);
-  b.BraIf(b.Setp(CmpOp::kGe, row, rows), rows_done);
+  b.BraIf(b.Setp(CmpOp::kGe, row, v.rows), rows_done);
   {
-    const Value row_elems = b.MulWide(row, hidden);
+    const Value row_elems = b.MulWide(row, v.hidden);
     const Value row_off = b.Shl(row_elems, Value::U32(elem_bytes == 4 ? 2 : 1));
-    const Value thread_off = b.Add(row_off, thread_bytes);
-    const Value x_thread = b.Add(x_base, thread_off);
-    const Value dy_thread = b.Add(dy_base, thread_off);
-    const Value dx_thread = b.Add(dx_base, thread_off);
+    const Value thread_off = b.Add(row_off, v.thread_bytes);
+    const Value x_thread = b.Add(v.x_base, thread_off);
+    const Value dy_thread = b.Add(v.dy_base, thread_off);
+    const Value dx_thread = b.Add(v.dx_base, thread_off);
 
     // x and dy stay in registers until the output; gamma (the same for every row, so cache
     // resident) is loaded again after the reduction instead of holding it, to save registers.
@@ -908,86 +920,37 @@ absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfi
     const Value sum_sq = b.Mov(Value::F32(0.0f));
     const Value sum_dot = b.Mov(Value::F32(0.0f));
     for (uint32_t k = 0; k < K; ++k) {
-      const SlotPredicates p = MakeSlotPredicates(b, col0, k * T * V, V, vec_limit, hidden);
+      const SlotPredicates p = MakeSlotPredicates(b, v.col0, k * T * V, V, v.vec_limit, v.hidden);
       const int64_t off = int64_t{k} * T * kVectorBytes;
       {
         auto streamed = b.WithCache(CacheOp::kCs);  // read once: evict first, keep gamma
         x_raw[k] = LoadSlotRaw(b, dtype, Address{x_thread, off}, p.vec, p.elem);
         dy_raw[k] = LoadSlotRaw(b, dtype, Address{dy_thread, off}, p.vec, p.elem);
       }
-      const std::vector<Value> gs = LoadSlot(b, dtype, Address{gamma_thread, off}, p.vec, p.elem);
+      const std::vector<Value> gs = LoadSlot(b, dtype, Address{v.gamma_thread, off}, p.vec, p.elem);
       const std::vector<Value> xs = SlotToF32(b, dtype, x_raw[k]);
       const std::vector<Value> dys = SlotToF32(b, dtype, dy_raw[k]);
-      // Per-thread sums in column order.
-      for (uint32_t j = 0; j < V; ++j) {
-        b.FmaTo(sum_sq, xs[j], xs[j]);
-        const Value gdy = b.Mul(gs[j], dys[j]);
-        b.FmaTo(sum_dot, xs[j], gdy);
-      }
+      AddRowSums(b, xs, dys, gs, sum_sq, sum_dot);
     }
-
-    // Then the warp, then the warps in order.
-    const Value warp_sq = WarpAllSum(b, sum_sq);
-    const Value warp_dot = WarpAllSum(b, sum_dot);
-    {
-      auto lane0 = b.If(is_lane0);
-      b.St(StateSpace::kShared, Address{warp_slot, 0}, warp_sq);
-      b.St(StateSpace::kShared, Address{warp_slot, 4}, warp_dot);
-    }
-    b.BarSync(0);
-    const Value total_sq = b.Ld(StateSpace::kShared, PtxType::kF32, Address{sums_base, 0});
-    const Value total_dot = b.Ld(StateSpace::kShared, PtxType::kF32, Address{sums_base, 4});
-    for (uint32_t w = 1; w < warps; ++w) {
-      const Value sq = b.Ld(StateSpace::kShared, PtxType::kF32, Address{sums_base, 8 * w});
-      b.AddTo(total_sq, sq);
-      const Value dot = b.Ld(StateSpace::kShared, PtxType::kF32, Address{sums_base, 8 * w + 4});
-      b.AddTo(total_dot, dot);
-    }
-    // The next row's stores to warp_sums wait until every warp has read this row's sums.
-    b.BarSync(0);
-
-    // 1/rms: from the forward's rms when given (used as is: it contains eps), else recomputed.
-    const Value mean_sq = b.Div(total_sq, hidden_f, Rounding::kRn);
-    const Value variance = b.Add(mean_sq, eps);
-    const Value rms_recomputed = b.Sqrt(variance, Rounding::kRn);
-    const Value inv_recomputed = b.Rcp(rms_recomputed, Rounding::kRn);
-    const Value rms_off = b.MulWide(row, Value::U32(4));
-    const Value rms_addr = b.Add(rms_base, rms_off);
-    const Value rms_given =
-        b.LdOr(StateSpace::kGlobal, have_rms, Address{rms_addr, 0}, Value::F32(1.0f));
-    const Value inv_given = b.Rcp(rms_given, Rounding::kRn);
-    const Value inv_rms = b.Selp(inv_given, inv_recomputed, have_rms);
-    const Value mean_dot = b.Div(total_dot, hidden_f, Rounding::kRn);
-    const Value mean_inv = b.Mul(mean_dot, inv_rms);
-    const Value correction = b.Mul(mean_inv, inv_rms);
+    const RowScale scale = ReduceRowSums(b, v, T / 32, sum_sq, sum_dot, row);
 
     for (uint32_t k = 0; k < K; ++k) {
-      const SlotPredicates p = MakeSlotPredicates(b, col0, k * T * V, V, vec_limit, hidden);
+      const SlotPredicates p = MakeSlotPredicates(b, v.col0, k * T * V, V, v.vec_limit, v.hidden);
       const int64_t off = int64_t{k} * T * kVectorBytes;
-      const std::vector<Value> gs = LoadSlot(b, dtype, Address{gamma_thread, off}, p.vec, p.elem);
+      const std::vector<Value> gs = LoadSlot(b, dtype, Address{v.gamma_thread, off}, p.vec, p.elem);
       const std::vector<Value> xs = SlotToF32(b, dtype, x_raw[k]);
       const std::vector<Value> dys = SlotToF32(b, dtype, dy_raw[k]);
-      std::vector<Value> dx(V);
-      for (uint32_t j = 0; j < V; ++j) {
-        const uint32_t e = k * V + j;
-        const Value gdy = b.Mul(gs[j], dys[j]);
-        const Value xc = b.Mul(xs[j], correction);
-        const Value diff = b.Sub(gdy, xc);
-        dx[j] = b.Mul(inv_rms, diff);
-        // Columns past hidden_dim hold x = dy = 0 and add 0.
-        const Value dyx = b.Mul(dys[j], xs[j]);
-        const Value part = b.Mul(dyx, inv_rms);
-        b.AddTo(acc[e], part);
-      }
+      const std::vector<Value> dx = SlotDx(
+          b, xs, dys, gs, scale, [&](size_t j, Value part) { b.AddTo(acc[k * V + j], part); });
       auto streamed = b.WithCache(CacheOp::kCs);  // written once, read by nobody here
       StoreSlot(b, dtype, Address{dx_thread, off}, p.vec, p.elem, dx);
     }
-    b.AddTo(row, grid);
+    b.AddTo(row, v.grid);
     b.Bra(row_loop);
   }
   b.Bind(rows_done);
-  BuildDgammaTree(b, config, col0, tid, last_flag, acc,
-                  DgammaTreeParams{dgamma_ptr, partials_ptr, semaphores_ptr, hidden});
+  BuildDgammaTree(b, config, v.col0, v.tid, d.last_flag, acc,
+                  DgammaTreeParams{d.dgamma, d.partials, d.semaphores, v.hidden});
   return m;
 }
 
