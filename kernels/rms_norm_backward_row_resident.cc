@@ -1,7 +1,9 @@
 #include "kernels/rms_norm_backward_row_resident.h"
 
 #include <algorithm>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/kernel_params.h"
