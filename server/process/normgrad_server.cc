@@ -45,13 +45,6 @@ constexpr char kServiceName[] = "normgrad.v1.NormGrad";
 // How long a draining server's gRPC shutdown lets the calls that arrived during the drain finish
 // (the service answers them at once) before it cancels what is left (Shutdown).
 constexpr absl::Duration kLateCallGrace = absl::Milliseconds(500);
-// How long a drain that waited for admitted calls keeps the connections open after the last of
-// them ended, before gRPC's shutdown closes them: time for that call's last messages and status,
-// written to the socket but maybe not yet to the client, to get there. Closing a connection while
-// the client keeps sending (refused calls being retried) resets it, and a reset discards what
-// the socket had not yet delivered: the last stream's client then sees UNAVAILABLE although the
-// server finished it (seen through a container's port forwarding).
-constexpr absl::Duration kLastCallLinger = absl::Milliseconds(500);
 
 void SetHealth(grpc::Server* server, bool serving) {
   if (server == nullptr) return;
@@ -710,14 +703,10 @@ void NormGradServer::Shutdown(absl::Duration grace) {
     //    service (clients retry them elsewhere) and are not waited for: clients that keep
     //    retrying on the open connection cannot hold the drain open. Polled: the counts live
     //    in the admission controller, and 5 ms is nothing against a drain.
-    auto admitted_calls = [this] {
-      return env_->admission->active_streams() > 0 || env_->admission->emit_ptx_calls() > 0;
-    };
-    const bool waited = admitted_calls();
-    while (admitted_calls() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
-    //    Then kLastCallLinger (within the deadline) for the last call's bytes to reach its
-    //    client before the connections close.
-    if (waited) absl::SleepFor(std::min(kLastCallLinger, deadline - absl::Now()));
+    while ((env_->admission->active_streams() > 0 || env_->admission->emit_ptx_calls() > 0) &&
+           absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
     // 2. GOAWAY, and the listeners close. The calls the transport accepted meanwhile finish
     //    (the service refuses them at once) within kLateCallGrace; gRPC then cancels what is
     //    left (the calls it took but never handed to the service wait for their own deadlines
