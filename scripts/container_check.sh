@@ -393,17 +393,24 @@ check_backward "$grpc" "k8s args"
 check_cubin "$grpc" "k8s args"
 
 # 4e. SIGTERM under load: in-flight streams drain, the process exits 0 within the grace.
-load --target="127.0.0.1:$grpc" --concurrency=4 --shapes=512x4096 --duration=8s --max-attempts=1 \
-  --format=json -o /data/load.json > "$WORK/load.log" 2>&1 &
-load_pid=$!
 k8s_metrics=$(port_of ng-k8s 9464)
-for i in $(seq 1 40); do # wait until streams are in flight; OK calls so far, streams in flight
-  read -r ok_before n < <($PY -c "
+# The server's OK RmsNormBackward calls and streams in flight, from its metrics.
+scrape_ok_in_flight() {
+  $PY -c "
 import urllib.request
 t = urllib.request.urlopen('http://127.0.0.1:$k8s_metrics/metrics', timeout=5).read().decode()
 v = lambda p: next((l.rsplit(' ', 1)[1] for l in t.splitlines() if l.startswith(p)), '0')
 print(int(float(v('normgrad_requests_total{method=\"RmsNormBackward\",code=\"OK\"}'))),
-      int(float(v('normgrad_inflight_streams '))))")
+      int(float(v('normgrad_inflight_streams '))))"
+}
+# The OK calls of the checks above, so that only the load's are compared with its own count.
+read -r ok_earlier _ < <(scrape_ok_in_flight)
+load --target="127.0.0.1:$grpc" --concurrency=4 --shapes=512x4096 --duration=8s --max-attempts=1 \
+  --format=json -o /data/load.json > "$WORK/load.log" 2>&1 &
+load_pid=$!
+for i in $(seq 1 40); do # wait until streams are in flight; the load's OK calls so far, in flight
+  read -r ok_server n < <(scrape_ok_in_flight)
+  ok_before=$((ok_server - ok_earlier))
   [ "$n" -ge 1 ] && break
   sleep 0.25
 done
