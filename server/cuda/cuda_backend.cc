@@ -630,14 +630,17 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
     return WithSlot(host.bytes(), device.bytes(), [&](const StagingSlot& slot) -> absl::Status {
       NORMGRAD_RETURN_IF_ERROR(ctx_->MakeCurrent());
       std::memcpy(slot.host + at.host_gamma, gamma_.data(), gamma_.size());
-      const ChunkRows chunk{x, dy, rms, dx, rows, in_place, rms_bytes != 0, dgamma_bytes};
+      const ChunkRows chunk{x, dy, rms, dx, in_place, rms_bytes != 0, dgamma_bytes};
       const uint64_t pieces = (rows + piece_rows - 1) / piece_rows;
-      NORMGRAD_RETURN_IF_ERROR(IssuePiece(slot, at, chunk, 0, piece_rows));
+      Piece next = PieceOf(0, piece_rows, rows);
+      NORMGRAD_RETURN_IF_ERROR(IssuePiece(slot, at, chunk, next));
       for (uint64_t p = 0; p < pieces; ++p) {
+        const Piece piece = next;
         if (p + 1 < pieces) {
-          NORMGRAD_RETURN_IF_ERROR(IssuePiece(slot, at, chunk, p + 1, piece_rows));
+          next = PieceOf(p + 1, piece_rows, rows);
+          NORMGRAD_RETURN_IF_ERROR(IssuePiece(slot, at, chunk, next));
         }
-        NORMGRAD_RETURN_IF_ERROR(CompletePiece(slot, at, chunk, p, piece_rows));
+        NORMGRAD_RETURN_IF_ERROR(CompletePiece(slot, at, chunk, piece));
       }
       return absl::OkStatus();
     });
@@ -705,28 +708,45 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
     absl::Span<const uint8_t> x, dy;
     absl::Span<const float> rms;
     absl::Span<uint8_t> dx;
-    uint64_t rows;
     bool in_place;        // x, dy, rms and dx in registered host memory: no staging copies
     bool rms_to_device;   // the plan reads the given rms
     size_t dgamma_bytes;  // the plan's f32 grad_gamma on the device; 0: the host adds it
   };
 
-  // Stages piece p's rows (unless in place) and issues its copies and launches on stream p % 2.
-  // A stream's first piece of the chunk also copies gamma to that stream's own copy.
+  // Piece p of a chunk of `chunk_rows` cut into pieces of `piece_rows`: its stream, rows and
+  // byte range in the chunk's rows.
+  struct Piece {
+    uint64_t index = 0;
+    int stream = 0;  // p % 2
+    uint64_t first = 0, rows = 0;
+    size_t off = 0, bytes = 0;  // of x, dy and dx
+  };
+  Piece PieceOf(uint64_t p, uint64_t piece_rows, uint64_t chunk_rows) const {
+    Piece piece;
+    piece.index = p;
+    piece.stream = static_cast<int>(p % StagingSlot::kStreams);
+    piece.first = p * piece_rows;
+    piece.rows = std::min(piece_rows, chunk_rows - piece.first);
+    piece.off = piece.first * spec_.hidden_dim * element_bytes_;
+    piece.bytes = piece.rows * spec_.hidden_dim * element_bytes_;
+    return piece;
+  }
+
+  // Stages a piece's rows (unless in place) and issues its copies and launches on its stream. A
+  // stream's first piece of the chunk also copies gamma to that stream's own copy.
   absl::Status IssuePiece(const StagingSlot& slot, const ChunkLayout& at, const ChunkRows& c,
-                          uint64_t p, uint64_t piece_rows) {
+                          const Piece& piece) {
     const cuda::DriverApi& api = ctx_->api();
     const kernels::BackwardPlan& plan = *plan_;
-    const int s = static_cast<int>(p % StagingSlot::kStreams);
+    const int s = piece.stream;
     const CUstream stream = slot.streams[s];
-    const uint64_t first = p * piece_rows;
-    const uint64_t rows = std::min(piece_rows, c.rows - first);
-    const size_t off = first * spec_.hidden_dim * element_bytes_;
-    const size_t bytes = rows * spec_.hidden_dim * element_bytes_;
-    const size_t rms_off = first * sizeof(float), rms_bytes = c.rms_to_device ? rows * 4 : 0;
+    const uint64_t rows = piece.rows;
+    const size_t off = piece.off, bytes = piece.bytes;
+    const size_t rms_off = piece.first * sizeof(float);
+    const size_t rms_bytes = c.rms_to_device ? rows * sizeof(float) : 0;
     uint8_t* const pinned = slot.host;
     const CUdeviceptr dev = slot.device;
-    if (p < StagingSlot::kStreams) {
+    if (piece.index < StagingSlot::kStreams) {
       NORMGRAD_RETURN_IF_ERROR(
           ctx_->Check(api.cuMemcpyHtoDAsync_v2(dev + at.gamma[s], pinned + at.host_gamma,
                                                gamma_.size(), stream),
@@ -788,23 +808,20 @@ class CudaBackwardSession : public BackwardSession, private kernels::KernelLaunc
     return absl::OkStatus();
   }
 
-  // Waits for piece p (its stream holds nothing issued after it: the next piece on that stream
+  // Waits for a piece (its stream holds nothing issued after it: the next piece on that stream
   // is issued only after this), then copies its dx out of pinned memory and adds its grad_gamma.
   absl::Status CompletePiece(const StagingSlot& slot, const ChunkLayout& at, const ChunkRows& c,
-                             uint64_t p, uint64_t piece_rows) {
-    const int s = static_cast<int>(p % StagingSlot::kStreams);
-    const uint64_t first = p * piece_rows;
-    const uint64_t rows = std::min(piece_rows, c.rows - first);
-    const size_t off = first * spec_.hidden_dim * element_bytes_;
-    const size_t bytes = rows * spec_.hidden_dim * element_bytes_;
-    NORMGRAD_RETURN_IF_ERROR(ctx_->Synchronize(slot.streams[s]));
+                             const Piece& piece) {
+    const size_t off = piece.off, bytes = piece.bytes;
+    NORMGRAD_RETURN_IF_ERROR(ctx_->Synchronize(slot.streams[piece.stream]));
     if (!c.in_place) std::memcpy(c.dx.data() + off, slot.host + at.host_dx + off, bytes);
     if (c.dgamma_bytes != 0) {
-      const float* piece_dgamma = reinterpret_cast<const float*>(slot.host + at.host_dgamma[s]);
+      const float* piece_dgamma =
+          reinterpret_cast<const float*>(slot.host + at.host_dgamma[piece.stream]);
       for (size_t i = 0; i < spec_.hidden_dim; ++i) dgamma_sum_[i] += piece_dgamma[i];
     } else {
       AddHostGradGamma(c.x.subspan(off, bytes), c.dy.subspan(off, bytes),
-                       c.rms.subspan(first, rows), rows);
+                       c.rms.subspan(piece.first, piece.rows), piece.rows);
     }
     return absl::OkStatus();
   }
