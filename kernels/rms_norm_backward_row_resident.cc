@@ -377,6 +377,64 @@ struct DgammaTreeParams {
   Value hidden;
 };
 
+// What both trees load and compute before their level loop, in this order: the parameters, the
+// workspace stride (hidden_dim rounded up to V) and row size, this thread's place in a workspace
+// row and in dgamma, thread 0 and the flag's address, and the loop's level state: count (members
+// of this level), member (this block's place in it), level_row and level_sem (the level's first
+// workspace row and semaphore).
+struct TreeFrame {
+  Value dgamma, workspace, semaphores, stride, ws_thread, col0_bytes, is_thread0, flag_addr;
+  Value count, member, level_row, level_sem;
+  uint32_t row_bytes = 0;
+};
+TreeFrame StartTree(Builder& b, const RowTiling& tiling, Value col0, Value tid,
+                    SharedArray last_flag, const DgammaTreeParams& p) {
+  const uint32_t V = tiling.vector_elements;
+  TreeFrame t;
+  std::tie(t.dgamma, t.workspace, t.semaphores) =
+      std::tuple_cat(b.LdParams({p.dgamma, p.workspace, p.semaphores}));
+  const Value stride_up = b.Add(p.hidden, Value::U32(V - 1));
+  t.stride = b.And(stride_up, Value::U32(~(V - 1)));
+  t.row_bytes = tiling.capacity() * 4;
+  const Value tid_bytes = b.MulWide(tid, Value::U32(kVectorBytes));
+  t.ws_thread = b.Add(t.workspace, tid_bytes);
+  t.col0_bytes = b.MulWide(col0, Value::U32(4));
+  t.is_thread0 = b.Setp(CmpOp::kEq, tid, Value::U32(0));
+  t.flag_addr = b.AddressOf(last_flag);
+  t.count = b.Mov(SpecialReg::kNctaidX);
+  t.member = b.Mov(SpecialReg::kCtaidX);
+  t.level_row = b.Mov(Value::U32(0));
+  t.level_sem = b.Mov(Value::U32(0));
+  return t;
+}
+
+// Uniform: member i of a group of `size` exists (size > i), for i in 1..kFanIn-1.
+std::vector<Value> MembersPresent(Builder& b, Value size) {
+  std::vector<Value> has_row(RowResidentRmsNormBackwardKernel::kFanIn);
+  for (uint32_t i = 1; i < has_row.size(); ++i) {
+    has_row[i] = b.Setp(CmpOp::kGt, size, Value::U32(i));
+  }
+  return has_row;
+}
+
+// Whether a thread loads member i's quad at column `col`: inside the stride (`in_row`), and
+// for i > 0 only where that member exists.
+Value LoadsMember(Builder& b, uint32_t i, Value col, Value in_row, Value stride,
+                  const std::vector<Value>& has_row) {
+  if (i == 0) return in_row;
+  const Value limit = b.Selp(stride, Value::U32(0), has_row[i]);
+  return b.Setp(CmpOp::kLt, col, limit);
+}
+
+// Four f32 from `at` where `load`, else -0.0, the identity of f32 addition (x + -0.0 == x for
+// every x, -0.0 too).
+std::vector<Value> LoadQuadOrIdentity(Builder& b, Address at, Value load) {
+  std::vector<Value> quad;
+  for (int j = 0; j < 4; ++j) quad.push_back(b.Mov(Value::F32(-0.0f)));
+  b.LdInto(StateSpace::kGlobal, PtxType::kF32, at, quad, load);
+  return quad;
+}
+
 // grad_gamma in the same launch, in a fixed order: a last-block-done tree over the G blocks'
 // partial sums (`acc`, K*V f32 per thread, the columns the row loop gave it).
 //
@@ -412,25 +470,16 @@ void BuildDgammaTree(Builder& b, const KernelConfig& config, Value col0, Value t
   const Label top = b.CreateLabel("tree_top");
   const Label done = b.CreateLabel("tree_done");
 
-  const auto [dgamma, workspace, semaphores] = b.LdParams({p.dgamma, p.workspace, p.semaphores});
+  const TreeFrame t = StartTree(b, tiling, col0, tid, last_flag, p);
   const Value hidden = p.hidden;
-  const Value stride_up = b.Add(hidden, Value::U32(V - 1));
-  const Value stride = b.And(stride_up, Value::U32(~(V - 1)));
-  const uint32_t row_bytes = tiling.capacity() * 4;
+  const Value stride = t.stride;
+  const uint32_t row_bytes = t.row_bytes;
+  const Value ws_thread = t.ws_thread;
+  const Value count = t.count, member = t.member, level_row = t.level_row, level_sem = t.level_sem;
   // Byte offset of slot k's quad q in a workspace row, past the thread's own 16 bytes.
   auto quad_offset = [&](uint32_t k, uint32_t q) {
     return int64_t{k * (V / 4) + q} * T * kVectorBytes;
   };
-  const Value tid_bytes = b.MulWide(tid, Value::U32(kVectorBytes));
-  const Value ws_thread = b.Add(workspace, tid_bytes);
-  const Value col0_bytes = b.MulWide(col0, Value::U32(4));
-  const Value is_thread0 = b.Setp(CmpOp::kEq, tid, Value::U32(0));
-  const Value flag_addr = b.AddressOf(last_flag);
-
-  const Value count = b.Mov(SpecialReg::kNctaidX);  // members of this level
-  const Value member = b.Mov(SpecialReg::kCtaidX);  // this block's place in it
-  const Value level_row = b.Mov(Value::U32(0));     // the level's first workspace row
-  const Value level_sem = b.Mov(Value::U32(0));     // the level's first semaphore
 
   // The whole loop is block-uniform: count, member and the flag are the same in every thread.
   b.Bind(level_loop);
@@ -452,16 +501,15 @@ void BuildDgammaTree(Builder& b, const KernelConfig& config, Value col0, Value t
         }
       }
     }
-    const auto [group, first, size] = TakeGroupTicket(b, count, member, level_sem, semaphores,
-                                                      is_thread0, flag_addr, ticket_taken, done);
+    const auto [group, first, size] = TakeGroupTicket(
+        b, count, member, level_sem, t.semaphores, t.is_thread0, t.flag_addr, ticket_taken, done);
 
     // The last member: acc = row(first) + row(first + 1) + ... + row(first + size - 1), in that
     // order. Rows past the group's size are not loaded (their predicate is false).
     const Value first_row = b.Add(level_row, first);
     const Value first_off = b.MulWide(first_row, Value::U32(row_bytes));
     const Value member_addr = b.Add(ws_thread, first_off);
-    std::vector<Value> has_row(F);  // uniform: member i exists (size > i)
-    for (uint32_t i = 1; i < F; ++i) has_row[i] = b.Setp(CmpOp::kGt, size, Value::U32(i));
+    const std::vector<Value> has_row = MembersPresent(b, size);
     {
       auto l2 = b.WithCache(CacheOp::kCg);
       // Slot by slot (fewer registers live), member by member within a slot.
@@ -471,17 +519,10 @@ void BuildDgammaTree(Builder& b, const KernelConfig& config, Value col0, Value t
         const Value addr = b.Mov(member_addr);
         for (uint32_t i = 0; i < F; ++i) {
           if (i > 0) b.AddTo(addr, Value::U64(row_bytes));
-          Value load = in_row;
-          if (i > 0) {
-            const Value limit = b.Selp(stride, Value::U32(0), has_row[i]);
-            load = b.Setp(CmpOp::kLt, col, limit);
-          }
+          const Value load = LoadsMember(b, i, col, in_row, stride, has_row);
           for (uint32_t q = 0; q < V / 4; ++q) {
-            // -0.0 is the identity of f32 addition (x + -0.0 == x for every x, -0.0 too).
-            std::vector<Value> quad;
-            for (int j = 0; j < 4; ++j) quad.push_back(b.Mov(Value::F32(-0.0f)));
-            b.LdInto(StateSpace::kGlobal, PtxType::kF32, Address{addr, quad_offset(k, q)}, quad,
-                     load);
+            const std::vector<Value> quad =
+                LoadQuadOrIdentity(b, Address{addr, quad_offset(k, q)}, load);
             for (int j = 0; j < 4; ++j) {
               const Value& a = acc[k * V + 4 * q + j];
               if (i == 0) {
@@ -506,8 +547,8 @@ void BuildDgammaTree(Builder& b, const KernelConfig& config, Value col0, Value t
   // The top: acc is the whole grad_gamma (or, for G == 1, the one block's sums). dgamma is the
   // caller's f32 [hidden_dim]: 16-byte vectors where it is aligned, else element by element.
   b.Bind(top);
-  const Value vec_limit = DgammaVectorLimit(b, dgamma, hidden);
-  const Value dg_thread = b.Add(dgamma, col0_bytes);
+  const Value vec_limit = DgammaVectorLimit(b, t.dgamma, hidden);
+  const Value dg_thread = b.Add(t.dgamma, t.col0_bytes);
   for (uint32_t k = 0; k < K; ++k) {
     for (uint32_t q = 0; q < V / 4; ++q) {
       const uint32_t slot_col = k * T * V + 4 * q;
@@ -558,18 +599,14 @@ void BuildStreamedTree(Builder& b, const KernelConfig& config, Value col0, Value
   const Label single = b.CreateLabel("stree_single");
   const Label done = b.CreateLabel("stree_done");
 
-  const auto [dgamma, workspace, semaphores] = b.LdParams({p.dgamma, p.workspace, p.semaphores});
+  const TreeFrame t = StartTree(b, tiling, col0, tid, last_flag, p);
   const Value hidden = p.hidden;
-  const Value stride_up = b.Add(hidden, Value::U32(V - 1));
-  const Value stride = b.And(stride_up, Value::U32(~(V - 1)));
-  const uint32_t row_bytes = tiling.capacity() * 4;
-  const Value tid_bytes = b.MulWide(tid, Value::U32(kVectorBytes));
-  const Value ws_thread = b.Add(workspace, tid_bytes);
-  const Value col0_bytes = b.MulWide(col0, Value::U32(4));
-  const Value dg_thread = b.Add(dgamma, col0_bytes);
-  const Value is_thread0 = b.Setp(CmpOp::kEq, tid, Value::U32(0));
-  const Value flag_addr = b.AddressOf(last_flag);
-  const Value dg_limit = DgammaVectorLimit(b, dgamma, hidden);
+  const Value stride = t.stride;
+  const uint32_t row_bytes = t.row_bytes;
+  const Value ws_thread = t.ws_thread;
+  const Value count = t.count, member = t.member, level_row = t.level_row, level_sem = t.level_sem;
+  const Value dg_thread = b.Add(t.dgamma, t.col0_bytes);
+  const Value dg_limit = DgammaVectorLimit(b, t.dgamma, hidden);
   // Stores quad q of a segment's sums to dgamma (f32, vector or element by element).
   auto store_dgamma = [&](Value seg, Value seg_bytes4, uint32_t q, const std::vector<Value>& quad) {
     const Value col = b.Add(col0, seg);
@@ -578,17 +615,13 @@ void BuildStreamedTree(Builder& b, const KernelConfig& config, Value col0, Value
     StoreSlot(b, DType::kF32, Address{addr, 16 * int64_t{q}}, sp.vec, sp.elem, quad);
   };
 
-  const Value count = b.Mov(SpecialReg::kNctaidX);  // members of this level
-  const Value member = b.Mov(SpecialReg::kCtaidX);  // this block's place in it
-  const Value level_row = b.Mov(Value::U32(0));     // the level's first workspace row
-  const Value level_sem = b.Mov(Value::U32(0));     // the level's first semaphore
   b.BraIf(b.Setp(CmpOp::kEq, count, Value::U32(1)), single);
 
   // Block-uniform, as in BuildDgammaTree. This block's row of the level is written.
   b.Bind(level_loop);
   {
-    const auto [group, first, size] = TakeGroupTicket(b, count, member, level_sem, semaphores,
-                                                      is_thread0, flag_addr, ticket_taken, done);
+    const auto [group, first, size] = TakeGroupTicket(
+        b, count, member, level_sem, t.semaphores, t.is_thread0, t.flag_addr, ticket_taken, done);
 
     // The last member: the group's rows in member order, into the next level's row `group` or,
     // when the next level has one member, into dgamma.
@@ -602,8 +635,7 @@ void BuildStreamedTree(Builder& b, const KernelConfig& config, Value col0, Value
     const Value dest_row = b.Add(next_base, group);
     const Value dest_off = b.MulWide(dest_row, Value::U32(row_bytes));
     const Value dest_addr = b.Add(ws_thread, dest_off);
-    std::vector<Value> has_row(F);  // uniform: member i exists (size > i)
-    for (uint32_t i = 1; i < F; ++i) has_row[i] = b.Setp(CmpOp::kGt, size, Value::U32(i));
+    const std::vector<Value> has_row = MembersPresent(b, size);
     SegmentLoop(b, hidden, T * V, "stree_segment", [&](Value seg, Value seg_bytes4) {
       const Value col = b.Add(col0, seg);
       const Value in_row = b.Setp(CmpOp::kLt, col, stride);
@@ -615,15 +647,9 @@ void BuildStreamedTree(Builder& b, const KernelConfig& config, Value col0, Value
           const Value addr = b.Mov(seg_addr);
           for (uint32_t i = 0; i < F; ++i) {
             if (i > 0) b.AddTo(addr, Value::U64(row_bytes));
-            Value load = in_row;
-            if (i > 0) {
-              const Value limit = b.Selp(stride, Value::U32(0), has_row[i]);
-              load = b.Setp(CmpOp::kLt, col, limit);
-            }
-            std::vector<Value> quad;
-            for (int j = 0; j < 4; ++j) quad.push_back(b.Mov(Value::F32(-0.0f)));
-            b.LdInto(StateSpace::kGlobal, PtxType::kF32,
-                     Address{addr, int64_t{q} * T * kVectorBytes}, quad, load);
+            const Value load = LoadsMember(b, i, col, in_row, stride, has_row);
+            const std::vector<Value> quad =
+                LoadQuadOrIdentity(b, Address{addr, int64_t{q} * T * kVectorBytes}, load);
             for (int j = 0; j < 4; ++j) {
               if (i == 0) {
                 sum.push_back(quad[j]);
@@ -664,11 +690,9 @@ void BuildStreamedTree(Builder& b, const KernelConfig& config, Value col0, Value
     const Value addr = b.Add(ws_thread, seg_bytes4);
     for (uint32_t q = 0; q < V / 4; ++q) {
       std::vector<Value> quad;
-      for (int j = 0; j < 4; ++j) quad.push_back(b.Mov(Value::F32(-0.0f)));
       {
         auto l2 = b.WithCache(CacheOp::kCg);
-        b.LdInto(StateSpace::kGlobal, PtxType::kF32, Address{addr, int64_t{q} * T * kVectorBytes},
-                 quad, in_row);
+        quad = LoadQuadOrIdentity(b, Address{addr, int64_t{q} * T * kVectorBytes}, in_row);
       }
       store_dgamma(seg, seg_bytes4, q, quad);
     }
