@@ -3,7 +3,7 @@
 // copy in, compute, copy out, one after another), in the same run, on the same chunk.
 //
 //   normgrad-pipeline-bench [--smoke] [--iters N] [--hidden H] [--chunk-mib M] [--piece-bytes B]
-//                           [--dtypes f32,bf16]
+//                           [--dtypes f32,bf16,f16]
 //
 // For each dtype, one chunk of M MiB of x (default 64, the client's shared-memory chunk; rows =
 // M MiB / (H x element size), H default 4096) is computed through ProcessChunk by two CUDA
@@ -33,8 +33,10 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "kernels/kernel.h"
 #include "server/backend/backend.h"
 #include "server/backend_factory/backend_factory.h"
+#include "server/host_rows/host_rows.h"
 
 namespace normgrad::server {
 namespace {
@@ -44,7 +46,7 @@ struct Options {
   uint32_t hidden = 4096;
   uint64_t chunk_bytes = uint64_t{64} << 20;
   uint64_t piece_bytes = 0;  // 0: the backend's default
-  std::vector<std::string> dtypes = {"f32", "bf16"};
+  std::vector<kernels::DType> dtypes = {kernels::DType::kF32, kernels::DType::kBF16};
 };
 
 bool ParseArgs(int argc, char** argv, Options* o) {
@@ -67,12 +69,14 @@ bool ParseArgs(int argc, char** argv, Options* o) {
     } else if (a == "--piece-bytes" && v != nullptr && absl::SimpleAtoi(v, &n) && n > 0) {
       o->piece_bytes = n, ++i;
     } else if (a == "--dtypes" && v != nullptr) {
-      o->dtypes = absl::StrSplit(v, ',');
-      for (const std::string& d : o->dtypes) {
-        if (d != "f32" && d != "bf16") {
-          std::fprintf(stderr, "--dtypes: '%s' is not f32 or bf16\n", d.c_str());
+      o->dtypes.clear();
+      for (absl::string_view d : absl::StrSplit(v, ',')) {
+        absl::StatusOr<kernels::DType> parsed = kernels::ParseDType(d);
+        if (!parsed.ok()) {
+          std::fprintf(stderr, "--dtypes: %s\n", std::string(parsed.status().message()).c_str());
           return false;
         }
+        o->dtypes.push_back(*parsed);
       }
       ++i;
     } else {
@@ -102,43 +106,20 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-float ElementAsF32(bool bf16, const std::vector<uint8_t>& bytes, size_t i) {
-  if (!bf16) {
-    float f;
-    std::memcpy(&f, bytes.data() + 4 * i, 4);
-    return f;
-  }
-  uint16_t h;
-  std::memcpy(&h, bytes.data() + 2 * i, 2);
-  const uint32_t bits = uint32_t{h} << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 // Runs one dtype; returns 0, 1 or 3 (see the top).
-int RunDtype(const Options& o, const std::string& dtype) {
-  const bool bf16 = dtype == "bf16";
-  const size_t elem = bf16 ? 2 : 4;
+int RunDtype(const Options& o, kernels::DType dtype) {
+  const size_t elem = kernels::DTypeBytes(dtype);
   const uint64_t rows = std::max<uint64_t>(1, o.chunk_bytes / (uint64_t{o.hidden} * elem));
   const size_t bytes = rows * o.hidden * elem;
 
   // Inputs in [-2, 2), gamma in [0.5, 1.5), as the dtype's bytes.
   std::mt19937 gen(42);
-  std::uniform_real_distribution<float> uni(-2.0f, 2.0f);
   auto fill = [&](std::vector<uint8_t>& out, size_t n, float lo, float hi) {
+    std::uniform_real_distribution<float> uniform(lo, hi);
+    std::vector<float> values(n);
+    for (float& v : values) v = uniform(gen);
     out.resize(n * elem);
-    for (size_t i = 0; i < n; ++i) {
-      const float f = lo + (hi - lo) * (uni(gen) + 2.0f) / 4.0f;
-      if (bf16) {
-        uint32_t bits;
-        std::memcpy(&bits, &f, 4);
-        const uint16_t h = static_cast<uint16_t>(bits >> 16);
-        std::memcpy(out.data() + 2 * i, &h, 2);
-      } else {
-        std::memcpy(out.data() + 4 * i, &f, 4);
-      }
-    }
+    host_rows::ConvertFromF32(dtype, values.data(), out.data(), n);
   };
   std::vector<uint8_t> x, dy, gamma;
   fill(x, rows * o.hidden, -2, 2);
@@ -167,7 +148,7 @@ int RunDtype(const Options& o, const std::string& dtype) {
   BatchSpec spec;
   spec.num_rows = rows;
   spec.hidden_dim = o.hidden;
-  spec.dtype = bf16 ? kernels::DType::kBF16 : kernels::DType::kF32;
+  spec.dtype = dtype;
   int status = 0;
   for (const bool registered : {false, true}) {
     for (Side& side : sides) {
@@ -212,18 +193,22 @@ int RunDtype(const Options& o, const std::string& dtype) {
     const double serial = Median(sides[0].seconds), piped = Median(sides[1].seconds);
     const double moved = 3.0 * static_cast<double>(bytes);
     const bool same_dx = sides[0].buf.dx == sides[1].buf.dx;
+    std::vector<float> dgamma[2] = {std::vector<float>(o.hidden), std::vector<float>(o.hidden)};
+    for (int k = 0; k < 2; ++k) {
+      host_rows::ConvertToF32(dtype, sides[k].buf.dgamma.data(), dgamma[k].data(), o.hidden);
+    }
     double worst = 0;
     for (uint32_t i = 0; i < o.hidden; ++i) {
-      const double a = ElementAsF32(bf16, sides[0].buf.dgamma, i);
-      const double b = ElementAsF32(bf16, sides[1].buf.dgamma, i);
+      const double a = dgamma[0][i], b = dgamma[1][i];
       worst = std::max(worst, std::fabs(a - b) / std::max(1.0, std::fabs(a)));
     }
-    const double dgamma_tol = bf16 ? 8e-3 : 1e-4;  // bf16: a rounding of the f32 sum apart
+    // 16-bit: one rounding of the f32 sum apart.
+    const double dgamma_tol = dtype == kernels::DType::kF32 ? 1e-4 : 8e-3;
     std::printf(
         "%-4s %llu x %u (%.1f MiB of x) %-10s serial %8.2f GB/s (%.3f ms)  pipelined %8.2f GB/s "
         "(%.3f ms)  pipelined/serial = %.2f  dx %s, grad_gamma max rel diff %.2e\n",
-        dtype.c_str(), static_cast<unsigned long long>(rows), o.hidden,
-        static_cast<double>(bytes) / (1 << 20), registered ? "registered" : "staged",
+        std::string(kernels::DTypeName(dtype)).c_str(), static_cast<unsigned long long>(rows),
+        o.hidden, static_cast<double>(bytes) / (1 << 20), registered ? "registered" : "staged",
         moved / serial / 1e9, serial * 1e3, moved / piped / 1e9, piped * 1e3, serial / piped,
         same_dx ? "identical" : "DIFFERS", worst);
     if (!same_dx || !(worst <= dgamma_tol)) status = 3;
@@ -238,7 +223,7 @@ int main(int argc, char** argv) {
   normgrad::server::Options o;
   if (!ParseArgs(argc, argv, &o)) return 2;
   int status = 0;
-  for (const std::string& dtype : o.dtypes) {
+  for (const normgrad::kernels::DType dtype : o.dtypes) {
     const int s = normgrad::server::RunDtype(o, dtype);
     if (s == 1) return 1;
     status = std::max(status, s);
