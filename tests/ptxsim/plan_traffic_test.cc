@@ -31,6 +31,22 @@ std::ostream& operator<<(std::ostream& os, const Shape& s) {
   return os << (s.dtype == DType::kF32 ? "f32" : "bf16") << "_" << s.hidden;
 }
 
+// The kernel configuration RunPlanTraffic plans for `options`.
+kernels::KernelConfig ConfigFor(const PlanTrafficOptions& options) {
+  kernels::KernelConfig config;
+  config.hidden_dim = options.hidden;
+  config.dtype = options.dtype;
+  config.target_sm = options.target_sm;
+  config.sm_count = options.sm_count;
+  return config;
+}
+
+// The tree's semaphores of a grid of `grid` blocks (one u32 per group, contiguous), in sectors.
+uint64_t SemaphoreSectorBytes(uint32_t grid) {
+  return (uint64_t{kernels::RowResidentRmsNormBackwardKernel::TreeSemaphores(grid)} * 4 + 31) / 32 *
+         32;
+}
+
 class RowResidentPlanTraffic : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(RowResidentPlanTraffic, MovesEachElementOnceAndTheTreeRowsTwiceInOneLaunch) {
@@ -40,11 +56,7 @@ TEST_P(RowResidentPlanTraffic, MovesEachElementOnceAndTheTreeRowsTwiceInOneLaunc
   options.dtype = shape.dtype;
   options.hidden = shape.hidden;
   options.sm_count = 9;
-  kernels::KernelConfig config;
-  config.hidden_dim = shape.hidden;
-  config.dtype = shape.dtype;
-  config.target_sm = options.target_sm;
-  config.sm_count = options.sm_count;
+  const kernels::KernelConfig config = ConfigFor(options);
   const kernels::Kernel* main = kernels::FindKernel("rms_norm_backward_row_resident");
   ASSERT_NE(main, nullptr);
   const uint32_t grid = main->Geometry(config, uint64_t{1} << 20).grid[0];
@@ -65,8 +77,7 @@ TEST_P(RowResidentPlanTraffic, MovesEachElementOnceAndTheTreeRowsTwiceInOneLaunc
   const uint64_t stride = (shape.hidden + v - 1) / v * v;
   const uint64_t tree_bytes =
       uint64_t{RowResidentRmsNormBackwardKernel::TreeRows(grid)} * stride * 4;
-  const uint64_t semaphore_bytes =
-      (uint64_t{RowResidentRmsNormBackwardKernel::TreeSemaphores(grid)} * 4 + 31) / 32 * 32;
+  const uint64_t semaphore_bytes = SemaphoreSectorBytes(grid);
   const TrafficReport& traffic = t->launches[0].report.traffic;
   EXPECT_EQ(traffic.marked_written_bytes, tree_bytes + semaphore_bytes);
   EXPECT_EQ(traffic.marked_read_bytes, tree_bytes + semaphore_bytes);
@@ -120,11 +131,7 @@ TEST_P(StreamedPlanTraffic, IsOneLaunchMovingEachElementOnceInDram) {
   options.hidden = shape.hidden;
   options.rows = shape.rows;
   options.sm_count = shape.sm_count;
-  kernels::KernelConfig config;
-  config.hidden_dim = shape.hidden;
-  config.dtype = shape.dtype;
-  config.target_sm = options.target_sm;
-  config.sm_count = options.sm_count;
+  const kernels::KernelConfig config = ConfigFor(options);
   ASSERT_TRUE(RowResidentRmsNormBackwardKernel::TilingFor(config).streamed);
   absl::StatusOr<PlanTraffic> t = RunPlanTraffic(options);
   ASSERT_TRUE(t.ok()) << t.status();
@@ -147,8 +154,7 @@ TEST_P(StreamedPlanTraffic, IsOneLaunchMovingEachElementOnceInDram) {
   }
   const uint64_t tree_bytes =
       uint64_t{RowResidentRmsNormBackwardKernel::WorkspaceRows(config, grid)} * ws_row_bytes;
-  const uint64_t semaphore_bytes =
-      (uint64_t{RowResidentRmsNormBackwardKernel::TreeSemaphores(grid)} * 4 + 31) / 32 * 32;
+  const uint64_t semaphore_bytes = SemaphoreSectorBytes(grid);
   const TrafficReport& traffic = t->launches[0].report.traffic;
   EXPECT_EQ(traffic.marked_written_bytes, tree_bytes + semaphore_bytes);
   EXPECT_EQ(traffic.marked_read_bytes, tree_bytes + semaphore_bytes);
