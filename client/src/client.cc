@@ -168,6 +168,28 @@ class BackwardCall final
   void OnDone(const grpc::Status& status) override;
 
  private:
+  // Whoever may still call into this attempt from a timer: OnDone clears `call` (under `mu`)
+  // before the attempt is deleted, and a timer's callback holds `mu` while it runs.
+  struct TimerTarget {
+    std::mutex mu;
+    BackwardCall* call = nullptr;
+  };
+
+  // The server reads and writes the caller's memory (a shared-memory region, CUDA IPC buffers).
+  bool MemoryCall() const { return shared_->shm.has_value() || shared_->args.device.has_value(); }
+  // The in-order cancel of a memory call (docs/api.md, "The end of a call"): no chunk is sent
+  // after it; a BackwardRequest.cancel follows the chunks already sent, and the server's status
+  // then comes only once its jobs are done. Cut off (TryCancel) after writes_done_grace.
+  void CancelInOrder(absl::Status why);
+  // Runs `then(call)` at `at` unless OnDone came first.
+  void SetTimer(std::unique_ptr<grpc::Alarm>& alarm, absl::Time at,
+                std::function<void(BackwardCall*)> then);
+  // What the write chain does next, decided under mu_: nothing (a write is in flight, or a
+  // memory call waits for a response before it sends more), a message in request_ (a chunk or
+  // the cancel), or the half-close.
+  enum class NextWrite { kNothing, kMessage, kWritesDone };
+  NextWrite NextWriteLocked();
+  void Issue(NextWrite next);
   void FillChunkLocked(uint64_t index);
   absl::Status TakeResponseLocked();
 
@@ -191,7 +213,25 @@ class BackwardCall final
   bool final_received_ = false;
   BackwardSummary summary_;
   absl::Status error_;  // a malformed reply seen in OnReadDone; the call is cancelled
+  // The write chain, for the in-order cancel (guarded by mu_). A memory call keeps at most
+  // kMemoryChunksAhead chunks unanswered, so that an in-order cancel waits behind no more.
+  static constexpr uint64_t kMemoryChunksAhead = 3;
+  uint64_t chunks_answered_ = 0;
+  bool write_in_flight_ = false;
+  bool writes_done_ = false;
+  bool cancel_sent_ = false;
+  // A chunk naming the caller's memory was handed to gRPC: from here on the server may touch
+  // that memory until its status says it stopped (kWritesDoneTrailer).
+  bool exposed_ = false;
+  absl::Status cancel_status_;  // why CancelInOrder ran (the call's status unless it ended OK)
+  std::shared_ptr<TimerTarget> timer_target_ = std::make_shared<TimerTarget>();
+  std::unique_ptr<grpc::Alarm> deadline_alarm_;  // the caller's deadline (memory calls)
+  std::unique_ptr<grpc::Alarm> grace_alarm_;     // the cut-off after an in-order cancel
 };
+
+// The trailing metadata key of every RmsNormBackward status that the server itself sent, once
+// no job of the stream touched the client's memory any more (server/service/normgrad_service.h).
+constexpr char kWritesDoneTrailer[] = "normgrad-writes-done";
 
 // One unary call (EmitPtx, GetServerInfo, Health) with the client's retries.
 struct UnaryCall {
@@ -232,7 +272,7 @@ class ClientImpl final : public Client {
               ServerInfo(CallOptions{.deadline = absl::Seconds(5)});
           if (!info.ok()) return absl::StatusOr<bool>(info.status());
           return absl::StatusOr<bool>(info->shared_memory().enabled());
-        }) {}
+        }, options_.region_reply_timeout) {}
 
   absl::Status RegisterSharedMemory(const SharedMemoryRegion& region) override {
     return shm_.Register(region);
@@ -511,9 +551,22 @@ BackwardCall::BackwardCall(ClientImpl* client, std::shared_ptr<Shared> shared, i
       row_bytes_(uint64_t{shared_->args.hidden_dim} * ElementBytes(shared_->args.type)) {}
 
 void BackwardCall::Start() {
+  const bool memory = MemoryCall();
+  const absl::Duration grace = client_->options().writes_done_grace;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (shared_->has_deadline) context_.set_deadline(shared_->deadline);
+    timer_target_->call = this;
+    if (shared_->has_deadline) {
+      // A memory call's deadline is the client's to enforce in order (CancelInOrder); gRPC's
+      // cut-off comes only after the grace.
+      context_.set_deadline(memory ? absl::ToChronoTime(absl::FromChrono(shared_->deadline) + grace)
+                                   : shared_->deadline);
+      if (memory) {
+        SetTimer(deadline_alarm_, absl::FromChrono(shared_->deadline), [](BackwardCall* call) {
+          call->CancelInOrder(absl::DeadlineExceededError("the call's deadline passed"));
+        });
+      }
+    }
     client_->AddMetadata(context_);
     const RawBackwardArgs& a = shared_->args;
     v1::BackwardHeader* header = request_.mutable_header();
@@ -530,12 +583,85 @@ void BackwardCall::Start() {
   // gRPC does not run this reactor's OnDone inline inside TryCancel, so OnDone's Detach waits
   // for a Cancel() in progress and the context outlives it.
   if (shared_->options.cancellation) {
-    shared_->options.cancellation->Attach([this] { context_.TryCancel(); });
+    if (memory) {
+      shared_->options.cancellation->Attach(
+          [this] { CancelInOrder(absl::CancelledError("the call was cancelled by its caller")); });
+    } else {
+      shared_->options.cancellation->Attach([this] { context_.TryCancel(); });
+    }
   }
   client_->stub().async()->RmsNormBackward(&context_, this);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    write_in_flight_ = true;  // the header
+  }
   StartWrite(&request_);
   StartRead(&response_);
   StartCall();
+}
+
+void BackwardCall::SetTimer(std::unique_ptr<grpc::Alarm>& alarm, absl::Time at,
+                            std::function<void(BackwardCall*)> then) {
+  alarm = std::make_unique<grpc::Alarm>();
+  // The alarm goes with this attempt (its destructor cancels it: the callback then sees ok
+  // false); the target outlives both.
+  alarm->Set(absl::ToChronoTime(at),
+             [target = std::weak_ptr<TimerTarget>(timer_target_), then = std::move(then)](bool ok) {
+               std::shared_ptr<TimerTarget> t = target.lock();
+               if (!ok || t == nullptr) return;
+               std::lock_guard<std::mutex> lock(t->mu);
+               if (t->call != nullptr) then(t->call);
+             });
+}
+
+void BackwardCall::CancelInOrder(absl::Status why) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cancel_status_.ok()) return;
+  cancel_status_ = std::move(why);
+  if (!exposed_) {
+    // No chunk was handed to gRPC, and none will be (OnWriteDone sees cancel_status_): the
+    // server cannot touch the caller's memory, so the call may simply be cut off.
+    lock.unlock();
+    context_.TryCancel();
+    return;
+  }
+  SetTimer(grace_alarm_, absl::Now() + client_->options().writes_done_grace,
+           [](BackwardCall* call) { call->context_.TryCancel(); });
+  const NextWrite next = NextWriteLocked();  // the cancel, unless a write is in flight
+  lock.unlock();
+  Issue(next);
+}
+
+BackwardCall::NextWrite BackwardCall::NextWriteLocked() {
+  if (write_in_flight_ || writes_done_) return NextWrite::kNothing;
+  if (cancel_sent_) {
+    writes_done_ = true;
+    return NextWrite::kWritesDone;
+  }
+  if (!cancel_status_.ok()) {
+    if (!exposed_) return NextWrite::kNothing;  // cut off (CancelInOrder)
+    request_.Clear();
+    request_.set_cancel(true);
+    cancel_sent_ = true;
+    write_in_flight_ = true;
+    return NextWrite::kMessage;
+  }
+  if (next_chunk_ >= chunker_.num_chunks()) {
+    writes_done_ = true;
+    return NextWrite::kWritesDone;
+  }
+  if (MemoryCall() && next_chunk_ >= chunks_answered_ + kMemoryChunksAhead) {
+    return NextWrite::kNothing;  // OnReadDone resumes
+  }
+  FillChunkLocked(next_chunk_++);
+  if (MemoryCall()) exposed_ = true;
+  write_in_flight_ = true;
+  return NextWrite::kMessage;
+}
+
+void BackwardCall::Issue(NextWrite next) {
+  if (next == NextWrite::kMessage) StartWrite(&request_);
+  if (next == NextWrite::kWritesDone) StartWritesDone();
 }
 
 void BackwardCall::FillChunkLocked(uint64_t index) {
@@ -578,21 +704,13 @@ void BackwardCall::FillChunkLocked(uint64_t index) {
 
 void BackwardCall::OnWriteDone(bool ok) {
   if (!ok) return;  // the stream is broken; OnDone reports why
-  bool more;
+  NextWrite next;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    more = next_chunk_ < chunker_.num_chunks();
-    if (more) {
-      FillChunkLocked(next_chunk_++);
-    } else {
-      request_.Clear();
-    }
+    write_in_flight_ = false;
+    next = NextWriteLocked();
   }
-  if (more) {
-    StartWrite(&request_);
-  } else {
-    StartWritesDone();
-  }
+  Issue(next);
 }
 
 absl::Status BackwardCall::TakeResponseLocked() {
@@ -635,6 +753,7 @@ absl::Status BackwardCall::TakeResponseLocked() {
                   response_.grad_input().size());
     }
     rows_received_ += rows;
+    ++chunks_answered_;
     if (shared_->options.on_progress) shared_->options.on_progress(rows_received_, a.num_rows);
   }
   if (is_final) {
@@ -654,17 +773,20 @@ absl::Status BackwardCall::TakeResponseLocked() {
 void BackwardCall::OnReadDone(bool ok) {
   if (!ok) return;  // end of stream; OnDone follows
   bool malformed;
+  NextWrite next = NextWrite::kNothing;
   {
     std::lock_guard<std::mutex> lock(mu_);
     any_response_ = true;
     error_ = TakeResponseLocked();
     malformed = !error_.ok();
+    if (!malformed) next = NextWriteLocked();  // a memory call's next chunk may wait for this
   }
   if (malformed) {
     context_.TryCancel();
     return;
   }
   StartRead(&response_);
+  Issue(next);
 }
 
 void BackwardCall::OnDone(const grpc::Status& status) {
@@ -674,11 +796,25 @@ void BackwardCall::OnDone(const grpc::Status& status) {
   // (CANCELLED: gRPC cancels calls that reach a server after its shutdown began). This client
   // never cancels a stream itself except for a malformed reply (error_ set): not retried; nor is
   // a stream its caller cancelled (BackwardOptions::cancellation).
+  {
+    std::lock_guard<std::mutex> lock(timer_target_->mu);  // waits for a timer's callback
+    timer_target_->call = nullptr;
+  }
   if (shared_->options.cancellation) shared_->options.cancellation->Detach();
   const bool cancelled_by_caller =
       shared_->options.cancellation && shared_->options.cancellation->cancelled();
   std::unique_lock<std::mutex> lock(mu_);
-  const bool retryable = error_.ok() && !cancelled_by_caller &&
+  // Is the caller's memory its own again? Yes when no chunk naming it was sent, or when the
+  // server's own status says its jobs are done (an OK one always comes from the server after
+  // the last chunk was computed). Not after a status that gRPC made up (a cut-off cancel, the
+  // transport's deadline, a connection lost): the server may still be computing a chunk.
+  bool writes_done = !exposed_ || status.ok();
+  if (!writes_done) {
+    const auto& trailers = context_.GetServerTrailingMetadata();
+    writes_done = trailers.find(kWritesDoneTrailer) != trailers.end();
+  }
+  const bool retryable = error_.ok() && !cancelled_by_caller && cancel_status_.ok() &&
+                         writes_done &&
                          (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
                           (status.error_code() == grpc::StatusCode::CANCELLED && !any_response_));
   if (retryable && client_->RetryLater<BackwardCall>(shared_, attempt_)) {
@@ -688,6 +824,21 @@ void BackwardCall::OnDone(const grpc::Status& status) {
   }
   absl::Status result = error_;
   if (result.ok()) result = FromGrpcStatus(status);
+  if (!result.ok() && !cancel_status_.ok()) result = cancel_status_;
+  if (!result.ok() && !writes_done) {
+    if (shared_->shm.has_value() && shared_->shm->staging != nullptr) {
+      // The client's own copy: thrown away instead of reused (the server may still write it).
+      shared_->shm->discard_staging->store(true);
+    } else {
+      result = absl::Status(
+          result.code(),
+          absl::StrCat(result.message(), " [the server did not confirm that it stopped writing "
+                       "grad_input into this call's ",
+                       shared_->args.device.has_value() ? "device buffers" : "shared-memory region",
+                       ": it may still do so while it computes the chunk it had (docs/api.md, "
+                       "\"The end of a call\")]"));
+    }
+  }
   if (result.ok() && (!final_received_ || rows_received_ != shared_->args.num_rows)) {
     result = absl::InternalError(absl::StrCat("server ended the stream after ", rows_received_,
                                               " of ", shared_->args.num_rows, " rows",
@@ -718,6 +869,13 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
         absl::StrCat("max_attempts: must be >= 1, got ", options.max_attempts));
   }
   if (options.chunk_bytes == 0) return absl::InvalidArgumentError("chunk_bytes: must be > 0");
+  if (options.writes_done_grace <= absl::ZeroDuration() ||
+      options.region_reply_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "writes_done_grace and region_reply_timeout: must be > 0, got ",
+        absl::FormatDuration(options.writes_done_grace), " and ",
+        absl::FormatDuration(options.region_reply_timeout)));
+  }
   if (options.max_attempts > 1 && (options.initial_backoff < absl::Milliseconds(1) ||
                                    options.max_backoff < options.initial_backoff)) {
     // gRPC rejects a service config whose retry backoff is not positive.

@@ -1,6 +1,7 @@
 #include "client/src/shared_memory_transport.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -14,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "normgrad/v1/normgrad.pb.h"
 
 namespace normgrad {
@@ -30,12 +32,19 @@ absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> SharedMemoryRegion::Create(u
     return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(err)));
   };
   if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) return fail("ftruncate");
+  // Every page allocated now, by this process (and charged to its memory cgroup): the server
+  // refuses a region with pages it would fault in itself (docs/api.md, "Shared memory").
+  if (const int err = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0) {
+    close(fd);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "shared-memory region of ", bytes, " bytes: allocating its pages: ", std::strerror(err)));
+  }
   // Sealed against shrinking (the server checks it: a shrunk mapping would SIGBUS it), growing
   // and further sealing.
   if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
     return fail("fcntl(F_ADD_SEALS)");
   }
-  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   if (base == MAP_FAILED) return fail("mmap");
   return std::unique_ptr<SharedMemoryRegion>(
       new SharedMemoryRegion(fd, static_cast<uint8_t*>(base), bytes));
@@ -63,8 +72,12 @@ std::string RegionSocketPathFor(const std::string& target) {
 }
 
 SharedMemoryTransport::SharedMemoryTransport(Transport mode, std::string socket_path,
-                                             std::function<absl::StatusOr<bool>()> server_offers)
-    : mode_(mode), socket_path_(std::move(socket_path)), server_offers_(std::move(server_offers)) {}
+                                             std::function<absl::StatusOr<bool>()> server_offers,
+                                             absl::Duration reply_timeout)
+    : mode_(mode),
+      socket_path_(std::move(socket_path)),
+      server_offers_(std::move(server_offers)),
+      reply_timeout_(reply_timeout) {}
 
 SharedMemoryTransport::~SharedMemoryTransport() {
   // Closing the connection releases every region registered on it, on the server.
@@ -93,17 +106,75 @@ absl::Status SharedMemoryTransport::ConnectLocked() {
         "cannot reach the server's region socket ", socket_path_, ": ", std::strerror(err),
         " (is the server started with --shared-memory?)"));
   }
-  timeval timeout{10, 0};  // a server that does not answer a registration is not waited on forever
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
   fd_ = fd;
   return absl::OkStatus();
+}
+
+absl::StatusOr<v1::RegionReply> SharedMemoryTransport::AwaitReplyLocked(uint64_t request_id) {
+  const absl::Time deadline = absl::Now() + reply_timeout_;
+  while (true) {
+    const absl::Duration left = deadline - absl::Now();
+    pollfd p{fd_, POLLIN, 0};
+    const int ready =
+        left <= absl::ZeroDuration()
+            ? 0
+            : poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(left + absl::Milliseconds(1))));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready == 0) {
+      abandoned_.insert(request_id);
+      return absl::UnavailableError(absl::StrCat(
+          "no answer to the region request within ", absl::FormatDuration(reply_timeout_),
+          " (ClientOptions::region_reply_timeout); abandoned (a late answer is ignored)"));
+    }
+    if (ready < 0) {
+      return absl::UnavailableError(absl::StrCat("region socket: poll: ", std::strerror(errno)));
+    }
+    char bytes[4096];
+    // MSG_TRUNC: the datagram's real length, so that a longer one is seen for what it is.
+    const ssize_t n = recv(fd_, bytes, sizeof(bytes), MSG_TRUNC | MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+    if (n <= 0) {
+      return absl::UnavailableError(absl::StrCat(
+          "region socket: ", n == 0 ? "connection closed by the server" : std::strerror(errno)));
+    }
+    v1::RegionReply reply;
+    if (static_cast<size_t>(n) > sizeof(bytes) || !reply.ParseFromArray(bytes, static_cast<int>(n))) {
+      continue;  // not a reply of this protocol: no request of ours can be matched to it
+    }
+    if (reply.request_id() == request_id) return reply;
+    if (abandoned_.erase(reply.request_id()) > 0 && reply.code() == 0 && reply.region_id() != 0) {
+      // A registration given up on did go through after all: its memfd is closed here.
+      SendReleaseLocked(reply.region_id());
+    }
+  }
+}
+
+void SharedMemoryTransport::SendReleaseLocked(uint64_t region_id) {
+  v1::RegionRequest request;
+  request.set_release_region_id(region_id);
+  request.set_request_id(next_request_id_++);  // its reply is dropped (AwaitReplyLocked)
+  const std::string bytes = request.SerializeAsString();
+  (void)send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+void SharedMemoryTransport::SendReleasesLocked() {
+  std::vector<uint64_t> ids;
+  {
+    std::lock_guard<std::mutex> lock(pool_->mu);
+    ids.swap(pool_->to_release);
+  }
+  if (fd_ < 0) return;  // no connection: the regions went with the one they were registered on
+  for (uint64_t id : ids) SendReleaseLocked(id);
 }
 
 absl::StatusOr<SharedMemoryTransport::Registered> SharedMemoryTransport::RegisterLocked(
     const SharedMemoryRegion& region) {
   if (absl::Status s = ConnectLocked(); !s.ok()) return s;
+  SendReleasesLocked();
+  const uint64_t request_id = next_request_id_++;
   v1::RegionRequest request;
   request.set_register_region(true);
+  request.set_request_id(request_id);
   const std::string bytes = request.SerializeAsString();
   iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
@@ -121,16 +192,12 @@ absl::StatusOr<SharedMemoryTransport::Registered> SharedMemoryTransport::Registe
   if (sendmsg(fd_, &msg, MSG_NOSIGNAL) < 0) {
     return absl::UnavailableError(absl::StrCat("sending the region: ", std::strerror(errno)));
   }
-  char reply_bytes[4096];
-  const ssize_t n = recv(fd_, reply_bytes, sizeof(reply_bytes), 0);
-  if (n <= 0) {
-    return absl::UnavailableError(absl::StrCat("no answer to the region registration: ",
-                                               n == 0 ? "connection closed" : std::strerror(errno)));
+  absl::StatusOr<v1::RegionReply> answer = AwaitReplyLocked(request_id);
+  if (!answer.ok()) {
+    return absl::Status(answer.status().code(), absl::StrCat("registering a shared-memory region: ",
+                                                             answer.status().message()));
   }
-  v1::RegionReply reply;
-  if (!reply.ParseFromArray(reply_bytes, static_cast<int>(n))) {
-    return absl::InternalError("the server's region reply does not parse");
-  }
+  const v1::RegionReply& reply = *answer;
   if (reply.code() != 0) {
     return absl::Status(static_cast<absl::StatusCode>(reply.code()), reply.message());
   }
@@ -160,7 +227,7 @@ absl::StatusOr<bool> SharedMemoryTransport::AvailableLocked() {
 }
 
 absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryTransport::TakeStagingLocked(
-    uint64_t bytes, Registered* registered) {
+    uint64_t bytes, Registered* registered, std::shared_ptr<std::atomic<bool>> discard) {
   std::unique_ptr<SharedMemoryRegion> region;
   {
     std::lock_guard<std::mutex> lock(pool_->mu);
@@ -186,10 +253,16 @@ absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryTransport::TakeS
   std::shared_ptr<StagingPool> pool = pool_;
   Registered entry = *registered;
   SharedMemoryRegion* raw = region.release();
-  return std::shared_ptr<SharedMemoryRegion>(raw, [pool, entry](SharedMemoryRegion* r) {
-    std::lock_guard<std::mutex> lock(pool->mu);
-    pool->free.emplace_back(std::unique_ptr<SharedMemoryRegion>(r), entry);
-  });
+  return std::shared_ptr<SharedMemoryRegion>(
+      raw, [pool, entry, discard = discard](SharedMemoryRegion* r) {
+        std::unique_ptr<SharedMemoryRegion> owned(r);
+        std::lock_guard<std::mutex> lock(pool->mu);
+        if (discard->load()) {
+          pool->to_release.push_back(entry.id);  // unmapped and closed here as `owned` goes
+        } else {
+          pool->free.emplace_back(std::move(owned), entry);
+        }
+      });
 }
 
 absl::StatusOr<std::optional<ShmPlan>> SharedMemoryTransport::Plan(const RawBackwardArgs& a) {
@@ -224,7 +297,7 @@ absl::StatusOr<std::optional<ShmPlan>> SharedMemoryTransport::Plan(const RawBack
   ShmPlan plan;
   Registered registered{};
   absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> staging =
-      TakeStagingLocked(3 * x_bytes + rms_bytes, &registered);
+      TakeStagingLocked(3 * x_bytes + rms_bytes, &registered, plan.discard_staging);
   if (!staging.ok()) {
     if (mode_ == Transport::kAuto) return std::optional<ShmPlan>();
     return staging.status();

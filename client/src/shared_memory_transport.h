@@ -5,6 +5,7 @@
 #ifndef NORMGRAD_CLIENT_SRC_SHARED_MEMORY_TRANSPORT_H_
 #define NORMGRAD_CLIENT_SRC_SHARED_MEMORY_TRANSPORT_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -13,9 +14,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "normgrad/client.h"
+#include "normgrad/v1/normgrad.pb.h"
 #include "normgrad/shared_memory.h"
 
 namespace normgrad::client_internal {
@@ -27,6 +31,10 @@ struct ShmPlan {
   std::string region_key;
   uint64_t x = 0, dy = 0, rms = 0, dx = 0;
   std::shared_ptr<SharedMemoryRegion> staging;  // returned to the pool when the plan goes
+  // Set when the server may still write the staging region (the call ended without its word
+  // that it stopped): the region is then unmapped and released instead of pooled, so no later
+  // call ever gets its pages.
+  std::shared_ptr<std::atomic<bool>> discard_staging = std::make_shared<std::atomic<bool>>(false);
 };
 
 class SharedMemoryTransport {
@@ -35,7 +43,8 @@ class SharedMemoryTransport {
   // `server_offers`: asks the server (GetServerInfo) whether it takes shared memory; called
   // at most once, on the first call that could use it.
   SharedMemoryTransport(Transport mode, std::string socket_path,
-                        std::function<absl::StatusOr<bool>()> server_offers);
+                        std::function<absl::StatusOr<bool>()> server_offers,
+                        absl::Duration reply_timeout = absl::Seconds(10));
   ~SharedMemoryTransport();
 
   absl::Status Register(const SharedMemoryRegion& region);
@@ -54,15 +63,25 @@ class SharedMemoryTransport {
   };
   absl::Status ConnectLocked();
   absl::StatusOr<Registered> RegisterLocked(const SharedMemoryRegion& region);
+  // Waits for the reply to request `request_id`, up to reply_timeout_. Replies to other requests
+  // are dropped: a late one to an abandoned registration gets its region released.
+  absl::StatusOr<v1::RegionReply> AwaitReplyLocked(uint64_t request_id);
+  // Sends the releases of discarded staging regions (no reply is awaited).
+  void SendReleasesLocked();
+  void SendReleaseLocked(uint64_t region_id);
   absl::StatusOr<bool> AvailableLocked();
-  absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> TakeStagingLocked(uint64_t bytes,
-                                                                        Registered* registered);
+  absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> TakeStagingLocked(
+      uint64_t bytes, Registered* registered, std::shared_ptr<std::atomic<bool>> discard);
 
   const Transport mode_;
   const std::string socket_path_;
   std::function<absl::StatusOr<bool>()> server_offers_;
+  const absl::Duration reply_timeout_;
   std::mutex mu_;
   int fd_ = -1;                       // the region socket connection (guarded by mu_)
+  uint64_t next_request_id_ = 1;      // guarded by mu_
+  // Registrations given up on (no reply in time), by request id (guarded by mu_).
+  absl::flat_hash_set<uint64_t> abandoned_;
   std::optional<absl::StatusOr<bool>> available_;  // guarded by mu_
   std::vector<Registered> registered_;  // guarded by mu_
   // Staging regions not in use (registered), shared with the plans that hold one: a plan
@@ -70,6 +89,7 @@ class SharedMemoryTransport {
   struct StagingPool {
     std::mutex mu;
     std::vector<std::pair<std::unique_ptr<SharedMemoryRegion>, Registered>> free;
+    std::vector<uint64_t> to_release;  // ids of discarded staging regions, still registered
   };
   std::shared_ptr<StagingPool> pool_ = std::make_shared<StagingPool>();
 };

@@ -33,6 +33,7 @@
 #include "server/service/normgrad_service.h"
 #include "server/shared_memory/region_socket.h"
 #include "server/thread_pool/thread_pool.h"
+#include "server/unix_socket/unix_acceptor.h"
 
 #ifndef NORMGRAD_VERSION
 #define NORMGRAD_VERSION "0.0.0"
@@ -107,6 +108,10 @@ void DescribeServerMetrics(MetricsRegistry& m) {
                   "device failed (a sticky driver error, --device-timeout).");
   m.DescribeGauge("normgrad_inflight_streams", "RmsNormBackward streams admitted and not done.");
   m.DescribeGauge("normgrad_shm_regions", "Shared-memory regions registered now (--shared-memory).");
+  m.DescribeCounter("normgrad_unix_refused_connections_total",
+                    "Unix-socket connections closed at accept, by socket (grpc, region) and reason "
+                    "(uid: --unix-allowed-uids does not list the peer; bound: the socket's "
+                    "connection bound, in all or for the peer's user).");
   m.DescribeGauge("normgrad_shm_region_bytes", "Bytes of the shared-memory regions registered now.");
   m.DescribeGauge("normgrad_shm_registrations",
                   "Region registrations since start, by result (ok, refused).");
@@ -325,6 +330,9 @@ NormGradServer::NormGradServer(const ServerOptions& options, std::unique_ptr<Bac
 absl::StatusOr<std::unique_ptr<NormGradServer>> NormGradServer::Start(
     const ServerOptions& options, std::unique_ptr<Backend> backend) {
   NORMGRAD_RETURN_IF_ERROR(ValidateOptions(options));
+  // A descriptor per connection and per region: the shell's soft limit (often 1024) is not a
+  // server's. The sockets the server owns are bounded from what is in force afterwards.
+  const uint64_t open_files = RaiseOpenFileLimit();
   NORMGRAD_ASSIGN_OR_RETURN(const std::shared_ptr<grpc::ServerCredentials> credentials,
                             MakeServerCredentials(options.security));
   NORMGRAD_ASSIGN_OR_RETURN(const std::vector<PreloadEntry> preload,
@@ -342,6 +350,7 @@ absl::StatusOr<std::unique_ptr<NormGradServer>> NormGradServer::Start(
   }
   // From here on a failure returns through ~NormGradServer, which stops what was started.
   std::unique_ptr<NormGradServer> server(new NormGradServer(options, std::move(backend)));
+  server->open_file_limit_ = open_files;
   server->AssembleService();
   NormGradServer* self = server.get();
   server->backend_->SetDeviceFailureHandler(
@@ -422,6 +431,10 @@ void NormGradServer::PublishBackendMetrics() {
   Backend* b = backend_.get();
   PtxService* ptx = ptx_.get();
   AdmissionController* admission = admission_.get();
+  metrics_->AddCollector([this](MetricsRegistry& m) {
+    m.SetCounter("normgrad_unix_refused_connections_total", {{"socket", "grpc"}, {"reason", "uid"}},
+                 static_cast<double>(refused_grpc_peers_.load()));
+  });
   metrics_->AddCollector([b, ptx, admission](MetricsRegistry& m) {
     CollectCache(m, "module", b->CacheStats());
     CollectCache(m, "ptx", ptx->CacheStats());
@@ -482,7 +495,8 @@ absl::Status NormGradServer::StartGrpcPort(
   for (size_t i = 0; i < addresses.size(); ++i) {
     if (grpc_server_ != nullptr && accept_unix_here && addresses[i].kind == ListenAddress::kUnix) {
       absl::StatusOr<std::unique_ptr<UnixGrpcListener>> listener = UnixGrpcListener::Start(
-          addresses[i].path, options_.unix_socket_mode, grpc_server_.get(), unix_peers_.get());
+          addresses[i].path, options_.unix_socket_mode, grpc_server_.get(), unix_peers_.get(),
+          options_.unix_allowed_uids, &refused_grpc_peers_);
       if (listener.ok()) {
         unix_listeners_.push_back(*std::move(listener));
         selected_ports[i] = 1;  // listening
@@ -520,11 +534,20 @@ absl::Status NormGradServer::StartGrpcPort(
 
 absl::Status NormGradServer::StartRegionSockets() {
   if (regions_ == nullptr) return absl::OkStatus();
+  RegionSocketOptions region_socket_options;
+  region_socket_options.mode = options_.unix_socket_mode;
+  region_socket_options.allowed_uids = options_.unix_allowed_uids;
+  // A quarter of the descriptors for all region connections, half of that for one user.
+  region_socket_options.max_connections = ConnectionBoundFor(open_file_limit_);
+  region_socket_options.max_connections_per_user =
+      std::max<uint32_t>(1, region_socket_options.max_connections / 2);
+  region_socket_options.refused_peers = &refused_region_peers_;
+  region_socket_options.refused_over_bound = &refused_region_over_bound_;
   for (const std::string& grpc_path : unix_paths_) {
     const std::string path = grpc_path + ".shm";
     absl::Status s = PrepareUnixSocketPath(path, SOCK_SEQPACKET);
     absl::StatusOr<std::unique_ptr<RegionSocket>> socket =
-        s.ok() ? RegionSocket::Start(path, options_.unix_socket_mode, regions_.get())
+        s.ok() ? RegionSocket::Start(path, region_socket_options, regions_.get())
                : absl::StatusOr<std::unique_ptr<RegionSocket>>(s);
     if (!socket.ok()) {
       grpc_server_->Shutdown(std::chrono::system_clock::now());
@@ -536,6 +559,13 @@ absl::Status NormGradServer::StartRegionSockets() {
     region_sockets_.push_back(*std::move(socket));
   }
   RegionRegistry* regions = regions_.get();
+  metrics_->AddCollector([this](MetricsRegistry& m) {
+    m.SetCounter("normgrad_unix_refused_connections_total", {{"socket", "region"}, {"reason", "uid"}},
+               static_cast<double>(refused_region_peers_.load()));
+    m.SetCounter("normgrad_unix_refused_connections_total",
+               {{"socket", "region"}, {"reason", "bound"}},
+               static_cast<double>(refused_region_over_bound_.load()));
+  });
   metrics_->AddCollector([regions](MetricsRegistry& m) {
     const RegionStats st = regions->Stats();
     m.SetGauge("normgrad_shm_regions", {}, static_cast<double>(st.regions));

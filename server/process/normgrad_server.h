@@ -18,6 +18,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -192,6 +193,11 @@ class NormGradServer {
   // Plaintext unix sockets, accepted here for their peers' credentials; before grpc_server_ in
   // destruction (they hand connections to it).
   std::vector<std::unique_ptr<UnixGrpcListener>> unix_listeners_;
+  uint64_t open_file_limit_ = 1024;  // RLIMIT_NOFILE after Start raised it
+  // Connections closed at accept (normgrad_unix_refused_connections_total).
+  std::atomic<uint64_t> refused_grpc_peers_{0};
+  std::atomic<uint64_t> refused_region_peers_{0};
+  std::atomic<uint64_t> refused_region_over_bound_{0};
   std::unique_ptr<grpc::Server> health_server_;  // --health-listen; health service only
   std::unique_ptr<grpc::CallbackGenericService> health_port_rejecter_;  // other methods there
   std::unique_ptr<MetricsHttpServer> metrics_http_;

@@ -25,6 +25,13 @@ ABSL_FLAG(uint32_t, shared_memory_max_regions, 64,
           "Shared-memory regions registered at once, all clients together.");
 ABSL_FLAG(uint64_t, shared_memory_max_bytes, 16ull << 30,
           "Bytes of shared-memory regions registered at once, all clients together.");
+ABSL_FLAG(uint32_t, shared_memory_max_regions_per_user, 0,
+          "Shared-memory regions one user (the registering peer's uid) may hold at once; more "
+          "are refused with RESOURCE_EXHAUSTED. 0: half of --shared-memory-max-regions (at "
+          "least 1).");
+ABSL_FLAG(uint64_t, shared_memory_max_bytes_per_user, 0,
+          "Bytes of shared-memory regions one user may hold at once. 0: half of "
+          "--shared-memory-max-bytes.");
 ABSL_FLAG(bool, cuda_ipc, false,
           "Take x and dy from, and write grad_input into, CUDA device memory of clients on this "
           "machine and GPU, named by CUDA IPC handles (docs/api.md); CUDA backend only.");
@@ -199,6 +206,15 @@ absl::StatusOr<ServerOptions> ServerOptionsFromFlags() {
   o.backend.max_ipc_handles = absl::GetFlag(FLAGS_max_cuda_ipc_handles);
   o.regions.max_regions = absl::GetFlag(FLAGS_shared_memory_max_regions);
   o.regions.max_bytes = absl::GetFlag(FLAGS_shared_memory_max_bytes);
+  // No user may take every region or byte (like --max-streams-per-client for streams).
+  o.regions.max_regions_per_user = absl::GetFlag(FLAGS_shared_memory_max_regions_per_user);
+  if (o.regions.max_regions_per_user == 0) {
+    o.regions.max_regions_per_user = std::max<uint32_t>(1, o.regions.max_regions / 2);
+  }
+  o.regions.max_bytes_per_user = absl::GetFlag(FLAGS_shared_memory_max_bytes_per_user);
+  if (o.regions.max_bytes_per_user == 0) {
+    o.regions.max_bytes_per_user = std::max<uint64_t>(1, o.regions.max_bytes / 2);
+  }
   o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   absl::StatusOr<BackendKind> kind = ParseBackendKind(absl::GetFlag(FLAGS_backend));
   if (!kind.ok()) {

@@ -12,8 +12,11 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <optional>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "server/unix_socket/unix_acceptor.h"
 
 namespace normgrad::server {
 
@@ -25,10 +28,9 @@ bool UnixGrpcListener::Supported() {
 #endif
 }
 
-absl::StatusOr<std::unique_ptr<UnixGrpcListener>> UnixGrpcListener::Start(const std::string& path,
-                                                                         mode_t mode,
-                                                                         grpc::Server* server,
-                                                                         UnixPeers* peers) {
+absl::StatusOr<std::unique_ptr<UnixGrpcListener>> UnixGrpcListener::Start(
+    const std::string& path, mode_t mode, grpc::Server* server, UnixPeers* peers,
+    std::vector<uint32_t> allowed_uids, std::atomic<uint64_t>* refused) {
   if (!Supported()) return absl::UnimplementedError("gRPC takes no connections from descriptors");
   sockaddr_un addr{};
   if (path.size() >= sizeof(addr.sun_path)) {
@@ -56,7 +58,8 @@ absl::StatusOr<std::unique_ptr<UnixGrpcListener>> UnixGrpcListener::Start(const 
     close(fd);
     return absl::UnavailableError(absl::StrCat("eventfd: ", std::strerror(errno)));
   }
-  std::unique_ptr<UnixGrpcListener> l(new UnixGrpcListener(fd, wake, server, peers));
+  std::unique_ptr<UnixGrpcListener> l(
+      new UnixGrpcListener(fd, wake, server, peers, std::move(allowed_uids), refused));
   l->thread_ = std::thread([raw = l.get()] { raw->Run(); });
   return l;
 }
@@ -75,33 +78,22 @@ void UnixGrpcListener::Stop() {
 }
 
 void UnixGrpcListener::Run() {
+  UnixAcceptor acceptor(listen_fd_, allowed_uids_, "unix listener", refused_);
   while (!stopped_.load()) {
-    pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {listen_fd_, POLLIN, 0}};
-    if (poll(fds, 2, -1) < 0) {
+    // The listening socket is not polled while the acceptor pauses (out of descriptors).
+    pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {acceptor.listening() ? listen_fd_ : -1, POLLIN, 0}};
+    if (poll(fds, 2, acceptor.PollTimeoutMs()) < 0) {
       if (errno == EINTR) continue;
       std::fprintf(stderr, "normgrad-server: unix listener: poll: %s\n", std::strerror(errno));
       return;
     }
     if (fds[0].revents != 0) return;
-    if ((fds[1].revents & POLLIN) == 0) continue;
-    while (true) {
-      const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-      if (fd < 0) {
-        // EAGAIN: all taken. Out of descriptors (EMFILE) or memory: that client's connect
-        // fails; poll again rather than spin on the same error.
-        break;
-      }
-      ucred cred{};
-      socklen_t len = sizeof(cred);
-      if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
-        peers_->Set(fd, {cred.pid, cred.uid, cred.gid});
-      } else {
-        peers_->Set(fd, {0, static_cast<uid_t>(-1), static_cast<gid_t>(-1)});
-      }
+    while (std::optional<UnixPeer> peer = acceptor.AcceptOne()) {
+      peers_->Set(peer->fd, {peer->pid, peer->uid, peer->gid});
 #ifdef GPR_SUPPORT_CHANNELS_FROM_FD
-      grpc::AddInsecureChannelFromFd(server_, fd);  // gRPC owns the descriptor from here
+      grpc::AddInsecureChannelFromFd(server_, peer->fd);  // gRPC owns the descriptor from here
 #else
-      close(fd);
+      close(peer->fd);
 #endif
     }
   }

@@ -1,6 +1,7 @@
 // A unix-socket listener for the gRPC server that knows who connects: it accepts each
-// connection itself, reads the peer's credentials (SO_PEERCRED: pid, uid, gid) into UnixPeers,
-// and only then hands the connection to gRPC (grpc::AddInsecureChannelFromFd), which names its
+// connection itself (server/unix_socket: the allow-list, pauses when descriptors run out), reads
+// the peer's credentials (SO_PEERCRED: pid, uid, gid) into UnixPeers, and only then hands the
+// connection to gRPC (grpc::AddInsecureChannelFromFd), which names its
 // calls' peer "fd:N". gRPC's own unix listener gives the service no way to learn the peer's
 // credentials. Used for every --listen=unix:/PATH unless the gRPC port is TLS (a connection
 // handed over this way is plaintext; unix sockets with TLS stay gRPC's).
@@ -14,9 +15,12 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include <grpcpp/server.h>
 
@@ -31,22 +35,32 @@ class UnixGrpcListener {
   static bool Supported();
 
   // Binds and listens on `path` (which must be free: the caller removes a stale socket) with
-  // file mode `mode` (never wider meanwhile), and starts accepting for `server`.
-  static absl::StatusOr<std::unique_ptr<UnixGrpcListener>> Start(const std::string& path,
-                                                                 mode_t mode, grpc::Server* server,
-                                                                 UnixPeers* peers);
+  // file mode `mode` (never wider meanwhile), and starts accepting for `server`. A peer whose
+  // uid `allowed_uids` does not list (when it is not empty) is closed at accept: it reaches no
+  // method at all, health and reflection included.
+  static absl::StatusOr<std::unique_ptr<UnixGrpcListener>> Start(
+      const std::string& path, mode_t mode, grpc::Server* server, UnixPeers* peers,
+      std::vector<uint32_t> allowed_uids = {}, std::atomic<uint64_t>* refused = nullptr);
   ~UnixGrpcListener();  // Stop()
   void Stop();
 
  private:
-  UnixGrpcListener(int listen_fd, int wake_fd, grpc::Server* server, UnixPeers* peers)
-      : listen_fd_(listen_fd), wake_fd_(wake_fd), server_(server), peers_(peers) {}
+  UnixGrpcListener(int listen_fd, int wake_fd, grpc::Server* server, UnixPeers* peers,
+                   std::vector<uint32_t> allowed_uids, std::atomic<uint64_t>* refused)
+      : listen_fd_(listen_fd),
+        wake_fd_(wake_fd),
+        server_(server),
+        peers_(peers),
+        allowed_uids_(std::move(allowed_uids)),
+        refused_(refused) {}
   void Run();
 
   const int listen_fd_;
   const int wake_fd_;  // an eventfd: Stop writes it to end Run
   grpc::Server* const server_;
   UnixPeers* const peers_;
+  const std::vector<uint32_t> allowed_uids_;
+  std::atomic<uint64_t>* const refused_;  // optional, outlives the listener
   std::atomic<bool> stopped_{false};
   std::thread thread_;
 };

@@ -190,6 +190,7 @@ StreamActions BackwardPipeline::CheckIdle(absl::Time now, absl::Duration timeout
     if (idle_cancel_status_.ok()) {
       idle_cancel_status_ = end;
       a.try_cancel = true;
+      cancelled_.store(true);  // no job starts between this cancel and OnCancel
     }
   } else {
     FinishLocked(end, a);
@@ -226,7 +227,11 @@ std::optional<absl::Status> BackwardPipeline::Issued(int count) {
   if (count == 0) return std::nullopt;
   std::lock_guard<std::mutex> lock(mu_);
   issuing_ -= count;
-  if (issuing_ > 0 || !deferred_finish_.has_value()) return std::nullopt;
+  return TakeDeferredFinishLocked();
+}
+
+std::optional<absl::Status> BackwardPipeline::TakeDeferredFinishLocked() {
+  if (issuing_ > 0 || compute_busy_ || !deferred_finish_.has_value()) return std::nullopt;
   std::optional<absl::Status> finish = std::move(deferred_finish_);
   deferred_finish_.reset();
   return finish;
@@ -250,7 +255,11 @@ StreamTotals BackwardPipeline::OnDone() {
 }
 
 // A finish must not overtake a read or write that was decided (possibly on another thread) but
-// not issued yet: it is then held back, and Issued() hands it to whoever issues the last one.
+// not issued yet, nor a job that is running: a chunk's job reads and writes the client's memory
+// (a shared-memory region, CUDA IPC buffers), and the final status tells the client that no job
+// of the stream touches it any more (docs/api.md, "The end of a call"). The finish is then held
+// back, and Issued() or the end of RunOneJob hands it to whoever completes the last of them. No
+// job starts once the finish is decided.
 void BackwardPipeline::FinishLocked(const absl::Status& status, StreamActions& a) {
   if (finish_decided_) return;
   finish_decided_ = true;
@@ -258,11 +267,8 @@ void BackwardPipeline::FinishLocked(const absl::Status& status, StreamActions& a
   issuing_ -= a.issued();  // this caller's own read/write is not issued any more
   a.read_into = nullptr;
   a.write_from = nullptr;
-  if (issuing_ > 0) {
-    deferred_finish_ = status;
-  } else {
-    a.finish = status;
-  }
+  deferred_finish_ = status;
+  a.finish = TakeDeferredFinishLocked();
 }
 
 // Why a call gRPC reports cancelled ended, as far as the server can tell (for the status and
@@ -278,6 +284,14 @@ absl::Status BackwardPipeline::CancelStatusLocked() const {
 
 void BackwardPipeline::OnMessageLocked(StreamActions& a) {
   const v1::BackwardRequest& message = *request_;
+  if (message.cancel()) {
+    // In order: every chunk read before this one was queued or dropped already.
+    FinishLocked(absl::CancelledError(absl::StrCat(
+                     "the client cancelled the stream (BackwardRequest.cancel) after ",
+                     validator_.chunks_received(), " chunks")),
+                 a);
+    return;
+  }
   // Everything the parsed message holds, fields this server does not know included (a client
   // could otherwise pad chunks past --max-inflight-bytes with them).
   const uint64_t message_bytes = message.ByteSizeLong();
@@ -346,6 +360,13 @@ absl::StatusOr<BackwardPipeline::RegionRows> BackwardPipeline::FindRegionRowsLoc
       env_->regions->Find(shm.region_id(), shm.region_key());
   if (!region.ok()) {
     return absl::Status(region.status().code(), absl::StrCat(where, region.status().message()));
+  }
+  // Pages the client released since it registered the region (a hole punched) would be
+  // faulted in, and charged, to the server: refused.
+  if (absl::Status s = (*region)->CheckAllocated(absl::StrCat(where, "shm.region_id=",
+                                                              shm.region_id()));
+      !s.ok()) {
+    return s;
   }
   const uint64_t size = (*region)->size();
   const uint64_t element = kernels::DTypeBytes(validator_.spec().dtype);
@@ -534,7 +555,9 @@ StreamActions BackwardPipeline::RunOneJob() {
     std::lock_guard<std::mutex> lock(mu_);
     if (finish_decided_ || jobs_.empty()) {
       compute_busy_ = false;
-      return {};
+      StreamActions a;
+      a.finish = TakeDeferredFinishLocked();
+      return a;
     }
     job = std::move(jobs_.front());
     jobs_.pop_front();
@@ -554,6 +577,7 @@ StreamActions BackwardPipeline::RunOneJob() {
   }
   compute_busy_ = false;
   ScheduleComputeLocked(a);
+  if (!a.finish.has_value()) a.finish = TakeDeferredFinishLocked();
   return a;
 }
 

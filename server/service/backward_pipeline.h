@@ -133,6 +133,8 @@ class BackwardPipeline {
   };
 
   void FinishLocked(const absl::Status& status, StreamActions& a);
+  // The held-back finish, once no read or write is being issued and no job runs.
+  std::optional<absl::Status> TakeDeferredFinishLocked();
   absl::Status CancelStatusLocked() const;
   void OnMessageLocked(StreamActions& a);
   absl::StatusOr<RegionRows> FindRegionRowsLocked(const v1::SharedMemoryChunk& shm,

@@ -253,7 +253,14 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
         finish = std::move(deferred);
       }
     }
-    if (finish.has_value()) Finish(ToGrpcStatus(*finish));
+    if (finish.has_value()) {
+      // The pipeline hands out the finish only once no job of the stream runs, and none starts
+      // after it: the trailer tells the client that its memory is its own again (docs/api.md,
+      // "The end of a call"). A call that gRPC ends itself (a cancel, the deadline, a shutdown)
+      // has no such trailer.
+      context_->AddTrailingMetadata(kWritesDoneTrailer, "1");
+      Finish(ToGrpcStatus(*finish));
+    }
     if (a.try_cancel) {
       // The watchdog's thread holds a reference to this reactor, not to gRPC's call: OnDone may
       // have run (and gRPC freed context_) since the pipeline decided to cancel. OnDone takes

@@ -27,6 +27,11 @@ namespace normgrad::server {
 
 class BackwardStream;
 
+// The trailing metadata key of every RmsNormBackward status the server itself sends: by then no
+// job of the stream reads or writes the client's memory, and none will (docs/api.md, "The end of
+// a call"). The client library has the same key (client/src/client.cc).
+inline constexpr char kWritesDoneTrailer[] = "normgrad-writes-done";
+
 // Every live BackwardStream, for the idle watchdog and for draining. Thread-safe.
 class StreamRegistry {
  public:

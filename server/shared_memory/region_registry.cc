@@ -33,6 +33,60 @@ MappedRegion::~MappedRegion() {
   munmap(base_, size_);
 }
 
+namespace {
+
+// Bytes of `fd`'s pages that are allocated (a memfd's st_blocks counts them, 512-byte units).
+absl::StatusOr<uint64_t> AllocatedBytes(int fd) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) return absl::InternalError(absl::StrCat("fstat: ", std::strerror(errno)));
+  return static_cast<uint64_t>(st.st_blocks) * 512;
+}
+
+absl::Status UnallocatedError(absl::string_view field, uint64_t allocated, uint64_t size) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      field, ": ", allocated, " of the region's ", size, " bytes are allocated; the server "
+      "does not fault in a client's pages (they would be charged to its memory): allocate "
+      "every page first (posix_fallocate(fd, 0, size), as the client library does)"));
+}
+
+}  // namespace
+
+absl::Status MappedRegion::CheckAllocated(absl::string_view field) const {
+  if (fd_.get() < 0) return absl::OkStatus();
+  absl::StatusOr<uint64_t> allocated = AllocatedBytes(fd_.get());
+  if (!allocated.ok()) return allocated.status();
+  if (*allocated < size_) return UnallocatedError(field, *allocated, size_);
+  return absl::OkStatus();
+}
+
+absl::Status RegionRegistry::CheckRoomLocked(uint64_t size, uid_t uid) const {
+  if (regions_.size() >= limits_.max_regions) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the server holds ", regions_.size(), " shared-memory regions, its limit "
+        "(--shared-memory-max-regions=", limits_.max_regions, "); release one first"));
+  }
+  if (size > limits_.max_bytes - bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "a region of ", size, " bytes on top of the ", bytes_, " registered exceeds "
+        "--shared-memory-max-bytes=", limits_.max_bytes));
+  }
+  UserUsage usage;
+  if (auto it = by_user_.find(uid); it != by_user_.end()) usage = it->second;
+  if (limits_.max_regions_per_user > 0 && usage.regions >= limits_.max_regions_per_user) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "uid:", uid, " holds ", usage.regions, " shared-memory regions, its share "
+        "(--shared-memory-max-regions-per-user=", limits_.max_regions_per_user,
+        "); release one first"));
+  }
+  if (limits_.max_bytes_per_user > 0 && size > limits_.max_bytes_per_user - usage.bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "a region of ", size, " bytes on top of the ", usage.bytes, " uid:", uid,
+        " registered exceeds its share (--shared-memory-max-bytes-per-user=",
+        limits_.max_bytes_per_user, ")"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<RegionGrant> RegionRegistry::Register(OwnedFd fd, const RegionOwner& owner) {
   auto refuse = [this](absl::Status s) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -62,19 +116,14 @@ absl::StatusOr<RegionGrant> RegionRegistry::Register(OwnedFd fd, const RegionOwn
   if (size == 0) {
     return refuse(absl::InvalidArgumentError("the region is 0 bytes; ftruncate it first"));
   }
+  if (static_cast<uint64_t>(st.st_blocks) * 512 < size) {
+    return refuse(UnallocatedError("the region", static_cast<uint64_t>(st.st_blocks) * 512, size));
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (regions_.size() >= limits_.max_regions) {
+    if (absl::Status s = CheckRoomLocked(size, owner.uid); !s.ok()) {
       ++refused_;
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the server holds ", regions_.size(), " shared-memory regions, its limit "
-          "(--shared-memory-max-regions=", limits_.max_regions, "); release one first"));
-    }
-    if (size > limits_.max_bytes - bytes_) {
-      ++refused_;
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "a region of ", size, " bytes on top of the ", bytes_, " registered exceeds "
-          "--shared-memory-max-bytes=", limits_.max_bytes));
+      return s;
     }
   }
   void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
@@ -92,8 +141,8 @@ absl::StatusOr<RegionGrant> RegionRegistry::Register(OwnedFd fd, const RegionOwn
                    static_cast<unsigned long long>(size), std::string(s.message()).c_str());
     }
   }
-  auto mapping =
-      std::make_shared<const MappedRegion>(static_cast<uint8_t*>(base), size, std::move(on_unmap));
+  auto mapping = std::make_shared<const MappedRegion>(static_cast<uint8_t*>(base), size,
+                                                      std::move(on_unmap), std::move(fd));
   RegionGrant grant;
   grant.size = size;
   if (getrandom(grant.key.data(), grant.key.size(), 0) != static_cast<ssize_t>(grant.key.size())) {
@@ -101,15 +150,16 @@ absl::StatusOr<RegionGrant> RegionRegistry::Register(OwnedFd fd, const RegionOwn
   }
   std::lock_guard<std::mutex> lock(mu_);
   // Checked again: another registration may have taken the room meanwhile.
-  if (regions_.size() >= limits_.max_regions || size > limits_.max_bytes - bytes_) {
+  if (absl::Status s = CheckRoomLocked(size, owner.uid); !s.ok()) {
     ++refused_;
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "shared-memory limits reached (--shared-memory-max-regions=", limits_.max_regions,
-        ", --shared-memory-max-bytes=", limits_.max_bytes, ")"));
+    return s;
   }
   grant.id = next_id_++;
   regions_[grant.id] = Entry{std::move(mapping), grant.key, owner};
   bytes_ += size;
+  UserUsage& usage = by_user_[owner.uid];
+  ++usage.regions;
+  usage.bytes += size;
   ++registered_;
   return grant;
 }
@@ -141,9 +191,19 @@ absl::Status RegionRegistry::Release(uint64_t id, uint64_t connection) {
     return absl::NotFoundError(
         absl::StrCat("region ", id, " is not registered on this connection"));
   }
-  bytes_ -= it->second.mapping->size();
+  ForgetLocked(it->second);
   regions_.erase(it);
   return absl::OkStatus();
+}
+
+void RegionRegistry::ForgetLocked(const Entry& entry) {
+  const uint64_t size = entry.mapping->size();
+  bytes_ -= size;
+  auto it = by_user_.find(entry.owner.uid);
+  if (it == by_user_.end()) return;
+  --it->second.regions;
+  it->second.bytes -= size;
+  if (it->second.regions == 0) by_user_.erase(it);
 }
 
 int RegionRegistry::ReleaseOwner(uint64_t connection) {
@@ -151,7 +211,7 @@ int RegionRegistry::ReleaseOwner(uint64_t connection) {
   int released = 0;
   for (auto it = regions_.begin(); it != regions_.end();) {
     if (it->second.owner.connection == connection) {
-      bytes_ -= it->second.mapping->size();
+      ForgetLocked(it->second);
       regions_.erase(it++);
       ++released;
     } else {

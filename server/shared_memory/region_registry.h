@@ -38,6 +38,10 @@ namespace normgrad::server {
 struct RegionLimits {
   uint32_t max_regions = 64;           // --shared-memory-max-regions
   uint64_t max_bytes = 16ull << 30;    // --shared-memory-max-bytes, all regions together
+  // One user's share (the registering peer's uid): no user can take every region or byte.
+  // 0: no share of its own (the totals).
+  uint32_t max_regions_per_user = 0;   // --shared-memory-max-regions-per-user
+  uint64_t max_bytes_per_user = 0;     // --shared-memory-max-bytes-per-user
 };
 
 using RegionKey = std::array<uint8_t, 16>;
@@ -64,31 +68,6 @@ struct HostMemoryHooks {
   std::function<void(void* base)> on_unmap;
 };
 
-// One mapping of a registered memfd; unmapped when the last holder lets go.
-class MappedRegion {
- public:
-  MappedRegion(uint8_t* base, uint64_t size, std::function<void(void*)> on_unmap = nullptr)
-      : base_(base), size_(size), on_unmap_(std::move(on_unmap)) {}
-  ~MappedRegion();
-  MappedRegion(const MappedRegion&) = delete;
-  MappedRegion& operator=(const MappedRegion&) = delete;
-
-  uint8_t* data() const { return base_; }
-  uint64_t size() const { return size_; }
-
- private:
-  uint8_t* const base_;
-  const uint64_t size_;
-  const std::function<void(void*)> on_unmap_;
-};
-
-struct RegionStats {
-  uint64_t regions = 0;
-  uint64_t bytes = 0;
-  uint64_t registered = 0;  // since start
-  uint64_t refused = 0;     // registrations refused (bad fd, seals, limits)
-};
-
 // A file descriptor closed on destruction.
 class OwnedFd {
  public:
@@ -108,14 +87,46 @@ class OwnedFd {
   int fd_ = -1;
 };
 
+// One mapping of a registered memfd; unmapped when the last holder lets go.
+class MappedRegion {
+ public:
+  MappedRegion(uint8_t* base, uint64_t size, std::function<void(void*)> on_unmap = nullptr,
+               OwnedFd fd = OwnedFd())
+      : base_(base), size_(size), on_unmap_(std::move(on_unmap)), fd_(std::move(fd)) {}
+  ~MappedRegion();
+  MappedRegion(const MappedRegion&) = delete;
+  MappedRegion& operator=(const MappedRegion&) = delete;
+
+  uint8_t* data() const { return base_; }
+  uint64_t size() const { return size_; }
+  // OK when every page of the memfd is allocated now (by its client: the server faults none
+  // in); FAILED_PRECONDITION naming `field` and the numbers otherwise. A mapping made without
+  // its descriptor (tests) is taken as allocated.
+  absl::Status CheckAllocated(absl::string_view field) const;
+
+ private:
+  uint8_t* const base_;
+  const uint64_t size_;
+  const std::function<void(void*)> on_unmap_;
+  const OwnedFd fd_;
+};
+
+struct RegionStats {
+  uint64_t regions = 0;
+  uint64_t bytes = 0;
+  uint64_t registered = 0;  // since start
+  uint64_t refused = 0;     // registrations refused (bad fd, seals, limits)
+};
+
 class RegionRegistry {
  public:
   explicit RegionRegistry(const RegionLimits& limits, HostMemoryHooks hooks = {})
       : limits_(limits), hooks_(std::move(hooks)) {}
 
   // Checks and maps `fd`: a memfd (F_GET_SEALS works) sealed with F_SEAL_SHRINK, not sealed
-  // against writes, of 1 byte or more, within the limits. INVALID_ARGUMENT naming what is wrong
-  // (FAILED_PRECONDITION for a missing seal, RESOURCE_EXHAUSTED past a limit).
+  // against writes, of 1 byte or more, every page allocated, within the limits and the owner's
+  // share of them. INVALID_ARGUMENT naming what is wrong (FAILED_PRECONDITION for a missing
+  // seal or unallocated pages, RESOURCE_EXHAUSTED past a limit).
   absl::StatusOr<RegionGrant> Register(OwnedFd fd, const RegionOwner& owner);
   // The region `id` if `key` is its key; NOT_FOUND otherwise (same message either way).
   absl::StatusOr<std::shared_ptr<const MappedRegion>> Find(uint64_t id,
@@ -135,9 +146,20 @@ class RegionRegistry {
     RegionOwner owner;
   };
 
+  // Takes a region being released off the byte and per-user counts.
+  void ForgetLocked(const Entry& entry);
+  // The owner's share is full (RESOURCE_EXHAUSTED saying which), or OK.
+  absl::Status CheckRoomLocked(uint64_t size, uid_t uid) const;
+
+  struct UserUsage {
+    uint32_t regions = 0;
+    uint64_t bytes = 0;
+  };
+
   const RegionLimits limits_;
   const HostMemoryHooks hooks_;
   mutable std::mutex mu_;
+  absl::flat_hash_map<uid_t, UserUsage> by_user_;  // guarded by mu_
   uint64_t next_id_ = 1;  // guarded by mu_
   absl::flat_hash_map<uint64_t, Entry> regions_;  // guarded by mu_
   uint64_t bytes_ = 0;  // guarded by mu_

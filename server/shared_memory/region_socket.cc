@@ -10,12 +10,15 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "normgrad/v1/normgrad.pb.h"
+#include "server/unix_socket/unix_acceptor.h"
 
 namespace normgrad::server {
 namespace {
@@ -72,8 +75,9 @@ Received ReceiveMessage(int fd) {
   return r;
 }
 
-void Reply(int fd, const absl::Status& status, const RegionGrant* grant) {
+void Reply(int fd, uint64_t request_id, const absl::Status& status, const RegionGrant* grant) {
   v1::RegionReply reply;
+  reply.set_request_id(request_id);
   reply.set_code(static_cast<int32_t>(status.code()));
   reply.set_message(std::string(status.message()));
   if (grant != nullptr) {
@@ -87,15 +91,19 @@ void Reply(int fd, const absl::Status& status, const RegionGrant* grant) {
 }
 
 absl::Status Handle(RegionRegistry& registry, const Connection& c, Received& r,
-                    RegionGrant* grant) {
+                    RegionGrant* grant, uint64_t* request_id) {
   if (r.bytes == -2) {
     return absl::InvalidArgumentError(
         absl::StrCat("request longer than ", kMaxMessageBytes, " bytes"));
+  }
+  if (r.bytes == 0) {
+    return absl::InvalidArgumentError("an empty message is not a normgrad.v1.RegionRequest");
   }
   v1::RegionRequest request;
   if (!request.ParseFromString(r.data)) {
     return absl::InvalidArgumentError("the message is not a normgrad.v1.RegionRequest");
   }
+  *request_id = request.request_id();
   if (request.register_region()) {
     if (r.fds != 1) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -119,9 +127,9 @@ absl::Status Handle(RegionRegistry& registry, const Connection& c, Received& r,
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<RegionSocket>> RegionSocket::Start(const std::string& path,
-                                                                  mode_t mode,
-                                                                  RegionRegistry* registry) {
+absl::StatusOr<std::unique_ptr<RegionSocket>> RegionSocket::Start(
+    const std::string& path, const RegionSocketOptions& options, RegionRegistry* registry) {
+  const mode_t mode = options.mode;
   sockaddr_un addr{};
   if (path.size() >= sizeof(addr.sun_path)) {
     return absl::InvalidArgumentError(absl::StrCat("region socket path ", path, " is too long"));
@@ -145,15 +153,20 @@ absl::StatusOr<std::unique_ptr<RegionSocket>> RegionSocket::Start(const std::str
     close(fd);
     return absl::UnavailableError(absl::StrCat("eventfd: ", std::strerror(errno)));
   }
-  std::unique_ptr<RegionSocket> s(new RegionSocket(path, fd, wake, registry));
+  std::unique_ptr<RegionSocket> s(new RegionSocket(path, fd, wake, registry, options));
   struct stat st;
   if (lstat(path.c_str(), &st) == 0) s->inode_ = st.st_ino;
   s->thread_ = std::thread([raw = s.get()] { raw->Run(); });
   return s;
 }
 
-RegionSocket::RegionSocket(std::string path, int listen_fd, int wake_fd, RegionRegistry* registry)
-    : path_(std::move(path)), listen_fd_(listen_fd), wake_fd_(wake_fd), registry_(registry) {}
+RegionSocket::RegionSocket(std::string path, int listen_fd, int wake_fd, RegionRegistry* registry,
+                           RegionSocketOptions options)
+    : path_(std::move(path)),
+      options_(std::move(options)),
+      listen_fd_(listen_fd),
+      wake_fd_(wake_fd),
+      registry_(registry) {}
 
 RegionSocket::~RegionSocket() {
   Stop();
@@ -172,12 +185,18 @@ void RegionSocket::Stop() {
 
 void RegionSocket::Run() {
   std::vector<Connection> connections;
+  absl::flat_hash_map<uid_t, uint32_t> per_user;  // connections by the peer's uid
   uint64_t next_id = 1;
+  UnixAcceptor acceptor(listen_fd_, options_.allowed_uids, "region socket " + path_,
+                        options_.refused_peers);
   auto drop = [&](size_t i) {
     const int released = registry_->ReleaseOwner(connections[i].id);
     if (released > 0) {
       std::fprintf(stderr, "normgrad-server: %d shared-memory region(s) of pid %d released (its "
                    "region connection closed)\n", released, static_cast<int>(connections[i].owner.pid));
+    }
+    if (auto it = per_user.find(connections[i].owner.uid); it != per_user.end() && --it->second == 0) {
+      per_user.erase(it);
     }
     close(connections[i].fd);
     connections.erase(connections.begin() + static_cast<std::ptrdiff_t>(i));
@@ -185,45 +204,49 @@ void RegionSocket::Run() {
   while (true) {
     std::vector<pollfd> fds;
     fds.push_back({wake_fd_, POLLIN, 0});
-    fds.push_back({listen_fd_, POLLIN, 0});
-    for (const Connection& c : connections) fds.push_back({c.fd, POLLIN, 0});
-    if (poll(fds.data(), fds.size(), -1) < 0) {
+    // Not polled while the acceptor pauses (out of descriptors): it would stay readable.
+    fds.push_back({acceptor.listening() ? listen_fd_ : -1, POLLIN, 0});
+    for (const Connection& c : connections) fds.push_back({c.fd, POLLIN | POLLRDHUP, 0});
+    if (poll(fds.data(), fds.size(), acceptor.PollTimeoutMs()) < 0) {
       if (errno == EINTR) continue;
       break;
     }
     if (fds[0].revents != 0) break;
     // Connections first (their indexes match fds[2...] only before any is dropped).
     for (size_t i = connections.size(); i-- > 0;) {
-      if (fds[i + 2].revents == 0) continue;
+      const short revents = fds[i + 2].revents;
+      if (revents == 0) continue;
       Received r = ReceiveMessage(connections[i].fd);
       if (r.bytes == -1 && (r.error == EAGAIN || r.error == EINTR)) continue;
-      if (r.bytes == 0 || r.bytes == -1) {  // closed (the client went away) or broken
+      // recvmsg gives 0 bytes both for the peer's close and for an empty datagram: only the
+      // hang-up tells them apart.
+      const bool closed = r.bytes == 0 && (revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0;
+      if (closed || r.bytes == -1) {  // closed (the client went away) or broken
         drop(i);
         continue;
       }
       RegionGrant grant;
-      const absl::Status s = Handle(*registry_, connections[i], r, &grant);
-      Reply(connections[i].fd, s, s.ok() && grant.id != 0 ? &grant : nullptr);
+      uint64_t request_id = 0;
+      const absl::Status s = Handle(*registry_, connections[i], r, &grant, &request_id);
+      Reply(connections[i].fd, request_id, s, s.ok() && grant.id != 0 ? &grant : nullptr);
     }
-    if ((fds[1].revents & POLLIN) != 0) {
-      const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-      if (fd >= 0) {
-        if (connections.size() >= kMaxConnections) {
-          close(fd);
-        } else {
-          Connection c;
-          c.fd = fd;
-          c.id = next_id++;
-          c.owner.connection = c.id;
-          ucred cred{};
-          socklen_t len = sizeof(cred);
-          if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
-            c.owner.pid = cred.pid;
-            c.owner.uid = cred.uid;
-          }
-          connections.push_back(c);
-        }
+    while (std::optional<UnixPeer> peer = acceptor.AcceptOne()) {
+      uint32_t& mine = per_user[peer->uid];
+      if (connections.size() >= options_.max_connections ||
+          mine >= options_.max_connections_per_user) {
+        if (mine == 0) per_user.erase(peer->uid);
+        close(peer->fd);
+        if (options_.refused_over_bound != nullptr) options_.refused_over_bound->fetch_add(1);
+        continue;
       }
+      ++mine;
+      Connection c;
+      c.fd = peer->fd;
+      c.id = next_id++;
+      c.owner.connection = c.id;
+      c.owner.pid = peer->pid;
+      c.owner.uid = peer->uid;
+      connections.push_back(c);
     }
   }
   while (!connections.empty()) drop(connections.size() - 1);

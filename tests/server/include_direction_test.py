@@ -30,13 +30,14 @@ ALLOWED = {
     "server/metrics": {"kernels"},  # kernels/status_macros.h
     "server/proto_conversion": {"kernels", "proto", "server/backend", "server/cache"},
     "server/ptx": {"kernels", "proto", "server/cache", "server/cuda", "server/proto_conversion"},
-    "server/shared_memory": {"proto"},
+    "server/unix_socket": set(),
+    "server/shared_memory": {"proto", "server/unix_socket"},
     "server/service": {"kernels", "proto", "grpc", "server/backend", "server/cache",
                        "server/metrics", "server/proto_conversion", "server/ptx",
                        "server/shared_memory", "server/thread_pool"},
     "server/process": {"kernels", "proto", "grpc", "server/backend", "server/backend_factory",
                        "server/cache", "server/metrics", "server/ptx", "server/service",
-                       "server/shared_memory", "server/thread_pool"},
+                       "server/shared_memory", "server/thread_pool", "server/unix_socket"},
     "server": {"grpc", "server/process"},  # main.cc
 }
 

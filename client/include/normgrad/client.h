@@ -90,6 +90,14 @@ struct ClientOptions {
   // Rows of x per shared-memory chunk (no message limit applies; smaller chunks let the
   // server's compute and the responses overlap).
   uint64_t shm_chunk_bytes = uint64_t{64} << 20;
+  // A call whose tensors the server reads and writes in place (shared memory, CUDA IPC) is
+  // cancelled in order (docs/api.md, "The end of a call"): on a cancel or at its deadline the
+  // client asks the server to stop and waits, up to this long, for the server's word that it no
+  // longer touches the call's memory. Past it the call is cut off and its memory is in doubt: a
+  // staging region is thrown away, and the status says so for the caller's own memory.
+  absl::Duration writes_done_grace = absl::Seconds(30);
+  // How long a registration on the server's region socket may take before it is abandoned.
+  absl::Duration region_reply_timeout = absl::Seconds(10);
 };
 
 // Cancels a Backward call from another thread (what a Python client's Ctrl-C does): give it to
