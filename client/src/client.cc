@@ -217,6 +217,7 @@ class BackwardCall final
   // kMemoryChunksAhead chunks unanswered, so that an in-order cancel waits behind no more.
   static constexpr uint64_t kMemoryChunksAhead = 3;
   uint64_t chunks_answered_ = 0;
+  bool progress_to_report_ = false;
   bool write_in_flight_ = false;
   bool writes_done_ = false;
   bool cancel_sent_ = false;
@@ -276,6 +277,9 @@ class ClientImpl final : public Client {
 
   absl::Status RegisterSharedMemory(const SharedMemoryRegion& region) override {
     return shm_.Register(region);
+  }
+  absl::Status UnregisterSharedMemory(const SharedMemoryRegion& region) override {
+    return shm_.Unregister(region);
   }
 
   absl::StatusOr<Gradients> Backward(absl::Span<const float> x, absl::Span<const float> dy,
@@ -754,7 +758,7 @@ absl::Status BackwardCall::TakeResponseLocked() {
     }
     rows_received_ += rows;
     ++chunks_answered_;
-    if (shared_->options.on_progress) shared_->options.on_progress(rows_received_, a.num_rows);
+    progress_to_report_ = true;  // reported outside mu_ (a callback may cancel the call)
   }
   if (is_final) {
     if (response_.grad_gamma().size() != a.dgamma.size()) {
@@ -774,16 +778,23 @@ void BackwardCall::OnReadDone(bool ok) {
   if (!ok) return;  // end of stream; OnDone follows
   bool malformed;
   NextWrite next = NextWrite::kNothing;
+  uint64_t progress = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     any_response_ = true;
     error_ = TakeResponseLocked();
     malformed = !error_.ok();
     if (!malformed) next = NextWriteLocked();  // a memory call's next chunk may wait for this
+    if (progress_to_report_) progress = rows_received_;
+    progress_to_report_ = false;
   }
   if (malformed) {
     context_.TryCancel();
     return;
+  }
+  // Before the next read: the reactor cannot be done (and deleted) while a read is pending.
+  if (progress > 0 && shared_->options.on_progress) {
+    shared_->options.on_progress(progress, shared_->args.num_rows);
   }
   StartRead(&response_);
   Issue(next);

@@ -212,6 +212,32 @@ absl::Status SharedMemoryTransport::Register(const SharedMemoryRegion& region) {
   return absl::OkStatus();
 }
 
+absl::Status SharedMemoryTransport::Unregister(const SharedMemoryRegion& region) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = std::find_if(registered_.begin(), registered_.end(),
+                         [&](const Registered& r) { return r.region == &region; });
+  if (it == registered_.end()) {
+    return absl::NotFoundError("UnregisterSharedMemory: the region is not registered here");
+  }
+  const uint64_t id = it->id;
+  registered_.erase(it);  // no later call plans with it, whatever the server answers
+  if (fd_ < 0) return absl::OkStatus();
+  const uint64_t request_id = next_request_id_++;
+  v1::RegionRequest request;
+  request.set_release_region_id(id);
+  request.set_request_id(request_id);
+  const std::string bytes = request.SerializeAsString();
+  if (send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL) < 0) {
+    return absl::UnavailableError(absl::StrCat("releasing the region: ", std::strerror(errno)));
+  }
+  absl::StatusOr<v1::RegionReply> reply = AwaitReplyLocked(request_id);
+  if (!reply.ok()) return reply.status();
+  if (reply->code() != 0) {
+    return absl::Status(static_cast<absl::StatusCode>(reply->code()), reply->message());
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<bool> SharedMemoryTransport::AvailableLocked() {
   if (!available_.has_value()) {
     if (socket_path_.empty()) {

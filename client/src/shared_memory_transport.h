@@ -48,6 +48,7 @@ class SharedMemoryTransport {
   ~SharedMemoryTransport();
 
   absl::Status Register(const SharedMemoryRegion& region);
+  absl::Status Unregister(const SharedMemoryRegion& region);
 
   // The plan for a call: nullopt for bytes. Zero copy when x, dy, dx (and rms) lie in one
   // registered region; otherwise, with kSharedMemory or kAuto against a server that offers it,

@@ -20,6 +20,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <utility>
 
 #include "absl/time/clock.h"
@@ -67,6 +68,26 @@ class ChunkGates {
                         [&] { return active_[session] == 0; });
   }
 
+  // Every chunk job sleeps a random 0..max_us microseconds at each point (so that a schedule's
+  // cancels and deadlines land before, inside and after chunks alike).
+  void SetJitter(int max_us) { jitter_us_.store(max_us); }
+  // The next `count` region registrations take `delay` each (a slow cuMemHostRegister).
+  void SlowRegistrations(int count, absl::Duration delay) {
+    std::lock_guard<std::mutex> lock(mu_);
+    slow_registrations_ = count;
+    registration_delay_ = delay;
+  }
+  void OnRegisterHostMemory() {
+    absl::Duration delay;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (slow_registrations_ == 0) return;
+      --slow_registrations_;
+      delay = registration_delay_;
+    }
+    absl::SleepFor(delay);
+  }
+
   // The wrapped session's side.
   int NewSession() { return next_session_.fetch_add(1); }
   void Enter(int session) {
@@ -79,6 +100,10 @@ class ChunkGates {
     cv_.notify_all();
   }
   void MaybeWait(int session, uint64_t chunk, Point point) {
+    if (const int jitter = jitter_us_.load(); jitter > 0) {
+      thread_local std::mt19937 rng(std::random_device{}());
+      absl::SleepFor(absl::Microseconds(std::uniform_int_distribution<int>(0, jitter)(rng)));
+    }
     std::unique_lock<std::mutex> lock(mu_);
     for (Gate& g : gates_) {
       if (g.session != session || g.chunk != chunk || g.point != point || g.released) continue;
@@ -109,6 +134,9 @@ class ChunkGates {
   std::condition_variable cv_;
   std::deque<Gate> gates_;  // a deque: references stay valid while gates are added
   std::atomic<int> next_session_{0};
+  std::atomic<int> jitter_us_{0};
+  int slow_registrations_ = 0;
+  absl::Duration registration_delay_;
   std::unique_ptr<int[]> active_{new int[kMaxSessions]()};
 };
 
@@ -183,6 +211,11 @@ class GatedBackend final : public server::Backend {
     return inner_->Preload(kernel, config);
   }
   server::ModuleCacheStats CacheStats() const override { return inner_->CacheStats(); }
+  absl::Status RegisterHostMemory(void* base, uint64_t bytes) override {
+    gates_->OnRegisterHostMemory();
+    return inner_->RegisterHostMemory(base, bytes);
+  }
+  void UnregisterHostMemory(void* base) override { inner_->UnregisterHostMemory(base); }
 
  private:
   std::unique_ptr<server::Backend> inner_;

@@ -243,6 +243,10 @@ class Client {
   // FAILED_PRECONDITION when the target is not a unix socket or the server takes no shared
   // memory; the server's limits are RESOURCE_EXHAUSTED.
   virtual absl::Status RegisterSharedMemory(const SharedMemoryRegion& region) = 0;
+  // Releases a region registered here: later calls no longer use it, and a call still using it
+  // ends with NOT_FOUND at its next chunk (the server's status, which comes only once no job of
+  // that call touches the region). NOT_FOUND when `region` is not registered with this Client.
+  virtual absl::Status UnregisterSharedMemory(const SharedMemoryRegion& region) = 0;
 
   // grpc.health.v1.Health/Check for `service` ("" is the server as a whole).
   virtual absl::StatusOr<HealthStatus> Health(const std::string& service = "",
