@@ -152,9 +152,11 @@ stage_tsan() {
 # inputs found land in $dir/fuzz-corpus/<target>/ and the final cov:/ft:/exec/s on the log.
 # CI fuzzes a fixed number of inputs from a fixed seed, so a run is reproducible (the same build
 # explores the same inputs); each count takes well under a minute on 2 cores. FUZZ_SECONDS > 0 fuzzes by time instead.
-FUZZ_TARGETS=(backward_sequence_fuzzer npy_fuzzer ptx_parser_fuzzer preload_fuzzer emit_ptx_fuzzer)
+FUZZ_TARGETS=(backward_sequence_fuzzer npy_fuzzer ptx_parser_fuzzer preload_fuzzer emit_ptx_fuzzer
+  client_args_fuzzer)
 declare -A FUZZ_RUNS=([backward_sequence_fuzzer]=3000000 [npy_fuzzer]=5000000
-  [ptx_parser_fuzzer]=300000 [preload_fuzzer]=300000 [emit_ptx_fuzzer]=500000)
+  [ptx_parser_fuzzer]=300000 [preload_fuzzer]=300000 [emit_ptx_fuzzer]=500000
+  [client_args_fuzzer]=1000000)
 stage_fuzz() {
   local dir=${FUZZ_BUILD_DIR:-build-fuzz}
   CC=clang-14 CXX=clang++-14 cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \

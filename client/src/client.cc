@@ -28,6 +28,7 @@
 #include "client/src/chunking.h"
 #include "client/src/grpc_status.h"
 #include "client/src/health_wire.h"
+#include "client/src/raw_args.h"
 #include "client/src/shared_memory_transport.h"
 #include "normgrad/v1/normgrad.grpc.pb.h"
 
@@ -104,42 +105,6 @@ absl::Span<const uint8_t> AsBytes(absl::Span<const float> s) {
 }
 absl::Span<uint8_t> AsBytes(absl::Span<float> s) {
   return {reinterpret_cast<uint8_t*>(s.data()), s.size() * sizeof(float)};
-}
-
-absl::Status ValidateRaw(const RawBackwardArgs& a) {
-  const uint64_t elem = ElementBytes(a.type);
-  if (a.hidden_dim == 0) return absl::InvalidArgumentError("hidden_dim: must be > 0, got 0");
-  if (a.num_rows == 0) return absl::InvalidArgumentError("num_rows: must be > 0, got 0");
-  const uint64_t tensor = a.num_rows * a.hidden_dim * elem;
-  auto check = [](const char* name, uint64_t got, uint64_t want) {
-    if (got == want) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat(name, ": ", got, " bytes, expected ", want));
-  };
-  if (a.device.has_value()) {
-    const CudaIpcTensors& d = *a.device;
-    if (!a.x.empty() || !a.dy.empty() || !a.rms.empty() || !a.dx.empty()) {
-      return absl::InvalidArgumentError(
-          "device: set, so x, dy, rms and dx must be empty (they are in device memory)");
-    }
-    if (d.device_uuid.size() != 16) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("device.device_uuid: ", d.device_uuid.size(), " bytes, expected 16"));
-    }
-    absl::Status s = check("device.x.handle", d.x.handle.size(), 64);
-    if (s.ok()) s = check("device.dy.handle", d.dy.handle.size(), 64);
-    if (s.ok()) s = check("device.dx.handle", d.dx.handle.size(), 64);
-    if (s.ok() && d.rms.has_value()) s = check("device.rms.handle", d.rms->handle.size(), 64);
-    if (s.ok()) s = check("gamma", a.gamma.size(), a.hidden_dim * elem);
-    if (s.ok()) s = check("dgamma", a.dgamma.size(), a.hidden_dim * elem);
-    return s;
-  }
-  absl::Status s = check("x", a.x.size(), tensor);
-  if (s.ok()) s = check("dy", a.dy.size(), tensor);
-  if (s.ok()) s = check("gamma", a.gamma.size(), a.hidden_dim * elem);
-  if (s.ok() && !a.rms.empty()) s = check("rms", a.rms.size(), a.num_rows * 4);
-  if (s.ok()) s = check("dx", a.dx.size(), tensor);
-  if (s.ok()) s = check("dgamma", a.dgamma.size(), a.hidden_dim * elem);
-  return s;
 }
 
 class ClientImpl;

@@ -48,4 +48,8 @@ absl::Status CheckNamedKernel(const BatchSpec& spec) {
   return absl::OkStatus();
 }
 
+bool ReadsGivenRms(const BatchSpec& spec) {
+  return spec.rms_provided && spec.kernel != kBatchedKernel;
+}
+
 }  // namespace normgrad::server::backend_internal

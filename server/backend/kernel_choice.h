@@ -29,6 +29,11 @@ inline constexpr absl::string_view kRowResidentKernel = "rms_norm_backward_row_r
 // with the forward's rms but no valid eps (it recomputes rms whatever is given).
 absl::Status CheckNamedKernel(const BatchSpec& spec);
 
+// Whether the batch's kernel reads the forward's rms: given, and not the batched kernel (which
+// recomputes it from x and eps by its contract). Both backends ask this, so a request is
+// answered alike on each.
+bool ReadsGivenRms(const BatchSpec& spec);
+
 // A target every kernel supports for every dtype: whether a request is valid at all (as opposed
 // to valid but not on this GPU) is judged against it.
 inline constexpr int kProbeTargetSm = 90;

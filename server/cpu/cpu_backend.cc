@@ -45,6 +45,7 @@ class CpuBackwardSession : public BackwardSession {
         gamma_(std::move(gamma)),
         gamma_f64_(gamma_.begin(), gamma_.end()),
         pool_(pool),
+        reads_rms_(backend_internal::ReadsGivenRms(spec)),
         dgamma_sum_(spec.hidden_dim, 0.0) {}
 
   absl::Status ProcessChunk(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
@@ -73,7 +74,7 @@ class CpuBackwardSession : public BackwardSession {
       host_rows::RowBlock block;
       block.gamma = gamma_.data();
       block.gamma_f64 = gamma_f64_.data();
-      block.rms = spec_.rms_provided ? rms.data() + first : nullptr;
+      block.rms = reads_rms_ ? rms.data() + first : nullptr;
       block.dgamma = partial;
       block.num_rows = n;
       block.hidden_dim = h;
@@ -102,7 +103,7 @@ class CpuBackwardSession : public BackwardSession {
         block.x = sx;
         block.dy = sdy;
         block.dx = sdx;
-        block.rms = spec_.rms_provided ? rms.data() + first + done : nullptr;
+        block.rms = reads_rms_ ? rms.data() + first + done : nullptr;
         block.num_rows = m;
         host_rows::BackwardRowsF32(block);
         host_rows::ConvertFromF32(spec_.dtype, sdx, dx.data() + at, m * h);
@@ -139,6 +140,7 @@ class CpuBackwardSession : public BackwardSession {
   const std::vector<float> gamma_;
   const std::vector<double> gamma_f64_;  // promoted once per batch instead of per partition
   ThreadPool* const pool_;
+  const bool reads_rms_;  // the forward's rms is read (ReadsGivenRms), else recomputed
   std::vector<double> dgamma_sum_;  // the batch's grad_gamma so far
   std::vector<double> partials_;    // per partition of the current chunk
   uint64_t rows_done_ = 0;

@@ -238,7 +238,8 @@ struct StagingSlot {
 };
 
 // The backend's staging slots (cuda_backend.h): the pinned bytes of every slot, lent or idle,
-// stay within max_bytes, and so do the device bytes, except for one slot lent alone. Thread-safe.
+// stay within max_bytes, and so do the device bytes, except for one slot lent alone, which is
+// freed when it comes back. Thread-safe.
 class StagingPool {
  public:
   StagingPool(std::shared_ptr<const DeviceContext> ctx, uint64_t max_bytes)
@@ -304,11 +305,24 @@ class StagingPool {
     return slot;
   }
 
-  // A slot whose stream has no work left (synchronized), kept for reuse.
+  // A slot whose stream has no work left (synchronized), kept for reuse; but while the pool
+  // holds more than its bound (a slot lent alone above it), idle slots are freed, largest
+  // first, until it is back under the bound: a chunk larger than the bound does not leave its
+  // memory held after it is done.
   void Return(std::unique_ptr<StagingSlot> slot) {
     std::lock_guard<std::mutex> lock(mu_);
     idle_.push_back(std::move(slot));
     --lent_;
+    std::sort(idle_.begin(), idle_.end(), [](const auto& a, const auto& b) {
+      return a->host_bytes + a->device_bytes < b->host_bytes + b->device_bytes;
+    });
+    while (!idle_.empty() && !FitsLocked(0, 0)) {
+      std::unique_ptr<StagingSlot> largest = std::move(idle_.back());
+      idle_.pop_back();
+      host_held_ -= largest->host_bytes;
+      device_held_ -= largest->device_bytes;
+      Free(*largest);
+    }
     returned_.notify_all();
   }
 

@@ -163,6 +163,15 @@ absl::Status ValidateOptions(const ServerOptions& o) {
   if (o.batch.max_num_rows == 0) {
     return absl::InvalidArgumentError("--max-num-rows=0: must be > 0");
   }
+  // A batch's byte counts (rows x row bytes, and sums of a few of them) are computed in 64 bits
+  // throughout the service: the largest batch accepted must leave them room.
+  if (unsigned __int128 batch_bytes =
+          static_cast<unsigned __int128>(o.batch.max_num_rows) * o.batch.max_hidden_dim * 4;
+      batch_bytes > (uint64_t{1} << 60)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-num-rows=", o.batch.max_num_rows, " with --max-hidden-dim=",
+        o.batch.max_hidden_dim, " allows batches above 2^60 bytes of x; lower one of them"));
+  }
   // One row of x and dy (plus rms and framing) must fit in one message.
   const uint64_t one_row = 2 * uint64_t{o.batch.max_hidden_dim} * 4 + 4 + 64;
   if (one_row > o.max_message_bytes) {

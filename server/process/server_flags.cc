@@ -40,7 +40,8 @@ ABSL_FLAG(uint32_t, max_cuda_ipc_handles, 64,
           "first).");
 ABSL_FLAG(std::vector<std::string>, unix_allowed_uids, {},
           "User ids whose connections on the unix sockets may call the service (comma "
-          "separated); others get PERMISSION_DENIED naming their uid and pid. Empty: any user "
+          "separated): a peer of any other uid is closed at accept on the gRPC unix socket and "
+          "on the region socket (health, reflection and regions included). Empty: any user "
           "the socket file's mode lets connect. Needs plaintext unix sockets (not with "
           "--tls-cert).");
 ABSL_FLAG(std::string, unix_socket_mode, "0660",

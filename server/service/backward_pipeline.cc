@@ -503,6 +503,21 @@ absl::StatusOr<DeviceRows> BackwardPipeline::OpenDeviceRows(
     *address = (*opened)->address + buffer->offset();
     held.push_back(*std::move(opened));
   }
+  // Two handles can name one allocation (bytes the driver ignores differ): only the device
+  // addresses they open at tell whether grad_input overlaps what is read while it is written.
+  const std::tuple<const char*, uint64_t, uint64_t> inputs[] = {
+      {"cuda_ipc.x", rows.x, bytes},
+      {"cuda_ipc.dy", rows.dy, bytes},
+      {"cuda_ipc.rms", rows.rms, rms_provided ? chunk.num_rows * 4 : 0}};
+  for (const auto& [field, address, in_bytes] : inputs) {
+    if (in_bytes == 0) continue;
+    if (rows.dx < address + in_bytes && address < rows.dx + bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, "cuda_ipc.grad_input (", bytes, " bytes at device address 0x",
+          absl::Hex(rows.dx), ") overlaps ", field, " (", in_bytes, " bytes at 0x",
+          absl::Hex(address), "): their handles name the same device memory"));
+    }
+  }
   return rows;
 }
 

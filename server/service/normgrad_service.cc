@@ -170,6 +170,7 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
         }
       } else {
         call_cancelled = context_->IsCancelled();
+        read_failed_uncancelled_ = !call_cancelled;
       }
     }
     Apply(pipeline_.OnReadDone(ok, call_cancelled));
@@ -178,7 +179,19 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   void OnCancel() override { Apply(pipeline_.OnCancel()); }
 
   void OnDone() override {
-    const StreamTotals t = pipeline_.OnDone();
+    StreamTotals t = pipeline_.OnDone();
+    {
+      // A read that failed while the call stood, and a call cancelled before our status got
+      // through: gRPC refused the message itself (above --max-message-bytes) and told the client
+      // RESOURCE_EXHAUSTED, not the "stream ended early" we decided. A client's cancel or
+      // deadline fails the read with the call already cancelled, and a half-close leaves the
+      // call standing, so neither is counted here.
+      std::lock_guard<std::mutex> lock(read_mu_);
+      if (read_failed_uncancelled_ && t.code == absl::StatusCode::kInvalidArgument &&
+          context_->IsCancelled()) {
+        t.code = absl::StatusCode::kResourceExhausted;
+      }
+    }
     {
       // After this, gRPC may free context_: a watchdog cancel must not touch it (Apply).
       std::lock_guard<std::recursive_mutex> lock(context_mu_);
@@ -280,6 +293,7 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   bool done_ = false;  // OnDone ran; guarded by context_mu_
   std::mutex read_mu_;  // see OnReadDone
   grpc::ByteBuffer read_buffer_;   // owned by the read in flight; parsed under read_mu_
+  bool read_failed_uncancelled_ = false;  // a read failed with the call standing; read_mu_
   std::atomic<v1::BackwardRequest*> read_into_{nullptr};  // where that read's message is parsed
   grpc::ByteBuffer write_buffer_;  // owned by the write in flight
 };
@@ -412,6 +426,7 @@ grpc::ServerUnaryReactor* NormGradService::GetServerInfo(grpc::CallbackServerCon
   limits->set_max_message_bytes(env_->config.max_message_bytes);
   limits->set_stream_idle_timeout_seconds(
       absl::ToDoubleSeconds(env_->config.stream_idle_timeout));
+  limits->set_max_streams_per_client(env_->admission->streams_per_client());
   ToProto(env_->backend->CacheStats(), response->mutable_cache());
   ToProto(env_->ptx->CacheStats(), response->mutable_ptx_cache());
   response->set_nvjitlink_available(env_->ptx->has_nvjitlink());
@@ -420,6 +435,8 @@ grpc::ServerUnaryReactor* NormGradService::GetServerInfo(grpc::CallbackServerCon
     shm->set_enabled(true);
     shm->set_max_regions(env_->regions->limits().max_regions);
     shm->set_max_region_bytes(env_->regions->limits().max_bytes);
+    shm->set_max_regions_per_user(env_->regions->limits().max_regions_per_user);
+    shm->set_max_region_bytes_per_user(env_->regions->limits().max_bytes_per_user);
   }
   if (env_->cuda_ipc) {
     v1::CudaIpcInfo* ipc = response->mutable_cuda_ipc();

@@ -1,4 +1,4 @@
-// The client's gRPC-free parts: chunk planning, target resolution and service config, the hand
+// The client's gRPC-free parts: argument validation, chunk planning, target resolution and service config, the hand
 // encoding of grpc.health.v1 messages, and the status conversion.
 #include <set>
 
@@ -6,6 +6,7 @@
 #include "client/src/chunking.h"
 #include "client/src/grpc_status.h"
 #include "client/src/health_wire.h"
+#include "client/src/raw_args.h"
 #include "gtest/gtest.h"
 #include "normgrad/client.h"
 
@@ -178,6 +179,37 @@ TEST(ClientCreateTest, RefusesBearerTokenOverPlaintextUnlessLoopbackOrUnix) {
     absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(options);
     EXPECT_TRUE(client.ok()) << target << ": " << client.status();
   }
+}
+
+// num_rows * hidden_dim * 4 wraps to 128 bytes for num_rows = 2^60 + 8, hidden_dim = 4: a check
+// on the wrapped product would accept 128-byte buffers and the client would read far past them.
+TEST(ValidateRawTest, SizeProductsThatOverflowAreInvalidArgumentNotAWrappedMatch) {
+  std::vector<uint8_t> x(128), dy(128), dx(128), gamma(16), dgamma(16);
+  RawBackwardArgs a;
+  a.type = ElementType::kF32;
+  a.num_rows = (uint64_t{1} << 60) + 8;
+  a.hidden_dim = 4;
+  a.x = x;
+  a.dy = dy;
+  a.dx = absl::MakeSpan(dx);
+  a.gamma = gamma;
+  a.dgamma = absl::MakeSpan(dgamma);
+  absl::Status s = ValidateRaw(a);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("overflow"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("1152921504606846984"), std::string::npos) << s;
+
+  // rms's own product: num_rows * 4 wraps at 2^62 even when the tensors would not (bf16, 1 wide).
+  a.type = ElementType::kBF16;
+  a.hidden_dim = 1;
+  a.num_rows = (uint64_t{1} << 62) + 1;
+  EXPECT_EQ(ValidateRaw(a).code(), absl::StatusCode::kInvalidArgument);
+
+  // The same buffers with counts that fit are accepted: the check is the overflow, not the size.
+  a.type = ElementType::kF32;
+  a.num_rows = 8;
+  a.hidden_dim = 4;
+  EXPECT_TRUE(ValidateRaw(a).ok()) << ValidateRaw(a);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -308,10 +309,57 @@ TEST_F(SharedMemoryTest, OnlySealedMemfdsAreTakenSoNobodyCanTruncateAMappedRegio
   EXPECT_EQ(server_->regions()->Stats().refused, 2u);
 }
 
+// Pages are charged to the memory cgroup of the process that allocates them. The library
+// allocates every page of its regions; the server takes no region with a page unallocated and
+// computes no chunk after a page was given back (a hole punched), so a client's untouched pages
+// never become the server's memory: st_blocks, the memfd's allocated pages, is the proof.
+TEST_F(SharedMemoryTest, TheServerNeverAllocatesAClientsPages) {
+  auto blocks = [](int fd) {
+    struct stat st;
+    EXPECT_EQ(fstat(fd, &st), 0);
+    return static_cast<uint64_t>(st.st_blocks) * 512;
+  };
+  // The library's regions are allocated whole before anyone maps them.
+  auto region = *SharedMemoryRegion::Create(1 << 20);
+  EXPECT_GE(blocks(region->fd()), uint64_t{1} << 20);
+
+  // A sparse memfd (ftruncate only) is refused at registration.
+  const int sparse = memfd_create("sparse", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_EQ(ftruncate(sparse, 1 << 20), 0);
+  ASSERT_EQ(fcntl(sparse, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  absl::StatusOr<server::RegionGrant> g =
+      server_->regions()->Register(server::OwnedFd(sparse), {.connection = 999});
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kFailedPrecondition) << g.status();
+  EXPECT_THAT(g.status().message(), HasSubstr("0 of the region's 1048576 bytes are allocated"));
+
+  // A registered region whose grad_input pages were given back after registration: the chunk is
+  // refused and the pages stay unallocated (the server wrote nothing there).
+  const server::RegionGrant grant = RegisterDirect(*server_, *region);
+  const uint64_t dx_at = 512 << 10;
+  ASSERT_EQ(fallocate(region->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                      static_cast<off_t>(dx_at), 256 << 10),
+            0);
+  const uint64_t allocated = blocks(region->fd());
+  ASSERT_LT(allocated, uint64_t{1} << 20);
+  v1::BackwardRequest m;
+  v1::SharedMemoryChunk* c = m.mutable_shm();
+  c->set_region_id(grant.id);
+  c->set_region_key(reinterpret_cast<const char*>(grant.key.data()), grant.key.size());
+  c->set_num_rows(2);
+  c->set_x_offset(0);
+  c->set_dy_offset(4096);
+  c->set_grad_input_offset(dx_at);
+  auto stub = UnixStub();
+  const grpc::Status st = Send(*stub, {Header(2, 64), m});
+  EXPECT_EQ(st.error_code(), grpc::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("bytes are allocated"));
+  EXPECT_EQ(blocks(region->fd()), allocated);
+}
+
 TEST_F(SharedMemoryTest, RegionsGoWhenTheirClientGoesAndLimitsHold) {
   {
     auto client = Connect();
-    auto huge = *SharedMemoryRegion::Create(300ull << 20);  // sparse: no memory used
+    auto huge = *SharedMemoryRegion::Create(300ull << 20);  // allocated, never touched
     EXPECT_THAT(client->RegisterSharedMemory(*huge).message(),
                 HasSubstr("exceeds --shared-memory-max-bytes=268435456"));
     std::vector<std::unique_ptr<SharedMemoryRegion>> regions;

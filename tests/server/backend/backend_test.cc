@@ -392,6 +392,18 @@ TEST_F(BackendRefusalTest, BatchedKernelWithRmsAndNoEpsIsInvalidArgument) {
   ExpectInvalidArgument(StartStatus(), "recomputes rms from x and eps");
 }
 
+// The batched kernel's contract: rms is recomputed from x and eps, a given rms is not read. Both
+// backends answer one request alike: a given rms twice the true one changes nothing.
+TEST_F(BackendRefusalTest, BatchedKernelIgnoresAGivenRmsOnEveryBackend) {
+  Batch b = MakeBatch(7, 48, /*with_rms=*/true);
+  for (float& r : b.rms) r *= 2.0f;
+  absl::StatusOr<Gradients> got = RunF32(*backend_, b, 3, "batched_rms_norm_backward");
+  ASSERT_TRUE(got.ok()) << got.status();
+  Batch recomputed = b;
+  recomputed.rms.clear();
+  ExpectNearReference(recomputed, *got);
+}
+
 TEST_F(BackendRefusalTest, RmsThatIsNotFiniteAndPositiveIsInvalidArgumentNamingTheRow) {
   for (float bad : {0.0f, -0.0f, -1.5f, std::nanf(""), INFINITY, -INFINITY}) {
     Batch b = MakeBatch(4, 8, /*with_rms=*/true);

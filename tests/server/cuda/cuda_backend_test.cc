@@ -538,6 +538,25 @@ TEST(CudaBackendTest, ConcurrentChunksStayWithinTheStagingBound) {
   ExpectRunNearReference(*cuda, b, 16);
 }
 
+// A chunk larger than the staging bound gets a slot of its own (lent alone above the bound); once
+// it is done the pool is back within its bound: the backend does not keep that memory.
+TEST(CudaBackendTest, ASlotAboveTheBoundIsFreedWhenItsChunkIsDone) {
+  const Batch b = MakeBatch(64, 512, false);
+  const uint64_t bound = 64 * 1024;  // a 64-row chunk stages 3 x 128 KiB
+  std::unique_ptr<Backend> cuda = ScriptedCuda(bound);
+  ASSERT_NE(cuda, nullptr);
+  const size_t pinned_before = PinnedBytes(), device_before = DeviceBytes();
+  ResetCounters();
+  ExpectRunNearReference(*cuda, b, 64);
+  EXPECT_GT(PeakDeviceBytes() - device_before, bound);  // the chunk did get its slot
+  EXPECT_LE(PinnedBytes() - pinned_before, bound);
+  EXPECT_LE(DeviceBytes() - device_before, bound);
+  // And a chunk under the bound still reuses an idle slot afterwards.
+  ExpectRunNearReference(*cuda, b, 8);
+  ExpectRunNearReference(*cuda, b, 8);
+  EXPECT_LE(DeviceBytes() - device_before, bound);
+}
+
 // The chunk pipeline, on a driver that runs a stream's work only when the host waits for that
 // stream (deferred): a chunk cut into pieces of 4 rows (4 KiB of x at hidden 256) keeps both of
 // its slot's streams busy at once, and every dx and grad_gamma is still right, so no piece's

@@ -263,6 +263,17 @@ TEST_F(CudaIpcTest, BadBuffersAreRefusedNamingTheFieldAndTheServerKeepsServing) 
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_THAT(s.message(), HasSubstr("overlaps cuda_ipc.x.offset = 0"));
 
+  // The same allocation through a second handle (a byte the driver does not read differs): the
+  // handles' bytes differ, the device memory is the same, and grad_input over x is refused.
+  s = call([&](CudaIpcTensors& t) {
+    t.dx.handle = t.x.handle;
+    t.dx.handle[63] ^= 0x5a;
+    t.dx.offset = bytes / 2;
+  });
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("cuda_ipc.grad_input ("));
+  EXPECT_THAT(s.message(), HasSubstr("overlaps cuda_ipc.x"));
+
   // A buffer freed before the server opened it: the driver refuses its handle.
   const TestDriver::Ptr gone = Alloc(3 * bytes);
   const CudaIpcBuffer gone_buffer = Export(gone);

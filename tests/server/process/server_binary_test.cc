@@ -222,6 +222,7 @@ TEST(ServerBinaryTest, BadFlagValuesExitTwoNamingTheFlagAndValue) {
       {{"--max-streams=0"}, "--max-streams=0"},
       {{"--max-message-bytes=10"}, "--max-message-bytes=10"},
       {{"--max-hidden-dim=10000000"}, "--max-message-bytes=4194304"},
+      {{"--max-num-rows=18446744073709551615"}, "--max-num-rows=18446744073709551615"},
       {{"--max-inflight-bytes=1"}, "--max-inflight-bytes=1"},
       {{"--max-streams-per-connection=0"}, "--max-streams-per-connection=0"},
       {{"--stream-idle-timeout=-1s"}, "--stream-idle-timeout=-1s"},

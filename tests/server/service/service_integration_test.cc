@@ -476,6 +476,32 @@ TEST_F(ServiceIdleTest, StreamWhoseClientStopsReadingIsCancelledByTheIdleTimeout
   ExpectMatchesReference(*stub_, testing::RandomBatch(30, 8, 30), 7);
 }
 
+// gRPC itself refuses a message above --max-message-bytes (RESOURCE_EXHAUSTED, "larger than
+// max"); the server's own count of the call must say what the client saw.
+TEST_F(ServiceTest, AMessageOverTheSizeLimitIsCountedAsTheClientSawIt) {
+  const testing::Batch b = testing::RandomBatch(10, 8, 31);
+  auto counts = [&] {
+    int code = 0;
+    return testing::ParsePrometheusText(
+        testing::HttpGet(server_->metrics_port(), "/metrics", &code), nullptr);
+  };
+  const std::string exhausted =
+      "normgrad_requests_total{method=\"RmsNormBackward\",code=\"RESOURCE_EXHAUSTED\"}";
+  const std::string invalid =
+      "normgrad_requests_total{method=\"RmsNormBackward\",code=\"INVALID_ARGUMENT\"}";
+  auto before = counts();
+  v1::BackwardRequest big;
+  big.set_x(std::string(3 << 20, '\0'));
+  big.set_dy(std::string(3 << 20, '\0'));
+  grpc::Status s = testing::SendMessages(*stub_, {testing::HeaderFor(b), big});
+  ASSERT_EQ(s.error_code(), grpc::RESOURCE_EXHAUSTED) << s.error_message();
+  ASSERT_TRUE(WaitFor([&] { return server_->live_streams() == 0; }, absl::Seconds(30)));
+  auto after = counts();
+  EXPECT_EQ(after[exhausted] - before[exhausted], 1);
+  EXPECT_EQ(after[invalid] - before[invalid], 0);
+  EXPECT_EQ(after["normgrad_inflight_bytes"], 0);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Reflection
 
@@ -842,6 +868,33 @@ TEST(ServiceEmitPtxTest, ConcurrentIdenticalRequestsCompileOnce) {
   EXPECT_EQ(stats.compile_failures(), 0u);
 }
 
+// A client can only keep to its shares if it can read them: the per-client stream share and the
+// per-user region shares are in GetServerInfo.
+TEST(ServiceInfoTest, ServerInfoReportsThePerClientAndPerUserShares) {
+  const std::string dir = absl::StrCat("/tmp/normgrad-svc-shares-", getpid());
+  ASSERT_EQ(mkdir(dir.c_str(), 0700), 0);
+  ServerOptions options = testing::TestServerOptions();
+  options.admission.max_streams = 8;
+  options.admission.max_streams_per_client = 3;
+  options.listen.push_back("unix:" + dir + "/grpc.sock");
+  options.shared_memory = true;
+  options.regions.max_regions = 10;
+  options.regions.max_regions_per_user = 4;
+  options.regions.max_bytes = 1 << 30;
+  options.regions.max_bytes_per_user = 1 << 28;
+  std::unique_ptr<NormGradServer> server = StartServer(options);
+  ASSERT_NE(server, nullptr);
+  auto stub = testing::StubFor(server->port());
+  const v1::GetServerInfoResponse info = Info(*stub);
+  EXPECT_EQ(info.limits().max_concurrent_streams(), 8u);
+  EXPECT_EQ(info.limits().max_streams_per_client(), 3u);
+  EXPECT_TRUE(info.shared_memory().enabled());
+  EXPECT_EQ(info.shared_memory().max_regions_per_user(), 4u);
+  EXPECT_EQ(info.shared_memory().max_region_bytes_per_user(), uint64_t{1} << 28);
+  server.reset();
+  std::filesystem::remove_all(dir);
+}
+
 TEST_F(ServiceTest, ServerInfoDescribesBackendLimitsKernelsAndCaches) {
   const v1::GetServerInfoResponse info = Info(*stub_);
   EXPECT_FALSE(info.version().empty());
@@ -923,6 +976,8 @@ TEST(ServiceSharedMemoryTest, ChunksInARegionAreComputedInPlaceStraightFromTheRe
   const int fd = memfd_create("test-region", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   ASSERT_GE(fd, 0);
   ASSERT_EQ(ftruncate(fd, static_cast<off_t>(3 * bytes)), 0);
+  // The server refuses a region whose pages are not all allocated (it would be charged for them).
+  ASSERT_EQ(posix_fallocate(fd, 0, static_cast<off_t>(3 * bytes)), 0);
   ASSERT_EQ(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
   auto* base = static_cast<uint8_t*>(mmap(nullptr, 3 * bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
   ASSERT_NE(base, MAP_FAILED);
