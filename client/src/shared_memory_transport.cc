@@ -107,7 +107,18 @@ absl::Status SharedMemoryTransport::ConnectLocked() {
         " (is the server started with --shared-memory?)"));
   }
   fd_ = fd;
+  ++connection_;
   return absl::OkStatus();
+}
+
+void SharedMemoryTransport::DisconnectLocked() {
+  if (fd_ >= 0) close(fd_);
+  fd_ = -1;
+  abandoned_.clear();
+  registered_.clear();  // later calls stage their tensors, or the caller registers again
+  std::lock_guard<std::mutex> lock(pool_->mu);
+  pool_->free.clear();
+  pool_->to_release.clear();
 }
 
 absl::StatusOr<v1::RegionReply> SharedMemoryTransport::AwaitReplyLocked(uint64_t request_id) {
@@ -134,8 +145,10 @@ absl::StatusOr<v1::RegionReply> SharedMemoryTransport::AwaitReplyLocked(uint64_t
     const ssize_t n = recv(fd_, bytes, sizeof(bytes), MSG_TRUNC | MSG_DONTWAIT);
     if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
     if (n <= 0) {
-      return absl::UnavailableError(absl::StrCat(
-          "region socket: ", n == 0 ? "connection closed by the server" : std::strerror(errno)));
+      const std::string why = n == 0 ? "connection closed by the server" : std::strerror(errno);
+      DisconnectLocked();
+      return absl::UnavailableError(absl::StrCat("region socket: ", why,
+                                                 " (the next registration connects again)"));
     }
     v1::RegionReply reply;
     if (static_cast<size_t>(n) > sizeof(bytes) || !reply.ParseFromArray(bytes, static_cast<int>(n))) {
@@ -154,17 +167,19 @@ void SharedMemoryTransport::SendReleaseLocked(uint64_t region_id) {
   request.set_release_region_id(region_id);
   request.set_request_id(next_request_id_++);  // its reply is dropped (AwaitReplyLocked)
   const std::string bytes = request.SerializeAsString();
-  (void)send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (fd_ >= 0) (void)send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
 void SharedMemoryTransport::SendReleasesLocked() {
-  std::vector<uint64_t> ids;
+  std::vector<std::pair<uint64_t, uint64_t>> ids;
   {
     std::lock_guard<std::mutex> lock(pool_->mu);
     ids.swap(pool_->to_release);
   }
-  if (fd_ < 0) return;  // no connection: the regions went with the one they were registered on
-  for (uint64_t id : ids) SendReleaseLocked(id);
+  // A region of an earlier connection went with it.
+  for (const auto& [id, connection] : ids) {
+    if (fd_ >= 0 && connection == connection_) SendReleaseLocked(id);
+  }
 }
 
 absl::StatusOr<SharedMemoryTransport::Registered> SharedMemoryTransport::RegisterLocked(
@@ -190,7 +205,9 @@ absl::StatusOr<SharedMemoryTransport::Registered> SharedMemoryTransport::Registe
   const int fd = region.fd();
   std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
   if (sendmsg(fd_, &msg, MSG_NOSIGNAL) < 0) {
-    return absl::UnavailableError(absl::StrCat("sending the region: ", std::strerror(errno)));
+    const int err = errno;
+    if (err == EPIPE || err == ECONNRESET || err == ENOTCONN) DisconnectLocked();
+    return absl::UnavailableError(absl::StrCat("sending the region: ", std::strerror(err)));
   }
   absl::StatusOr<v1::RegionReply> answer = AwaitReplyLocked(request_id);
   if (!answer.ok()) {
@@ -201,7 +218,16 @@ absl::StatusOr<SharedMemoryTransport::Registered> SharedMemoryTransport::Registe
   if (reply.code() != 0) {
     return absl::Status(static_cast<absl::StatusCode>(reply.code()), reply.message());
   }
-  return Registered{&region, reply.region_id(), reply.region_key()};
+  // A grant is taken only for this region as the server mapped it: its size and a whole key.
+  if (reply.region_key().size() != 16 || reply.size_bytes() != region.size() ||
+      reply.region_id() == 0) {
+    SendReleaseLocked(reply.region_id());
+    return absl::InternalError(absl::StrCat(
+        "registering a shared-memory region: the server's grant does not fit the region (",
+        reply.size_bytes(), " bytes for a region of ", region.size(), ", a key of ",
+        reply.region_key().size(), " bytes, id ", reply.region_id(), "); not used"));
+  }
+  return Registered{&region, reply.region_id(), reply.region_key(), connection_};
 }
 
 absl::Status SharedMemoryTransport::Register(const SharedMemoryRegion& region) {
@@ -220,8 +246,9 @@ absl::Status SharedMemoryTransport::Unregister(const SharedMemoryRegion& region)
     return absl::NotFoundError("UnregisterSharedMemory: the region is not registered here");
   }
   const uint64_t id = it->id;
+  const bool on_this_connection = it->connection == connection_;
   registered_.erase(it);  // no later call plans with it, whatever the server answers
-  if (fd_ < 0) return absl::OkStatus();
+  if (fd_ < 0 || !on_this_connection) return absl::OkStatus();
   const uint64_t request_id = next_request_id_++;
   v1::RegionRequest request;
   request.set_release_region_id(id);
@@ -258,8 +285,9 @@ absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryTransport::TakeS
   {
     std::lock_guard<std::mutex> lock(pool_->mu);
     auto& free = pool_->free;
-    auto it = std::find_if(free.begin(), free.end(),
-                           [&](const auto& e) { return e.first->size() >= bytes; });
+    auto it = std::find_if(free.begin(), free.end(), [&](const auto& e) {
+      return e.first->size() >= bytes && e.second.connection == connection_;
+    });
     if (it != free.end()) {
       region = std::move(it->first);
       *registered = it->second;
@@ -284,7 +312,8 @@ absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryTransport::TakeS
         std::unique_ptr<SharedMemoryRegion> owned(r);
         std::lock_guard<std::mutex> lock(pool->mu);
         if (discard->load()) {
-          pool->to_release.push_back(entry.id);  // unmapped and closed here as `owned` goes
+          // Unmapped and closed here as `owned` goes.
+          pool->to_release.emplace_back(entry.id, entry.connection);
         } else {
           pool->free.emplace_back(std::move(owned), entry);
         }
@@ -295,6 +324,7 @@ absl::StatusOr<std::optional<ShmPlan>> SharedMemoryTransport::Plan(const RawBack
   if (mode_ == Transport::kBytes) return std::optional<ShmPlan>();
   std::unique_lock<std::mutex> lock(mu_);
   for (const Registered& r : registered_) {
+    if (r.connection != connection_) continue;  // went with an earlier connection
     const SharedMemoryRegion& region = *r.region;
     if (region.Contains(a.x.data(), a.x.size()) && region.Contains(a.dy.data(), a.dy.size()) &&
         region.Contains(a.dx.data(), a.dx.size()) &&

@@ -61,8 +61,12 @@ class SharedMemoryTransport {
     const SharedMemoryRegion* region;
     uint64_t id;
     std::string key;
+    uint64_t connection = 0;  // the connection it was registered on (connection_)
   };
   absl::Status ConnectLocked();
+  // The connection is gone (closed by the server, or broken): its regions went with it on the
+  // server. Forgets them; the next registration connects again.
+  void DisconnectLocked();
   absl::StatusOr<Registered> RegisterLocked(const SharedMemoryRegion& region);
   // Waits for the reply to request `request_id`, up to reply_timeout_. Replies to other requests
   // are dropped: a late one to an abandoned registration gets its region released.
@@ -80,6 +84,7 @@ class SharedMemoryTransport {
   const absl::Duration reply_timeout_;
   std::mutex mu_;
   int fd_ = -1;                       // the region socket connection (guarded by mu_)
+  uint64_t connection_ = 0;           // counts connections made; guarded by mu_
   uint64_t next_request_id_ = 1;      // guarded by mu_
   // Registrations given up on (no reply in time), by request id (guarded by mu_).
   absl::flat_hash_set<uint64_t> abandoned_;
@@ -90,7 +95,8 @@ class SharedMemoryTransport {
   struct StagingPool {
     std::mutex mu;
     std::vector<std::pair<std::unique_ptr<SharedMemoryRegion>, Registered>> free;
-    std::vector<uint64_t> to_release;  // ids of discarded staging regions, still registered
+    // Discarded staging regions, still registered: (region id, connection).
+    std::vector<std::pair<uint64_t, uint64_t>> to_release;
   };
   std::shared_ptr<StagingPool> pool_ = std::make_shared<StagingPool>();
 };

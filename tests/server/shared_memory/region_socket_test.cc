@@ -1,0 +1,221 @@
+// The region socket and registry against raw clients in the test: the uid allow-list closes a
+// peer it does not list at accept (nothing is registered for it), connections are bounded in all
+// and per user, a 0-byte datagram is a message (not a close), and the per-user shares of
+// regions and bytes keep one user from locking out another.
+#include "server/shared_memory/region_socket.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "normgrad/v1/normgrad.pb.h"
+#include "server/shared_memory/region_registry.h"
+
+namespace normgrad::server {
+namespace {
+
+using ::testing::HasSubstr;
+
+RegionSocketOptions Options(std::vector<uint32_t> allowed_uids, uint32_t max_connections = 256,
+                            uint32_t max_connections_per_user = 128) {
+  RegionSocketOptions o;
+  o.allowed_uids = std::move(allowed_uids);
+  o.max_connections = max_connections;
+  o.max_connections_per_user = max_connections_per_user;
+  return o;
+}
+
+RegionOwner Owner(uint64_t connection, uid_t uid) {
+  RegionOwner o;
+  o.connection = connection;
+  o.uid = uid;
+  return o;
+}
+
+// A sealed, allocated memfd of `bytes`, as the client library makes them.
+int AllocatedMemfd(uint64_t bytes) {
+  const int fd = memfd_create("region-socket-test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  EXPECT_GE(fd, 0);
+  EXPECT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
+  EXPECT_EQ(posix_fallocate(fd, 0, static_cast<off_t>(bytes)), 0);
+  EXPECT_EQ(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  return fd;
+}
+
+class RegionSocketTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char dir[] = "/tmp/normgrad-region-socket-XXXXXX";
+    ASSERT_NE(mkdtemp(dir), nullptr);
+    dir_ = dir;
+  }
+  void TearDown() override {
+    socket_.reset();
+    rmdir(dir_.c_str());
+  }
+  void Start(RegionSocketOptions options, RegionLimits limits = {}) {
+    registry_ = std::make_unique<RegionRegistry>(limits);
+    options.refused_peers = &refused_peers_;
+    options.refused_over_bound = &refused_over_bound_;
+    absl::StatusOr<std::unique_ptr<RegionSocket>> s =
+        RegionSocket::Start(dir_ + "/grpc.sock.shm", options, registry_.get());
+    ASSERT_TRUE(s.ok()) << s.status();
+    socket_ = *std::move(s);
+  }
+  int Connect() {
+    const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    const std::string path = socket_->path();
+    std::memcpy(addr.sun_path, path.data(), path.size());
+    EXPECT_EQ(connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+    return fd;
+  }
+  // Sends a registration of a new `bytes` region; the connection's reply, or nullopt when the
+  // server closed the connection (or said nothing within 5 s).
+  static std::optional<v1::RegionReply> Register(int conn, uint64_t bytes, uint64_t request_id) {
+    v1::RegionRequest request;
+    request.set_register_region(true);
+    request.set_request_id(request_id);
+    const std::string wire = request.SerializeAsString();
+    const int region = AllocatedMemfd(bytes);
+    iovec iov{const_cast<char*>(wire.data()), wire.size()};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(c), &region, sizeof(int));
+    const ssize_t sent = sendmsg(conn, &msg, MSG_NOSIGNAL);
+    close(region);
+    if (sent < 0) return std::nullopt;
+    return Await(conn);
+  }
+  static std::optional<v1::RegionReply> Await(int conn) {
+    pollfd p{conn, POLLIN, 0};
+    if (poll(&p, 1, 5000) != 1) return std::nullopt;
+    char bytes[4096];
+    const ssize_t n = recv(conn, bytes, sizeof(bytes), 0);
+    if (n <= 0) return std::nullopt;  // closed (0) or reset
+    v1::RegionReply reply;
+    EXPECT_TRUE(reply.ParseFromArray(bytes, static_cast<int>(n)));
+    return reply;
+  }
+
+  std::string dir_;
+  std::unique_ptr<RegionRegistry> registry_;
+  std::unique_ptr<RegionSocket> socket_;
+  std::atomic<uint64_t> refused_peers_{0}, refused_over_bound_{0};
+};
+
+TEST_F(RegionSocketTest, APeerTheAllowListDoesNotNameIsClosedAtAcceptAndRegistersNothing) {
+  Start(Options({getuid() + 1}));
+  const int conn = Connect();
+  EXPECT_EQ(Register(conn, 4096, 1), std::nullopt);
+  close(conn);
+  EXPECT_GE(refused_peers_.load(), 1u);
+  EXPECT_EQ(registry_->Stats().regions, 0u);
+  EXPECT_EQ(registry_->Stats().registered, 0u);
+}
+
+TEST_F(RegionSocketTest, APeerTheAllowListNamesRegisters) {
+  Start(Options({getuid() + 1, getuid()}));
+  const int conn = Connect();
+  std::optional<v1::RegionReply> reply = Register(conn, 4096, 7);
+  ASSERT_TRUE(reply.has_value());
+  EXPECT_EQ(reply->code(), 0) << reply->message();
+  EXPECT_EQ(reply->request_id(), 7u);
+  EXPECT_EQ(reply->size_bytes(), 4096u);
+  EXPECT_EQ(refused_peers_.load(), 0u);
+  close(conn);
+}
+
+// One user holds its share of connections; another connection of the same user is closed at
+// accept, and closing one makes room again.
+TEST_F(RegionSocketTest, ConnectionsPastAUsersShareAreClosedAtAccept) {
+  Start(Options({}, 8, 2));
+  const int a = Connect(), b = Connect();
+  ASSERT_TRUE(Register(a, 4096, 1).has_value());
+  ASSERT_TRUE(Register(b, 4096, 1).has_value());
+  const int c = Connect();
+  EXPECT_EQ(Register(c, 4096, 1), std::nullopt);
+  EXPECT_GE(refused_over_bound_.load(), 1u);
+  close(c);
+  close(a);
+  // a's region goes with its connection; then a new connection fits the share again.
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (registry_->Stats().regions != 1 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(registry_->Stats().regions, 1u);
+  const int d = Connect();
+  EXPECT_TRUE(Register(d, 4096, 2).has_value());
+  close(b);
+  close(d);
+}
+
+// A 0-byte datagram is a message that does not parse as a request, not an end of the
+// connection: the connection and its regions stay.
+TEST_F(RegionSocketTest, AnEmptyDatagramIsNotACloseAndKeepsTheConnectionsRegions) {
+  Start(Options({}));
+  const int conn = Connect();
+  ASSERT_TRUE(Register(conn, 4096, 1).has_value());
+  ASSERT_EQ(send(conn, "", 0, MSG_NOSIGNAL), 0);
+  (void)Await(conn);  // whatever it says of the empty message
+  std::optional<v1::RegionReply> again = Register(conn, 8192, 2);
+  ASSERT_TRUE(again.has_value());
+  EXPECT_EQ(again->code(), 0) << again->message();
+  EXPECT_EQ(again->request_id(), 2u);
+  EXPECT_EQ(registry_->Stats().regions, 2u);
+  close(conn);
+}
+
+// One user at its shares of regions and bytes is refused, naming the flag; another user still
+// registers: no user can lock out another.
+TEST(RegionRegistryTest, PerUserSharesRefuseOneUserAndLeaveRoomForAnother) {
+  RegionRegistry registry({.max_regions = 8,
+                           .max_bytes = 1 << 24,
+                           .max_regions_per_user = 3,
+                           .max_bytes_per_user = 1 << 20});
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(registry.Register(OwnedFd(AllocatedMemfd(4096)), Owner(1, 1000))
+                    .ok());
+  }
+  absl::StatusOr<RegionGrant> g =
+      registry.Register(OwnedFd(AllocatedMemfd(4096)), Owner(1, 1000));
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(g.status().message(), HasSubstr("uid:1000 holds 3 shared-memory regions"));
+  EXPECT_THAT(g.status().message(), HasSubstr("--shared-memory-max-regions-per-user=3"));
+  g = registry.Register(OwnedFd(AllocatedMemfd(2 << 20)), Owner(2, 2000));
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(g.status().message(), HasSubstr("--shared-memory-max-bytes-per-user=1048576"));
+  EXPECT_TRUE(registry.Register(OwnedFd(AllocatedMemfd(4096)), Owner(2, 2000))
+                  .ok());
+  EXPECT_EQ(registry.Stats().regions, 4u);
+  // Released regions give the share back.
+  EXPECT_EQ(registry.ReleaseOwner(1), 3);
+  EXPECT_TRUE(registry.Register(OwnedFd(AllocatedMemfd(4096)), Owner(3, 1000))
+                  .ok());
+}
+
+}  // namespace
+}  // namespace normgrad::server
