@@ -8,13 +8,20 @@
 #include <sys/wait.h>
 
 #include <cmath>
+#include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <future>
+#include <map>
+#include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
@@ -310,6 +317,143 @@ TEST_F(CudaIpcTest, WithoutTheFlagOrWithoutAGpuCudaIpcIsRefused) {
   ASSERT_TRUE(status.has_value());
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) != 0);
   EXPECT_THAT(cpu.Stderr(), HasSubstr("--cuda-ipc: the cpu backend cannot open"));
+}
+
+// The randomized schedule of tests/client/schedule_test.cc over CUDA IPC: calls on buffers in
+// the client's device memory, at a new random layout in one allocation for every call (so an
+// earlier call's grad_input range overlaps a later call's x and dy), several chunks a call,
+// ending at random: cancels at a random time and at random progress, deadlines of a few
+// milliseconds, slow readers, and the server drained (SIGTERM) with a call in flight and
+// replaced. Every OK result is checked against the reference; an allocation the library says
+// the server may still write is not used again. The count of wrong results must be zero.
+//   NORMGRAD_CUDA_IPC_SCHEDULE_CALLS (default 300), NORMGRAD_SCHEDULE_SEED (default 1).
+TEST_F(CudaIpcTest, RandomEndingsAtRandomPointsNeverGiveAWrongOk) {
+  auto env_or = [](const char* name, uint64_t fallback) {
+    const char* v = std::getenv(name);
+    return v != nullptr && *v != '\0' ? std::strtoull(v, nullptr, 10) : fallback;
+  };
+  const uint64_t total = env_or("NORMGRAD_CUDA_IPC_SCHEDULE_CALLS", 300);
+  std::mt19937_64 rng(env_or("NORMGRAD_SCHEDULE_SEED", 1));
+  auto uniform = [&](uint64_t lo, uint64_t hi) {
+    return std::uniform_int_distribution<uint64_t>(lo, hi)(rng);
+  };
+  enum Ending { kNone, kCancelAtTime, kCancelAtProgress, kDeadline, kSlowReader, kDrain, kEndings };
+  const char* const names[] = {"none", "cancel-at-time", "cancel-at-progress", "deadline",
+                               "slow-reader", "drain"};
+  auto start = [&](std::optional<ChildProcess>& server, std::unique_ptr<Client>& client) {
+    server.emplace(StartServer({"--backend=cuda", "--cuda-ipc", "--shutdown-grace=0.2s"}));
+    const ReadyLine ready = server->AwaitReady(absl::Seconds(120));
+    ASSERT_GT(ready.grpc_port, 0) << server->Stderr();
+    client = ClientFor(ready.grpc_port, /*chunk_bytes=*/2048);  // 1 to 8 chunks a call
+  };
+  std::optional<ChildProcess> server;
+  std::unique_ptr<Client> client;
+  start(server, client);
+  absl::StatusOr<std::string> uuid = CudaDeviceUuid(0);
+  ASSERT_TRUE(uuid.ok()) << uuid.status();
+
+  constexpr size_t kAllocation = 256 << 10;
+  TestDriver::Ptr base = Alloc(kAllocation);
+  uint64_t ended[kEndings] = {}, ok = 0, wrong = 0, in_doubt = 0;
+  std::map<std::string, uint64_t> outcomes;
+  for (uint64_t call = 0; call < total; ++call) {
+    Ending ending = uniform(0, 1) == 0 ? kNone : static_cast<Ending>(uniform(1, kEndings - 2));
+    if (call % 75 == 74) ending = kDrain;
+    const uint32_t hiddens[] = {8, 64, 256};
+    const uint32_t hidden = hiddens[uniform(0, 2)];
+    const uint64_t rows = uniform(1, 4096 / hidden);
+    const uint64_t n = rows * hidden;
+    const st::Batch b = st::RandomBatch(rows, hidden, static_cast<uint32_t>(call) + 100);
+    // x, dy and dx in three distinct slots of the allocation, new for every call.
+    const uint64_t slots = kAllocation / (n * 4);  // >= 16
+    uint64_t at[3];
+    do {
+      for (uint64_t& a : at) a = uniform(0, slots - 1);
+    } while (at[0] == at[1] || at[1] == at[2] || at[0] == at[2]);
+    Upload(base + at[0] * n * 4, b.x.data(), n * 4);
+    Upload(base + at[1] * n * 4, b.dy.data(), n * 4);
+    CudaIpcTensors t;
+    t.device_uuid = *uuid;
+    t.x = Export(base + at[0] * n * 4);
+    t.dy = Export(base + at[1] * n * 4);
+    t.dx = Export(base + at[2] * n * 4);
+    std::vector<float> dgamma(hidden, std::nanf(""));
+    RawBackwardArgs a;
+    a.num_rows = rows;
+    a.hidden_dim = hidden;
+    a.eps = b.eps;
+    a.gamma = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(b.gamma.data()), hidden * 4u);
+    a.dgamma = absl::MakeSpan(reinterpret_cast<uint8_t*>(dgamma.data()), hidden * 4u);
+    a.device = std::move(t);
+
+    BackwardOptions options;
+    options.cancellation = std::make_shared<CallCancellation>();
+    const uint64_t cut = uniform(1, rows);
+    if (ending == kDeadline) options.deadline = absl::Microseconds(uniform(300, 8000));
+    if (ending == kCancelAtProgress) {
+      options.on_progress = [c = options.cancellation, cut](uint64_t done, uint64_t) {
+        if (done >= cut) c->Cancel();
+      };
+    }
+    if (ending == kSlowReader) {
+      options.on_progress = [](uint64_t, uint64_t) { absl::SleepFor(absl::Milliseconds(2)); };
+    }
+    std::promise<absl::Status> promise;
+    std::future<absl::Status> done = promise.get_future();
+    client->BackwardRawAsync(a, options, [&promise](absl::StatusOr<RawBackwardResult> r) {
+      promise.set_value(r.status());
+    });
+    if (ending == kCancelAtTime) {
+      absl::SleepFor(absl::Microseconds(uniform(0, 5000)));
+      options.cancellation->Cancel();
+    }
+    if (ending == kDrain) {
+      absl::SleepFor(absl::Microseconds(uniform(0, 5000)));
+      server->Signal(SIGTERM);
+    }
+    const absl::Status s = done.get();
+    ++ended[ending];
+    ++outcomes[absl::StrCat(names[ending], " ", absl::StatusCodeToString(s.code()))];
+    if (s.ok()) {
+      ++ok;
+      std::vector<float> want_dx, want_dgamma;
+      st::ReferenceFor(b, want_dx, want_dgamma);
+      const std::vector<float> dx = Download(base + at[2] * n * 4, n);
+      double worst = 0;
+      for (size_t i = 0; i < n; ++i) {
+        const double e = std::fabs(double{dx[i]} - want_dx[i]) / (1 + std::fabs(want_dx[i]));
+        if (!(e <= worst)) worst = std::isnan(e) ? 1e30 : e;
+      }
+      for (uint32_t i = 0; i < hidden; ++i) {
+        const double e =
+            std::fabs(double{dgamma[i]} - want_dgamma[i]) / (1 + std::fabs(want_dgamma[i]));
+        if (!(e <= worst)) worst = std::isnan(e) ? 1e30 : e;
+      }
+      if (worst > 1e-3) {
+        ++wrong;
+        ADD_FAILURE() << "call " << call << " (" << names[ending] << ", " << rows << "x" << hidden
+                      << ") returned OK with an error of " << worst;
+      }
+    } else if (absl::StrContains(s.message(), "did not confirm that it stopped")) {
+      // As the library tells its caller: this memory may still be written; use new memory.
+      ++in_doubt;
+      base = Alloc(kAllocation);
+    }
+    if (ending == kDrain) {
+      ASSERT_TRUE(server->WaitExit(absl::Seconds(30)).has_value()) << "the drained server";
+      start(server, client);
+    }
+  }
+  std::printf("cuda ipc schedule: %llu calls, %llu OK, %llu wrong, %llu in doubt\n",
+              static_cast<unsigned long long>(total), static_cast<unsigned long long>(ok),
+              static_cast<unsigned long long>(wrong), static_cast<unsigned long long>(in_doubt));
+  for (const auto& [key, count] : outcomes) {
+    std::printf("cuda ipc schedule:   %-40s %llu\n", key.c_str(),
+                static_cast<unsigned long long>(count));
+  }
+  EXPECT_EQ(wrong, 0u);
+  for (int e = 0; e < kEndings; ++e) EXPECT_GT(ended[e], 0u) << names[e] << " never happened";
+  EXPECT_GT(ok, total / 4);
 }
 
 }  // namespace
