@@ -630,6 +630,10 @@ absl::StatusOr<std::unique_ptr<BackwardPipeline::Outgoing>> BackwardPipeline::Ru
       if (job.in_region.has_value()) {
         // Zero copy: the backend reads x, dy and rms in the client's region and writes dx there.
         const RegionRows& in = *job.in_region;
+        // Again as it starts (the check at the chunk's arrival may be long past): a page given
+        // back since would be faulted in, and charged, to the server by the write below.
+        NORMGRAD_RETURN_IF_ERROR(in.region->CheckAllocated(
+            absl::StrCat("chunk ", job.chunk.index, ": shm.region_id=", r.shm().region_id())));
         uint8_t* base = in.region->data();
         const uint64_t bytes = job.chunk.num_rows * validator_.row_bytes();
         absl::Span<const float> rms;
