@@ -17,7 +17,7 @@ WORKDIR /src
 COPY . .
 # No tests, benchmarks or Python package here, so not their tools either (torch, clang, gtest).
 RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends ca-certificates \
- && NORMGRAD_DEPS_EXCLUDE="python3-torch python3-dev pybind11-dev python3-numpy python3-yaml clang-14 libclang-rt-14-dev libgtest-dev libgmock-dev libbenchmark-dev" \
+ && NORMGRAD_DEPS_EXCLUDE="python3-torch python3-dev pybind11-dev python3-numpy python3-yaml clang-14 libclang-rt-14-dev libgtest-dev libgmock-dev libbenchmark-dev libdnnl-dev" \
     BUILD_DIR=/src/build BUILD_TYPE=Release bash scripts/dev.sh build -DNORMGRAD_BUILD_TESTS=OFF \
     -DNORMGRAD_BUILD_BENCHMARKS=OFF -DNORMGRAD_BUILD_PYTHON=OFF \
  && mkdir -p /out/bin \

@@ -12,7 +12,8 @@
 #                           fuzz  libFuzzer targets (clang, build-fuzz/): seed corpora, then a fixed input count each
 #                           container  the Dockerfile built with podman and the image checked from outside
 #                                 (scripts/container_check.sh, build-container/)
-#   scripts/dev.sh run [server flags...]   build + run the server (CPU backend when no GPU)
+#   scripts/dev.sh run [server flags...]   build the server and CLI only (build-run/) + run the
+#                           server (CPU backend when no GPU)
 #
 # Environment: BUILD_DIR (default build), BUILD_TYPE (default RelWithDebInfo),
 # NORMGRAD_SKIP_DEPS=1 skips the package step (for images that already have them).
@@ -29,13 +30,17 @@ BUILD_TYPE=${BUILD_TYPE:-RelWithDebInfo}
 PACKAGES=(
   build-essential cmake ninja-build pkg-config git ca-certificates
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
-  libhwy-dev libcpp-httplib-dev libssl-dev
+  libhwy-dev libcpp-httplib-dev libssl-dev libdnnl-dev
   libcli11-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-numpy python3-yaml openssl
   python3-dev pybind11-dev python3-torch
   clang-14 libclang-rt-14-dev
 )
+
+# What only the tests, benchmarks and Python package need (the Dockerfile's build stage and
+# `dev.sh run` leave them out).
+TEST_ONLY_PACKAGES="python3-torch python3-dev pybind11-dev python3-numpy python3-yaml clang-14 libclang-rt-14-dev libgtest-dev libgmock-dev libbenchmark-dev libdnnl-dev"
 
 as_root() {
   if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
@@ -208,11 +213,19 @@ case "$cmd" in
     done
     ;;
   run)
-    build
-    if [ -x "$BUILD_DIR/bin/normgrad-server" ]; then
-      exec "$BUILD_DIR/bin/normgrad-server" "$@"
-    else
-      exec "$BUILD_DIR/bin/normgrad-ptx" --kernel batched_rms_norm_backward --hidden-dim 896 "$@"
+    # Only what it runs: the server and the CLI (no tests, benchmarks or Python package, so not
+    # their packages either), in a tree of its own so that build/'s configuration (tests on)
+    # is never changed by it.
+    NORMGRAD_DEPS_EXCLUDE=${NORMGRAD_DEPS_EXCLUDE:-$TEST_ONLY_PACKAGES} deps
+    run_dir=${RUN_BUILD_DIR:-build-run}
+    cmake -S "$ROOT" -B "$run_dir" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
+      -DNORMGRAD_BUILD_TESTS=OFF -DNORMGRAD_BUILD_BENCHMARKS=OFF -DNORMGRAD_BUILD_PYTHON=OFF
+    if ninja -C "$run_dir" -t targets all | grep -q '^normgrad-server:'; then
+      cmake --build "$run_dir" -j"$(nproc)" --target normgrad-server normgrad
+      exec "$run_dir/bin/normgrad-server" "$@"
+    else  # a tree without gRPC: the offline PTX emitter is what there is to run
+      cmake --build "$run_dir" -j"$(nproc)" --target normgrad-ptx
+      exec "$run_dir/bin/normgrad-ptx" --kernel batched_rms_norm_backward --hidden-dim 896 "$@"
     fi
     ;;
   *) echo "usage: scripts/dev.sh deps|build|test|run [args...]" >&2; exit 2 ;;
