@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -24,7 +25,7 @@ uint64_t RowsPerPartition(uint64_t rows, uint32_t hidden_dim) {
   const uint64_t by_count = (rows + kMaxPartitions - 1) / kMaxPartitions;
   const uint64_t by_size =
       (kMinPartitionElements + hidden_dim - 1) / std::max<uint32_t>(hidden_dim, 1);
-  return std::max<uint64_t>({by_count, by_size, 1});
+  return std::max<uint64_t>({by_count, by_size, kMinPartitionRows});
 }
 
 uint64_t StagingRows(uint32_t hidden_dim) {
@@ -38,15 +39,66 @@ namespace {
 using backend_internal::ElementBytes;
 using kernels::DType;
 
+// Buffers of doubles that ended sessions leave for the next ones. A session's buffers (gamma in
+// double, grad_gamma, the partitions' partials: up to 66 x hidden_dim doubles) would otherwise be
+// fresh pages at every batch; a page fault costs about 10 us on the VMs we measured, and at
+// hidden_dim 65536 the faults of 32 MiB of partials took 15x longer than the batch's compute.
+// Thread-safe.
+class DoubleBufferPool {
+ public:
+  std::vector<double> Take() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_.empty()) return {};
+    std::vector<double> v = std::move(free_.back());
+    free_.pop_back();
+    return v;
+  }
+
+  // Kept if the pool holds fewer than kMaxKept buffers and this one is at most kMaxKeptBytes.
+  void Give(std::vector<double> v) {
+    if (v.capacity() * sizeof(double) > kMaxKeptBytes) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_.size() < kMaxKept) free_.push_back(std::move(v));
+  }
+
+ private:
+  // One session's three: a batch after a batch starts without faults, and an idle server keeps
+  // at most 96 MiB here (hidden_dim 65536: 64 partitions' partials are 32 MiB).
+  static constexpr size_t kMaxKept = 3;
+  static constexpr size_t kMaxKeptBytes = 32ull << 20;
+
+  std::mutex mu_;
+  std::vector<std::vector<double>> free_;  // guarded by mu_
+};
+
+// A thread's f32 copies of staged rows (x, dy, dx), kept between chunks: allocated for each
+// partition (192 KiB, above malloc's mmap threshold) they page-faulted at every partition and
+// made bf16/f16 several times slower than f32. Released when above
+// kMaxKeptStagingBytes, so a thread keeps at most that much after the call.
+constexpr size_t kMaxKeptStagingBytes = 4ull << 20;
+thread_local std::vector<float> staging_per_thread;
+
 class CpuBackwardSession : public BackwardSession {
  public:
-  CpuBackwardSession(const BatchSpec& spec, std::vector<float> gamma, ThreadPool* pool)
+  // `gamma_f64` holds the batch's gamma as double; the three buffers come from and go back to
+  // `buffers`.
+  CpuBackwardSession(const BatchSpec& spec, std::vector<double> gamma_f64, ThreadPool* pool,
+                     DoubleBufferPool* buffers)
       : spec_(spec),
-        gamma_(std::move(gamma)),
-        gamma_f64_(gamma_.begin(), gamma_.end()),
+        gamma_f64_(std::move(gamma_f64)),
         pool_(pool),
+        buffers_(buffers),
         reads_rms_(backend_internal::ReadsGivenRms(spec)),
-        dgamma_sum_(spec.hidden_dim, 0.0) {}
+        dgamma_sum_(buffers->Take()),
+        partials_(buffers->Take()) {
+    dgamma_sum_.assign(spec.hidden_dim, 0.0);
+  }
+
+  ~CpuBackwardSession() override {
+    buffers_->Give(std::move(gamma_f64_));
+    buffers_->Give(std::move(dgamma_sum_));
+    buffers_->Give(std::move(partials_));
+  }
 
   absl::Status ProcessChunk(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
                             absl::Span<const float> rms, uint64_t rows,
@@ -72,7 +124,6 @@ class CpuBackwardSession : public BackwardSession {
       double* partial = partials_.data() + p * h;
       std::fill(partial, partial + h, 0.0);
       host_rows::RowBlock block;
-      block.gamma = gamma_.data();
       block.gamma_f64 = gamma_f64_.data();
       block.rms = reads_rms_ ? rms.data() + first : nullptr;
       block.dgamma = partial;
@@ -91,7 +142,8 @@ class CpuBackwardSession : public BackwardSession {
       // do not grow with the chunk. Rows are independent and grad_gamma is added row by row,
       // so the bits are those of staging the partition whole.
       const size_t tile = std::min<size_t>(n, cpu_internal::StagingRows(spec_.hidden_dim));
-      std::vector<float> staged(3 * tile * h);
+      std::vector<float>& staged = staging_per_thread;
+      if (staged.size() < 3 * tile * h) staged.resize(3 * tile * h);
       float* sx = staged.data();
       float* sdy = sx + tile * h;
       float* sdx = sdy + tile * h;
@@ -107,6 +159,9 @@ class CpuBackwardSession : public BackwardSession {
         block.num_rows = m;
         host_rows::BackwardRowsF32(block);
         host_rows::ConvertFromF32(spec_.dtype, sdx, dx.data() + at, m * h);
+      }
+      if (staged.capacity() * sizeof(float) > kMaxKeptStagingBytes) {
+        std::vector<float>().swap(staged);
       }
     });
 
@@ -137,9 +192,9 @@ class CpuBackwardSession : public BackwardSession {
   }
 
   const BatchSpec spec_;
-  const std::vector<float> gamma_;
-  const std::vector<double> gamma_f64_;  // promoted once per batch instead of per partition
+  std::vector<double> gamma_f64_;  // promoted once per batch instead of per partition
   ThreadPool* const pool_;
+  DoubleBufferPool* const buffers_;
   const bool reads_rms_;  // the forward's rms is read (ReadsGivenRms), else recomputed
   std::vector<double> dgamma_sum_;  // the batch's grad_gamma so far
   std::vector<double> partials_;    // per partition of the current chunk
@@ -171,10 +226,18 @@ class CpuBackend : public Backend {
     NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckBatch(spec, gamma.size()));
     // A named kernel is honoured for its validity rules (the CPU computes the same math).
     NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckNamedKernel(spec));
-    std::vector<float> gamma_f32(spec.hidden_dim);
-    host_rows::ConvertToF32(spec.dtype, gamma.data(), gamma_f32.data(), gamma_f32.size());
+    // gamma as f32 a piece at a time (no buffer of hidden_dim floats), then as double.
+    std::vector<double> gamma_f64 = buffers_.Take();
+    gamma_f64.resize(spec.hidden_dim);
+    const size_t elem_bytes = ElementBytes(spec.dtype);
+    float piece[1024];
+    for (size_t i = 0; i < spec.hidden_dim; i += 1024) {
+      const size_t n = std::min<size_t>(1024, spec.hidden_dim - i);
+      host_rows::ConvertToF32(spec.dtype, gamma.data() + i * elem_bytes, piece, n);
+      std::copy(piece, piece + n, gamma_f64.begin() + i);
+    }
     return std::unique_ptr<BackwardSession>(
-        new CpuBackwardSession(spec, std::move(gamma_f32), &pool_));
+        new CpuBackwardSession(spec, std::move(gamma_f64), &pool_, &buffers_));
   }
 
   absl::Status Preload(const kernels::Kernel&, const kernels::KernelConfig&) override {
@@ -186,6 +249,7 @@ class CpuBackend : public Backend {
  private:
   const int threads_;
   mutable ThreadPool pool_;
+  DoubleBufferPool buffers_;  // outlives the sessions, like pool_
 };
 
 }  // namespace

@@ -36,9 +36,13 @@ std::unique_ptr<Backend> NewCpuBackend(const CpuBackendOptions& options);
 namespace cpu_internal {
 
 // Rows per partition for a chunk of `rows` x `hidden_dim`: at most kMaxPartitions
-// partitions, each of at least kMinPartitionElements elements (or one row). Shape only.
+// partitions, each of at least kMinPartitionElements elements and kMinPartitionRows rows (or the
+// whole chunk). Shape only. The row bound keeps the partitions' grad_gamma partials (hidden_dim
+// doubles each, zeroed, then read once more to sum them) at most 1/12 of the bytes the
+// partition moves: with wide rows (hidden_dim 65536, 4 rows per partition) they were 1/3.
 inline constexpr uint64_t kMaxPartitions = 64;
 inline constexpr uint64_t kMinPartitionElements = 131072;
+inline constexpr uint64_t kMinPartitionRows = 16;
 uint64_t RowsPerPartition(uint64_t rows, uint32_t hidden_dim);
 
 // dx of a chunk at least this large is written with non-temporal stores.
@@ -47,7 +51,8 @@ inline constexpr uint64_t kStreamDxBytes = 8ull << 20;
 // bf16/f16 (and unaligned f32) rows are converted to f32 at most StagingRows(hidden_dim) rows
 // at a time per thread: kStagingElements elements, or one row when rows are wider. A thread
 // then holds at most 12 x max(kStagingElements, hidden_dim) bytes of f32 copies (x, dy and dx),
-// whatever the chunk's size (docs/operations.md, "Memory and overload").
+// whatever the chunk's size (docs/operations.md, "Memory and overload"); it keeps them for the
+// next chunk when they are at most 4 MiB.
 inline constexpr uint64_t kStagingElements = 16384;
 uint64_t StagingRows(uint32_t hidden_dim);
 

@@ -330,5 +330,16 @@ void ConvertFromF32(kernels::DType dtype, const float* src, uint8_t* dst, size_t
 
 std::string SimdTargetName() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)(); }
 
+bool LimitSimdTarget(const std::string& name) {
+  for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    if (name == hwy::TargetName(target)) {
+      // Targets are single bits, the better ones lower: disable every bit below this one.
+      hwy::DisableTargets(target - 1);
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace normgrad::server::host_rows
 #endif  // HWY_ONCE

