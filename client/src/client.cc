@@ -11,6 +11,7 @@
 #include <grpcpp/support/client_callback.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <functional>
 #include <future>
@@ -146,6 +147,12 @@ class BackwardCall final
   // after it; a BackwardRequest.cancel follows the chunks already sent, and the server's status
   // then comes only once its jobs are done. Cut off (TryCancel) after writes_done_grace.
   void CancelInOrder(absl::Status why);
+  // Ends what may start a write from outside the reactions (the caller's CallCancellation, the
+  // deadline and grace timers; each is waited for if it runs now), then removes the hold that
+  // kept gRPC from finishing the call meanwhile. Once, at the end of the read chain: gRPC
+  // destroys the call's stream before OnDone, so a StartWrite from outside after that would
+  // touch freed memory.
+  void ReleaseHold();
   // Runs `then(call)` at `at` unless OnDone came first.
   void SetTimer(std::unique_ptr<grpc::Alarm>& alarm, absl::Time at,
                 std::function<void(BackwardCall*)> then);
@@ -193,6 +200,7 @@ class BackwardCall final
   std::shared_ptr<TimerTarget> timer_target_ = std::make_shared<TimerTarget>();
   std::unique_ptr<grpc::Alarm> deadline_alarm_;  // the caller's deadline (memory calls)
   std::unique_ptr<grpc::Alarm> grace_alarm_;     // the cut-off after an in-order cancel
+  std::atomic<bool> hold_released_{false};       // ReleaseHold ran
 };
 
 // The trailing metadata key of every RmsNormBackward status that the server itself sent, once
@@ -564,9 +572,20 @@ void BackwardCall::Start() {
     std::lock_guard<std::mutex> lock(mu_);
     write_in_flight_ = true;  // the header
   }
+  AddHold();  // until ReleaseHold: writes may start from outside the reactions until then
   StartWrite(&request_);
   StartRead(&response_);
   StartCall();
+}
+
+void BackwardCall::ReleaseHold() {
+  if (hold_released_.exchange(true)) return;
+  {
+    std::lock_guard<std::mutex> lock(timer_target_->mu);  // waits for a timer's callback
+    timer_target_->call = nullptr;
+  }
+  if (shared_->options.cancellation) shared_->options.cancellation->Detach();  // waits for Cancel
+  RemoveHold();
 }
 
 void BackwardCall::SetTimer(std::unique_ptr<grpc::Alarm>& alarm, absl::Time at,
@@ -740,7 +759,10 @@ absl::Status BackwardCall::TakeResponseLocked() {
 }
 
 void BackwardCall::OnReadDone(bool ok) {
-  if (!ok) return;  // end of stream; OnDone follows
+  if (!ok) {  // end of stream; OnDone follows
+    ReleaseHold();
+    return;
+  }
   bool malformed;
   NextWrite next = NextWrite::kNothing;
   uint64_t progress = 0;
@@ -755,6 +777,7 @@ void BackwardCall::OnReadDone(bool ok) {
   }
   if (malformed) {
     context_.TryCancel();
+    ReleaseHold();  // no read follows this one
     return;
   }
   // Before the next read: the reactor cannot be done (and deleted) while a read is pending.

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "client/tools/cli.h"
 #include "client/tools/load_flags.h"
 #include "gmock/gmock.h"
@@ -183,12 +184,19 @@ TEST(UnixSocketTest, PeerCredentialsDecideWhoMayCallAndAreNamed) {
   emit.set_hidden_dim(896);
   EXPECT_EQ(c->EmitPtx(emit).status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(c->Health().status().code(), absl::StatusCode::kUnavailable);
-  const std::string metrics = refusing->metrics().RenderText();
+  // Counted by the accepting thread after it closed the connection: wait for it.
   const std::string series =
       "normgrad_unix_refused_connections_total{socket=\"grpc\",reason=\"uid\"} ";
-  const size_t at = metrics.find(series);
-  ASSERT_NE(at, std::string::npos) << metrics;
-  EXPECT_GE(std::stod(metrics.substr(at + series.size())), 1.0);
+  std::string metrics;
+  double refused = 0;
+  for (const absl::Time until = absl::Now() + absl::Seconds(10); absl::Now() < until;) {
+    metrics = refusing->metrics().RenderText();
+    const size_t at = metrics.find(series);
+    refused = at == std::string::npos ? 0 : std::stod(metrics.substr(at + series.size()));
+    if (refused >= 1) break;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_GE(refused, 1.0) << metrics;
   // Over TCP the same server serves.
   ClientOptions tcp;
   tcp.target = absl::StrCat("127.0.0.1:", refusing->port());
