@@ -220,7 +220,10 @@ case "$cmd" in
     run_dir=${RUN_BUILD_DIR:-build-run}
     cmake -S "$ROOT" -B "$run_dir" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
       -DNORMGRAD_BUILD_TESTS=OFF -DNORMGRAD_BUILD_BENCHMARKS=OFF -DNORMGRAD_BUILD_PYTHON=OFF
-    if ninja -C "$run_dir" -t targets all | grep -q '^normgrad-server:'; then
+    # The target list read whole first: `grep -q` on the pipe would end ninja with SIGPIPE, which
+    # pipefail turns into a failed test.
+    run_targets=$(ninja -C "$run_dir" -t targets all)
+    if grep -q '^bin/normgrad-server:' <<<"$run_targets"; then
       cmake --build "$run_dir" -j"$(nproc)" --target normgrad-server normgrad
       exec "$run_dir/bin/normgrad-server" "$@"
     else  # a tree without gRPC: the offline PTX emitter is what there is to run
