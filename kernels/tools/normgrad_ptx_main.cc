@@ -27,7 +27,7 @@
 #include "kernels/kernel.h"
 #include "kernels/kernel_registry.h"
 #include "kernels/targets.h"
-#include "server/cuda/nvjitlink.h"
+#include "nvidia/nvjitlink.h"
 
 namespace {
 
@@ -90,7 +90,7 @@ int main(int argc, char** argv) {
   std::string kernel_name;
   std::optional<uint32_t> hidden_dim;
   std::string output;
-  std::string nvjitlink_path;  // empty: nvJitLink's default search (server/cuda/nvjitlink.h)
+  std::string nvjitlink_path;  // empty: nvJitLink's default search (nvidia/nvjitlink.h)
   KernelConfig config;
   bool list = false;
   bool resource_usage = false;

@@ -24,7 +24,7 @@
 #include "kernels/status_macros.h"
 #include "server/backend/batch_checks.h"
 #include "server/backend/kernel_choice.h"
-#include "server/cuda/driver_api.h"
+#include "nvidia/driver_api.h"
 #include "server/host_rows/host_rows.h"
 
 namespace normgrad::server {

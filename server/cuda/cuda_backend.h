@@ -1,4 +1,4 @@
-// The CUDA backend: the Driver API loaded at run time (server/cuda/driver_api.h), modules JIT-
+// The CUDA backend: the Driver API loaded at run time (nvidia/driver_api.h), modules JIT-
 // loaded from the kernels library's PTX and cached by ConfigKey (ModuleCache, single-flight).
 //
 // Device set-up (once per backend): cuInit, the device's primary context retained (released

@@ -16,7 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/kernel.h"
-#include "server/cuda/nvjitlink.h"
+#include "nvidia/nvjitlink.h"
 
 namespace {
 

@@ -17,7 +17,7 @@
 #include "absl/status/statusor.h"
 #include "normgrad/v1/normgrad.pb.h"
 #include "server/cache/module_cache.h"
-#include "server/cuda/nvjitlink.h"
+#include "nvidia/nvjitlink.h"
 
 namespace normgrad::server {
 

@@ -33,7 +33,7 @@
 #include "normgrad/client.h"
 #include "normgrad/cuda_ipc.h"
 #include "server/backend_factory/backend_factory.h"
-#include "server/cuda/driver_api.h"
+#include "nvidia/driver_api.h"
 #include "tests/common/child_process.h"
 
 ABSL_FLAG(uint64_t, rows, 4096, "Rows of the batch.");

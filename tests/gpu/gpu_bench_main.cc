@@ -3,7 +3,7 @@
 //
 //   normgrad-gpu-bench [--smoke] [--iters N] [--json out.json] [--dtypes f32,bf16]
 //
-// The driver is loaded the way the server loads it (server/cuda/driver_api.h:
+// The driver is loaded the way the server loads it (nvidia/driver_api.h:
 // $NORMGRAD_CUDA_DRIVER, else libcuda.so.1), so the emulated driver runs the same program at
 // --smoke shapes. For each dtype and shape (rows x hidden: 1x896, 64x4096, 4096x896, 4096x4096,
 // 16384x4096, 8192x8192, 32768x896, and streamed rows 256x65536 and 1024x65536, where the
@@ -49,7 +49,7 @@
 #include "kernels/ptx_builder.h"
 #include "kernels/ptx_printer.h"
 #include "kernels/targets.h"
-#include "server/cuda/driver_api.h"
+#include "nvidia/driver_api.h"
 #include "tests/ptxsim/backward_problem.h"
 
 namespace normgrad::gpu_bench {

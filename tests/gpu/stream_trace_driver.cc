@@ -1,4 +1,4 @@
-// A CUDA driver library that forwards every entry point of server/cuda/driver_api.h to another
+// A CUDA driver library that forwards every entry point of nvidia/driver_api.h to another
 // driver library ($NORMGRAD_TRACE_INNER_DRIVER, e.g. the emulated one) and writes the stream
 // work a program issues, one line per call, to $NORMGRAD_TRACE_FILE:
 //   memset <bytes> <stream>      cuMemsetD8Async / cuMemsetD32Async (bytes, not elements)
@@ -9,7 +9,7 @@
 // an L2 flush before every one). Every other entry point is a jump to the inner library's, so
 // argument lists need not be spelled here; the tracing ones are written out. x86-64 ELF only.
 #include <cuda.h>
-#undef cuEventElapsedTime  // the unversioned name, as server/cuda/driver_api.h looks up
+#undef cuEventElapsedTime  // the unversioned name, as nvidia/driver_api.h looks up
 
 #include <dlfcn.h>
 
@@ -17,7 +17,7 @@
 #include <cstdlib>
 #include <mutex>
 
-#include "server/cuda/driver_api.h"
+#include "nvidia/driver_api.h"
 
 namespace {
 

@@ -1,5 +1,5 @@
 // libnormgrad_emulated_cuda.so: a stand-in for libcuda.so.1 that exports the Driver API
-// functions server/cuda/driver_api.h looks up, backed by the PTX interpreter.
+// functions nvidia/driver_api.h looks up, backed by the PTX interpreter.
 //
 //   NORMGRAD_CUDA_DRIVER=build/lib/libnormgrad_emulated_cuda.so build/bin/normgrad-server ...
 //

@@ -24,7 +24,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// Every symbol server/cuda/driver_api.h resolves, and the IPC ones its IPC data path uses, by
+// Every symbol nvidia/driver_api.h resolves, and the IPC ones its IPC data path uses, by
 // its exported name: the name cuda.h's macros map a call to, so that `cuMemAlloc(...)` below
 // calls the cuMemAlloc_v2 member. (The unversioned cuEventElapsedTime and cuDeviceGetUuid,
 // exported too, are checked by name only.)

@@ -1,5 +1,5 @@
 // A stand-in CUDA driver library for the CUDA backend's tests on machines without a GPU. It
-// exports the symbols of server/cuda/driver_api.h; "device" memory is host memory, and
+// exports the symbols of nvidia/driver_api.h; "device" memory is host memory, and
 // cuLaunchKernel runs a C++ model of the two backward kernels, chosen by the entry name found
 // in the loaded PTX (its arguments read back with the kernels' own launch contract,
 // kernels::UnpackArgs, from the parameter list the PTX declares). Behaviour is scripted by
@@ -15,7 +15,7 @@
 // Work issued on a thread that has not made the context current fails with
 // CUDA_ERROR_INVALID_CONTEXT, as a real driver does.
 #include <cuda.h>
-#undef cuEventElapsedTime  // export the unversioned name, as server/cuda/driver_api.h looks up
+#undef cuEventElapsedTime  // export the unversioned name, as nvidia/driver_api.h looks up
 
 #include <algorithm>
 #include <atomic>

@@ -17,7 +17,7 @@
 #include "kernels/kernel_registry.h"
 #include "kernels/reference.h"
 #include "server/backend_factory/backend_factory.h"
-#include "server/cuda/driver_api.h"
+#include "nvidia/driver_api.h"
 #include "tests/server/backend/backend_test_util.h"
 
 #ifndef NORMGRAD_SCRIPTED_CUDA_DRIVER

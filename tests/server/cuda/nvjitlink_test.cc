@@ -1,7 +1,7 @@
 // Loading nvJitLink: a missing library is one clear FAILED_PRECONDITION. The assembler's report
 // (ptxas -v's lines) parsed from logs as ptxas writes them, and from nvJitLink's own info log
 // when this machine has the library.
-#include "server/cuda/nvjitlink.h"
+#include "nvidia/nvjitlink.h"
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

@@ -1,4 +1,4 @@
-#include "server/cuda/driver_api.h"
+#include "nvidia/driver_api.h"
 
 #include <dlfcn.h>
 

@@ -7,8 +7,8 @@
 //
 // Search order when `path` is empty: libnvJitLink.so.13, libnvJitLink.so (the loader's path),
 // then /usr/local/cuda/lib64/libnvJitLink.so*. Thread-safe: every Compile uses its own handle.
-#ifndef NORMGRAD_SERVER_CUDA_NVJITLINK_H_
-#define NORMGRAD_SERVER_CUDA_NVJITLINK_H_
+#ifndef NORMGRAD_NVIDIA_NVJITLINK_H_
+#define NORMGRAD_NVIDIA_NVJITLINK_H_
 
 #include <cstdint>
 #include <memory>
@@ -69,4 +69,4 @@ class NvJitLink {
 
 }  // namespace normgrad::server
 
-#endif  // NORMGRAD_SERVER_CUDA_NVJITLINK_H_
+#endif  // NORMGRAD_NVIDIA_NVJITLINK_H_

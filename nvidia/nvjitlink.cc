@@ -1,4 +1,4 @@
-#include "server/cuda/nvjitlink.h"
+#include "nvidia/nvjitlink.h"
 
 #include <dlfcn.h>
 #include <glob.h>

@@ -12,8 +12,8 @@
 //   absl::StatusOr<std::shared_ptr<const CudaDriver>> driver = CudaDriver::Load("libcuda.so.1");
 //   CUdevice dev;
 //   absl::Status s = (*driver)->Check((*driver)->api().cuDeviceGet(&dev, 0), "cuDeviceGet");
-#ifndef NORMGRAD_SERVER_CUDA_DRIVER_API_H_
-#define NORMGRAD_SERVER_CUDA_DRIVER_API_H_
+#ifndef NORMGRAD_NVIDIA_DRIVER_API_H_
+#define NORMGRAD_NVIDIA_DRIVER_API_H_
 
 #include <cuda.h>
 
@@ -155,4 +155,4 @@ std::string MaxPtxVersionForDriver(int driver_version);
 
 }  // namespace normgrad::server::cuda
 
-#endif  // NORMGRAD_SERVER_CUDA_DRIVER_API_H_
+#endif  // NORMGRAD_NVIDIA_DRIVER_API_H_
