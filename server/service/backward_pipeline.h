@@ -2,7 +2,7 @@
 // The gRPC reactor (BackwardStream, normgrad_service.cc) feeds it what gRPC reports (a read
 // done, a write done, a cancel) and carries out the actions it returns; tests drive it directly.
 //
-//   BackwardPipeline p(env, deadline);
+//   BackwardPipeline p(deps, deadline);
 //   StreamActions a = p.Start();                  // admission; usually: start the first read
 //   ... a.read_into is where the reactor reads the next message; then
 //   a = p.OnReadDone(ok, call_cancelled);         // validate, queue a job, maybe read again
@@ -15,6 +15,9 @@
 // reading, so flow control reaches the client through HTTP/2 windows; every chunk's bytes
 // reserved with the AdmissionController before it is queued; responses in request order; exactly
 // one final status, never issued while a read or write the caller decided on is still pending.
+//
+// Its parts, each usable alone: BackwardValidator (the message sequence), chunk_rows.h (where a
+// chunk's rows are), StreamWatchdog (idle and rate), BackwardJobRunner (the blocking work).
 //
 // Thread-safe: every method takes the pipeline's lock. RunOneJob computes outside it.
 #ifndef NORMGRAD_SERVER_SERVICE_BACKWARD_PIPELINE_H_
@@ -34,8 +37,12 @@
 #include "absl/time/time.h"
 #include "normgrad/v1/normgrad.pb.h"
 #include "server/backend/backend.h"
+#include "server/metrics/metrics.h"
+#include "server/service/admission.h"
+#include "server/service/backward_job.h"
 #include "server/service/backward_validator.h"
-#include "server/service/service_env.h"
+#include "server/service/chunk_rows.h"
+#include "server/service/stream_watchdog.h"
 #include "server/shared_memory/region_registry.h"
 
 namespace normgrad::server {
@@ -68,12 +75,23 @@ struct StreamTotals {
   const char* payload_transport = nullptr;
 };
 
+// What a stream borrows from the server, which outlives every stream.
+struct StreamDeps {
+  Backend* backend = nullptr;
+  AdmissionController* admission = nullptr;  // stream slots and the byte budget
+  MetricsRegistry* metrics = nullptr;
+  const RegionRegistry* regions = nullptr;  // shared-memory regions; null: none taken
+  bool cuda_ipc = false;  // chunks may name device memory of backend->DeviceUuid()
+  BackwardLimits limits;
+  MinStreamRate min_rate;
+};
+
 class BackwardPipeline {
  public:
   // `deadline`: the call's deadline, to tell a deadline from a cancel. `peer_is_local`: the
   // client reached a unix socket or a loopback address, so it may name shared-memory regions.
   // `client`: the caller's identity, whose share of the stream slots this stream takes.
-  BackwardPipeline(ServiceEnv* env, absl::Time deadline, bool peer_is_local = false,
+  BackwardPipeline(const StreamDeps& deps, absl::Time deadline, bool peer_is_local = false,
                    std::string client = "");
   // Close(), and gives back the stream's slot if OnDone never came.
   ~BackwardPipeline();
@@ -84,9 +102,9 @@ class BackwardPipeline {
   BackwardPipeline(const BackwardPipeline&) = delete;
   BackwardPipeline& operator=(const BackwardPipeline&) = delete;
 
-  // Admits the stream (or refuses it: draining, --max-streams) and starts the first read.
-  // `refused`: not OK when the caller may not use the service (its unix peer's user); the stream
-  // then ends with it at once.
+  // Admits the stream (or refuses it: --max-streams) and starts the first read. `refused`: not
+  // OK when the server takes no streams (draining, an unusable device) or the caller may not use
+  // the service (its unix peer's user); the stream then ends with it at once.
   StreamActions Start(absl::Status refused = absl::OkStatus());
   // `ok` false: the client half-closed or the call died; `call_cancelled` says which.
   StreamActions OnReadDone(bool ok, bool call_cancelled);
@@ -97,9 +115,8 @@ class BackwardPipeline {
   StreamActions OnCancel();
   // Runs the next queued job (session start, a chunk, the final grad_gamma); blocking.
   StreamActions RunOneJob();
-  // The watchdog: ends the stream when it waited on its client for longer than `timeout` (0:
-  // never), or when its x and dy came slower than config.min_stream_bytes_per_second over
-  // config.min_stream_rate_window of waiting on its client.
+  // The watchdog's visit (StreamWatchdog): ends the stream when it waited on its client for
+  // longer than `timeout` (0: never), or moved its rows slower than deps.min_rate.
   StreamActions CheckIdle(absl::Time now, absl::Duration timeout);
   // The caller issued `count` reads/writes of earlier actions. Returns the final status when a
   // finish was held back for them and none is pending any more.
@@ -111,60 +128,32 @@ class BackwardPipeline {
   absl::Time start_time() const { return start_; }
 
  private:
-  // Where a chunk's rows are when they are not in the request message: byte offsets in a
-  // shared-memory region, checked against it (the mapping stays while the job holds it).
-  struct RegionRows {
-    std::shared_ptr<const MappedRegion> region;
-    uint64_t x = 0, dy = 0, rms = 0, grad_input = 0;
-  };
-  struct Job {
-    enum Kind { kStart, kChunk, kFinish } kind = kChunk;
-    std::unique_ptr<v1::BackwardRequest> request;
-    RowChunk chunk;
-    uint64_t reserved = 0;
-    std::optional<RegionRows> in_region;
-  };
-  struct Outgoing {
-    v1::BackwardResponse response;
-    uint64_t reserved = 0;
-    uint64_t payload_bytes = 0;
-    bool is_chunk = false;
-    bool is_final = false;
-  };
-
   void FinishLocked(const absl::Status& status, StreamActions& a);
   // The held-back finish, once no read or write is being issued and no job runs.
   std::optional<absl::Status> TakeDeferredFinishLocked();
   absl::Status CancelStatusLocked() const;
   void OnMessageLocked(StreamActions& a);
-  absl::StatusOr<RegionRows> FindRegionRowsLocked(const v1::SharedMemoryChunk& shm,
-                                                  const RowChunk& chunk) const;
-  absl::Status CheckDeviceChunkLocked(const v1::CudaIpcChunk& ipc, const RowChunk& chunk) const;
-  // Opens the chunk's device buffers (kept open in `held`) and checks its ranges against them.
-  absl::StatusOr<DeviceRows> OpenDeviceRows(
-      const v1::CudaIpcChunk& ipc, const RowChunk& chunk,
-      std::vector<std::shared_ptr<const DeviceBuffer>>& held) const;
+  // Where a chunk's rows are (shared memory, device memory): checked, and kept in `job`.
+  absl::Status LocateRowsLocked(BackwardJob& job);
   void AdmitWaitingChunkLocked(StreamActions& a);
   void MaybeStartReadLocked(StreamActions& a);
   void ScheduleComputeLocked(StreamActions& a);
   void StartNextWriteLocked(StreamActions& a);
-  absl::Status CheckRateLocked();
-  absl::StatusOr<std::unique_ptr<Outgoing>> RunJob(Job& job);
 
-  ServiceEnv* const env_;
+  const StreamDeps deps_;
   const absl::Time deadline_;
   const bool peer_is_local_;
   const std::string client_;
   const absl::Time start_ = absl::Now();
   std::atomic<bool> cancelled_{false};
-  std::unique_ptr<BackwardSession> session_;  // only the running job touches it
+  BackwardJobRunner runner_;  // only the running job touches it
 
   mutable std::mutex mu_;
   bool admitted_ = false;  // guarded by mu_
   BackwardValidator validator_;  // guarded by mu_
   std::unique_ptr<v1::BackwardRequest> request_;  // the read buffer; owned by the read in flight
-  std::deque<Job> jobs_;  // guarded by mu_
-  std::optional<Job> waiting_for_bytes_;  // read, not yet admitted (guarded by mu_)
+  std::deque<BackwardJob> jobs_;  // guarded by mu_
+  std::optional<BackwardJob> waiting_for_bytes_;  // read, not yet admitted (guarded by mu_)
   std::deque<std::unique_ptr<Outgoing>> writes_;  // guarded by mu_
   std::unique_ptr<Outgoing> writing_;  // owned by the write in flight
   bool read_in_flight_ = false;  // guarded by mu_
@@ -182,16 +171,9 @@ class BackwardPipeline {
   uint64_t bytes_out_ = 0;  // guarded by mu_
   uint64_t rows_sent_ = 0;  // guarded by mu_
   const char* payload_transport_ = nullptr;  // StreamTotals::payload_transport; mu_
-  absl::Time last_progress_;  // guarded by mu_
   absl::Time header_time_ = absl::Now();  // guarded by mu_
-  // The minimum rate (CheckRateLocked): x, dy and gamma bytes received; the time the stream
-  // waited on its client, as the watchdog's visits saw it (each interval between two visits
-  // counts when the second finds the stream waiting on its client); the current window's start.
-  uint64_t tensor_bytes_in_ = 0;  // guarded by mu_
-  absl::Time last_visit_;  // guarded by mu_
-  absl::Duration client_wait_;  // guarded by mu_
-  absl::Duration rate_window_wait_;  // client_wait_ at the window's start (guarded by mu_)
-  uint64_t rate_window_bytes_ = 0;  // bytes moved at the window's start (guarded by mu_)
+  uint64_t tensor_bytes_in_ = 0;  // x, dy, rms and gamma received (guarded by mu_)
+  StreamWatchdog watchdog_;  // guarded by mu_
 };
 
 }  // namespace normgrad::server

@@ -97,6 +97,34 @@ absl::Status CheckUnixPeer(const ServiceEnv& env, absl::string_view peer, const 
       ", which --unix-allowed-uids does not list"));
 }
 
+// Why a new RmsNormBackward stream is refused before admission (a refused unix peer, a draining
+// server, an unusable device), or OK.
+absl::Status RefuseStream(const ServiceEnv& env, absl::string_view peer) {
+  NORMGRAD_RETURN_IF_ERROR(CheckUnixPeer(env, peer, kBackwardMethod));
+  if (env.draining.load()) {
+    return absl::UnavailableError(
+        "the server is shutting down and takes no new streams; retry elsewhere");
+  }
+  if (!env.device_health.healthy()) {
+    return absl::UnavailableError(
+        absl::StrCat("this server's GPU is unusable and it takes no streams (",
+                     env.device_health.reason().message(), "); retry elsewhere"));
+  }
+  return absl::OkStatus();
+}
+
+// What a stream's pipeline uses of the service's environment.
+StreamDeps StreamDepsOf(const ServiceEnv& env) {
+  return {.backend = env.backend,
+          .admission = env.admission,
+          .metrics = env.metrics,
+          .regions = env.regions,
+          .cuda_ipc = env.cuda_ipc,
+          .limits = env.config.batch_limits,
+          .min_rate = {.bytes_per_second = env.config.min_stream_bytes_per_second,
+                       .window = env.config.min_stream_rate_window}};
+}
+
 }  // namespace
 
 void DescribeServiceMetrics(MetricsRegistry& m) {
@@ -147,12 +175,12 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       : env_(env),
         context_(context),
         listener_(IsUnixPeer(context->peer()) ? "unix" : "tcp"),
-        pipeline_(env, absl::FromChrono(context->deadline()), PeerIsLocal(context->peer()),
-                  ClientIdentity(*context, *env)) {
+        pipeline_(StreamDepsOf(*env), absl::FromChrono(context->deadline()),
+                  PeerIsLocal(context->peer()), ClientIdentity(*context, *env)) {
     env_->streams->Add(this);
     // Published to OnReadDone, whose first step is parsing the read buffer (below).
     { std::lock_guard<std::mutex> lock(read_mu_); }
-    Apply(pipeline_.Start(CheckUnixPeer(*env, context->peer(), kBackwardMethod)));
+    Apply(pipeline_.Start(RefuseStream(*env, context->peer())));
   }
 
   // Every reaction's first access to this object takes a lock the constructor released (the

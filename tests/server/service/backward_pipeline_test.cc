@@ -17,7 +17,7 @@
 #include "server/cpu/cpu_backend.h"
 #include "server/metrics/metrics.h"
 #include "server/service/admission.h"
-#include "tests/server/service/service_test_util.h"
+#include "tests/server/service/batch_test_util.h"
 
 namespace normgrad::server {
 namespace {
@@ -28,16 +28,19 @@ using ::testing::HasSubstr;
 // runs scheduled jobs when told, and records the responses and the one final status.
 class FakeCall {
  public:
-  explicit FakeCall(AdmissionLimits limits = {}, uint64_t rows_limit = 1 << 20)
+  explicit FakeCall(AdmissionLimits limits = {}, uint64_t rows_limit = 1 << 20,
+                    MinStreamRate min_rate = {})
       : admission_(limits), backend_(NewCpuBackend({.threads = 1})) {
-    env_.config.batch_limits.max_num_rows = rows_limit;
-    env_.backend = backend_.get();
-    env_.admission = &admission_;
-    env_.metrics = &metrics_;
-    pipeline_ = std::make_unique<BackwardPipeline>(&env_, absl::InfiniteFuture());
+    StreamDeps deps;
+    deps.limits.max_num_rows = rows_limit;
+    deps.min_rate = min_rate;
+    deps.backend = backend_.get();
+    deps.admission = &admission_;
+    deps.metrics = &metrics_;
+    pipeline_ = std::make_unique<BackwardPipeline>(deps, absl::InfiniteFuture());
   }
 
-  void Start() { Apply(pipeline_->Start()); }
+  void Start(absl::Status refused = absl::OkStatus()) { Apply(pipeline_->Start(refused)); }
 
   bool read_pending() const { return read_into_ != nullptr; }
   bool write_pending() const { return write_from_ != nullptr; }
@@ -79,7 +82,6 @@ class FakeCall {
 
   BackwardPipeline& pipeline() { return *pipeline_; }
   AdmissionController& admission() { return admission_; }
-  ServiceEnv& env() { return env_; }
   const std::vector<v1::BackwardResponse>& responses() const { return responses_; }
   const std::vector<absl::Status>& finishes() const { return finishes_; }
 
@@ -104,7 +106,6 @@ class FakeCall {
   AdmissionController admission_;
   MetricsRegistry metrics_;
   std::unique_ptr<Backend> backend_;
-  ServiceEnv env_;
   std::unique_ptr<BackwardPipeline> pipeline_;
   v1::BackwardRequest* read_into_ = nullptr;
   const v1::BackwardResponse* write_from_ = nullptr;
@@ -288,13 +289,9 @@ TEST(BackwardPipelineTest, TheWatchdogEndsAStreamWaitingForARequestOrCancelsOneT
 // with DEADLINE_EXCEEDED naming the rate and the flag, a stream at the rate starts a new window.
 TEST(BackwardPipelineTest, AStreamSlowerThanTheMinimumRateEndsNamingTheRateAndTheFlag) {
   const testing::Batch b = testing::RandomBatch(64, 256, 8);  // a row: 1 KiB of x, 1 of dy
-  auto slow_config = [](FakeCall& call) {
-    call.env().config.min_stream_bytes_per_second = 1000;
-    call.env().config.min_stream_rate_window = absl::Seconds(10);
-  };
+  const MinStreamRate slow{.bytes_per_second = 1000, .window = absl::Seconds(10)};
   {  // the header and one row (4 KiB with gamma and dx), then nothing
-    FakeCall call;
-    slow_config(call);
+    FakeCall call({}, 1 << 20, slow);
     call.Start();
     call.Deliver(testing::HeaderFor(b));
     call.Deliver(testing::ChunkFor(b, 0, 1));
@@ -310,8 +307,7 @@ TEST(BackwardPipelineTest, AStreamSlowerThanTheMinimumRateEndsNamingTheRateAndTh
     EXPECT_THAT(call.finishes()[0].message(), HasSubstr("below --min-stream-bytes-per-second=1000"));
   }
   {  // 8 rows (25 KiB) in the first window pass; nothing in the second does not
-    FakeCall call;
-    slow_config(call);
+    FakeCall call({}, 1 << 20, slow);
     call.Start();
     call.Deliver(testing::HeaderFor(b));
     call.Deliver(testing::ChunkFor(b, 0, 8));
@@ -324,8 +320,7 @@ TEST(BackwardPipelineTest, AStreamSlowerThanTheMinimumRateEndsNamingTheRateAndTh
     EXPECT_THAT(call.finishes()[0].message(), HasSubstr("stream too slow: 0 bytes"));
   }
   {  // time with a job queued or running does not count against the client
-    FakeCall call;
-    slow_config(call);
+    FakeCall call({}, 1 << 20, slow);
     call.Start();
     call.Deliver(testing::HeaderFor(b));  // the session start is scheduled, not yet run
     const absl::Time now = absl::Now();
@@ -346,10 +341,9 @@ TEST(BackwardPipelineTest, AStreamSlowerThanTheMinimumRateEndsNamingTheRateAndTh
   }
 }
 
-TEST(BackwardPipelineTest, ADrainingServerRefusesTheStreamWithUnavailableAndAdmitsNothing) {
+TEST(BackwardPipelineTest, ARefusedStreamEndsWithTheRefusalAndAdmitsNothing) {
   FakeCall call;
-  call.env().draining.store(true);
-  call.Start();
+  call.Start(absl::UnavailableError("the server is shutting down"));
   ASSERT_EQ(call.finishes().size(), 1u);
   EXPECT_EQ(call.finishes()[0].code(), absl::StatusCode::kUnavailable);
   EXPECT_FALSE(call.read_pending());

@@ -1,6 +1,6 @@
 // Shared by the service's tests: the backend under test (env NORMGRAD_TEST_BACKEND = cpu|cuda,
-// cpu by default; with cuda, NORMGRAD_CUDA_DRIVER may name an emulated driver), random batches,
-// a plain-stub driver for RmsNormBackward streams, and a Prometheus text parser.
+// cpu by default; with cuda, NORMGRAD_CUDA_DRIVER may name an emulated driver), random batches
+// (batch_test_util.h), a plain-stub driver for RmsNormBackward streams, and a Prometheus text parser.
 #ifndef NORMGRAD_TESTS_SERVER_SERVICE_SERVICE_TEST_UTIL_H_
 #define NORMGRAD_TESTS_SERVER_SERVICE_SERVICE_TEST_UTIL_H_
 
@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "normgrad/v1/normgrad.grpc.pb.h"
 #include "server/process/normgrad_server.h"
+#include "tests/server/service/batch_test_util.h"
 
 namespace normgrad::server::testing {
 
@@ -26,20 +27,6 @@ uint64_t ShapeScale(uint64_t cpu_value, uint64_t cuda_value);
 
 // 127.0.0.1:0 for gRPC and metrics, the backend under test, small idle timeout off.
 ServerOptions TestServerOptions();
-
-struct Batch {
-  uint64_t rows = 0;
-  uint32_t hidden = 0;
-  float eps = 1e-5f;
-  std::vector<float> x, dy, gamma, rms;  // rms empty unless with_rms
-};
-Batch RandomBatch(uint64_t rows, uint32_t hidden, uint32_t seed, bool with_rms = false);
-
-// The reference result for `batch` (kernels::ReferenceBackward).
-void ReferenceFor(const Batch& batch, std::vector<float>& dx, std::vector<float>& dgamma);
-
-v1::BackwardRequest HeaderFor(const Batch& batch);
-v1::BackwardRequest ChunkFor(const Batch& batch, uint64_t first_row, uint64_t rows);
 
 // An RmsNormBackward stream a test drives by hand (stub.RmsNormBackward(&context)).
 using ClientBackwardStream = grpc::ClientReaderWriter<v1::BackwardRequest, v1::BackwardResponse>;
@@ -74,15 +61,6 @@ std::shared_ptr<grpc::Channel> OwnConnectionFor(int port);
 // "name{a=\"b\"}" (exactly as rendered) -> value; comment lines skipped. Empty on a bad line.
 std::map<std::string, double> ParsePrometheusText(const std::string& text, std::string* error);
 std::string HttpGet(int port, const std::string& path, int* status);
-
-// Largest |a - b| / (|b| + scale) over the elements; scale = max(largest |b|, min_scale).
-double MaxScaledError(const std::vector<float>& got, const std::vector<float>& want,
-                      double min_scale = 0);
-
-// dx's error relative to the size of the terms it is computed from: the largest
-// |gamma_i * dy_ri| / rms_r of the batch. (For small hidden_dim dx is a difference of nearly
-// equal terms, far smaller than either: an f32 kernel's error is relative to the terms.)
-double MaxDxError(const Batch& batch, const std::vector<float>& got, const std::vector<float>& want);
 
 }  // namespace normgrad::server::testing
 

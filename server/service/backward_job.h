@@ -1,0 +1,73 @@
+// The blocking work of one RmsNormBackward stream, one job at a time on a worker: start the
+// backend session (the header), compute a row chunk wherever its rows are (in the message, in a
+// shared-memory region, in the client's device memory), finish with grad_gamma and the summary.
+// Each job yields the response to write, if any. No gRPC and no lock: the stream pipeline runs
+// at most one job of a stream at a time.
+//
+//   BackwardJobRunner runner(backend, chunks_total);
+//   absl::StatusOr<std::unique_ptr<Outgoing>> out = runner.Run(job, spec);
+#ifndef NORMGRAD_SERVER_SERVICE_BACKWARD_JOB_H_
+#define NORMGRAD_SERVER_SERVICE_BACKWARD_JOB_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "normgrad/v1/normgrad.pb.h"
+#include "server/backend/backend.h"
+#include "server/service/backward_validator.h"
+#include "server/service/chunk_rows.h"
+
+namespace normgrad::server {
+
+struct BackwardJob {
+  enum Kind { kStart, kChunk, kFinish } kind = kChunk;
+  std::unique_ptr<v1::BackwardRequest> request;  // kStart: the header; kChunk: the chunk
+  RowChunk chunk;                                // kChunk
+  uint64_t reserved = 0;  // kChunk: bytes reserved with admission until its response is written
+  std::optional<RegionRows> in_region;  // kChunk whose rows are in a shared-memory region
+  // kFinish: what the summary reports (the stream's totals, the header's arrival).
+  uint64_t rows = 0;
+  uint64_t chunks = 0;
+  absl::Time header_time;
+};
+
+// A response to write, with what its write gives back.
+struct Outgoing {
+  v1::BackwardResponse response;
+  uint64_t reserved = 0;       // bytes to release once written
+  uint64_t payload_bytes = 0;  // grad_input or grad_gamma bytes in the message
+  uint64_t rows = 0;           // rows computed by the job
+  bool is_chunk = false;
+  bool is_final = false;
+};
+
+class BackwardJobRunner {
+ public:
+  // `count_chunk`: called once per chunk computed (the chunk counter). Both outlive the runner.
+  BackwardJobRunner(Backend& backend, std::function<void()> count_chunk)
+      : backend_(backend), count_chunk_(std::move(count_chunk)) {}
+
+  // `spec`: the batch's, fixed once its header was accepted. Returns null for kStart (nothing
+  // to write). A chunk or finish before a successful kStart is a programming error.
+  absl::StatusOr<std::unique_ptr<Outgoing>> Run(BackwardJob& job, const BatchSpec& spec);
+
+  // Drops the backend session: before the backend may go away.
+  void Close() { session_.reset(); }
+
+ private:
+  absl::StatusOr<std::unique_ptr<Outgoing>> RunChunk(BackwardJob& job, const BatchSpec& spec);
+  absl::StatusOr<std::unique_ptr<Outgoing>> RunFinish(const BackwardJob& job,
+                                                      const BatchSpec& spec);
+
+  Backend& backend_;
+  const std::function<void()> count_chunk_;
+  std::unique_ptr<BackwardSession> session_;
+};
+
+}  // namespace normgrad::server
+
+#endif  // NORMGRAD_SERVER_SERVICE_BACKWARD_JOB_H_
