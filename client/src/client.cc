@@ -37,6 +37,18 @@ namespace normgrad {
 
 int ElementBytes(ElementType type) { return type == ElementType::kF32 ? 4 : 2; }
 
+v1::DType ToProtoDType(ElementType type) {
+  switch (type) {
+    case ElementType::kF32:
+      return v1::DTYPE_F32;
+    case ElementType::kBF16:
+      return v1::DTYPE_BF16;
+    case ElementType::kF16:
+      return v1::DTYPE_F16;
+  }
+  return v1::DTYPE_F32;
+}
+
 const char* HealthStatusName(HealthStatus status) {
   switch (status) {
     case HealthStatus::kUnknown:
@@ -88,18 +100,6 @@ std::future<absl::StatusOr<Gradients>> Client::BackwardFuture(absl::Span<const f
 
 namespace client_internal {
 namespace {
-
-v1::DType ToProto(ElementType type) {
-  switch (type) {
-    case ElementType::kF32:
-      return v1::DTYPE_F32;
-    case ElementType::kBF16:
-      return v1::DTYPE_BF16;
-    case ElementType::kF16:
-      return v1::DTYPE_F16;
-  }
-  return v1::DTYPE_F32;
-}
 
 absl::Span<const uint8_t> AsBytes(absl::Span<const float> s) {
   return {reinterpret_cast<const uint8_t*>(s.data()), s.size() * sizeof(float)};
@@ -550,7 +550,7 @@ void BackwardCall::Start() {
     header->set_num_rows(a.num_rows);
     header->set_hidden_dim(a.hidden_dim);
     header->set_eps(a.eps);
-    header->set_dtype(ToProto(a.type));
+    header->set_dtype(ToProtoDType(a.type));
     header->set_gamma(a.gamma.data(), a.gamma.size());
     header->set_rms_provided(a.device.has_value() ? a.device->rms.has_value() : !a.rms.empty());
     if (!shared_->options.kernel.empty())

@@ -101,18 +101,6 @@ Transport ParseTransport(const std::string& name) {
   throw py::value_error(absl::StrCat("transport \"", name, "\" is not auto, bytes or shm"));
 }
 
-v1::DType ToProtoType(const std::string& name) {
-  switch (ParseType(name)) {
-    case ElementType::kF32:
-      return v1::DTYPE_F32;
-    case ElementType::kBF16:
-      return v1::DTYPE_BF16;
-    case ElementType::kF16:
-      return v1::DTYPE_F16;
-  }
-  return v1::DTYPE_F32;
-}
-
 // A C-contiguous buffer's bytes (the buffer protocol; no copy). `info` keeps the exporter's
 // view alive for as long as the span is used.
 absl::Span<const uint8_t> BytesOf(const py::buffer_info& info, const char* name) {
@@ -267,7 +255,7 @@ class PyClient {
     request.set_kernel(kernel);
     request.set_hidden_dim(hidden_dim);
     request.set_target(target);
-    request.set_dtype(ToProtoType(dtype));
+    request.set_dtype(ToProtoDType(ParseType(dtype)));
     request.set_ptx_version(ptx_version);
     request.set_cubin(cubin);
     auto promise = std::make_shared<std::promise<absl::StatusOr<v1::EmitPtxResponse>>>();

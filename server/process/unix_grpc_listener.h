@@ -18,7 +18,6 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -26,6 +25,7 @@
 
 #include "absl/status/statusor.h"
 #include "server/service/unix_peers.h"
+#include "server/unix_socket/unix_listen_socket.h"
 
 namespace normgrad::server {
 
@@ -45,24 +45,10 @@ class UnixGrpcListener {
   void Stop();
 
  private:
-  UnixGrpcListener(int listen_fd, int wake_fd, grpc::Server* server, UnixPeers* peers,
-                   std::vector<uint32_t> allowed_uids, std::atomic<uint64_t>* refused)
-      : listen_fd_(listen_fd),
-        wake_fd_(wake_fd),
-        server_(server),
-        peers_(peers),
-        allowed_uids_(std::move(allowed_uids)),
-        refused_(refused) {}
-  void Run();
+  explicit UnixGrpcListener(std::unique_ptr<UnixListenSocket> socket)
+      : socket_(std::move(socket)) {}
 
-  const int listen_fd_;
-  const int wake_fd_;  // an eventfd: Stop writes it to end Run
-  grpc::Server* const server_;
-  UnixPeers* const peers_;
-  const std::vector<uint32_t> allowed_uids_;
-  std::atomic<uint64_t>* const refused_;  // optional, outlives the listener
-  std::atomic<bool> stopped_{false};
-  std::thread thread_;
+  std::unique_ptr<UnixListenSocket> socket_;
 };
 
 }  // namespace normgrad::server

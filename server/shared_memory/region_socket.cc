@@ -1,10 +1,7 @@
 #include "server/shared_memory/region_socket.h"
 
 #include <poll.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -129,65 +126,28 @@ absl::Status Handle(RegionRegistry& registry, const Connection& c, Received& r,
 
 absl::StatusOr<std::unique_ptr<RegionSocket>> RegionSocket::Start(
     const std::string& path, const RegionSocketOptions& options, RegionRegistry* registry) {
-  const mode_t mode = options.mode;
-  sockaddr_un addr{};
-  if (path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("region socket path ", path, " is too long"));
-  }
-  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (fd < 0) return absl::UnavailableError(absl::StrCat("socket: ", std::strerror(errno)));
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.data(), path.size());
-  const mode_t old_umask = umask(0077);
-  const int rc = bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
-  const int bind_errno = errno;
-  umask(old_umask);
-  if (rc != 0 || listen(fd, 64) != 0 || chmod(path.c_str(), mode) != 0) {
-    const int err = rc != 0 ? bind_errno : errno;
-    close(fd);
-    return absl::UnavailableError(
-        absl::StrCat("region socket ", path, ": cannot listen there: ", std::strerror(err)));
-  }
-  const int wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (wake < 0) {
-    close(fd);
-    return absl::UnavailableError(absl::StrCat("eventfd: ", std::strerror(errno)));
-  }
-  std::unique_ptr<RegionSocket> s(new RegionSocket(path, fd, wake, registry, options));
-  struct stat st;
-  if (lstat(path.c_str(), &st) == 0) s->inode_ = st.st_ino;
-  s->thread_ = std::thread([raw = s.get()] { raw->Run(); });
+  absl::StatusOr<std::unique_ptr<UnixListenSocket>> socket = UnixListenSocket::Open(
+      path, {.type = SOCK_SEQPACKET, .mode = options.mode, .backlog = 64,
+             .what = absl::StrCat("region socket ", path), .remove_on_stop = true});
+  if (!socket.ok()) return socket.status();
+  std::unique_ptr<RegionSocket> s(new RegionSocket(*std::move(socket), registry, options));
+  s->socket_->Start([raw = s.get()] { raw->Run(); });
   return s;
 }
 
-RegionSocket::RegionSocket(std::string path, int listen_fd, int wake_fd, RegionRegistry* registry,
+RegionSocket::RegionSocket(std::unique_ptr<UnixListenSocket> socket, RegionRegistry* registry,
                            RegionSocketOptions options)
-    : path_(std::move(path)),
-      options_(std::move(options)),
-      listen_fd_(listen_fd),
-      wake_fd_(wake_fd),
-      registry_(registry) {}
+    : options_(std::move(options)), registry_(registry), socket_(std::move(socket)) {}
 
-RegionSocket::~RegionSocket() {
-  Stop();
-  close(listen_fd_);
-  close(wake_fd_);
-}
+RegionSocket::~RegionSocket() { Stop(); }
 
-void RegionSocket::Stop() {
-  if (stopped_.exchange(true)) return;
-  const uint64_t one = 1;
-  (void)write(wake_fd_, &one, sizeof(one));
-  if (thread_.joinable()) thread_.join();
-  struct stat st;
-  if (lstat(path_.c_str(), &st) == 0 && st.st_ino == inode_) unlink(path_.c_str());
-}
+void RegionSocket::Stop() { socket_->Stop(); }
 
 void RegionSocket::Run() {
   std::vector<Connection> connections;
   absl::flat_hash_map<uid_t, uint32_t> per_user;  // connections by the peer's uid
   uint64_t next_id = 1;
-  UnixAcceptor acceptor(listen_fd_, options_.allowed_uids, "region socket " + path_,
+  UnixAcceptor acceptor(socket_->fd(), options_.allowed_uids, "region socket " + path(),
                         options_.refused_peers);
   auto drop = [&](size_t i) {
     const int released = registry_->ReleaseOwner(connections[i].id);
@@ -201,20 +161,14 @@ void RegionSocket::Run() {
     close(connections[i].fd);
     connections.erase(connections.begin() + static_cast<std::ptrdiff_t>(i));
   };
+  std::vector<pollfd> polled;
   while (true) {
-    std::vector<pollfd> fds;
-    fds.push_back({wake_fd_, POLLIN, 0});
-    // Not polled while the acceptor pauses (out of descriptors): it would stay readable.
-    fds.push_back({acceptor.listening() ? listen_fd_ : -1, POLLIN, 0});
-    for (const Connection& c : connections) fds.push_back({c.fd, POLLIN | POLLRDHUP, 0});
-    if (poll(fds.data(), fds.size(), acceptor.PollTimeoutMs()) < 0) {
-      if (errno == EINTR) continue;
-      break;
-    }
-    if (fds[0].revents != 0) break;
-    // Connections first (their indexes match fds[2...] only before any is dropped).
+    polled.clear();
+    for (const Connection& c : connections) polled.push_back({c.fd, POLLIN | POLLRDHUP, 0});
+    if (!socket_->Poll(acceptor, polled)) break;
+    // Connections first (their indexes match `polled` only before any is dropped).
     for (size_t i = connections.size(); i-- > 0;) {
-      const short revents = fds[i + 2].revents;
+      const short revents = polled[i].revents;
       if (revents == 0) continue;
       Received r = ReceiveMessage(connections[i].fd);
       if (r.bytes == -1 && (r.error == EAGAIN || r.error == EINTR)) continue;

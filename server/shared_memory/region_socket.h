@@ -19,11 +19,11 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "server/shared_memory/region_registry.h"
+#include "server/unix_socket/unix_listen_socket.h"
 
 namespace normgrad::server {
 
@@ -52,21 +52,16 @@ class RegionSocket {
   ~RegionSocket();  // Stop()
   void Stop();
 
-  const std::string& path() const { return path_; }
+  const std::string& path() const { return socket_->path(); }
 
  private:
-  RegionSocket(std::string path, int listen_fd, int wake_fd, RegionRegistry* registry,
+  RegionSocket(std::unique_ptr<UnixListenSocket> socket, RegionRegistry* registry,
                RegionSocketOptions options);
   void Run();
 
-  const std::string path_;
   const RegionSocketOptions options_;
-  const int listen_fd_;
-  const int wake_fd_;  // an eventfd: Stop writes it to end Run
   RegionRegistry* const registry_;
-  ino_t inode_ = 0;
-  std::atomic<bool> stopped_{false};
-  std::thread thread_;
+  std::unique_ptr<UnixListenSocket> socket_;
 };
 
 }  // namespace normgrad::server

@@ -11,7 +11,7 @@
 // element), split across the threads like the backend's work. The two alternate; best of
 // --iterations for each, after one warm-up.
 //
-// --sweep: hidden 64 .. 65536 (the sizes of issue 27, and the 992 / 1000 / 1016 of its cliff),
+// --sweep: hidden 64 .. 65536 (the sizes models use, and 992 / 1000 / 1016, around an L1 cliff),
 // rows = --sweep_mib MiB of x / (hidden x dtype size), for f32, bf16 and f16; one line per shape:
 // dtype, hidden, rows, copy GB/s, backward GB/s, ratio. The buffers are allocated once for the
 // largest shape, so the sweep measures no page faults.
@@ -33,13 +33,26 @@
 #include <thread>
 #include <vector>
 
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
 #include "kernels/kernel.h"
 #include "server/backend/backend.h"
 #include "server/cpu/cpu_backend.h"
 #include "server/host_rows/host_rows.h"
 #include "server/thread_pool/thread_pool.h"
+
+ABSL_FLAG(int, threads, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())),
+          "worker threads (the backend's pool and the copy baseline's)");
+ABSL_FLAG(uint64_t, rows, 4096, "rows of the single shape");
+ABSL_FLAG(uint32_t, hidden, 4096, "hidden size of the single shape");
+ABSL_FLAG(std::string, dtype, "f32", "f32, bf16 or f16");
+ABSL_FLAG(int, iterations, 5, "timed runs of each side; the best counts");
+ABSL_FLAG(uint64_t, chunk_rows, 0, "rows per chunk (0: the whole batch as one chunk)");
+ABSL_FLAG(int, dx_page_offset, -1, "dx's byte offset in its page, a multiple of 4 (-1: as allocated)");
+ABSL_FLAG(bool, sweep, false, "every hidden size of the table and every dtype instead of one shape");
+ABSL_FLAG(uint64_t, sweep_mib, 64, "MiB of x per sweep shape");
+ABSL_FLAG(std::string, simd, "", "a Highway target to stop at (e.g. AVX2) instead of the best");
 
 namespace {
 
@@ -49,24 +62,6 @@ using normgrad::server::BatchSpec;
 
 double Seconds(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
-template <typename T>
-bool ParseFlag(const char* arg, const char* name, T* out) {
-  const std::string prefix = std::string("--") + name + "=";
-  if (!absl::StartsWith(arg, prefix)) return false;
-  if (!absl::SimpleAtoi(arg + prefix.size(), out)) {
-    std::fprintf(stderr, "bad value in %s\n", arg);
-    std::exit(2);
-  }
-  return true;
-}
-
-bool ParseStringFlag(const char* arg, const char* name, std::string* out) {
-  const std::string prefix = std::string("--") + name + "=";
-  if (!absl::StartsWith(arg, prefix)) return false;
-  *out = arg + prefix.size();
-  return true;
 }
 
 struct Shape {
@@ -203,39 +198,22 @@ Timing Measure(Backend& backend, normgrad::server::ThreadPool& pool, int threads
 }  // namespace
 
 int main(int argc, char** argv) {
-  int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  absl::SetProgramUsageMessage(
+      "bench_cpu_backend [--threads=N] [--rows=R] [--hidden=H] [--dtype=f32|bf16|f16] "
+      "[--iterations=I] [--chunk_rows=C] [--dx_page_offset=B] [--simd=TARGET] | --sweep "
+      "[--sweep_mib=64]");
+  absl::ParseCommandLine(argc, argv);
+  const int threads = absl::GetFlag(FLAGS_threads);
   Shape shape;
-  shape.rows = 4096;
-  shape.hidden = 4096;
-  int iterations = 5;
-  int dx_page_offset = -1;  // -1: dx as allocated
-  bool sweep = false;
-  uint64_t sweep_mib = 64;
-  std::string dtype_name = "f32";
-  std::string simd;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--sweep") == 0) {
-      sweep = true;
-      continue;
-    }
-    if (ParseFlag(argv[i], "threads", &threads) || ParseFlag(argv[i], "rows", &shape.rows) ||
-        ParseFlag(argv[i], "hidden", &shape.hidden) ||
-        ParseFlag(argv[i], "iterations", &iterations) ||
-        ParseFlag(argv[i], "chunk_rows", &shape.chunk_rows) ||
-        ParseFlag(argv[i], "dx_page_offset", &dx_page_offset) ||
-        ParseFlag(argv[i], "sweep_mib", &sweep_mib) ||
-        ParseStringFlag(argv[i], "dtype", &dtype_name) ||
-        ParseStringFlag(argv[i], "simd", &simd)) {
-      continue;
-    }
-    std::fprintf(stderr,
-                 "usage: %s [--threads=N] [--rows=R] [--hidden=H] [--dtype=f32|bf16|f16] "
-                 "[--iterations=I] [--chunk_rows=C] [--dx_page_offset=B] [--simd=TARGET]\n"
-                 "       %s --sweep [--sweep_mib=64] [--threads=N] [--iterations=I] "
-                 "[--dx_page_offset=B] [--simd=TARGET]\n",
-                 argv[0], argv[0]);
-    return 2;
-  }
+  shape.rows = absl::GetFlag(FLAGS_rows);
+  shape.hidden = absl::GetFlag(FLAGS_hidden);
+  shape.chunk_rows = absl::GetFlag(FLAGS_chunk_rows);
+  const int iterations = absl::GetFlag(FLAGS_iterations);
+  const int dx_page_offset = absl::GetFlag(FLAGS_dx_page_offset);
+  const bool sweep = absl::GetFlag(FLAGS_sweep);
+  const uint64_t sweep_mib = absl::GetFlag(FLAGS_sweep_mib);
+  const std::string dtype_name = absl::GetFlag(FLAGS_dtype);
+  const std::string simd = absl::GetFlag(FLAGS_simd);
   if (dx_page_offset >= 4096 || (dx_page_offset >= 0 && dx_page_offset % 4 != 0)) {
     std::fprintf(stderr, "--dx_page_offset must be a multiple of 4 below 4096\n");
     return 2;

@@ -13,7 +13,7 @@
 //
 // normgrad: the CPU backend with --threads threads, one whole batch per timing (StartBackward, one
 // ProcessChunk, Finish), rms recomputed from x. The two alternate; best of --iterations each,
-// after one warm-up. Shapes: those of issue 27 (4096 x 4096, 4096 x 896, 16384 x 1024,
+// after one warm-up. Shapes: four of models' sizes (4096 x 4096, 4096 x 896, 16384 x 1024,
 // 2048 x 8192) and the sweep's hidden sizes at --sweep_mib MiB of x.
 #include <omp.h>
 
@@ -29,11 +29,17 @@
 #include <utility>
 #include <vector>
 
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
 #include "dnnl.hpp"
 #include "server/backend/backend.h"
 #include "server/cpu/cpu_backend.h"
+
+ABSL_FLAG(int, threads, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())),
+          "threads of both sides (oneDNN's OpenMP threads, the backend's pool)");
+ABSL_FLAG(int, iterations, 5, "timed runs of each side; the best counts");
+ABSL_FLAG(uint64_t, sweep_mib, 64, "MiB of x per sweep shape");
 
 namespace {
 
@@ -42,17 +48,6 @@ using normgrad::server::BatchSpec;
 
 double Seconds(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
-template <typename T>
-bool ParseFlag(const char* arg, const char* name, T* out) {
-  const std::string prefix = std::string("--") + name + "=";
-  if (!absl::StartsWith(arg, prefix)) return false;
-  if (!absl::SimpleAtoi(arg + prefix.size(), out)) {
-    std::fprintf(stderr, "bad value in %s\n", arg);
-    std::exit(2);
-  }
-  return true;
 }
 
 // One layer-norm backward of rows x hidden f32 through oneDNN, its buffers set up once.
@@ -110,17 +105,12 @@ class OneDnnLayerNormBackward {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  int iterations = 5;
-  uint64_t sweep_mib = 64;
-  for (int i = 1; i < argc; ++i) {
-    if (ParseFlag(argv[i], "threads", &threads) || ParseFlag(argv[i], "iterations", &iterations) ||
-        ParseFlag(argv[i], "sweep_mib", &sweep_mib)) {
-      continue;
-    }
-    std::fprintf(stderr, "usage: %s [--threads=N] [--iterations=I] [--sweep_mib=64]\n", argv[0]);
-    return 2;
-  }
+  absl::SetProgramUsageMessage(
+      "bench_onednn_layer_norm [--threads=N] [--iterations=I] [--sweep_mib=64]");
+  absl::ParseCommandLine(argc, argv);
+  const int threads = absl::GetFlag(FLAGS_threads);
+  const int iterations = absl::GetFlag(FLAGS_iterations);
+  const uint64_t sweep_mib = absl::GetFlag(FLAGS_sweep_mib);
   omp_set_num_threads(threads);
 
   std::vector<std::pair<uint64_t, uint32_t>> shapes = {

@@ -39,6 +39,7 @@ namespace normgrad {
 // Element type of x, dy, gamma and the outputs on the wire. Rms is always f32.
 enum class ElementType { kF32, kBF16, kF16 };
 int ElementBytes(ElementType type);
+v1::DType ToProtoDType(ElementType type);  // the type as BackwardHeader.dtype names it
 
 struct TlsOptions {
   std::string root_certs_pem;   // PEM contents; empty: the system's roots

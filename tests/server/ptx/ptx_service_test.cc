@@ -3,7 +3,9 @@
 // resource usage with nvJitLink (when this machine has it) and without (said, not an error).
 #include "server/ptx/ptx_service.h"
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -91,68 +93,40 @@ TEST(PtxServiceTest, MinCudaDriverFollowsThePtxVersion) {
 
 TEST(PtxServiceTest, ABadItemFailsTheBatchNamingIndexFieldAndValue) {
   PtxService ptx(Options("/nonexistent/libnvJitLink.so.13"));
-  auto error = [&](const v1::EmitPtxRequest& request) {
-    absl::StatusOr<v1::EmitPtxResponse> r = ptx.Emit(request);
-    EXPECT_FALSE(r.ok());
-    return r.status();
+  struct BadRequest {
+    std::vector<std::string> targets;
+    std::vector<v1::DType> dtypes;
+    std::string target;     // the single-target field
+    uint32_t hidden_dim;    // 0: Request()'s
+    std::vector<std::string> messages;  // each part of the error
   };
-  v1::EmitPtxRequest bad_target = Request();
-  bad_target.add_targets("sm_90");
-  bad_target.add_targets("sm_ninety");
-  absl::Status s = error(bad_target);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("targets[1]: target \"sm_ninety\" is not sm_NN"));
-
-  v1::EmitPtxRequest unsupported = Request();
-  unsupported.add_targets("sm_90");
-  unsupported.add_targets("sm_70");
-  s = error(unsupported);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("targets[1]: target sm_70 is not supported"));
-
-  // Each item is fine alone; one combination is not (bf16 needs sm_80).
-  v1::EmitPtxRequest refused = Request();
-  refused.add_targets("sm_90");
-  refused.add_targets("sm_75");
-  refused.add_dtypes(v1::DTYPE_F32);
-  refused.add_dtypes(v1::DTYPE_BF16);
-  s = error(refused);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("configuration 3 (targets[1] sm_75, dtypes[1] bf16): dtype "
-                                     "bf16 needs target sm_80 or newer"));
-
-  v1::EmitPtxRequest repeated = Request();
-  repeated.add_targets("sm_90");
-  repeated.add_targets("sm_80");
-  repeated.add_targets("sm_90");
-  s = error(repeated);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("targets[2] \"sm_90\" repeats targets[0]"));
-
-  v1::EmitPtxRequest bad_dtype = Request();
-  bad_dtype.add_dtypes(v1::DTYPE_F16);
-  bad_dtype.add_dtypes(static_cast<v1::DType>(7));
-  s = error(bad_dtype);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("dtypes[1] is 7, not a known DType"));
-
-  v1::EmitPtxRequest both = Request();
-  both.set_target("sm_90");
-  both.add_targets("sm_80");
-  s = error(both);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("target \"sm_90\" and targets (1 items) are both set"));
-
-  // hidden_dim 70000 is above the row-resident kernel's bound for every configuration: the
-  // first one is named.
-  v1::EmitPtxRequest too_wide = Request();
-  too_wide.set_hidden_dim(70000);
-  too_wide.add_targets("sm_80");
-  too_wide.add_dtypes(v1::DTYPE_BF16);
-  s = error(too_wide);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("configuration 0 (targets[0] sm_80, dtypes[0] bf16): "));
-  EXPECT_THAT(s.message(), HasSubstr("70000"));
+  const BadRequest cases[] = {
+      {{"sm_90", "sm_ninety"}, {}, "", 0, {"targets[1]: target \"sm_ninety\" is not sm_NN"}},
+      {{"sm_90", "sm_70"}, {}, "", 0, {"targets[1]: target sm_70 is not supported"}},
+      // Each item is fine alone; one combination is not (bf16 needs sm_80).
+      {{"sm_90", "sm_75"}, {v1::DTYPE_F32, v1::DTYPE_BF16}, "", 0,
+       {"configuration 3 (targets[1] sm_75, dtypes[1] bf16): dtype bf16 needs target sm_80 or "
+        "newer"}},
+      {{"sm_90", "sm_80", "sm_90"}, {}, "", 0, {"targets[2] \"sm_90\" repeats targets[0]"}},
+      {{}, {v1::DTYPE_F16, static_cast<v1::DType>(7)}, "", 0,
+       {"dtypes[1] is 7, not a known DType"}},
+      {{"sm_80"}, {}, "sm_90", 0, {"target \"sm_90\" and targets (1 items) are both set"}},
+      // hidden_dim 70000 is above the row-resident kernel's bound for every configuration: the
+      // first one is named.
+      {{"sm_80"}, {v1::DTYPE_BF16}, "", 70000,
+       {"configuration 0 (targets[0] sm_80, dtypes[0] bf16): ", "70000"}},
+  };
+  for (const BadRequest& c : cases) {
+    v1::EmitPtxRequest request = Request();
+    if (!c.target.empty()) request.set_target(c.target);
+    for (const std::string& t : c.targets) request.add_targets(t);
+    for (v1::DType d : c.dtypes) request.add_dtypes(d);
+    if (c.hidden_dim != 0) request.set_hidden_dim(c.hidden_dim);
+    absl::StatusOr<v1::EmitPtxResponse> r = ptx.Emit(request);
+    ASSERT_FALSE(r.ok()) << c.messages.front();
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    for (const std::string& m : c.messages) EXPECT_THAT(r.status().message(), HasSubstr(m));
+  }
 }
 
 TEST(PtxServiceTest, ConfigurationsPerRequestAreBounded) {
