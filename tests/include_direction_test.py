@@ -38,7 +38,7 @@ PRODUCT = {
     "proto": set(),
     "server/cache": {"base"},
     "server/thread_pool": set(),
-    "server/backend": {"base", "kernels", "server/cache"},
+    "server/backend": {"base", "kernels", "server/cache", "server/host_rows"},
     "server/host_rows": {"base", "kernels"},
     "server/cpu": {"base", "kernels", "server/backend", "server/host_rows", "server/thread_pool"},
     "server/cuda": {"base", "kernels", "nvidia", "server/backend", "server/cache",
