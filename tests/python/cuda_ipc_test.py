@@ -113,15 +113,24 @@ def assert_close(test, got, want, rtol, what):
     test.assertLessEqual(error, rtol, f"{what}: max error {error:.3g} of the largest value")
 
 
-@skip_without_emulated_cuda
-class CudaIpcTest(unittest.TestCase):
+class EmulatedCudaServerTest(unittest.TestCase):
+    """A CUDA-backend server over the emulated driver, and device memory of this process."""
+
+    SERVER_FLAGS = []
+    SERVER_ENVIRONMENT = {}  # set for the server process only
+
     @classmethod
     def setUpClass(cls):
         # The native module's driver loader reads this at its first CUDA call: the same library
         # as the one this process allocates from, so both see one device and one memory.
         os.environ["NORMGRAD_CUDA_DRIVER"] = emulated_cuda_driver()
         cls.device = EmulatedDevice(emulated_cuda_driver())
-        cls.server = ServerProcess("cuda", ["--cuda-ipc"])
+        os.environ.update(cls.SERVER_ENVIRONMENT)
+        try:
+            cls.server = ServerProcess("cuda", cls.SERVER_FLAGS)
+        finally:
+            for name in cls.SERVER_ENVIRONMENT:
+                del os.environ[name]
         cls.client = normgrad.Client(cls.server.address, deadline=120, max_attempts=1)
 
     @classmethod
@@ -129,6 +138,11 @@ class CudaIpcTest(unittest.TestCase):
         cls.client.close()
         cls.server.stop()
         cls.device.free_all()
+
+
+@skip_without_emulated_cuda
+class CudaIpcTest(EmulatedCudaServerTest):
+    SERVER_FLAGS = ["--cuda-ipc"]
 
     def place(self, x, dy):
         """x, dy and room for dx in one device allocation, [x | dy | dx]: their pointers."""
@@ -248,21 +262,8 @@ class CudaIpcTest(unittest.TestCase):
 
 
 @skip_without_emulated_cuda
-class CudaIpcOffTest(unittest.TestCase):
+class CudaIpcOffTest(EmulatedCudaServerTest):
     """A CUDA-backend server started without --cuda-ipc."""
-
-    @classmethod
-    def setUpClass(cls):
-        os.environ["NORMGRAD_CUDA_DRIVER"] = emulated_cuda_driver()
-        cls.device = EmulatedDevice(emulated_cuda_driver())
-        cls.server = ServerProcess("cuda")
-        cls.client = normgrad.Client(cls.server.address, deadline=120, max_attempts=1)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        cls.server.stop()
-        cls.device.free_all()
 
     def test_backward_device_is_failed_precondition_naming_the_flag(self):
         x, dy, gamma, _, _ = random_case(2, 64, np.float32, 7)
@@ -280,25 +281,11 @@ class CudaIpcOffTest(unittest.TestCase):
 
 
 @skip_without_emulated_cuda
-class CudaIpcOtherGpuTest(unittest.TestCase):
+class CudaIpcOtherGpuTest(EmulatedCudaServerTest):
     """A server with --cuda-ipc on another (emulated) GPU than this process's device 0."""
 
-    @classmethod
-    def setUpClass(cls):
-        os.environ["NORMGRAD_CUDA_DRIVER"] = emulated_cuda_driver()
-        cls.device = EmulatedDevice(emulated_cuda_driver())
-        os.environ["NORMGRAD_EMULATED_DEVICE_UUID"] = "0123456789abcdef0123456789abcdef"
-        try:  # only the server's environment
-            cls.server = ServerProcess("cuda", ["--cuda-ipc"])
-        finally:
-            del os.environ["NORMGRAD_EMULATED_DEVICE_UUID"]
-        cls.client = normgrad.Client(cls.server.address, deadline=120, max_attempts=1)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        cls.server.stop()
-        cls.device.free_all()
+    SERVER_FLAGS = ["--cuda-ipc"]
+    SERVER_ENVIRONMENT = {"NORMGRAD_EMULATED_DEVICE_UUID": "0123456789abcdef0123456789abcdef"}
 
     def test_the_client_sees_that_it_takes_none_for_this_device(self):
         self.assertTrue(self.client.info()["cuda_ipc"]["enabled"])

@@ -24,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "normgrad/v1/normgrad.pb.h"
 #include "server/shared_memory/region_registry.h"
+#include "tests/common/unix_socket_util.h"
 
 namespace normgrad::server {
 namespace {
@@ -68,31 +69,19 @@ int AllocatedMemfd(uint64_t bytes) {
 
 class RegionSocketTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    char dir[] = "/tmp/normgrad-region-socket-XXXXXX";
-    ASSERT_NE(mkdtemp(dir), nullptr);
-    dir_ = dir;
-  }
-  void TearDown() override {
-    socket_.reset();
-    rmdir(dir_.c_str());
-  }
+  void TearDown() override { socket_.reset(); }
   void Start(RegionSocketOptions options, RegionLimits limits = {}) {
     registry_ = std::make_unique<RegionRegistry>(limits);
     options.refused_peers = &refused_peers_;
     options.refused_over_bound = &refused_over_bound_;
     absl::StatusOr<std::unique_ptr<RegionSocket>> s =
-        RegionSocket::Start(dir_ + "/grpc.sock.shm", options, registry_.get());
+        RegionSocket::Start(dir_.path() + "/grpc.sock.shm", options, registry_.get());
     ASSERT_TRUE(s.ok()) << s.status();
     socket_ = *std::move(s);
   }
   int Connect() {
-    const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    const std::string path = socket_->path();
-    std::memcpy(addr.sun_path, path.data(), path.size());
-    EXPECT_EQ(connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+    const int fd = testing::ConnectUnix(socket_->path(), SOCK_SEQPACKET);
+    EXPECT_GE(fd, 0);
     return fd;
   }
   // Sends a registration of a new `bytes` region; the connection's reply, or nullopt when the
@@ -103,19 +92,7 @@ class RegionSocketTest : public ::testing::Test {
     request.set_request_id(request_id);
     const std::string wire = request.SerializeAsString();
     const int region = AllocatedMemfd(bytes);
-    iovec iov{const_cast<char*>(wire.data()), wire.size()};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    cmsghdr* c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(c), &region, sizeof(int));
-    const ssize_t sent = sendmsg(conn, &msg, MSG_NOSIGNAL);
+    const ssize_t sent = testing::SendWithDescriptor(conn, wire, region);
     close(region);
     if (sent < 0) return std::nullopt;
     return Await(conn);
@@ -131,7 +108,7 @@ class RegionSocketTest : public ::testing::Test {
     return reply;
   }
 
-  std::string dir_;
+  testing::TempDir dir_{"normgrad-region-socket"};
   std::unique_ptr<RegionRegistry> registry_;
   std::unique_ptr<RegionSocket> socket_;
   std::atomic<uint64_t> refused_peers_{0}, refused_over_bound_{0};

@@ -16,6 +16,8 @@
 
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "server/unix_socket/unix_listen_socket.h"
+#include "tests/common/unix_socket_util.h"
 
 namespace normgrad::server {
 namespace {
@@ -23,32 +25,20 @@ namespace {
 class UnixAcceptorTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    char dir[] = "/tmp/normgrad-acceptor-XXXXXX";
-    ASSERT_NE(mkdtemp(dir), nullptr);
-    dir_ = dir;
-    path_ = dir_ + "/listen.sock";
-    listen_fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    std::memcpy(addr.sun_path, path_.data(), path_.size());
-    ASSERT_EQ(bind(listen_fd_, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
-    ASSERT_EQ(listen(listen_fd_, 16), 0);
-  }
-  void TearDown() override {
-    close(listen_fd_);
-    unlink(path_.c_str());
-    rmdir(dir_.c_str());
+    absl::StatusOr<std::unique_ptr<UnixListenSocket>> s =
+        UnixListenSocket::Open(dir_.path() + "/listen.sock", {.backlog = 16, .what = "test"});
+    ASSERT_TRUE(s.ok()) << s.status();
+    socket_ = *std::move(s);
+    listen_fd_ = socket_->fd();
   }
   int Connect() const {
-    const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    std::memcpy(addr.sun_path, path_.data(), path_.size());
-    EXPECT_EQ(connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+    const int fd = testing::ConnectUnix(socket_->path(), SOCK_STREAM);
+    EXPECT_GE(fd, 0);
     return fd;
   }
 
-  std::string dir_, path_;
+  testing::TempDir dir_{"normgrad-acceptor"};
+  std::unique_ptr<UnixListenSocket> socket_;
   int listen_fd_ = -1;
 };
 

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/common/unix_socket_util.h"
 
 namespace normgrad::server {
 namespace {
@@ -25,30 +26,18 @@ using ::testing::HasSubstr;
 
 class UnixListenSocketTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    char dir[] = "/tmp/normgrad-listen-XXXXXX";
-    ASSERT_NE(mkdtemp(dir), nullptr);
-    dir_ = dir;
-    path_ = dir_ + "/s.sock";
-  }
-  void TearDown() override {
-    unlink(path_.c_str());
-    rmdir(dir_.c_str());
-  }
   int Connect(int type) const {
-    const int fd = socket(AF_UNIX, type | SOCK_CLOEXEC, 0);
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    std::memcpy(addr.sun_path, path_.data(), path_.size());
-    EXPECT_EQ(connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+    const int fd = testing::ConnectUnix(path_, type);
+    EXPECT_GE(fd, 0);
     return fd;
   }
 
-  std::string dir_, path_;
+  testing::TempDir dir_{"normgrad-listen"};
+  const std::string path_ = dir_.path() + "/s.sock";
 };
 
 TEST_F(UnixListenSocketTest, APathLongerThanSockaddrIsRefusedNamingBothLengths) {
-  const std::string long_path = dir_ + "/" + std::string(200, 'p');
+  const std::string long_path = dir_.path() + "/" + std::string(200, 'p');
   auto s = UnixListenSocket::Open(long_path, {.what = "--listen=unix:x"});
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
@@ -139,11 +128,11 @@ TEST_F(UnixListenSocketTest, StopRemovesTheFileOnlyWhenItIsStillTheOneOpenMade) 
     EXPECT_EQ(lstat(path_.c_str(), &st), 0);
   }
   {
-    auto s = UnixListenSocket::Open(dir_ + "/kept.sock", {.what = "test"});
+    auto s = UnixListenSocket::Open(dir_.path() + "/kept.sock", {.what = "test"});
     ASSERT_TRUE(s.ok()) << s.status();
     (*s)->Stop();
-    EXPECT_EQ(lstat((dir_ + "/kept.sock").c_str(), &st), 0);
-    unlink((dir_ + "/kept.sock").c_str());
+    EXPECT_EQ(lstat((dir_.path() + "/kept.sock").c_str(), &st), 0);
+    unlink((dir_.path() + "/kept.sock").c_str());
   }
 }
 
