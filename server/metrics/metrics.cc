@@ -173,4 +173,22 @@ std::string MetricsRegistry::RenderText() {
   return out;
 }
 
+Counter::Counter(MetricsRegistry& registry, std::string name, const std::string& help,
+                 std::vector<std::string> label_names)
+    : Metric(registry, std::move(name), std::move(label_names)) {
+  registry.DescribeCounter(name_, help);
+}
+
+Gauge::Gauge(MetricsRegistry& registry, std::string name, const std::string& help,
+             std::vector<std::string> label_names)
+    : Metric(registry, std::move(name), std::move(label_names)) {
+  registry.DescribeGauge(name_, help);
+}
+
+Histogram::Histogram(MetricsRegistry& registry, std::string name, const std::string& help,
+                     std::vector<double> bounds, std::vector<std::string> label_names)
+    : Metric(registry, std::move(name), std::move(label_names)) {
+  registry.DescribeHistogram(name_, help, std::move(bounds));
+}
+
 }  // namespace normgrad::server

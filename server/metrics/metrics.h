@@ -8,7 +8,9 @@
 //   std::string text = m.RenderText();
 //
 // Thread-safe. Recording a metric that was never described is a programming error: it is
-// rendered as an untyped metric.
+// rendered as an untyped metric. Components do not spell names: each keeps a table of typed
+// handles (Counter, Gauge, Histogram below), one member per metric, whose constructor describes
+// it with its name, help and label names in one place (ServiceMetrics, ProcessMetrics).
 #ifndef NORMGRAD_SERVER_METRICS_METRICS_H_
 #define NORMGRAD_SERVER_METRICS_METRICS_H_
 
@@ -69,6 +71,57 @@ class MetricsRegistry {
   std::mutex mu_;
   std::map<std::string, Family> families_;  // guarded by mu_
   std::vector<std::function<void(MetricsRegistry&)>> collectors_;  // guarded by mu_
+};
+
+// A described metric of `registry`, recorded through its handle. `label_names`: the labels its
+// series carry (documentation, and the order callers give them in). Copyable; the registry
+// outlives every handle.
+class Metric {
+ public:
+  const std::string& name() const { return name_; }
+  const std::vector<std::string>& label_names() const { return label_names_; }
+
+ protected:
+  Metric(MetricsRegistry& registry, std::string name, std::vector<std::string> label_names)
+      : registry_(&registry), name_(std::move(name)), label_names_(std::move(label_names)) {}
+  MetricsRegistry* registry_;
+  std::string name_;
+  std::vector<std::string> label_names_;
+};
+
+class Counter : public Metric {
+ public:
+  Counter(MetricsRegistry& registry, std::string name, const std::string& help,
+          std::vector<std::string> label_names = {});
+  void Increment(const MetricsRegistry::Labels& labels = {}, double delta = 1) const {
+    registry_->IncrementCounter(name_, labels, delta);
+  }
+  // To a total kept elsewhere (collectors only).
+  void Set(const MetricsRegistry::Labels& labels, double value) const {
+    registry_->SetCounter(name_, labels, value);
+  }
+};
+
+class Gauge : public Metric {
+ public:
+  Gauge(MetricsRegistry& registry, std::string name, const std::string& help,
+        std::vector<std::string> label_names = {});
+  void Set(const MetricsRegistry::Labels& labels, double value) const {
+    registry_->SetGauge(name_, labels, value);
+  }
+  void Set(double value) const { Set({}, value); }
+  void Add(const MetricsRegistry::Labels& labels, double delta) const {
+    registry_->AddGauge(name_, labels, delta);
+  }
+};
+
+class Histogram : public Metric {
+ public:
+  Histogram(MetricsRegistry& registry, std::string name, const std::string& help,
+            std::vector<double> bounds, std::vector<std::string> label_names = {});
+  void Observe(const MetricsRegistry::Labels& labels, double value) const {
+    registry_->Observe(name_, labels, value);
+  }
 };
 
 }  // namespace normgrad::server

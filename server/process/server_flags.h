@@ -13,7 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "server/process/normgrad_server.h"
+#include "server/process/server_options.h"
 
 namespace normgrad::server {
 

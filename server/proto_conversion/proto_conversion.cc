@@ -75,4 +75,38 @@ void ToProto(const DeviceDescription& device, v1::DeviceInfo* out) {
   out->set_sm_count(device.sm_count);
 }
 
+void ToProto(const ServerInfo& info, v1::GetServerInfoResponse* out) {
+  out->set_version(info.version);
+  out->set_backend(info.backend);
+  ToProto(info.device, out->mutable_device());
+  v1::Limits* limits = out->mutable_limits();
+  limits->set_max_concurrent_streams(info.limits.max_streams);
+  limits->set_max_inflight_bytes(info.limits.max_inflight_bytes);
+  limits->set_max_hidden_dim(info.limits.max_hidden_dim);
+  limits->set_max_num_rows(info.limits.max_num_rows);
+  limits->set_max_message_bytes(info.limits.max_message_bytes);
+  limits->set_stream_idle_timeout_seconds(absl::ToDoubleSeconds(info.limits.stream_idle_timeout));
+  limits->set_max_streams_per_client(info.limits.max_streams_per_client);
+  ToProto(info.cache, out->mutable_cache());
+  ToProto(info.ptx_cache, out->mutable_ptx_cache());
+  out->set_nvjitlink_available(info.nvjitlink_available);
+  if (info.shared_memory.has_value()) {
+    v1::SharedMemoryInfo* shm = out->mutable_shared_memory();
+    shm->set_enabled(true);
+    shm->set_max_regions(info.shared_memory->max_regions);
+    shm->set_max_region_bytes(info.shared_memory->max_region_bytes);
+    shm->set_max_regions_per_user(info.shared_memory->max_regions_per_user);
+    shm->set_max_region_bytes_per_user(info.shared_memory->max_region_bytes_per_user);
+  }
+  if (info.cuda_ipc.has_value()) {
+    v1::CudaIpcInfo* ipc = out->mutable_cuda_ipc();
+    ipc->set_enabled(true);
+    ipc->set_device_uuid(info.cuda_ipc->device_uuid);
+    ipc->set_max_open_handles(info.cuda_ipc->max_open_handles);
+  }
+  for (const std::string& name : info.kernels) out->add_kernels(name);
+  out->mutable_health()->set_serving(info.serving);
+  out->mutable_health()->set_reason(info.health_reason);
+}
+
 }  // namespace normgrad::server

@@ -1,18 +1,22 @@
 // Conversions between the normgrad.v1 messages and the server's own types, each in one place:
 // DType, kernel names (with the one wording for an unknown or missing kernel), module-cache
-// statistics and device descriptions. Messages only, no gRPC.
+// statistics, device descriptions and GetServerInfo's answer. Messages only, no gRPC.
 //
 //   NORMGRAD_ASSIGN_OR_RETURN(kernels::DType dtype, DTypeFromProto(h.dtype(), "header.dtype"));
 //   NORMGRAD_ASSIGN_OR_RETURN(const kernels::Kernel* kernel, KernelNamed(name, "kernel"));
 //   ToProto(backend.CacheStats(), response.mutable_cache());
+//   ToProto(info, &response);  // ServerInfo, gathered by the service
 #ifndef NORMGRAD_SERVER_PROTO_CONVERSION_PROTO_CONVERSION_H_
 #define NORMGRAD_SERVER_PROTO_CONVERSION_PROTO_CONVERSION_H_
 
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "kernels/kernel.h"
 #include "normgrad/v1/normgrad.pb.h"
 #include "server/backend/backend.h"
@@ -33,6 +37,42 @@ absl::StatusOr<const kernels::Kernel*> KernelNamed(absl::string_view name, absl:
 
 void ToProto(const ModuleCacheStats& stats, v1::CacheStats* out);
 void ToProto(const DeviceDescription& device, v1::DeviceInfo* out);
+
+// What GetServerInfo reports, in the server's own units; the service gathers it from its
+// configuration and collaborators, ToProto below is its one conversion to the message.
+struct ServerInfo {
+  std::string version;
+  std::string backend;  // Backend::Name()
+  DeviceDescription device;
+  struct Limits {
+    uint32_t max_streams = 0;
+    uint64_t max_inflight_bytes = 0;
+    uint32_t max_streams_per_client = 0;
+    uint32_t max_hidden_dim = 0;
+    uint64_t max_num_rows = 0;
+    uint64_t max_message_bytes = 0;
+    absl::Duration stream_idle_timeout;
+  } limits;
+  ModuleCacheStats cache;      // the backend's modules
+  ModuleCacheStats ptx_cache;  // EmitPtx's results
+  bool nvjitlink_available = false;
+  struct SharedMemory {  // --shared-memory's bounds
+    uint32_t max_regions = 0;
+    uint64_t max_region_bytes = 0;
+    uint32_t max_regions_per_user = 0;
+    uint64_t max_region_bytes_per_user = 0;
+  };
+  std::optional<SharedMemory> shared_memory;  // absent: not taken
+  struct CudaIpc {
+    std::string device_uuid;  // 16 bytes
+    uint32_t max_open_handles = 0;
+  };
+  std::optional<CudaIpc> cuda_ipc;  // absent: not taken
+  std::vector<std::string> kernels;
+  bool serving = false;
+  std::string health_reason;  // empty while the device may serve
+};
+void ToProto(const ServerInfo& info, v1::GetServerInfoResponse* out);
 
 }  // namespace normgrad::server
 

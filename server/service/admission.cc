@@ -55,7 +55,7 @@ std::string ClientIdentityFromPeer(absl::string_view peer) {
 
 void AdmissionController::CountRejection(const char* method, const char* limit) {
   if (metrics_ != nullptr) {
-    metrics_->IncrementCounter("normgrad_rejected_total", {{"method", method}, {"limit", limit}});
+    metrics_->rejected.Increment({{"method", method}, {"limit", limit}});
   }
 }
 

@@ -23,7 +23,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
-#include "server/metrics/metrics.h"
+#include "server/service/service_metrics.h"
 
 namespace normgrad::server {
 
@@ -52,8 +52,9 @@ std::string ClientIdentityFromPeer(absl::string_view peer);
 
 class AdmissionController {
  public:
-  // `metrics` (may be null) receives normgrad_rejected_total for every refusal.
-  explicit AdmissionController(const AdmissionLimits& limits, MetricsRegistry* metrics = nullptr)
+  // `metrics` (may be null) counts every refusal (ServiceMetrics::rejected).
+  explicit AdmissionController(const AdmissionLimits& limits,
+                               const ServiceMetrics* metrics = nullptr)
       : limits_(limits), metrics_(metrics) {}
 
   // `client`: the caller's identity (ClientIdentity in normgrad_service.cc); "" for none.
@@ -82,7 +83,7 @@ class AdmissionController {
   void CountRejection(const char* method, const char* limit);
 
   const AdmissionLimits limits_;
-  MetricsRegistry* const metrics_;
+  const ServiceMetrics* const metrics_;
   mutable std::mutex mu_;
   uint32_t streams_ = 0;  // guarded by mu_
   uint64_t bytes_ = 0;  // guarded by mu_

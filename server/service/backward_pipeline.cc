@@ -14,8 +14,7 @@ BackwardPipeline::BackwardPipeline(const StreamDeps& deps, absl::Time deadline,
       deadline_(deadline),
       peer_is_local_(peer_is_local),
       client_(std::move(client)),
-      runner_(*deps.backend,
-              [metrics = deps.metrics] { metrics->IncrementCounter("normgrad_chunks_total", {}); }),
+      runner_(*deps.backend, [metrics = deps.metrics] { metrics->chunks.Increment(); }),
       validator_(deps.limits),
       watchdog_(start_, deps.min_rate) {}
 
@@ -33,7 +32,7 @@ void BackwardPipeline::Close() {
 BackwardPipeline::~BackwardPipeline() {
   Close();
   if (admitted_) {  // OnDone never came (a test's pipeline)
-    deps_.metrics->AddGauge("normgrad_inflight_streams", {}, -1);
+    deps_.metrics->inflight_streams.Add({}, -1);
     deps_.admission->ReleaseStream(client_);
   }
 }
@@ -47,7 +46,7 @@ StreamActions BackwardPipeline::Start(absl::Status refused) {
     FinishLocked(s, a);
   } else {
     admitted_ = true;
-    deps_.metrics->AddGauge("normgrad_inflight_streams", {}, 1);
+    deps_.metrics->inflight_streams.Add({}, 1);
     request_ = std::make_unique<v1::BackwardRequest>();
     MaybeStartReadLocked(a);  // the first read: nothing held, nothing in flight
   }
@@ -148,8 +147,7 @@ StreamActions BackwardPipeline::CheckIdle(absl::Time now, absl::Duration timeout
   state.bytes_moved = tensor_bytes_in_ + bytes_out_;
   const StreamWatchdog::Verdict verdict = watchdog_.Visit(now, timeout, state);
   if (verdict.below_min_rate) {
-    deps_.metrics->IncrementCounter(
-        "normgrad_rejected_total",
+    deps_.metrics->rejected.Increment(
         {{"method", "RmsNormBackward"}, {"limit", "min-stream-bytes-per-second"}});
   }
   if (verdict.end.ok()) return a;
@@ -192,7 +190,7 @@ StreamTotals BackwardPipeline::OnDone() {
   t.payload_transport = payload_transport_;
   if (admitted_) {
     admitted_ = false;
-    deps_.metrics->AddGauge("normgrad_inflight_streams", {}, -1);
+    deps_.metrics->inflight_streams.Add({}, -1);
     deps_.admission->ReleaseStream(client_);
   }
   return t;

@@ -37,7 +37,7 @@
 #include "absl/time/time.h"
 #include "normgrad/v1/normgrad.pb.h"
 #include "server/backend/backend.h"
-#include "server/metrics/metrics.h"
+#include "server/service/service_metrics.h"
 #include "server/service/admission.h"
 #include "server/service/backward_job.h"
 #include "server/service/backward_validator.h"
@@ -79,7 +79,7 @@ struct StreamTotals {
 struct StreamDeps {
   Backend* backend = nullptr;
   AdmissionController* admission = nullptr;  // stream slots and the byte budget
-  MetricsRegistry* metrics = nullptr;
+  const ServiceMetrics* metrics = nullptr;
   const RegionRegistry* regions = nullptr;  // shared-memory regions; null: none taken
   bool cuda_ipc = false;  // chunks may name device memory of backend->DeviceUuid()
   BackwardLimits limits;

@@ -90,8 +90,7 @@ absl::Status CheckUnixPeer(const ServiceEnv& env, absl::string_view peer, const 
   const std::optional<PeerCredentials> c = env.unix_peers->Find(peer);
   if (!c.has_value()) return absl::OkStatus();  // not a unix-socket connection
   if (std::find(allowed.begin(), allowed.end(), c->uid) != allowed.end()) return absl::OkStatus();
-  env.metrics->IncrementCounter("normgrad_rejected_total",
-                                {{"method", method}, {"limit", "unix-allowed-uids"}});
+  env.metrics->rejected.Increment({{"method", method}, {"limit", "unix-allowed-uids"}});
   return absl::PermissionDeniedError(absl::StrCat(
       "this unix-socket client runs as ", DescribePeer(*c),
       ", which --unix-allowed-uids does not list"));
@@ -113,6 +112,40 @@ absl::Status RefuseStream(const ServiceEnv& env, absl::string_view peer) {
   return absl::OkStatus();
 }
 
+// What GetServerInfo reports, from the configuration and the collaborators.
+ServerInfo GatherServerInfo(const ServiceEnv& env) {
+  ServerInfo info;
+  info.version = env.config.version;
+  info.backend = std::string(env.backend->Name());
+  info.device = env.backend->Device();
+  info.limits = {.max_streams = env.admission->limits().max_streams,
+                 .max_inflight_bytes = env.admission->limits().max_inflight_bytes,
+                 .max_streams_per_client = env.admission->streams_per_client(),
+                 .max_hidden_dim = env.config.batch_limits.max_hidden_dim,
+                 .max_num_rows = env.config.batch_limits.max_num_rows,
+                 .max_message_bytes = env.config.max_message_bytes,
+                 .stream_idle_timeout = env.config.stream_idle_timeout};
+  info.cache = env.backend->CacheStats();
+  info.ptx_cache = env.ptx->CacheStats();
+  info.nvjitlink_available = env.ptx->has_nvjitlink();
+  if (env.regions != nullptr) {
+    const RegionLimits& r = env.regions->limits();
+    info.shared_memory = ServerInfo::SharedMemory{
+        .max_regions = r.max_regions,
+        .max_region_bytes = r.max_bytes,
+        .max_regions_per_user = r.max_regions_per_user,
+        .max_region_bytes_per_user = r.max_bytes_per_user};
+  }
+  if (env.cuda_ipc) {
+    info.cuda_ipc = ServerInfo::CudaIpc{.device_uuid = env.backend->DeviceUuid(),
+                                        .max_open_handles = env.max_cuda_ipc_handles};
+  }
+  info.kernels = KernelNames();
+  info.serving = env.device_health.healthy() && !env.draining.load();
+  info.health_reason = std::string(env.device_health.reason().message());
+  return info;
+}
+
 // What a stream's pipeline uses of the service's environment.
 StreamDeps StreamDepsOf(const ServiceEnv& env) {
   return {.backend = env.backend,
@@ -126,43 +159,6 @@ StreamDeps StreamDepsOf(const ServiceEnv& env) {
 }
 
 }  // namespace
-
-void DescribeServiceMetrics(MetricsRegistry& m) {
-  m.DescribeCounter("normgrad_requests_total", "Finished RPCs by method and gRPC status code.");
-  m.DescribeHistogram("normgrad_request_duration_seconds",
-                      "RPC latency from start to final status, by method.",
-                      MetricsRegistry::LatencyBuckets());
-  m.DescribeCounter("normgrad_received_bytes_total",
-                    "Tensor and request payload bytes received, by method.");
-  m.DescribeCounter("normgrad_sent_bytes_total", "Payload bytes sent, by method.");
-  m.DescribeCounter("normgrad_rows_total", "Rows whose gradients were computed and sent.");
-  m.DescribeCounter("normgrad_chunks_total", "Row chunks computed.");
-  m.DescribeCounter("normgrad_rejected_total",
-                    "Calls refused, or streams ended, by a server limit: by method and the "
-                    "limit's flag (max-streams, max-streams-per-client, max-inflight-bytes, "
-                    "min-stream-bytes-per-second, max-emit-ptx-queue[-bytes][-per-connection]).");
-  m.DescribeCounter("normgrad_transport_streams_total",
-                    "Finished RmsNormBackward streams by transport: shm (rows in a shared-memory "
-                    "region), unix (bytes over a unix-domain socket) or tcp.");
-  m.DescribeCounter("normgrad_transport_tensor_bytes_total",
-                    "x, dy, rms and gamma bytes received and grad_input bytes sent by "
-                    "RmsNormBackward streams, by transport (as normgrad_transport_streams_total).");
-  m.DescribeGauge("normgrad_emit_ptx_queued",
-                  "EmitPtx calls admitted and not finished (queued or running on its workers).");
-  m.DescribeGauge("normgrad_emit_ptx_queued_bytes", "Request bytes those EmitPtx calls hold.");
-}
-
-void RecordRpc(MetricsRegistry& m, const char* method, absl::StatusCode code, double seconds,
-               uint64_t bytes_in, uint64_t bytes_out) {
-  m.Observe("normgrad_request_duration_seconds", {{"method", method}}, seconds);
-  m.IncrementCounter("normgrad_received_bytes_total", {{"method", method}},
-                     static_cast<double>(bytes_in));
-  m.IncrementCounter("normgrad_sent_bytes_total", {{"method", method}},
-                     static_cast<double>(bytes_out));
-  // Last, so a scrape that counts the call also sees its latency and bytes.
-  m.IncrementCounter("normgrad_requests_total",
-                     {{"method", method}, {"code", absl::StatusCodeToString(code)}});
-}
 
 // One RmsNormBackward stream: the gRPC shell around its BackwardPipeline. It hands the pipeline
 // what gRPC reports and carries out the actions it returns, after the pipeline's lock is released
@@ -228,14 +224,13 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
       done_ = true;
     }
     const double seconds = absl::ToDoubleSeconds(absl::Now() - pipeline_.start_time());
-    env_->metrics->IncrementCounter("normgrad_rows_total", {}, static_cast<double>(t.rows));
+    const ServiceMetrics& metrics = *env_->metrics;
+    metrics.rows.Increment({}, static_cast<double>(t.rows));
     const char* transport = t.payload_transport != nullptr ? t.payload_transport : listener_;
-    env_->metrics->IncrementCounter("normgrad_transport_tensor_bytes_total",
-                                    {{"transport", transport}},
-                                    static_cast<double>(t.tensor_bytes));
-    env_->metrics->IncrementCounter("normgrad_transport_streams_total",
-                                    {{"transport", transport}});
-    RecordRpc(*env_->metrics, kBackwardMethod, t.code, seconds, t.bytes_in, t.bytes_out);
+    metrics.transport_tensor_bytes.Increment({{"transport", transport}},
+                                             static_cast<double>(t.tensor_bytes));
+    metrics.transport_streams.Increment({{"transport", transport}});
+    metrics.RecordRpc(kBackwardMethod, t.code, seconds, t.bytes_in, t.bytes_out);
     Unref();
   }
 
@@ -381,7 +376,7 @@ grpc::ServerUnaryReactor* NormGradService::EmitPtx(grpc::CallbackServerContext* 
     refused = absl::UnavailableError("the server is shutting down; retry elsewhere");
   }
   if (!refused.ok()) {
-    RecordRpc(*env->metrics, kEmitPtxMethod, refused.code(), 0, 0, 0);
+    env->metrics->RecordRpc(kEmitPtxMethod, refused.code(), 0, 0, 0);
     reactor->Finish(ToGrpcStatus(refused));
     return reactor;
   }
@@ -389,7 +384,7 @@ grpc::ServerUnaryReactor* NormGradService::EmitPtx(grpc::CallbackServerContext* 
   grpc::ByteBuffer bytes(*raw_request);  // parsing consumes it
   if (!ParseMessage(bytes, request.get())) {
     absl::Status s = UnparsableRequest(*raw_request, "EmitPtxRequest");
-    RecordRpc(*env->metrics, kEmitPtxMethod, s.code(), absl::ToDoubleSeconds(absl::Now() - start),
+    env->metrics->RecordRpc(kEmitPtxMethod, s.code(), absl::ToDoubleSeconds(absl::Now() - start),
               raw_request->Length(), 0);
     reactor->Finish(ToGrpcStatus(s));
     return reactor;
@@ -399,7 +394,7 @@ grpc::ServerUnaryReactor* NormGradService::EmitPtx(grpc::CallbackServerContext* 
   const uint64_t held_bytes = raw_request->Length();
   std::string connection = context->peer();
   if (absl::Status s = env->admission->AdmitEmitPtx(connection, held_bytes); !s.ok()) {
-    RecordRpc(*env->metrics, kEmitPtxMethod, s.code(), absl::ToDoubleSeconds(absl::Now() - start),
+    env->metrics->RecordRpc(kEmitPtxMethod, s.code(), absl::ToDoubleSeconds(absl::Now() - start),
               held_bytes, 0);
     reactor->Finish(ToGrpcStatus(s));
     return reactor;
@@ -416,7 +411,7 @@ grpc::ServerUnaryReactor* NormGradService::EmitPtx(grpc::CallbackServerContext* 
       bytes_out = r->ByteSizeLong();
       SerializeMessage(*r, raw_response);
     }
-    RecordRpc(*env->metrics, kEmitPtxMethod, status.code(),
+    env->metrics->RecordRpc(kEmitPtxMethod, status.code(),
               absl::ToDoubleSeconds(absl::Now() - start), request->ByteSizeLong(), bytes_out);
     env->admission->ReleaseEmitPtx(connection, held_bytes);
     reactor->Finish(ToGrpcStatus(status));
@@ -430,7 +425,7 @@ grpc::ServerUnaryReactor* NormGradService::GetServerInfo(grpc::CallbackServerCon
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (absl::Status s = CheckUnixPeer(*env_, context->peer(), kServerInfoMethod); !s.ok()) {
-    RecordRpc(*env_->metrics, kServerInfoMethod, s.code(), 0, 0, 0);
+    env_->metrics->RecordRpc(kServerInfoMethod, s.code(), 0, 0, 0);
     reactor->Finish(ToGrpcStatus(s));
     return reactor;
   }
@@ -438,47 +433,15 @@ grpc::ServerUnaryReactor* NormGradService::GetServerInfo(grpc::CallbackServerCon
   grpc::ByteBuffer bytes(*raw_request);
   if (!ParseMessage(bytes, &request)) {
     absl::Status s = UnparsableRequest(*raw_request, "GetServerInfoRequest");
-    RecordRpc(*env_->metrics, kServerInfoMethod, s.code(),
+    env_->metrics->RecordRpc(kServerInfoMethod, s.code(),
               absl::ToDoubleSeconds(absl::Now() - start), raw_request->Length(), 0);
     reactor->Finish(ToGrpcStatus(s));
     return reactor;
   }
   v1::GetServerInfoResponse info;
-  v1::GetServerInfoResponse* response = &info;
-  response->set_version(env_->config.version);
-  response->set_backend(std::string(env_->backend->Name()));
-  ToProto(env_->backend->Device(), response->mutable_device());
-  v1::Limits* limits = response->mutable_limits();
-  limits->set_max_concurrent_streams(env_->admission->limits().max_streams);
-  limits->set_max_inflight_bytes(env_->admission->limits().max_inflight_bytes);
-  limits->set_max_hidden_dim(env_->config.batch_limits.max_hidden_dim);
-  limits->set_max_num_rows(env_->config.batch_limits.max_num_rows);
-  limits->set_max_message_bytes(env_->config.max_message_bytes);
-  limits->set_stream_idle_timeout_seconds(
-      absl::ToDoubleSeconds(env_->config.stream_idle_timeout));
-  limits->set_max_streams_per_client(env_->admission->streams_per_client());
-  ToProto(env_->backend->CacheStats(), response->mutable_cache());
-  ToProto(env_->ptx->CacheStats(), response->mutable_ptx_cache());
-  response->set_nvjitlink_available(env_->ptx->has_nvjitlink());
-  if (env_->regions != nullptr) {
-    v1::SharedMemoryInfo* shm = response->mutable_shared_memory();
-    shm->set_enabled(true);
-    shm->set_max_regions(env_->regions->limits().max_regions);
-    shm->set_max_region_bytes(env_->regions->limits().max_bytes);
-    shm->set_max_regions_per_user(env_->regions->limits().max_regions_per_user);
-    shm->set_max_region_bytes_per_user(env_->regions->limits().max_bytes_per_user);
-  }
-  if (env_->cuda_ipc) {
-    v1::CudaIpcInfo* ipc = response->mutable_cuda_ipc();
-    ipc->set_enabled(true);
-    ipc->set_device_uuid(env_->backend->DeviceUuid());
-    ipc->set_max_open_handles(env_->max_cuda_ipc_handles);
-  }
-  for (std::string& name : KernelNames()) response->add_kernels(std::move(name));
-  response->mutable_health()->set_serving(env_->device_health.healthy() && !env_->draining.load());
-  response->mutable_health()->set_reason(std::string(env_->device_health.reason().message()));
+  ToProto(GatherServerInfo(*env_), &info);
   SerializeMessage(info, raw_response);
-  RecordRpc(*env_->metrics, kServerInfoMethod, absl::StatusCode::kOk,
+  env_->metrics->RecordRpc(kServerInfoMethod, absl::StatusCode::kOk,
             absl::ToDoubleSeconds(absl::Now() - start), 0, info.ByteSizeLong());
   reactor->Finish(grpc::Status::OK);
   return reactor;

@@ -49,14 +49,6 @@ class StreamRegistry {
   absl::flat_hash_set<BackwardStream*> streams_;  // guarded by mu_
 };
 
-// Describes every metric the service records (called once by the server).
-void DescribeServiceMetrics(MetricsRegistry& metrics);
-
-// Records one finished RPC: latency, bytes, then requests_total (a scrape that counts the call
-// also sees the rest).
-void RecordRpc(MetricsRegistry& metrics, const char* method, absl::StatusCode code, double seconds,
-               uint64_t bytes_in, uint64_t bytes_out);
-
 // Every method takes its messages as bytes (gRPC's raw callback API) and parses them itself, so
 // that a message that does not parse as the method's type is INVALID_ARGUMENT saying so (gRPC's
 // own parsing answers a unary call UNIMPLEMENTED with no message, and ends a stream's reads as

@@ -13,7 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "server/backend/backend.h"
-#include "server/metrics/metrics.h"
+#include "server/service/service_metrics.h"
 #include "server/ptx/ptx_service.h"
 #include "server/service/admission.h"
 #include "server/service/backward_validator.h"
@@ -66,7 +66,7 @@ struct ServiceEnv {
   Backend* backend = nullptr;
   PtxService* ptx = nullptr;
   AdmissionController* admission = nullptr;
-  MetricsRegistry* metrics = nullptr;
+  const ServiceMetrics* metrics = nullptr;
   ThreadPool* pool = nullptr;  // blocking work: chunk compute, session start
   // EmitPtx (emission, nvJitLink): its own workers, so chunks never wait behind compiles; null:
   // `pool`.

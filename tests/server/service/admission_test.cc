@@ -7,6 +7,7 @@
 #include "gtest/gtest.h"
 #include "absl/strings/str_cat.h"
 #include "server/metrics/metrics.h"
+#include "server/service/service_metrics.h"
 
 namespace normgrad::server {
 namespace {
@@ -40,7 +41,8 @@ TEST(AdmissionControllerTest, RefusesStreamsAndBytesBeyondTheLimitsAndNamesTheFl
 
 TEST(AdmissionControllerTest, EachClientGetsItsShareAndOthersStillGetSlots) {
   MetricsRegistry metrics;
-  AdmissionController a({.max_streams = 8, .max_streams_per_client = 3}, &metrics);
+  const ServiceMetrics service_metrics(metrics);
+  AdmissionController a({.max_streams = 8, .max_streams_per_client = 3}, &service_metrics);
   EXPECT_EQ(a.streams_per_client(), 3u);
   for (int i = 0; i < 3; ++i) EXPECT_TRUE(a.AdmitStream("ipv4:10.0.0.1").ok());
   absl::Status greedy = a.AdmitStream("ipv4:10.0.0.1");
@@ -83,11 +85,12 @@ TEST(AdmissionControllerTest, WithoutAShareOneClientMayTakeEverySlot) {
 
 TEST(AdmissionControllerTest, EmitPtxIsBoundedInCallsAndBytesPerConnectionAndInTotal) {
   MetricsRegistry metrics;
+  const ServiceMetrics service_metrics(metrics);
   AdmissionController a({.max_emit_ptx_calls = 3,
                          .max_emit_ptx_calls_per_connection = 2,
                          .max_emit_ptx_bytes = 1000,
                          .max_emit_ptx_bytes_per_connection = 600},
-                        &metrics);
+                        &service_metrics);
   const char* c1 = "ipv4:10.0.0.1:1000";
   const char* c2 = "ipv4:10.0.0.1:1001";
   EXPECT_TRUE(a.AdmitEmitPtx(c1, 100).ok());

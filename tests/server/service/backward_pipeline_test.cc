@@ -15,7 +15,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/cpu/cpu_backend.h"
-#include "server/metrics/metrics.h"
+#include "server/service/service_metrics.h"
 #include "server/service/admission.h"
 #include "tests/server/service/batch_test_util.h"
 
@@ -104,7 +104,8 @@ class FakeCall {
 
  private:
   AdmissionController admission_;
-  MetricsRegistry metrics_;
+  MetricsRegistry registry_;
+  const ServiceMetrics metrics_{registry_};
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<BackwardPipeline> pipeline_;
   v1::BackwardRequest* read_into_ = nullptr;

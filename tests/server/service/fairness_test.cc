@@ -261,8 +261,8 @@ TEST(FairnessTest, EmitPtxBeyondItsQueueBytesIsResourceExhaustedNamingTheFlagAnd
 // the test says), an EmitPtx call waits, and a backward stream is still computed on the chunk
 // workers. (When EmitPtx shared the chunk workers, a compile held a chunk worker.)
 TEST(EmitPtxWorkersTest, ChunksAreComputedWhileEveryEmitPtxWorkerIsBusy) {
-  MetricsRegistry metrics;
-  DescribeServiceMetrics(metrics);
+  MetricsRegistry registry;
+  const ServiceMetrics metrics(registry);
   std::unique_ptr<Backend> backend = NewCpuBackend({.threads = 1});
   PtxService ptx(PtxServiceOptions{});
   AdmissionController admission(AdmissionLimits{}, &metrics);

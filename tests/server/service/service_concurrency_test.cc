@@ -67,7 +67,7 @@ TEST(ConcurrentAdmissionTest, ManyThreadsNeverHoldMoreThanTheLimitsAndReleaseEve
 // other, and a test that waits for requests_total then reads the rest relies on it.
 TEST(ConcurrentMetricsTest, AScrapeThatCountsACallAlsoSeesItsLatencyAndBytes) {
   MetricsRegistry m;
-  DescribeServiceMetrics(m);
+  const ServiceMetrics metrics(m);
   constexpr int kPerThread = 3000;
   constexpr uint64_t kBytesIn = 100, kBytesOut = 40;
   std::atomic<bool> done{false};
@@ -93,7 +93,7 @@ TEST(ConcurrentMetricsTest, AScrapeThatCountsACallAlsoSeesItsLatencyAndBytes) {
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&] {
       for (int i = 0; i < kPerThread; ++i) {
-        RecordRpc(m, "RmsNormBackward", absl::StatusCode::kOk, 0.001, kBytesIn, kBytesOut);
+        metrics.RecordRpc("RmsNormBackward", absl::StatusCode::kOk, 0.001, kBytesIn, kBytesOut);
       }
     });
   }
