@@ -380,7 +380,7 @@ void NormGradServer::FailDevice(const absl::Status& reason) {
   env_->device_health.MarkUnhealthy(reason);
   server_metrics_->device_healthy.Set(0);
   SetServing(false);
-  // Streams computing now get UNAVAILABLE from the backend, new ones from BackwardPipeline.
+  // Streams computing now get UNAVAILABLE from the backend, new ones from the service.
   if (options_.on_device_failure) options_.on_device_failure(reason);
 }
 

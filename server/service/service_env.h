@@ -1,6 +1,6 @@
 // What every RPC of the service shares: its configuration and its collaborators, owned by
-// NormGradServer (server/process/), which outlives every RPC. No gRPC types: the stream pipeline
-// (backward_pipeline.h) reads it too.
+// NormGradServer (server/process/), which outlives every RPC. The service hands each part of a
+// stream only what it uses (StreamDeps, backward_pipeline.h), never the whole of it.
 #ifndef NORMGRAD_SERVER_SERVICE_SERVICE_ENV_H_
 #define NORMGRAD_SERVER_SERVICE_SERVICE_ENV_H_
 
@@ -13,10 +13,10 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "server/backend/backend.h"
-#include "server/service/service_metrics.h"
 #include "server/ptx/ptx_service.h"
 #include "server/service/admission.h"
 #include "server/service/backward_validator.h"
+#include "server/service/service_metrics.h"
 #include "server/thread_pool/thread_pool.h"
 
 namespace normgrad::server {
