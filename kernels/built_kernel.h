@@ -6,6 +6,8 @@
 //   class MyKernel : public BuiltKernel {
 //    public:
 //     MyKernel() : BuiltKernel("my_kernel", /*max_hidden_dim=*/4096) {}
+//     BackwardDataFlow DataFlow() const override { ... }
+//     absl::Status Launch(...) const override { ... }   // kernels/backward_kernel.h
 //     absl::StatusOr<Module> Build(const KernelConfig& config) const override {
 //       NORMGRAD_ASSIGN_OR_RETURN(Module m, StartModule(config));
 //       Function& f = m.mutable_functions().front();
@@ -25,14 +27,16 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "kernels/backward_kernel.h"
 #include "kernels/kernel.h"
 #include "kernels/ptx_builder.h"
 
 namespace normgrad::kernels {
 
 // Kernel objects are stateless (the registry holds process-lifetime singletons): every method
-// may be called concurrently from any thread.
-class BuiltKernel : public Kernel {
+// may be called concurrently from any thread. Every builder-made kernel of ours is a backward
+// kernel; each says how it is launched (BackwardKernel::DataFlow, Launch).
+class BuiltKernel : public BackwardKernel {
  public:
   // hidden_dim_limit_note is appended to CanImplement's hidden_dim message: why the limit, and
   // what to use instead.

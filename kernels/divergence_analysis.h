@@ -1,5 +1,5 @@
-// Barrier and shuffle safety over the control-flow graph (replacing the seed's text heuristic,
-// which looked for the literal `bra exit` inside loops).
+// Barrier and shuffle safety over the control-flow graph (rather than a text heuristic such as
+// looking for a literal `bra exit` inside loops).
 //
 //   absl::StatusOr<std::vector<DivergenceFinding>> f = AnalyzeDivergence(fn, LaunchAssumptions{});
 //   absl::Status s = CheckDivergence(module, LaunchAssumptions{});  // FAILED_PRECONDITION if any

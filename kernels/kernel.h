@@ -1,5 +1,6 @@
-// The life cycle every normgrad kernel shares (modelled on CUTLASS's operations). Kernels are
-// found in kernels/kernel_registry.h; kernels/launch.h turns a backward kernel into launches.
+// The emission life cycle every normgrad kernel shares (modelled on CUTLASS's operations).
+// Kernels are found in kernels/kernel_registry.h; kernels/backward_kernel.h adds how a backward
+// kernel is launched.
 //
 //   const Kernel* k = FindKernel("batched_rms_norm_backward");
 //   KernelConfig config{.hidden_dim = 896, .target_sm = 90};

@@ -19,7 +19,6 @@ constexpr KernelParamSpec kSpecs[] = {
     {KernelParamId::kDgamma, "dgamma_ptr", PtxType::kU64},
     {KernelParamId::kSemaphores, "semaphores_ptr", PtxType::kU64},
     {KernelParamId::kNumRows, "num_rows", PtxType::kU32},
-    {KernelParamId::kNumPartials, "num_partials", PtxType::kU32},
     {KernelParamId::kHiddenDim, "hidden_dim", PtxType::kU32},
     {KernelParamId::kEps, "eps", PtxType::kF32},
 };
@@ -48,8 +47,6 @@ void* ValueSlot(KernelParamValues& v, KernelParamId id) {
       return &v.semaphores;
     case KernelParamId::kNumRows:
       return &v.num_rows;
-    case KernelParamId::kNumPartials:
-      return &v.num_partials;
     case KernelParamId::kHiddenDim:
       return &v.hidden_dim;
     case KernelParamId::kEps:

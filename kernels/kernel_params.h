@@ -1,8 +1,9 @@
 // The parameters normgrad's kernels take: each has one name and one PTX type, written here once.
 // A kernel's Build declares its entry's parameters from this table, in the order it chooses;
 // PackArgs fills them from the built kernel's own list (EmittedPtx::params) by looking each name
-// up here, for the launch contract (kernels/launch.h) and anyone launching a kernel alone. So a
-// parameter's name is never written twice, and no code outside kernels/ needs to know it.
+// up here, for the backward kernels' launches (kernels/backward_kernel.h) and anyone launching a
+// kernel alone. So a parameter's name is never written twice, and no code outside kernels/ needs
+// to know it.
 //
 //   Function& f = m.AddEntry(EntryName());
 //   const auto [x, rows] = AddKernelParams(f, {KernelParamId::kInput, KernelParamId::kNumRows});
@@ -31,14 +32,13 @@ enum class KernelParamId : uint8_t {
   kGradInput,       // grad_input_ptr: dx (written)
   kGradGamma,       // grad_gamma_ptr: f32 [hidden_dim], accumulated with atomics
   kDgammaPartials,  // dgamma_partials_ptr: f32 [partial rows, hidden_dim]
-  kDgamma,          // dgamma_ptr: [hidden_dim] f32 (row-resident) or the reduce's dtype (written)
+  kDgamma,          // dgamma_ptr: [hidden_dim] f32 (written)
   kSemaphores,      // semaphores_ptr: u32 counters, zero before a launch and left zero after it
   kNumRows,         // num_rows
-  kNumPartials,     // num_partials
   kHiddenDim,       // hidden_dim
   kEps,             // eps
 };
-inline constexpr int kNumKernelParamIds = 13;
+inline constexpr int kNumKernelParamIds = 12;
 
 struct KernelParamSpec {
   KernelParamId id;
@@ -75,7 +75,6 @@ struct KernelParamValues {
   uint64_t dgamma = 0;
   uint64_t semaphores = 0;
   uint32_t num_rows = 0;
-  uint32_t num_partials = 0;
   uint32_t hidden_dim = 0;
   float eps = 0;
 };

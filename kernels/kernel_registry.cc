@@ -5,21 +5,19 @@
 
 namespace normgrad::kernels {
 
-const Kernel* FindKernel(absl::string_view entry_name) {
-  for (const Kernel* k : AllKernels()) {
+const BackwardKernel* FindKernel(absl::string_view entry_name) {
+  for (const BackwardKernel* k : AllKernels()) {
     if (k->EntryName() == entry_name) return k;
   }
   return nullptr;
 }
 
-std::vector<const Kernel*> AllKernels() {
-  static const RmsNormBackwardKernel* const kSmall = new RmsNormBackwardKernel();
+std::vector<const BackwardKernel*> AllKernels() {
+  static const RmsNormBackwardKernel* const kWarp = new RmsNormBackwardKernel();
   static const BatchedRmsNormBackwardKernel* const kBatched = new BatchedRmsNormBackwardKernel();
   static const RowResidentRmsNormBackwardKernel* const kRowResident =
       new RowResidentRmsNormBackwardKernel();
-  static const RmsNormBackwardDgammaReduceKernel* const kDgammaReduce =
-      new RmsNormBackwardDgammaReduceKernel();
-  return {kSmall, kBatched, kRowResident, kDgammaReduce};
+  return {kWarp, kBatched, kRowResident};
 }
 
 }  // namespace normgrad::kernels

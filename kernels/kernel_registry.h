@@ -1,23 +1,25 @@
 // The registry of every kernel normgrad serves, by entry name. Kernels are process-lifetime
-// singletons, stateless, safe to use from any thread.
+// singletons, stateless, safe to use from any thread. Every one is a backward kernel
+// (kernels/backward_kernel.h); which one a request gets is kernels/kernel_choice.h's choice.
 //
-//   const Kernel* k = FindKernel("batched_rms_norm_backward");   // nullptr for an unknown name
-//   for (const Kernel* each : AllKernels()) names.push_back(std::string(each->EntryName()));
+//   const BackwardKernel* k = FindKernel("batched_rms_norm_backward");  // nullptr: unknown name
+//   for (const BackwardKernel* each : AllKernels())
+//   names.push_back(std::string(each->EntryName()));
 #ifndef NORMGRAD_KERNELS_KERNEL_REGISTRY_H_
 #define NORMGRAD_KERNELS_KERNEL_REGISTRY_H_
 
 #include <vector>
 
 #include "absl/strings/string_view.h"
-#include "kernels/kernel.h"
+#include "kernels/backward_kernel.h"
 
 namespace normgrad::kernels {
 
 // The kernel whose entry is `entry_name`; nullptr for an unknown name.
-const Kernel* FindKernel(absl::string_view entry_name);
+const BackwardKernel* FindKernel(absl::string_view entry_name);
 
 // Every kernel, in a fixed order (the order `normgrad-ptx --list` prints).
-std::vector<const Kernel*> AllKernels();
+std::vector<const BackwardKernel*> AllKernels();
 
 }  // namespace normgrad::kernels
 

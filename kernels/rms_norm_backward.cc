@@ -156,7 +156,7 @@ absl::StatusOr<Module> RmsNormBackwardKernel::Build(const KernelConfig& config) 
   const Value total = WarpSum(b, b.Mul(x, gamma_dy));
   const Value mean = b.Div(total, b.Cvt(PtxType::kF32, hidden, Rounding::kRn), Rounding::kRn);
 
-  // The forward's rms already contains eps: used as is (the seed added eps a second time).
+  // The forward's rms already contains eps: used as is (adding eps again would be wrong).
   const Value inv_rms = b.Rcp(rms, Rounding::kRn);
   const Value correction = b.Mul(b.Mul(mean, inv_rms), inv_rms);
   const Value dx = b.Mul(inv_rms, b.Sub(gamma_dy, b.Mul(x, correction)));
@@ -259,6 +259,33 @@ absl::StatusOr<Module> BatchedRmsNormBackwardKernel::Build(const KernelConfig& c
   b.Bind(exit);
   b.Ret();
   return m;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launches
+
+BackwardDataFlow RmsNormBackwardKernel::DataFlow() const {
+  return {.reads_rms = true, .requires_rms = true, .writes_dgamma = false};
+}
+
+absl::Status RmsNormBackwardKernel::Launch(const KernelConfig& config, const BackwardArgs& args,
+                                           KernelLauncher& launcher) const {
+  return LaunchInPieces(config, args, launcher, [](KernelParamValues&) {});
+}
+
+BackwardDataFlow BatchedRmsNormBackwardKernel::DataFlow() const {
+  return {.reads_rms = false, .requires_rms = false, .writes_dgamma = true,
+          .reproducible_dgamma = false};
+}
+
+absl::Status BatchedRmsNormBackwardKernel::Launch(const KernelConfig& config,
+                                                  const BackwardArgs& args,
+                                                  KernelLauncher& launcher) const {
+  // Every piece adds its rows' grad_gamma with atomics: the sum starts at zero.
+  NORMGRAD_RETURN_IF_ERROR(
+      launcher.ZeroFill(args.dgamma, uint64_t{args.hidden_dim} * sizeof(float)));
+  return LaunchInPieces(config, args, launcher,
+                        [&](KernelParamValues& values) { values.grad_gamma = args.dgamma; });
 }
 
 }  // namespace normgrad::kernels

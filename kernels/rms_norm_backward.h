@@ -1,5 +1,5 @@
-// The two RMSNorm-backward kernels ported from the seed (trueno-gpu 0.4.29), with the seed's entry
-// names and parameter lists, so PTX consumers written for trueno can use ours unchanged.
+// Two RMSNorm-backward kernels with the entry names and parameter lists of trueno-gpu 0.4.29's, so
+// PTX consumers written for trueno can use ours unchanged.
 //
 // Math (per row r, H = hidden_dim):
 //   rms_r = sqrt(mean_i(x_ri^2) + eps)
@@ -9,7 +9,7 @@
 // Element types: x, gamma, dy and grad_input are config.dtype in memory (f32, f16, bf16; bf16 needs
 // sm_80); all math is f32; rms and grad_gamma are f32 for every dtype.
 //
-//   const Kernel* k = FindKernel("rms_norm_backward");
+//   const BackwardKernel* k = FindKernel("rms_norm_backward");
 //   absl::StatusOr<EmittedPtx> ptx = k->Emit({.hidden_dim = 32, .target_sm = 80});
 #ifndef NORMGRAD_KERNELS_RMS_NORM_BACKWARD_H_
 #define NORMGRAD_KERNELS_RMS_NORM_BACKWARD_H_
@@ -50,6 +50,13 @@ class RmsNormBackwardKernel : public BuiltKernel {
   // ranges above kRowsPerBlock * (2^31-1) or above the u32 num_rows parameter.
   LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;
   absl::StatusOr<Module> Build(const KernelConfig& config) const override;
+  // Reads the given rms (required); grad_gamma is left to the caller.
+  BackwardDataFlow DataFlow() const override;
+
+ protected:
+  // Launches in pieces that fit the device's grid (each with its rows' rms).
+  absl::Status Launch(const KernelConfig& config, const BackwardArgs& args,
+                      KernelLauncher& launcher) const override;
 };
 
 // `batched_rms_norm_backward`: any hidden_dim, one 32-thread block per row, rms recomputed from x
@@ -70,6 +77,13 @@ class BatchedRmsNormBackwardKernel : public BuiltKernel {
   // launches (offsetting the row pointers) when num_rows exceeds it.
   LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;
   absl::StatusOr<Module> Build(const KernelConfig& config) const override;
+  // rms recomputed (a given one is not read); grad_gamma written by atomics (not reproducible).
+  BackwardDataFlow DataFlow() const override;
+
+ protected:
+  // Zeroes dgamma, then launches in pieces that fit the device's grid, all adding into it.
+  absl::Status Launch(const KernelConfig& config, const BackwardArgs& args,
+                      KernelLauncher& launcher) const override;
 };
 
 }  // namespace normgrad::kernels

@@ -1,6 +1,7 @@
 #include "kernels/rms_norm_backward_row_resident.h"
 
 #include <algorithm>
+#include <limits>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -452,7 +453,7 @@ std::vector<Value> LoadQuadOrIdentity(Builder& b, Address at, Value load) {
 // covers 512 contiguous bytes (whole sectors). A thread whose slot starts at or past hidden_dim
 // rounded up to V neither writes nor reads it (the sectors it would touch are never moved); the
 // columns past hidden_dim below that hold the zeros their x and dy gave. The workspace is 16-byte
-// aligned (BackwardPlan::CanImplement). Workspace accesses are .cg: written by other blocks
+// aligned (BackwardKernel::CheckArgs). Workspace accesses are .cg: written by other blocks
 // during this launch, so read from L2, never from a stale L1 line.
 void BuildDgammaTree(Builder& b, const KernelConfig& config, Value col0, Value tid,
                      SharedArray last_flag, const std::vector<Value>& acc,
@@ -981,98 +982,36 @@ absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfi
 }
 
 // ---------------------------------------------------------------------------------------------
-// rms_norm_backward_dgamma_reduce
+// Launches
 
-LaunchGeometry RmsNormBackwardDgammaReduceKernel::Geometry(const KernelConfig& config,
-                                                           uint64_t num_rows) const {
-  LaunchGeometry g;
-  g.grid[0] = std::max<uint32_t>(1, CeilDiv(std::max<uint32_t>(config.hidden_dim, 1), 32));
-  g.block[0] = BlockThreads(config);
-  return g;
+BackwardDataFlow RowResidentRmsNormBackwardKernel::DataFlow() const {
+  return {.reads_rms = true, .requires_rms = false, .writes_dgamma = true,
+          .reproducible_dgamma = true};
 }
 
-absl::StatusOr<Module> RmsNormBackwardDgammaReduceKernel::Build(const KernelConfig& config) const {
-  NORMGRAD_ASSIGN_OR_RETURN(Module m, StartModule(config));
-  const DType dtype = config.dtype;
+uint64_t RowResidentRmsNormBackwardKernel::WorkspaceBytes(const KernelConfig& config,
+                                                          uint64_t rows) const {
+  const uint32_t blocks = Geometry(config, rows).grid[0];
+  return uint64_t{WorkspaceRows(config, blocks)} * TilingFor(config).capacity() * sizeof(float);
+}
 
-  Function& f = m.mutable_functions().front();
-  const auto [partials_ptr, dgamma_ptr, num_partials, hidden_dim] =
-      AddKernelParams(f, {KernelParamId::kDgammaPartials, KernelParamId::kDgamma,
-                          KernelParamId::kNumPartials, KernelParamId::kHiddenDim});
-  const SharedArray group_sums = f.AddShared("group_sums", 4 * 32 * kGroups, 16);
+uint64_t RowResidentRmsNormBackwardKernel::SemaphoreBytes(const KernelConfig& config,
+                                                          uint64_t rows) const {
+  return uint64_t{TreeSemaphores(Geometry(config, rows).grid[0])} * sizeof(uint32_t);
+}
 
-  Builder b(&f);
-  const Label loop = b.CreateLabel("sum_loop");
-  const Label done = b.CreateLabel("sum_done");
-  const Label exit = b.CreateLabel("exit");
+uint64_t RowResidentRmsNormBackwardKernel::MaxRows() const {
+  return std::numeric_limits<uint32_t>::max();
+}
 
-  const Value tid = b.Mov(SpecialReg::kTidX);
-  const Value ctaid = b.Mov(SpecialReg::kCtaidX);
-  const Value lane = b.And(tid, Value::U32(31));
-  const Value warp = b.Shr(tid, Value::U32(5));
-  const Value col = b.Mad(ctaid, Value::U32(32), lane);
-  const auto [hidden, count, partials, dgamma] =
-      b.LdParams({hidden_dim, num_partials, partials_ptr, dgamma_ptr});
-  // Columns past hidden_dim load nothing (their row limit is 0) but take part in the barrier.
-  const Value col_ok = b.Setp(CmpOp::kLt, col, hidden);
-  const Value row_limit = b.Selp(count, Value::U32(0), col_ok);
-
-  // Row p of column col is at partials + (p * hidden + col) * 4; warp w starts at row w.
-  const Value first = b.MulWide(warp, hidden);
-  const Value col64 = b.Cvt(PtxType::kU64, col);
-  const Value first_elem = b.Add(first, col64);
-  const Value first_off = b.Shl(first_elem, Value::U32(2));
-  const Value step = b.MulWide(hidden, Value::U32(4 * kGroups));  // kGroups rows, in bytes
-  std::vector<Value> addr;
-  addr.push_back(b.Add(partials, first_off));
-  for (uint32_t u = 1; u < kUnroll; ++u) addr.push_back(b.Add(addr[u - 1], step));
-  const Value advance = b.MulWide(hidden, Value::U32(4 * kGroups * kUnroll));
-  const Value sum = b.Mov(Value::F32(0.0f));
-  const Value p = b.Mov(warp);
-  // The trip count depends on the warp only; the barrier below is after the loop's exit.
-  b.Bind(loop);
-  b.BraIf(b.Setp(CmpOp::kGe, p, count), done);
-  {
-    std::vector<Value> v;
-    for (uint32_t u = 0; u < kUnroll; ++u) {
-      const Value row = b.Add(p, Value::U32(u * kGroups));
-      const Value ok = b.Setp(CmpOp::kLt, row, row_limit);
-      v.push_back(b.LdOr(StateSpace::kGlobal, ok, Address{addr[u], 0}, Value::F32(0.0f)));
-    }
-    // In increasing row order; a row not loaded adds 0.
-    for (uint32_t u = 0; u < kUnroll; ++u) b.AddTo(sum, v[u]);
-    for (uint32_t u = 0; u < kUnroll; ++u) b.AddTo(addr[u], advance);
-    b.AddTo(p, Value::U32(kGroups * kUnroll));
-    b.Bra(loop);
-  }
-  b.Bind(done);
-  const Value sums = b.AddressOf(group_sums);
-  const Value slot_off = b.MulWide(tid, Value::U32(4));  // (warp * 32 + lane) * 4
-  const Value slot = b.Add(sums, slot_off);
-  b.St(StateSpace::kShared, Address{slot, 0}, sum);
-  b.BarSync(0);
-  // Warp 0 adds the groups in order and writes its 32 columns.
-  b.BraIf(b.Setp(CmpOp::kNe, warp, Value::U32(0)), exit);
-  const Value lane_off = b.MulWide(lane, Value::U32(4));
-  const Value lane_slot = b.Add(sums, lane_off);
-  const Value total = b.Ld(StateSpace::kShared, PtxType::kF32, Address{lane_slot, 0});
-  for (uint32_t w = 1; w < kGroups; ++w) {
-    const Value g = b.Ld(StateSpace::kShared, PtxType::kF32, Address{lane_slot, int64_t{128} * w});
-    b.AddTo(total, g);
-  }
-  const Value out_off = b.MulWide(col, Value::U32(DTypeBytes(dtype)));
-  const Value out_addr = b.Add(dgamma, out_off);
-  if (dtype == DType::kF32) {
-    auto in_row = b.If(col_ok);
-    b.St(StateSpace::kGlobal, Address{out_addr, 0}, total);
-  } else {
-    const Value h = F32ToU16(b, dtype, total);
-    auto in_row = b.If(col_ok);
-    b.StAs(StateSpace::kGlobal, PtxType::kB16, Address{out_addr, 0}, h);
-  }
-  b.Bind(exit);
-  b.Ret();
-  return m;
+absl::Status RowResidentRmsNormBackwardKernel::Launch(const KernelConfig& config,
+                                                      const BackwardArgs& args,
+                                                      KernelLauncher& launcher) const {
+  KernelParamValues values = RowValues(config, args, 0, args.rows);
+  values.dgamma = args.dgamma;
+  values.dgamma_partials = args.workspace;
+  values.semaphores = args.semaphores;
+  return LaunchWith(Geometry(config, args.rows), values, launcher);
 }
 
 }  // namespace normgrad::kernels

@@ -21,21 +21,17 @@
 //   added to in place, .cg) instead of registers; the tree then sums rows segment by segment.
 //   Same math, same per-thread column order, same tree order: one launch, reproducible.
 //
-//   `rms_norm_backward_dgamma_reduce`: dgamma[i] = sum over p < num_partials of partials[p][i]
-//   in a fixed order (below), rounded once to the output dtype. Served for callers of the earlier
-//   two-launch contract; the plan no longer launches it.
-//
 // Same inputs and the same G give the same bits, run after run. G depends on num_rows and
 // KernelConfig::sm_count, so results are bitwise equal for equal (rows, sm_count), and equal to
 // the reference within the f32 tolerance for any G.
 //
 //   KernelConfig config{.hidden_dim = 4096, .dtype = DType::kBF16, .target_sm = 90,
 //                       .sm_count = 132};
-//   const Kernel* k = FindKernel("rms_norm_backward_row_resident");
+//   const BackwardKernel* k = FindKernel("rms_norm_backward_row_resident");
 //   LaunchGeometry g = k->Geometry(config, num_rows);   // g.grid[0] = G
 //   ... launch with (x, gamma, dy, dx, rms or 0, dgamma, workspace, semaphores, num_rows,
 //   hidden_dim, eps): workspace TreeRows(G) x stride f32, semaphores TreeSemaphores(G) u32 that
-//   are zero (the launch leaves them zero). kernels/launch.h's BackwardPlan does all of this.
+//   are zero (the launch leaves them zero). Run (kernels/backward_kernel.h) does all of this.
 #ifndef NORMGRAD_KERNELS_RMS_NORM_BACKWARD_ROW_RESIDENT_H_
 #define NORMGRAD_KERNELS_RMS_NORM_BACKWARD_ROW_RESIDENT_H_
 
@@ -126,30 +122,19 @@ class RowResidentRmsNormBackwardKernel : public BuiltKernel {
   // BuiltKernel's key plus "|tile=<T>x<K>x<N>" ("s" appended for a streamed tiling).
   std::string ConfigKey(const KernelConfig& config) const override;
   absl::StatusOr<Module> Build(const KernelConfig& config) const override;
-};
 
-// `rms_norm_backward_dgamma_reduce`: sums the partial rows in a fixed order.
-// Params: dgamma_partials_ptr, dgamma_ptr (u64), num_partials, hidden_dim (u32).
-// dgamma is config.dtype (f32 keeps full precision for callers that add several launches).
-// A block of kGroups warps covers 32 columns (one per lane, coalesced); warp w sums the partial
-// rows p = w, w + kGroups, w + 2*kGroups, ... in increasing p (kUnroll loads in flight per step),
-// then warp 0 adds the kGroups sums in order w = 0, 1, ... and rounds once. The order depends only
-// on num_partials: same inputs, same bits. hidden_dim is a run-time parameter (no tiling).
-class RmsNormBackwardDgammaReduceKernel : public BuiltKernel {
- public:
-  static constexpr uint32_t kGroups = 16;  // warps per block
-  static constexpr uint32_t kUnroll = 8;
-  static constexpr uint32_t kMaxHiddenDim = 1u << 31;
+  // Reads a given rms (optional); writes a reproducible f32 dgamma.
+  BackwardDataFlow DataFlow() const override;
+  // The tree's workspace rows and semaphores for the grid Geometry gives `rows`.
+  uint64_t WorkspaceBytes(const KernelConfig& config, uint64_t rows) const override;
+  uint64_t SemaphoreBytes(const KernelConfig& config, uint64_t rows) const override;
 
-  static constexpr absl::string_view kEntryName = "rms_norm_backward_dgamma_reduce";
-
-  RmsNormBackwardDgammaReduceKernel() : BuiltKernel(kEntryName, kMaxHiddenDim) {}
-  // 32 * kGroups: the shared array holds one sum per thread of kGroups warps.
-  uint32_t BlockThreads(const KernelConfig& config) const override { return 32 * kGroups; }
-  // block.x = 32 * kGroups, grid.x = ceil(hidden_dim / 32) from config.hidden_dim; `num_rows`
-  // unused.
-  LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const override;
-  absl::StatusOr<Module> Build(const KernelConfig& config) const override;
+ protected:
+  // One launch takes every row: its num_rows is u32.
+  uint64_t MaxRows() const override;
+  // One launch of G blocks writes dx and, through the tree, dgamma.
+  absl::Status Launch(const KernelConfig& config, const BackwardArgs& args,
+                      KernelLauncher& launcher) const override;
 };
 
 }  // namespace normgrad::kernels

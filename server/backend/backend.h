@@ -2,7 +2,8 @@
 // (server/cuda/, Driver API loaded at run time) and CPU (server/cpu/, multi-threaded, Highway
 // SIMD). No gRPC types cross it, so the GPU path builds and is tested on machines without gRPC
 // libraries. This folder holds the interface and what both implementations share (batch_checks.h,
-// kernel_choice.h), never an implementation: CreateBackend (server/backend_factory/) picks one.
+// backward_session_base.h), never an implementation: CreateBackend (server/backend_factory/)
+// picks one.
 //
 //   absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend(options);
 //   auto session = (*backend)->StartBackward(spec, gamma_bytes);   // validates, compiles

@@ -89,4 +89,14 @@ absl::Status CheckFinish(const BatchSpec& spec, uint64_t rows_done, size_t dgamm
   return absl::OkStatus();
 }
 
+kernels::BackwardRequest RequestOf(const BatchSpec& spec) {
+  kernels::BackwardRequest request;
+  request.dtype = spec.dtype;
+  request.hidden_dim = spec.hidden_dim;
+  request.rms_given = spec.rms_provided;
+  request.eps = spec.eps;
+  request.kernel = spec.kernel;
+  return request;
+}
+
 }  // namespace normgrad::server::backend_internal

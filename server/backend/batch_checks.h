@@ -1,5 +1,6 @@
 // Argument checks every backend applies in the same words (internal to the backends: server/cpu
 // and server/cuda). The service validates the stream first; these keep a backend safe on its own.
+// Which kernel a batch gets, and the checks of a named one, are kernels/kernel_choice.h's.
 //
 //   NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckBatch(spec, gamma.size()));
 #ifndef NORMGRAD_SERVER_BACKEND_BATCH_CHECKS_H_
@@ -12,6 +13,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "kernels/kernel.h"
+#include "kernels/kernel_choice.h"
 #include "server/backend/backend.h"
 
 namespace normgrad::server::backend_internal {
@@ -32,6 +34,10 @@ absl::Status CheckChunk(const BatchSpec& spec, uint64_t rows_done, uint64_t rows
 
 // All num_rows rows processed, dgamma = hidden_dim elements.
 absl::Status CheckFinish(const BatchSpec& spec, uint64_t rows_done, size_t dgamma_bytes);
+
+// What a batch asks of kernels/ (kernels/kernel_choice.h): its dtype, width, rms, eps and named
+// kernel. Views spec.kernel: valid while `spec` is.
+kernels::BackwardRequest RequestOf(const BatchSpec& spec);
 
 }  // namespace normgrad::server::backend_internal
 

@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -12,9 +11,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/kernel_choice.h"
 #include "kernels/status_macros.h"
 #include "server/backend/batch_checks.h"
-#include "server/backend/kernel_choice.h"
+#include "server/backend/backward_session_base.h"
 #include "server/host_rows/host_rows.h"
 #include "server/thread_pool/thread_pool.h"
 
@@ -78,21 +78,18 @@ class DoubleBufferPool {
 constexpr size_t kMaxKeptStagingBytes = 4ull << 20;
 thread_local std::vector<float> staging_per_thread;
 
-class CpuBackwardSession : public BackwardSession {
+class CpuBackwardSession : public backend_internal::BackwardSessionBase {
  public:
   // `gamma_f64` holds the batch's gamma as double; the three buffers come from and go back to
   // `buffers`.
   CpuBackwardSession(const BatchSpec& spec, std::vector<double> gamma_f64, ThreadPool* pool,
                      DoubleBufferPool* buffers)
-      : spec_(spec),
+      : BackwardSessionBase(spec, buffers->Take()),
         gamma_f64_(std::move(gamma_f64)),
         pool_(pool),
         buffers_(buffers),
-        reads_rms_(backend_internal::ReadsGivenRms(spec)),
-        dgamma_sum_(buffers->Take()),
-        partials_(buffers->Take()) {
-    dgamma_sum_.assign(spec.hidden_dim, 0.0);
-  }
+        reads_rms_(kernels::ReadsGivenRms(backend_internal::RequestOf(spec))),
+        partials_(buffers->Take()) {}
 
   ~CpuBackwardSession() override {
     buffers_->Give(std::move(gamma_f64_));
@@ -105,7 +102,18 @@ class CpuBackwardSession : public BackwardSession {
                             absl::Span<uint8_t> dx) override {
     NORMGRAD_RETURN_IF_ERROR(
         backend_internal::CheckChunk(spec_, rows_done_, rows, x.size(), dy.size(), rms, dx.size()));
-    const auto start = std::chrono::steady_clock::now();
+    return Compute(rows, [&] { return ComputeChunk(x, dy, rms, rows, dx); });
+  }
+
+  absl::string_view KernelName() const override { return "cpu_highway"; }
+
+ private:
+  static bool IsFloatAligned(const void* p) {
+    return reinterpret_cast<uintptr_t>(p) % alignof(float) == 0;
+  }
+
+  absl::Status ComputeChunk(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
+                            absl::Span<const float> rms, uint64_t rows, absl::Span<uint8_t> dx) {
     const size_t h = spec_.hidden_dim;
     const uint64_t rows_per_part = cpu_internal::RowsPerPartition(rows, spec_.hidden_dim);
     const size_t parts = (rows + rows_per_part - 1) / rows_per_part;
@@ -170,36 +178,14 @@ class CpuBackwardSession : public BackwardSession {
       const double* partial = partials_.data() + p * h;
       for (size_t i = 0; i < h; ++i) dgamma_sum_[i] += partial[i];
     }
-    rows_done_ += rows;
-    compute_seconds_ +=
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return absl::OkStatus();
   }
 
-  absl::Status Finish(absl::Span<uint8_t> dgamma) override {
-    NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckFinish(spec_, rows_done_, dgamma.size()));
-    std::vector<float> rounded(dgamma_sum_.begin(), dgamma_sum_.end());
-    host_rows::ConvertFromF32(spec_.dtype, rounded.data(), dgamma.data(), rounded.size());
-    return absl::OkStatus();
-  }
-
-  absl::string_view KernelName() const override { return "cpu_highway"; }
-  double ComputeSeconds() const override { return compute_seconds_; }
-
- private:
-  static bool IsFloatAligned(const void* p) {
-    return reinterpret_cast<uintptr_t>(p) % alignof(float) == 0;
-  }
-
-  const BatchSpec spec_;
   std::vector<double> gamma_f64_;  // promoted once per batch instead of per partition
   ThreadPool* const pool_;
   DoubleBufferPool* const buffers_;
-  const bool reads_rms_;  // the forward's rms is read (ReadsGivenRms), else recomputed
-  std::vector<double> dgamma_sum_;  // the batch's grad_gamma so far
-  std::vector<double> partials_;    // per partition of the current chunk
-  uint64_t rows_done_ = 0;
-  double compute_seconds_ = 0;
+  const bool reads_rms_;  // the forward's rms is read (kernels::ReadsGivenRms), else recomputed
+  std::vector<double> partials_;  // per partition of the current chunk
 };
 
 class CpuBackend : public Backend {
@@ -225,7 +211,7 @@ class CpuBackend : public Backend {
       const BatchSpec& spec, absl::Span<const uint8_t> gamma) override {
     NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckBatch(spec, gamma.size()));
     // A named kernel is honoured for its validity rules (the CPU computes the same math).
-    NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckNamedKernel(spec));
+    NORMGRAD_RETURN_IF_ERROR(kernels::CheckNamedKernel(backend_internal::RequestOf(spec)));
     // gamma as f32 a piece at a time (no buffer of hidden_dim floats), then as double.
     std::vector<double> gamma_f64 = buffers_.Take();
     gamma_f64.resize(spec.hidden_dim);

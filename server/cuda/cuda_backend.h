@@ -25,24 +25,21 @@
 // are added on the host (double) in piece order; the cut depends only on the chunk's shape, so
 // the bits do too.
 //
-// Which kernel runs (BatchSpec::kernel empty = the backend's choice):
-//   hidden_dim <= 65536             rms_norm_backward_row_resident (the given rms when there is
-//                                   one; rows held in registers up to 16384, x and dy read once,
-//                                   streamed above), one launch: dx and the chunk's f32
-//                                   grad_gamma, summed in a fixed order (the blocks' partial sums
-//                                   through a last-block-done tree), which the host adds (double)
-//                                   in chunk order.
-//   wider, rms not given            batched_rms_norm_backward: dx on the GPU, the chunk's
-//                                   grad_gamma by atomics into a zeroed device buffer.
-//   wider, rms given                no GPU kernel takes a given rms for such rows: the host path
-//                                   (server/host_rows/, as the CPU backend) computes dx and
-//                                   grad_gamma exactly from the given rms.
-// A named kernel is obeyed: rms_norm_backward (hidden_dim <= 32, rms given) computes dx on the
-// GPU and the chunk's grad_gamma on the host; batched_rms_norm_backward with rms given
-// recomputes rms from x and eps (equal to the given one for a consistent forward pass).
+// Which kernel runs is kernels/kernel_choice.h's ChooseBackwardKernel (BatchSpec::kernel, else
+// its choice for the request and this GPU); the backend obeys what the kernel's data flow says
+// (kernels/backward_kernel.h): the given rms goes to the device when the kernel reads it, and
+// grad_gamma is added on the host, from the chunk and the given rms, when the kernel does not
+// write it. A request no kernel takes (a given rms with rows too wide for every kernel that
+// reads one) is computed on the host (server/host_rows/, as the CPU backend).
 //
-// Reproducibility: with the row-resident kernel, same input, chunking and GPU model (SM count)
-// give the same grad_gamma bits. The batched kernel's atomics do not (within f32 rounding).
+// Rooms (all internal to this folder, namespace cuda_internal): device_context.h (the retained
+// context, health, registered host memory), module_loader.h (PTX -> loaded module),
+// cuda_launcher.h (a module + a stream: where a kernel's launches go), staging_pool.h,
+// ipc_buffer_cache.h, cuda_session.h (a batch's chunks), and this backend.
+//
+// Reproducibility: with a kernel whose grad_gamma sum has a fixed order (the row-resident kernel),
+// same input, chunking and GPU model (SM count) give the same bits; atomics do not (within f32
+// rounding).
 // dtypes: f32, f16 and bf16 (bf16 kernels need sm_80): x, dy, gamma and dx travel in the dtype,
 // the kernels compute in f32, rms and the device grad_gamma are f32.
 #ifndef NORMGRAD_SERVER_CUDA_CUDA_BACKEND_H_

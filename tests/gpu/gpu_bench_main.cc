@@ -45,7 +45,7 @@
 #include "absl/strings/str_split.h"
 #include "kernels/kernel.h"
 #include "kernels/kernel_registry.h"
-#include "kernels/launch.h"
+#include "kernels/backward_kernel.h"
 #include "kernels/ptx_builder.h"
 #include "kernels/ptx_printer.h"
 #include "kernels/targets.h"
@@ -299,12 +299,13 @@ class Bench {
   unsigned char flush_value_ = 0;
 };
 
-// A plan with its steps' modules loaded; Record() turns one request into the launches Time()
-// replays (the same launches, geometry and arguments the CUDA backend makes).
+// A plan with its kernel's module loaded; Record() turns one request into the launches Time()
+// replays (the same launches, geometry and arguments the CUDA backend makes). Zero fills are not
+// recorded: Time's `before` zeroes what the kernel accumulates into.
 struct LoadedPlan : public kernels::KernelLauncher {
   std::optional<kernels::BackwardPlan> plan;
-  std::vector<CUfunction> functions;  // per step
-  std::vector<std::vector<kernels::KernelParam>> params;
+  CUfunction function = nullptr;
+  std::vector<kernels::KernelParam> params;
   std::vector<Bench::Launch> recorded;
 
   absl::StatusOr<std::vector<Bench::Launch>> Record(const kernels::BackwardArgs& args) {
@@ -312,10 +313,11 @@ struct LoadedPlan : public kernels::KernelLauncher {
     if (absl::Status s = plan->Run(args, *this); !s.ok()) return s;
     return recorded;
   }
-  absl::Span<const kernels::KernelParam> Params(size_t step) const override { return params[step]; }
-  absl::Status Launch(size_t step, const kernels::LaunchGeometry& g, void** args) override {
-    Bench::Launch l{functions[step], g, {}};
-    for (size_t k = 0; k < params[step].size(); ++k) {
+  absl::Span<const kernels::KernelParam> Params() const override { return params; }
+  absl::Status ZeroFill(uint64_t address, uint64_t bytes) override { return absl::OkStatus(); }
+  absl::Status Launch(const kernels::LaunchGeometry& g, void** args) override {
+    Bench::Launch l{function, g, {}};
+    for (size_t k = 0; k < params.size(); ++k) {
       l.slots.push_back(*static_cast<const uint64_t*>(args[k]));
     }
     recorded.push_back(std::move(l));
@@ -323,23 +325,21 @@ struct LoadedPlan : public kernels::KernelLauncher {
   }
 };
 
-// The plan of backward kernel `entry` at `c`, with every step's module loaded.
+// The plan of backward kernel `entry` at `c`, with its module loaded.
 absl::StatusOr<LoadedPlan> LoadPlan(Bench& bench, absl::string_view entry,
                                     const kernels::KernelConfig& c) {
-  const kernels::Kernel* k = kernels::FindKernel(entry);
+  const kernels::BackwardKernel* k = kernels::FindKernel(entry);
   if (k == nullptr) return absl::InternalError(absl::StrCat("no kernel ", entry));
   LoadedPlan loaded;
   absl::StatusOr<kernels::BackwardPlan> plan = kernels::BackwardPlan::Create(*k, c);
   if (!plan.ok()) return plan.status();
   loaded.plan = *std::move(plan);
-  for (const kernels::BackwardPlan::Step& step : loaded.plan->steps()) {
-    absl::StatusOr<kernels::EmittedPtx> ptx = step.kernel->Emit(step.config);
-    if (!ptx.ok()) return ptx.status();
-    absl::StatusOr<CUfunction> f = bench.Load(ptx->text, ptx->entry);
-    if (!f.ok()) return f.status();
-    loaded.functions.push_back(*f);
-    loaded.params.push_back(ptx->params);
-  }
+  absl::StatusOr<kernels::EmittedPtx> ptx = loaded.plan->kernel().Emit(loaded.plan->config());
+  if (!ptx.ok()) return ptx.status();
+  absl::StatusOr<CUfunction> f = bench.Load(ptx->text, ptx->entry);
+  if (!f.ok()) return f.status();
+  loaded.function = *f;
+  loaded.params = ptx->params;
   return loaded;
 }
 
@@ -415,7 +415,7 @@ absl::StatusOr<Row> RunShape(Bench& bench, DType dtype, Shape shape, CUfunction 
   args.hidden_dim = shape.hidden;
   args.eps = p.eps;
   const kernels::LaunchGeometry g =
-      row_resident->plan->kernel().Geometry(row_resident->plan->steps()[0].config, shape.rows);
+      row_resident->plan->kernel().Geometry(row_resident->plan->config(), shape.rows);
   row.grid = g.grid[0];
   row.block = g.block[0];
 

@@ -1,4 +1,4 @@
-// rms_norm_backward_row_resident and rms_norm_backward_dgamma_reduce: configuration contract
+// rms_norm_backward_row_resident: configuration contract
 // (limits, tiling in the key, sm_count only in the geometry), emitted forms (16-byte vectors,
 // no atomics, two barriers per row), the divergence analysis, and ptxas for sm_75..sm_100 with
 // a register count that lets the block launch (registers x threads <= 64K) and no spills.
@@ -28,7 +28,6 @@ namespace normgrad::kernels {
 namespace {
 
 const Kernel& Main() { return *FindKernel("rms_norm_backward_row_resident"); }
-const Kernel& Reduce() { return *FindKernel("rms_norm_backward_dgamma_reduce"); }
 
 int Count(const std::string& text, const std::string& needle) {
   int n = 0;
@@ -38,7 +37,6 @@ int Count(const std::string& text, const std::string& needle) {
 
 TEST(RowResidentKernelTest, IsRegisteredWithItsParameters) {
   ASSERT_NE(FindKernel("rms_norm_backward_row_resident"), nullptr);
-  ASSERT_NE(FindKernel("rms_norm_backward_dgamma_reduce"), nullptr);
   std::vector<std::string> names;
   for (const KernelParam& p : Main().Params()) names.push_back(p.name + ":" + p.ptx_type);
   EXPECT_EQ(names,
@@ -52,10 +50,6 @@ TEST(RowResidentKernelTest, IsRegisteredWithItsParameters) {
   for (size_t i = 0; i < ptx->params.size(); ++i) {
     EXPECT_EQ(ptx->params[i].name, Main().Params()[i].name);
   }
-  names.clear();
-  for (const KernelParam& p : Reduce().Params()) names.push_back(p.name + ":" + p.ptx_type);
-  EXPECT_EQ(names, (std::vector<std::string>{"dgamma_partials_ptr:u64", "dgamma_ptr:u64",
-                                             "num_partials:u32", "hidden_dim:u32"}));
 }
 
 TEST(RowResidentKernelTest, RefusesRowsWiderThanItStreams) {
@@ -70,7 +64,6 @@ TEST(RowResidentKernelTest, RefusesRowsWiderThanItStreams) {
   EXPECT_EQ(Main().CanImplement({.hidden_dim = 64, .dtype = DType::kBF16, .target_sm = 75}).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Main().Emit({.hidden_dim = 70000}).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(Reduce().CanImplement({.hidden_dim = 100000}).ok());
 }
 
 TEST(RowResidentKernelTest, TilingHoldsTheWholeRowWithinTheRegisterBudget) {
@@ -134,8 +127,6 @@ TEST(RowResidentKernelTest, TheKeyNamesTheTilingButNotTheSmCount) {
   EXPECT_EQ(Main().ConfigKey({.hidden_dim = 4096, .target_sm = 90, .sm_count = 132}), a);
   EXPECT_EQ(Main().Emit({.hidden_dim = 4096, .target_sm = 90, .sm_count = 132})->text,
             Main().Emit({.hidden_dim = 4096, .target_sm = 90, .sm_count = 7})->text);
-  // The reduce reads hidden_dim at run time.
-  EXPECT_EQ(Reduce().ConfigKey({.hidden_dim = 1}), Reduce().ConfigKey({.hidden_dim = 4096}));
 }
 
 TEST(RowResidentKernelTest, GeometryIsAPersistentGridSizedBySmCount) {
@@ -150,9 +141,6 @@ TEST(RowResidentKernelTest, GeometryIsAPersistentGridSizedBySmCount) {
   // Unknown SM count: the documented default.
   EXPECT_EQ(Main().Geometry({.hidden_dim = 4096}, 1u << 20).grid[0],
             RowResidentRmsNormBackwardKernel::kDefaultSmCount * 2);
-  const LaunchGeometry r = Reduce().Geometry({.hidden_dim = 4097}, 0);
-  EXPECT_EQ(r.block[0], 512u);
-  EXPECT_EQ(r.grid[0], 129u);  // 32 columns per block
   for (uint32_t h : {1u, 33u, 896u, 4097u, 16384u, 16385u, 65536u}) {
     EXPECT_EQ(Main().Geometry({.hidden_dim = h}, 100).block[0] % 32, 0u);
   }
@@ -195,11 +183,6 @@ TEST(RowResidentKernelTest, EmitsStreamedVectorAccessesAndTheTreesCountsAndFence
                                           tiling.blocks_per_sm, "\n")))
         << t.substr(0, 600);
   }
-  absl::StatusOr<EmittedPtx> reduce =
-      Reduce().Emit({.hidden_dim = 16, .dtype = DType::kBF16, .target_sm = 80});
-  ASSERT_TRUE(reduce.ok());
-  EXPECT_TRUE(absl::StrContains(reduce->text, "cvt.rn.bf16.f32"));
-  EXPECT_EQ(Count(reduce->text, "atom."), 0);
 }
 
 TEST(RowResidentKernelTest, StreamedRowsReadTwiceAndSumTheTreeFromRows) {
@@ -226,11 +209,9 @@ TEST(RowResidentKernelTest, DivergenceAnalysisIsClean) {
   for (DType d : {DType::kF32, DType::kBF16, DType::kF16}) {
     for (uint32_t h : {1u, 3u, 33u, 896u, 4095u, 4097u, 8193u, 16384u, 16385u, 40000u, 65536u}) {
       const KernelConfig c{.hidden_dim = h, .dtype = d, .target_sm = 80};
-      for (const Kernel* k : {&Main(), &Reduce()}) {
-        absl::StatusOr<Module> m = static_cast<const BuiltKernel*>(k)->Build(c);
-        ASSERT_TRUE(m.ok()) << m.status();
-        EXPECT_TRUE(CheckDivergence(*m, LaunchAssumptions{}).ok()) << k->EntryName() << " " << h;
-      }
+      absl::StatusOr<Module> m = static_cast<const BuiltKernel&>(Main()).Build(c);
+      ASSERT_TRUE(m.ok()) << m.status();
+      EXPECT_TRUE(CheckDivergence(*m, LaunchAssumptions{}).ok()) << Main().EntryName() << " " << h;
     }
   }
 }
@@ -297,12 +278,6 @@ TEST(RowResidentKernelTest, PtxasAssemblesEveryTargetWithRegistersThatFitTheBloc
                     << " sm_90 block=" << threads << ": " << regs << " registers\n";
         }
       }
-      absl::StatusOr<EmittedPtx> reduce =
-          Reduce().Emit({.hidden_dim = 64, .dtype = d, .target_sm = sm});
-      ASSERT_TRUE(reduce.ok()) << reduce.status();
-      int code = -1;
-      const std::string out = Assemble(*ptxas, reduce->text, sm, &code);
-      EXPECT_EQ(code, 0) << out;
     }
   }
 }

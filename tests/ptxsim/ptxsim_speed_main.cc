@@ -16,7 +16,7 @@
 
 #include "kernels/kernel.h"
 #include "kernels/kernel_registry.h"
-#include "kernels/launch.h"
+#include "kernels/backward_kernel.h"
 #include "kernels/reference.h"
 #include "tests/ptxsim/sim_harness.h"
 #include "tests/ptxsim/sim_launcher.h"

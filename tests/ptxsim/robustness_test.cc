@@ -9,7 +9,7 @@
 #include "gtest/gtest.h"
 #include "kernels/kernel.h"
 #include "kernels/kernel_registry.h"
-#include "kernels/launch.h"
+#include "kernels/backward_kernel.h"
 #include "tests/ptxsim/sim_harness.h"
 #include "tests/ptxsim/sim_launcher.h"
 

@@ -1,5 +1,5 @@
 // rms_norm_backward_row_resident (one launch: dx and grad_gamma through its last-block-done
-// tree) and rms_norm_backward_dgamma_reduce, as kernels/ emits them, executed by the interpreter
+// tree), as kernels/ emits it, executed by the interpreter
 // (with its sanitizer: exact-size buffers, alignment, barriers, shuffles) against
 // ReferenceBackward: dx within 1e-5 (f32) / 5e-4 (f16) / 4e-3 (bf16) relative to max(1, |ref|)
 // (half an ulp of the element type plus the f32 error; the reference unrounded), dgamma (f32
@@ -18,7 +18,7 @@
 #include "gtest/gtest.h"
 #include "kernels/kernel.h"
 #include "kernels/kernel_registry.h"
-#include "kernels/launch.h"
+#include "kernels/backward_kernel.h"
 #include "tests/ptxsim/backward_problem.h"
 #include "tests/ptxsim/sim_harness.h"
 #include "tests/ptxsim/sim_launcher.h"
@@ -33,7 +33,6 @@ using kernel_testing::DxTolerance;
 using kernel_testing::EncodeElements;
 using kernel_testing::MakeBackwardProblem;
 using kernel_testing::ReferenceFor;
-using kernel_testing::RoundToElement;
 using kernels::BackwardArgs;
 using kernels::BackwardPlan;
 using kernels::DType;
@@ -42,7 +41,6 @@ using kernels::FindKernel;
 using kernels::KernelConfig;
 
 constexpr char kMain[] = "rms_norm_backward_row_resident";
-constexpr char kReduce[] = "rms_norm_backward_dgamma_reduce";
 
 struct Case {
   DType dtype;
@@ -72,7 +70,7 @@ struct Result {
 Result RunPlan(const Case& c, const BackwardProblem& p, uint32_t sm_count = 1,
                bool reverse_blocks = false, int runs = 1) {
   Result out;
-  const kernels::Kernel* main = FindKernel(kMain);
+  const kernels::BackwardKernel* main = FindKernel(kMain);
   if (main == nullptr) {
     ADD_FAILURE() << "kernel not registered";
     return out;
@@ -276,58 +274,6 @@ TEST(RowResidentDeterminism, DxDoesNotDependOnTheGridAndDgammaStaysWithinToleran
   EXPECT_NE(one.blocks, many.blocks);
   ASSERT_EQ(0, std::memcmp(one.dx.data(), many.dx.data(), 4 * one.dx.size()));
   ExpectClose(one.dgamma, many.dgamma, 1e-5, "dgamma across grids");
-}
-
-TEST(RowResidentDgammaReduce, SumsHundredsOfPartialRowsInTheDocumentedOrder) {
-  // The standalone reduce (served for the two-launch contract): 300 partial rows of 33 columns,
-  // every warp loops (16 groups x 8 loads per step) and some loads fall past the last row. The
-  // result is the documented order's f32 sum exactly: group w adds rows w, w + 16, ... in
-  // increasing row, then the group sums in order w = 0..15, rounded once to the dtype.
-  constexpr uint32_t kRows = 300, kHidden = 33, kGroups = 16;
-  std::vector<float> partials(kRows * kHidden);
-  for (size_t i = 0; i < partials.size(); ++i) {
-    partials[i] = static_cast<float>((i * 2654435761u) % 2001) / 997.0f - 1.0f;
-  }
-  std::vector<float> want(kHidden);
-  for (uint32_t col = 0; col < kHidden; ++col) {
-    float total = 0;
-    for (uint32_t w = 0; w < kGroups; ++w) {
-      float group = 0;
-      for (uint32_t r = w; r < kRows; r += kGroups) group += partials[r * kHidden + col];
-      total = w == 0 ? group : total + group;
-    }
-    want[col] = total;
-  }
-  const kernels::Kernel* reduce = FindKernel(kReduce);
-  ASSERT_NE(reduce, nullptr);
-  for (DType d : {DType::kF32, DType::kBF16}) {
-    KernelConfig config;
-    config.hidden_dim = kHidden;
-    config.dtype = d;
-    config.target_sm = 80;
-    absl::StatusOr<kernels::EmittedPtx> ptx = reduce->Emit(config);
-    ASSERT_TRUE(ptx.ok()) << ptx.status();
-    SimHarness sim;
-    float* in = sim.Alloc<float>(partials.size());
-    std::copy(partials.begin(), partials.end(), in);
-    const size_t elem = kernels::DTypeBytes(d);
-    uint8_t* out = sim.Alloc<uint8_t>(kHidden * elem);
-    kernels::KernelParamValues values;
-    values.dgamma_partials = SimHarness::Address(in);
-    values.dgamma = SimHarness::Address(out);
-    values.num_partials = kRows;
-    values.hidden_dim = kHidden;
-    absl::StatusOr<kernels::PackedArgs> packed = kernels::PackArgs(ptx->params, values);
-    ASSERT_TRUE(packed.ok()) << packed.status();
-    const kernels::LaunchGeometry g = reduce->Geometry(config, kRows);
-    ASSERT_TRUE(
-        sim.Run(ptx->text, ptx->entry, {g.grid[0], 1, 1}, {g.block[0], 1, 1}, packed->pointers())
-            .ok());
-    const std::vector<float> got = DecodeElements(absl::MakeConstSpan(out, kHidden * elem), d);
-    for (uint32_t col = 0; col < kHidden; ++col) {
-      ASSERT_EQ(got[col], RoundToElement(want[col], d)) << DTypeName(d) << " column " << col;
-    }
-  }
 }
 
 TEST(RowResidentVectorPath, AlignedAndOffsetBuffersGiveTheSameBits) {

@@ -12,7 +12,7 @@
 #include "gtest/gtest.h"
 #include "kernels/kernel.h"
 #include "kernels/kernel_registry.h"
-#include "kernels/launch.h"
+#include "kernels/backward_kernel.h"
 #include "kernels/reference.h"
 #include "tests/ptxsim/backward_problem.h"
 #include "tests/ptxsim/sim_harness.h"
@@ -63,7 +63,7 @@ struct Result {
 // the device's grid limit lowered to `max_grid_x` when given; returns dx (and dgamma).
 Result RunOnInterpreter(const Shape& s, const BackwardProblem& p,
                         uint32_t max_grid_x = kernels::kMaxGridX) {
-  const kernels::Kernel* kernel = FindKernel(s.kernel);
+  const kernels::BackwardKernel* kernel = FindKernel(s.kernel);
   EXPECT_NE(kernel, nullptr);
   if (kernel == nullptr) return {};
   KernelConfig config;
@@ -96,14 +96,14 @@ Result RunOnInterpreter(const Shape& s, const BackwardProblem& p,
   args.dx = SimHarness::Address(dx);
   float* rms = sim.Alloc<float>(p.rows);
   std::copy(p.rms.begin(), p.rms.end(), rms);
-  args.rms = plan->reads_rms() ? SimHarness::Address(rms) : 0;
-  float* dgamma = sim.Alloc<float>(p.hidden);  // zeroed: the batched kernel accumulates
+  args.rms = plan->DataFlow().reads_rms ? SimHarness::Address(rms) : 0;
+  float* dgamma = sim.Alloc<float>(p.hidden);
+  std::fill(dgamma, dgamma + p.hidden, -1.0f);  // the batched kernel's Run zeroes it first
   args.dgamma = SimHarness::Address(dgamma);
   args.rows = p.rows;
   args.hidden_dim = p.hidden;
   args.eps = p.eps;
-  EXPECT_EQ(plan->dgamma_output(),
-            IsWarpKernel(s) ? kernels::DgammaOutput::kNone : kernels::DgammaOutput::kAccumulated);
+  EXPECT_EQ(plan->DataFlow().writes_dgamma, !IsWarpKernel(s));
   const absl::Status status = plan->Run(args, *launcher);
   EXPECT_TRUE(status.ok()) << status;
   Result out;

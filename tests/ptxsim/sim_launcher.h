@@ -1,6 +1,7 @@
 // A kernels::KernelLauncher that runs a plan's launches on the PTX interpreter: the same
 // BackwardPlan the CUDA backend runs, with the interpreter's sanitizer (exact-size buffers,
-// alignment, barriers, shuffles) on every launch.
+// alignment, barriers, shuffles) on every launch; its zero fills are memsets of the host memory
+// the harness hands out.
 //
 //   SimHarness sim;
 //   absl::StatusOr<BackwardPlan> plan = BackwardPlan::Create(*FindKernel(name), config);
@@ -15,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -23,7 +25,7 @@
 #include "absl/types/span.h"
 #include "kernels/kernel.h"
 #include "kernels/kernel_params.h"
-#include "kernels/launch.h"
+#include "kernels/backward_kernel.h"
 #include "tests/ptxsim/sim_harness.h"
 
 namespace normgrad::ptxsim {
@@ -61,19 +63,14 @@ inline SimBackwardBuffers AllocBackwardF32(SimHarness& sim, uint32_t rows, uint3
 
 class SimLauncher : public kernels::KernelLauncher {
  public:
-  // modules[i]: the emitted PTX of step i.
-  SimLauncher(SimHarness* sim, std::vector<kernels::EmittedPtx> modules)
-      : sim_(sim), modules_(std::move(modules)) {}
+  // module: the emitted PTX the launches run.
+  SimLauncher(SimHarness* sim, kernels::EmittedPtx module) : sim_(sim), module_(std::move(module)) {}
 
-  // Emits every step of `plan` (each step's kernel at its config).
+  // Emits the plan's kernel at its config.
   static absl::StatusOr<SimLauncher> ForPlan(SimHarness* sim, const kernels::BackwardPlan& plan) {
-    std::vector<kernels::EmittedPtx> modules;
-    for (const kernels::BackwardPlan::Step& step : plan.steps()) {
-      absl::StatusOr<kernels::EmittedPtx> ptx = step.kernel->Emit(step.config);
-      if (!ptx.ok()) return ptx.status();
-      modules.push_back(*std::move(ptx));
-    }
-    return SimLauncher(sim, std::move(modules));
+    absl::StatusOr<kernels::EmittedPtx> ptx = plan.kernel().Emit(plan.config());
+    if (!ptx.ok()) return ptx.status();
+    return SimLauncher(sim, *std::move(ptx));
   }
 
   // A device limit to exercise the plan's piecewise launches (default: the real limit).
@@ -82,21 +79,23 @@ class SimLauncher : public kernels::KernelLauncher {
   const std::vector<LaunchReport>& reports() const { return reports_; }
   const std::vector<kernels::LaunchGeometry>& geometries() const { return geometries_; }
 
-  absl::Span<const kernels::KernelParam> Params(size_t step) const override {
-    return modules_[step].params;
-  }
+  absl::Span<const kernels::KernelParam> Params() const override { return module_.params; }
   uint32_t MaxGridX() const override { return max_grid_x_; }
-  absl::Status Launch(size_t step, const kernels::LaunchGeometry& g, void** args) override {
-    const kernels::EmittedPtx& m = modules_[step];
+  absl::Status Launch(const kernels::LaunchGeometry& g, void** args) override {
+    const kernels::EmittedPtx& m = module_;
     reports_.emplace_back();
     geometries_.push_back(g);
     return sim_->Run(m.text, m.entry, {g.grid[0], g.grid[1], g.grid[2]},
                      {g.block[0], g.block[1], g.block[2]}, args, &reports_.back(), g.shared_bytes);
   }
+  absl::Status ZeroFill(uint64_t address, uint64_t bytes) override {
+    std::memset(reinterpret_cast<void*>(static_cast<uintptr_t>(address)), 0, bytes);
+    return absl::OkStatus();
+  }
 
  private:
   SimHarness* sim_;
-  std::vector<kernels::EmittedPtx> modules_;
+  kernels::EmittedPtx module_;
   uint32_t max_grid_x_ = kernels::kMaxGridX;
   std::vector<LaunchReport> reports_;
   std::vector<kernels::LaunchGeometry> geometries_;

@@ -1,11 +1,12 @@
 #include "tests/ptxsim/traffic.h"
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "kernels/kernel_registry.h"
+#include "kernels/kernel_choice.h"
 #include "tests/ptxsim/backward_problem.h"
 #include "tests/ptxsim/parser.h"
 
@@ -23,21 +24,24 @@ absl::StatusOr<TrafficLauncher> TrafficLauncher::ForPlan(const kernels::Backward
                                                          const MemoryMap* memory,
                                                          std::vector<MemoryRange> marked) {
   TrafficLauncher launcher(memory, std::move(marked));
-  for (const kernels::BackwardPlan::Step& step : plan.steps()) {
-    absl::StatusOr<kernels::EmittedPtx> ptx = step.kernel->Emit(step.config);
-    if (!ptx.ok()) return ptx.status();
-    absl::StatusOr<Module> module = ParsePtx(ptx->text);
-    if (!module.ok()) return module.status();
-    if (module->FindEntry(ptx->entry) == nullptr) {
-      return absl::InternalError(absl::StrCat("the emitted module lacks its entry ", ptx->entry));
-    }
-    launcher.ptx_.push_back(*std::move(ptx));
-    launcher.modules_.push_back(*std::move(module));
+  absl::StatusOr<kernels::EmittedPtx> ptx = plan.kernel().Emit(plan.config());
+  if (!ptx.ok()) return ptx.status();
+  absl::StatusOr<Module> module = ParsePtx(ptx->text);
+  if (!module.ok()) return module.status();
+  if (module->FindEntry(ptx->entry) == nullptr) {
+    return absl::InternalError(absl::StrCat("the emitted module lacks its entry ", ptx->entry));
   }
+  launcher.ptx_ = *std::move(ptx);
+  launcher.module_ = *std::move(module);
   return launcher;
 }
 
-absl::Status TrafficLauncher::Launch(size_t step, const kernels::LaunchGeometry& g, void** args) {
+absl::Status TrafficLauncher::ZeroFill(uint64_t address, uint64_t bytes) {
+  std::memset(AlignedDeviceMemory::Pointer<uint8_t>(address), 0, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status TrafficLauncher::Launch(const kernels::LaunchGeometry& g, void** args) {
   LaunchConfig config;
   config.grid = {g.grid[0], g.grid[1], g.grid[2]};
   config.block = {g.block[0], g.block[1], g.block[2]};
@@ -45,10 +49,9 @@ absl::Status TrafficLauncher::Launch(size_t step, const kernels::LaunchGeometry&
   config.count_traffic = true;
   config.traffic_marked = marked_;
   LaunchTraffic& launch = launches_.emplace_back();
-  launch.entry = ptx_[step].entry;
+  launch.entry = ptx_.entry;
   launch.geometry = g;
-  return ptxsim::Launch(*modules_[step].FindEntry(ptx_[step].entry), config, args, *memory_,
-                        &launch.report);
+  return ptxsim::Launch(*module_.FindEntry(ptx_.entry), config, args, *memory_, &launch.report);
 }
 
 absl::StatusOr<PlanTraffic> RunPlanTraffic(const PlanTrafficOptions& options) {
@@ -61,17 +64,18 @@ absl::StatusOr<PlanTraffic> RunPlanTraffic(const PlanTrafficOptions& options) {
   config.dtype = options.dtype;
   config.target_sm = options.target_sm;
   config.sm_count = options.sm_count;
-  // The CUDA backend's choice for a request without rms (server/cuda/cuda_backend.cc).
-  const kernels::Kernel* kernel = kernels::FindKernel("rms_norm_backward_row_resident");
-  if (kernel == nullptr || !kernel->CanImplement(config).ok()) {
-    kernel = kernels::FindKernel("batched_rms_norm_backward");
-  }
-  if (kernel == nullptr)
-    return absl::InternalError("the kernels library lacks the backward kernels");
-  if (absl::Status s = kernel->CanImplement(config); !s.ok()) {
+  // The CUDA backend's choice for a request without rms.
+  kernels::BackwardRequest request;
+  request.dtype = options.dtype;
+  request.hidden_dim = options.hidden;
+  absl::StatusOr<const kernels::BackwardKernel*> kernel = kernels::ChooseBackwardKernel(
+      request, kernels::BackwardDevice{options.target_sm, options.sm_count});
+  if (!kernel.ok()) return kernel.status();
+  if (*kernel == nullptr) return absl::InternalError("no kernel takes a request without rms");
+  if (absl::Status s = (*kernel)->CanImplement(config); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("hidden ", options.hidden, ": ", s.message()));
   }
-  absl::StatusOr<kernels::BackwardPlan> plan = kernels::BackwardPlan::Create(*kernel, config);
+  absl::StatusOr<kernels::BackwardPlan> plan = kernels::BackwardPlan::Create(**kernel, config);
   if (!plan.ok()) return plan.status();
 
   const kernel_testing::BackwardProblem p =
@@ -120,7 +124,7 @@ absl::StatusOr<PlanTraffic> RunPlanTraffic(const PlanTrafficOptions& options) {
       !s.ok()) {
     return s;
   }
-  if (plan->dgamma_output() != kernels::DgammaOutput::kNone) {
+  if (plan->DataFlow().writes_dgamma) {
     const float* dgamma = AlignedDeviceMemory::Pointer<float>(args.dgamma);
     if (absl::Status s = kernel_testing::CheckClose(
             std::vector<float>(dgamma, dgamma + options.hidden), want.dgamma,

@@ -24,7 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kernels/kernel.h"
-#include "kernels/launch.h"
+#include "kernels/backward_kernel.h"
 #include "tests/ptxsim/interpreter.h"
 #include "tests/ptxsim/memory_map.h"
 #include "tests/ptxsim/module.h"
@@ -56,8 +56,9 @@ struct LaunchTraffic {
   LaunchReport report;  // report.traffic: the launch's traffic
 };
 
-// A kernels::KernelLauncher that runs each step's emitted PTX (parsed once) on the interpreter
-// with traffic counting, `marked` reported apart in every launch.
+// A kernels::KernelLauncher that runs the plan's emitted PTX (parsed once) on the interpreter
+// with traffic counting, `marked` reported apart in every launch. Zero fills are host memsets,
+// not counted.
 class TrafficLauncher : public kernels::KernelLauncher {
  public:
   static absl::StatusOr<TrafficLauncher> ForPlan(const kernels::BackwardPlan& plan,
@@ -66,10 +67,9 @@ class TrafficLauncher : public kernels::KernelLauncher {
 
   const std::vector<LaunchTraffic>& launches() const { return launches_; }
 
-  absl::Span<const kernels::KernelParam> Params(size_t step) const override {
-    return ptx_[step].params;
-  }
-  absl::Status Launch(size_t step, const kernels::LaunchGeometry& g, void** args) override;
+  absl::Span<const kernels::KernelParam> Params() const override { return ptx_.params; }
+  absl::Status Launch(const kernels::LaunchGeometry& g, void** args) override;
+  absl::Status ZeroFill(uint64_t address, uint64_t bytes) override;
 
  private:
   TrafficLauncher(const MemoryMap* memory, std::vector<MemoryRange> marked)
@@ -77,8 +77,8 @@ class TrafficLauncher : public kernels::KernelLauncher {
 
   const MemoryMap* memory_;
   std::vector<MemoryRange> marked_;
-  std::vector<kernels::EmittedPtx> ptx_;
-  std::vector<Module> modules_;
+  kernels::EmittedPtx ptx_;
+  Module module_;
   std::vector<LaunchTraffic> launches_;
 };
 
@@ -93,7 +93,7 @@ struct PlanTrafficOptions {
 struct PlanTraffic {
   uint32_t rows = 0;
   uint32_t hidden = 0;
-  std::string kernel;            // the plan's first kernel (the one the backend chose)
+  std::string kernel;            // the plan's kernel (the one the backend chooses)
   uint64_t workspace_bytes = 0;  // the plan's workspace (grad_gamma partial rows)
   std::vector<LaunchTraffic> launches;
   TrafficReport total;      // sum over the launches
@@ -115,8 +115,7 @@ struct PlanTraffic {
 };
 
 // Runs the plan the CUDA backend would choose for a chunk of options.rows x options.hidden (no
-// rms given: the row-resident kernel and its grad_gamma reduce where it implements the shape,
-// else the batched kernel), on deterministic inputs, in 256-byte-aligned memory with the
+// rms given: kernels::ChooseBackwardKernel's choice), on deterministic inputs, in 256-byte-aligned memory with the
 // workspace marked. INVALID_ARGUMENT naming the field for a zero or unimplementable shape;
 // INTERNAL when a launch fails or dx is not within DxTolerance of the reference.
 absl::StatusOr<PlanTraffic> RunPlanTraffic(const PlanTrafficOptions& options);

@@ -29,7 +29,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/launch.h"
+#include "kernels/backward_kernel.h"
 
 namespace {
 
@@ -232,15 +232,6 @@ T* Ptr(uint64_t address) {
 
 // The model of kernel `m.entry` on the unpacked arguments `v`.
 void RunKernel(const Module& m, const normgrad::kernels::KernelParamValues& v) {
-  if (m.entry == "rms_norm_backward_dgamma_reduce") {
-    const float* partials = Ptr<const float>(v.dgamma_partials);
-    for (uint32_t i = 0; i < v.hidden_dim; ++i) {
-      float sum = 0;
-      for (uint32_t p = 0; p < v.num_partials; ++p) sum += partials[uint64_t{p} * v.hidden_dim + i];
-      StoreElem(m.elem, Ptr<void>(v.dgamma), i, sum);
-    }
-    return;
-  }
   const bool row_resident = m.entry == "rms_norm_backward_row_resident";
   const bool batched = m.entry == "batched_rms_norm_backward";
   // rms: the given one (warp kernel; row-resident when rms_ptr != 0), else from x and eps.
@@ -431,8 +422,8 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned, unsigned, unsigned,
       normgrad::kernels::UnpackArgs(m.params, args);
   if (!unpacked.ok()) return CUDA_ERROR_INVALID_VALUE;
   const normgrad::kernels::KernelParamValues v = *unpacked;
-  if (m.entry != "rms_norm_backward_dgamma_reduce" && m.entry != "rms_norm_backward_row_resident" &&
-      m.entry != "batched_rms_norm_backward" && m.entry != "rms_norm_backward") {
+  if (m.entry != "rms_norm_backward_row_resident" && m.entry != "batched_rms_norm_backward" &&
+      m.entry != "rms_norm_backward") {
     return CUDA_ERROR_NOT_FOUND;
   }
   Issue(stream, [m, v] { RunKernel(m, v); });

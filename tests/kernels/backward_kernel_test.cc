@@ -1,7 +1,8 @@
-// The launch contract (kernels/launch.h): argument packing from a built kernel's own parameter
-// list, and what each BackwardPlan launches, checked with a launcher that records instead of
-// running (the interpreter runs the same plans in tests/ptxsim).
-#include "kernels/launch.h"
+// The backward-kernel interface (kernels/backward_kernel.h): argument packing from a built
+// kernel's own parameter list, what each kernel's Run launches and fills, and what it says it
+// reads and writes, checked with a launcher that records instead of running (the interpreter runs
+// the same plans in tests/ptxsim).
+#include "kernels/backward_kernel.h"
 
 #include <cstring>
 #include <string>
@@ -23,7 +24,6 @@ namespace normgrad::kernels {
 namespace {
 
 constexpr char kRowResident[] = "rms_norm_backward_row_resident";
-constexpr char kReduce[] = "rms_norm_backward_dgamma_reduce";
 constexpr char kBatched[] = "batched_rms_norm_backward";
 constexpr char kWarp[] = "rms_norm_backward";
 
@@ -39,7 +39,6 @@ KernelParamValues DistinctValues() {
                            /*dgamma=*/0x8000,
                            /*semaphores=*/0x9000,
                            /*num_rows=*/11,
-                           /*num_partials=*/12,
                            /*hidden_dim=*/13,
                            /*eps=*/0.25f};
 }
@@ -116,33 +115,41 @@ TEST(PackArgs, AParameterTheContractDoesNotKnowIsAnInternalErrorNamingIt) {
       << mistyped.status();
 }
 
-// Records launches: step, geometry and the argument values.
+// Records launches (geometry and the argument values) and zero fills, in order.
 class RecordingLauncher : public KernelLauncher {
  public:
   explicit RecordingLauncher(const BackwardPlan& plan, uint32_t max_grid_x = kMaxGridX)
-      : max_grid_x_(max_grid_x) {
-    for (const BackwardPlan::Step& step : plan.steps()) params_.push_back(step.kernel->Params());
-  }
+      : max_grid_x_(max_grid_x), params_(plan.kernel().Params()) {}
   struct Launched {
-    size_t step;
     LaunchGeometry geometry;
     KernelParamValues values;
   };
+  struct Filled {
+    uint64_t address;
+    uint64_t bytes;
+    size_t before_launch;  // how many launches came before it
+  };
   const std::vector<Launched>& launched() const { return launched_; }
+  const std::vector<Filled>& filled() const { return filled_; }
 
-  absl::Span<const KernelParam> Params(size_t step) const override { return params_[step]; }
+  absl::Span<const KernelParam> Params() const override { return params_; }
   uint32_t MaxGridX() const override { return max_grid_x_; }
-  absl::Status Launch(size_t step, const LaunchGeometry& g, void** args) override {
-    absl::StatusOr<KernelParamValues> v = UnpackArgs(params_[step], args);
+  absl::Status Launch(const LaunchGeometry& g, void** args) override {
+    absl::StatusOr<KernelParamValues> v = UnpackArgs(params_, args);
     if (!v.ok()) return v.status();
-    launched_.push_back({step, g, *v});
+    launched_.push_back({g, *v});
+    return absl::OkStatus();
+  }
+  absl::Status ZeroFill(uint64_t address, uint64_t bytes) override {
+    filled_.push_back({address, bytes, launched_.size()});
     return absl::OkStatus();
   }
 
  private:
   uint32_t max_grid_x_;
-  std::vector<std::vector<KernelParam>> params_;
+  std::vector<KernelParam> params_;
   std::vector<Launched> launched_;
+  std::vector<Filled> filled_;
 };
 
 KernelConfig Config(uint32_t hidden, DType dtype = DType::kF32) {
@@ -174,10 +181,10 @@ TEST(BackwardPlan, RowResidentIsOneLaunchWritingDxAndDgammaThroughItsTree) {
   const KernelConfig config = Config(896, DType::kBF16);
   absl::StatusOr<BackwardPlan> plan = BackwardPlan::Create(*FindKernel(kRowResident), config);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  ASSERT_EQ(plan->steps().size(), 1u);
-  EXPECT_EQ(plan->dgamma_output(), DgammaOutput::kWritten);
-  EXPECT_TRUE(plan->reads_rms());
-  EXPECT_FALSE(plan->requires_rms());
+  EXPECT_TRUE(plan->DataFlow().writes_dgamma);
+  EXPECT_TRUE(plan->DataFlow().reproducible_dgamma);
+  EXPECT_TRUE(plan->DataFlow().reads_rms);
+  EXPECT_FALSE(plan->DataFlow().requires_rms);
 
   // sm_count 4 x 4 blocks of 256 threads: G = 16 for 1000 rows, one group, two levels (16, 1):
   // 16 workspace rows of the tiling's capacity (256 threads x 8 bf16) and one semaphore.
@@ -193,8 +200,8 @@ TEST(BackwardPlan, RowResidentIsOneLaunchWritingDxAndDgammaThroughItsTree) {
   RecordingLauncher launcher(*plan);
   ASSERT_TRUE(plan->Run(Args(rows, 896), launcher).ok());
   ASSERT_EQ(launcher.launched().size(), 1u);
+  EXPECT_TRUE(launcher.filled().empty());  // the tree writes dgamma: nothing to zero
   const auto& main = launcher.launched()[0];
-  EXPECT_EQ(main.step, 0u);
   EXPECT_EQ(main.geometry.grid[0], blocks);
   EXPECT_EQ(main.values.input, 0x10000u);
   EXPECT_EQ(main.values.rms, 0x50000u);
@@ -224,11 +231,17 @@ TEST(BackwardPlan, SeedKernelsLaunchInPiecesBelowTheDevicesGridLimit) {
   const KernelConfig config = Config(100, DType::kF16);
   absl::StatusOr<BackwardPlan> plan = BackwardPlan::Create(*FindKernel(kBatched), config);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  EXPECT_EQ(plan->dgamma_output(), DgammaOutput::kAccumulated);
-  EXPECT_FALSE(plan->reads_rms());
+  EXPECT_TRUE(plan->DataFlow().writes_dgamma);
+  EXPECT_FALSE(plan->DataFlow().reproducible_dgamma);
+  EXPECT_FALSE(plan->DataFlow().reads_rms);
   EXPECT_EQ(plan->WorkspaceBytes(10), 0u);
   RecordingLauncher launcher(*plan, /*max_grid_x=*/3);
   ASSERT_TRUE(plan->Run(Args(10, 100), launcher).ok());
+  // The atomics add into dgamma: zeroed once, before the first piece, f32 per column.
+  ASSERT_EQ(launcher.filled().size(), 1u);
+  EXPECT_EQ(launcher.filled()[0].address, 0x60000u);
+  EXPECT_EQ(launcher.filled()[0].bytes, 100u * sizeof(float));
+  EXPECT_EQ(launcher.filled()[0].before_launch, 0u);
   const std::vector<uint32_t> want_rows = {3, 3, 3, 1};
   ASSERT_EQ(launcher.launched().size(), want_rows.size());
   uint64_t first = 0;
@@ -249,12 +262,13 @@ TEST(BackwardPlan, SeedKernelsLaunchInPiecesBelowTheDevicesGridLimit) {
 TEST(BackwardPlan, TheWarpKernelReadsTheGivenRmsOfEachPiecesRows) {
   absl::StatusOr<BackwardPlan> plan = BackwardPlan::Create(*FindKernel(kWarp), Config(32));
   ASSERT_TRUE(plan.ok()) << plan.status();
-  EXPECT_EQ(plan->dgamma_output(), DgammaOutput::kNone);
-  EXPECT_TRUE(plan->requires_rms());
+  EXPECT_FALSE(plan->DataFlow().writes_dgamma);
+  EXPECT_TRUE(plan->DataFlow().requires_rms);
   // 8 rows per block under a limit of 1 block: halving 20 rows gives pieces of 5.
   RecordingLauncher launcher(*plan, /*max_grid_x=*/1);
   ASSERT_TRUE(plan->Run(Args(20, 32), launcher).ok());
   ASSERT_EQ(launcher.launched().size(), 4u);
+  EXPECT_TRUE(launcher.filled().empty());
   uint64_t first = 0;
   for (const auto& l : launcher.launched()) {
     EXPECT_EQ(l.values.rms, 0x50000 + first * sizeof(float));
@@ -288,7 +302,7 @@ TEST(BackwardPlan, CanImplementNamesTheFieldAndTheNumbers) {
                         Case{*row, no_semaphores, "semaphores of 4 bytes for 4 rows"},
                         Case{*row, too_many_rows, "rows 4294967296 exceed 4294967295"},
                         Case{*warp, no_rms, "needs the forward's rms"}}) {
-    const absl::Status s = c.plan.CanImplement(c.args);
+    const absl::Status s = c.plan.CheckArgs(c.args);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.want;
     EXPECT_NE(s.message().find(c.want), absl::string_view::npos) << s;
     RecordingLauncher launcher(c.plan);
@@ -297,16 +311,13 @@ TEST(BackwardPlan, CanImplementNamesTheFieldAndTheNumbers) {
   }
 }
 
-TEST(BackwardPlan, CreateRefusesWhatTheKernelRefusesAndTheReduceAlone) {
+TEST(BackwardPlan, CreateRefusesWhatTheKernelRefuses) {
   EXPECT_EQ(BackwardPlan::Create(*FindKernel(kWarp), Config(33)).status().code(),
             absl::StatusCode::kInvalidArgument);
   KernelConfig bf16_on_turing = Config(64, DType::kBF16);
   bf16_on_turing.target_sm = 75;
   EXPECT_EQ(BackwardPlan::Create(*FindKernel(kRowResident), bf16_on_turing).status().code(),
             absl::StatusCode::kInvalidArgument);
-  const absl::Status reduce = BackwardPlan::Create(*FindKernel(kReduce), Config(64)).status();
-  EXPECT_EQ(reduce.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(reduce.message().find("not a backward kernel"), absl::string_view::npos) << reduce;
 }
 
 // The block size the entry of `ptx` declares: the line after its parameter list must be
@@ -359,7 +370,7 @@ TEST(LaunchBounds, EveryKernelDeclaresMaxntidEqualToItsLaunchBlock) {
       }
     }
   }
-  // 4 kernels; bf16 on 10 of the 11 targets; rms_norm_backward at hidden_dim <= 32 only.
+  // 3 kernels; bf16 on 10 of the 11 targets; rms_norm_backward at hidden_dim <= 32 only.
   EXPECT_GT(checked, 800);
 }
 

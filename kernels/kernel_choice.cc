@@ -1,0 +1,74 @@
+#include "kernels/kernel_choice.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/bounded_quote.h"
+#include "kernels/kernel_registry.h"
+#include "kernels/rms_norm_backward.h"
+#include "kernels/rms_norm_backward_row_resident.h"
+#include "kernels/status_macros.h"
+
+namespace normgrad::kernels {
+
+KernelConfig ConfigFor(const BackwardRequest& request, const BackwardDevice& device) {
+  KernelConfig config;
+  config.hidden_dim = request.hidden_dim;
+  config.dtype = request.dtype;
+  config.target_sm = device.target_sm;
+  config.sm_count = device.sm_count;
+  return config;
+}
+
+absl::Status CheckNamedKernel(const BackwardRequest& request) {
+  if (request.kernel.empty()) return absl::OkStatus();
+  const BackwardKernel* kernel = FindKernel(request.kernel);
+  if (kernel == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kernel ", BoundedQuote(request.kernel), " is unknown"));
+  }
+  NORMGRAD_RETURN_IF_ERROR(kernel->CanImplement(ConfigFor(request, {.target_sm = kProbeTargetSm})));
+  const BackwardDataFlow flow = kernel->DataFlow();
+  if (!flow.reads_rms && request.rms_given && !(std::isfinite(request.eps) && request.eps > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kernel \"", kernel->EntryName(), "\" recomputes rms from x and eps (a given ",
+                     "rms is not read), so eps must be finite and > 0, got ", request.eps,
+                     "; leave kernel empty to use the given rms"));
+  }
+  if (flow.requires_rms && !request.rms_given) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kernel \"", kernel->EntryName(),
+                     "\" needs the forward pass's rms (one value per row); none given"));
+  }
+  return absl::OkStatus();
+}
+
+bool ReadsGivenRms(const BackwardRequest& request) {
+  if (!request.rms_given) return false;
+  if (request.kernel.empty()) return true;
+  const BackwardKernel* kernel = FindKernel(request.kernel);
+  return kernel == nullptr || kernel->DataFlow().reads_rms;
+}
+
+absl::StatusOr<const BackwardKernel*> ChooseBackwardKernel(const BackwardRequest& request,
+                                                           const BackwardDevice& device) {
+  NORMGRAD_RETURN_IF_ERROR(CheckNamedKernel(request));
+  absl::string_view name = request.kernel;
+  if (name.empty()) {
+    const BackwardKernel* row_resident = FindKernel(RowResidentRmsNormBackwardKernel::kEntryName);
+    name = row_resident != nullptr && row_resident->CanImplement(ConfigFor(request, device)).ok()
+               ? RowResidentRmsNormBackwardKernel::kEntryName
+           : !request.rms_given ? BatchedRmsNormBackwardKernel::kEntryName
+           : request.hidden_dim <= RmsNormBackwardKernel::kMaxHiddenDim
+               ? RmsNormBackwardKernel::kEntryName
+               : absl::string_view();
+    if (name.empty()) return nullptr;
+  }
+  const BackwardKernel* kernel = FindKernel(name);
+  if (kernel == nullptr) {
+    return absl::InternalError(absl::StrCat("the kernels library lacks ", name));
+  }
+  return kernel;
+}
+
+}  // namespace normgrad::kernels

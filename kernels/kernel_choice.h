@@ -1,0 +1,69 @@
+// Which backward kernel runs a request: the one function that picks it (ChooseBackwardKernel),
+// and the checks of a kernel named in a request. The backends ask and obey; none of them knows a
+// kernel by name.
+//
+//   BackwardRequest request{.dtype = DType::kBF16, .hidden_dim = 4096, .rms_given = true};
+//   NORMGRAD_ASSIGN_OR_RETURN(const BackwardKernel* kernel,
+//                             ChooseBackwardKernel(request, {.target_sm = 90, .sm_count = 132}));
+//   if (kernel == nullptr) ... no kernel takes it on a GPU: compute on the host
+//   KernelConfig config = ConfigFor(request, device);
+#ifndef NORMGRAD_KERNELS_KERNEL_CHOICE_H_
+#define NORMGRAD_KERNELS_KERNEL_CHOICE_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kernels/backward_kernel.h"
+#include "kernels/kernel.h"
+
+namespace normgrad::kernels {
+
+// What a backward request fixes for its whole batch.
+struct BackwardRequest {
+  DType dtype = DType::kF32;
+  uint32_t hidden_dim = 0;
+  bool rms_given = false;  // the forward's rms comes with the rows
+  float eps = 1e-5f;
+  absl::string_view kernel;  // an entry name; empty: ChooseBackwardKernel's choice
+};
+
+// The device a kernel is emitted and sized for.
+struct BackwardDevice {
+  int target_sm = 75;
+  uint32_t sm_count = 0;  // 0: unknown (KernelConfig::sm_count)
+};
+
+// A target every kernel supports for every dtype: whether a request is valid at all (as opposed
+// to valid but not on this GPU) is judged against it.
+inline constexpr int kProbeTargetSm = 90;
+
+// The KernelConfig a request implies on `device`.
+KernelConfig ConfigFor(const BackwardRequest& request, const BackwardDevice& device);
+
+// OK when request.kernel is empty, else INVALID_ARGUMENT for an unknown name, for the kernel's
+// own CanImplement failure at kProbeTargetSm (e.g. hidden_dim > 32 for rms_norm_backward), for a
+// kernel that requires the forward's rms without it, and for a kernel that recomputes rms with
+// the forward's rms given but no valid eps.
+absl::Status CheckNamedKernel(const BackwardRequest& request);
+
+// Whether the request's kernel reads the forward's rms: given, and not a kernel that recomputes
+// it from x and eps. The CPU backend computes the same math and asks this too, so a request is
+// answered alike on every backend.
+bool ReadsGivenRms(const BackwardRequest& request);
+
+// The kernel for `request` on `device`: the named one (after CheckNamedKernel), else
+//   rms_norm_backward_row_resident   when it implements the request on the device (any rms,
+//                                    reproducible grad_gamma, one launch);
+//   batched_rms_norm_backward        else, without a given rms;
+//   rms_norm_backward                else, for rows of at most 32 (it needs the given rms);
+//   nullptr                          else: no kernel takes a given rms for such rows, and the
+//                                    caller computes the request on the host.
+// The kernel may still fail CanImplement on the device's target (bf16 below sm_80, say).
+absl::StatusOr<const BackwardKernel*> ChooseBackwardKernel(const BackwardRequest& request,
+                                                           const BackwardDevice& device);
+
+}  // namespace normgrad::kernels
+
+#endif  // NORMGRAD_KERNELS_KERNEL_CHOICE_H_

@@ -1,0 +1,102 @@
+// Which kernel a request gets (kernels/kernel_choice.h): the choice for a request and a device,
+// a named kernel obeyed, and the named-kernel checks in the words the backends answer with.
+#include "kernels/kernel_choice.h"
+
+#include <string>
+
+#include "absl/strings/match.h"
+#include "gtest/gtest.h"
+#include "kernels/kernel_registry.h"
+
+namespace normgrad::kernels {
+namespace {
+
+constexpr BackwardDevice kH100{.target_sm = 90, .sm_count = 132};
+constexpr BackwardDevice kTuring{.target_sm = 75, .sm_count = 40};
+
+std::string Chosen(const BackwardRequest& request, const BackwardDevice& device) {
+  absl::StatusOr<const BackwardKernel*> k = ChooseBackwardKernel(request, device);
+  if (!k.ok()) return "error: " + std::string(k.status().message());
+  return *k == nullptr ? "host" : std::string((*k)->EntryName());
+}
+
+TEST(ChooseBackwardKernel, PrefersTheRowResidentKernelThenByRmsAndWidth) {
+  EXPECT_EQ(Chosen({.hidden_dim = 4096}, kH100), "rms_norm_backward_row_resident");
+  EXPECT_EQ(Chosen({.hidden_dim = 4096, .rms_given = true}, kH100),
+            "rms_norm_backward_row_resident");
+  EXPECT_EQ(Chosen({.hidden_dim = 65536}, kH100), "rms_norm_backward_row_resident");
+  // Wider than the row-resident kernel streams: rms recomputed, or the host with a given rms.
+  EXPECT_EQ(Chosen({.hidden_dim = 65537}, kH100), "batched_rms_norm_backward");
+  EXPECT_EQ(Chosen({.hidden_dim = 65537, .rms_given = true}, kH100), "host");
+  // bf16 below sm_80: the row-resident kernel cannot run there; narrow rows with a given rms go
+  // to the warp kernel (which then fails on the device's target), wider ones to the host.
+  EXPECT_EQ(Chosen({.dtype = DType::kBF16, .hidden_dim = 32, .rms_given = true}, kTuring),
+            "rms_norm_backward");
+  EXPECT_EQ(Chosen({.dtype = DType::kBF16, .hidden_dim = 33, .rms_given = true}, kTuring), "host");
+  EXPECT_EQ(Chosen({.dtype = DType::kBF16, .hidden_dim = 4096}, kTuring),
+            "batched_rms_norm_backward");
+}
+
+TEST(ChooseBackwardKernel, ObeysANamedKernelAfterCheckingIt) {
+  EXPECT_EQ(Chosen({.hidden_dim = 64, .kernel = "batched_rms_norm_backward"}, kH100),
+            "batched_rms_norm_backward");
+  EXPECT_EQ(Chosen({.hidden_dim = 16, .rms_given = true, .kernel = "rms_norm_backward"}, kH100),
+            "rms_norm_backward");
+  EXPECT_EQ(Chosen({.hidden_dim = 64, .kernel = "rms_norm_backward"}, kH100),
+            "error: hidden_dim 64 is outside 1..32, the limit of rms_norm_backward (one warp per "
+            "row); use batched_rms_norm_backward");
+}
+
+TEST(CheckNamedKernel, SaysWhatIsWrongInTheBackendsWords) {
+  EXPECT_TRUE(CheckNamedKernel({.hidden_dim = 64}).ok());
+  struct Case {
+    BackwardRequest request;
+    std::string want;
+  };
+  for (const Case& c : {
+           Case{{.hidden_dim = 64, .kernel = "fast_one"}, "kernel \"fast_one\" is unknown"},
+           Case{{.hidden_dim = 16, .kernel = "rms_norm_backward"},
+                "kernel \"rms_norm_backward\" needs the forward pass's rms (one value per row); "
+                "none given"},
+           Case{{.hidden_dim = 64,
+           .rms_given = true,
+           .eps = 0,
+           .kernel = "batched_rms_norm_backward"},
+                "kernel \"batched_rms_norm_backward\" recomputes rms from x and eps (a given rms "
+                "is not read), so eps must be finite and > 0, got 0; leave kernel empty to use "
+                "the given rms"},
+           Case{{.hidden_dim = 70000, .kernel = "rms_norm_backward_row_resident"},
+                "hidden_dim 70000 is outside 1..65536"},
+       }) {
+    const absl::Status s = CheckNamedKernel(c.request);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.want;
+    EXPECT_TRUE(absl::StrContains(s.message(), c.want)) << s;
+  }
+  // A kernel that reads the given rms needs no eps.
+  EXPECT_TRUE(CheckNamedKernel({.hidden_dim = 64,
+                                .rms_given = true,
+                                .eps = 0,
+                                .kernel = "rms_norm_backward_row_resident"})
+                  .ok());
+}
+
+TEST(ReadsGivenRms, OnlyWhenGivenAndTheKernelReadsIt) {
+  EXPECT_FALSE(ReadsGivenRms({.hidden_dim = 64}));
+  EXPECT_TRUE(ReadsGivenRms({.hidden_dim = 64, .rms_given = true}));
+  EXPECT_TRUE(ReadsGivenRms(
+      {.hidden_dim = 64, .rms_given = true, .kernel = "rms_norm_backward_row_resident"}));
+  EXPECT_FALSE(
+      ReadsGivenRms({.hidden_dim = 64, .rms_given = true, .kernel = "batched_rms_norm_backward"}));
+}
+
+TEST(ConfigFor, TakesTheRequestsShapeAndTheDevicesTarget) {
+  const KernelConfig c = ConfigFor({.dtype = DType::kF16, .hidden_dim = 896}, kH100);
+  EXPECT_EQ(c.hidden_dim, 896u);
+  EXPECT_EQ(c.dtype, DType::kF16);
+  EXPECT_EQ(c.target_sm, 90);
+  EXPECT_EQ(c.sm_count, 132u);
+  EXPECT_FALSE(c.ptx_version.has_value());
+}
+
+}  // namespace
+}  // namespace normgrad::kernels
