@@ -18,8 +18,7 @@
 // order the kernel's Build declared them) by kernels/kernel_params.h's PackArgs, so a
 // parameter's name and type are written once, in kernels/kernel_params.cc, and nothing outside
 // kernels/ knows them.
-#ifndef NORMGRAD_KERNELS_BACKWARD_KERNEL_H_
-#define NORMGRAD_KERNELS_BACKWARD_KERNEL_H_
+#pragma once
 
 #include <cstdint>
 #include <functional>
@@ -149,5 +148,3 @@ class BackwardPlan {
 };
 
 }  // namespace normgrad::kernels
-
-#endif  // NORMGRAD_KERNELS_BACKWARD_KERNEL_H_

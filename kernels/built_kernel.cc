@@ -3,7 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/divergence_analysis.h"
 #include "kernels/ptx_printer.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 #include "kernels/targets.h"
 #include "kernels/verifier.h"
 

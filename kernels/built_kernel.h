@@ -16,8 +16,7 @@
 //       ...
 //     }
 //   };
-#ifndef NORMGRAD_KERNELS_BUILT_KERNEL_H_
-#define NORMGRAD_KERNELS_BUILT_KERNEL_H_
+#pragma once
 
 #include <cstdint>
 #include <string>
@@ -85,5 +84,3 @@ PtxVersion InstructionsVersion(DType dtype);
 Value F32ToU16(Builder& b, DType dtype, Value v);
 
 }  // namespace normgrad::kernels
-
-#endif  // NORMGRAD_KERNELS_BUILT_KERNEL_H_

@@ -4,8 +4,7 @@
 //
 //   absl::StatusOr<Cfg> cfg = BuildCfg(function);
 //   for (int s : cfg->blocks[0].succs) { ... }   // s == cfg->exit_node() for the virtual exit
-#ifndef NORMGRAD_KERNELS_CFG_H_
-#define NORMGRAD_KERNELS_CFG_H_
+#pragma once
 
 #include <cstddef>
 #include <vector>
@@ -39,5 +38,3 @@ absl::StatusOr<Cfg> BuildCfg(const Function& function);
 std::vector<int> ImmediatePostDominators(const Cfg& cfg);
 
 }  // namespace normgrad::kernels
-
-#endif  // NORMGRAD_KERNELS_CFG_H_

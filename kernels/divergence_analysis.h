@@ -19,8 +19,7 @@
 // 3. Findings: bar.sync in a warp-uniform or divergent region (some threads of the block may be
 //    elsewhere or gone), or guarded by such a predicate; a full-mask (0xffffffff) shfl.sync in a
 //    divergent region or under a divergent guard, or anywhere when blocks are not whole warps.
-#ifndef NORMGRAD_KERNELS_DIVERGENCE_ANALYSIS_H_
-#define NORMGRAD_KERNELS_DIVERGENCE_ANALYSIS_H_
+#pragma once
 
 #include <cstddef>
 #include <string>
@@ -58,5 +57,3 @@ absl::StatusOr<std::vector<DivergenceFinding>> AnalyzeDivergence(
 absl::Status CheckDivergence(const Module& module, const LaunchAssumptions& assumptions);
 
 }  // namespace normgrad::kernels
-
-#endif  // NORMGRAD_KERNELS_DIVERGENCE_ANALYSIS_H_

@@ -4,7 +4,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/bounded_quote.h"
+#include "base/bounded_quote.h"
 #include "kernels/targets.h"
 
 namespace normgrad::kernels {
@@ -26,7 +26,7 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
   if (name == "bf16") return DType::kBF16;
   if (name == "f16") return DType::kF16;
   return absl::InvalidArgumentError(
-      absl::StrCat("dtype ", BoundedQuote(name), " is not one of f32, bf16, f16"));
+      absl::StrCat("dtype ", base::BoundedQuote(name), " is not one of f32, bf16, f16"));
 }
 
 int DTypeBytes(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
@@ -46,7 +46,7 @@ absl::StatusOr<PtxVersion> ParsePtxVersion(absl::string_view text) {
        absl::SimpleAtoi(text.substr(dot + 1), &minor) && major >= 1;
   if (!ok) {
     return absl::InvalidArgumentError(
-        absl::StrCat("ptx_version ", BoundedQuote(text), " is not MAJOR.MINOR (e.g. \"8.0\")"));
+        absl::StrCat("ptx_version ", base::BoundedQuote(text), " is not MAJOR.MINOR (e.g. \"8.0\")"));
   }
   return PtxVersion{major, minor};
 }
@@ -57,7 +57,7 @@ absl::StatusOr<int> ParseTarget(absl::string_view text) {
   for (size_t i = 3; ok && i < text.size(); ++i) ok = text[i] >= '0' && text[i] <= '9';
   if (!ok || !absl::SimpleAtoi(text.substr(3), &sm)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("target ", BoundedQuote(text), " is not sm_NN (e.g. \"sm_90\")"));
+        absl::StrCat("target ", base::BoundedQuote(text), " is not sm_NN (e.g. \"sm_90\")"));
   }
   if (!MinPtxVersionForTarget(sm).ok()) {
     return MinPtxVersionForTarget(sm).status();

@@ -12,8 +12,7 @@
 //
 // Contract: a value is either a run-time kernel parameter or part of ConfigKey(), never half of
 // each. Two configs with equal ConfigKey() emit byte-identical PTX.
-#ifndef NORMGRAD_KERNELS_KERNEL_H_
-#define NORMGRAD_KERNELS_KERNEL_H_
+#pragma once
 
 #include <cstdint>
 #include <optional>
@@ -119,5 +118,3 @@ class Kernel {
 inline constexpr absl::string_view kGeneratorVersion = "normgrad-ptx/3";
 
 }  // namespace normgrad::kernels
-
-#endif  // NORMGRAD_KERNELS_KERNEL_H_

@@ -3,11 +3,11 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/bounded_quote.h"
+#include "base/bounded_quote.h"
 #include "kernels/kernel_registry.h"
 #include "kernels/rms_norm_backward.h"
 #include "kernels/rms_norm_backward_row_resident.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 
 namespace normgrad::kernels {
 
@@ -25,7 +25,7 @@ absl::Status CheckNamedKernel(const BackwardRequest& request) {
   const BackwardKernel* kernel = FindKernel(request.kernel);
   if (kernel == nullptr) {
     return absl::InvalidArgumentError(
-        absl::StrCat("kernel ", BoundedQuote(request.kernel), " is unknown"));
+        absl::StrCat("kernel ", base::BoundedQuote(request.kernel), " is unknown"));
   }
   NORMGRAD_RETURN_IF_ERROR(kernel->CanImplement(ConfigFor(request, {.target_sm = kProbeTargetSm})));
   const BackwardDataFlow flow = kernel->DataFlow();

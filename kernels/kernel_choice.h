@@ -7,8 +7,7 @@
 //                             ChooseBackwardKernel(request, {.target_sm = 90, .sm_count = 132}));
 //   if (kernel == nullptr) ... no kernel takes it on a GPU: compute on the host
 //   KernelConfig config = ConfigFor(request, device);
-#ifndef NORMGRAD_KERNELS_KERNEL_CHOICE_H_
-#define NORMGRAD_KERNELS_KERNEL_CHOICE_H_
+#pragma once
 
 #include <cstdint>
 
@@ -65,5 +64,3 @@ absl::StatusOr<const BackwardKernel*> ChooseBackwardKernel(const BackwardRequest
                                                            const BackwardDevice& device);
 
 }  // namespace normgrad::kernels
-
-#endif  // NORMGRAD_KERNELS_KERNEL_CHOICE_H_

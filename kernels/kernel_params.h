@@ -7,8 +7,7 @@
 //
 //   Function& f = m.AddEntry(EntryName());
 //   const auto [x, rows] = AddKernelParams(f, {KernelParamId::kInput, KernelParamId::kNumRows});
-#ifndef NORMGRAD_KERNELS_KERNEL_PARAMS_H_
-#define NORMGRAD_KERNELS_KERNEL_PARAMS_H_
+#pragma once
 
 #include <array>
 #include <cstddef>
@@ -104,5 +103,3 @@ absl::StatusOr<KernelParamValues> UnpackArgs(absl::Span<const KernelParam> param
                                              void* const* args);
 
 }  // namespace normgrad::kernels
-
-#endif  // NORMGRAD_KERNELS_KERNEL_PARAMS_H_

@@ -5,8 +5,7 @@
 //   const BackwardKernel* k = FindKernel("batched_rms_norm_backward");  // nullptr: unknown name
 //   for (const BackwardKernel* each : AllKernels())
 //   names.push_back(std::string(each->EntryName()));
-#ifndef NORMGRAD_KERNELS_KERNEL_REGISTRY_H_
-#define NORMGRAD_KERNELS_KERNEL_REGISTRY_H_
+#pragma once
 
 #include <vector>
 
@@ -22,5 +21,3 @@ const BackwardKernel* FindKernel(absl::string_view entry_name);
 std::vector<const BackwardKernel*> AllKernels();
 
 }  // namespace normgrad::kernels
-
-#endif  // NORMGRAD_KERNELS_KERNEL_REGISTRY_H_

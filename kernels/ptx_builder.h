@@ -22,8 +22,7 @@
 // Instructions are appended in call order. C++ leaves the order in which a call's arguments are
 // evaluated unspecified, so pass at most one instruction-emitting argument per call (as above);
 // otherwise the emitted order could differ between compilers.
-#ifndef NORMGRAD_KERNELS_PTX_BUILDER_H_
-#define NORMGRAD_KERNELS_PTX_BUILDER_H_
+#pragma once
 
 #include <array>
 #include <cstddef>
@@ -188,5 +187,3 @@ class Builder {
 };
 
 }  // namespace normgrad::kernels
-
-#endif  // NORMGRAD_KERNELS_PTX_BUILDER_H_

@@ -12,8 +12,7 @@
 //   for (const Instruction& in : f.instructions()) {
 //     if (in.op == Opcode::kSt) ...                      // in.type, in.dst, in.src, in.guard
 //   }
-#ifndef NORMGRAD_KERNELS_PTX_IR_H_
-#define NORMGRAD_KERNELS_PTX_IR_H_
+#pragma once
 
 #include <cstddef>
 #include <cstdint>
@@ -337,5 +336,3 @@ constexpr T EnumTableEntry(const T (&table)[N], Enum value, T fallback) {
 }  // namespace ptx_internal
 
 }  // namespace normgrad::kernels
-
-#endif  // NORMGRAD_KERNELS_PTX_IR_H_

@@ -6,8 +6,7 @@
 //   NORMGRAD_RETURN_IF_ERROR(Verify(module));   // kernels/verifier.h
 //   std::string text = EmitPtx(module);                       // deterministic bytes
 //   InstructionText(f, f.instructions()[3]);                  // "@%p1 bra $L_done_0"
-#ifndef NORMGRAD_KERNELS_PTX_PRINTER_H_
-#define NORMGRAD_KERNELS_PTX_PRINTER_H_
+#pragma once
 
 #include <string>
 
@@ -24,5 +23,3 @@ std::string InstructionText(const Function& function, const Instruction& inst);
 std::string EmitPtx(const Module& module);
 
 }  // namespace normgrad::kernels
-
-#endif  // NORMGRAD_KERNELS_PTX_PRINTER_H_

@@ -9,8 +9,7 @@
 //
 //   std::vector<float> dx(rows * hidden), dgamma(hidden);
 //   ReferenceBackward({x, dy, gamma, {}, rows, hidden, 1e-5f}, dx, dgamma);
-#ifndef NORMGRAD_KERNELS_REFERENCE_H_
-#define NORMGRAD_KERNELS_REFERENCE_H_
+#pragma once
 
 #include <cstdint>
 
@@ -39,5 +38,3 @@ double ReferenceForwardLoss(absl::Span<const float> x, absl::Span<const float> g
                             float eps);
 
 }  // namespace normgrad::kernels
-
-#endif  // NORMGRAD_KERNELS_REFERENCE_H_

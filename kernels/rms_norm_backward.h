@@ -11,8 +11,7 @@
 //
 //   const BackwardKernel* k = FindKernel("rms_norm_backward");
 //   absl::StatusOr<EmittedPtx> ptx = k->Emit({.hidden_dim = 32, .target_sm = 80});
-#ifndef NORMGRAD_KERNELS_RMS_NORM_BACKWARD_H_
-#define NORMGRAD_KERNELS_RMS_NORM_BACKWARD_H_
+#pragma once
 
 #include <cstdint>
 #include <string>
@@ -87,5 +86,3 @@ class BatchedRmsNormBackwardKernel : public BuiltKernel {
 };
 
 }  // namespace normgrad::kernels
-
-#endif  // NORMGRAD_KERNELS_RMS_NORM_BACKWARD_H_

@@ -32,8 +32,7 @@
 //   ... launch with (x, gamma, dy, dx, rms or 0, dgamma, workspace, semaphores, num_rows,
 //   hidden_dim, eps): workspace TreeRows(G) x stride f32, semaphores TreeSemaphores(G) u32 that
 //   are zero (the launch leaves them zero). Run (kernels/backward_kernel.h) does all of this.
-#ifndef NORMGRAD_KERNELS_RMS_NORM_BACKWARD_ROW_RESIDENT_H_
-#define NORMGRAD_KERNELS_RMS_NORM_BACKWARD_ROW_RESIDENT_H_
+#pragma once
 
 #include <cstdint>
 #include <string>
@@ -138,5 +137,3 @@ class RowResidentRmsNormBackwardKernel : public BuiltKernel {
 };
 
 }  // namespace normgrad::kernels
-
-#endif  // NORMGRAD_KERNELS_RMS_NORM_BACKWARD_ROW_RESIDENT_H_

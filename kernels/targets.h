@@ -1,8 +1,7 @@
 // GPU targets and PTX ISA versions normgrad emits for, as CUDA 13's ptxas accepts them.
 //
 //   absl::StatusOr<PtxVersion> v = ResolvePtxVersion(90, std::nullopt, PtxVersion{6, 0});  // 7.8
-#ifndef NORMGRAD_KERNELS_TARGETS_H_
-#define NORMGRAD_KERNELS_TARGETS_H_
+#pragma once
 
 #include <optional>
 #include <string>
@@ -36,5 +35,3 @@ absl::StatusOr<PtxVersion> ResolvePtxVersion(int target_sm, std::optional<PtxVer
 absl::StatusOr<std::string> MinCudaDriverForPtx(PtxVersion version);
 
 }  // namespace normgrad::kernels
-
-#endif  // NORMGRAD_KERNELS_TARGETS_H_

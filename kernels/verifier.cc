@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cfg.h"
 #include "kernels/ptx_printer.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 #include "kernels/targets.h"
 
 namespace normgrad::kernels {

@@ -14,8 +14,7 @@
 // unique names, a power-of-two alignment and at most 48 KiB in all, and their addresses are only
 // taken with mov; a declared `.maxntid` is at most 1024; control does not run off the end of an
 // entry.
-#ifndef NORMGRAD_KERNELS_VERIFIER_H_
-#define NORMGRAD_KERNELS_VERIFIER_H_
+#pragma once
 
 #include "absl/status/status.h"
 #include "kernels/ptx_ir.h"
@@ -29,5 +28,3 @@ absl::Status Verify(const Module& module);
 absl::Status VerifyFunction(const Function& function);
 
 }  // namespace normgrad::kernels
-
-#endif  // NORMGRAD_KERNELS_VERIFIER_H_

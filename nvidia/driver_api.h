@@ -12,8 +12,7 @@
 //   absl::StatusOr<std::shared_ptr<const CudaDriver>> driver = CudaDriver::Load("libcuda.so.1");
 //   CUdevice dev;
 //   absl::Status s = (*driver)->Check((*driver)->api().cuDeviceGet(&dev, 0), "cuDeviceGet");
-#ifndef NORMGRAD_NVIDIA_DRIVER_API_H_
-#define NORMGRAD_NVIDIA_DRIVER_API_H_
+#pragma once
 
 #include <cuda.h>
 
@@ -154,5 +153,3 @@ std::string DriverVersionString(int driver_version);
 std::string MaxPtxVersionForDriver(int driver_version);
 
 }  // namespace normgrad::server::cuda
-
-#endif  // NORMGRAD_NVIDIA_DRIVER_API_H_

@@ -7,8 +7,7 @@
 //
 // Search order when `path` is empty: libnvJitLink.so.13, libnvJitLink.so (the loader's path),
 // then /usr/local/cuda/lib64/libnvJitLink.so*. Thread-safe: every Compile uses its own handle.
-#ifndef NORMGRAD_NVIDIA_NVJITLINK_H_
-#define NORMGRAD_NVIDIA_NVJITLINK_H_
+#pragma once
 
 #include <cstdint>
 #include <memory>
@@ -68,5 +67,3 @@ class NvJitLink {
 };
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_NVIDIA_NVJITLINK_H_

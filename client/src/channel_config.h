@@ -1,6 +1,5 @@
 // How a ClientOptions::target becomes a gRPC target URI and a service config.
-#ifndef NORMGRAD_CLIENT_SRC_CHANNEL_CONFIG_H_
-#define NORMGRAD_CLIENT_SRC_CHANNEL_CONFIG_H_
+#pragma once
 
 #include <string>
 
@@ -31,5 +30,3 @@ bool IsLoopbackOrUnixTarget(absl::string_view target);
 std::string ServiceConfigJson(const ResolvedTarget& target);
 
 }  // namespace normgrad::client_internal
-
-#endif  // NORMGRAD_CLIENT_SRC_CHANNEL_CONFIG_H_

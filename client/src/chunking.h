@@ -2,8 +2,7 @@
 //
 //   RowChunker chunker(num_rows, row_bytes, /*chunk_bytes=*/1 << 20);
 //   for (uint64_t i = 0; i < chunker.num_chunks(); ++i) send(chunker.Chunk(i));
-#ifndef NORMGRAD_CLIENT_SRC_CHUNKING_H_
-#define NORMGRAD_CLIENT_SRC_CHUNKING_H_
+#pragma once
 
 #include <cstdint>
 
@@ -30,5 +29,3 @@ class RowChunker {
 };
 
 }  // namespace normgrad::client_internal
-
-#endif  // NORMGRAD_CLIENT_SRC_CHUNKING_H_

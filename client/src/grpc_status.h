@@ -3,8 +3,7 @@
 // they stay two files because client/ depends on no server code.
 //
 //   if (!status.ok()) return FromGrpcStatus(status);
-#ifndef NORMGRAD_CLIENT_SRC_GRPC_STATUS_H_
-#define NORMGRAD_CLIENT_SRC_GRPC_STATUS_H_
+#pragma once
 
 #include <grpcpp/support/status.h>
 
@@ -16,5 +15,3 @@ namespace normgrad::client_internal {
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
 }  // namespace normgrad::client_internal
-
-#endif  // NORMGRAD_CLIENT_SRC_GRPC_STATUS_H_

@@ -2,8 +2,7 @@
 // grpc.health.v1 descriptors that could collide with a server's in the same process.
 //   HealthCheckRequest  { string service = 1; }
 //   HealthCheckResponse { ServingStatus status = 1; }
-#ifndef NORMGRAD_CLIENT_SRC_HEALTH_WIRE_H_
-#define NORMGRAD_CLIENT_SRC_HEALTH_WIRE_H_
+#pragma once
 
 #include <string>
 
@@ -21,5 +20,3 @@ std::string EncodeHealthCheckRequest(absl::string_view service);
 absl::StatusOr<int> DecodeHealthCheckResponse(absl::string_view bytes);
 
 }  // namespace normgrad::client_internal
-
-#endif  // NORMGRAD_CLIENT_SRC_HEALTH_WIRE_H_

@@ -3,8 +3,7 @@
 // client library; the fuzzer in tests/fuzz/ drives it with hostile counts.
 //
 //   if (absl::Status s = client_internal::ValidateRaw(args); !s.ok()) return s;
-#ifndef NORMGRAD_CLIENT_SRC_RAW_ARGS_H_
-#define NORMGRAD_CLIENT_SRC_RAW_ARGS_H_
+#pragma once
 
 #include "absl/status/status.h"
 #include "normgrad/client.h"
@@ -18,5 +17,3 @@ namespace normgrad::client_internal {
 absl::Status ValidateRaw(const RawBackwardArgs& a);
 
 }  // namespace normgrad::client_internal
-
-#endif  // NORMGRAD_CLIENT_SRC_RAW_ARGS_H_

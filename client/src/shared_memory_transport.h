@@ -2,8 +2,7 @@
 // server's region socket ("<unix socket path>.shm"), staging regions for tensors that are not in
 // a registered region, and the choice, per call, between shared memory and bytes
 // (ClientOptions::transport). Thread-safe.
-#ifndef NORMGRAD_CLIENT_SRC_SHARED_MEMORY_TRANSPORT_H_
-#define NORMGRAD_CLIENT_SRC_SHARED_MEMORY_TRANSPORT_H_
+#pragma once
 
 #include <atomic>
 #include <cstdint>
@@ -105,5 +104,3 @@ class SharedMemoryTransport {
 std::string RegionSocketPathFor(const std::string& target);
 
 }  // namespace normgrad::client_internal
-
-#endif  // NORMGRAD_CLIENT_SRC_SHARED_MEMORY_TRANSPORT_H_

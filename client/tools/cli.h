@@ -5,8 +5,7 @@
 // Exit status: 0 success; 1 the server (or the connection) returned an error, printed as
 // "error: <CODE>: <message>"; 2 bad usage or a bad input file, printed as one line; 3 health
 // check answered but not SERVING.
-#ifndef NORMGRAD_CLIENT_TOOLS_CLI_H_
-#define NORMGRAD_CLIENT_TOOLS_CLI_H_
+#pragma once
 
 #include <ostream>
 #include <string>
@@ -30,5 +29,3 @@ int RunCli(const std::vector<std::string>& args, const CliEnvironment& env, std:
            std::ostream& err);
 
 }  // namespace normgrad::tools
-
-#endif  // NORMGRAD_CLIENT_TOOLS_CLI_H_

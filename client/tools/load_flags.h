@@ -1,7 +1,6 @@
 // normgrad-load's command line: flags -> LoadConfig and output choices, and the whole program
 // as a function (tests run it in-process).
-#ifndef NORMGRAD_CLIENT_TOOLS_LOAD_FLAGS_H_
-#define NORMGRAD_CLIENT_TOOLS_LOAD_FLAGS_H_
+#pragma once
 
 #include <ostream>
 #include <string>
@@ -42,5 +41,3 @@ int RunLoad(const std::vector<std::string>& args, const std::string& env_target,
             bool progress_terminal, std::ostream& out, std::ostream& err);
 
 }  // namespace normgrad::tools
-
-#endif  // NORMGRAD_CLIENT_TOOLS_LOAD_FLAGS_H_

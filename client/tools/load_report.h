@@ -1,7 +1,6 @@
 // Reports of a load run: a terminal summary (ghz-like), JSON, CSV (one row per run, as
 // perf_analyzer writes per concurrency) and a self-contained HTML page with inline SVG charts.
-#ifndef NORMGRAD_CLIENT_TOOLS_LOAD_REPORT_H_
-#define NORMGRAD_CLIENT_TOOLS_LOAD_REPORT_H_
+#pragma once
 
 #include <string>
 #include <vector>
@@ -31,5 +30,3 @@ std::string FormatCsv(const std::vector<RunStats>& runs);
 std::string FormatHtml(const ReportContext& context, const std::vector<RunStats>& runs);
 
 }  // namespace normgrad::tools
-
-#endif  // NORMGRAD_CLIENT_TOOLS_LOAD_REPORT_H_

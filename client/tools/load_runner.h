@@ -8,8 +8,7 @@
 // Always bounded: a fixed run stops issuing at --total requests or --duration, whichever comes
 // first, and never later than --max-duration; a sweep step stops after --max-windows windows.
 // In-flight requests are then awaited (each has the client's deadline).
-#ifndef NORMGRAD_CLIENT_TOOLS_LOAD_RUNNER_H_
-#define NORMGRAD_CLIENT_TOOLS_LOAD_RUNNER_H_
+#pragma once
 
 #include <atomic>
 #include <chrono>
@@ -106,5 +105,3 @@ class LoadRunner {
 };
 
 }  // namespace normgrad::tools
-
-#endif  // NORMGRAD_CLIENT_TOOLS_LOAD_RUNNER_H_

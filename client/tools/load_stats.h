@@ -3,8 +3,7 @@
 //
 //   std::vector<RequestRecord> records = ...;   // one per completed request
 //   RunStats stats = Summarize(records, /*wall_seconds=*/2.0, /*concurrency=*/8);
-#ifndef NORMGRAD_CLIENT_TOOLS_LOAD_STATS_H_
-#define NORMGRAD_CLIENT_TOOLS_LOAD_STATS_H_
+#pragma once
 
 #include <cstdint>
 #include <map>
@@ -61,5 +60,3 @@ RunStats Summarize(absl::Span<const RequestRecord> records, double wall_seconds,
 bool IsStable(absl::Span<const RunStats> windows, double percent);
 
 }  // namespace normgrad::tools
-
-#endif  // NORMGRAD_CLIENT_TOOLS_LOAD_STATS_H_

@@ -5,8 +5,7 @@
 //   absl::StatusOr<npy::Array> x = npy::ReadF32("x.npy");   // shape {rows, hidden}
 //   if (!x.ok()) return x.status();
 //   absl::Status s = npy::WriteF32("dx.npy", x->shape, dx);
-#ifndef NORMGRAD_CLIENT_TOOLS_NPY_H_
-#define NORMGRAD_CLIENT_TOOLS_NPY_H_
+#pragma once
 
 #include <cstdint>
 #include <string>
@@ -57,5 +56,3 @@ absl::Status WriteF32(const std::string& path, absl::Span<const uint64_t> shape,
 std::string ShapeString(absl::Span<const uint64_t> shape);
 
 }  // namespace normgrad::npy
-
-#endif  // NORMGRAD_CLIENT_TOOLS_NPY_H_

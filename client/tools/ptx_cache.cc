@@ -1,7 +1,6 @@
 #include "client/tools/ptx_cache.h"
 
 #include <fcntl.h>
-#include <openssl/evp.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -15,6 +14,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/sha256.h"
 
 namespace normgrad::tools {
 
@@ -67,21 +67,6 @@ class FileLock {
 
 }  // namespace
 
-std::string Sha256Hex(absl::string_view data) {
-  unsigned char digest[EVP_MAX_MD_SIZE];
-  unsigned int length = 0;
-  if (EVP_Digest(data.data(), data.size(), digest, &length, EVP_sha256(), nullptr) != 1) {
-    std::abort();  // cannot happen with a valid digest type; never input-dependent
-  }
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string out(2 * length, '0');
-  for (unsigned int i = 0; i < length; ++i) {
-    out[2 * i] = kHex[digest[i] >> 4];
-    out[2 * i + 1] = kHex[digest[i] & 0xf];
-  }
-  return out;
-}
-
 absl::StatusOr<PtxCache> PtxCache::Open(const std::string& dir) {
   if (dir.empty()) return absl::InvalidArgumentError("--cache-dir: empty path");
   for (const std::string& path : {dir, dir + "/ac", dir + "/cas", dir + "/locks", dir + "/tmp"}) {
@@ -99,7 +84,7 @@ std::string PtxCache::Key(absl::string_view server_version, const v1::EmitPtxReq
 }
 
 std::string PtxCache::EntryPath(const std::string& key) const {
-  return absl::StrCat(dir_, "/ac/", Sha256Hex(key));
+  return absl::StrCat(dir_, "/ac/", base::Sha256Hex(key));
 }
 
 std::string PtxCache::BlobPath(absl::string_view sha256) const {
@@ -141,7 +126,7 @@ absl::StatusOr<v1::EmitPtxArtifact> PtxCache::Read(const std::string& key) const
   }
   const std::string want = file->substr(first + 1, second - first - 1);
   const absl::string_view body = absl::string_view(*file).substr(second + 1);
-  if (Sha256Hex(body) != want) {
+  if (base::Sha256Hex(body) != want) {
     return absl::DataLossError(absl::StrCat(path, ": sha256 of the entry is not ", want));
   }
   v1::EmitPtxArtifact artifact;
@@ -152,7 +137,7 @@ absl::StatusOr<v1::EmitPtxArtifact> PtxCache::Read(const std::string& key) const
     const std::string blob = BlobPath(digest.sha256());
     absl::StatusOr<std::string> bytes = ReadFile(blob);
     if (!bytes.ok()) return absl::DataLossError(bytes.status().message());
-    if (bytes->size() != digest.size_bytes() || Sha256Hex(*bytes) != digest.sha256()) {
+    if (bytes->size() != digest.size_bytes() || base::Sha256Hex(*bytes) != digest.sha256()) {
       return absl::DataLossError(absl::StrCat(blob, ": ", bytes->size(),
                                               " bytes whose sha256 is not the name's (",
                                               digest.size_bytes(), " bytes expected)"));
@@ -187,7 +172,7 @@ absl::Status PtxCache::Write(const std::string& key, const v1::EmitPtxArtifact& 
   entry.clear_cubin();
   const std::string body = entry.SerializeAsString();
   return WriteAtomically(EntryPath(key),
-                         absl::StrCat(kEntryMagic, "\n", Sha256Hex(body), "\n", body));
+                         absl::StrCat(kEntryMagic, "\n", base::Sha256Hex(body), "\n", body));
 }
 
 absl::StatusOr<v1::EmitPtxArtifact> PtxCache::GetOrFetch(const std::string& key, const Fetch& fetch,
@@ -195,7 +180,7 @@ absl::StatusOr<v1::EmitPtxArtifact> PtxCache::GetOrFetch(const std::string& key,
   absl::StatusOr<v1::EmitPtxArtifact> cached = Read(key);
   if (cached.ok()) return cached;
   // One process fetches a key; the others wait here and then find it written.
-  FileLock lock(absl::StrCat(dir_, "/locks/", Sha256Hex(key)));
+  FileLock lock(absl::StrCat(dir_, "/locks/", base::Sha256Hex(key)));
   cached = Read(key);
   if (cached.ok()) return cached;
   if (cached.status().code() == absl::StatusCode::kDataLoss) {
@@ -205,9 +190,9 @@ absl::StatusOr<v1::EmitPtxArtifact> PtxCache::GetOrFetch(const std::string& key,
   absl::StatusOr<v1::EmitPtxArtifact> fetched = fetch();
   if (!fetched.ok()) return fetched;
   // The server's digests are checked before anything is stored.
-  if (Sha256Hex(fetched->ptx()) != fetched->digest().sha256() ||
+  if (base::Sha256Hex(fetched->ptx()) != fetched->digest().sha256() ||
       (fetched->has_cubin_digest() &&
-       Sha256Hex(fetched->cubin()) != fetched->cubin_digest().sha256())) {
+       base::Sha256Hex(fetched->cubin()) != fetched->cubin_digest().sha256())) {
     return absl::DataLossError("the server's PTX or cubin does not match its digest");
   }
   if (fetched->resource_usage_unknown().empty()) {

@@ -19,8 +19,7 @@
 // The key is the request's configuration (kernel, hidden_dim, dtype, target, ptx_version, cubin,
 // resource_usage as asked) and the server's version. Thread-compatible; separate processes (and
 // separate PtxCache objects) may share a directory.
-#ifndef NORMGRAD_CLIENT_TOOLS_PTX_CACHE_H_
-#define NORMGRAD_CLIENT_TOOLS_PTX_CACHE_H_
+#pragma once
 
 #include <functional>
 #include <string>
@@ -30,8 +29,6 @@
 #include "normgrad/v1/normgrad.pb.h"
 
 namespace normgrad::tools {
-
-std::string Sha256Hex(absl::string_view data);
 
 class PtxCache {
  public:
@@ -66,5 +63,3 @@ class PtxCache {
 };
 
 }  // namespace normgrad::tools
-
-#endif  // NORMGRAD_CLIENT_TOOLS_PTX_CACHE_H_

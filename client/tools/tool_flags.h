@@ -12,8 +12,7 @@
 //   if (absl::Status s = ParseToolArgs(app, args); !s.ok()) ...      // the message, one line
 //   if (absl::Status s = CheckAllPlaced(app); !s.ok()) ...           // "unknown flag --x"
 //   absl::StatusOr<ClientOptions> options = ClientOptionsFromFlags(client, "localhost:50051");
-#ifndef NORMGRAD_CLIENT_TOOLS_TOOL_FLAGS_H_
-#define NORMGRAD_CLIENT_TOOLS_TOOL_FLAGS_H_
+#pragma once
 
 #include <CLI/CLI.hpp>
 #include <optional>
@@ -102,5 +101,3 @@ CLI::Option* AddNumberOption(CLI::App& app, const std::string& name, double* val
 CLI::Option* AddDurationOption(CLI::App& app, const std::string& name, absl::Duration* value);
 
 }  // namespace normgrad::tools
-
-#endif  // NORMGRAD_CLIENT_TOOLS_TOOL_FLAGS_H_

@@ -13,8 +13,7 @@
 // Threading: a Backend is shared by all streams and is thread-safe. A BackwardSession belongs
 // to one stream and is used by one thread at a time. ProcessChunk blocks until dx is written:
 // the service calls it from a worker thread, never inside a gRPC reaction.
-#ifndef NORMGRAD_SERVER_BACKEND_BACKEND_H_
-#define NORMGRAD_SERVER_BACKEND_BACKEND_H_
+#pragma once
 
 #include <cstdint>
 #include <functional>
@@ -149,5 +148,3 @@ class Backend {
 };
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_BACKEND_BACKEND_H_

@@ -3,7 +3,7 @@
 #include <chrono>
 #include <utility>
 
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 #include "server/backend/batch_checks.h"
 #include "server/host_rows/host_rows.h"
 

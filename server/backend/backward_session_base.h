@@ -8,8 +8,7 @@
 //     NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckChunk(spec_, rows_done_, rows, ...));
 //     return Compute(rows, [&] { ... dgamma_sum_[i] += ...; return absl::OkStatus(); });
 //   }
-#ifndef NORMGRAD_SERVER_BACKEND_BACKWARD_SESSION_BASE_H_
-#define NORMGRAD_SERVER_BACKEND_BACKWARD_SESSION_BASE_H_
+#pragma once
 
 #include <cstdint>
 #include <functional>
@@ -45,5 +44,3 @@ class BackwardSessionBase : public BackwardSession {
 };
 
 }  // namespace normgrad::server::backend_internal
-
-#endif  // NORMGRAD_SERVER_BACKEND_BACKWARD_SESSION_BASE_H_

@@ -3,8 +3,7 @@
 // Which kernel a batch gets, and the checks of a named one, are kernels/kernel_choice.h's.
 //
 //   NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckBatch(spec, gamma.size()));
-#ifndef NORMGRAD_SERVER_BACKEND_BATCH_CHECKS_H_
-#define NORMGRAD_SERVER_BACKEND_BATCH_CHECKS_H_
+#pragma once
 
 #include <cstddef>
 #include <cstdint>
@@ -40,5 +39,3 @@ absl::Status CheckFinish(const BatchSpec& spec, uint64_t rows_done, size_t dgamm
 kernels::BackwardRequest RequestOf(const BatchSpec& spec);
 
 }  // namespace normgrad::server::backend_internal
-
-#endif  // NORMGRAD_SERVER_BACKEND_BATCH_CHECKS_H_

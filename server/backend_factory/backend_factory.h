@@ -5,8 +5,7 @@
 //   BackendOptions options;
 //   options.kind = BackendKind::kAuto;
 //   absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend(options);
-#ifndef NORMGRAD_SERVER_BACKEND_FACTORY_BACKEND_FACTORY_H_
-#define NORMGRAD_SERVER_BACKEND_FACTORY_BACKEND_FACTORY_H_
+#pragma once
 
 #include <cstdint>
 #include <memory>
@@ -43,5 +42,3 @@ struct BackendOptions {
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const BackendOptions& options);
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_BACKEND_FACTORY_BACKEND_FACTORY_H_

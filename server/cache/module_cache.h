@@ -16,8 +16,7 @@
 // Counters: a request that finds a finished value is a hit; any other request is a miss (it
 // either runs the compile function or waits for the one already running for its key), so
 // `compiles <= misses`. Evictions count entries removed to honour the bounds (not Clear()).
-#ifndef NORMGRAD_SERVER_CACHE_MODULE_CACHE_H_
-#define NORMGRAD_SERVER_CACHE_MODULE_CACHE_H_
+#pragma once
 
 #include <condition_variable>
 #include <cstdint>
@@ -32,7 +31,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 
 namespace normgrad::server {
 
@@ -148,5 +147,3 @@ class ModuleCache {
 };
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_CACHE_MODULE_CACHE_H_

@@ -12,7 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/kernel_choice.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 #include "server/backend/batch_checks.h"
 #include "server/backend/backward_session_base.h"
 #include "server/host_rows/host_rows.h"

@@ -17,8 +17,7 @@
 //
 // dtypes: f32 natively; bf16 and f16 are converted to f32 on load and rounded back on store, a
 // few rows at a time (kStagingElements).
-#ifndef NORMGRAD_SERVER_CPU_CPU_BACKEND_H_
-#define NORMGRAD_SERVER_CPU_CPU_BACKEND_H_
+#pragma once
 
 #include <cstdint>
 #include <memory>
@@ -58,5 +57,3 @@ uint64_t StagingRows(uint32_t hidden_dim);
 
 }  // namespace cpu_internal
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_CPU_CPU_BACKEND_H_

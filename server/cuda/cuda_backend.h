@@ -42,8 +42,7 @@
 // rounding).
 // dtypes: f32, f16 and bf16 (bf16 kernels need sm_80): x, dy, gamma and dx travel in the dtype,
 // the kernels compute in f32, rms and the device grad_gamma are f32.
-#ifndef NORMGRAD_SERVER_CUDA_CUDA_BACKEND_H_
-#define NORMGRAD_SERVER_CUDA_CUDA_BACKEND_H_
+#pragma once
 
 #include <cstdint>
 #include <memory>
@@ -76,5 +75,3 @@ struct CudaBackendOptions {
 absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const CudaBackendOptions& options);
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_CUDA_CUDA_BACKEND_H_

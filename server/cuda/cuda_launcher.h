@@ -3,8 +3,7 @@
 //
 //   CudaLauncher launcher(*module, stream);
 //   NORMGRAD_RETURN_IF_ERROR(plan.Run(args, launcher));   // cuLaunchKernel on `stream`
-#ifndef NORMGRAD_SERVER_CUDA_CUDA_LAUNCHER_H_
-#define NORMGRAD_SERVER_CUDA_CUDA_LAUNCHER_H_
+#pragma once
 
 #include <cstdint>
 
@@ -34,5 +33,3 @@ class CudaLauncher : public kernels::KernelLauncher {
 };
 
 }  // namespace normgrad::server::cuda_internal
-
-#endif  // NORMGRAD_SERVER_CUDA_CUDA_LAUNCHER_H_

@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 #include "server/backend/batch_checks.h"
 #include "server/cuda/cuda_launcher.h"
 #include "server/host_rows/host_rows.h"

@@ -12,8 +12,7 @@
 //
 // Device memory of a chunk lies in a slot borrowed from the backend's StagingPool for the chunk
 // only: gamma, x, dy, dx (and rms), the kernel's workspace, and the chunk's f32 grad_gamma.
-#ifndef NORMGRAD_SERVER_CUDA_CUDA_SESSION_H_
-#define NORMGRAD_SERVER_CUDA_CUDA_SESSION_H_
+#pragma once
 
 #include <cstddef>
 #include <cstdint>
@@ -141,5 +140,3 @@ class CudaBackwardSession : public backend_internal::BackwardSessionBase {
 };
 
 }  // namespace normgrad::server::cuda_internal
-
-#endif  // NORMGRAD_SERVER_CUDA_CUDA_SESSION_H_

@@ -7,8 +7,7 @@
 //   NORMGRAD_RETURN_IF_ERROR(ctx->MakeCurrent());          // every thread that issues work
 //   NORMGRAD_RETURN_IF_ERROR(ctx->Check(ctx->api().cuMemAlloc_v2(&p, n), "cuMemAlloc"));
 //   NORMGRAD_RETURN_IF_ERROR(ctx->Synchronize(stream));    // watched by CheckProgress
-#ifndef NORMGRAD_SERVER_CUDA_DEVICE_CONTEXT_H_
-#define NORMGRAD_SERVER_CUDA_DEVICE_CONTEXT_H_
+#pragma once
 
 #include <cstdint>
 #include <map>
@@ -80,5 +79,3 @@ class DeviceContext {
 };
 
 }  // namespace normgrad::server::cuda_internal
-
-#endif  // NORMGRAD_SERVER_CUDA_DEVICE_CONTEXT_H_

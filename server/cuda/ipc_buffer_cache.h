@@ -5,8 +5,7 @@
 //
 //   IpcBufferCache cache(ctx, /*max_open=*/64);
 //   absl::StatusOr<std::shared_ptr<const DeviceBuffer>> b = cache.Open(handle_bytes);
-#ifndef NORMGRAD_SERVER_CUDA_IPC_BUFFER_CACHE_H_
-#define NORMGRAD_SERVER_CUDA_IPC_BUFFER_CACHE_H_
+#pragma once
 
 #include <algorithm>
 #include <cstdint>
@@ -41,5 +40,3 @@ class IpcBufferCache {
 };
 
 }  // namespace normgrad::server::cuda_internal
-
-#endif  // NORMGRAD_SERVER_CUDA_IPC_BUFFER_CACHE_H_

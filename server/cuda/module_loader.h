@@ -3,8 +3,7 @@
 //
 //   NORMGRAD_ASSIGN_OR_RETURN(std::shared_ptr<const LoadedModule> m, LoadModule(ctx, ptx));
 //   CudaLauncher launcher(*m, stream);   // server/cuda/cuda_launcher.h
-#ifndef NORMGRAD_SERVER_CUDA_MODULE_LOADER_H_
-#define NORMGRAD_SERVER_CUDA_MODULE_LOADER_H_
+#pragma once
 
 #include <memory>
 #include <string>
@@ -36,5 +35,3 @@ absl::StatusOr<std::shared_ptr<const LoadedModule>> LoadModule(
     const std::shared_ptr<const DeviceContext>& ctx, const kernels::EmittedPtx& ptx);
 
 }  // namespace normgrad::server::cuda_internal
-
-#endif  // NORMGRAD_SERVER_CUDA_MODULE_LOADER_H_

@@ -4,7 +4,7 @@
 #include <chrono>
 #include <utility>
 
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 
 namespace normgrad::server::cuda_internal {
 

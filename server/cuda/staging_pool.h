@@ -12,8 +12,7 @@
 //   NORMGRAD_ASSIGN_OR_RETURN(std::unique_ptr<StagingSlot> slot, pool.Acquire(host, device));
 //   ... work on slot->streams[0] and [1], synchronized
 //   ok ? pool.Return(std::move(slot)) : pool.Drop(std::move(slot));
-#ifndef NORMGRAD_SERVER_CUDA_STAGING_POOL_H_
-#define NORMGRAD_SERVER_CUDA_STAGING_POOL_H_
+#pragma once
 
 #include <condition_variable>
 #include <cstddef>
@@ -90,5 +89,3 @@ class StagingPool {
 };
 
 }  // namespace normgrad::server::cuda_internal
-
-#endif  // NORMGRAD_SERVER_CUDA_STAGING_POOL_H_

@@ -14,8 +14,7 @@
 // Rows go two or four at a time (pass 2 of a group loads gamma and the grad_gamma partial once),
 // each row computed exactly as alone, and the next group is prefetched meanwhile
 // (docs/backends.md, "CPU backend").
-#ifndef NORMGRAD_SERVER_HOST_ROWS_HOST_ROWS_H_
-#define NORMGRAD_SERVER_HOST_ROWS_HOST_ROWS_H_
+#pragma once
 
 #include <cstddef>
 #include <cstdint>
@@ -59,5 +58,3 @@ std::string SimdTargetName();
 bool LimitSimdTarget(const std::string& name);
 
 }  // namespace normgrad::server::host_rows
-
-#endif  // NORMGRAD_SERVER_HOST_ROWS_HOST_ROWS_H_

@@ -11,8 +11,7 @@
 // rendered as an untyped metric. Components do not spell names: each keeps a table of typed
 // handles (Counter, Gauge, Histogram below), one member per metric, whose constructor describes
 // it with its name, help and label names in one place (ServiceMetrics, ProcessMetrics).
-#ifndef NORMGRAD_SERVER_METRICS_METRICS_H_
-#define NORMGRAD_SERVER_METRICS_METRICS_H_
+#pragma once
 
 #include <functional>
 #include <map>
@@ -125,5 +124,3 @@ class Histogram : public Metric {
 };
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_METRICS_METRICS_H_

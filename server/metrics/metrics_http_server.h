@@ -7,8 +7,7 @@
 //
 // The registry must outlive the server. Stop() (or the destructor) returns after the listener
 // thread has exited.
-#ifndef NORMGRAD_SERVER_METRICS_METRICS_HTTP_SERVER_H_
-#define NORMGRAD_SERVER_METRICS_METRICS_HTTP_SERVER_H_
+#pragma once
 
 #include <memory>
 #include <string>
@@ -51,5 +50,3 @@ class MetricsHttpServer {
 };
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_METRICS_METRICS_HTTP_SERVER_H_

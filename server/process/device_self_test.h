@@ -6,8 +6,7 @@
 //   absl::Status s = RunDeviceSelfTest(backend);
 //   // OK; FAILED_PRECONDITION "self-test: dx[3] = ... differs from the CPU reference ..." on a
 //   // mismatch; or the backend's own error (UNAVAILABLE for a lost device, ...).
-#ifndef NORMGRAD_SERVER_PROCESS_DEVICE_SELF_TEST_H_
-#define NORMGRAD_SERVER_PROCESS_DEVICE_SELF_TEST_H_
+#pragma once
 
 #include "absl/status/status.h"
 #include "server/backend/backend.h"
@@ -25,5 +24,3 @@ inline constexpr double kSelfTestTolerance = 1e-3;
 absl::Status RunDeviceSelfTest(Backend& backend);
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_PROCESS_DEVICE_SELF_TEST_H_

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 #include "server/metrics/metrics_http_server.h"
 
 namespace normgrad::server {

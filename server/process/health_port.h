@@ -7,8 +7,7 @@
 //   absl::StatusOr<std::unique_ptr<HealthPort>> h = HealthPort::Start(options);  // port 0: any
 //   SetHealth((*h)->server(), true);
 //   (*h)->Shutdown();  // after the main port is gone
-#ifndef NORMGRAD_SERVER_PROCESS_HEALTH_PORT_H_
-#define NORMGRAD_SERVER_PROCESS_HEALTH_PORT_H_
+#pragma once
 
 #include <memory>
 #include <string>
@@ -56,5 +55,3 @@ class HealthPort {
 };
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_PROCESS_HEALTH_PORT_H_

@@ -7,8 +7,7 @@
 //   NORMGRAD_RETURN_IF_ERROR(PrepareUnixSocketPath(a->path));   // before gRPC binds
 //   ... builder.AddListeningPort(a->text, ...); BuildAndStart ...
 //   NORMGRAD_RETURN_IF_ERROR(SetUnixSocketMode(a->path, 0660));  // after
-#ifndef NORMGRAD_SERVER_PROCESS_LISTEN_ADDRESS_H_
-#define NORMGRAD_SERVER_PROCESS_LISTEN_ADDRESS_H_
+#pragma once
 
 #include <sys/socket.h>
 #include <sys/types.h>
@@ -48,5 +47,3 @@ void RemoveUnixSocket(const std::string& path, ino_t inode);
 ino_t UnixSocketInode(const std::string& path);
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_PROCESS_LISTEN_ADDRESS_H_

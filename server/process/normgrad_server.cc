@@ -13,7 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 #include "server/metrics/metrics.h"
 #include "server/metrics/metrics_http_server.h"
 #include "server/process/device_self_test.h"

@@ -13,8 +13,7 @@
 // port taken, --backend=cuda without a GPU) come back as a status with one clear message;
 // CheckServerOptions (server_options.h) tells the bad options apart (normgrad-server exits 2 on them, 1 on the
 // rest).
-#ifndef NORMGRAD_SERVER_PROCESS_NORMGRAD_SERVER_H_
-#define NORMGRAD_SERVER_PROCESS_NORMGRAD_SERVER_H_
+#pragma once
 
 #include <sys/types.h>
 
@@ -149,5 +148,3 @@ class NormGradServer {
 };
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_PROCESS_NORMGRAD_SERVER_H_

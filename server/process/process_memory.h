@@ -8,8 +8,7 @@
 // A leak grows heap_in_use; the allocator keeping freed memory for reuse grows resident but not
 // heap_in_use. Fields the platform cannot tell are 0 (heap fields under sanitizers, which
 // replace malloc, or outside glibc).
-#ifndef NORMGRAD_SERVER_PROCESS_PROCESS_MEMORY_H_
-#define NORMGRAD_SERVER_PROCESS_PROCESS_MEMORY_H_
+#pragma once
 
 #include <cstdint>
 
@@ -24,5 +23,3 @@ struct ProcessMemory {
 ProcessMemory ReadProcessMemory();
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_PROCESS_PROCESS_MEMORY_H_

@@ -11,7 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 
 ABSL_FLAG(std::vector<std::string>, listen, {"0.0.0.0:50051"},
           "gRPC addresses: HOST:PORT (port 0 picks a free port; the ready line prints it) and/or "

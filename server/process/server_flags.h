@@ -4,8 +4,7 @@
 //
 //   absl::ParseCommandLine(argc, argv);
 //   absl::StatusOr<ServerOptions> options = ServerOptionsFromFlags();
-#ifndef NORMGRAD_SERVER_PROCESS_SERVER_FLAGS_H_
-#define NORMGRAD_SERVER_PROCESS_SERVER_FLAGS_H_
+#pragma once
 
 #include <string>
 #include <vector>
@@ -32,5 +31,3 @@ std::vector<std::string> NormalizeFlagSpelling(int argc, char** argv);
 bool IsServerFlagsFile(absl::string_view path);
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_PROCESS_SERVER_FLAGS_H_

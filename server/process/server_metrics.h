@@ -6,8 +6,7 @@
 //   ServerMetrics metrics(registry);  // describes every one
 //   metrics.serving.Set(1);
 //   metrics.CollectCache("module", backend.CacheStats());  // in a collector, at each scrape
-#ifndef NORMGRAD_SERVER_PROCESS_SERVER_METRICS_H_
-#define NORMGRAD_SERVER_PROCESS_SERVER_METRICS_H_
+#pragma once
 
 #include <string>
 
@@ -51,5 +50,3 @@ struct ServerMetrics {
 };
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_PROCESS_SERVER_METRICS_H_

@@ -10,7 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "kernels/kernel_registry.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 #include "server/metrics/metrics_http_server.h"
 #include "server/process/listen_address.h"
 #include "server/process/unix_grpc_listener.h"

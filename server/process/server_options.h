@@ -8,8 +8,7 @@
 //   options.shared_memory = true;
 //   absl::Status s = CheckServerOptions(options);          // before any GPU or port is touched
 //   absl::StatusOr<std::vector<PreloadEntry>> p = ParsePreloadEntries(options.preload);
-#ifndef NORMGRAD_SERVER_PROCESS_SERVER_OPTIONS_H_
-#define NORMGRAD_SERVER_PROCESS_SERVER_OPTIONS_H_
+#pragma once
 
 #include <cstdint>
 #include <functional>
@@ -97,5 +96,3 @@ absl::StatusOr<std::vector<PreloadEntry>> ParsePreloadEntries(const std::vector<
 absl::Status CheckServerOptions(const ServerOptions& options);
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_PROCESS_SERVER_OPTIONS_H_

@@ -10,8 +10,7 @@
 // The token is compared in constant time (SHA-256 of both sides, CRYPTO_memcmp of the digests:
 // the time depends on neither the content nor the length of what the client sent). Messages
 // never contain the token or what the client presented.
-#ifndef NORMGRAD_SERVER_PROCESS_TRANSPORT_SECURITY_H_
-#define NORMGRAD_SERVER_PROCESS_TRANSPORT_SECURITY_H_
+#pragma once
 
 #include <grpcpp/security/auth_metadata_processor.h>
 #include <grpcpp/security/server_credentials.h>
@@ -67,5 +66,3 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const TransportSecurityOptions& options);
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_PROCESS_TRANSPORT_SECURITY_H_

@@ -9,8 +9,7 @@
 //   auto l = UnixGrpcListener::Start(path, 0660, grpc_server, &peers);   // after BuildAndStart
 //   ...
 //   (*l)->Stop();   // no new connections; those accepted stay with gRPC until it shuts down
-#ifndef NORMGRAD_SERVER_PROCESS_UNIX_GRPC_LISTENER_H_
-#define NORMGRAD_SERVER_PROCESS_UNIX_GRPC_LISTENER_H_
+#pragma once
 
 #include <sys/types.h>
 
@@ -52,5 +51,3 @@ class UnixGrpcListener {
 };
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_PROCESS_UNIX_GRPC_LISTENER_H_

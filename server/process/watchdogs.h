@@ -6,8 +6,7 @@
 //   PeriodicTask t(StreamWatchdogPeriod(options), [&] { streams.CheckIdle(...); return true; });
 //   ...
 //   t.Stop();  // wakes and joins it; the destructor does too
-#ifndef NORMGRAD_SERVER_PROCESS_WATCHDOGS_H_
-#define NORMGRAD_SERVER_PROCESS_WATCHDOGS_H_
+#pragma once
 
 #include <condition_variable>
 #include <functional>
@@ -52,5 +51,3 @@ absl::Duration StreamWatchdogPeriod(const ServerOptions& options);
 absl::Duration DeviceWatchdogPeriod(absl::Duration device_timeout);
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_PROCESS_WATCHDOGS_H_

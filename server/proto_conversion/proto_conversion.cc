@@ -2,7 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "kernels/bounded_quote.h"
+#include "base/bounded_quote.h"
 #include "kernels/kernel_registry.h"
 
 namespace normgrad::server {
@@ -46,7 +46,7 @@ absl::StatusOr<const kernels::Kernel*> KernelNamed(absl::string_view name,
   }
   const kernels::Kernel* kernel = kernels::FindKernel(name);
   if (kernel == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(field, " ", kernels::BoundedQuote(name),
+    return absl::InvalidArgumentError(absl::StrCat(field, " ", base::BoundedQuote(name),
                                                    " is unknown; known: ", KnownKernelNames()));
   }
   return kernel;

@@ -6,8 +6,7 @@
 //   NORMGRAD_ASSIGN_OR_RETURN(const kernels::Kernel* kernel, KernelNamed(name, "kernel"));
 //   ToProto(backend.CacheStats(), response.mutable_cache());
 //   ToProto(info, &response);  // ServerInfo, gathered by the service
-#ifndef NORMGRAD_SERVER_PROTO_CONVERSION_PROTO_CONVERSION_H_
-#define NORMGRAD_SERVER_PROTO_CONVERSION_PROTO_CONVERSION_H_
+#pragma once
 
 #include <cstdint>
 #include <optional>
@@ -75,5 +74,3 @@ struct ServerInfo {
 void ToProto(const ServerInfo& info, v1::GetServerInfoResponse* out);
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_PROTO_CONVERSION_PROTO_CONVERSION_H_

@@ -6,12 +6,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/bounded_quote.h"
+#include "base/bounded_quote.h"
 #include "kernels/kernel.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 #include "kernels/targets.h"
 #include "server/proto_conversion/proto_conversion.h"
-#include "server/ptx/sha256.h"
+#include "base/sha256.h"
 
 namespace normgrad::server {
 
@@ -63,7 +63,7 @@ absl::StatusOr<v1::EmitPtxResponse> PtxService::Emit(const v1::EmitPtxRequest& r
   const bool batch = request.targets_size() > 0 || request.dtypes_size() > 0;
   if (!request.target().empty() && request.targets_size() > 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("target ", kernels::BoundedQuote(request.target()), " and targets (",
+        absl::StrCat("target ", base::BoundedQuote(request.target()), " and targets (",
                      request.targets_size(), " items) are both set; set one of them"));
   }
   if (request.dtype() != v1::DTYPE_UNSPECIFIED && request.dtypes_size() > 0) {
@@ -80,7 +80,7 @@ absl::StatusOr<v1::EmitPtxResponse> PtxService::Emit(const v1::EmitPtxRequest& r
   }
 
   // Targets and dtypes in request order; the parsers' errors name the field and quote the text
-  // (bounded: kernels/bounded_quote.h).
+  // (bounded: base/bounded_quote.h).
   std::vector<int> targets;
   if (request.targets_size() == 0) {
     kernels::KernelConfig defaults;
@@ -96,7 +96,7 @@ absl::StatusOr<v1::EmitPtxResponse> PtxService::Emit(const v1::EmitPtxRequest& r
     for (int j = 0; j < i; ++j) {
       if (targets[j] == *sm) {
         return absl::InvalidArgumentError(absl::StrCat(
-            field, " ", kernels::BoundedQuote(request.targets(i)), " repeats targets[", j, "]"));
+            field, " ", base::BoundedQuote(request.targets(i)), " repeats targets[", j, "]"));
       }
     }
     targets.push_back(*sm);
@@ -183,7 +183,7 @@ absl::StatusOr<v1::EmitPtxArtifact> PtxService::EmitOne(const Configuration& c, 
       out->set_name(p.name);
       out->set_type(p.ptx_type);
     }
-    artifact->mutable_digest()->set_sha256(Sha256Hex(emitted.text));
+    artifact->mutable_digest()->set_sha256(base::Sha256Hex(emitted.text));
     artifact->mutable_digest()->set_size_bytes(emitted.text.size());
     artifact->set_ptx_version(emitted.version.ToString());
     artifact->set_target(absl::StrCat("sm_", emitted.target_sm));
@@ -222,7 +222,7 @@ absl::StatusOr<v1::EmitPtxArtifact> PtxService::EmitOne(const Configuration& c, 
       artifact->set_resource_usage_unknown(
           absl::StrCat("nvJitLink's report could not be read: ", report.status().message()));
     }
-    artifact->mutable_cubin_digest()->set_sha256(Sha256Hex(assembled.cubin));
+    artifact->mutable_cubin_digest()->set_sha256(base::Sha256Hex(assembled.cubin));
     artifact->mutable_cubin_digest()->set_size_bytes(assembled.cubin.size());
     artifact->set_cubin(std::move(assembled.cubin));
     const uint64_t bytes = artifact->ByteSizeLong();

@@ -8,8 +8,7 @@
 //   absl::StatusOr<v1::EmitPtxResponse> r = ptx.Emit(request);  // r->artifacts(): one per config
 //
 // Thread-safe. Emit blocks while compiling: call it from a worker thread, never a reaction.
-#ifndef NORMGRAD_SERVER_PTX_PTX_SERVICE_H_
-#define NORMGRAD_SERVER_PTX_PTX_SERVICE_H_
+#pragma once
 
 #include <memory>
 #include <string>
@@ -59,5 +58,3 @@ class PtxService {
 };
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_PTX_PTX_SERVICE_H_

@@ -13,8 +13,7 @@
 //
 // Every refusal is counted in normgrad_rejected_total{method, limit} when a registry is given.
 // Thread-safe.
-#ifndef NORMGRAD_SERVER_SERVICE_ADMISSION_H_
-#define NORMGRAD_SERVER_SERVICE_ADMISSION_H_
+#pragma once
 
 #include <cstdint>
 #include <mutex>
@@ -93,5 +92,3 @@ class AdmissionController {
 };
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_SERVICE_ADMISSION_H_

@@ -6,8 +6,7 @@
 //
 //   BackwardJobRunner runner(backend, chunks_total);
 //   absl::StatusOr<std::unique_ptr<Outgoing>> out = runner.Run(job, spec);
-#ifndef NORMGRAD_SERVER_SERVICE_BACKWARD_JOB_H_
-#define NORMGRAD_SERVER_SERVICE_BACKWARD_JOB_H_
+#pragma once
 
 #include <cstdint>
 #include <functional>
@@ -69,5 +68,3 @@ class BackwardJobRunner {
 };
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_SERVICE_BACKWARD_JOB_H_

@@ -20,8 +20,7 @@
 // chunk's rows are), StreamWatchdog (idle and rate), BackwardJobRunner (the blocking work).
 //
 // Thread-safe: every method takes the pipeline's lock. RunOneJob computes outside it.
-#ifndef NORMGRAD_SERVER_SERVICE_BACKWARD_PIPELINE_H_
-#define NORMGRAD_SERVER_SERVICE_BACKWARD_PIPELINE_H_
+#pragma once
 
 #include <atomic>
 #include <cstdint>
@@ -177,5 +176,3 @@ class BackwardPipeline {
 };
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_SERVICE_BACKWARD_PIPELINE_H_

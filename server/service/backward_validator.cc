@@ -4,9 +4,9 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/bounded_quote.h"
+#include "base/bounded_quote.h"
 #include "kernels/kernel.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 #include "server/proto_conversion/proto_conversion.h"
 
 namespace normgrad::server {
@@ -74,7 +74,7 @@ absl::Status BackwardValidator::AcceptHeader(const v1::BackwardRequest& message)
     config.dtype = dtype;
     if (absl::Status s = kernel->CanImplement(config); !s.ok()) {
       return absl::Status(s.code(),
-                          absl::StrCat("header.options.kernel ", kernels::BoundedQuote(kernel_name),
+                          absl::StrCat("header.options.kernel ", base::BoundedQuote(kernel_name),
                                        " cannot run this batch: ", s.message()));
     }
   }

@@ -10,8 +10,7 @@
 //   absl::Status end = v.AtEndOfStream();                     // every declared row arrived?
 //
 // Not thread-safe: one stream, one validator, one thread at a time.
-#ifndef NORMGRAD_SERVER_SERVICE_BACKWARD_VALIDATOR_H_
-#define NORMGRAD_SERVER_SERVICE_BACKWARD_VALIDATOR_H_
+#pragma once
 
 #include <cstdint>
 #include <string>
@@ -78,5 +77,3 @@ class BackwardValidator {
 };
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_SERVICE_BACKWARD_VALIDATOR_H_

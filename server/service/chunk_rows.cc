@@ -8,7 +8,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/kernel.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 
 namespace normgrad::server {
 namespace {

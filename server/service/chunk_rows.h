@@ -11,8 +11,7 @@
 //                                      chunk, layout);                        // as it arrives
 //   absl::StatusOr<DeviceRows> d = OpenDeviceRows(backend, request.cuda_ipc(), chunk, layout,
 //                                                 held);                      // on a worker
-#ifndef NORMGRAD_SERVER_SERVICE_CHUNK_ROWS_H_
-#define NORMGRAD_SERVER_SERVICE_CHUNK_ROWS_H_
+#pragma once
 
 #include <cstdint>
 #include <memory>
@@ -64,5 +63,3 @@ absl::StatusOr<DeviceRows> OpenDeviceRows(Backend& backend, const v1::CudaIpcChu
                                           std::vector<std::shared_ptr<const DeviceBuffer>>& held);
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_SERVICE_CHUNK_ROWS_H_

@@ -16,7 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 #include "server/proto_conversion/proto_conversion.h"
 #include "server/service/backward_pipeline.h"
 #include "server/service/status_conversion.h"

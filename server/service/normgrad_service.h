@@ -9,8 +9,7 @@
 // the client through HTTP/2 windows instead of server memory (backward_pipeline.h).
 //
 // The service does not own its collaborators; NormGradServer (server/process/) wires them.
-#ifndef NORMGRAD_SERVER_SERVICE_NORMGRAD_SERVICE_H_
-#define NORMGRAD_SERVER_SERVICE_NORMGRAD_SERVICE_H_
+#pragma once
 
 #include <condition_variable>
 #include <cstdint>
@@ -75,5 +74,3 @@ class NormGradService final : public RawNormGradService {
 };
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_SERVICE_NORMGRAD_SERVICE_H_

@@ -1,8 +1,7 @@
 // What every RPC of the service shares: its configuration and its collaborators, owned by
 // NormGradServer (server/process/), which outlives every RPC. The service hands each part of a
 // stream only what it uses (StreamDeps, backward_pipeline.h), never the whole of it.
-#ifndef NORMGRAD_SERVER_SERVICE_SERVICE_ENV_H_
-#define NORMGRAD_SERVER_SERVICE_SERVICE_ENV_H_
+#pragma once
 
 #include <atomic>
 #include <cstdint>
@@ -83,5 +82,3 @@ struct ServiceEnv {
 };
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_SERVICE_SERVICE_ENV_H_

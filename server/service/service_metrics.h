@@ -6,8 +6,7 @@
 //   ServiceMetrics metrics(registry);  // describes every one
 //   metrics.chunks.Increment();
 //   metrics.RecordRpc("EmitPtx", absl::StatusCode::kOk, seconds, bytes_in, bytes_out);
-#ifndef NORMGRAD_SERVER_SERVICE_SERVICE_METRICS_H_
-#define NORMGRAD_SERVER_SERVICE_SERVICE_METRICS_H_
+#pragma once
 
 #include <cstdint>
 
@@ -39,5 +38,3 @@ struct ServiceMetrics {
 };
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_SERVICE_SERVICE_METRICS_H_

@@ -2,8 +2,7 @@
 // the code and the message cross the RPC boundary unchanged.
 //
 //   return reactor->Finish(ToGrpcStatus(status));
-#ifndef NORMGRAD_SERVER_SERVICE_STATUS_CONVERSION_H_
-#define NORMGRAD_SERVER_SERVICE_STATUS_CONVERSION_H_
+#pragma once
 
 #include <grpcpp/support/status.h>
 
@@ -14,5 +13,3 @@ namespace normgrad::server {
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_SERVICE_STATUS_CONVERSION_H_

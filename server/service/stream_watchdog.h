@@ -10,8 +10,7 @@
 //   if (!v.end.ok()) ...                              // end the stream with v.end
 //
 // Not thread-safe: its owner (the stream pipeline) calls it under its own lock.
-#ifndef NORMGRAD_SERVER_SERVICE_STREAM_WATCHDOG_H_
-#define NORMGRAD_SERVER_SERVICE_STREAM_WATCHDOG_H_
+#pragma once
 
 #include <cstdint>
 
@@ -64,5 +63,3 @@ class StreamWatchdog {
 };
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_SERVICE_STREAM_WATCHDOG_H_

@@ -10,8 +10,7 @@
 // A descriptor number is reused only after its connection closed, and Set for the new
 // connection comes before any call on it: a call always finds its own connection's entry.
 // Thread-safe.
-#ifndef NORMGRAD_SERVER_SERVICE_UNIX_PEERS_H_
-#define NORMGRAD_SERVER_SERVICE_UNIX_PEERS_H_
+#pragma once
 
 #include <sys/types.h>
 
@@ -45,5 +44,3 @@ class UnixPeers {
 std::string DescribePeer(const PeerCredentials& c);
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_SERVICE_UNIX_PEERS_H_

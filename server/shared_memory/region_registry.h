@@ -15,8 +15,7 @@
 // Ownership: a region is found only with its 16-byte random key, which only the registering
 // client receives; a wrong key and an unknown id give the same NOT_FOUND, so ids cannot be probed.
 // Thread-safe.
-#ifndef NORMGRAD_SERVER_SHARED_MEMORY_REGION_REGISTRY_H_
-#define NORMGRAD_SERVER_SHARED_MEMORY_REGION_REGISTRY_H_
+#pragma once
 
 #include <sys/types.h>
 
@@ -173,5 +172,3 @@ absl::Status CheckRegionRange(absl::string_view field, uint64_t offset, uint64_t
                               uint64_t region_size, uint64_t alignment);
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_SHARED_MEMORY_REGION_REGISTRY_H_

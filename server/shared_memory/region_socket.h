@@ -10,8 +10,7 @@
 //       RegionSocket::Start("/run/normgrad/grpc.sock.shm", {.mode = 0660}, &registry);
 //   ...
 //   (*s)->Stop();   // closes every connection (their regions are released) and the socket
-#ifndef NORMGRAD_SERVER_SHARED_MEMORY_REGION_SOCKET_H_
-#define NORMGRAD_SERVER_SHARED_MEMORY_REGION_SOCKET_H_
+#pragma once
 
 #include <sys/types.h>
 
@@ -65,5 +64,3 @@ class RegionSocket {
 };
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_SHARED_MEMORY_REGION_SOCKET_H_

@@ -13,8 +13,7 @@
 // index's work independent of the thread that runs it. The destructor runs every task already
 // scheduled (tasks may schedule more while it drains), then joins the workers; no ParallelFor may
 // be running.
-#ifndef NORMGRAD_SERVER_THREAD_POOL_THREAD_POOL_H_
-#define NORMGRAD_SERVER_THREAD_POOL_THREAD_POOL_H_
+#pragma once
 
 #include <condition_variable>
 #include <cstddef>
@@ -53,5 +52,3 @@ class ThreadPool {
 };
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_THREAD_POOL_THREAD_POOL_H_

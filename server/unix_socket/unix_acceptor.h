@@ -13,8 +13,7 @@
 //   }
 //
 // Not thread-safe: one accepting thread.
-#ifndef NORMGRAD_SERVER_UNIX_SOCKET_UNIX_ACCEPTOR_H_
-#define NORMGRAD_SERVER_UNIX_SOCKET_UNIX_ACCEPTOR_H_
+#pragma once
 
 #include <sys/types.h>
 
@@ -79,5 +78,3 @@ uint64_t RaiseOpenFileLimit();
 uint32_t ConnectionBoundFor(uint64_t open_file_limit);
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_UNIX_SOCKET_UNIX_ACCEPTOR_H_

@@ -14,8 +14,7 @@
 //   (*socket)->Stop();   // wakes Poll (it returns false), joins the thread
 //
 // Thread safety: Poll only from the serving thread; Stop from any thread, once or more.
-#ifndef NORMGRAD_SERVER_UNIX_SOCKET_UNIX_LISTEN_SOCKET_H_
-#define NORMGRAD_SERVER_UNIX_SOCKET_UNIX_LISTEN_SOCKET_H_
+#pragma once
 
 #include <poll.h>
 #include <sys/socket.h>
@@ -82,5 +81,3 @@ class UnixListenSocket {
 };
 
 }  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_UNIX_SOCKET_UNIX_LISTEN_SOCKET_H_

@@ -20,6 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "base/sha256.h"
 #include "gtest/gtest.h"
 #include "normgrad/client.h"
 #include "tests/common/child_process.h"
@@ -51,7 +52,7 @@ v1::EmitPtxArtifact Artifact(const std::string& ptx) {
   v1::EmitPtxArtifact a;
   a.set_entry("k");
   a.set_ptx(ptx);
-  a.mutable_digest()->set_sha256(Sha256Hex(ptx));
+  a.mutable_digest()->set_sha256(base::Sha256Hex(ptx));
   a.mutable_digest()->set_size_bytes(ptx.size());
   a.set_target("sm_90");
   return a;
@@ -216,7 +217,7 @@ TEST(PtxCacheProcessTest, ConcurrentBuildsFetchEachConfigurationOnceAndRefetchCo
   // Corrupt the stored PTX of one configuration: the next build notices, fetches it again (one
   // more EmitPtx), writes the right bytes, and repairs the entry for the build after it.
   const std::string& ptx = reference[0].second;
-  const std::string blob = absl::StrCat(cache_dir, "/cas/", Sha256Hex(ptx));
+  const std::string blob = absl::StrCat(cache_dir, "/cas/", base::Sha256Hex(ptx));
   std::string bytes = ReadAll(blob);
   ASSERT_EQ(bytes, ptx);
   bytes[bytes.size() / 2] ^= 0x20;

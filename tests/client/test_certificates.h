@@ -1,8 +1,7 @@
 // Throw-away PKI for TLS tests, made with the openssl command-line tool in a per-process
 // directory: a CA, a second (untrusted) CA, a server certificate for "normgrad.test" and a
 // client certificate, both signed by the CA.
-#ifndef NORMGRAD_TESTS_CLIENT_TEST_CERTIFICATES_H_
-#define NORMGRAD_TESTS_CLIENT_TEST_CERTIFICATES_H_
+#pragma once
 
 #include <unistd.h>
 
@@ -53,5 +52,3 @@ class TestCertificates {
 };
 
 }  // namespace normgrad::testing
-
-#endif  // NORMGRAD_TESTS_CLIENT_TEST_CERTIFICATES_H_

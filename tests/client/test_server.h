@@ -1,7 +1,6 @@
 // A normgrad server for client tests: NormGradServer in-process on 127.0.0.1:0 with the CPU
 // backend and no metrics endpoint.
-#ifndef NORMGRAD_TESTS_CLIENT_TEST_SERVER_H_
-#define NORMGRAD_TESTS_CLIENT_TEST_SERVER_H_
+#pragma once
 
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -120,5 +119,3 @@ inline void ExpectGradientsClose(absl::Span<const float> dx, absl::Span<const fl
 }
 
 }  // namespace normgrad::testing
-
-#endif  // NORMGRAD_TESTS_CLIENT_TEST_SERVER_H_

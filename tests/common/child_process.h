@@ -15,8 +15,7 @@
 // (ChildOptions: SIGKILL by default, or a signal and a grace period before SIGKILL) and reaps
 // it, so no test leaves a process or a zombie behind. One thread uses an object, except that
 // StatusBytes may run on another thread beside the other calls.
-#ifndef NORMGRAD_TESTS_COMMON_CHILD_PROCESS_H_
-#define NORMGRAD_TESTS_COMMON_CHILD_PROCESS_H_
+#pragma once
 
 #include <signal.h>
 #include <sys/types.h>
@@ -113,5 +112,3 @@ class ChildProcess {
 };
 
 }  // namespace normgrad::testing
-
-#endif  // NORMGRAD_TESTS_COMMON_CHILD_PROCESS_H_

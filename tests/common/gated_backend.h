@@ -11,8 +11,7 @@
 //   ... start a call; gates->WaitReached(gate, ...); inject an ending; gates->Release(gate); ...
 //
 // Sessions are numbered in the order StartBackward created them, from 0.
-#ifndef NORMGRAD_TESTS_COMMON_GATED_BACKEND_H_
-#define NORMGRAD_TESTS_COMMON_GATED_BACKEND_H_
+#pragma once
 
 #include <atomic>
 #include <condition_variable>
@@ -223,5 +222,3 @@ class GatedBackend final : public server::Backend {
 };
 
 }  // namespace normgrad::testing
-
-#endif  // NORMGRAD_TESTS_COMMON_GATED_BACKEND_H_

@@ -1,8 +1,7 @@
 // kSanitized: true in a build with AddressSanitizer or ThreadSanitizer, whose shadow memory and
 // allocator make a process's memory figures (VmHWM, RSS) meaningless against a bound. Tests that
 // check such figures skip that check there and still run everything else.
-#ifndef NORMGRAD_TESTS_COMMON_SANITIZED_H_
-#define NORMGRAD_TESTS_COMMON_SANITIZED_H_
+#pragma once
 
 namespace normgrad::testing {
 
@@ -19,5 +18,3 @@ inline constexpr bool kSanitized = false;
 #endif
 
 }  // namespace normgrad::testing
-
-#endif  // NORMGRAD_TESTS_COMMON_SANITIZED_H_

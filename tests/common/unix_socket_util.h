@@ -5,8 +5,7 @@
 //   TempDir dir("normgrad-region-socket");
 //   const int fd = ConnectUnix(dir.path() + "/s.sock", SOCK_SEQPACKET);  // -1 on failure
 //   SendWithDescriptor(fd, request.SerializeAsString(), memfd);
-#ifndef NORMGRAD_TESTS_COMMON_UNIX_SOCKET_UTIL_H_
-#define NORMGRAD_TESTS_COMMON_UNIX_SOCKET_UTIL_H_
+#pragma once
 
 #include <sys/types.h>
 
@@ -37,5 +36,3 @@ int ConnectUnix(const std::string& path, int type);
 ssize_t SendWithDescriptor(int socket, absl::string_view bytes, int fd);
 
 }  // namespace normgrad::testing
-
-#endif  // NORMGRAD_TESTS_COMMON_UNIX_SOCKET_UTIL_H_

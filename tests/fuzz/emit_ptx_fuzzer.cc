@@ -24,7 +24,7 @@
 #include "google/protobuf/stubs/logging.h"
 #include "normgrad/v1/normgrad.pb.h"
 #include "server/ptx/ptx_service.h"
-#include "server/ptx/sha256.h"
+#include "base/sha256.h"
 #include "tests/ptxsim/parser.h"
 
 namespace {
@@ -79,7 +79,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (const normgrad::v1::EmitPtxArtifact& a : r->artifacts()) {
     Check(a.entry() == request.kernel());
     Check(!a.ptx().empty() && a.cubin().empty());
-    Check(a.digest().sha256() == normgrad::server::Sha256Hex(a.ptx()));
+    Check(a.digest().sha256() == normgrad::base::Sha256Hex(a.ptx()));
     Check(a.digest().size_bytes() == a.ptx().size());
     Check(absl::StrContains(a.ptx(), absl::StrCat(".target ", a.target())));
     Check(absl::StrContains(a.ptx(), absl::StrCat(".version ", a.ptx_version())));

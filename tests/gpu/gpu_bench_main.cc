@@ -11,7 +11,7 @@
 // 1x896, 64x896, 8x4096, 2x16384, 2x20000):
 //   - copy: a 16-byte-vector copy kernel over (2 + 1) * rows * hidden elements' worth of bytes
 //     (what the backward kernels move), bandwidth = bytes read + bytes written / time;
-//   - rms_norm_backward_row_resident (one launch: dx and grad_gamma), and the seed's
+//   - rms_norm_backward_row_resident (one launch: dx and grad_gamma), and trueno-gpu's
 //     batched_rms_norm_backward (with its grad_gamma memset);
 // bandwidth = (x + dy read + dx written) bytes / median time of N launches (CUDA events), and the
 // fraction of the copy bandwidth. Before every run (warm-up included) of every kernel, the copy

@@ -225,7 +225,7 @@ TEST(RowResidentTree, RowsAndSemaphoresPerLevel) {
   EXPECT_EQ(K::TreeSemaphores(264), 17u + 2 + 1);
 }
 
-TEST(BackwardPlan, SeedKernelsLaunchInPiecesBelowTheDevicesGridLimit) {
+TEST(BackwardPlan, TruenoCompatibleKernelsLaunchInPiecesBelowTheDevicesGridLimit) {
   // batched: one block per row. 10 rows under a limit of 3 blocks: pieces of 3, 3, 3, 1 rows
   // (halving from 10: 5, then 3), each with its rows' pointers.
   const KernelConfig config = Config(100, DType::kF16);

@@ -1,5 +1,5 @@
-// The CFG-based barrier/shuffle analysis: the seed's barrier-safety tests, ported, plus the cases
-// the seed's text heuristic (a literal `bra exit` inside a loop) misses or gets wrong.
+// The CFG-based barrier/shuffle analysis: trueno-gpu's barrier-safety tests, ported, plus the cases
+// trueno-gpu's text heuristic (a literal `bra exit` inside a loop) misses or gets wrong.
 #include "kernels/divergence_analysis.h"
 
 #include <initializer_list>
@@ -67,7 +67,7 @@ void BarrierUnless(Builder& b, Value skip_if) {
   b.Bind(skip);
 }
 
-// ---- The seed's tests, ported --------------------------------------------------------------
+// ---- trueno-gpu's tests, ported --------------------------------------------------------------
 
 TEST(DivergenceAnalysisTest, RmsNormBackwardIsBarrierAndShuffleSafe) {
   for (uint32_t hidden : {1u, 16u, 32u}) {
@@ -116,10 +116,10 @@ TEST(DivergenceAnalysisTest, GeometryKeepsTheAssumptionsTheAnalysisUses) {
   }
 }
 
-// The seed's own small-kernel structure (global thread id, lane = gtid & 31, warp = gtid >> 5,
+// trueno-gpu's own small-kernel structure (global thread id, lane = gtid & 31, warp = gtid >> 5,
 // `@!valid_row bra exit`, shuffles, `@!valid_lane bra exit`, store) is proven safe too: ctaid*ntid
 // is a multiple of 32 when blocks are whole warps, so gtid >> 5 is warp-uniform.
-TEST(DivergenceAnalysisTest, SeedStyleGlobalWarpIndexIsWarpUniform) {
+TEST(DivergenceAnalysisTest, TruenoStyleGlobalWarpIndexIsWarpUniform) {
   Entry e;
   Builder& b = e.b;
   Label exit = b.CreateLabel("exit");
@@ -143,7 +143,7 @@ TEST(DivergenceAnalysisTest, SeedStyleGlobalWarpIndexIsWarpUniform) {
   EXPECT_TRUE(e.RetAndAnalyze().empty());
 }
 
-// ---- Cases the seed's heuristic misses ------------------------------------------------------
+// ---- Cases trueno-gpu's heuristic misses ------------------------------------------------------
 
 TEST(DivergenceAnalysisTest, FindsBarrierInsideThreadDependentBranch) {
   Entry e;

@@ -6,8 +6,7 @@
 //   Module m = EveryInstructionFormModule();
 //   ASSERT_TRUE(Verify(m).ok());
 //   const std::string text = EmitPtx(m);   // entry kEveryFormEntry, .version 7.0, .target sm_80
-#ifndef NORMGRAD_TESTS_KERNELS_INSTRUCTION_FORMS_H_
-#define NORMGRAD_TESTS_KERNELS_INSTRUCTION_FORMS_H_
+#pragma once
 
 #include <cstdint>
 
@@ -25,5 +24,3 @@ inline constexpr uint32_t kEveryFormSharedBytes = 256;  // one static shared arr
 Module EveryInstructionFormModule();
 
 }  // namespace normgrad::kernels
-
-#endif  // NORMGRAD_TESTS_KERNELS_INSTRUCTION_FORMS_H_

@@ -99,7 +99,7 @@ void ReferenceFn(const Problem& p, bool rms_given, std::vector<float>& dx,
   ReferenceBackward(in, absl::MakeSpan(dx), absl::MakeSpan(dgamma));
 }
 
-// The seed's small-kernel defect: sqrt(rms^2 + eps) from an rms that already contains eps.
+// trueno-gpu's small-kernel defect: sqrt(rms^2 + eps) from an rms that already contains eps.
 void EpsTwiceFn(const Problem& p, bool, std::vector<float>& dx, std::vector<float>& dgamma) {
   std::vector<float> rms2(p.rows);
   for (uint64_t r = 0; r < p.rows; ++r) {

@@ -1,4 +1,4 @@
-// The two kernels' contracts: the seed's unit tests, ported (names, parameters, shuffles, sqrt,
+// The two kernels' contracts: trueno-gpu's unit tests, ported (names, parameters, shuffles, sqrt,
 // limits), plus what normgrad adds (every parameter read at run time, eps not counted twice,
 // configuration keys, PTX versions, determinism, launch geometry).
 #include "kernels/rms_norm_backward.h"
@@ -35,7 +35,7 @@ int Count(const std::string& text, const std::string& needle) {
   return n;
 }
 
-// ---- Ported from the seed: rms_norm_backward ----------------------------------------------
+// ---- Ported from trueno-gpu: rms_norm_backward ----------------------------------------------
 
 TEST(RmsNormBackwardKernelTest, Name) {
   ASSERT_NE(FindKernel("rms_norm_backward"), nullptr);
@@ -55,7 +55,7 @@ TEST(RmsNormBackwardKernelTest, PtxGenerationHasEntryParamsAndShuffles) {
   EXPECT_TRUE(absl::StrContains(ptx, "shfl.sync.idx"));
 }
 
-// The seed asserted "sqrt present" here because it recomputed sqrt(rms*rms + eps) from an rms
+// trueno-gpu asserted "sqrt present" here because it recomputed sqrt(rms*rms + eps) from an rms
 // that already contained eps (eps counted twice). normgrad uses the forward's rms as is: the
 // kernel has no sqrt and no eps at all.
 TEST(RmsNormBackwardKernelTest, UsesTheForwardRmsAsIsWithoutAddingEpsAgain) {
@@ -71,7 +71,7 @@ TEST(RmsNormBackwardKernelTest, SmallHidden) {
   EXPECT_TRUE(absl::StrContains(ptx, "shfl.sync"));
 }
 
-// The seed panicked (assert!) for hidden_dim > 32; normgrad returns INVALID_ARGUMENT naming the
+// trueno-gpu panicked (assert!) for hidden_dim > 32; normgrad returns INVALID_ARGUMENT naming the
 // field, the value and the limit.
 TEST(RmsNormBackwardKernelTest, HiddenDimLimitIsAnInvalidArgument) {
   const Kernel* k = FindKernel("rms_norm_backward");
@@ -85,7 +85,7 @@ TEST(RmsNormBackwardKernelTest, HiddenDimLimitIsAnInvalidArgument) {
   for (uint32_t ok = 1; ok <= 32; ++ok) EXPECT_TRUE(k->CanImplement({.hidden_dim = ok}).ok());
 }
 
-// ---- Ported from the seed: batched_rms_norm_backward --------------------------------------
+// ---- Ported from trueno-gpu: batched_rms_norm_backward --------------------------------------
 
 TEST(BatchedRmsNormBackwardKernelTest, Name) {
   ASSERT_NE(FindKernel("batched_rms_norm_backward"), nullptr);
@@ -140,7 +140,7 @@ TEST(BatchedRmsNormBackwardKernelTest, RefusesZeroHiddenDim) {
 
 // ---- What normgrad adds -----------------------------------------------------------------
 
-// The seed's defect (trueno issue 203): num_rows and eps declared but baked in as immediates.
+// trueno-gpu's defect (its issue 203): num_rows and eps declared but baked in as immediates.
 // Here every declared parameter is loaded with ld.param exactly once.
 TEST(KernelContractTest, EveryDeclaredParameterIsReadAtRunTime) {
   for (const Kernel* k : AllKernels()) {
@@ -278,7 +278,7 @@ TEST(KernelContractTest, Bf16NeedsSm80AndSaysSo) {
 // bf16/f16: x, gamma, dy and dx are 16-bit in memory, all math is f32, rms (small kernel) and
 // grad_gamma (batched kernel) stay f32. The dtype is part of the key and changes the text.
 TEST(KernelContractTest, HalfPrecisionLoadsSixteenBitsAndComputesInF32) {
-  // The seed kernels; the row-resident pair has its own checks (row_resident_kernel_test).
+  // The trueno-compatible kernels; the row-resident pair has its own checks (row_resident_kernel_test).
   for (const Kernel* k :
        {FindKernel("rms_norm_backward"), FindKernel("batched_rms_norm_backward")}) {
     const std::string f32 = EmitText(k->EntryName(), {.hidden_dim = 16, .target_sm = 80});

@@ -8,8 +8,7 @@
 //   std::vector<float> got = DecodeElements(dx_bytes, p.dtype);
 //   const BackwardReference want = ReferenceFor(p, /*with_rms=*/false);
 //   absl::Status s = CheckClose(got, want.dx, DxTolerance(p.dtype), "dx");
-#ifndef NORMGRAD_TESTS_PTXSIM_BACKWARD_PROBLEM_H_
-#define NORMGRAD_TESTS_PTXSIM_BACKWARD_PROBLEM_H_
+#pragma once
 
 #include <cstddef>
 #include <cstdint>
@@ -70,5 +69,3 @@ absl::Status CheckClose(absl::Span<const float> got, absl::Span<const float> wan
                         const char* what);
 
 }  // namespace normgrad::kernel_testing
-
-#endif  // NORMGRAD_TESTS_PTXSIM_BACKWARD_PROBLEM_H_

@@ -14,8 +14,7 @@
 // block run one at a time until each blocks at a barrier or exits. Launch() is reentrant:
 // concurrent launches on different threads share nothing but `memory` (read) and the global memory
 // they touch.
-#ifndef NORMGRAD_TESTS_PTXSIM_INTERPRETER_H_
-#define NORMGRAD_TESTS_PTXSIM_INTERPRETER_H_
+#pragma once
 
 #include <cstdint>
 #include <vector>
@@ -118,5 +117,3 @@ absl::Status Launch(const Entry& entry, const LaunchConfig& config, void* const*
                     const MemoryMap& memory, LaunchReport* report);
 
 }  // namespace normgrad::ptxsim
-
-#endif  // NORMGRAD_TESTS_PTXSIM_INTERPRETER_H_

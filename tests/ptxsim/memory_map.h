@@ -7,8 +7,7 @@
 //   memory.Add(reinterpret_cast<uint64_t>(x.data()), x.size() * sizeof(float));
 //
 // Thread-safe.
-#ifndef NORMGRAD_TESTS_PTXSIM_MEMORY_MAP_H_
-#define NORMGRAD_TESTS_PTXSIM_MEMORY_MAP_H_
+#pragma once
 
 #include <cstdint>
 #include <map>
@@ -43,5 +42,3 @@ class MemoryMap {
 };
 
 }  // namespace normgrad::ptxsim
-
-#endif  // NORMGRAD_TESTS_PTXSIM_MEMORY_MAP_H_

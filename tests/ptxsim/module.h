@@ -7,8 +7,7 @@
 //
 // Registers are numbered slots (one 64-bit cell per lane each). The first kNumSpecialSlots slots
 // hold the special registers (%tid.x, %ctaid.x, ...), filled in when a warp is created.
-#ifndef NORMGRAD_TESTS_PTXSIM_MODULE_H_
-#define NORMGRAD_TESTS_PTXSIM_MODULE_H_
+#pragma once
 
 #include <cstdint>
 #include <string>
@@ -243,5 +242,3 @@ struct Module {
 };
 
 }  // namespace normgrad::ptxsim
-
-#endif  // NORMGRAD_TESTS_PTXSIM_MODULE_H_

@@ -3,8 +3,7 @@
 //
 //   absl::StatusOr<Module> module = ParsePtx(text);
 //   if (!module.ok()) std::cerr << module.status().message();  // "line 12: unsupported ..."
-#ifndef NORMGRAD_TESTS_PTXSIM_PARSER_H_
-#define NORMGRAD_TESTS_PTXSIM_PARSER_H_
+#pragma once
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -17,5 +16,3 @@ namespace normgrad::ptxsim {
 absl::StatusOr<Module> ParsePtx(absl::string_view text);
 
 }  // namespace normgrad::ptxsim
-
-#endif  // NORMGRAD_TESTS_PTXSIM_PARSER_H_

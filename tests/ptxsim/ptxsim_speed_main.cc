@@ -1,4 +1,4 @@
-// ptxsim-speed: how fast the interpreter runs the seed kernels, in instructions per second, and
+// ptxsim-speed: how fast the interpreter runs the trueno-compatible kernels, in instructions per second, and
 // how that compares with the CPU reference on the same problem (measured in the same run).
 //
 //   build/bin/ptxsim-speed [--rows 256] [--hidden 4096] [--repeats 3]

@@ -7,8 +7,7 @@
 //   args.Add(sim.Address(out)).Add(uint32_t{64});
 //   LaunchReport report;
 //   absl::Status s = sim.Run(ptx, "entry", {1, 1, 1}, {64, 1, 1}, args, &report);
-#ifndef NORMGRAD_TESTS_PTXSIM_SIM_HARNESS_H_
-#define NORMGRAD_TESTS_PTXSIM_SIM_HARNESS_H_
+#pragma once
 
 #include <cstdint>
 #include <cstring>
@@ -96,5 +95,3 @@ class SimHarness {
 };
 
 }  // namespace normgrad::ptxsim
-
-#endif  // NORMGRAD_TESTS_PTXSIM_SIM_HARNESS_H_

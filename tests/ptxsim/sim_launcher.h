@@ -11,8 +11,7 @@
 //
 // AllocBackwardF32 registers one problem's f32 buffers and their parameter values, for a test
 // that launches a single kernel (its own PTX, perhaps mutated) with kernels::PackArgs.
-#ifndef NORMGRAD_TESTS_PTXSIM_SIM_LAUNCHER_H_
-#define NORMGRAD_TESTS_PTXSIM_SIM_LAUNCHER_H_
+#pragma once
 
 #include <cstddef>
 #include <cstdint>
@@ -102,5 +101,3 @@ class SimLauncher : public kernels::KernelLauncher {
 };
 
 }  // namespace normgrad::ptxsim
-
-#endif  // NORMGRAD_TESTS_PTXSIM_SIM_LAUNCHER_H_

@@ -10,8 +10,7 @@
 //   absl::StatusOr<PlanTraffic> t = RunPlanTraffic(options);
 //   // t->BytesPerElement(): distinct sectors read + written per element (ideal 6 for bf16)
 //   std::printf("%s\n", SummaryLine(*t).c_str());
-#ifndef NORMGRAD_TESTS_PTXSIM_TRAFFIC_H_
-#define NORMGRAD_TESTS_PTXSIM_TRAFFIC_H_
+#pragma once
 
 #include <cstddef>
 #include <cstdint>
@@ -127,5 +126,3 @@ std::string SummaryLine(const PlanTraffic& traffic);
 std::string LaunchLine(const LaunchTraffic& launch, double elements);
 
 }  // namespace normgrad::ptxsim
-
-#endif  // NORMGRAD_TESTS_PTXSIM_TRAFFIC_H_

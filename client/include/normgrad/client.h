@@ -15,8 +15,7 @@
 // Errors: every call returns absl::Status whose code is the gRPC status code and whose message is
 // the server's message, unchanged. Client-side validation failures are INVALID_ARGUMENT naming
 // the argument and the numbers; a malformed server reply is INTERNAL.
-#ifndef NORMGRAD_CLIENT_H_
-#define NORMGRAD_CLIENT_H_
+#pragma once
 
 #include <cstdint>
 #include <functional>
@@ -255,5 +254,3 @@ class Client {
 };
 
 }  // namespace normgrad
-
-#endif  // NORMGRAD_CLIENT_H_

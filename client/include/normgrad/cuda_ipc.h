@@ -14,8 +14,7 @@
 // allocation must stay allocated while the server may use it: the server keeps exported
 // allocations open (--max-cuda-ipc-handles) and the real driver leaves freeing one that another
 // process still has open undefined.
-#ifndef NORMGRAD_CUDA_IPC_H_
-#define NORMGRAD_CUDA_IPC_H_
+#pragma once
 
 #include <cstdint>
 #include <string>
@@ -34,5 +33,3 @@ absl::StatusOr<std::string> CudaDeviceUuid(int ordinal);
 absl::StatusOr<CudaIpcBuffer> ExportCudaBuffer(uint64_t device_pointer);
 
 }  // namespace normgrad
-
-#endif  // NORMGRAD_CUDA_IPC_H_

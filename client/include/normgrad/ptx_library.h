@@ -17,8 +17,7 @@
 //
 // Header-only, standard C++17, no other dependency; the images are constant data, so every
 // function here is thread-safe.
-#ifndef NORMGRAD_PTX_LIBRARY_H_
-#define NORMGRAD_PTX_LIBRARY_H_
+#pragma once
 
 #include <cstddef>
 #include <cstdint>
@@ -98,5 +97,3 @@ class PtxLibrary {
 };
 
 }  // namespace normgrad
-
-#endif  // NORMGRAD_PTX_LIBRARY_H_

@@ -11,8 +11,7 @@
 //
 // The region must outlive every call that uses it and the Client it is registered with. Not
 // thread-safe to create; its memory is the caller's to share between threads as usual.
-#ifndef NORMGRAD_SHARED_MEMORY_H_
-#define NORMGRAD_SHARED_MEMORY_H_
+#pragma once
 
 #include <cstdint>
 #include <memory>
@@ -47,5 +46,3 @@ class SharedMemoryRegion {
 };
 
 }  // namespace normgrad
-
-#endif  // NORMGRAD_SHARED_MEMORY_H_

@@ -2,7 +2,7 @@
 // kernels::ReferenceBackward, and its refusal of inconsistent calls.
 //
 // Tolerance: the CPU backend must agree element by element within 1e-5 relative. The CUDA
-// backend's seed kernels sum in f32 (grad_gamma with atomics), so an element that is the
+// backend's trueno-compatible kernels sum in f32 (grad_gamma with atomics), so an element that is the
 // difference of two nearly equal terms carries the f32 rounding of the terms, not of the
 // result: it is held to 1e-5 relative plus 1e-5 of the magnitude of the terms it is made of,
 //   dx_ri:     inv_rms_r * (|gamma_i dy_ri| + |x_ri| inv_rms_r^2 mean_j |x_rj dy_rj gamma_j|)

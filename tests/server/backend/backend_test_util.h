@@ -8,8 +8,7 @@
 //   NORMGRAD_TEST_CUDA_PIECE_BYTES=N  the CUDA backend's chunk pipeline cuts chunks into pieces
 //                               of N bytes of x (BackendOptions::cuda_pipeline_piece_bytes), so
 //                               small test chunks run as several pieces on two streams
-#ifndef NORMGRAD_TESTS_SERVER_BACKEND_BACKEND_TEST_UTIL_H_
-#define NORMGRAD_TESTS_SERVER_BACKEND_BACKEND_TEST_UTIL_H_
+#pragma once
 
 #include <algorithm>
 #include <cmath>
@@ -130,5 +129,3 @@ inline absl::StatusOr<Gradients> RunF32(Backend& backend, const Batch& b, uint64
 }
 
 }  // namespace normgrad::server::testing
-
-#endif  // NORMGRAD_TESTS_SERVER_BACKEND_BACKEND_TEST_UTIL_H_

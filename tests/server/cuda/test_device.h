@@ -5,8 +5,7 @@
 //
 //   std::shared_ptr<const DeviceContext> ctx = DeviceOnDriver(NORMGRAD_SCRIPTED_CUDA_DRIVER);
 //   size_t held = ScriptedCounter<size_t>("device_bytes");
-#ifndef NORMGRAD_TESTS_SERVER_CUDA_TEST_DEVICE_H_
-#define NORMGRAD_TESTS_SERVER_CUDA_TEST_DEVICE_H_
+#pragma once
 
 #include <dlfcn.h>
 
@@ -49,5 +48,3 @@ T ScriptedCounter(const std::string& name) {
 #endif
 
 }  // namespace normgrad::server::cuda_internal
-
-#endif  // NORMGRAD_TESTS_SERVER_CUDA_TEST_DEVICE_H_

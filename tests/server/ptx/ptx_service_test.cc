@@ -9,7 +9,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/ptx/sha256.h"
+#include "base/sha256.h"
 
 namespace normgrad::server {
 namespace {
@@ -50,7 +50,7 @@ TEST(PtxServiceTest, BatchIsOneArtifactPerTargetAndDtypeTargetsOuter) {
     EXPECT_EQ(a.target(), want[i].first) << i;
     EXPECT_EQ(a.dtype(), want[i].second) << i;
     EXPECT_THAT(a.ptx(), HasSubstr(std::string(".target ") + want[i].first));
-    EXPECT_EQ(a.digest().sha256(), Sha256Hex(a.ptx()));
+    EXPECT_EQ(a.digest().sha256(), base::Sha256Hex(a.ptx()));
     EXPECT_EQ(a.entry(), "rms_norm_backward_row_resident");
     EXPECT_FALSE(a.has_resource_usage());
     EXPECT_TRUE(a.resource_usage_unknown().empty());  // not asked

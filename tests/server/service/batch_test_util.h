@@ -5,8 +5,7 @@
 //   std::vector<float> dx, dgamma;
 //   ReferenceFor(b, dx, dgamma);
 //   v1::BackwardRequest header = HeaderFor(b), rows = ChunkFor(b, 0, 64);
-#ifndef NORMGRAD_TESTS_SERVER_SERVICE_BATCH_TEST_UTIL_H_
-#define NORMGRAD_TESTS_SERVER_SERVICE_BATCH_TEST_UTIL_H_
+#pragma once
 
 #include <cstdint>
 #include <vector>
@@ -39,5 +38,3 @@ double MaxScaledError(const std::vector<float>& got, const std::vector<float>& w
 double MaxDxError(const Batch& batch, const std::vector<float>& got, const std::vector<float>& want);
 
 }  // namespace normgrad::server::testing
-
-#endif  // NORMGRAD_TESTS_SERVER_SERVICE_BATCH_TEST_UTIL_H_

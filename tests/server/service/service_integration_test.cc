@@ -29,7 +29,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/process/normgrad_server.h"
-#include "server/ptx/sha256.h"
+#include "base/sha256.h"
 #include "server/shared_memory/region_registry.h"
 #include "tests/server/service/service_test_util.h"
 
@@ -767,7 +767,7 @@ TEST_F(ServiceTest, EmitPtxIsContentAddressedAndDeterministic) {
   v1::EmitPtxResponse a, b;
   ASSERT_TRUE(Emit(*stub_, PtxRequest(896, "sm_90"), &a).ok());
   ASSERT_TRUE(Emit(*stub_, PtxRequest(896, "sm_90"), &b).ok());
-  EXPECT_EQ(a.digest().sha256(), Sha256Hex(a.ptx()));
+  EXPECT_EQ(a.digest().sha256(), base::Sha256Hex(a.ptx()));
   EXPECT_EQ(a.digest().size_bytes(), a.ptx().size());
   EXPECT_EQ(a.digest().sha256(), b.digest().sha256());
   EXPECT_EQ(a.entry(), "batched_rms_norm_backward");
@@ -825,7 +825,7 @@ TEST_F(ServiceTest, EmitPtxCubinIsAnElfImageWhenNvJitLinkIsPresent) {
   ASSERT_TRUE(s.ok()) << s.error_message();
   ASSERT_GE(r.cubin().size(), 4u);
   EXPECT_EQ(r.cubin().substr(0, 4), "\x7f" "ELF");
-  EXPECT_EQ(r.cubin_digest().sha256(), Sha256Hex(r.cubin()));
+  EXPECT_EQ(r.cubin_digest().sha256(), base::Sha256Hex(r.cubin()));
   EXPECT_EQ(r.cubin_digest().size_bytes(), r.cubin().size());
   EXPECT_FALSE(r.ptx().empty());
 }

@@ -1,8 +1,7 @@
 // Shared by the service's tests: the backend under test (env NORMGRAD_TEST_BACKEND = cpu|cuda,
 // cpu by default; with cuda, NORMGRAD_CUDA_DRIVER may name an emulated driver), random batches
 // (batch_test_util.h), a plain-stub driver for RmsNormBackward streams, and a Prometheus text parser.
-#ifndef NORMGRAD_TESTS_SERVER_SERVICE_SERVICE_TEST_UTIL_H_
-#define NORMGRAD_TESTS_SERVER_SERVICE_SERVICE_TEST_UTIL_H_
+#pragma once
 
 #include <cstdint>
 #include <map>
@@ -63,5 +62,3 @@ std::map<std::string, double> ParsePrometheusText(const std::string& text, std::
 std::string HttpGet(int port, const std::string& path, int* status);
 
 }  // namespace normgrad::server::testing
-
-#endif  // NORMGRAD_TESTS_SERVER_SERVICE_SERVICE_TEST_UTIL_H_

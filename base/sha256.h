@@ -1,16 +1,13 @@
 // SHA-256 of a byte string as lowercase hex (OpenSSL's libcrypto): the content address of PTX
 // and cubin blobs, as in Bazel's remote execution API.
-#ifndef NORMGRAD_SERVER_PTX_SHA256_H_
-#define NORMGRAD_SERVER_PTX_SHA256_H_
+#pragma once
 
 #include <string>
 
 #include "absl/strings/string_view.h"
 
-namespace normgrad::server {
+namespace normgrad::base {
 
 std::string Sha256Hex(absl::string_view data);  // 64 lowercase hex digits
 
-}  // namespace normgrad::server
-
-#endif  // NORMGRAD_SERVER_PTX_SHA256_H_
+}  // namespace normgrad::base

@@ -6,8 +6,7 @@
 //   absl::StrCat("kernel ", BoundedQuote(name), " is unknown")
 //     kernel "fast_one" is unknown
 //     kernel "kkkk...(the first 64 bytes)"... (100000 bytes) is unknown
-#ifndef NORMGRAD_KERNELS_BOUNDED_QUOTE_H_
-#define NORMGRAD_KERNELS_BOUNDED_QUOTE_H_
+#pragma once
 
 #include <cstddef>
 #include <string>
@@ -16,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 
-namespace normgrad::kernels {
+namespace normgrad::base {
 
 // Bytes of the text quoted before it is cut.
 inline constexpr size_t kBoundedQuoteBytes = 64;
@@ -30,6 +29,4 @@ inline std::string BoundedQuote(absl::string_view text) {
                       text.size(), " bytes)");
 }
 
-}  // namespace normgrad::kernels
-
-#endif  // NORMGRAD_KERNELS_BOUNDED_QUOTE_H_
+}  // namespace normgrad::base

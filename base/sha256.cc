@@ -1,10 +1,10 @@
-#include "server/ptx/sha256.h"
+#include "base/sha256.h"
 
 #include <openssl/evp.h>
 
 #include <cstdlib>
 
-namespace normgrad::server {
+namespace normgrad::base {
 
 std::string Sha256Hex(absl::string_view data) {
   unsigned char digest[EVP_MAX_MD_SIZE];
@@ -21,4 +21,4 @@ std::string Sha256Hex(absl::string_view data) {
   return out;
 }
 
-}  // namespace normgrad::server
+}  // namespace normgrad::base

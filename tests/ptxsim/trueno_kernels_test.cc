@@ -1,4 +1,4 @@
-// Both seed kernels, as kernels/ emits them (the PTX text), executed by the interpreter: dx and
+// Both trueno-compatible kernels, as kernels/ emits them (the PTX text), executed by the interpreter: dx and
 // (batched) dgamma via atomics match ReferenceBackward within |a - b| <= 1e-5 * max(1, |ref|),
 // and central finite differences of the forward loss within 1e-4 * max(1, |fd|). With f16/bf16
 // elements (f32 math, f32 rms and dgamma) dx is compared after its one rounding to the element
@@ -119,9 +119,9 @@ void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, 
   EXPECT_TRUE(s.ok()) << s.message();
 }
 
-class SeedKernelOnInterpreter : public ::testing::TestWithParam<Shape> {};
+class TruenoKernelOnInterpreter : public ::testing::TestWithParam<Shape> {};
 
-TEST_P(SeedKernelOnInterpreter, MatchesReferenceBackward) {
+TEST_P(TruenoKernelOnInterpreter, MatchesReferenceBackward) {
   const Shape& s = GetParam();
   const BackwardProblem p = MakeProblem(s);
   const Result got = RunOnInterpreter(s, p);
@@ -137,7 +137,7 @@ TEST_P(SeedKernelOnInterpreter, MatchesReferenceBackward) {
 
 // A device whose grid.x limit is below what the rows need: the plan launches in pieces, each
 // with its rows' pointers, and the result is the same as one launch.
-TEST(SeedKernelPieces, ALowGridLimitSplitsTheLaunchWithoutChangingTheResult) {
+TEST(TruenoKernelPieces, ALowGridLimitSplitsTheLaunchWithoutChangingTheResult) {
   for (const Shape& s : {Shape{"batched_rms_norm_backward", 33, 7, 90, 1e-5f},
                          Shape{"rms_norm_backward", 17, 29, 90, 1e-5f, DType::kF16}}) {
     const BackwardProblem p = MakeProblem(s);
@@ -154,7 +154,7 @@ TEST(SeedKernelPieces, ALowGridLimitSplitsTheLaunchWithoutChangingTheResult) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(WarpKernelAllHiddenDims, SeedKernelOnInterpreter, ::testing::ValuesIn([] {
+INSTANTIATE_TEST_SUITE_P(WarpKernelAllHiddenDims, TruenoKernelOnInterpreter, ::testing::ValuesIn([] {
                            std::vector<Shape> shapes;
                            for (uint32_t h = 1; h <= 32; ++h)
                              shapes.push_back({"rms_norm_backward", h, 7, 90, 1e-5f});
@@ -165,7 +165,7 @@ INSTANTIATE_TEST_SUITE_P(WarpKernelAllHiddenDims, SeedKernelOnInterpreter, ::tes
                          ShapeName);
 
 INSTANTIATE_TEST_SUITE_P(
-    HalfPrecisionElements, SeedKernelOnInterpreter, ::testing::ValuesIn([] {
+    HalfPrecisionElements, TruenoKernelOnInterpreter, ::testing::ValuesIn([] {
       std::vector<Shape> shapes;
       for (DType dtype : {DType::kF16, DType::kBF16}) {
         for (uint32_t h : {1u, 7u, 32u})
@@ -179,7 +179,7 @@ INSTANTIATE_TEST_SUITE_P(
     ShapeName);
 
 INSTANTIATE_TEST_SUITE_P(
-    BatchedKernelShapes, SeedKernelOnInterpreter, ::testing::ValuesIn([] {
+    BatchedKernelShapes, TruenoKernelOnInterpreter, ::testing::ValuesIn([] {
       std::vector<Shape> shapes;
       for (uint32_t h : {1u, 2u, 3u, 7u, 16u, 31u, 32u, 33u, 63u, 64u, 65u, 100u, 127u, 255u, 256u,
                          257u, 896u, 1024u}) {
@@ -196,9 +196,9 @@ INSTANTIATE_TEST_SUITE_P(
 
 // The interpreter's gradients against central finite differences of the forward loss
 // L = sum y * dy, for dx (both kernels) and dgamma (batched).
-class SeedKernelFiniteDifferences : public ::testing::TestWithParam<Shape> {};
+class TruenoKernelFiniteDifferences : public ::testing::TestWithParam<Shape> {};
 
-TEST_P(SeedKernelFiniteDifferences, MatchCentralDifferencesOfTheForwardLoss) {
+TEST_P(TruenoKernelFiniteDifferences, MatchCentralDifferencesOfTheForwardLoss) {
   const Shape& s = GetParam();
   const BackwardProblem p = MakeProblem(s);
   const Result got = RunOnInterpreter(s, p);
@@ -229,7 +229,7 @@ TEST_P(SeedKernelFiniteDifferences, MatchCentralDifferencesOfTheForwardLoss) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, SeedKernelFiniteDifferences,
+INSTANTIATE_TEST_SUITE_P(Shapes, TruenoKernelFiniteDifferences,
                          ::testing::Values(Shape{"rms_norm_backward", 1, 3, 90, 1e-5f},
                                            Shape{"rms_norm_backward", 13, 3, 90, 1e-5f},
                                            Shape{"rms_norm_backward", 32, 2, 90, 1e-5f},

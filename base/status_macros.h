@@ -7,8 +7,7 @@
 // The expression is evaluated once. ASSIGN_OR_RETURN moves the value out of the StatusOr into the
 // declaration (or existing variable) on its left; it expands to two statements, so it cannot be
 // the body of an unbraced if.
-#ifndef NORMGRAD_KERNELS_STATUS_MACROS_H_
-#define NORMGRAD_KERNELS_STATUS_MACROS_H_
+#pragma once
 
 #include <utility>
 
@@ -33,5 +32,3 @@
   auto statusor = (expr);                                    \
   if (!statusor.ok()) return std::move(statusor).status();   \
   lhs = *std::move(statusor)
-
-#endif  // NORMGRAD_KERNELS_STATUS_MACROS_H_
