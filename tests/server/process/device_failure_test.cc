@@ -57,26 +57,8 @@ int ExitCode(const std::optional<int>& status) {
   return status && WIFEXITED(*status) ? WEXITSTATUS(*status) : -1;
 }
 
-// grpc.health.v1.Health/Check of the whole server ("") by hand (no generated health stubs in
-// the Debian packages): 1 SERVING, 2 NOT_SERVING, or -(gRPC code) on error.
 int HealthStatus(int port) {
-  grpc::GenericStub stub(testing::OwnConnectionFor(port));
-  grpc::Slice empty_request{std::string()};  // HealthCheckRequest{service: ""}
-  grpc::ByteBuffer in(&empty_request, 1), out;
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-  std::promise<grpc::Status> done;
-  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &in, &out,
-                 [&](grpc::Status s) { done.set_value(s); });
-  grpc::Status s = done.get_future().get();
-  if (!s.ok()) return -static_cast<int>(s.error_code());
-  std::vector<grpc::Slice> slices;
-  if (!out.Dump(&slices).ok()) return -2;
-  std::string bytes;
-  for (const grpc::Slice& sl : slices) {
-    bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
-  }
-  return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : -2;
+  return testing::HealthStatus(testing::OwnConnectionFor(port));
 }
 
 v1::GetServerInfoResponse Info(int port) {

@@ -32,6 +32,7 @@ namespace normgrad::server {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::WaitFor;
 
 // A fresh directory for the socket file (under /tmp: socket paths must stay under 108 bytes).
 class SocketDir {
@@ -59,16 +60,6 @@ std::map<std::string, double> Metrics(const NormGradServer& server) {
 
 std::string Rejected(const char* method, const char* limit) {
   return absl::StrCat("normgrad_rejected_total{method=\"", method, "\",limit=\"", limit, "\"}");
-}
-
-template <typename F>
-bool WaitFor(F done, absl::Duration limit = absl::Seconds(20)) {
-  const absl::Time end = absl::Now() + limit;
-  while (absl::Now() < end) {
-    if (done()) return true;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return done();
 }
 
 using BackwardStream = grpc::ClientReaderWriter<v1::BackwardRequest, v1::BackwardResponse>;

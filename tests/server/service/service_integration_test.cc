@@ -37,6 +37,7 @@ namespace normgrad::server {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::WaitFor;
 using testing::Batch;
 using testing::BackwardResult;
 
@@ -46,17 +47,6 @@ std::unique_ptr<NormGradServer> StartServer(const ServerOptions& options) {
   absl::StatusOr<std::unique_ptr<NormGradServer>> server = NormGradServer::Start(options);
   EXPECT_TRUE(server.ok()) << server.status();
   return server.ok() ? *std::move(server) : nullptr;
-}
-
-// Polls `done` every 10 ms for at most `limit`.
-template <typename F>
-bool WaitFor(F done, absl::Duration limit = absl::Seconds(20)) {
-  const absl::Time end = absl::Now() + limit;
-  while (absl::Now() < end) {
-    if (done()) return true;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return done();
 }
 
 // A client that sends the header and 10 rows of `batch`, then nothing more (without
@@ -79,33 +69,6 @@ StalledStream SendTenRowsThenStall(v1::NormGrad::Stub& stub, const Batch& batch,
   }
   out.status = stream->Finish();
   return out;
-}
-
-// grpc.health.v1.Health/Check by hand (no generated health stubs in the Debian packages):
-// returns 1 SERVING, 2 NOT_SERVING, or -(gRPC code) on error.
-int HealthStatus(int port, const std::string& service) {
-  grpc::GenericStub stub(testing::ChannelFor(port));
-  std::string request;
-  if (!service.empty()) {
-    request.push_back(0x0a);  // field 1, length-delimited
-    request.push_back(static_cast<char>(service.size()));
-    request += service;
-  }
-  grpc::Slice slice(request);
-  grpc::ByteBuffer in(&slice, 1), out;
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  std::promise<grpc::Status> done;
-  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &in, &out,
-                 [&](grpc::Status s) { done.set_value(s); });
-  grpc::Status s = done.get_future().get();
-  if (!s.ok()) return -static_cast<int>(s.error_code());
-  std::vector<grpc::Slice> slices;
-  if (!out.Dump(&slices).ok()) return -2;
-  std::string bytes;
-  for (const grpc::Slice& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
-  if (bytes.size() == 2 && bytes[0] == 0x08) return bytes[1];
-  return bytes.empty() ? 0 : -2;  // 0 = UNKNOWN (proto3 default elides the field)
 }
 
 class ServiceTest : public ::testing::Test {
@@ -683,8 +646,8 @@ TEST(ServiceShutdownTest, DrainLetsInFlightStreamsFinishAndRefusesNewOnes) {
   std::unique_ptr<NormGradServer> server = StartServer(testing::TestServerOptions());
   ASSERT_NE(server, nullptr);
   const int port = server->port();
-  EXPECT_EQ(HealthStatus(port, ""), 1);
-  EXPECT_EQ(HealthStatus(port, "normgrad.v1.NormGrad"), 1);
+  EXPECT_EQ(testing::HealthStatus(testing::ChannelFor(port), ""), 1);
+  EXPECT_EQ(testing::HealthStatus(testing::ChannelFor(port), "normgrad.v1.NormGrad"), 1);
   auto stub = testing::StubFor(port);
   const Batch batch = testing::RandomBatch(40, 32, 27);
   grpc::ClientContext context;
@@ -694,8 +657,8 @@ TEST(ServiceShutdownTest, DrainLetsInFlightStreamsFinishAndRefusesNewOnes) {
   ASSERT_TRUE(stream->Read(&response));
 
   std::thread shutdown([&] { server->Shutdown(absl::Seconds(60)); });
-  EXPECT_TRUE(WaitFor([&] { return HealthStatus(port, "") != 1; }));
-  EXPECT_EQ(HealthStatus(port, "normgrad.v1.NormGrad"), 2);
+  EXPECT_TRUE(WaitFor([&] { return testing::HealthStatus(testing::ChannelFor(port), "") != 1; }));
+  EXPECT_EQ(testing::HealthStatus(testing::ChannelFor(port), "normgrad.v1.NormGrad"), 2);
   grpc::Status refused = testing::SendMessages(*stub, {testing::HeaderFor(batch)});
   EXPECT_EQ(refused.error_code(), grpc::UNAVAILABLE) << refused.error_message();
 

@@ -1,8 +1,10 @@
 #include "tests/server/service/service_test_util.h"
 
+#include <grpcpp/generic/generic_stub.h>
 #include <httplib.h>
 
 #include <cmath>
+#include <future>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -156,6 +158,33 @@ std::string HttpGet(int port, const std::string& path, int* status) {
   }
   *status = res->status;
   return res->body;
+}
+
+int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::string& service) {
+  grpc::GenericStub stub(channel);
+  std::string request;
+  if (!service.empty()) {
+    request.push_back(0x0a);  // field 1, length-delimited
+    request.push_back(static_cast<char>(service.size()));
+    request += service;
+  }
+  grpc::Slice slice(request);
+  grpc::ByteBuffer in(&slice, 1), out;
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &in, &out,
+                 [&](grpc::Status s) { done.set_value(s); });
+  grpc::Status s = done.get_future().get();
+  if (!s.ok()) return -static_cast<int>(s.error_code());
+  std::vector<grpc::Slice> slices;
+  if (!out.Dump(&slices).ok()) return -2;
+  std::string bytes;
+  for (const grpc::Slice& sl : slices) {
+    bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  }
+  if (bytes.size() == 2 && bytes[0] == 0x08) return bytes[1];
+  return bytes.empty() ? 0 : -2;  // 0: UNKNOWN (proto3 leaves the default out)
 }
 
 }  // namespace normgrad::server::testing

@@ -12,6 +12,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "normgrad/v1/normgrad.grpc.pb.h"
 #include "server/process/normgrad_server.h"
@@ -56,6 +57,22 @@ std::shared_ptr<grpc::Channel> ChannelFor(int port);
 // A channel with a connection of its own, not shared with other channels to the same address
 // through gRPC's process-wide subchannel pool: for clients the server may disconnect.
 std::shared_ptr<grpc::Channel> OwnConnectionFor(int port);
+
+// grpc.health.v1.Health/Check of `service` ("" for the whole server) by hand (no generated health
+// stubs in the Debian packages): 1 SERVING, 2 NOT_SERVING, 0 UNKNOWN, or -(gRPC code) on error
+// (-2 for an answer that is not a HealthCheckResponse).
+int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::string& service = "");
+
+// Polls `done` every 10 ms for at most `limit`; its last answer.
+template <typename F>
+bool WaitFor(F done, absl::Duration limit = absl::Seconds(20)) {
+  const absl::Time end = absl::Now() + limit;
+  while (absl::Now() < end) {
+    if (done()) return true;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return done();
+}
 
 // "name{a=\"b\"}" (exactly as rendered) -> value; comment lines skipped. Empty on a bad line.
 std::map<std::string, double> ParsePrometheusText(const std::string& text, std::string* error);
