@@ -44,7 +44,7 @@ namespace {
 
 using ::normgrad::testing::Batch;
 using ::normgrad::testing::ChunkGates;
-using ::normgrad::testing::GatedBackend;
+using ::normgrad::testing::StartGatedServer;
 
 enum class Via { kBytes, kStaging, kRegion };
 enum class Ending { kCancel, kDeadline, kDrain };
@@ -62,25 +62,6 @@ const char* PointName(ChunkGates::Point p) {
 constexpr uint32_t kHidden = 64;
 constexpr uint64_t kRowsPerChunk = 16;
 constexpr uint64_t kRows = 6 * kRowsPerChunk;  // six chunks
-
-// A server on a unix socket (shared memory on) whose backend is the gated CPU backend.
-std::unique_ptr<server::NormGradServer> StartGatedServer(const std::string& socket,
-                                                         std::shared_ptr<ChunkGates> gates) {
-  server::ServerOptions o;
-  o.listen = {"unix:" + socket};
-  o.metrics_listen = "";
-  o.shared_memory = true;
-  o.worker_threads = 2;
-  o.backend.kind = server::BackendKind::kCpu;
-  o.backend.cpu_threads = 1;
-  absl::StatusOr<std::unique_ptr<server::Backend>> cpu = server::CreateBackend(o.backend);
-  EXPECT_TRUE(cpu.ok()) << cpu.status();
-  if (!cpu.ok()) return nullptr;
-  absl::StatusOr<std::unique_ptr<server::NormGradServer>> s = server::NormGradServer::Start(
-      o, std::make_unique<GatedBackend>(*std::move(cpu), std::move(gates)));
-  EXPECT_TRUE(s.ok()) << s.status();
-  return s.ok() ? *std::move(s) : nullptr;
-}
 
 // Where one call's tensors are: caller vectors (bytes, staging) or a registered region.
 struct Tensors {

@@ -38,13 +38,13 @@
 #include "normgrad/shared_memory.h"
 #include "server/backend_factory/backend_factory.h"
 #include "server/process/normgrad_server.h"
+#include "tests/client/test_server.h"
 #include "tests/common/gated_backend.h"
 
 namespace normgrad {
 namespace {
 
 using ::normgrad::testing::ChunkGates;
-using ::normgrad::testing::GatedBackend;
 
 uint64_t EnvOr(const char* name, uint64_t fallback) {
   const char* v = std::getenv(name);
@@ -77,22 +77,8 @@ class Schedule {
     auto g = std::make_shared<Generation>();
     g->number = number;
     const std::string socket = absl::StrCat(dir_, "/gen", number, ".sock");
-    server::ServerOptions o;
-    o.listen = {"unix:" + socket};
-    o.metrics_listen = "";
-    o.shared_memory = true;
-    o.worker_threads = 2;
-    o.backend.kind = server::BackendKind::kCpu;
-    o.backend.cpu_threads = 1;
-    absl::StatusOr<std::unique_ptr<server::Backend>> cpu = server::CreateBackend(o.backend);
-    if (!cpu.ok()) return nullptr;
-    absl::StatusOr<std::unique_ptr<server::NormGradServer>> s =
-        server::NormGradServer::Start(o, std::make_unique<GatedBackend>(*std::move(cpu), gates_));
-    if (!s.ok()) {
-      ADD_FAILURE() << s.status();
-      return nullptr;
-    }
-    g->server = *std::move(s);
+    g->server = testing::StartGatedServer(socket, gates_);
+    if (g->server == nullptr) return nullptr;
     ClientOptions c;
     c.target = "unix:" + socket;
     c.max_attempts = 1;

@@ -15,7 +15,9 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/reference.h"
+#include "server/backend_factory/backend_factory.h"
 #include "server/process/normgrad_server.h"
+#include "tests/common/gated_backend.h"
 
 namespace normgrad::testing {
 
@@ -32,6 +34,26 @@ inline std::unique_ptr<server::NormGradServer> StartTestServer(
       server::NormGradServer::Start(options);
   EXPECT_TRUE(s.ok()) << s.status();
   return s.ok() ? std::move(*s) : nullptr;
+}
+
+// A server on the unix socket `socket` (shared memory on) whose backend is the CPU backend
+// behind `gates` (tests/common/gated_backend.h), so that a test holds a chunk's job where it wants.
+inline std::unique_ptr<server::NormGradServer> StartGatedServer(const std::string& socket,
+                                                                std::shared_ptr<ChunkGates> gates) {
+  server::ServerOptions o;
+  o.listen = {"unix:" + socket};
+  o.metrics_listen = "";
+  o.shared_memory = true;
+  o.worker_threads = 2;
+  o.backend.kind = server::BackendKind::kCpu;
+  o.backend.cpu_threads = 1;
+  absl::StatusOr<std::unique_ptr<server::Backend>> cpu = server::CreateBackend(o.backend);
+  EXPECT_TRUE(cpu.ok()) << cpu.status();
+  if (!cpu.ok()) return nullptr;
+  absl::StatusOr<std::unique_ptr<server::NormGradServer>> s = server::NormGradServer::Start(
+      o, std::make_unique<GatedBackend>(*std::move(cpu), std::move(gates)));
+  EXPECT_TRUE(s.ok()) << s.status();
+  return s.ok() ? *std::move(s) : nullptr;
 }
 
 inline std::string Address(const server::NormGradServer& s) {
