@@ -97,7 +97,7 @@ TEST_P(RowResidentPlanTraffic, MovesEachElementOnceAndTheTreeRowsTwiceInOneLaunc
   EXPECT_GE(t->total.SectorEfficiency(), 0.99);
 }
 
-INSTANTIATE_TEST_SUITE_P(IssueRatios, RowResidentPlanTraffic,
+INSTANTIATE_TEST_SUITE_P(ModelShapes, RowResidentPlanTraffic,
                          ::testing::Values(Shape{DType::kF32, 896}, Shape{DType::kF32, 4096},
                                            Shape{DType::kBF16, 896}, Shape{DType::kBF16, 4096}),
                          [](const ::testing::TestParamInfo<Shape>& info) {
