@@ -31,6 +31,15 @@ v1::EmitPtxRequest Request(const std::string& kernel = "rms_norm_backward_row_re
   return r;
 }
 
+// The resource usage of the row-resident kernel for sm_80 and sm_90.
+v1::EmitPtxRequest ResourceUsageRequest() {
+  v1::EmitPtxRequest r = Request();
+  r.add_targets("sm_80");
+  r.add_targets("sm_90");
+  r.set_resource_usage(true);
+  return r;
+}
+
 TEST(PtxServiceTest, BatchIsOneArtifactPerTargetAndDtypeTargetsOuter) {
   PtxService ptx(Options("/nonexistent/libnvJitLink.so.13"));
   v1::EmitPtxRequest request = Request();
@@ -162,10 +171,7 @@ TEST(PtxServiceTest, ConfigurationsPerRequestAreBounded) {
 
 TEST(PtxServiceTest, ResourceUsageWithoutNvJitLinkSaysWhyAndStillAnswers) {
   PtxService ptx(Options("/nonexistent/libnvJitLink.so.13"));
-  v1::EmitPtxRequest request = Request();
-  request.add_targets("sm_80");
-  request.add_targets("sm_90");
-  request.set_resource_usage(true);
+  v1::EmitPtxRequest request = ResourceUsageRequest();
   absl::StatusOr<v1::EmitPtxResponse> r = ptx.Emit(request);
   ASSERT_TRUE(r.ok()) << r.status();
   for (const v1::EmitPtxArtifact& a : r->artifacts()) {
@@ -180,10 +186,7 @@ TEST(PtxServiceTest, ResourceUsageWithoutNvJitLinkSaysWhyAndStillAnswers) {
 TEST(PtxServiceTest, ResourceUsageFromNvJitLinksReport) {
   PtxService ptx(Options(""));
   if (!ptx.has_nvjitlink()) GTEST_SKIP() << "no nvJitLink on this machine";
-  v1::EmitPtxRequest request = Request();
-  request.add_targets("sm_80");
-  request.add_targets("sm_90");
-  request.set_resource_usage(true);
+  v1::EmitPtxRequest request = ResourceUsageRequest();
   absl::StatusOr<v1::EmitPtxResponse> r = ptx.Emit(request);
   ASSERT_TRUE(r.ok()) << r.status();
   for (const v1::EmitPtxArtifact& a : r->artifacts()) {
