@@ -122,6 +122,17 @@ absl::Span<uint8_t> WritableBytesOf(const py::buffer_info& info, const char* nam
   return {const_cast<uint8_t*>(bytes.data()), bytes.size()};
 }
 
+// Arguments with the call's shape set; the caller adds the tensors.
+RawBackwardArgs ShapedArgs(const std::string& type, uint64_t num_rows, uint32_t hidden_dim,
+                           double eps) {
+  RawBackwardArgs args;
+  args.type = ParseType(type);
+  args.num_rows = num_rows;
+  args.hidden_dim = hidden_dim;
+  args.eps = static_cast<float>(eps);
+  return args;
+}
+
 py::dict SummaryDict(const RawBackwardResult& result) {
   py::dict d;
   d["backend"] = result.summary.backend;
@@ -195,11 +206,7 @@ class PyClient {
                           dgamma_info = dgamma.request(true);
     std::optional<py::buffer_info> rms_info;
     if (rms.has_value()) rms_info = rms->request();
-    RawBackwardArgs args;
-    args.type = ParseType(type);
-    args.num_rows = num_rows;
-    args.hidden_dim = hidden_dim;
-    args.eps = static_cast<float>(eps);
+    RawBackwardArgs args = ShapedArgs(type, num_rows, hidden_dim, eps);
     args.x = BytesOf(x_info, "x");
     args.dy = BytesOf(dy_info, "dy");
     args.gamma = BytesOf(gamma_info, "gamma");
@@ -217,11 +224,7 @@ class PyClient {
                           std::optional<uint64_t> rms_ptr, const py::buffer& gamma,
                           const py::buffer& dgamma, const std::string& kernel, int device) {
     const py::buffer_info gamma_info = gamma.request(), dgamma_info = dgamma.request(true);
-    RawBackwardArgs args;
-    args.type = ParseType(type);
-    args.num_rows = num_rows;
-    args.hidden_dim = hidden_dim;
-    args.eps = static_cast<float>(eps);
+    RawBackwardArgs args = ShapedArgs(type, num_rows, hidden_dim, eps);
     args.gamma = BytesOf(gamma_info, "gamma");
     args.dgamma = WritableBytesOf(dgamma_info, "grad_gamma");
     absl::Status exported;
