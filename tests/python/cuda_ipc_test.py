@@ -139,6 +139,15 @@ class EmulatedCudaServerTest(unittest.TestCase):
         cls.server.stop()
         cls.device.free_all()
 
+    def refused_backward_device(self, seed):
+        """The message of the FailedPreconditionError a 2 x 64 backward_device call gets."""
+        x, dy, gamma, _, _ = random_case(2, 64, np.float32, seed)
+        base = self.device.alloc(3 * x.nbytes)
+        with self.assertRaises(normgrad.FailedPreconditionError) as caught:
+            self.client.backward_device(base, base + x.nbytes, base + 2 * x.nbytes, gamma,
+                                        num_rows=2, hidden_dim=64)
+        return caught.exception.message
+
 
 @skip_without_emulated_cuda
 class CudaIpcTest(EmulatedCudaServerTest):
@@ -266,13 +275,9 @@ class CudaIpcOffTest(EmulatedCudaServerTest):
     """A CUDA-backend server started without --cuda-ipc."""
 
     def test_backward_device_is_failed_precondition_naming_the_flag(self):
-        x, dy, gamma, _, _ = random_case(2, 64, np.float32, 7)
-        base = self.device.alloc(3 * x.nbytes)
-        with self.assertRaises(normgrad.FailedPreconditionError) as caught:
-            self.client.backward_device(base, base + x.nbytes, base + 2 * x.nbytes, gamma,
-                                        num_rows=2, hidden_dim=64)
-        self.assertIn("takes no CUDA IPC", caught.exception.message)
-        self.assertIn("--cuda-ipc", caught.exception.message)
+        message = self.refused_backward_device(seed=7)
+        self.assertIn("takes no CUDA IPC", message)
+        self.assertIn("--cuda-ipc", message)
 
     def test_the_client_sees_that_it_takes_none(self):
         # GetServerInfo leaves cuda_ipc unset (so out of the JSON) when it is off.
@@ -292,12 +297,8 @@ class CudaIpcOtherGpuTest(EmulatedCudaServerTest):
         self.assertFalse(self.client.takes_cuda_ipc(0))
 
     def test_backward_device_is_failed_precondition_naming_both_gpus(self):
-        x, dy, gamma, _, _ = random_case(2, 64, np.float32, 8)
-        base = self.device.alloc(3 * x.nbytes)
-        with self.assertRaises(normgrad.FailedPreconditionError) as caught:
-            self.client.backward_device(base, base + x.nbytes, base + 2 * x.nbytes, gamma,
-                                        num_rows=2, hidden_dim=64)
-        self.assertIn("is not this server's GPU (0123456789abcdef", caught.exception.message)
+        self.assertIn("is not this server's GPU (0123456789abcdef",
+                      self.refused_backward_device(seed=8))
 
 
 class CudaRouteTest(unittest.TestCase):

@@ -77,20 +77,23 @@ class ServerErrorsTest(unittest.TestCase):
         self.assertEqual(str(error), f"{code}: {error.message}")
         return error
 
-    def test_invalid_eps_is_the_servers_message(self):
-        x, dy, gamma = batch(3, 8)
-        error = self.assert_error(lambda: self.client.backward(x, dy, gamma, eps=0.0),
+    def assert_cli_says_the_same(self, x, dy, gamma, cli_flags, **backward_kwargs):
+        """backward's INVALID_ARGUMENT is the one the CLI reports for `cli_flags`."""
+        error = self.assert_error(lambda: self.client.backward(x, dy, gamma, **backward_kwargs),
                                   "INVALID_ARGUMENT", normgrad.InvalidArgumentError)
         self.assertEqual((error.code, error.message),
-                         cli_error(self.server.address, x, dy, gamma, "--eps", "0"))
+                         cli_error(self.server.address, x, dy, gamma, *cli_flags))
+        return error
+
+    def test_invalid_eps_is_the_servers_message(self):
+        x, dy, gamma = batch(3, 8)
+        error = self.assert_cli_says_the_same(x, dy, gamma, ["--eps", "0"], eps=0.0)
         self.assertIn("header.eps is 0", error.message)
 
     def test_unknown_kernel_is_the_servers_message(self):
         x, dy, gamma = batch(3, 8)
-        error = self.assert_error(lambda: self.client.backward(x, dy, gamma, kernel="fast_one"),
-                                  "INVALID_ARGUMENT", normgrad.InvalidArgumentError)
-        self.assertEqual((error.code, error.message),
-                         cli_error(self.server.address, x, dy, gamma, "--kernel", "fast_one"))
+        error = self.assert_cli_says_the_same(x, dy, gamma, ["--kernel", "fast_one"],
+                                              kernel="fast_one")
         self.assertIn('"fast_one" is unknown', error.message)
 
     def test_kernel_that_cannot_run_the_shape(self):
