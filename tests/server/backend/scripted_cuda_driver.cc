@@ -75,6 +75,12 @@ Allocations& Live() {
   static Allocations* a = new Allocations;
   return *a;
 }
+// One field of Live(), read under its lock.
+template <typename T>
+T LiveField(T Allocations::*field) {
+  std::lock_guard<std::mutex> lock(Live().mu);
+  return Live().*field;
+}
 void Track(std::map<uintptr_t, size_t>& map, size_t& bytes, size_t& peak, void* p, size_t n) {
   std::lock_guard<std::mutex> lock(Live().mu);
   map[reinterpret_cast<uintptr_t>(p)] = n;
@@ -287,31 +293,13 @@ void normgrad_scripted_cuda_reset() {
   Live().max_busy_streams = Live().busy_streams;
 }
 // Pinned (cuMemHostAlloc) and device bytes live now, and their peaks since the last reset.
-size_t normgrad_scripted_cuda_host_bytes() {
-  std::lock_guard<std::mutex> lock(Live().mu);
-  return Live().host_bytes;
-}
-size_t normgrad_scripted_cuda_device_bytes() {
-  std::lock_guard<std::mutex> lock(Live().mu);
-  return Live().device_bytes;
-}
-size_t normgrad_scripted_cuda_peak_host_bytes() {
-  std::lock_guard<std::mutex> lock(Live().mu);
-  return Live().peak_host;
-}
-size_t normgrad_scripted_cuda_peak_device_bytes() {
-  std::lock_guard<std::mutex> lock(Live().mu);
-  return Live().peak_device;
-}
-int normgrad_scripted_cuda_live_streams() {
-  std::lock_guard<std::mutex> lock(Live().mu);
-  return Live().streams;
-}
+size_t normgrad_scripted_cuda_host_bytes() { return LiveField(&Allocations::host_bytes); }
+size_t normgrad_scripted_cuda_device_bytes() { return LiveField(&Allocations::device_bytes); }
+size_t normgrad_scripted_cuda_peak_host_bytes() { return LiveField(&Allocations::peak_host); }
+size_t normgrad_scripted_cuda_peak_device_bytes() { return LiveField(&Allocations::peak_device); }
+int normgrad_scripted_cuda_live_streams() { return LiveField(&Allocations::streams); }
 // Deferred mode: the most streams that held queued work at once since the last reset.
-int normgrad_scripted_cuda_max_busy_streams() {
-  std::lock_guard<std::mutex> lock(Live().mu);
-  return Live().max_busy_streams;
-}
+int normgrad_scripted_cuda_max_busy_streams() { return LiveField(&Allocations::max_busy_streams); }
 
 CUresult cuInit(unsigned int) {
   return Mode() == "init_fails" ? CUDA_ERROR_NO_DEVICE : CUDA_SUCCESS;
