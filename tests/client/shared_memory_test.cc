@@ -39,7 +39,6 @@ namespace {
 
 using ::normgrad::testing::Batch;
 using ::normgrad::testing::ExpectGradientsClose;
-using ::normgrad::testing::StartTestServer;
 using ::testing::HasSubstr;
 
 class SharedMemoryTest : public ::testing::Test {
@@ -47,7 +46,7 @@ class SharedMemoryTest : public ::testing::Test {
   void SetUp() override {
     ASSERT_NE(mkdtemp(dir_.data()), nullptr);
     socket_ = dir_ + "/grpc.sock";
-    server_ = StartTestServer([this](server::ServerOptions& o) {
+    server_ = testing::StartTestServer([this](server::ServerOptions& o) {
       o.listen = {"127.0.0.1:0", "unix:" + socket_};
       o.shared_memory = true;
       o.regions.max_regions = 8;
@@ -191,7 +190,8 @@ TEST_F(SharedMemoryTest, SharedMemoryOverTcpOrWithoutTheServerFlagIsFailedPrecon
   EXPECT_THAT(g.status().message(), HasSubstr("unix"));
 
   const std::string plain = dir_ + "/plain.sock";
-  auto off = StartTestServer([&](server::ServerOptions& o) { o.listen = {"unix:" + plain}; });
+  auto off =
+      testing::StartTestServer([&](server::ServerOptions& o) { o.listen = {"unix:" + plain}; });
   ASSERT_NE(off, nullptr);
   ClientOptions o;
   o.target = "unix:" + plain;

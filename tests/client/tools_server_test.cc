@@ -17,9 +17,6 @@ namespace {
 
 using ::normgrad::testing::Address;
 using ::normgrad::testing::Batch;
-using ::normgrad::testing::ExpectClose;
-using ::normgrad::testing::ExpectGradientsClose;
-using ::normgrad::testing::StartTestServer;
 
 struct Result {
   int code;
@@ -75,7 +72,7 @@ TEST_F(CliServerTest, BackwardNpyRoundTripMatchesReference) {
   ASSERT_TRUE(dx.ok() && dg.ok());
   EXPECT_EQ(dx->shape, (std::vector<uint64_t>{2, 150, 64}));
   EXPECT_EQ(dg->shape, (std::vector<uint64_t>{64}));
-  ExpectGradientsClose(dx->data, dg->data, b);
+  testing::ExpectGradientsClose(dx->data, dg->data, b);
 }
 
 TEST_F(CliServerTest, ProgressBarOnlyOnATerminal) {
@@ -106,7 +103,7 @@ TEST_F(CliServerTest, BackwardWithRmsUsesIt) {
   ASSERT_EQ(r.code, kExitOk) << r.err;
   absl::StatusOr<npy::Array> dx = npy::ReadF32(P("rdx.npy"));
   ASSERT_TRUE(dx.ok());
-  ExpectClose(dx->data, b.dx, "dx");
+  testing::ExpectClose(dx->data, b.dx, "dx");
 }
 
 TEST_F(CliServerTest, ServerRejectionExits1WithCodeAndMessage) {
@@ -224,7 +221,7 @@ TEST_F(LoadServerTest, ConnectionsRateAndEmitPtxAllComplete) {
 
 TEST_F(LoadServerTest, OverloadedServerErrorsAreCountedByCode) {
   // This test's server admits one stream at a time.
-  server_ = StartTestServer([](server::ServerOptions& o) { o.admission.max_streams = 1; });
+  server_ = testing::StartTestServer([](server::ServerOptions& o) { o.admission.max_streams = 1; });
   ASSERT_NE(server_, nullptr);
   const Result r = Load({"--total=48", "--concurrency=8", "--shapes=256x1024", "--format=json"});
   ASSERT_EQ(r.code, 0) << r.err;

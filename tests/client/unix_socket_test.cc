@@ -29,7 +29,6 @@ namespace normgrad {
 namespace {
 
 using ::normgrad::testing::Batch;
-using ::normgrad::testing::ExpectGradientsClose;
 using ::normgrad::testing::StartTestServer;
 using ::testing::HasSubstr;
 
@@ -87,7 +86,7 @@ TEST(UnixSocketTest, ClientCliAndLoadGeneratorWorkThroughTheSocketBesideTcp) {
   const Batch b(700, 256, /*seed=*/5);
   absl::StatusOr<Gradients> g = (*c)->Backward(b.x, b.dy, b.gamma, 1e-5f);
   ASSERT_TRUE(g.ok()) << g.status();
-  ExpectGradientsClose(g->dx, g->dgamma, b);
+  testing::ExpectGradientsClose(g->dx, g->dgamma, b);
 
   std::ostringstream out, err;
   tools::CliEnvironment env;
@@ -212,7 +211,7 @@ TEST(UnixSocketTest, PeerCredentialsDecideWhoMayCallAndAreNamed) {
   std::unique_ptr<Client> c2 = *Client::Create(options);
   g = c2->Backward(b.x, b.dy, b.gamma, 1e-5f);
   ASSERT_TRUE(g.ok()) << g.status();
-  ExpectGradientsClose(g->dx, g->dgamma, b);
+  testing::ExpectGradientsClose(g->dx, g->dgamma, b);
 }
 
 TEST(UnixSocketTest, BadListenValuesAreInvalidArgumentNamingThem) {
