@@ -15,26 +15,17 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "tests/common/child_process.h"
+#include "tests/common/shell_command.h"
 
 namespace normgrad {
 namespace {
 
-struct Output {
-  int status = -1;
-  std::string text;  // stdout and stderr together
-};
+using ::normgrad::testing::CommandOutput;
 
-// Runs a shell command line; bounded by `timeout` (coreutils) so a hang fails instead of waiting.
-Output RunCommand(const std::string& command) {
-  Output out;
-  FILE* pipe = popen(absl::StrCat("timeout 120 ", command, " 2>&1").c_str(), "r");
-  if (pipe == nullptr) return out;
-  char buffer[4096];
-  size_t n;
-  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) out.text.append(buffer, n);
-  const int status = pclose(pipe);
-  out.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return out;
+// Runs a shell command line, stderr with stdout; bounded by `timeout` (coreutils) so a hang fails
+// instead of waiting.
+CommandOutput RunCommand(const std::string& command) {
+  return testing::RunShellCommand(absl::StrCat("timeout 120 ", command, " 2>&1"));
 }
 
 #ifdef NORMGRAD_SERVER_PATH
@@ -71,59 +62,60 @@ const std::string kCli = NORMGRAD_CLI_PATH;
 const std::string kLoad = NORMGRAD_LOAD_PATH;
 
 TEST(BinariesTest, CliWithoutACommandExits2) {
-  const Output o = RunCommand(kCli);
-  EXPECT_EQ(o.status, 2);
-  EXPECT_NE(o.text.find("usage: normgrad"), std::string::npos);
+  const CommandOutput o = RunCommand(kCli);
+  EXPECT_EQ(o.exit_code, 2);
+  EXPECT_NE(o.output.find("usage: normgrad"), std::string::npos);
 }
 
 TEST(BinariesTest, CliMissingInputFileExits2WithOneLine) {
-  const Output o = RunCommand(kCli + " backward --x /nonexistent/x.npy --dy a --gamma b");
-  EXPECT_EQ(o.status, 2);
-  EXPECT_EQ(o.text, "normgrad: /nonexistent/x.npy: cannot open (No such file or directory)\n");
+  const CommandOutput o = RunCommand(kCli + " backward --x /nonexistent/x.npy --dy a --gamma b");
+  EXPECT_EQ(o.exit_code, 2);
+  EXPECT_EQ(o.output, "normgrad: /nonexistent/x.npy: cannot open (No such file or directory)\n");
 }
 
 TEST(BinariesTest, CliUnreachableServerExits1) {
-  const Output o =
+  const CommandOutput o =
       RunCommand("env NORMGRAD_TARGET=127.0.0.1:1 " + kCli + " health --max-attempts=1");
-  EXPECT_EQ(o.status, 1);
-  EXPECT_EQ(o.text.rfind("error: UNAVAILABLE: ", 0), 0u) << o.text;
+  EXPECT_EQ(o.exit_code, 1);
+  EXPECT_EQ(o.output.rfind("error: UNAVAILABLE: ", 0), 0u) << o.output;
 }
 
 TEST(BinariesTest, LoadHelpAndBadFlags) {
-  EXPECT_EQ(RunCommand(kLoad + " --help").status, 0);
-  const Output bad = RunCommand(kLoad + " --concurrency=lots");
-  EXPECT_EQ(bad.status, 2);
-  EXPECT_EQ(bad.text, "normgrad-load: --concurrency: \"lots\" is not an integer\n");
+  EXPECT_EQ(RunCommand(kLoad + " --help").exit_code, 0);
+  const CommandOutput bad = RunCommand(kLoad + " --concurrency=lots");
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_EQ(bad.output, "normgrad-load: --concurrency: \"lots\" is not an integer\n");
 }
 
 #ifdef NORMGRAD_SERVER_PATH
 TEST(BinariesTest, CliHealthAndInfoAgainstAServerProcess) {
   ServerProcess server({});
   ASSERT_GT(server.port(), 0);
-  const Output health = RunCommand(kCli + " --target=" + server.target() + " health");
-  EXPECT_EQ(health.status, 0) << health.text;
-  EXPECT_EQ(health.text, "SERVING\n");
-  const Output info = RunCommand("env NORMGRAD_TARGET=" + server.target() + " " + kCli + " info");
-  EXPECT_EQ(info.status, 0) << info.text;
-  EXPECT_NE(info.text.find("\"backend\": \"cpu\""), std::string::npos);
+  const CommandOutput health = RunCommand(kCli + " --target=" + server.target() + " health");
+  EXPECT_EQ(health.exit_code, 0) << health.output;
+  EXPECT_EQ(health.output, "SERVING\n");
+  const CommandOutput info =
+      RunCommand("env NORMGRAD_TARGET=" + server.target() + " " + kCli + " info");
+  EXPECT_EQ(info.exit_code, 0) << info.output;
+  EXPECT_NE(info.output.find("\"backend\": \"cpu\""), std::string::npos);
 }
 
 TEST(BinariesTest, LoadCountsAgainstAServerWithMaxStreams1) {
   ServerProcess server({"--max-streams=1"});
   ASSERT_GT(server.port(), 0);
-  const Output o = RunCommand(kLoad + " --target=" + server.target() +
-                              " --total=40 --concurrency=8 --shapes=256x1024 --format=csv");
-  ASSERT_EQ(o.status, 0) << o.text;
+  const CommandOutput o = RunCommand(kLoad + " --target=" + server.target() +
+                                     " --total=40 --concurrency=8 --shapes=256x1024 --format=csv");
+  ASSERT_EQ(o.exit_code, 0) << o.output;
   // concurrency,requests,successes,errors,...
-  const size_t row = o.text.find("\n8,40,");
-  ASSERT_NE(row, std::string::npos) << o.text;
+  const size_t row = o.output.find("\n8,40,");
+  ASSERT_NE(row, std::string::npos) << o.output;
   int successes = 0, errors = 0;
-  ASSERT_EQ(std::sscanf(o.text.c_str() + row, "\n8,40,%d,%d,", &successes, &errors), 2);
+  ASSERT_EQ(std::sscanf(o.output.c_str() + row, "\n8,40,%d,%d,", &successes, &errors), 2);
   EXPECT_EQ(successes + errors, 40);
-  EXPECT_GT(errors, 0) << o.text;
-  const Output summary = RunCommand(kLoad + " --target=" + server.target() +
-                                    " --total=24 --concurrency=8 --shapes=256x1024");
-  EXPECT_NE(summary.text.find("RESOURCE_EXHAUSTED"), std::string::npos) << summary.text;
+  EXPECT_GT(errors, 0) << o.output;
+  const CommandOutput summary = RunCommand(kLoad + " --target=" + server.target() +
+                                           " --total=24 --concurrency=8 --shapes=256x1024");
+  EXPECT_NE(summary.output.find("RESOURCE_EXHAUSTED"), std::string::npos) << summary.output;
 }
 #endif
 

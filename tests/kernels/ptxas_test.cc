@@ -24,10 +24,13 @@
 #include "kernels/ptx_printer.h"
 #include "kernels/targets.h"
 #include "kernels/verifier.h"
+#include "tests/common/shell_command.h"
 #include "tests/kernels/instruction_forms.h"
 
 namespace normgrad::kernels {
 namespace {
+
+using ::normgrad::testing::CommandOutput;
 
 bool Executable(const std::string& path) { return access(path.c_str(), X_OK) == 0; }
 
@@ -42,13 +45,8 @@ std::optional<std::string> FindPtxas() {
   return std::nullopt;
 }
 
-struct PtxasResult {
-  int exit_code = -1;
-  std::string output;  // stdout + stderr
-};
-
-PtxasResult Assemble(const std::string& ptxas, const std::string& text, int target_sm,
-                     const std::string& tag) {
+CommandOutput Assemble(const std::string& ptxas, const std::string& text, int target_sm,
+                       const std::string& tag) {
   const std::string dir = ::testing::TempDir();
   const std::string base = absl::StrCat(dir, "/normgrad_ptxas_", getpid(), "_", tag);
   const std::string ptx_path = base + ".ptx";
@@ -59,14 +57,7 @@ PtxasResult Assemble(const std::string& ptxas, const std::string& text, int targ
   }
   const std::string cmd = absl::StrCat("'", ptxas, "' -arch=sm_", target_sm, " -v '", ptx_path,
                                        "' -o '", cubin_path, "' 2>&1");
-  PtxasResult r;
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (pipe == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) r.output.append(buf, n);
-  const int status = pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  const CommandOutput r = testing::RunShellCommand(cmd);
   std::remove(ptx_path.c_str());
   std::remove(cubin_path.c_str());
   return r;
@@ -114,7 +105,7 @@ TEST_F(PtxasTest, EveryKernelAssemblesForEveryMainTarget) {
       ASSERT_NE(k, nullptr);
       absl::StatusOr<EmittedPtx> ptx = k->Emit({.hidden_dim = c.hidden_dim, .target_sm = sm});
       ASSERT_TRUE(ptx.ok()) << ptx.status();
-      const PtxasResult r =
+      const CommandOutput r =
           Assemble(*ptxas_, ptx->text, sm, absl::StrCat(c.kernel, "_", c.hidden_dim, "_", sm));
       EXPECT_EQ(r.exit_code, 0) << c.kernel << " hidden_dim " << c.hidden_dim << " sm_" << sm
                                 << ":\n"
@@ -133,7 +124,7 @@ TEST_F(PtxasTest, EveryKernelAssemblesForEverySupportedTargetAtItsDefaultVersion
     for (int sm : SupportedTargets()) {
       absl::StatusOr<EmittedPtx> ptx = k->Emit({.hidden_dim = 32, .target_sm = sm});
       ASSERT_TRUE(ptx.ok()) << ptx.status();
-      const PtxasResult r =
+      const CommandOutput r =
           Assemble(*ptxas_, ptx->text, sm, absl::StrCat(k->EntryName(), "_all_", sm));
       EXPECT_EQ(r.exit_code, 0) << k->EntryName() << " sm_" << sm << " .version "
                                 << ptx->version.ToString() << ":\n"
@@ -150,7 +141,7 @@ TEST_F(PtxasTest, HalfPrecisionKernelsAssemble) {
         if (!k->CanImplement(config).ok()) continue;  // bf16 below sm_80
         absl::StatusOr<EmittedPtx> ptx = k->Emit(config);
         ASSERT_TRUE(ptx.ok()) << ptx.status();
-        const PtxasResult r = Assemble(
+        const CommandOutput r = Assemble(
             *ptxas_, ptx->text, sm, absl::StrCat(k->EntryName(), "_", DTypeName(dtype), "_", sm));
         EXPECT_EQ(r.exit_code, 0) << k->EntryName() << " " << DTypeName(dtype) << " sm_" << sm
                                   << ":\n"
@@ -171,8 +162,8 @@ TEST_F(PtxasTest, AssemblesWithExplicitPtxVersions) {
       absl::StatusOr<EmittedPtx> ptx =
           k->Emit({.hidden_dim = 16, .target_sm = v.sm, .ptx_version = v.version});
       ASSERT_TRUE(ptx.ok()) << ptx.status();
-      const PtxasResult r = Assemble(*ptxas_, ptx->text, v.sm,
-                                     absl::StrCat(k->EntryName(), "_v", v.version.major, v.sm));
+      const CommandOutput r = Assemble(*ptxas_, ptx->text, v.sm,
+                                       absl::StrCat(k->EntryName(), "_v", v.version.major, v.sm));
       EXPECT_EQ(r.exit_code, 0) << k->EntryName() << " sm_" << v.sm << " .version "
                                 << v.version.ToString() << ":\n"
                                 << r.output;
@@ -205,7 +196,7 @@ TEST_F(PtxasTest, TheDefaultVersionIsTheLowestPtxasAccepts) {
     std::string text = ptx->text;
     const std::string declared = absl::StrCat(".version ", ptx->version.ToString());
     text.replace(text.find(declared), declared.size(), absl::StrCat(".version ", lower.ToString()));
-    const PtxasResult r = Assemble(*ptxas_, text, sm, absl::StrCat("lower_", sm));
+    const CommandOutput r = Assemble(*ptxas_, text, sm, absl::StrCat("lower_", sm));
     EXPECT_NE(r.exit_code, 0) << "sm_" << sm << " accepted .version " << lower.ToString();
   }
 }
@@ -216,7 +207,7 @@ TEST_F(PtxasTest, EveryBuilderFormAssembles) {
   const Module m = EveryInstructionFormModule();
   ASSERT_TRUE(Verify(m).ok()) << Verify(m);
   const std::string text = EmitPtx(m);
-  const PtxasResult r = Assemble(*ptxas_, text, kEveryFormTargetSm, "all_forms");
+  const CommandOutput r = Assemble(*ptxas_, text, kEveryFormTargetSm, "all_forms");
   EXPECT_EQ(r.exit_code, 0) << r.output << "\n" << text;
 }
 
@@ -226,7 +217,7 @@ TEST_F(PtxasTest, HarnessReportsARejectedModule) {
   ASSERT_TRUE(ptx.ok());
   std::string broken = ptx->text;
   broken.replace(broken.find("ret;"), 4, "bogus.instruction;");
-  const PtxasResult r = Assemble(*ptxas_, broken, 75, "broken");
+  const CommandOutput r = Assemble(*ptxas_, broken, 75, "broken");
   EXPECT_NE(r.exit_code, 0) << r.output;
 }
 
