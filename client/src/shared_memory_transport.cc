@@ -13,9 +13,10 @@
 #include <utility>
 
 #include "absl/strings/match.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "client/src/descriptor_passing.h"
 #include "normgrad/v1/normgrad.pb.h"
 
 namespace normgrad {
@@ -190,21 +191,7 @@ absl::StatusOr<SharedMemoryTransport::Registered> SharedMemoryTransport::Registe
   v1::RegionRequest request;
   request.set_register_region(true);
   request.set_request_id(request_id);
-  const std::string bytes = request.SerializeAsString();
-  iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
-  cmsghdr* c = CMSG_FIRSTHDR(&msg);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int));
-  const int fd = region.fd();
-  std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
-  if (sendmsg(fd_, &msg, MSG_NOSIGNAL) < 0) {
+  if (SendWithDescriptor(fd_, request.SerializeAsString(), region.fd()) < 0) {
     const int err = errno;
     if (err == EPIPE || err == ECONNRESET || err == ENOTCONN) DisconnectLocked();
     return absl::UnavailableError(absl::StrCat("sending the region: ", std::strerror(err)));

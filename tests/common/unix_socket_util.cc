@@ -44,20 +44,4 @@ int ConnectUnix(const std::string& path, int type) {
   return fd;
 }
 
-ssize_t SendWithDescriptor(int socket, absl::string_view bytes, int fd) {
-  iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
-  cmsghdr* c = CMSG_FIRSTHDR(&msg);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int));
-  std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
-  return sendmsg(socket, &msg, MSG_NOSIGNAL);
-}
-
 }  // namespace normgrad::testing

@@ -1,13 +1,10 @@
 // What the unix-socket tests share: a temporary directory for their socket files (removed with
-// everything in it), a connection to a socket path, and a message with one descriptor passed
-// along (SCM_RIGHTS), as a client registering a region sends it.
+// everything in it) and a connection to a socket path. A message with a descriptor is sent as
+// the client sends it (client/src/descriptor_passing.h).
 //
 //   TempDir dir("normgrad-region-socket");
 //   const int fd = ConnectUnix(dir.path() + "/s.sock", SOCK_SEQPACKET);  // -1 on failure
-//   SendWithDescriptor(fd, request.SerializeAsString(), memfd);
 #pragma once
-
-#include <sys/types.h>
 
 #include <string>
 
@@ -31,8 +28,5 @@ class TempDir {
 
 // A connected unix socket of `type` (SOCK_STREAM, SOCK_SEQPACKET) to `path`; -1 on failure.
 int ConnectUnix(const std::string& path, int type);
-
-// sendmsg of `bytes` with `fd` attached (SCM_RIGHTS); what sendmsg returned.
-ssize_t SendWithDescriptor(int socket, absl::string_view bytes, int fd);
 
 }  // namespace normgrad::testing

@@ -20,6 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "client/src/descriptor_passing.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "normgrad/v1/normgrad.pb.h"
@@ -92,7 +93,7 @@ class RegionSocketTest : public ::testing::Test {
     request.set_request_id(request_id);
     const std::string wire = request.SerializeAsString();
     const int region = AllocatedMemfd(bytes);
-    const ssize_t sent = testing::SendWithDescriptor(conn, wire, region);
+    const ssize_t sent = client_internal::SendWithDescriptor(conn, wire, region);
     close(region);
     if (sent < 0) return std::nullopt;
     return Await(conn);
