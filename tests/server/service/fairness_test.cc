@@ -2,9 +2,8 @@
 // unix socket, so that two client identities exist on one machine): a greedy client holding
 // many streams gets its share of the slots and a polite client is still served; a stream that
 // trickles is ended by the minimum rate; EmitPtx beyond its queue bounds is RESOURCE_EXHAUSTED.
-#include <stdlib.h>
-
 #include <grpcpp/grpcpp.h>
+#include <stdlib.h>
 
 #include <atomic>
 #include <cstdio>
@@ -26,6 +25,7 @@
 #include "server/ptx/ptx_service.h"
 #include "server/service/normgrad_service.h"
 #include "server/thread_pool/thread_pool.h"
+#include "tests/server/service/in_process_server_test.h"
 #include "tests/server/service/service_test_util.h"
 
 namespace normgrad::server {
@@ -44,12 +44,6 @@ class SocketDir {
  private:
   std::string path_ = "/tmp/normgrad-fair-XXXXXX";
 };
-
-std::unique_ptr<NormGradServer> StartServer(const ServerOptions& options) {
-  absl::StatusOr<std::unique_ptr<NormGradServer>> server = NormGradServer::Start(options);
-  EXPECT_TRUE(server.ok()) << server.status();
-  return server.ok() ? *std::move(server) : nullptr;
-}
 
 std::map<std::string, double> Metrics(const NormGradServer& server) {
   int status = 0;
@@ -128,23 +122,25 @@ constexpr int kSlots = 8;
 constexpr int kGreedyStreams = 12;
 constexpr int kPoliteCalls = 10;
 
-TEST(FairnessTest, AGreedyClientGetsItsShareOfTheSlotsAndAPoliteClientIsServed) {
+class FairnessTest : public testing::InProcessServerTest {};
+
+TEST_F(FairnessTest, AGreedyClientGetsItsShareOfTheSlotsAndAPoliteClientIsServed) {
   SocketDir dir;
   ServerOptions options = testing::TestServerOptions();
   options.listen.push_back("unix:" + dir.socket());
   options.admission.max_streams = kSlots;
   options.admission.max_streams_per_client = kSlots / 2;
-  std::unique_ptr<NormGradServer> server = StartServer(options);
-  ASSERT_NE(server, nullptr);
+  ASSERT_TRUE(Start(options));
   const testing::Batch batch = testing::RandomBatch(64, 64, 5);
 
-  GreedyClient greedy(server->port(), kGreedyStreams, batch);
+  GreedyClient greedy(server_->port(), kGreedyStreams, batch);
   const std::string refused_by_share = Rejected("RmsNormBackward", "max-streams-per-client");
   ASSERT_TRUE(WaitFor([&] {
-    std::map<std::string, double> m = Metrics(*server);
+    std::map<std::string, double> m = Metrics(*server_);
     return m["normgrad_inflight_streams"] == kSlots / 2 &&
            m[refused_by_share] == kGreedyStreams - kSlots / 2;
-  })) << "greedy: " << Metrics(*server)["normgrad_inflight_streams"] << " streams held";
+  })) << "greedy: "
+      << Metrics(*server_)["normgrad_inflight_streams"] << " streams held";
 
   // What the greedy client is told past its share.
   const grpc::Status more = greedy.OneMore(batch);
@@ -156,8 +152,9 @@ TEST(FairnessTest, AGreedyClientGetsItsShareOfTheSlotsAndAPoliteClientIsServed) 
   const int served = PoliteCallsServed(dir.socket(), kPoliteCalls, &error);
   // The polite calls' streams are gone once the server's OnDone ran (after their clients saw
   // the status).
-  EXPECT_TRUE(WaitFor([&] { return Metrics(*server)["normgrad_inflight_streams"] == kSlots / 2; }));
-  std::map<std::string, double> m = Metrics(*server);
+  EXPECT_TRUE(
+      WaitFor([&] { return Metrics(*server_)["normgrad_inflight_streams"] == kSlots / 2; }));
+  std::map<std::string, double> m = Metrics(*server_);
   const int held = static_cast<int>(m["normgrad_inflight_streams"]);
   const int refused = static_cast<int>(m[refused_by_share]);
   greedy.Release();
@@ -172,16 +169,15 @@ TEST(FairnessTest, AGreedyClientGetsItsShareOfTheSlotsAndAPoliteClientIsServed) 
 
 // What the share prevents (the server as it was): one client takes every slot and the polite one
 // is refused.
-TEST(FairnessTest, WithoutAShareAGreedyClientTakesEverySlot) {
+TEST_F(FairnessTest, WithoutAShareAGreedyClientTakesEverySlot) {
   SocketDir dir;
   ServerOptions options = testing::TestServerOptions();
   options.listen.push_back("unix:" + dir.socket());
   options.admission.max_streams = kSlots;
   options.admission.max_streams_per_client = 0;
-  std::unique_ptr<NormGradServer> server = StartServer(options);
-  ASSERT_NE(server, nullptr);
-  GreedyClient greedy(server->port(), kGreedyStreams, testing::RandomBatch(64, 64, 5));
-  ASSERT_TRUE(WaitFor([&] { return Metrics(*server)["normgrad_inflight_streams"] == kSlots; }));
+  ASSERT_TRUE(Start(options));
+  GreedyClient greedy(server_->port(), kGreedyStreams, testing::RandomBatch(64, 64, 5));
+  ASSERT_TRUE(WaitFor([&] { return Metrics(*server_)["normgrad_inflight_streams"] == kSlots; }));
   std::string error;
   EXPECT_EQ(PoliteCallsServed(dir.socket(), 2, &error), 0);
   EXPECT_THAT(error, HasSubstr("(--max-streams)"));
@@ -190,36 +186,32 @@ TEST(FairnessTest, WithoutAShareAGreedyClientTakesEverySlot) {
   greedy.Release();
 }
 
-TEST(FairnessTest, AStreamBelowTheMinimumRateIsEndedNamingTheFlag) {
+TEST_F(FairnessTest, AStreamBelowTheMinimumRateIsEndedNamingTheFlag) {
   ServerOptions options = testing::TestServerOptions();
   options.min_stream_bytes_per_second = 1000;
   // The window is long against a loaded machine's scheduling stalls: under ThreadSanitizer on two
   // cores, with a 300 ms window, the stream at speed below was once ended too.
   options.min_stream_rate_window = absl::Seconds(1);
-  std::unique_ptr<NormGradServer> server = StartServer(options);
-  ASSERT_NE(server, nullptr);
-  auto stub = testing::StubFor(server->port());
+  ASSERT_TRUE(Start(options));
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-  std::unique_ptr<BackwardStream> stream = stub->RmsNormBackward(&context);
+  std::unique_ptr<BackwardStream> stream = stub_->RmsNormBackward(&context);
   ASSERT_TRUE(stream->Write(testing::HeaderFor(testing::RandomBatch(64, 64, 5))));
   const grpc::Status s = stream->Finish();  // the server ends it; the client sent the header only
   EXPECT_EQ(s.error_code(), grpc::DEADLINE_EXCEEDED) << s.error_message();
   EXPECT_THAT(s.error_message(), HasSubstr("stream too slow"));
   EXPECT_THAT(s.error_message(), HasSubstr("below --min-stream-bytes-per-second=1000"));
-  EXPECT_EQ(Metrics(*server)[Rejected("RmsNormBackward", "min-stream-bytes-per-second")], 1);
+  EXPECT_EQ(Metrics(*server_)[Rejected("RmsNormBackward", "min-stream-bytes-per-second")], 1);
   // A stream at speed is untouched.
   const testing::Batch batch = testing::RandomBatch(64, 64, 6);
-  const grpc::Status fast = testing::RunBackward(*stub, batch, 8).status;
+  const grpc::Status fast = testing::RunBackward(*stub_, batch, 8).status;
   EXPECT_TRUE(fast.ok()) << fast.error_code() << ": " << fast.error_message();
 }
 
-TEST(FairnessTest, EmitPtxBeyondItsQueueBytesIsResourceExhaustedNamingTheFlagAndNumbers) {
+TEST_F(FairnessTest, EmitPtxBeyondItsQueueBytesIsResourceExhaustedNamingTheFlagAndNumbers) {
   ServerOptions options = testing::TestServerOptions();
   options.admission.max_emit_ptx_bytes_per_connection = 16;
-  std::unique_ptr<NormGradServer> server = StartServer(options);
-  ASSERT_NE(server, nullptr);
-  auto stub = testing::StubFor(server->port());
+  ASSERT_TRUE(Start(options));
   v1::EmitPtxRequest request;
   request.set_kernel("batched_rms_norm_backward");
   request.set_hidden_dim(896);
@@ -227,17 +219,17 @@ TEST(FairnessTest, EmitPtxBeyondItsQueueBytesIsResourceExhaustedNamingTheFlagAnd
   {
     grpc::ClientContext context;
     v1::EmitPtxResponse response;
-    const grpc::Status s = stub->EmitPtx(&context, request, &response);
+    const grpc::Status s = stub_->EmitPtx(&context, request, &response);
     EXPECT_EQ(s.error_code(), grpc::RESOURCE_EXHAUSTED);
     EXPECT_THAT(s.error_message(),
                 HasSubstr(absl::StrCat("this request needs ", request.ByteSizeLong(),
                                        " bytes, 0 of 16 are in use by this connection "
                                        "(--max-emit-ptx-queue-bytes-per-connection)")));
   }
-  EXPECT_EQ(Metrics(*server)[Rejected("EmitPtx", "max-emit-ptx-queue-bytes-per-connection")], 1);
+  EXPECT_EQ(Metrics(*server_)[Rejected("EmitPtx", "max-emit-ptx-queue-bytes-per-connection")], 1);
   // Within the bounds (the defaults), EmitPtx runs on its own workers and answers.
   ServerOptions defaults = testing::TestServerOptions();
-  std::unique_ptr<NormGradServer> second = StartServer(defaults);
+  std::unique_ptr<NormGradServer> second = testing::StartServer(defaults);
   ASSERT_NE(second, nullptr);
   auto second_stub = testing::StubFor(second->port());
   grpc::ClientContext context;

@@ -4,13 +4,12 @@
 // single-flight) and the metrics endpoint.
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <google/protobuf/unknown_field_set.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-#include <grpcpp/generic/generic_stub.h>
-#include <google/protobuf/unknown_field_set.h>
-#include <grpcpp/grpcpp.h>
 
 #include <atomic>
 #include <cmath>
@@ -26,11 +25,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/sha256.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/process/normgrad_server.h"
-#include "base/sha256.h"
 #include "server/shared_memory/region_registry.h"
+#include "tests/server/service/in_process_server_test.h"
 #include "tests/server/service/service_test_util.h"
 
 namespace normgrad::server {
@@ -42,12 +42,6 @@ using testing::Batch;
 using testing::BackwardResult;
 
 double Tolerance() { return testing::TestBackendIsCuda() ? 1e-3 : 1e-5; }
-
-std::unique_ptr<NormGradServer> StartServer(const ServerOptions& options) {
-  absl::StatusOr<std::unique_ptr<NormGradServer>> server = NormGradServer::Start(options);
-  EXPECT_TRUE(server.ok()) << server.status();
-  return server.ok() ? *std::move(server) : nullptr;
-}
 
 // A client that sends the header and 10 rows of `batch`, then nothing more (without
 // half-closing), and reads until the stream ends; its deadline is `deadline` from now.
@@ -76,7 +70,7 @@ class ServiceTest : public ::testing::Test {
   static void SetUpTestSuite() {
     ServerOptions options = testing::TestServerOptions();
     options.preload = {"batched_rms_norm_backward:sm_80:896"};
-    server_ = StartServer(options).release();
+    server_ = testing::StartServer(options).release();
   }
   static void TearDownTestSuite() {
     delete server_;
@@ -347,9 +341,8 @@ TEST_F(ServiceTest, CancelledStreamEndsAndReleasesItsMemory) {
   const Batch batch = testing::RandomBatch(100, 256, 21);
   grpc::ClientContext context;
   auto stream = stub_->RmsNormBackward(&context);
-  ASSERT_TRUE(testing::WriteHeaderAndRows(*stream, batch, 10));
   v1::BackwardResponse response;
-  ASSERT_TRUE(stream->Read(&response));
+  ASSERT_TRUE(testing::WriteHeaderAndRowsThenRead(*stream, batch, 10, response));
   EXPECT_EQ(response.num_rows(), 10u);
   context.TryCancel();
   EXPECT_EQ(stream->Finish().error_code(), grpc::CANCELLED);
@@ -374,18 +367,13 @@ TEST_F(ServiceTest, ClientDeadlineEndsTheStreamWithDeadlineExceeded) {
 // stream never waits that long on its client even under ThreadSanitizer on 2 cores (with 300 ms,
 // the "others are unaffected" streams were cut in about 1 run of 7 there, between a client's
 // last chunk and its half-close), short against the stalled tests' 30 s client deadlines.
-class ServiceIdleTest : public ::testing::Test {
+class ServiceIdleTest : public testing::InProcessServerTest {
  protected:
   void SetUp() override {
     ServerOptions options = testing::TestServerOptions();
     options.stream_idle_timeout = absl::Seconds(2);
-    server_ = StartServer(options);
-    ASSERT_NE(server_, nullptr);
-    stub_ = testing::StubFor(server_->port());
+    ASSERT_TRUE(Start(options));
   }
-
-  std::unique_ptr<NormGradServer> server_;
-  std::unique_ptr<v1::NormGrad::Stub> stub_;
 };
 
 TEST_F(ServiceIdleTest, StreamThatStopsSendingEndsByTheIdleTimeoutWithAClearStatus) {
@@ -473,6 +461,50 @@ TEST_F(ServiceTest, AMessageOverTheSizeLimitIsCountedAsTheClientSawIt) {
 // ---------------------------------------------------------------------------------------------
 // Reflection
 
+// A streaming call made by hand through a GenericStub (bytes the generated stub would not send),
+// one operation at a time on a completion queue of its own; tags are small integers. Started
+// with tag 1; 10 s deadline.
+class GenericStreamingCall {
+ public:
+  GenericStreamingCall(grpc::GenericStub& stub, const std::string& method) {
+    context_.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    call_ = stub.PrepareCall(&context_, method, &cq_);
+    call_->StartCall(reinterpret_cast<void*>(1));
+  }
+  ~GenericStreamingCall() {
+    cq_.Shutdown();
+    void* tag;
+    bool ok;
+    while (cq_.Next(&tag, &ok)) {
+    }
+  }
+
+  grpc::GenericClientAsyncReaderWriter* operator->() { return call_.get(); }
+  // Writes `bytes` as one message tagged `tag` and waits for it: true when it went.
+  bool Write(const std::string& bytes, intptr_t tag) {
+    grpc::Slice slice(bytes);
+    grpc::ByteBuffer buffer(&slice, 1);
+    call_->Write(buffer, reinterpret_cast<void*>(tag));
+    return Step(tag);
+  }
+  // Waits for the next operation to complete; false when none can. `ok`: whether it succeeded.
+  bool Next(bool* ok) {
+    void* tag;
+    return cq_.Next(&tag, ok);
+  }
+  // Waits for the next operation: true when it is the one tagged `want` and it succeeded.
+  bool Step(intptr_t want) {
+    void* tag;
+    bool ok;
+    return cq_.Next(&tag, &ok) && reinterpret_cast<intptr_t>(tag) == want && ok;
+  }
+
+ private:
+  grpc::ClientContext context_;
+  grpc::CompletionQueue cq_;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call_;
+};
+
 // gRPC parses a callback method's messages itself unless the method is raw: then a unary call
 // whose request does not parse got UNIMPLEMENTED with no message, and a stream's unparsable
 // message ended its reads like a half-close. The service parses them and says so.
@@ -495,63 +527,32 @@ TEST_F(ServiceTest, AMessageThatDoesNotParseIsInvalidArgumentSayingWhich) {
   }
 
   // The stream: a good header, then a chunk that does not parse.
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-  grpc::CompletionQueue cq;
-  auto call = stub.PrepareCall(&context, "/normgrad.v1.NormGrad/RmsNormBackward", &cq);
-  void* tag;
-  bool ok;
-  auto step = [&](intptr_t want) {
-    return cq.Next(&tag, &ok) && reinterpret_cast<intptr_t>(tag) == want && ok;
-  };
-  call->StartCall(reinterpret_cast<void*>(1));
-  ASSERT_TRUE(step(1));
+  GenericStreamingCall call(stub, "/normgrad.v1.NormGrad/RmsNormBackward");
+  ASSERT_TRUE(call.Step(1));
   const std::string header = testing::HeaderFor(testing::RandomBatch(4, 8, 1)).SerializeAsString();
-  for (const std::string& message : {header, garbage}) {
-    grpc::Slice slice(message);
-    grpc::ByteBuffer buffer(&slice, 1);
-    call->Write(buffer, reinterpret_cast<void*>(2));
-    ASSERT_TRUE(step(2));
-  }
+  for (const std::string& message : {header, garbage}) ASSERT_TRUE(call.Write(message, 2));
   grpc::ByteBuffer response;
   call->Read(&response, reinterpret_cast<void*>(3));
-  ASSERT_TRUE(cq.Next(&tag, &ok));
+  bool ok;
+  ASSERT_TRUE(call.Next(&ok));
   EXPECT_FALSE(ok) << "a response to an unparsable chunk";
   grpc::Status status;
   call->Finish(&status, reinterpret_cast<void*>(4));
-  ASSERT_TRUE(cq.Next(&tag, &ok));
+  ASSERT_TRUE(call.Next(&ok));
   EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT) << status.error_message();
   EXPECT_EQ(status.error_message(),
             "chunk 0 (3 bytes) does not parse as a normgrad.v1.BackwardRequest");
-  cq.Shutdown();
-  while (cq.Next(&tag, &ok)) {
-  }
 }
 
 TEST_F(ServiceTest, ReflectionListsTheService) {
   // ServerReflectionInfo by hand: request {list_services: ""} is field 7, an empty string.
   grpc::GenericStub stub(testing::ChannelFor(server_->port()));
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-  grpc::CompletionQueue cq;
-  auto call = stub.PrepareCall(&context,
-                               "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
-                               &cq);
-  void* tag;
-  bool ok;
-  auto step = [&](intptr_t want) {
-    return cq.Next(&tag, &ok) && reinterpret_cast<intptr_t>(tag) == want && ok;
-  };
-  call->StartCall(reinterpret_cast<void*>(1));
-  ASSERT_TRUE(step(1));
-  const std::string request("\x3a\x00", 2);
-  grpc::Slice slice(request);
-  grpc::ByteBuffer out_buffer(&slice, 1);
-  call->Write(out_buffer, reinterpret_cast<void*>(2));
-  ASSERT_TRUE(step(2));
+  GenericStreamingCall call(stub, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo");
+  ASSERT_TRUE(call.Step(1));
+  ASSERT_TRUE(call.Write(std::string("\x3a\x00", 2), 2));
   grpc::ByteBuffer in_buffer;
   call->Read(&in_buffer, reinterpret_cast<void*>(3));
-  ASSERT_TRUE(step(3));
+  ASSERT_TRUE(call.Step(3));
   std::vector<grpc::Slice> slices;
   ASSERT_TRUE(in_buffer.Dump(&slices).ok());
   std::string bytes;
@@ -561,33 +562,40 @@ TEST_F(ServiceTest, ReflectionListsTheService) {
   EXPECT_THAT(bytes, HasSubstr("normgrad.v1.NormGrad"));
   EXPECT_THAT(bytes, HasSubstr("grpc.health.v1.Health"));
   call->WritesDone(reinterpret_cast<void*>(4));
-  ASSERT_TRUE(step(4));
+  ASSERT_TRUE(call.Step(4));
   grpc::Status status;
   call->Finish(&status, reinterpret_cast<void*>(5));
-  ASSERT_TRUE(cq.Next(&tag, &ok));
+  bool ok;
+  ASSERT_TRUE(call.Next(&ok));
   EXPECT_TRUE(status.ok()) << status.error_message();
-  cq.Shutdown();
-  while (cq.Next(&tag, &ok)) {
-  }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Admission control
 
-TEST(ServiceAdmissionTest, StreamsBeyondMaxStreamsGetResourceExhaustedAtOnce) {
+class ServiceAdmissionTest : public testing::InProcessServerTest {
+ protected:
+  // A 64 KiB budget of bytes in flight, rows up to 1024 wide.
+  static ServerOptions SmallInflightBudget() {
+    ServerOptions options = testing::TestServerOptions();
+    options.batch.max_hidden_dim = 1024;
+    options.admission.max_inflight_bytes = 64 << 10;
+    return options;
+  }
+};
+
+TEST_F(ServiceAdmissionTest, StreamsBeyondMaxStreamsGetResourceExhaustedAtOnce) {
   ServerOptions options = testing::TestServerOptions();
   options.admission.max_streams = 2;
-  std::unique_ptr<NormGradServer> server = StartServer(options);
-  ASSERT_NE(server, nullptr);
-  auto stub = testing::StubFor(server->port());
+  ASSERT_TRUE(Start(options));
   const Batch batch = testing::RandomBatch(10, 8, 25);
   grpc::ClientContext c1, c2;
-  auto s1 = stub->RmsNormBackward(&c1);
-  auto s2 = stub->RmsNormBackward(&c2);
+  auto s1 = stub_->RmsNormBackward(&c1);
+  auto s2 = stub_->RmsNormBackward(&c2);
   ASSERT_TRUE(s1->Write(testing::HeaderFor(batch)));
   ASSERT_TRUE(s2->Write(testing::HeaderFor(batch)));
-  ASSERT_TRUE(WaitFor([&] { return server->live_streams() == 2; }));
-  grpc::Status third = testing::SendMessages(*stub, {testing::HeaderFor(batch)});
+  ASSERT_TRUE(WaitFor([&] { return server_->live_streams() == 2; }));
+  grpc::Status third = testing::SendMessages(*stub_, {testing::HeaderFor(batch)});
   EXPECT_EQ(third.error_code(), grpc::RESOURCE_EXHAUSTED);
   EXPECT_THAT(third.error_message(), HasSubstr("--max-streams"));
   // The admitted ones still complete correctly.
@@ -602,38 +610,28 @@ TEST(ServiceAdmissionTest, StreamsBeyondMaxStreamsGetResourceExhaustedAtOnce) {
   s2->Finish();
 }
 
-TEST(ServiceAdmissionTest, ChunkBeyondMaxInflightBytesGetsResourceExhausted) {
-  ServerOptions options = testing::TestServerOptions();
-  options.batch.max_hidden_dim = 1024;
-  options.admission.max_inflight_bytes = 64 << 10;
-  std::unique_ptr<NormGradServer> server = StartServer(options);
-  ASSERT_NE(server, nullptr);
-  auto stub = testing::StubFor(server->port());
+TEST_F(ServiceAdmissionTest, ChunkBeyondMaxInflightBytesGetsResourceExhausted) {
+  ASSERT_TRUE(Start(SmallInflightBudget()));
   const Batch batch = testing::RandomBatch(100, 128, 26);
-  grpc::Status s = testing::SendMessages(
-      *stub, {testing::HeaderFor(batch), testing::ChunkFor(batch, 0, 100)});
+  grpc::Status s =
+      testing::SendMessages(*stub_, {testing::HeaderFor(batch), testing::ChunkFor(batch, 0, 100)});
   EXPECT_EQ(s.error_code(), grpc::RESOURCE_EXHAUSTED);
   EXPECT_THAT(s.error_message(), HasSubstr("--max-inflight-bytes"));
   // Smaller chunks of the same batch fit.
-  ExpectMatchesReference(*stub, batch, 20);
+  ExpectMatchesReference(*stub_, batch, 20);
 }
 
 // The budget counts everything a chunk makes the server hold, fields this server does not know
 // included: 10 rows (15 KiB held) fit in 64 KiB; the same rows padded with a 100 KiB unknown
 // field do not, and the refusal counts the padding.
-TEST(ServiceAdmissionTest, UnknownFieldsCountAgainstMaxInflightBytes) {
-  ServerOptions options = testing::TestServerOptions();
-  options.batch.max_hidden_dim = 1024;
-  options.admission.max_inflight_bytes = 64 << 10;
-  std::unique_ptr<NormGradServer> server = StartServer(options);
-  ASSERT_NE(server, nullptr);
-  auto stub = testing::StubFor(server->port());
+TEST_F(ServiceAdmissionTest, UnknownFieldsCountAgainstMaxInflightBytes) {
+  ASSERT_TRUE(Start(SmallInflightBudget()));
   const Batch batch = testing::RandomBatch(10, 128, 27);
-  ExpectMatchesReference(*stub, batch, 10);
+  ExpectMatchesReference(*stub_, batch, 10);
   v1::BackwardRequest padded = testing::ChunkFor(batch, 0, 10);
   padded.GetReflection()->MutableUnknownFields(&padded)->AddLengthDelimited(
       1000, std::string(100 << 10, 'u'));
-  grpc::Status s = testing::SendMessages(*stub, {testing::HeaderFor(batch), padded});
+  grpc::Status s = testing::SendMessages(*stub_, {testing::HeaderFor(batch), padded});
   EXPECT_EQ(s.error_code(), grpc::RESOURCE_EXHAUSTED) << s.error_message();
   EXPECT_THAT(s.error_message(), HasSubstr("--max-inflight-bytes"));
   EXPECT_THAT(s.error_message(), ::testing::ContainsRegex("needs 1[0-9]{5} bytes"));
@@ -642,24 +640,23 @@ TEST(ServiceAdmissionTest, UnknownFieldsCountAgainstMaxInflightBytes) {
 // ---------------------------------------------------------------------------------------------
 // Shutdown
 
-TEST(ServiceShutdownTest, DrainLetsInFlightStreamsFinishAndRefusesNewOnes) {
-  std::unique_ptr<NormGradServer> server = StartServer(testing::TestServerOptions());
-  ASSERT_NE(server, nullptr);
-  const int port = server->port();
+class ServiceShutdownTest : public testing::InProcessServerTest {};
+
+TEST_F(ServiceShutdownTest, DrainLetsInFlightStreamsFinishAndRefusesNewOnes) {
+  ASSERT_TRUE(Start(testing::TestServerOptions()));
+  const int port = server_->port();
   EXPECT_EQ(testing::HealthStatus(testing::ChannelFor(port), ""), 1);
   EXPECT_EQ(testing::HealthStatus(testing::ChannelFor(port), "normgrad.v1.NormGrad"), 1);
-  auto stub = testing::StubFor(port);
   const Batch batch = testing::RandomBatch(40, 32, 27);
   grpc::ClientContext context;
-  auto stream = stub->RmsNormBackward(&context);
-  ASSERT_TRUE(testing::WriteHeaderAndRows(*stream, batch, 15));
+  auto stream = stub_->RmsNormBackward(&context);
   v1::BackwardResponse response;
-  ASSERT_TRUE(stream->Read(&response));
+  ASSERT_TRUE(testing::WriteHeaderAndRowsThenRead(*stream, batch, 15, response));
 
-  std::thread shutdown([&] { server->Shutdown(absl::Seconds(60)); });
+  std::thread shutdown([&] { server_->Shutdown(absl::Seconds(60)); });
   EXPECT_TRUE(WaitFor([&] { return testing::HealthStatus(testing::ChannelFor(port), "") != 1; }));
   EXPECT_EQ(testing::HealthStatus(testing::ChannelFor(port), "normgrad.v1.NormGrad"), 2);
-  grpc::Status refused = testing::SendMessages(*stub, {testing::HeaderFor(batch)});
+  grpc::Status refused = testing::SendMessages(*stub_, {testing::HeaderFor(batch)});
   EXPECT_EQ(refused.error_code(), grpc::UNAVAILABLE) << refused.error_message();
 
   ASSERT_TRUE(stream->Write(testing::ChunkFor(batch, 15, 15)));
@@ -682,17 +679,15 @@ TEST(ServiceShutdownTest, DrainLetsInFlightStreamsFinishAndRefusesNewOnes) {
   shutdown.join();
 }
 
-TEST(ServiceShutdownTest, StreamsStillRunningAfterTheGraceAreCancelled) {
-  std::unique_ptr<NormGradServer> server = StartServer(testing::TestServerOptions());
-  ASSERT_NE(server, nullptr);
-  auto stub = testing::StubFor(server->port());
+TEST_F(ServiceShutdownTest, StreamsStillRunningAfterTheGraceAreCancelled) {
+  ASSERT_TRUE(Start(testing::TestServerOptions()));
   const Batch batch = testing::RandomBatch(40, 32, 28);
   grpc::ClientContext context;
-  auto stream = stub->RmsNormBackward(&context);
+  auto stream = stub_->RmsNormBackward(&context);
   ASSERT_TRUE(stream->Write(testing::HeaderFor(batch)));
-  ASSERT_TRUE(WaitFor([&] { return server->live_streams() == 1; }));
-  server->Shutdown(absl::Milliseconds(200));  // the client never sends its rows
-  EXPECT_EQ(server->live_streams(), 0u);
+  ASSERT_TRUE(WaitFor([&] { return server_->live_streams() == 1; }));
+  server_->Shutdown(absl::Milliseconds(200));  // the client never sends its rows
+  EXPECT_EQ(server_->live_streams(), 0u);
   v1::BackwardResponse response;
   while (stream->Read(&response)) {
   }
@@ -793,26 +788,24 @@ TEST_F(ServiceTest, EmitPtxCubinIsAnElfImageWhenNvJitLinkIsPresent) {
   EXPECT_FALSE(r.ptx().empty());
 }
 
-TEST(ServiceEmitPtxTest, CubinWithoutNvJitLinkIsFailedPreconditionSayingSo) {
+class ServiceEmitPtxTest : public testing::InProcessServerTest {};
+
+TEST_F(ServiceEmitPtxTest, CubinWithoutNvJitLinkIsFailedPreconditionSayingSo) {
   ServerOptions options = testing::TestServerOptions();
   options.nvjitlink_path = "/nonexistent/libnvJitLink.so.13";
-  std::unique_ptr<NormGradServer> server = StartServer(options);
-  ASSERT_NE(server, nullptr);
-  auto stub = testing::StubFor(server->port());
-  EXPECT_FALSE(Info(*stub).nvjitlink_available());
+  ASSERT_TRUE(Start(options));
+  EXPECT_FALSE(Info(*stub_).nvjitlink_available());
   v1::EmitPtxResponse r;
-  grpc::Status s = Emit(*stub, PtxRequest(896, "sm_90", /*cubin=*/true), &r);
+  grpc::Status s = Emit(*stub_, PtxRequest(896, "sm_90", /*cubin=*/true), &r);
   EXPECT_EQ(s.error_code(), grpc::FAILED_PRECONDITION);
   EXPECT_THAT(s.error_message(), HasSubstr("nvJitLink is not available"));
   // PTX alone still works.
-  EXPECT_TRUE(Emit(*stub, PtxRequest(896, "sm_90"), &r).ok());
+  EXPECT_TRUE(Emit(*stub_, PtxRequest(896, "sm_90"), &r).ok());
 }
 
-TEST(ServiceEmitPtxTest, ConcurrentIdenticalRequestsCompileOnce) {
-  std::unique_ptr<NormGradServer> server = StartServer(testing::TestServerOptions());
-  ASSERT_NE(server, nullptr);
-  auto stub = testing::StubFor(server->port());
-  const bool cubin = Info(*stub).nvjitlink_available();  // slower compiles overlap surely
+TEST_F(ServiceEmitPtxTest, ConcurrentIdenticalRequestsCompileOnce) {
+  ASSERT_TRUE(Start(testing::TestServerOptions()));
+  const bool cubin = Info(*stub_).nvjitlink_available();  // slower compiles overlap surely
   constexpr int kRequests = 8;
   std::promise<void> start;  // all threads send at once
   std::shared_future<void> go = start.get_future().share();
@@ -820,7 +813,7 @@ TEST(ServiceEmitPtxTest, ConcurrentIdenticalRequestsCompileOnce) {
   std::vector<std::thread> threads;
   for (int i = 0; i < kRequests; ++i) {
     threads.emplace_back([&, i] {
-      auto own = testing::StubFor(server->port());
+      auto own = testing::StubFor(server_->port());
       v1::EmitPtxResponse r;
       go.wait();
       grpc::Status s = Emit(*own, PtxRequest(4096, "sm_80", cubin), &r);
@@ -831,14 +824,16 @@ TEST(ServiceEmitPtxTest, ConcurrentIdenticalRequestsCompileOnce) {
   start.set_value();
   for (std::thread& t : threads) t.join();
   for (const std::string& d : digests) EXPECT_EQ(d, digests[0]);
-  const v1::CacheStats stats = Info(*stub).ptx_cache();
+  const v1::CacheStats stats = Info(*stub_).ptx_cache();
   EXPECT_EQ(stats.compiles(), cubin ? 2u : 1u);  // the PTX, and the cubin when asked
   EXPECT_EQ(stats.compile_failures(), 0u);
 }
 
+class ServiceInfoTest : public testing::InProcessServerTest {};
+
 // A client can only keep to its shares if it can read them: the per-client stream share and the
 // per-user region shares are in GetServerInfo.
-TEST(ServiceInfoTest, ServerInfoReportsThePerClientAndPerUserShares) {
+TEST_F(ServiceInfoTest, ServerInfoReportsThePerClientAndPerUserShares) {
   const std::string dir = absl::StrCat("/tmp/normgrad-svc-shares-", getpid());
   ASSERT_EQ(mkdir(dir.c_str(), 0700), 0);
   ServerOptions options = testing::TestServerOptions();
@@ -850,16 +845,14 @@ TEST(ServiceInfoTest, ServerInfoReportsThePerClientAndPerUserShares) {
   options.regions.max_regions_per_user = 4;
   options.regions.max_bytes = 1 << 30;
   options.regions.max_bytes_per_user = 1 << 28;
-  std::unique_ptr<NormGradServer> server = StartServer(options);
-  ASSERT_NE(server, nullptr);
-  auto stub = testing::StubFor(server->port());
-  const v1::GetServerInfoResponse info = Info(*stub);
+  ASSERT_TRUE(Start(options));
+  const v1::GetServerInfoResponse info = Info(*stub_);
   EXPECT_EQ(info.limits().max_concurrent_streams(), 8u);
   EXPECT_EQ(info.limits().max_streams_per_client(), 3u);
   EXPECT_TRUE(info.shared_memory().enabled());
   EXPECT_EQ(info.shared_memory().max_regions_per_user(), 4u);
   EXPECT_EQ(info.shared_memory().max_region_bytes_per_user(), uint64_t{1} << 28);
-  server.reset();
+  server_.reset();
   std::filesystem::remove_all(dir);
 }
 
@@ -927,18 +920,19 @@ TEST_F(ServiceTest, MetricsEndpointServesParseablePrometheusText) {
 namespace normgrad::server {
 namespace {
 
+class ServiceSharedMemoryTest : public testing::InProcessServerTest {};
+
 // Shared-memory chunks on the backend under test (sim.cuda.service_integration_test runs this on
 // the CUDA backend over the emulated driver): the region is computed in place, and on CUDA the
 // backend registered the region with the driver and copied straight from and to it (the
 // emulator counts async copies whose host side is registered memory).
-TEST(ServiceSharedMemoryTest, ChunksInARegionAreComputedInPlaceStraightFromTheRegion) {
+TEST_F(ServiceSharedMemoryTest, ChunksInARegionAreComputedInPlaceStraightFromTheRegion) {
   const std::string dir = absl::StrCat("/tmp/normgrad-svc-shm-", getpid());
   ASSERT_EQ(mkdir(dir.c_str(), 0700), 0);
   ServerOptions options = testing::TestServerOptions();
   options.listen.push_back("unix:" + dir + "/grpc.sock");
   options.shared_memory = true;
-  std::unique_ptr<NormGradServer> server = StartServer(options);
-  ASSERT_NE(server, nullptr);
+  ASSERT_TRUE(Start(options));
   const testing::Batch b = testing::RandomBatch(96, 256, 9);
   const uint64_t n = b.rows * b.hidden, bytes = n * 4;
   const int fd = memfd_create("test-region", MFD_CLOEXEC | MFD_ALLOW_SEALING);
@@ -951,7 +945,7 @@ TEST(ServiceSharedMemoryTest, ChunksInARegionAreComputedInPlaceStraightFromTheRe
   ASSERT_NE(base, MAP_FAILED);
   std::memcpy(base, b.x.data(), bytes);
   std::memcpy(base + bytes, b.dy.data(), bytes);
-  absl::StatusOr<RegionGrant> grant = server->regions()->Register(OwnedFd(fd), {.connection = 1});
+  absl::StatusOr<RegionGrant> grant = server_->regions()->Register(OwnedFd(fd), {.connection = 1});
   ASSERT_TRUE(grant.ok()) << grant.status();
 
   using CopyCount = uint64_t (*)();
@@ -980,9 +974,8 @@ TEST(ServiceSharedMemoryTest, ChunksInARegionAreComputedInPlaceStraightFromTheRe
     shm->set_grad_input_offset(2 * bytes + first * b.hidden * 4);
     messages.push_back(std::move(m));
   }
-  auto stub = testing::StubFor(server->port());
   int responses = 0;
-  const grpc::Status status = testing::SendMessages(*stub, messages, &responses);
+  const grpc::Status status = testing::SendMessages(*stub_, messages, &responses);
   ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(responses, 4);
   std::vector<float> want_dx, want_dgamma, dx(n);
@@ -995,8 +988,8 @@ TEST(ServiceSharedMemoryTest, ChunksInARegionAreComputedInPlaceStraightFromTheRe
   } else {
     EXPECT_FALSE(testing::TestBackendIsCuda()) << "the emulated driver's copy counter is missing";
   }
-  server->Shutdown(absl::ZeroDuration());
-  server.reset();
+  server_->Shutdown(absl::ZeroDuration());
+  server_.reset();
   munmap(base, 3 * bytes);
   std::filesystem::remove_all(dir);
 }

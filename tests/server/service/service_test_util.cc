@@ -45,6 +45,11 @@ bool WriteHeaderAndRows(ClientBackwardStream& stream, const Batch& batch, uint64
   return rows == 0 || stream.Write(ChunkFor(batch, 0, rows));
 }
 
+bool WriteHeaderAndRowsThenRead(ClientBackwardStream& stream, const Batch& batch, uint64_t rows,
+                                v1::BackwardResponse& response) {
+  return WriteHeaderAndRows(stream, batch, rows) && stream.Read(&response);
+}
+
 BackwardResult RunBackward(v1::NormGrad::Stub& stub, const Batch& b, uint64_t rows_per_chunk,
                            absl::Duration deadline) {
   BackwardResult result;

@@ -34,6 +34,10 @@ using ClientBackwardStream = grpc::ClientReaderWriter<v1::BackwardRequest, v1::B
 // Writes the header of `batch`, then its first `rows` rows as one chunk (none when 0); false
 // when a write fails.
 bool WriteHeaderAndRows(ClientBackwardStream& stream, const Batch& batch, uint64_t rows);
+// WriteHeaderAndRows (rows > 0), then the response to those rows read into `response`: a stream
+// the server holds in flight. False when a write or the read fails.
+bool WriteHeaderAndRowsThenRead(ClientBackwardStream& stream, const Batch& batch, uint64_t rows,
+                                v1::BackwardResponse& response);
 
 struct BackwardResult {
   grpc::Status status;
