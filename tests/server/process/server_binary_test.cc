@@ -59,6 +59,26 @@ std::string LastLine(const std::string& text) {
   return lines.empty() ? "" : lines.back();
 }
 
+// A stream to the server on `port` that has sent the header and the first 10 rows of `batch`
+// and read their response: in flight on the server until the test sends the rest.
+class StreamInFlight {
+ public:
+  StreamInFlight(int port, const testing::Batch& batch)
+      : stub_(testing::StubFor(port)),
+        stream_(stub_->RmsNormBackward(&context_)),
+        started_(testing::WriteHeaderAndRowsThenRead(*stream_, batch, 10, first_response_)) {}
+
+  bool started() const { return started_; }
+  testing::ClientBackwardStream* operator->() { return stream_.get(); }
+
+ private:
+  std::unique_ptr<v1::NormGrad::Stub> stub_;
+  grpc::ClientContext context_;
+  std::unique_ptr<testing::ClientBackwardStream> stream_;
+  v1::BackwardResponse first_response_;
+  bool started_;
+};
+
 TEST(ServerBinaryTest, PrintsReadyLineServesAndExitsZeroOnSigterm) {
   absl::StatusOr<ChildProcess> server = StartChild(ServerArgs({"--shutdown-grace=20s"}));
   ASSERT_TRUE(server.ok()) << server.status();
@@ -67,20 +87,17 @@ TEST(ServerBinaryTest, PrintsReadyLineServesAndExitsZeroOnSigterm) {
   EXPECT_THAT(ready, HasSubstr("backend=cpu"));
   const int port = ParseReadyLine(ready).grpc_port;
   ASSERT_GT(port, 0);
-  auto stub = testing::StubFor(port);
 
   // A stream in flight when SIGTERM arrives finishes; then the process exits 0.
   const testing::Batch batch = testing::RandomBatch(30, 64, 41);
-  grpc::ClientContext context;
-  auto stream = stub->RmsNormBackward(&context);
-  ASSERT_TRUE(testing::WriteHeaderAndRows(*stream, batch, 10));
-  v1::BackwardResponse response;
-  ASSERT_TRUE(stream->Read(&response));
+  StreamInFlight stream(port, batch);
+  ASSERT_TRUE(stream.started());
   server->Signal(SIGTERM);
   absl::SleepFor(absl::Milliseconds(100));  // let the drain begin; correctness does not depend on it
   ASSERT_TRUE(stream->Write(testing::ChunkFor(batch, 10, 20)));
   stream->WritesDone();
   int more = 0;
+  v1::BackwardResponse response;
   while (stream->Read(&response)) ++more;
   grpc::Status s = stream->Finish();
   EXPECT_TRUE(s.ok()) << s.error_message();
@@ -104,15 +121,11 @@ TEST(ServerBinaryTest, StreamStillOpenWhenTheGraceRunsOutEndsUnavailable) {
   std::optional<ChildProcess> server;
   const int port = StartServer(server, {"--shutdown-grace=1s", "--stream-idle-timeout=60s"});
   ASSERT_GT(port, 0) << (server ? server->Stderr() : "");
-  auto stub = testing::StubFor(port);
-  const testing::Batch batch = testing::RandomBatch(30, 64, 43);
-  grpc::ClientContext context;
-  auto stream = stub->RmsNormBackward(&context);
-  ASSERT_TRUE(testing::WriteHeaderAndRows(*stream, batch, 10));
-  v1::BackwardResponse response;
-  ASSERT_TRUE(stream->Read(&response));
+  StreamInFlight stream(port, testing::RandomBatch(30, 64, 43));
+  ASSERT_TRUE(stream.started());
   const absl::Time sigterm = absl::Now();
   server->Signal(SIGTERM);
+  v1::BackwardResponse response;
   while (stream->Read(&response)) {
   }
   const grpc::Status s = stream->Finish();
@@ -133,13 +146,9 @@ TEST(ServerBinaryTest, DrainExitsPromptlyAfterTheLastStreamEvenWhileClientsRetry
     std::optional<ChildProcess> server;
     const int port = StartServer(server, {"--shutdown-grace=20s"});
     ASSERT_GT(port, 0) << (server ? server->Stderr() : "");
-    auto stub = testing::StubFor(port);
     const testing::Batch batch = testing::RandomBatch(30, 64, 44 + r);
-    grpc::ClientContext context;
-    auto stream = stub->RmsNormBackward(&context);
-    ASSERT_TRUE(testing::WriteHeaderAndRows(*stream, batch, 10));
-    v1::BackwardResponse response;
-    ASSERT_TRUE(stream->Read(&response));
+    StreamInFlight stream(port, batch);
+    ASSERT_TRUE(stream.started());
 
     std::atomic<bool> stop{false};
     std::atomic<int> refused{0};
@@ -167,6 +176,7 @@ TEST(ServerBinaryTest, DrainExitsPromptlyAfterTheLastStreamEvenWhileClientsRetry
     absl::SleepFor(absl::Milliseconds(200));  // the retrier meets the draining server
     ASSERT_TRUE(stream->Write(testing::ChunkFor(batch, 10, 20)));
     stream->WritesDone();
+    v1::BackwardResponse response;
     while (stream->Read(&response)) {
     }
     const grpc::Status s = stream->Finish();
