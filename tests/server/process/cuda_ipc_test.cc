@@ -4,6 +4,8 @@
 // (the same emulated driver library, loaded here too). The server opens the buffers from their
 // IPC handles and runs the kernels on them in place: grad_input appears in this process's device
 // memory, and no tensor byte crosses the socket. Skipped when the build has no emulated driver.
+#include "normgrad/cuda_ipc.h"
+
 #include <dlfcn.h>
 #include <sys/wait.h>
 
@@ -27,14 +29,13 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "normgrad/client.h"
-#include "normgrad/cuda_ipc.h"
 #include "tests/common/child_process.h"
+#include "tests/server/process/emulated_server.h"
 #include "tests/server/service/service_test_util.h"
 
 namespace normgrad {
 namespace {
 
-using ::normgrad::testing::ChildOptions;
 using ::normgrad::testing::ChildProcess;
 using ::normgrad::testing::ReadyLine;
 using ::testing::HasSubstr;
@@ -94,16 +95,7 @@ class CudaIpcTest : public ::testing::Test {
 
   // The server on the emulated driver, with `flags` after the common ones.
   ChildProcess StartServer(std::vector<std::string> flags) {
-    std::vector<std::string> args = {"/usr/bin/env",
-                                     absl::StrCat("NORMGRAD_CUDA_DRIVER=", NORMGRAD_EMULATED_CUDA),
-                                     NORMGRAD_SERVER_BINARY,
-                                     "--listen=127.0.0.1:0",
-                                     "--metrics-listen=127.0.0.1:0",
-                                     "--worker-threads=2"};
-    args.insert(args.end(), flags.begin(), flags.end());
-    ChildOptions options;
-    options.capture_stderr = true;
-    absl::StatusOr<ChildProcess> child = ChildProcess::Start(std::move(args), options);
+    absl::StatusOr<ChildProcess> child = testing::StartOnEmulatedDriver({}, std::move(flags));
     EXPECT_TRUE(child.ok()) << child.status();
     return *std::move(child);
   }

@@ -21,12 +21,12 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/common/child_process.h"
+#include "tests/server/process/emulated_server.h"
 #include "tests/server/service/service_test_util.h"
 
 namespace normgrad::server {
 namespace {
 
-using ::normgrad::testing::ChildOptions;
 using ::normgrad::testing::ChildProcess;
 using ::normgrad::testing::ReadyLine;
 using ::testing::HasSubstr;
@@ -38,19 +38,9 @@ constexpr int kNotServing = 2;
 // The server with the emulated driver and `fault` (empty: none) in its environment only.
 absl::StatusOr<ChildProcess> StartServer(const std::string& fault,
                                          std::vector<std::string> flags = {}) {
-  std::vector<std::string> args = {"/usr/bin/env",
-                                   absl::StrCat("NORMGRAD_CUDA_DRIVER=", NORMGRAD_EMULATED_CUDA),
-                                   absl::StrCat("NORMGRAD_EMULATED_CUDA_FAULT=", fault),
-                                   NORMGRAD_SERVER_BINARY,
-                                   "--listen=127.0.0.1:0",
-                                   "--metrics-listen=127.0.0.1:0",
-                                   "--health-listen=127.0.0.1:0",
-                                   "--backend=cuda",
-                                   "--worker-threads=2"};
-  args.insert(args.end(), flags.begin(), flags.end());
-  ChildOptions options;
-  options.capture_stderr = true;
-  return ChildProcess::Start(std::move(args), options);
+  flags.insert(flags.begin(), {"--health-listen=127.0.0.1:0", "--backend=cuda"});
+  return ::normgrad::testing::StartOnEmulatedDriver(
+      {absl::StrCat("NORMGRAD_EMULATED_CUDA_FAULT=", fault)}, std::move(flags));
 }
 
 int ExitCode(const std::optional<int>& status) {
