@@ -190,12 +190,17 @@ std::vector<std::pair<std::string, std::string>> Files(const std::string& dir) {
   return files;
 }
 
-TEST(PtxCacheProcessTest, ConcurrentBuildsFetchEachConfigurationOnceAndRefetchCorruption) {
-  testing::ChildOptions server_options;
-  server_options.stop_signal = SIGTERM;
-  absl::StatusOr<testing::ChildProcess> server = testing::ChildProcess::Start(
+// normgrad-server on 127.0.0.1:0 (CPU backend, no metrics), stopped by SIGTERM at the end.
+absl::StatusOr<testing::ChildProcess> StartServer() {
+  testing::ChildOptions options;
+  options.stop_signal = SIGTERM;
+  return testing::ChildProcess::Start(
       {NORMGRAD_SERVER_PATH, "--listen=127.0.0.1:0", "--metrics_listen=", "--backend=cpu"},
-      server_options);
+      options);
+}
+
+TEST(PtxCacheProcessTest, ConcurrentBuildsFetchEachConfigurationOnceAndRefetchCorruption) {
+  absl::StatusOr<testing::ChildProcess> server = StartServer();
   ASSERT_TRUE(server.ok()) << server.status();
   const int port = server->AwaitReady(absl::Seconds(60)).grpc_port;
   ASSERT_GT(port, 0);
@@ -238,11 +243,7 @@ TEST(PtxCacheProcessTest, ConcurrentBuildsFetchEachConfigurationOnceAndRefetchCo
 // Without a cache, several configurations go as one batch request; --resource-usage prints one
 // line per configuration, in order, instead of the PTX.
 TEST(PtxCacheProcessTest, WithoutACacheABatchGivesOneResourceLinePerConfiguration) {
-  testing::ChildOptions server_options;
-  server_options.stop_signal = SIGTERM;
-  absl::StatusOr<testing::ChildProcess> server = testing::ChildProcess::Start(
-      {NORMGRAD_SERVER_PATH, "--listen=127.0.0.1:0", "--metrics_listen=", "--backend=cpu"},
-      server_options);
+  absl::StatusOr<testing::ChildProcess> server = StartServer();
   ASSERT_TRUE(server.ok()) << server.status();
   const int port = server->AwaitReady(absl::Seconds(60)).grpc_port;
   ASSERT_GT(port, 0);
