@@ -41,6 +41,13 @@ class FakeCall {
   }
 
   void Start(absl::Status refused = absl::OkStatus()) { Apply(pipeline_->Start(refused)); }
+  // Starts, delivers the header of `batch` and runs the session start it schedules: the call
+  // then reads its first chunk.
+  void StartSession(const testing::Batch& batch) {
+    Start();
+    Deliver(testing::HeaderFor(batch));
+    RunJobs();
+  }
 
   bool read_pending() const { return read_into_ != nullptr; }
   bool write_pending() const { return write_from_ != nullptr; }
@@ -159,9 +166,7 @@ TEST(BackwardPipelineTest, AWholeStreamGivesTheReferenceGradientsInOrderAndOneOk
 TEST(BackwardPipelineTest, StopsReadingWithThreeChunksHeldAndResumesWhenOneIsWritten) {
   const testing::Batch b = testing::RandomBatch(8, 16, 2);
   FakeCall call;
-  call.Start();
-  call.Deliver(testing::HeaderFor(b));
-  call.RunJobs();  // the session starts
+  call.StartSession(b);
   // Each chunk holds its whole message (x, dy and the fields around them) and its dx.
   std::vector<uint64_t> chunk_bytes;
   for (int i = 0; i < kMaxChunksHeldPerStream; ++i) {
@@ -184,9 +189,7 @@ TEST(BackwardPipelineTest, StopsReadingWithThreeChunksHeldAndResumesWhenOneIsWri
 TEST(BackwardPipelineTest, AChunkOverTheByteBudgetWithNothingHeldFailsWithResourceExhausted) {
   const testing::Batch b = testing::RandomBatch(4, 64, 3);
   FakeCall call(AdmissionLimits{.max_streams = 4, .max_inflight_bytes = 1000});
-  call.Start();
-  call.Deliver(testing::HeaderFor(b));
-  call.RunJobs();
+  call.StartSession(b);
   call.Deliver(testing::ChunkFor(b, 0, 2));  // 2 rows x 64 x 4 B x 3 = 1536 B > 1000
   ASSERT_EQ(call.finishes().size(), 1u);
   EXPECT_EQ(call.finishes()[0].code(), absl::StatusCode::kResourceExhausted);
@@ -199,9 +202,7 @@ TEST(BackwardPipelineTest, AChunkOverTheBudgetWaitsForTheStreamsOwnWritesInstead
   const testing::Batch b = testing::RandomBatch(4, 64, 4);
   // One row chunk holds 768 B: room for one, not two.
   FakeCall call(AdmissionLimits{.max_streams = 4, .max_inflight_bytes = 1000});
-  call.Start();
-  call.Deliver(testing::HeaderFor(b));
-  call.RunJobs();
+  call.StartSession(b);
   call.Deliver(testing::ChunkFor(b, 0, 1));
   call.Deliver(testing::ChunkFor(b, 1, 1));  // waits: the first still holds 768 B
   EXPECT_TRUE(call.finishes().empty());
