@@ -419,6 +419,20 @@ Value DgammaVectorLimit(Builder& b, Value dgamma, Value hidden) {
   return b.Selp(hidden, Value::U32(0), aligned);
 }
 
+// A tree's labels, created in this order: the level loop, the ticket taken, where a level of one
+// member goes (`end`), and done.
+struct TreeLabels {
+  Label level_loop, ticket_taken, end, done;
+};
+TreeLabels CreateTreeLabels(Builder& b, absl::string_view tree, absl::string_view end) {
+  TreeLabels l;
+  l.level_loop = b.CreateLabel(absl::StrCat(tree, "_level"));
+  l.ticket_taken = b.CreateLabel(absl::StrCat(tree, "_ticket_taken"));
+  l.end = b.CreateLabel(absl::StrCat(tree, "_", end));
+  l.done = b.CreateLabel(absl::StrCat(tree, "_done"));
+  return l;
+}
+
 // The address of this thread's place in workspace row `row`.
 Value WorkspaceRow(Builder& b, const TreeFrame& t, Value row) {
   const Value row_off = b.MulWide(row, Value::U32(t.row_bytes));
@@ -489,19 +503,13 @@ std::vector<Value> LoadQuadOrIdentity(Builder& b, Address at, Value load) {
 // columns past hidden_dim below that hold the zeros their x and dy gave. The workspace is 16-byte
 // aligned (BackwardKernel::CheckArgs). Workspace accesses are .cg: written by other blocks
 // during this launch, so read from L2, never from a stale L1 line.
-void BuildDgammaTree(Builder& b, const KernelConfig& config, Value col0, Value tid,
+void BuildDgammaTree(Builder& b, const RowTiling& tiling, Value col0, Value tid,
                      SharedArray last_flag, const std::vector<Value>& acc,
                      const DgammaTreeParams& p) {
-  using K_ = RowResidentRmsNormBackwardKernel;
-  const RowTiling tiling = K_::TilingFor(config);
   const uint32_t T = tiling.threads;
   const uint32_t K = tiling.vectors_per_thread;
   const uint32_t V = tiling.vector_elements;
-  const Label level_loop = b.CreateLabel("tree_level");
-  const Label ticket_taken = b.CreateLabel("tree_ticket_taken");
-  const Label top = b.CreateLabel("tree_top");
-  const Label done = b.CreateLabel("tree_done");
-
+  const auto [level_loop, ticket_taken, top, done] = CreateTreeLabels(b, "tree", "top");
   const TreeFrame t = StartTree(b, tiling, col0, tid, last_flag, p);
   // Byte offset of slot k's quad q in a workspace row, past the thread's own 16 bytes.
   auto quad_offset = [&](uint32_t k, uint32_t q) {
@@ -605,17 +613,11 @@ void SegmentLoop(Builder& b, Value limit, uint32_t step, const char* name, Body 
 // into its row of the next level, or into dgamma at the top. Same members, groups, order,
 // semaphores, layout and identity (-0.0) as the register tree, so the same bits for the same
 // sums. G == 1: row 0 is the whole grad_gamma, copied to dgamma.
-void BuildStreamedTree(Builder& b, const KernelConfig& config, Value col0, Value tid,
+void BuildStreamedTree(Builder& b, const RowTiling& tiling, Value col0, Value tid,
                        SharedArray last_flag, const DgammaTreeParams& p) {
-  using K_ = RowResidentRmsNormBackwardKernel;
-  const RowTiling tiling = K_::TilingFor(config);
   const uint32_t T = tiling.threads;
   const uint32_t V = tiling.vector_elements;
-  const Label level_loop = b.CreateLabel("stree_level");
-  const Label ticket_taken = b.CreateLabel("stree_ticket_taken");
-  const Label single = b.CreateLabel("stree_single");
-  const Label done = b.CreateLabel("stree_done");
-
+  const auto [level_loop, ticket_taken, single, done] = CreateTreeLabels(b, "stree", "single");
   const TreeFrame t = StartTree(b, tiling, col0, tid, last_flag, p);
   const Value hidden = p.hidden;
   const Value dg_thread = b.Add(t.dgamma, t.col0_bytes);
@@ -810,7 +812,7 @@ void BuildStreamedRows(Builder& b, const KernelConfig& config, const RowKernelDe
     b.Bra(row_loop);
   }
   b.Bind(rows_done);
-  BuildStreamedTree(b, config, v.col0, v.tid, d.last_flag,
+  BuildStreamedTree(b, tiling, v.col0, v.tid, d.last_flag,
                     DgammaTreeParams{d.dgamma, d.partials, d.semaphores, v.hidden});
 }
 
@@ -962,7 +964,7 @@ absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfi
     b.Bra(row_loop);
   }
   b.Bind(rows_done);
-  BuildDgammaTree(b, config, v.col0, v.tid, d.last_flag, acc,
+  BuildDgammaTree(b, tiling, v.col0, v.tid, d.last_flag, acc,
                   DgammaTreeParams{d.dgamma, d.partials, d.semaphores, v.hidden});
   return m;
 }
