@@ -240,6 +240,18 @@ RowKernelValues LoadRowKernelValues(Builder& b, const RowKernelDecl& d, const Ro
   return v;
 }
 
+// This thread's first x, dy and dx element in row `row`.
+struct ThreadRowPointers {
+  Value x, dy, dx;
+};
+ThreadRowPointers RowPointers(Builder& b, const RowKernelValues& v, Value row,
+                              uint32_t elem_bytes) {
+  const Value row_elems = b.MulWide(row, v.hidden);
+  const Value row_off = b.Shl(row_elems, Value::U32(elem_bytes == 4 ? 2 : 1));
+  const Value thread_off = b.Add(row_off, v.thread_bytes);
+  return {b.Add(v.x_base, thread_off), b.Add(v.dy_base, thread_off), b.Add(v.dx_base, thread_off)};
+}
+
 // Adds one slot's columns to the thread's sums of x^2 and x*gamma*dy, in column order.
 void AddRowSums(Builder& b, const std::vector<Value>& xs, const std::vector<Value>& dys,
                 const std::vector<Value>& gs, Value sum_sq, Value sum_dot) {
@@ -313,63 +325,6 @@ std::vector<Value> SlotDx(Builder& b, const std::vector<Value>& xs, const std::v
   return dx;
 }
 
-// The ticket of the last-block-done tree, the same at every level of both trees: release this
-// block's row (fence, barrier), count its arrival on its group's semaphore (thread 0; the last
-// to arrive resets the semaphore and fences to acquire the others' rows) and leave the tree
-// (`done`) unless this block arrived last. Returns the group and its first member and size.
-struct GroupTicket {
-  Value group, first, size;
-};
-GroupTicket TakeGroupTicket(Builder& b, Value count, Value member, Value level_sem,
-                            Value semaphores, Value is_thread0, Value flag_addr, Label ticket_taken,
-                            Label done) {
-  constexpr uint32_t F = RowResidentRmsNormBackwardKernel::kFanIn;
-  constexpr uint32_t kLogF = RowResidentRmsNormBackwardKernel::kLogFanIn;
-  static_assert((1u << kLogF) == F, "the fan-in is a power of two");
-  // Release: every thread's row stores are visible GPU-wide before thread 0's arrival.
-  b.Fence();
-  b.BarSync(0);
-  GroupTicket t;
-  t.group = b.Shr(member, Value::U32(kLogF));
-  t.first = b.Shl(t.group, Value::U32(kLogF));
-  const Value left = b.Sub(count, t.first);
-  t.size = b.Min(left, Value::U32(F));
-  const Value sem_index = b.Add(level_sem, t.group);
-  const Value sem_off = b.MulWide(sem_index, Value::U32(4));
-  const Value sem_addr = b.Add(semaphores, sem_off);
-  b.BraIfNot(is_thread0, ticket_taken);
-  {
-    const Value arrived = b.AtomAdd(StateSpace::kGlobal, Address{sem_addr, 0}, Value::U32(1));
-    const Value last_index = b.Sub(t.size, Value::U32(1));
-    const Value last = b.Setp(CmpOp::kEq, arrived, last_index);
-    const Value flag = b.Selp(Value::U32(1), Value::U32(0), last);
-    b.St(StateSpace::kShared, Address{flag_addr, 0}, flag);
-    {
-      // Every member has arrived: the semaphore is ready for the next launch.
-      auto reset = b.If(last);
-      b.St(StateSpace::kGlobal, Address{sem_addr, 0}, Value::U32(0));
-    }
-    // Acquire: the other members' rows are read after their arrivals were seen.
-    b.Fence();
-  }
-  b.Bind(ticket_taken);
-  b.BarSync(0);
-  const Value go = b.Ld(StateSpace::kShared, PtxType::kU32, Address{flag_addr, 0});
-  b.BraIf(b.Setp(CmpOp::kEq, go, Value::U32(0)), done);
-  return t;
-}
-
-// Where dgamma (f32 [hidden_dim]) takes 16-byte vectors: hidden_dim when the pointer is 16-byte
-// aligned and hidden_dim % 4 == 0, else 0 (every quad element by element).
-Value DgammaVectorLimit(Builder& b, Value dgamma, Value hidden) {
-  const Value dg_low64 = b.And(dgamma, Value::U64(kVectorBytes - 1));
-  const Value dg_low = b.Cvt(PtxType::kU32, dg_low64);
-  const Value hidden_low = b.And(hidden, Value::U32(3));
-  const Value misaligned = b.Or(dg_low, hidden_low);
-  const Value aligned = b.Setp(CmpOp::kEq, misaligned, Value::U32(0));
-  return b.Selp(hidden, Value::U32(0), aligned);
-}
-
 // The parameters BuildDgammaTree reads, and the run-time hidden_dim.
 struct DgammaTreeParams {
   Param dgamma;      // f32 [hidden_dim], written by the block that finishes last
@@ -409,6 +364,87 @@ TreeFrame StartTree(Builder& b, const RowTiling& tiling, Value col0, Value tid,
   return t;
 }
 
+// The ticket of the last-block-done tree, the same at every level of both trees: release this
+// block's row (fence, barrier), count its arrival on its group's semaphore (thread 0; the last
+// to arrive resets the semaphore and fences to acquire the others' rows) and leave the tree
+// (`done`) unless this block arrived last. Returns the group and its first member and size.
+struct GroupTicket {
+  Value group, first, size;
+};
+GroupTicket TakeGroupTicket(Builder& b, const TreeFrame& tree, Label ticket_taken, Label done) {
+  constexpr uint32_t F = RowResidentRmsNormBackwardKernel::kFanIn;
+  constexpr uint32_t kLogF = RowResidentRmsNormBackwardKernel::kLogFanIn;
+  static_assert((1u << kLogF) == F, "the fan-in is a power of two");
+  // Release: every thread's row stores are visible GPU-wide before thread 0's arrival.
+  b.Fence();
+  b.BarSync(0);
+  GroupTicket t;
+  t.group = b.Shr(tree.member, Value::U32(kLogF));
+  t.first = b.Shl(t.group, Value::U32(kLogF));
+  const Value left = b.Sub(tree.count, t.first);
+  t.size = b.Min(left, Value::U32(F));
+  const Value sem_index = b.Add(tree.level_sem, t.group);
+  const Value sem_off = b.MulWide(sem_index, Value::U32(4));
+  const Value sem_addr = b.Add(tree.semaphores, sem_off);
+  b.BraIfNot(tree.is_thread0, ticket_taken);
+  {
+    const Value arrived = b.AtomAdd(StateSpace::kGlobal, Address{sem_addr, 0}, Value::U32(1));
+    const Value last_index = b.Sub(t.size, Value::U32(1));
+    const Value last = b.Setp(CmpOp::kEq, arrived, last_index);
+    const Value flag = b.Selp(Value::U32(1), Value::U32(0), last);
+    b.St(StateSpace::kShared, Address{tree.flag_addr, 0}, flag);
+    {
+      // Every member has arrived: the semaphore is ready for the next launch.
+      auto reset = b.If(last);
+      b.St(StateSpace::kGlobal, Address{sem_addr, 0}, Value::U32(0));
+    }
+    // Acquire: the other members' rows are read after their arrivals were seen.
+    b.Fence();
+  }
+  b.Bind(ticket_taken);
+  b.BarSync(0);
+  const Value go = b.Ld(StateSpace::kShared, PtxType::kU32, Address{tree.flag_addr, 0});
+  b.BraIf(b.Setp(CmpOp::kEq, go, Value::U32(0)), done);
+  return t;
+}
+
+// Where dgamma (f32 [hidden_dim]) takes 16-byte vectors: hidden_dim when the pointer is 16-byte
+// aligned and hidden_dim % 4 == 0, else 0 (every quad element by element).
+Value DgammaVectorLimit(Builder& b, Value dgamma, Value hidden) {
+  const Value dg_low64 = b.And(dgamma, Value::U64(kVectorBytes - 1));
+  const Value dg_low = b.Cvt(PtxType::kU32, dg_low64);
+  const Value hidden_low = b.And(hidden, Value::U32(3));
+  const Value misaligned = b.Or(dg_low, hidden_low);
+  const Value aligned = b.Setp(CmpOp::kEq, misaligned, Value::U32(0));
+  return b.Selp(hidden, Value::U32(0), aligned);
+}
+
+// A tree's labels, created in this order: the level loop, the ticket taken, where a level of one
+// member goes (`end`), and done.
+struct TreeLabels {
+  Label level_loop, ticket_taken, end, done;
+};
+TreeLabels CreateTreeLabels(Builder& b, absl::string_view tree, absl::string_view end) {
+  TreeLabels l;
+  l.level_loop = b.CreateLabel(absl::StrCat(tree, "_level"));
+  l.ticket_taken = b.CreateLabel(absl::StrCat(tree, "_ticket_taken"));
+  l.end = b.CreateLabel(absl::StrCat(tree, "_", end));
+  l.done = b.CreateLabel(absl::StrCat(tree, "_done"));
+  return l;
+}
+
+// The address of this thread's place in workspace row `row`.
+Value WorkspaceRow(Builder& b, const TreeFrame& t, Value row) {
+  const Value row_off = b.MulWide(row, Value::U32(t.row_bytes));
+  return b.Add(t.ws_thread, row_off);
+}
+
+// The members of the next level: ceil(count / F).
+Value GroupsAbove(Builder& b, Value count) {
+  const Value groups_up = b.Add(count, Value::U32(RowResidentRmsNormBackwardKernel::kFanIn - 1));
+  return b.Shr(groups_up, Value::U32(RowResidentRmsNormBackwardKernel::kLogFanIn));
+}
+
 // Uniform: member i of a group of `size` exists (size > i), for i in 1..kFanIn-1.
 std::vector<Value> MembersPresent(Builder& b, Value size) {
   std::vector<Value> has_row(RowResidentRmsNormBackwardKernel::kFanIn);
@@ -425,6 +461,18 @@ Value LoadsMember(Builder& b, uint32_t i, Value col, Value in_row, Value stride,
   if (i == 0) return in_row;
   const Value limit = b.Selp(stride, Value::U32(0), has_row[i]);
   return b.Setp(CmpOp::kLt, col, limit);
+}
+
+// For each member i of a group, in member order: body(i, addr, load), addr member i's row (the
+// group's first row plus i rows), load whether this thread loads member i's quad at `col`.
+template <typename Body>
+void ForEachMember(Builder& b, Value first_row_addr, uint32_t row_bytes, Value col, Value in_row,
+                   Value stride, const std::vector<Value>& has_row, Body body) {
+  const Value addr = b.Mov(first_row_addr);
+  for (uint32_t i = 0; i < RowResidentRmsNormBackwardKernel::kFanIn; ++i) {
+    if (i > 0) b.AddTo(addr, Value::U64(row_bytes));
+    body(i, addr, LoadsMember(b, i, col, in_row, stride, has_row));
+  }
 }
 
 // Four f32 from `at` where `load`, else -0.0, the identity of f32 addition (x + -0.0 == x for
@@ -455,28 +503,14 @@ std::vector<Value> LoadQuadOrIdentity(Builder& b, Address at, Value load) {
 // columns past hidden_dim below that hold the zeros their x and dy gave. The workspace is 16-byte
 // aligned (BackwardKernel::CheckArgs). Workspace accesses are .cg: written by other blocks
 // during this launch, so read from L2, never from a stale L1 line.
-void BuildDgammaTree(Builder& b, const KernelConfig& config, Value col0, Value tid,
+void BuildDgammaTree(Builder& b, const RowTiling& tiling, Value col0, Value tid,
                      SharedArray last_flag, const std::vector<Value>& acc,
                      const DgammaTreeParams& p) {
-  using K_ = RowResidentRmsNormBackwardKernel;
-  const RowTiling tiling = K_::TilingFor(config);
   const uint32_t T = tiling.threads;
   const uint32_t K = tiling.vectors_per_thread;
   const uint32_t V = tiling.vector_elements;
-  constexpr uint32_t F = K_::kFanIn;
-  constexpr uint32_t kLogF = K_::kLogFanIn;
-  static_assert((1u << kLogF) == F, "the fan-in is a power of two");
-  const Label level_loop = b.CreateLabel("tree_level");
-  const Label ticket_taken = b.CreateLabel("tree_ticket_taken");
-  const Label top = b.CreateLabel("tree_top");
-  const Label done = b.CreateLabel("tree_done");
-
+  const auto [level_loop, ticket_taken, top, done] = CreateTreeLabels(b, "tree", "top");
   const TreeFrame t = StartTree(b, tiling, col0, tid, last_flag, p);
-  const Value hidden = p.hidden;
-  const Value stride = t.stride;
-  const uint32_t row_bytes = t.row_bytes;
-  const Value ws_thread = t.ws_thread;
-  const Value count = t.count, member = t.member, level_row = t.level_row, level_sem = t.level_sem;
   // Byte offset of slot k's quad q in a workspace row, past the thread's own 16 bytes.
   auto quad_offset = [&](uint32_t k, uint32_t q) {
     return int64_t{k * (V / 4) + q} * T * kVectorBytes;
@@ -484,16 +518,14 @@ void BuildDgammaTree(Builder& b, const KernelConfig& config, Value col0, Value t
 
   // The whole loop is block-uniform: count, member and the flag are the same in every thread.
   b.Bind(level_loop);
-  b.BraIf(b.Setp(CmpOp::kEq, count, Value::U32(1)), top);
+  b.BraIf(b.Setp(CmpOp::kEq, t.count, Value::U32(1)), top);
   {
-    const Value row = b.Add(level_row, member);
-    const Value row_off = b.MulWide(row, Value::U32(row_bytes));
-    const Value row_addr = b.Add(ws_thread, row_off);
+    const Value row_addr = WorkspaceRow(b, t, b.Add(t.level_row, t.member));
     {
       auto l2 = b.WithCache(CacheOp::kCg);
       for (uint32_t k = 0; k < K; ++k) {
         const Value col = b.Add(col0, Value::U32(k * T * V));
-        const Value in_row = b.Setp(CmpOp::kLt, col, stride);
+        const Value in_row = b.Setp(CmpOp::kLt, col, t.stride);
         auto guard = b.If(in_row);
         for (uint32_t q = 0; q < V / 4; ++q) {
           const std::vector<Value> quad(acc.begin() + k * V + 4 * q,
@@ -502,25 +534,20 @@ void BuildDgammaTree(Builder& b, const KernelConfig& config, Value col0, Value t
         }
       }
     }
-    const auto [group, first, size] = TakeGroupTicket(
-        b, count, member, level_sem, t.semaphores, t.is_thread0, t.flag_addr, ticket_taken, done);
+    const auto [group, first, size] = TakeGroupTicket(b, t, ticket_taken, done);
 
     // The last member: acc = row(first) + row(first + 1) + ... + row(first + size - 1), in that
     // order. Rows past the group's size are not loaded (their predicate is false).
-    const Value first_row = b.Add(level_row, first);
-    const Value first_off = b.MulWide(first_row, Value::U32(row_bytes));
-    const Value member_addr = b.Add(ws_thread, first_off);
+    const Value member_addr = WorkspaceRow(b, t, b.Add(t.level_row, first));
     const std::vector<Value> has_row = MembersPresent(b, size);
     {
       auto l2 = b.WithCache(CacheOp::kCg);
       // Slot by slot (fewer registers live), member by member within a slot.
       for (uint32_t k = 0; k < K; ++k) {
         const Value col = b.Add(col0, Value::U32(k * T * V));
-        const Value in_row = b.Setp(CmpOp::kLt, col, stride);
-        const Value addr = b.Mov(member_addr);
-        for (uint32_t i = 0; i < F; ++i) {
-          if (i > 0) b.AddTo(addr, Value::U64(row_bytes));
-          const Value load = LoadsMember(b, i, col, in_row, stride, has_row);
+        const Value in_row = b.Setp(CmpOp::kLt, col, t.stride);
+        ForEachMember(b, member_addr, t.row_bytes, col, in_row, t.stride, has_row,
+                      [&](uint32_t i, Value addr, Value load) {
           for (uint32_t q = 0; q < V / 4; ++q) {
             const std::vector<Value> quad =
                 LoadQuadOrIdentity(b, Address{addr, quad_offset(k, q)}, load);
@@ -533,27 +560,26 @@ void BuildDgammaTree(Builder& b, const KernelConfig& config, Value col0, Value t
               }
             }
           }
-        }
+        });
       }
     }
-    b.AddTo(level_row, count);
-    const Value groups_up = b.Add(count, Value::U32(F - 1));
-    const Value groups = b.Shr(groups_up, Value::U32(kLogF));
-    b.AddTo(level_sem, groups);
-    b.Assign(member, group);
-    b.Assign(count, groups);
+    b.AddTo(t.level_row, t.count);
+    const Value groups = GroupsAbove(b, t.count);
+    b.AddTo(t.level_sem, groups);
+    b.Assign(t.member, group);
+    b.Assign(t.count, groups);
     b.Bra(level_loop);
   }
 
   // The top: acc is the whole grad_gamma (or, for G == 1, the one block's sums). dgamma is the
   // caller's f32 [hidden_dim]: 16-byte vectors where it is aligned, else element by element.
   b.Bind(top);
-  const Value vec_limit = DgammaVectorLimit(b, t.dgamma, hidden);
+  const Value vec_limit = DgammaVectorLimit(b, t.dgamma, p.hidden);
   const Value dg_thread = b.Add(t.dgamma, t.col0_bytes);
   for (uint32_t k = 0; k < K; ++k) {
     for (uint32_t q = 0; q < V / 4; ++q) {
       const uint32_t slot_col = k * T * V + 4 * q;
-      const SlotPredicates sp = MakeSlotPredicates(b, col0, slot_col, 4, vec_limit, hidden);
+      const SlotPredicates sp = MakeSlotPredicates(b, col0, slot_col, 4, vec_limit, p.hidden);
       const std::vector<Value> quad(acc.begin() + k * V + 4 * q, acc.begin() + k * V + 4 * q + 4);
       StoreSlot(b, DType::kF32, Address{dg_thread, 4 * int64_t{slot_col}}, sp.vec, sp.elem, quad);
     }
@@ -587,25 +613,13 @@ void SegmentLoop(Builder& b, Value limit, uint32_t step, const char* name, Body 
 // into its row of the next level, or into dgamma at the top. Same members, groups, order,
 // semaphores, layout and identity (-0.0) as the register tree, so the same bits for the same
 // sums. G == 1: row 0 is the whole grad_gamma, copied to dgamma.
-void BuildStreamedTree(Builder& b, const KernelConfig& config, Value col0, Value tid,
+void BuildStreamedTree(Builder& b, const RowTiling& tiling, Value col0, Value tid,
                        SharedArray last_flag, const DgammaTreeParams& p) {
-  using K_ = RowResidentRmsNormBackwardKernel;
-  const RowTiling tiling = K_::TilingFor(config);
   const uint32_t T = tiling.threads;
   const uint32_t V = tiling.vector_elements;
-  constexpr uint32_t F = K_::kFanIn;
-  constexpr uint32_t kLogF = K_::kLogFanIn;
-  const Label level_loop = b.CreateLabel("stree_level");
-  const Label ticket_taken = b.CreateLabel("stree_ticket_taken");
-  const Label single = b.CreateLabel("stree_single");
-  const Label done = b.CreateLabel("stree_done");
-
+  const auto [level_loop, ticket_taken, single, done] = CreateTreeLabels(b, "stree", "single");
   const TreeFrame t = StartTree(b, tiling, col0, tid, last_flag, p);
   const Value hidden = p.hidden;
-  const Value stride = t.stride;
-  const uint32_t row_bytes = t.row_bytes;
-  const Value ws_thread = t.ws_thread;
-  const Value count = t.count, member = t.member, level_row = t.level_row, level_sem = t.level_sem;
   const Value dg_thread = b.Add(t.dgamma, t.col0_bytes);
   const Value dg_limit = DgammaVectorLimit(b, t.dgamma, hidden);
   // Stores quad q of a segment's sums to dgamma (f32, vector or element by element).
@@ -616,39 +630,31 @@ void BuildStreamedTree(Builder& b, const KernelConfig& config, Value col0, Value
     StoreSlot(b, DType::kF32, Address{addr, 16 * int64_t{q}}, sp.vec, sp.elem, quad);
   };
 
-  b.BraIf(b.Setp(CmpOp::kEq, count, Value::U32(1)), single);
+  b.BraIf(b.Setp(CmpOp::kEq, t.count, Value::U32(1)), single);
 
   // Block-uniform, as in BuildDgammaTree. This block's row of the level is written.
   b.Bind(level_loop);
   {
-    const auto [group, first, size] = TakeGroupTicket(
-        b, count, member, level_sem, t.semaphores, t.is_thread0, t.flag_addr, ticket_taken, done);
+    const auto [group, first, size] = TakeGroupTicket(b, t, ticket_taken, done);
 
     // The last member: the group's rows in member order, into the next level's row `group` or,
     // when the next level has one member, into dgamma.
-    const Value groups_up = b.Add(count, Value::U32(F - 1));
-    const Value groups = b.Shr(groups_up, Value::U32(kLogF));
+    const Value groups = GroupsAbove(b, t.count);
     const Value is_top = b.Setp(CmpOp::kEq, groups, Value::U32(1));
-    const Value first_row = b.Add(level_row, first);
-    const Value first_off = b.MulWide(first_row, Value::U32(row_bytes));
-    const Value member_addr = b.Add(ws_thread, first_off);
-    const Value next_base = b.Add(level_row, count);
-    const Value dest_row = b.Add(next_base, group);
-    const Value dest_off = b.MulWide(dest_row, Value::U32(row_bytes));
-    const Value dest_addr = b.Add(ws_thread, dest_off);
+    const Value member_addr = WorkspaceRow(b, t, b.Add(t.level_row, first));
+    const Value next_base = b.Add(t.level_row, t.count);
+    const Value dest_addr = WorkspaceRow(b, t, b.Add(next_base, group));
     const std::vector<Value> has_row = MembersPresent(b, size);
     SegmentLoop(b, hidden, T * V, "stree_segment", [&](Value seg, Value seg_bytes4) {
       const Value col = b.Add(col0, seg);
-      const Value in_row = b.Setp(CmpOp::kLt, col, stride);
+      const Value in_row = b.Setp(CmpOp::kLt, col, t.stride);
       const Value seg_addr = b.Add(member_addr, seg_bytes4);
       for (uint32_t q = 0; q < V / 4; ++q) {
         std::vector<Value> sum;
         {
           auto l2 = b.WithCache(CacheOp::kCg);
-          const Value addr = b.Mov(seg_addr);
-          for (uint32_t i = 0; i < F; ++i) {
-            if (i > 0) b.AddTo(addr, Value::U64(row_bytes));
-            const Value load = LoadsMember(b, i, col, in_row, stride, has_row);
+          ForEachMember(b, seg_addr, t.row_bytes, col, in_row, t.stride, has_row,
+                        [&](uint32_t i, Value addr, Value load) {
             const std::vector<Value> quad =
                 LoadQuadOrIdentity(b, Address{addr, int64_t{q} * T * kVectorBytes}, load);
             for (int j = 0; j < 4; ++j) {
@@ -658,7 +664,7 @@ void BuildStreamedTree(Builder& b, const KernelConfig& config, Value col0, Value
                 b.AddTo(sum[j], quad[j]);
               }
             }
-          }
+          });
         }
         const Label to_dgamma = b.CreateLabel("stree_to_dgamma");
         const Label stored = b.CreateLabel("stree_stored");
@@ -675,10 +681,10 @@ void BuildStreamedTree(Builder& b, const KernelConfig& config, Value col0, Value
         b.Bind(stored);
       }
     });
-    b.AddTo(level_row, count);
-    b.AddTo(level_sem, groups);
-    b.Assign(member, group);
-    b.Assign(count, groups);
+    b.AddTo(t.level_row, t.count);
+    b.AddTo(t.level_sem, groups);
+    b.Assign(t.member, group);
+    b.Assign(t.count, groups);
     b.BraIf(is_top, done);
     b.Bra(level_loop);
   }
@@ -687,8 +693,8 @@ void BuildStreamedTree(Builder& b, const KernelConfig& config, Value col0, Value
   b.Bind(single);
   SegmentLoop(b, hidden, T * V, "stree_single_segment", [&](Value seg, Value seg_bytes4) {
     const Value col = b.Add(col0, seg);
-    const Value in_row = b.Setp(CmpOp::kLt, col, stride);
-    const Value addr = b.Add(ws_thread, seg_bytes4);
+    const Value in_row = b.Setp(CmpOp::kLt, col, t.stride);
+    const Value addr = b.Add(t.ws_thread, seg_bytes4);
     for (uint32_t q = 0; q < V / 4; ++q) {
       std::vector<Value> quad;
       {
@@ -712,20 +718,13 @@ void BuildStreamedTree(Builder& b, const KernelConfig& config, Value col0, Value
 //           bytes (the tree's layout), set to 0 + part on the block's first row and added to on
 //           the next ones (.cg: L2), where the held kernel adds in registers. Same bits.
 // Then BuildStreamedTree. Registers hold one segment (a few dozen), so T = 1024 fits 64.
-void BuildStreamedRows(Module& m, const KernelConfig& config) {
-  using K_ = RowResidentRmsNormBackwardKernel;
+void BuildStreamedRows(Builder& b, const KernelConfig& config, const RowKernelDecl& d,
+                       const RowKernelValues& v, Label row_loop, Label rows_done) {
   const DType dtype = config.dtype;
-  const RowTiling tiling = K_::TilingFor(config);
+  const RowTiling tiling = RowResidentRmsNormBackwardKernel::TilingFor(config);
   const uint32_t T = tiling.threads;
   const uint32_t V = tiling.vector_elements;
   const uint32_t elem_bytes = DTypeBytes(dtype);
-
-  Function& f = m.mutable_functions().front();
-  const RowKernelDecl d = DeclareRowKernel(f, tiling);
-  Builder b(&f);
-  const Label row_loop = b.CreateLabel("row_loop");
-  const Label rows_done = b.CreateLabel("rows_done");
-  const RowKernelValues v = LoadRowKernelValues(b, d, tiling, dtype);
   const Value stride_up = b.Add(v.hidden, Value::U32(V - 1));
   const Value stride = b.And(stride_up, Value::U32(~(V - 1)));
   // This block's grad_gamma sums: workspace row ctaid (level 0 of the tree).
@@ -742,12 +741,7 @@ void BuildStreamedRows(Module& m, const KernelConfig& config) {
   b.Bind(row_loop);
   b.BraIf(b.Setp(CmpOp::kGe, row, v.rows), rows_done);
   {
-    const Value row_elems = b.MulWide(row, v.hidden);
-    const Value row_off = b.Shl(row_elems, Value::U32(elem_bytes == 4 ? 2 : 1));
-    const Value thread_off = b.Add(row_off, v.thread_bytes);
-    const Value x_thread = b.Add(v.x_base, thread_off);
-    const Value dy_thread = b.Add(v.dy_base, thread_off);
-    const Value dx_thread = b.Add(v.dx_base, thread_off);
+    const auto [x_thread, dy_thread, dx_thread] = RowPointers(b, v, row, elem_bytes);
     // One segment's x, dy (with `cache`) and gamma as f32, and its predicates.
     struct Segment {
       SlotPredicates p;
@@ -818,7 +812,7 @@ void BuildStreamedRows(Module& m, const KernelConfig& config) {
     b.Bra(row_loop);
   }
   b.Bind(rows_done);
-  BuildStreamedTree(b, config, v.col0, v.tid, d.last_flag,
+  BuildStreamedTree(b, tiling, v.col0, v.tid, d.last_flag,
                     DgammaTreeParams{d.dgamma, d.partials, d.semaphores, v.hidden});
 }
 
@@ -907,23 +901,22 @@ std::string RowResidentRmsNormBackwardKernel::ConfigKey(const KernelConfig& conf
 
 absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfig& config) const {
   NORMGRAD_ASSIGN_OR_RETURN(Module m, StartModule(config));
-  if (TilingFor(config).streamed) {
-    BuildStreamedRows(m, config);
-    return m;
-  }
   const DType dtype = config.dtype;
   const RowTiling tiling = TilingFor(config);
-  const uint32_t T = tiling.threads;
-  const uint32_t K = tiling.vectors_per_thread;
-  const uint32_t V = tiling.vector_elements;
-  const uint32_t elem_bytes = DTypeBytes(dtype);
-
   Function& f = m.mutable_functions().front();
   const RowKernelDecl d = DeclareRowKernel(f, tiling);
   Builder b(&f);
   const Label row_loop = b.CreateLabel("row_loop");
   const Label rows_done = b.CreateLabel("rows_done");
   const RowKernelValues v = LoadRowKernelValues(b, d, tiling, dtype);
+  if (tiling.streamed) {
+    BuildStreamedRows(b, config, d, v, row_loop, rows_done);
+    return m;
+  }
+  const uint32_t T = tiling.threads;
+  const uint32_t K = tiling.vectors_per_thread;
+  const uint32_t V = tiling.vector_elements;
+  const uint32_t elem_bytes = DTypeBytes(dtype);
 
   // fp32 grad_gamma accumulators for this thread's columns, over all rows of this block.
   std::vector<Value> acc;
@@ -934,12 +927,7 @@ absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfi
   b.Bind(row_loop);
   b.BraIf(b.Setp(CmpOp::kGe, row, v.rows), rows_done);
   {
-    const Value row_elems = b.MulWide(row, v.hidden);
-    const Value row_off = b.Shl(row_elems, Value::U32(elem_bytes == 4 ? 2 : 1));
-    const Value thread_off = b.Add(row_off, v.thread_bytes);
-    const Value x_thread = b.Add(v.x_base, thread_off);
-    const Value dy_thread = b.Add(v.dy_base, thread_off);
-    const Value dx_thread = b.Add(v.dx_base, thread_off);
+    const auto [x_thread, dy_thread, dx_thread] = RowPointers(b, v, row, elem_bytes);
 
     // x and dy stay in registers until the output; gamma (the same for every row, so cache
     // resident) is loaded again after the reduction instead of holding it, to save registers.
@@ -976,7 +964,7 @@ absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfi
     b.Bra(row_loop);
   }
   b.Bind(rows_done);
-  BuildDgammaTree(b, config, v.col0, v.tid, d.last_flag, acc,
+  BuildDgammaTree(b, tiling, v.col0, v.tid, d.last_flag, acc,
                   DgammaTreeParams{d.dgamma, d.partials, d.semaphores, v.hidden});
   return m;
 }

@@ -171,6 +171,20 @@ class FunctionVerifier {
     return absl::OkStatus();
   }
 
+  // A two-operand arithmetic instruction of an integer or float type (not .pred or .bN), its
+  // destination and both operands of that type.
+  absl::Status ExpectArithmetic(const Instruction& in, absl::string_view first,
+                                absl::string_view second) const {
+    NORMGRAD_RETURN_IF_ERROR(ExpectCounts(in, 1, 2));
+    const PtxType t = in.type;
+    if (t == PtxType::kPred || IsBits(t)) {
+      return absl::InvalidArgumentError(absl::StrCat("has no .", PtxTypeName(t), " form"));
+    }
+    NORMGRAD_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
+    NORMGRAD_RETURN_IF_ERROR(Expect(in.src[0], t, first));
+    return Expect(in.src[1], t, second);
+  }
+
   absl::Status ExpectAddress(const Value& base) const {
     NORMGRAD_RETURN_IF_ERROR(CheckValue(base, "address"));
     if (PtxTypeBits(base.type()) != 64 || !IsInt(base.type())) {
@@ -286,13 +300,7 @@ class FunctionVerifier {
       case Opcode::kSub:
       case Opcode::kMin:
       case Opcode::kMax:
-        NORMGRAD_RETURN_IF_ERROR(ExpectCounts(in, 1, 2));
-        if (t == PtxType::kPred || IsBits(t)) {
-          return absl::InvalidArgumentError(absl::StrCat("has no .", PtxTypeName(t), " form"));
-        }
-        NORMGRAD_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
-        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[0], t, "first operand"));
-        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[1], t, "second operand"));
+        NORMGRAD_RETURN_IF_ERROR(ExpectArithmetic(in, "first operand", "second operand"));
         if (IsFloat(t) && (in.op == Opcode::kAdd || in.op == Opcode::kSub)) {
           if (in.rounding != Rounding::kNone && !IsIeeeRounding(in.rounding)) {
             return absl::InvalidArgumentError("float add/sub take .rn/.rz/.rm/.rp only");
@@ -350,13 +358,7 @@ class FunctionVerifier {
         return absl::OkStatus();
       case Opcode::kDiv:
       case Opcode::kRem:
-        NORMGRAD_RETURN_IF_ERROR(ExpectCounts(in, 1, 2));
-        if (t == PtxType::kPred || IsBits(t)) {
-          return absl::InvalidArgumentError(absl::StrCat("has no .", PtxTypeName(t), " form"));
-        }
-        NORMGRAD_RETURN_IF_ERROR(ExpectDst(in.dst[0], t, "destination"));
-        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[0], t, "dividend"));
-        NORMGRAD_RETURN_IF_ERROR(Expect(in.src[1], t, "divisor"));
+        NORMGRAD_RETURN_IF_ERROR(ExpectArithmetic(in, "dividend", "divisor"));
         if (IsFloat(t)) {
           if (in.op == Opcode::kRem) return absl::InvalidArgumentError("rem is integer only");
           const bool ok = IsIeeeRounding(in.rounding) ||

@@ -17,6 +17,7 @@
 #include "client/tools/ptx_cache.h"
 #include "client/tools/tool_flags.h"
 #include "normgrad/client.h"
+#include "proto/normgrad/v1/emit_ptx_fields.h"
 
 namespace normgrad::tools {
 namespace {
@@ -183,17 +184,7 @@ absl::string_view DTypeLabel(v1::DType dtype) {
 v1::EmitPtxArtifact ArtifactOf(const v1::EmitPtxResponse& r, v1::DType dtype) {
   if (r.artifacts_size() > 0) return r.artifacts(0);
   v1::EmitPtxArtifact a;
-  a.set_ptx(r.ptx());
-  a.set_entry(r.entry());
-  *a.mutable_params() = r.params();
-  *a.mutable_digest() = r.digest();
-  a.set_ptx_version(r.ptx_version());
-  a.set_target(r.target());
-  a.set_config_key(r.config_key());
-  if (r.has_cubin_digest()) {
-    a.set_cubin(r.cubin());
-    *a.mutable_cubin_digest() = r.cubin_digest();
-  }
+  v1::CopySingleConfigurationFields(r, a);
   a.set_dtype(dtype);
   return a;
 }

@@ -209,40 +209,39 @@ void BackwardRowsF32Impl(const RowBlock& b) {
   }
 }
 
-// Vector conversions; a tail shorter than a vector goes through a zero-padded local buffer so
-// that every element takes the same (vector) rounding path.
-template <typename T>
-void PromoteToF32(const T* HWY_RESTRICT src, float* HWY_RESTRICT dst, size_t n) {
+// dst[i] = convert(src[i]), a vector of the f32 tag's lane count at a time; a tail shorter than a
+// vector goes through a zero-padded local buffer so that every element takes the same (vector)
+// rounding path.
+template <typename From, typename To, class Convert>
+HWY_ATTR HWY_INLINE void ConvertLanes(const From* HWY_RESTRICT src, To* HWY_RESTRICT dst,
+                                      size_t n, Convert convert) {
   const hn::ScalableTag<float> df;
-  const hn::Rebind<T, decltype(df)> dt;
+  const hn::Rebind<From, decltype(df)> d_from;
+  const hn::Rebind<To, decltype(df)> d_to;
   const size_t lanes = hn::Lanes(df);
   size_t i = 0;
-  for (; i + lanes <= n; i += lanes)
-    hn::StoreU(hn::PromoteTo(df, hn::LoadU(dt, src + i)), df, dst + i);
+  for (; i + lanes <= n; i += lanes) hn::StoreU(convert(hn::LoadU(d_from, src + i)), d_to, dst + i);
   if (i < n) {
-    HWY_ALIGN T in[hn::MaxLanes(df)] = {};
-    HWY_ALIGN float out[hn::MaxLanes(df)];
-    std::memcpy(in, src + i, (n - i) * sizeof(T));
-    hn::Store(hn::PromoteTo(df, hn::Load(dt, in)), df, out);
-    std::memcpy(dst + i, out, (n - i) * sizeof(float));
+    HWY_ALIGN From in[hn::MaxLanes(df)] = {};
+    HWY_ALIGN To out[hn::MaxLanes(df)];
+    std::memcpy(in, src + i, (n - i) * sizeof(From));
+    hn::Store(convert(hn::Load(d_from, in)), d_to, out);
+    std::memcpy(dst + i, out, (n - i) * sizeof(To));
   }
 }
 
 template <typename T>
+void PromoteToF32(const T* HWY_RESTRICT src, float* HWY_RESTRICT dst, size_t n) {
+  ConvertLanes(src, dst, n, [](auto v) HWY_ATTR {
+    return hn::PromoteTo(hn::ScalableTag<float>(), v);
+  });
+}
+
+template <typename T>
 void DemoteFromF32(const float* HWY_RESTRICT src, T* HWY_RESTRICT dst, size_t n) {
-  const hn::ScalableTag<float> df;
-  const hn::Rebind<T, decltype(df)> dt;
-  const size_t lanes = hn::Lanes(df);
-  size_t i = 0;
-  for (; i + lanes <= n; i += lanes)
-    hn::StoreU(hn::DemoteTo(dt, hn::LoadU(df, src + i)), dt, dst + i);
-  if (i < n) {
-    HWY_ALIGN float in[hn::MaxLanes(df)] = {};
-    HWY_ALIGN T out[hn::MaxLanes(df)];
-    std::memcpy(in, src + i, (n - i) * sizeof(float));
-    hn::Store(hn::DemoteTo(dt, hn::Load(df, in)), dt, out);
-    std::memcpy(dst + i, out, (n - i) * sizeof(T));
-  }
+  ConvertLanes(src, dst, n, [](auto v) HWY_ATTR {
+    return hn::DemoteTo(hn::Rebind<T, hn::ScalableTag<float>>(), v);
+  });
 }
 
 void ConvertToF32Impl(kernels::DType dtype, const uint8_t* src, float* dst, size_t n) {
@@ -275,19 +274,7 @@ HWY_ATTR HWY_INLINE hn::Vec<hn::Rebind<uint16_t, hn::ScalableTag<float>>> RoundT
 }
 
 void DemoteToBF16(const float* HWY_RESTRICT src, uint16_t* HWY_RESTRICT dst, size_t n) {
-  const hn::ScalableTag<float> df;
-  const hn::Rebind<uint16_t, decltype(df)> du16;
-  const size_t lanes = hn::Lanes(df);
-  size_t i = 0;
-  for (; i + lanes <= n; i += lanes)
-    hn::StoreU(RoundToBF16Bits(hn::LoadU(df, src + i)), du16, dst + i);
-  if (i < n) {
-    HWY_ALIGN float in[hn::MaxLanes(df)] = {};
-    HWY_ALIGN uint16_t out[hn::MaxLanes(df)];
-    std::memcpy(in, src + i, (n - i) * sizeof(float));
-    hn::Store(RoundToBF16Bits(hn::Load(df, in)), du16, out);
-    std::memcpy(dst + i, out, (n - i) * sizeof(uint16_t));
-  }
+  ConvertLanes(src, dst, n, [](auto v) HWY_ATTR { return RoundToBF16Bits(v); });
 }
 
 void ConvertFromF32Impl(kernels::DType dtype, const float* src, uint8_t* dst, size_t n) {

@@ -7,11 +7,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/bounded_quote.h"
-#include "kernels/kernel.h"
-#include "base/status_macros.h"
-#include "kernels/targets.h"
-#include "server/proto_conversion/proto_conversion.h"
 #include "base/sha256.h"
+#include "base/status_macros.h"
+#include "kernels/kernel.h"
+#include "kernels/targets.h"
+#include "proto/normgrad/v1/emit_ptx_fields.h"
+#include "server/proto_conversion/proto_conversion.h"
 
 namespace normgrad::server {
 
@@ -152,18 +153,7 @@ absl::StatusOr<v1::EmitPtxResponse> PtxService::Emit(const v1::EmitPtxRequest& r
   }
   if (!batch) {
     // The single-configuration fields, as before `artifacts` existed.
-    const v1::EmitPtxArtifact& a = response.artifacts(0);
-    response.set_ptx(a.ptx());
-    response.set_entry(a.entry());
-    *response.mutable_params() = a.params();
-    *response.mutable_digest() = a.digest();
-    response.set_ptx_version(a.ptx_version());
-    response.set_target(a.target());
-    response.set_config_key(a.config_key());
-    if (a.has_cubin_digest()) {
-      response.set_cubin(a.cubin());
-      *response.mutable_cubin_digest() = a.cubin_digest();
-    }
+    v1::CopySingleConfigurationFields(response.artifacts(0), response);
   }
   return response;
 }

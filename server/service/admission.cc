@@ -6,6 +6,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace normgrad::server {
 namespace {
@@ -13,28 +14,24 @@ namespace {
 constexpr char kBackwardMethod[] = "RmsNormBackward";
 constexpr char kEmitPtxMethod[] = "EmitPtx";
 
+// A queue's total (flag `total_flag`) must be > 0, and its per-connection share (the flag with
+// "-per-connection" added to the name) in 1..total.
+absl::Status CheckQueueLimits(absl::string_view total_flag, uint64_t total, uint64_t share) {
+  if (total == 0) return absl::InvalidArgumentError(absl::StrCat(total_flag, "=0: must be > 0"));
+  if (share == 0 || share > total) {
+    return absl::InvalidArgumentError(absl::StrCat(total_flag, "-per-connection=", share,
+                                                   ": must be in 1..", total_flag, "=", total));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status CheckAdmissionLimits(const AdmissionLimits& l) {
-  if (l.max_emit_ptx_calls == 0) {
-    return absl::InvalidArgumentError("--max-emit-ptx-queue=0: must be > 0");
-  }
-  if (l.max_emit_ptx_calls_per_connection == 0 ||
-      l.max_emit_ptx_calls_per_connection > l.max_emit_ptx_calls) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--max-emit-ptx-queue-per-connection=", l.max_emit_ptx_calls_per_connection,
-        ": must be in 1..--max-emit-ptx-queue=", l.max_emit_ptx_calls));
-  }
-  if (l.max_emit_ptx_bytes == 0) {
-    return absl::InvalidArgumentError("--max-emit-ptx-queue-bytes=0: must be > 0");
-  }
-  if (l.max_emit_ptx_bytes_per_connection == 0 ||
-      l.max_emit_ptx_bytes_per_connection > l.max_emit_ptx_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--max-emit-ptx-queue-bytes-per-connection=", l.max_emit_ptx_bytes_per_connection,
-        ": must be in 1..--max-emit-ptx-queue-bytes=", l.max_emit_ptx_bytes));
-  }
-  return absl::OkStatus();
+  NORMGRAD_RETURN_IF_ERROR(CheckQueueLimits("--max-emit-ptx-queue", l.max_emit_ptx_calls,
+                                            l.max_emit_ptx_calls_per_connection));
+  return CheckQueueLimits("--max-emit-ptx-queue-bytes", l.max_emit_ptx_bytes,
+                          l.max_emit_ptx_bytes_per_connection);
 }
 
 std::string ClientIdentityFromPeer(absl::string_view peer) {

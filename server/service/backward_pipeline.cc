@@ -53,11 +53,15 @@ StreamActions BackwardPipeline::Start(absl::Status refused) {
   return a;
 }
 
+void BackwardPipeline::IoDoneLocked(bool& in_flight) {
+  in_flight = false;
+  watchdog_.NoteProgress(absl::Now());
+}
+
 StreamActions BackwardPipeline::OnReadDone(bool ok, bool call_cancelled) {
   StreamActions a;
   std::lock_guard<std::mutex> lock(mu_);
-  read_in_flight_ = false;
-  watchdog_.NoteProgress(absl::Now());
+  IoDoneLocked(read_in_flight_);
   if (finish_decided_) return a;  // the stream already has its status
   if (ok) {
     OnMessageLocked(a);
@@ -84,8 +88,7 @@ StreamActions BackwardPipeline::OnReadDone(bool ok, bool call_cancelled) {
 StreamActions BackwardPipeline::OnUnparsableMessage(uint64_t bytes) {
   StreamActions a;
   std::lock_guard<std::mutex> lock(mu_);
-  read_in_flight_ = false;
-  watchdog_.NoteProgress(absl::Now());
+  IoDoneLocked(read_in_flight_);
   const std::string which = validator_.has_header()
                                 ? absl::StrCat("chunk ", validator_.chunks_received())
                                 : std::string("the first message");
@@ -99,8 +102,7 @@ StreamActions BackwardPipeline::OnUnparsableMessage(uint64_t bytes) {
 StreamActions BackwardPipeline::OnWriteDone(bool ok) {
   StreamActions a;
   std::lock_guard<std::mutex> lock(mu_);
-  write_in_flight_ = false;
-  watchdog_.NoteProgress(absl::Now());
+  IoDoneLocked(write_in_flight_);
   std::unique_ptr<Outgoing> done = std::move(writing_);
   if (done->reserved > 0) {
     deps_.admission->ReleaseBytes(done->reserved);

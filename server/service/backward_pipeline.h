@@ -127,6 +127,8 @@ class BackwardPipeline {
   absl::Time start_time() const { return start_; }
 
  private:
+  // A read or write completed: no longer in flight (`in_flight` is its flag), and progress.
+  void IoDoneLocked(bool& in_flight);
   void FinishLocked(const absl::Status& status, StreamActions& a);
   // The held-back finish, once no read or write is being issued and no job runs.
   std::optional<absl::Status> TakeDeferredFinishLocked();

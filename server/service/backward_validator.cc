@@ -5,11 +5,26 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/bounded_quote.h"
-#include "kernels/kernel.h"
 #include "base/status_macros.h"
+#include "kernels/kernel.h"
 #include "server/proto_conversion/proto_conversion.h"
 
 namespace normgrad::server {
+namespace {
+
+// A header size: 0 is INVALID_ARGUMENT, above the server's limit RESOURCE_EXHAUSTED (the request
+// is well formed; this server is too small for it).
+absl::Status CheckSize(absl::string_view field, uint64_t value, uint64_t limit,
+                       absl::string_view flag) {
+  if (value == 0) return absl::InvalidArgumentError(absl::StrCat(field, " is 0; must be > 0"));
+  if (value > limit) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        field, " is ", value, ", above the server's limit of ", limit, " (", flag, ")"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 BackwardValidator::BackwardValidator(const BackwardLimits& limits) : limits_(limits) {}
 
@@ -37,22 +52,10 @@ absl::Status BackwardValidator::AcceptHeader(const v1::BackwardRequest& message)
         " bytes); send rows in the following messages"));
   }
   const v1::BackwardHeader& h = message.header();
-  if (h.num_rows() == 0) {
-    return absl::InvalidArgumentError("header.num_rows is 0; must be > 0");
-  }
-  if (h.num_rows() > limits_.max_num_rows) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("header.num_rows is ", h.num_rows(), ", above the server's limit of ",
-                     limits_.max_num_rows, " (--max-num-rows)"));
-  }
-  if (h.hidden_dim() == 0) {
-    return absl::InvalidArgumentError("header.hidden_dim is 0; must be > 0");
-  }
-  if (h.hidden_dim() > limits_.max_hidden_dim) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("header.hidden_dim is ", h.hidden_dim(), ", above the server's limit of ",
-                     limits_.max_hidden_dim, " (--max-hidden-dim)"));
-  }
+  NORMGRAD_RETURN_IF_ERROR(
+      CheckSize("header.num_rows", h.num_rows(), limits_.max_num_rows, "--max-num-rows"));
+  NORMGRAD_RETURN_IF_ERROR(
+      CheckSize("header.hidden_dim", h.hidden_dim(), limits_.max_hidden_dim, "--max-hidden-dim"));
   NORMGRAD_ASSIGN_OR_RETURN(const kernels::DType dtype, DTypeFromProto(h.dtype(), "header.dtype"));
   const uint64_t element_bytes = kernels::DTypeBytes(dtype);
   if (!h.rms_provided() && !(std::isfinite(h.eps()) && h.eps() > 0.0f)) {

@@ -27,6 +27,14 @@ constexpr char kRowResident[] = "rms_norm_backward_row_resident";
 constexpr char kBatched[] = "batched_rms_norm_backward";
 constexpr char kWarp[] = "rms_norm_backward";
 
+// What each kernel reads and writes (BackwardKernel::DataFlow), every field.
+constexpr BackwardDataFlow kRowResidentFlow = {
+    .reads_rms = true, .requires_rms = false, .writes_dgamma = true, .reproducible_dgamma = true};
+constexpr BackwardDataFlow kBatchedFlow = {
+    .reads_rms = false, .requires_rms = false, .writes_dgamma = true, .reproducible_dgamma = false};
+constexpr BackwardDataFlow kWarpFlow = {
+    .reads_rms = true, .requires_rms = true, .writes_dgamma = false, .reproducible_dgamma = false};
+
 // Every field a different value, so that a value in the wrong slot shows.
 KernelParamValues DistinctValues() {
   return KernelParamValues{/*input=*/0x1000,
@@ -177,14 +185,19 @@ BackwardArgs Args(uint64_t rows, uint32_t hidden) {
   return a;
 }
 
+// Every field of a plan's DataFlow, so that none goes unchecked.
+void ExpectDataFlow(const BackwardDataFlow& got, const BackwardDataFlow& want) {
+  EXPECT_EQ(got.reads_rms, want.reads_rms);
+  EXPECT_EQ(got.requires_rms, want.requires_rms);
+  EXPECT_EQ(got.writes_dgamma, want.writes_dgamma);
+  EXPECT_EQ(got.reproducible_dgamma, want.reproducible_dgamma);
+}
+
 TEST(BackwardPlan, RowResidentIsOneLaunchWritingDxAndDgammaThroughItsTree) {
   const KernelConfig config = Config(896, DType::kBF16);
   absl::StatusOr<BackwardPlan> plan = BackwardPlan::Create(*FindKernel(kRowResident), config);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  EXPECT_TRUE(plan->DataFlow().writes_dgamma);
-  EXPECT_TRUE(plan->DataFlow().reproducible_dgamma);
-  EXPECT_TRUE(plan->DataFlow().reads_rms);
-  EXPECT_FALSE(plan->DataFlow().requires_rms);
+  ExpectDataFlow(plan->DataFlow(), kRowResidentFlow);
 
   // sm_count 4 x 4 blocks of 256 threads: G = 16 for 1000 rows, one group, two levels (16, 1):
   // 16 workspace rows of the tiling's capacity (256 threads x 8 bf16) and one semaphore.
@@ -231,9 +244,7 @@ TEST(BackwardPlan, TruenoCompatibleKernelsLaunchInPiecesBelowTheDevicesGridLimit
   const KernelConfig config = Config(100, DType::kF16);
   absl::StatusOr<BackwardPlan> plan = BackwardPlan::Create(*FindKernel(kBatched), config);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  EXPECT_TRUE(plan->DataFlow().writes_dgamma);
-  EXPECT_FALSE(plan->DataFlow().reproducible_dgamma);
-  EXPECT_FALSE(plan->DataFlow().reads_rms);
+  ExpectDataFlow(plan->DataFlow(), kBatchedFlow);
   EXPECT_EQ(plan->WorkspaceBytes(10), 0u);
   RecordingLauncher launcher(*plan, /*max_grid_x=*/3);
   ASSERT_TRUE(plan->Run(Args(10, 100), launcher).ok());
@@ -262,8 +273,7 @@ TEST(BackwardPlan, TruenoCompatibleKernelsLaunchInPiecesBelowTheDevicesGridLimit
 TEST(BackwardPlan, TheWarpKernelReadsTheGivenRmsOfEachPiecesRows) {
   absl::StatusOr<BackwardPlan> plan = BackwardPlan::Create(*FindKernel(kWarp), Config(32));
   ASSERT_TRUE(plan.ok()) << plan.status();
-  EXPECT_FALSE(plan->DataFlow().writes_dgamma);
-  EXPECT_TRUE(plan->DataFlow().requires_rms);
+  ExpectDataFlow(plan->DataFlow(), kWarpFlow);
   // 8 rows per block under a limit of 1 block: halving 20 rows gives pieces of 5.
   RecordingLauncher launcher(*plan, /*max_grid_x=*/1);
   ASSERT_TRUE(plan->Run(Args(20, 32), launcher).ok());

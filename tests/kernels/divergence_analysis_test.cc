@@ -13,6 +13,7 @@
 #include "kernels/ptx_printer.h"
 #include "kernels/rms_norm_backward.h"
 #include "kernels/verifier.h"
+#include "tests/kernels/single_entry_module.h"
 
 namespace normgrad::kernels {
 namespace {
@@ -41,15 +42,8 @@ std::vector<DivergenceFinding> AnalyzeKernel(absl::string_view entry, uint32_t h
   return Analyze(m->functions()[0], a);
 }
 
-// An entry with a u64 `data` and a u32 `n` parameter and a builder at its end; tests add the
-// body.
-struct Entry {
-  Module m{PtxVersion{7, 0}, 80};
-  Function& f = m.AddEntry("k");
-  Param data = f.AddParam(PtxType::kU64, "data");
-  Param n = f.AddParam(PtxType::kU32, "n");
-  Builder b{&f};
-
+// The shared single entry; tests add the body.
+struct Entry : SingleEntryModule {
   // Ends the body with `ret`, expects Verify to accept the entry and returns its findings.
   std::vector<DivergenceFinding> RetAndAnalyze() {
     b.Ret();

@@ -3,6 +3,7 @@
 // configuration keys, PTX versions, determinism, launch geometry).
 #include "kernels/rms_norm_backward.h"
 
+#include <initializer_list>
 #include <set>
 #include <string>
 #include <vector>
@@ -35,24 +36,35 @@ int Count(const std::string& text, const std::string& needle) {
   return n;
 }
 
-// ---- Ported from trueno-gpu: rms_norm_backward ----------------------------------------------
-
-TEST(RmsNormBackwardKernelTest, Name) {
-  ASSERT_NE(FindKernel("rms_norm_backward"), nullptr);
-  EXPECT_EQ(FindKernel("rms_norm_backward")->EntryName(), "rms_norm_backward");
+// The registry finds `entry` and the kernel it finds has that entry name.
+void ExpectFoundUnderItsEntryName(absl::string_view entry) {
+  const Kernel* k = FindKernel(entry);
+  ASSERT_NE(k, nullptr) << entry;
+  EXPECT_EQ(k->EntryName(), entry);
 }
 
-TEST(RmsNormBackwardKernelTest, PtxGenerationHasEntryParamsAndShuffles) {
-  const std::string ptx = EmitText("rms_norm_backward", {.hidden_dim = 32});
-  EXPECT_TRUE(absl::StrContains(ptx, ".entry rms_norm_backward"));
-  for (absl::string_view p :
-       {".param .u64 input_ptr", ".param .u64 gamma_ptr", ".param .u64 rms_ptr",
-        ".param .u64 grad_output_ptr", ".param .u64 grad_input_ptr", ".param .u32 num_rows",
-        ".param .u32 hidden_dim"}) {
-    EXPECT_TRUE(absl::StrContains(ptx, p)) << p;
-  }
+// The PTX of `entry` at `hidden_dim`, checked for its `.entry` line, every parameter declaration
+// in `params` and both shuffles (down and idx); returned for the kernel's own checks.
+std::string ExpectEntryParamsAndShuffles(absl::string_view entry, uint32_t hidden_dim,
+                                         std::initializer_list<absl::string_view> params) {
+  const std::string ptx = EmitText(entry, {.hidden_dim = hidden_dim});
+  EXPECT_TRUE(absl::StrContains(ptx, absl::StrCat(".entry ", entry)));
+  for (absl::string_view p : params) EXPECT_TRUE(absl::StrContains(ptx, p)) << p;
   EXPECT_TRUE(absl::StrContains(ptx, "shfl.sync.down"));
   EXPECT_TRUE(absl::StrContains(ptx, "shfl.sync.idx"));
+  return ptx;
+}
+
+// ---- Ported from trueno-gpu: rms_norm_backward ----------------------------------------------
+
+TEST(RmsNormBackwardKernelTest, Name) { ExpectFoundUnderItsEntryName("rms_norm_backward"); }
+
+TEST(RmsNormBackwardKernelTest, PtxGenerationHasEntryParamsAndShuffles) {
+  ExpectEntryParamsAndShuffles(
+      "rms_norm_backward", 32,
+      {".param .u64 input_ptr", ".param .u64 gamma_ptr", ".param .u64 rms_ptr",
+       ".param .u64 grad_output_ptr", ".param .u64 grad_input_ptr", ".param .u32 num_rows",
+       ".param .u32 hidden_dim"});
 }
 
 // trueno-gpu asserted "sqrt present" here because it recomputed sqrt(rms*rms + eps) from an rms
@@ -88,21 +100,15 @@ TEST(RmsNormBackwardKernelTest, HiddenDimLimitIsAnInvalidArgument) {
 // ---- Ported from trueno-gpu: batched_rms_norm_backward --------------------------------------
 
 TEST(BatchedRmsNormBackwardKernelTest, Name) {
-  ASSERT_NE(FindKernel("batched_rms_norm_backward"), nullptr);
-  EXPECT_EQ(FindKernel("batched_rms_norm_backward")->EntryName(), "batched_rms_norm_backward");
+  ExpectFoundUnderItsEntryName("batched_rms_norm_backward");
 }
 
 TEST(BatchedRmsNormBackwardKernelTest, PtxGenerationHasEntryParamsShufflesAndSqrt) {
-  const std::string ptx = EmitText("batched_rms_norm_backward", {.hidden_dim = 128});
-  EXPECT_TRUE(absl::StrContains(ptx, ".entry batched_rms_norm_backward"));
-  for (absl::string_view p :
-       {".param .u64 input_ptr", ".param .u64 gamma_ptr", ".param .u64 grad_output_ptr",
-        ".param .u64 grad_input_ptr", ".param .u64 grad_gamma_ptr", ".param .u32 num_rows",
-        ".param .u32 hidden_dim", ".param .f32 eps"}) {
-    EXPECT_TRUE(absl::StrContains(ptx, p)) << p;
-  }
-  EXPECT_TRUE(absl::StrContains(ptx, "shfl.sync.down"));
-  EXPECT_TRUE(absl::StrContains(ptx, "shfl.sync.idx"));
+  const std::string ptx = ExpectEntryParamsAndShuffles(
+      "batched_rms_norm_backward", 128,
+      {".param .u64 input_ptr", ".param .u64 gamma_ptr", ".param .u64 grad_output_ptr",
+       ".param .u64 grad_input_ptr", ".param .u64 grad_gamma_ptr", ".param .u32 num_rows",
+       ".param .u32 hidden_dim", ".param .f32 eps"});
   EXPECT_TRUE(absl::StrContains(ptx, "sqrt.rn.f32"));
   EXPECT_TRUE(absl::StrContains(ptx, "atom.global.add.f32"));
 }

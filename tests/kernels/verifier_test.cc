@@ -3,6 +3,7 @@
 #include "kernels/verifier.h"
 
 #include <string>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
@@ -11,19 +12,14 @@
 #include "kernels/ptx_builder.h"
 #include "kernels/ptx_printer.h"
 #include "kernels/rms_norm_backward.h"
+#include "tests/kernels/single_entry_module.h"
 
 namespace normgrad::kernels {
 namespace {
 
-// A tiny valid entry `k` with parameters `out` (u64) and `n` (u32) and a builder at its end.
+// A tiny valid entry `k` with parameters `data` (u64) and `n` (u32) and a builder at its end.
 // Tests break one thing in it.
-struct Fixture {
-  Module m{PtxVersion{7, 0}, 80};
-  Function& f = m.AddEntry("k");
-  Param out = f.AddParam(PtxType::kU64, "out");
-  Param n = f.AddParam(PtxType::kU32, "n");
-  Builder b{&f};
-};
+using Fixture = SingleEntryModule;
 
 void ExpectRejected(const Module& m, absl::string_view needle) {
   absl::Status s = Verify(m);
@@ -171,12 +167,12 @@ const BrokenEntry kBrokenEntries[] = {
      "a 64-bit integer is required"},
     {"AMisalignedVectorOffset",
      [](Fixture& fx) {  // a 16-byte access at +8
-       fx.b.LdV4(StateSpace::kGlobal, PtxType::kF32, Address{fx.b.LdParam(fx.out), 8});
+       fx.b.LdV4(StateSpace::kGlobal, PtxType::kF32, Address{fx.b.LdParam(fx.data), 8});
      },
      "offset 8 is not a multiple of the access size 16 bytes"},
     {"AMisalignedScalarOffset",
      [](Fixture& fx) {
-       fx.b.St(StateSpace::kGlobal, Address{fx.b.LdParam(fx.out), 2}, Value::F32(0.0f));
+       fx.b.St(StateSpace::kGlobal, Address{fx.b.LdParam(fx.data), 2}, Value::F32(0.0f));
      },
      "offset 2 is not a multiple of the access size 4 bytes"},
     {"AStaleRegisterHandle",
@@ -193,14 +189,14 @@ const BrokenEntry kBrokenEntries[] = {
     {"AStoreCacheOperatorOnALoad",
      [](Fixture& fx) {
        auto hint = fx.b.WithCache(CacheOp::kWt);
-       fx.b.Ld(StateSpace::kGlobal, PtxType::kF32, Address{fx.b.LdParam(fx.out)});
+       fx.b.Ld(StateSpace::kGlobal, PtxType::kF32, Address{fx.b.LdParam(fx.data)});
      },
      "ld has no cache operator .wt"},
     {"ALoadCacheOperatorOnAStore",
      [](Fixture& fx) {
-       const Value out = fx.b.LdParam(fx.out);
+       const Value data = fx.b.LdParam(fx.data);
        auto hint = fx.b.WithCache(CacheOp::kLu);
-       fx.b.St(StateSpace::kGlobal, Address{out}, Value::F32(0.0f));
+       fx.b.St(StateSpace::kGlobal, Address{data}, Value::F32(0.0f));
      },
      "st has no cache operator .lu"},
     {"ACacheOperatorOnSharedMemory",
@@ -306,26 +302,26 @@ TEST(VerifierTest, RejectsDuplicateEntries) {
   ExpectRejected(m, "declared twice");
 }
 
+// The entry `k` of nothing but `ret`, declared with `.maxntid max_threads` and `.minnctapersm
+// min_blocks_per_sm` (0: not declared).
+Module EntryWithLaunchBounds(uint32_t max_threads, uint32_t min_blocks_per_sm) {
+  Fixture fx;
+  fx.b.Ret();
+  fx.f.set_max_threads(max_threads);
+  fx.f.set_min_blocks_per_sm(min_blocks_per_sm);
+  return std::move(fx.m);
+}
+
 TEST(VerifierTest, RejectsAMaxntidAboveTheDevicesBlockLimit) {
-  Module m(PtxVersion{7, 0}, 80);
-  Function& f = m.AddEntry("k");
-  Builder(&f).Ret();
-  f.set_max_threads(1024);
-  ExpectAccepted(m);
-  f.set_max_threads(1025);
-  ExpectRejected(m, "entry k: .maxntid 1025 exceeds 1024");
+  ExpectAccepted(EntryWithLaunchBounds(1024, 0));
+  ExpectRejected(EntryWithLaunchBounds(1025, 0), "entry k: .maxntid 1025 exceeds 1024");
 }
 
 TEST(VerifierTest, RejectsMinBlocksPerSmWithoutMaxntidOrAboveTheThreadsAnSmKeeps) {
-  Module m(PtxVersion{7, 0}, 80);
-  Function& f = m.AddEntry("k");
-  Builder(&f).Ret();
-  f.set_min_blocks_per_sm(2);
-  ExpectRejected(m, "entry k: .minnctapersm 2 with .maxntid 0 needs a .maxntid");
-  f.set_max_threads(512);
-  ExpectAccepted(m);
-  f.set_min_blocks_per_sm(3);
-  ExpectRejected(m, ".minnctapersm 3 with .maxntid 512");
+  ExpectRejected(EntryWithLaunchBounds(0, 2),
+                 "entry k: .minnctapersm 2 with .maxntid 0 needs a .maxntid");
+  ExpectAccepted(EntryWithLaunchBounds(512, 2));
+  ExpectRejected(EntryWithLaunchBounds(512, 3), ".minnctapersm 3 with .maxntid 512");
 }
 
 TEST(VerifierTest, MessageNamesTheInstructionIndexAndText) {

@@ -269,6 +269,13 @@ thread_local CUcontext current_context = nullptr;
 
 // Every call past cuInit needs an initialized driver; most need a current context.
 CUresult NeedInit() { return Driver().Initialized() ? CUDA_SUCCESS : CUDA_ERROR_NOT_INITIALIZED; }
+// A query of device `dev` that writes through `out`: initialized, device 0 (the only one), `out`
+// not null, checked in that order as the driver does.
+CUresult NeedDevice(CUdevice dev, const void* out) {
+  if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
+  if (dev != 0) return CUDA_ERROR_INVALID_DEVICE;
+  return out == nullptr ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
 CUresult NeedContext() {
   if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
   EmulatedDriver& d = Driver();
@@ -366,12 +373,31 @@ constexpr std::pair<CUdevice_attribute, int> kDeviceAttributes[] = {
     {CU_DEVICE_ATTRIBUTE_COMPUTE_MODE, CU_COMPUTEMODE_DEFAULT},
 };
 
-void WriteLog(const std::string& text, char* buffer, size_t* size_inout) {
-  if (buffer == nullptr || size_inout == nullptr || *size_inout == 0) return;
-  const size_t n = std::min(text.size(), *size_inout - 1);
-  std::memcpy(buffer, text.data(), n);
-  buffer[n] = '\0';
-  *size_inout = n + 1;
+// One of cuModuleLoadDataEx's logs: the caller's buffer and its size (in: capacity, out: bytes
+// written with the NUL); either null when the caller did not pass it.
+struct JitLog {
+  char* buffer = nullptr;
+  size_t* size_inout = nullptr;
+};
+
+// The log whose buffer and size the caller passed as `buffer_option` and `size_option` among
+// the `n` options; the size is passed in the value slot itself, as the driver takes it.
+JitLog FindJitLog(unsigned int n, const CUjit_option* options, void** values,
+                  CUjit_option buffer_option, CUjit_option size_option) {
+  JitLog log;
+  for (unsigned int i = 0; i < n; ++i) {
+    if (options[i] == buffer_option) log.buffer = static_cast<char*>(values[i]);
+    if (options[i] == size_option) log.size_inout = reinterpret_cast<size_t*>(&values[i]);
+  }
+  return log;
+}
+
+void WriteLog(const std::string& text, const JitLog& log) {
+  if (log.buffer == nullptr || log.size_inout == nullptr || *log.size_inout == 0) return;
+  const size_t n = std::min(text.size(), *log.size_inout - 1);
+  std::memcpy(log.buffer, text.data(), n);
+  log.buffer[n] = '\0';
+  *log.size_inout = n + 1;
 }
 
 CUresult CheckDeviceRange(CUdeviceptr ptr, size_t bytes) {
@@ -518,7 +544,10 @@ using normgrad::ptxsim::EmulatedDriver;
 using normgrad::ptxsim::EmuModule;
 using normgrad::ptxsim::EmuStream;
 using normgrad::ptxsim::ErrorText;
+using normgrad::ptxsim::FindJitLog;
+using normgrad::ptxsim::JitLog;
 using normgrad::ptxsim::NeedContext;
+using normgrad::ptxsim::NeedDevice;
 using normgrad::ptxsim::NeedInit;
 using normgrad::ptxsim::WriteLog;
 
@@ -560,26 +589,21 @@ NG_EXPORT CUresult CUDAAPI cuDeviceGet(CUdevice* device, int ordinal) {
 }
 
 NG_EXPORT CUresult CUDAAPI cuDeviceGetName(char* name, int len, CUdevice dev) {
-  if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
-  if (dev != 0) return CUDA_ERROR_INVALID_DEVICE;
-  if (name == nullptr || len <= 0) return CUDA_ERROR_INVALID_VALUE;
+  if (CUresult r = NeedDevice(dev, name); r != CUDA_SUCCESS) return r;
+  if (len <= 0) return CUDA_ERROR_INVALID_VALUE;
   std::snprintf(name, static_cast<size_t>(len), "%s", normgrad::ptxsim::kDeviceName);
   return CUDA_SUCCESS;
 }
 
 NG_EXPORT CUresult CUDAAPI cuDeviceTotalMem(size_t* bytes, CUdevice dev) {
-  if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
-  if (dev != 0) return CUDA_ERROR_INVALID_DEVICE;
-  if (bytes == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (CUresult r = NeedDevice(dev, bytes); r != CUDA_SUCCESS) return r;
   *bytes = Driver().total_bytes_;
   return CUDA_SUCCESS;
 }
 
 NG_EXPORT CUresult CUDAAPI cuDeviceGetAttribute(int* pi, CUdevice_attribute attrib, CUdevice dev) {
-  if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
-  if (dev != 0) return CUDA_ERROR_INVALID_DEVICE;
-  if (pi == nullptr || attrib <= 0 || attrib >= CU_DEVICE_ATTRIBUTE_MAX)
-    return CUDA_ERROR_INVALID_VALUE;
+  if (CUresult r = NeedDevice(dev, pi); r != CUDA_SUCCESS) return r;
+  if (attrib <= 0 || attrib >= CU_DEVICE_ATTRIBUTE_MAX) return CUDA_ERROR_INVALID_VALUE;
   const int sm = Driver().sm_;
   if (attrib == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) {
     *pi = sm / 10;
@@ -595,9 +619,7 @@ NG_EXPORT CUresult CUDAAPI cuDeviceGetAttribute(int* pi, CUdevice_attribute attr
 }
 
 NG_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* pctx, CUdevice dev) {
-  if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
-  if (dev != 0) return CUDA_ERROR_INVALID_DEVICE;
-  if (pctx == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (CUresult r = NeedDevice(dev, pctx); r != CUDA_SUCCESS) return r;
   EmulatedDriver& d = Driver();
   std::lock_guard<std::mutex> lock(d.mu);
   ++d.primary_refs;
@@ -638,28 +660,11 @@ NG_EXPORT CUresult CUDAAPI cuModuleLoadDataEx(CUmodule* module, const void* imag
   if (module == nullptr || image == nullptr) return CUDA_ERROR_INVALID_VALUE;
   if (numOptions > 0 && (options == nullptr || optionValues == nullptr))
     return CUDA_ERROR_INVALID_VALUE;
-  char* error_log = nullptr;
-  size_t* error_size = nullptr;
-  char* info_log = nullptr;
-  size_t* info_size = nullptr;
-  for (unsigned int i = 0; i < numOptions; ++i) {
-    switch (options[i]) {
-      case CU_JIT_ERROR_LOG_BUFFER:
-        error_log = static_cast<char*>(optionValues[i]);
-        break;
-      case CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES:
-        error_size = reinterpret_cast<size_t*>(&optionValues[i]);
-        break;
-      case CU_JIT_INFO_LOG_BUFFER:
-        info_log = static_cast<char*>(optionValues[i]);
-        break;
-      case CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES:
-        info_size = reinterpret_cast<size_t*>(&optionValues[i]);
-        break;
-      default:
-        break;  // optimization level, targets, ...: nothing to tune in an interpreter
-    }
-  }
+  // The other options (optimization level, targets, ...): nothing to tune in an interpreter.
+  const JitLog error_log = FindJitLog(numOptions, options, optionValues, CU_JIT_ERROR_LOG_BUFFER,
+                                      CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES);
+  const JitLog info_log = FindJitLog(numOptions, options, optionValues, CU_JIT_INFO_LOG_BUFFER,
+                                     CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES);
   const unsigned char* bytes = static_cast<const unsigned char*>(image);
   const uint32_t magic = static_cast<uint32_t>(bytes[0]) | (static_cast<uint32_t>(bytes[1]) << 8) |
                          (static_cast<uint32_t>(bytes[2]) << 16) |
@@ -669,13 +674,13 @@ NG_EXPORT CUresult CUDAAPI cuModuleLoadDataEx(CUmodule* module, const void* imag
                   "ELF",
                   4) == 0 ||
       magic == 0xba55ed50u || magic == 0x466243b1u) {
-    WriteLog("the emulated device executes PTX text only (no cubin/fatbin)", error_log, error_size);
+    WriteLog("the emulated device executes PTX text only (no cubin/fatbin)", error_log);
     return CUDA_ERROR_NO_BINARY_FOR_GPU;
   }
   const char* text = static_cast<const char*>(image);
   absl::StatusOr<normgrad::ptxsim::Module> parsed = normgrad::ptxsim::ParsePtx(text);
   if (!parsed.ok()) {
-    WriteLog(absl::StrCat("ptxsim: ", parsed.status().message()), error_log, error_size);
+    WriteLog(absl::StrCat("ptxsim: ", parsed.status().message()), error_log);
     return CUDA_ERROR_INVALID_PTX;
   }
   EmulatedDriver& d = Driver();
@@ -685,17 +690,17 @@ NG_EXPORT CUresult CUDAAPI cuModuleLoadDataEx(CUmodule* module, const void* imag
     WriteLog(absl::StrCat("ptxsim: PTX ISA ", parsed->version_major, ".", parsed->version_minor,
                           " is newer than this driver supports (", normgrad::ptxsim::kMaxPtxMajor,
                           ".", normgrad::ptxsim::kMaxPtxMinor, ")"),
-             error_log, error_size);
+             error_log);
     return CUDA_ERROR_UNSUPPORTED_PTX_VERSION;
   }
   if (parsed->target_sm > d.sm_) {
     WriteLog(absl::StrCat("ptxsim: SM version specified by .target (sm_", parsed->target_sm,
                           ") is higher than the device's (sm_", d.sm_, ")"),
-             error_log, error_size);
+             error_log);
     return CUDA_ERROR_INVALID_PTX;
   }
-  WriteLog("", info_log, info_size);
-  WriteLog("", error_log, error_size);
+  WriteLog("", info_log);
+  WriteLog("", error_log);
   EmuModule* m = new EmuModule();
   m->module = *std::move(parsed);
   return normgrad::ptxsim::Register(d.modules, m, module);
@@ -805,9 +810,7 @@ NG_EXPORT CUresult CUDAAPI cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
 }
 
 NG_EXPORT CUresult CUDAAPI cuDeviceGetDefaultMemPool(CUmemoryPool* pool_out, CUdevice dev) {
-  if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
-  if (dev != 0) return CUDA_ERROR_INVALID_DEVICE;
-  if (pool_out == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (CUresult r = NeedDevice(dev, pool_out); r != CUDA_SUCCESS) return r;
   *pool_out = reinterpret_cast<CUmemoryPool>(&Driver().pool);
   return CUDA_SUCCESS;
 }
@@ -1023,9 +1026,7 @@ NG_EXPORT CUresult CUDAAPI cuMemGetInfo(size_t* free, size_t* total) {
 }
 
 NG_EXPORT CUresult CUDAAPI cuDeviceGetUuid_v2(CUuuid* uuid, CUdevice dev) {
-  if (CUresult r = NeedInit(); r != CUDA_SUCCESS) return r;
-  if (dev != 0) return CUDA_ERROR_INVALID_DEVICE;
-  if (uuid == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (CUresult r = NeedDevice(dev, uuid); r != CUDA_SUCCESS) return r;
   *uuid = Driver().uuid_;
   return CUDA_SUCCESS;
 }

@@ -338,6 +338,12 @@ class EmulatedDriverTest : public ::testing::Test {
     ASSERT_EQ(cuCtxSetCurrent(ctx), CUDA_SUCCESS);
   }
 
+  // A `bytes` allocation in `data` and its IPC handle in `handle`; the caller frees it.
+  void AllocAndExport(size_t bytes, CUdeviceptr* data, CUipcMemHandle* handle) {
+    ASSERT_EQ(cuMemAlloc(data, bytes), CUDA_SUCCESS);
+    ASSERT_EQ(cuIpcGetMemHandle(handle, *data), CUDA_SUCCESS);
+  }
+
   // Loads scale() from kScalePtx.
   void LoadScaleKernel(CUmodule* module, CUfunction* fn) {
     ASSERT_EQ(cuModuleLoadDataEx(module, kScalePtx, 0, nullptr, nullptr), CUDA_SUCCESS);
@@ -661,9 +667,8 @@ TEST_F(EmulatedDriverTest, IpcGetMemHandleNeedsTheBaseOfALiveAllocation) {
 TEST_F(EmulatedDriverTest, IpcOpenInTheExportingProcessIsInvalidContext) {
   MakeCurrent();
   CUdeviceptr data = 0;
-  ASSERT_EQ(cuMemAlloc(&data, 4096), CUDA_SUCCESS);
   CUipcMemHandle handle;
-  ASSERT_EQ(cuIpcGetMemHandle(&handle, data), CUDA_SUCCESS);
+  ASSERT_NO_FATAL_FAILURE(AllocAndExport(4096, &data, &handle));
   CUdeviceptr opened = 0;
   EXPECT_EQ(cuIpcOpenMemHandle(&opened, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
             CUDA_ERROR_INVALID_CONTEXT);
@@ -705,9 +710,8 @@ TEST_F(EmulatedDriverTest, AnotherProcessReadsAndWritesAnExportedAllocation) {
 TEST_F(EmulatedDriverTest, AFreedAllocationsHandleIsInvalidHandle) {
   MakeCurrent();
   CUdeviceptr data = 0;
-  ASSERT_EQ(cuMemAlloc(&data, 4096), CUDA_SUCCESS);
   CUipcMemHandle handle;
-  ASSERT_EQ(cuIpcGetMemHandle(&handle, data), CUDA_SUCCESS);
+  ASSERT_NO_FATAL_FAILURE(AllocAndExport(4096, &data, &handle));
   ASSERT_EQ(cuMemFree(data), CUDA_SUCCESS);
   CUdeviceptr successor = 0;
   ASSERT_EQ(cuMemAlloc(&successor, 4096), CUDA_SUCCESS);
@@ -735,9 +739,8 @@ TEST_F(EmulatedDriverTest, AHandleFromADeviceWithAnotherUuidIsInvalidDevice) {
     if (i == 3 || i == 5 || i == 7 || i == 9) other += '-';
   }
   CUdeviceptr data = 0;
-  ASSERT_EQ(cuMemAlloc(&data, 4096), CUDA_SUCCESS);
   CUipcMemHandle handle;
-  ASSERT_EQ(cuIpcGetMemHandle(&handle, data), CUDA_SUCCESS);
+  ASSERT_NO_FATAL_FAILURE(AllocAndExport(4096, &data, &handle));
   const std::string handle_variable = "NORMGRAD_EMULATED_IPC_TEST_HANDLE=" + HandleToHex(handle);
   EXPECT_EQ(RunChild({"NORMGRAD_EMULATED_IPC_TEST_ROLE=expect", handle_variable,
                       "NORMGRAD_EMULATED_IPC_TEST_EXPECT=" +

@@ -31,6 +31,15 @@ std::ostream& operator<<(std::ostream& os, const Shape& s) {
   return os << (s.dtype == DType::kF32 ? "f32" : "bf16") << "_" << s.hidden;
 }
 
+// RunPlanTraffic's options for `dtype` at `hidden` on `sm_count` SMs; the rows are the test's.
+PlanTrafficOptions OptionsFor(DType dtype, uint32_t hidden, uint32_t sm_count) {
+  PlanTrafficOptions options;
+  options.dtype = dtype;
+  options.hidden = hidden;
+  options.sm_count = sm_count;
+  return options;
+}
+
 // The kernel configuration RunPlanTraffic plans for `options`.
 kernels::KernelConfig ConfigFor(const PlanTrafficOptions& options) {
   kernels::KernelConfig config;
@@ -52,10 +61,7 @@ class RowResidentPlanTraffic : public ::testing::TestWithParam<Shape> {};
 TEST_P(RowResidentPlanTraffic, MovesEachElementOnceAndTheTreeRowsTwiceInOneLaunch) {
   using kernels::RowResidentRmsNormBackwardKernel;
   const Shape shape = GetParam();
-  PlanTrafficOptions options;
-  options.dtype = shape.dtype;
-  options.hidden = shape.hidden;
-  options.sm_count = 9;
+  PlanTrafficOptions options = OptionsFor(shape.dtype, shape.hidden, /*sm_count=*/9);
   const kernels::KernelConfig config = ConfigFor(options);
   const kernels::Kernel* main = kernels::FindKernel("rms_norm_backward_row_resident");
   ASSERT_NE(main, nullptr);
@@ -126,11 +132,8 @@ class StreamedPlanTraffic : public ::testing::TestWithParam<StreamedShape> {};
 TEST_P(StreamedPlanTraffic, IsOneLaunchMovingEachElementOnceInDram) {
   using kernels::RowResidentRmsNormBackwardKernel;
   const StreamedShape shape = GetParam();
-  PlanTrafficOptions options;
-  options.dtype = shape.dtype;
-  options.hidden = shape.hidden;
+  PlanTrafficOptions options = OptionsFor(shape.dtype, shape.hidden, shape.sm_count);
   options.rows = shape.rows;
-  options.sm_count = shape.sm_count;
   const kernels::KernelConfig config = ConfigFor(options);
   ASSERT_TRUE(RowResidentRmsNormBackwardKernel::TilingFor(config).streamed);
   absl::StatusOr<PlanTraffic> t = RunPlanTraffic(options);

@@ -152,6 +152,11 @@ void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, 
   EXPECT_TRUE(s.ok()) << s.message();
 }
 
+// Whether `a` and `b` hold the same floats bit for bit.
+bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), 4 * a.size()) == 0;
+}
+
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
   return absl::StrCat(kernels::DTypeName(c.dtype), "_h", c.hidden, "_rows", c.rows,
@@ -203,9 +208,24 @@ TEST(RowResidentDeterminism, TwoRunsGiveTheSameBits) {
     const Result a = RunPlan(c, p);
     const Result b = RunPlan(c, p);
     ASSERT_TRUE(a.ok && b.ok);
-    ASSERT_EQ(0, std::memcmp(a.dgamma.data(), b.dgamma.data(), 4 * c.hidden));
-    ASSERT_EQ(0, std::memcmp(a.dx.data(), b.dx.data(), 4 * a.dx.size()));
+    ASSERT_TRUE(SameBits(a.dgamma, b.dgamma));
+    ASSERT_TRUE(SameBits(a.dx, b.dx));
   }
+}
+
+// Runs `c` on `sm_count` SMs with the blocks in index order and reversed: `blocks` blocks,
+// dgamma within 1e-5 of the reference, the same dgamma and dx bits in either order and the
+// semaphores left zero. `forward` receives the run in index order.
+void ExpectTheSameBitsInEitherBlockOrder(const Case& c, const BackwardProblem& p, uint32_t sm_count,
+                                         uint32_t blocks, Result* forward) {
+  *forward = RunPlan(c, p, sm_count);
+  const Result reversed = RunPlan(c, p, sm_count, /*reverse_blocks=*/true);
+  ASSERT_TRUE(forward->ok && reversed.ok);
+  EXPECT_EQ(forward->blocks, blocks);
+  ExpectClose(forward->dgamma, ReferenceFor(p, false).dgamma, 1e-5, "dgamma");
+  ASSERT_TRUE(SameBits(forward->dgamma, reversed.dgamma));
+  ASSERT_TRUE(SameBits(forward->dx, reversed.dx));
+  EXPECT_TRUE(forward->semaphores_left_zero && reversed.semaphores_left_zero);
 }
 
 TEST(RowResidentDgammaTree, WhicheverBlockArrivesLastTheBitsAreTheSame) {
@@ -215,14 +235,8 @@ TEST(RowResidentDgammaTree, WhicheverBlockArrivesLastTheBitsAreTheSame) {
   for (DType d : {DType::kF32, DType::kBF16}) {
     const Case c{d, 33, 300};
     const BackwardProblem p = MakeProblem(c);
-    const Result forward = RunPlan(c, p, 75);
-    const Result reversed = RunPlan(c, p, 75, /*reverse_blocks=*/true);
-    ASSERT_TRUE(forward.ok && reversed.ok);
-    EXPECT_EQ(forward.blocks, 300u);
-    ExpectClose(forward.dgamma, ReferenceFor(p, false).dgamma, 1e-5, "dgamma");
-    ASSERT_EQ(0, std::memcmp(forward.dgamma.data(), reversed.dgamma.data(), 4 * c.hidden));
-    ASSERT_EQ(0, std::memcmp(forward.dx.data(), reversed.dx.data(), 4 * forward.dx.size()));
-    EXPECT_TRUE(forward.semaphores_left_zero && reversed.semaphores_left_zero);
+    Result forward;
+    ASSERT_NO_FATAL_FAILURE(ExpectTheSameBitsInEitherBlockOrder(c, p, 75, 300, &forward));
   }
 }
 
@@ -233,19 +247,13 @@ TEST(RowResidentDgammaTree, StreamedRowsTreeGivesTheSameBitsInEitherBlockOrder) 
   for (DType d : {DType::kF32, DType::kBF16}) {
     const Case c{d, 16392, 45};
     const BackwardProblem p = MakeProblem(c);
-    const Result forward = RunPlan(c, p, 40);
-    const Result reversed = RunPlan(c, p, 40, /*reverse_blocks=*/true);
-    ASSERT_TRUE(forward.ok && reversed.ok);
-    EXPECT_EQ(forward.blocks, 40u);
+    Result forward;
+    ASSERT_NO_FATAL_FAILURE(ExpectTheSameBitsInEitherBlockOrder(c, p, 40, 40, &forward));
     ExpectClose(forward.dx, ReferenceFor(p, false).dx, DxTolerance(d), "dx");
-    ExpectClose(forward.dgamma, ReferenceFor(p, false).dgamma, 1e-5, "dgamma");
-    ASSERT_EQ(0, std::memcmp(forward.dgamma.data(), reversed.dgamma.data(), 4 * c.hidden));
-    ASSERT_EQ(0, std::memcmp(forward.dx.data(), reversed.dx.data(), 4 * forward.dx.size()));
-    EXPECT_TRUE(forward.semaphores_left_zero && reversed.semaphores_left_zero);
     // Launched again on the same semaphores: the same bits.
     const Result twice = RunPlan(c, p, 40, false, /*runs=*/2);
     ASSERT_TRUE(twice.ok);
-    ASSERT_EQ(0, std::memcmp(forward.dgamma.data(), twice.dgamma.data(), 4 * c.hidden));
+    ASSERT_TRUE(SameBits(forward.dgamma, twice.dgamma));
   }
 }
 
@@ -260,7 +268,7 @@ TEST(RowResidentDgammaTree, SemaphoresZeroedOnceServeLaunchAfterLaunch) {
   ASSERT_TRUE(once.ok && thrice.ok);
   EXPECT_EQ(once.blocks, 20u);
   EXPECT_TRUE(thrice.semaphores_left_zero);
-  ASSERT_EQ(0, std::memcmp(once.dgamma.data(), thrice.dgamma.data(), 4 * c.hidden));
+  ASSERT_TRUE(SameBits(once.dgamma, thrice.dgamma));
 }
 
 TEST(RowResidentDeterminism, DxDoesNotDependOnTheGridAndDgammaStaysWithinTolerance) {
@@ -272,7 +280,7 @@ TEST(RowResidentDeterminism, DxDoesNotDependOnTheGridAndDgammaStaysWithinToleran
   const Result many = RunPlan(c, p, 3);
   ASSERT_TRUE(one.ok && many.ok);
   EXPECT_NE(one.blocks, many.blocks);
-  ASSERT_EQ(0, std::memcmp(one.dx.data(), many.dx.data(), 4 * one.dx.size()));
+  ASSERT_TRUE(SameBits(one.dx, many.dx));
   ExpectClose(one.dgamma, many.dgamma, 1e-5, "dgamma across grids");
 }
 
@@ -286,8 +294,8 @@ TEST(RowResidentVectorPath, AlignedAndOffsetBuffersGiveTheSameBits) {
     const Result a = RunPlan(aligned, p);
     const Result b = RunPlan(offset, p);
     ASSERT_TRUE(a.ok && b.ok);
-    ASSERT_EQ(0, std::memcmp(a.dx.data(), b.dx.data(), 4 * a.dx.size()));
-    ASSERT_EQ(0, std::memcmp(a.dgamma.data(), b.dgamma.data(), 4 * a.dgamma.size()));
+    ASSERT_TRUE(SameBits(a.dx, b.dx));
+    ASSERT_TRUE(SameBits(a.dgamma, b.dgamma));
   }
 }
 
