@@ -65,6 +65,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "tests/common/cuda_error_text.h"
 #include "tests/ptxsim/interpreter.h"
 #include "tests/ptxsim/memory_map.h"
 #include "tests/ptxsim/parser.h"
@@ -293,55 +294,6 @@ bool ValidStream(CUstream stream) {
   return d.streams.count(reinterpret_cast<EmuStream*>(stream)) != 0;
 }
 
-struct ErrorText {
-  CUresult code;
-  const char* name;
-  const char* text;
-};
-#define NG_ERROR(code, text) \
-  { code, #code, text }
-constexpr ErrorText kErrors[] = {
-    NG_ERROR(CUDA_SUCCESS, "no error"),
-    NG_ERROR(CUDA_ERROR_INVALID_VALUE, "invalid argument"),
-    NG_ERROR(CUDA_ERROR_OUT_OF_MEMORY, "out of memory"),
-    NG_ERROR(CUDA_ERROR_NOT_INITIALIZED, "initialization error"),
-    NG_ERROR(CUDA_ERROR_DEINITIALIZED, "driver shutting down"),
-    NG_ERROR(CUDA_ERROR_STUB_LIBRARY, "CUDA driver is a stub library"),
-    NG_ERROR(CUDA_ERROR_NO_DEVICE, "no CUDA-capable device is detected"),
-    NG_ERROR(CUDA_ERROR_INVALID_DEVICE, "invalid device ordinal"),
-    NG_ERROR(CUDA_ERROR_INVALID_IMAGE, "device kernel image is invalid"),
-    NG_ERROR(CUDA_ERROR_INVALID_CONTEXT, "invalid device context"),
-    NG_ERROR(CUDA_ERROR_NO_BINARY_FOR_GPU,
-             "no kernel image is available for execution on the device"),
-    NG_ERROR(CUDA_ERROR_INVALID_PTX, "a PTX JIT compilation failed"),
-    NG_ERROR(CUDA_ERROR_UNSUPPORTED_PTX_VERSION,
-             "the provided PTX was compiled with an unsupported toolchain."),
-    NG_ERROR(CUDA_ERROR_INVALID_HANDLE, "invalid resource handle"),
-    NG_ERROR(CUDA_ERROR_NOT_FOUND, "named symbol not found"),
-    NG_ERROR(CUDA_ERROR_NOT_READY, "device not ready"),
-    NG_ERROR(CUDA_ERROR_ILLEGAL_ADDRESS, "an illegal memory access was encountered"),
-    NG_ERROR(CUDA_ERROR_MISALIGNED_ADDRESS, "misaligned address"),
-    NG_ERROR(CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, "too many resources requested for launch"),
-    NG_ERROR(CUDA_ERROR_LAUNCH_TIMEOUT, "the launch timed out and was terminated"),
-    NG_ERROR(CUDA_ERROR_LAUNCH_FAILED, "unspecified launch failure"),
-    NG_ERROR(CUDA_ERROR_NOT_SUPPORTED, "operation not supported"),
-    NG_ERROR(CUDA_ERROR_UNKNOWN, "unknown error"),
-};
-#undef NG_ERROR
-
-// cuGetErrorName / cuGetErrorString: `field` of error's entry.
-CUresult LookUpError(CUresult error, const char* ErrorText::*field, const char** out) {
-  if (out == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  for (const ErrorText& e : kErrors) {
-    if (e.code == error) {
-      *out = e.*field;
-      return CUDA_SUCCESS;
-    }
-  }
-  *out = nullptr;
-  return CUDA_ERROR_INVALID_VALUE;
-}
-
 // The device's attributes other than the compute capability (which follows sm_); 0 for the rest.
 constexpr std::pair<CUdevice_attribute, int> kDeviceAttributes[] = {
     {CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, 132},
@@ -543,7 +495,6 @@ using normgrad::ptxsim::EmuFunction;
 using normgrad::ptxsim::EmulatedDriver;
 using normgrad::ptxsim::EmuModule;
 using normgrad::ptxsim::EmuStream;
-using normgrad::ptxsim::ErrorText;
 using normgrad::ptxsim::FindJitLog;
 using normgrad::ptxsim::JitLog;
 using normgrad::ptxsim::NeedContext;
@@ -552,11 +503,11 @@ using normgrad::ptxsim::NeedInit;
 using normgrad::ptxsim::WriteLog;
 
 NG_EXPORT CUresult CUDAAPI cuGetErrorName(CUresult error, const char** pStr) {
-  return normgrad::ptxsim::LookUpError(error, &ErrorText::name, pStr);
+  return normgrad::testing::DescribeCudaResult(error, false, pStr);
 }
 
 NG_EXPORT CUresult CUDAAPI cuGetErrorString(CUresult error, const char** pStr) {
-  return normgrad::ptxsim::LookUpError(error, &ErrorText::text, pStr);
+  return normgrad::testing::DescribeCudaResult(error, true, pStr);
 }
 
 NG_EXPORT CUresult CUDAAPI cuInit(unsigned int Flags) {

@@ -30,36 +30,13 @@
 #include <vector>
 
 #include "kernels/backward_kernel.h"
+#include "tests/common/cuda_error_text.h"
 
 namespace {
 
 std::string Mode() {
   const char* m = std::getenv("NORMGRAD_SCRIPTED_CUDA");
   return m != nullptr ? m : "ok";
-}
-
-// cuGetErrorName / cuGetErrorString for the results this driver produces (a description only
-// where the tests read one); CUDA_ERROR_INVALID_VALUE for any other.
-CUresult DescribeResult(CUresult r, bool description, const char** out) {
-  struct Known {
-    CUresult result;
-    const char* name;
-    const char* description;
-  };
-  static constexpr Known kKnown[] = {
-      {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
-      {CUDA_ERROR_INVALID_PTX, "CUDA_ERROR_INVALID_PTX", "a PTX JIT compilation failed"},
-      {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
-      {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", nullptr},
-      {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", nullptr},
-  };
-  for (const Known& k : kKnown) {
-    const char* text = description ? k.description : k.name;
-    if (k.result != r || text == nullptr) continue;
-    *out = text;
-    return CUDA_SUCCESS;
-  }
-  return CUDA_ERROR_INVALID_VALUE;
 }
 
 // Live pinned and device bytes and streams, with the peaks since the last reset (the CUDA
@@ -510,8 +487,12 @@ CUresult cuEventDestroy_v2(CUevent e) {
   delete reinterpret_cast<int*>(e);
   return CUDA_SUCCESS;
 }
-CUresult cuGetErrorName(CUresult r, const char** s) { return DescribeResult(r, false, s); }
-CUresult cuGetErrorString(CUresult r, const char** s) { return DescribeResult(r, true, s); }
+CUresult cuGetErrorName(CUresult r, const char** s) {
+  return normgrad::testing::DescribeCudaResult(r, false, s);
+}
+CUresult cuGetErrorString(CUresult r, const char** s) {
+  return normgrad::testing::DescribeCudaResult(r, true, s);
+}
 CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
   *free_bytes = size_t{79} << 30;
   *total = size_t{80} << 30;
