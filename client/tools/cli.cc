@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/resource_line.h"
 #include "client/tools/npy.h"
 #include "client/tools/ptx_cache.h"
 #include "client/tools/tool_flags.h"
@@ -189,27 +190,21 @@ v1::EmitPtxArtifact ArtifactOf(const v1::EmitPtxResponse& r, v1::DType dtype) {
   return a;
 }
 
-// One line per artifact: "ENTRY dtype=f32 target=sm_90 ptx_version=7.8 min_cuda_driver=11.8
-// registers=72 spill_store_bytes=0 spill_load_bytes=0 shared_memory_bytes=64
-// local_memory_bytes=0 barriers=1 sha256=..." (normgrad-ptx --resource-usage prints the same
-// fields up to sha256); "resources=unknown (WHY)" instead of the resource fields when the server
-// could not measure them.
+// One line per artifact: base::ResourceLine, then " sha256=...".
 std::string ResourceLine(const v1::EmitPtxArtifact& a) {
-  std::string line = absl::StrCat(a.entry(), " dtype=", DTypeLabel(a.dtype()), " target=",
-                                  a.target(), " ptx_version=", a.ptx_version(),
-                                  " min_cuda_driver=", a.min_cuda_driver());
+  absl::StatusOr<base::ResourceUsageCounts> counts = absl::UnknownError(
+      a.resource_usage_unknown().empty() ? "not reported" : a.resource_usage_unknown());
   if (a.has_resource_usage()) {
     const v1::ResourceUsage& u = a.resource_usage();
-    absl::StrAppend(&line, " registers=", u.registers(), " spill_store_bytes=",
-                    u.spill_store_bytes(), " spill_load_bytes=", u.spill_load_bytes(),
-                    " shared_memory_bytes=", u.shared_memory_bytes(),
-                    " local_memory_bytes=", u.local_memory_bytes(), " barriers=", u.barriers());
-  } else {
-    absl::StrAppend(&line, " resources=unknown (",
-                    a.resource_usage_unknown().empty() ? "not reported"
-                                                       : a.resource_usage_unknown(),
-                    ")");
+    counts = base::ResourceUsageCounts{.registers = u.registers(),
+                                       .spill_store_bytes = u.spill_store_bytes(),
+                                       .spill_load_bytes = u.spill_load_bytes(),
+                                       .shared_memory_bytes = u.shared_memory_bytes(),
+                                       .local_memory_bytes = u.local_memory_bytes(),
+                                       .barriers = u.barriers()};
   }
+  std::string line = base::ResourceLine(a.entry(), DTypeLabel(a.dtype()), a.target(),
+                                        a.ptx_version(), a.min_cuda_driver(), counts);
   absl::StrAppend(&line, " sha256=", a.digest().sha256());
   return line;
 }

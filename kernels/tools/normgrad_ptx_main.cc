@@ -24,6 +24,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/resource_line.h"
 #include "kernels/kernel.h"
 #include "kernels/kernel_registry.h"
 #include "kernels/targets.h"
@@ -55,33 +56,35 @@ void List() {
   }
 }
 
-// The report line (client/tools/cli.cc's ResourceLine prints the same fields, then sha256).
+// The report line (base::ResourceLine; the CLI prints the same, then sha256).
 std::string ResourceLine(const normgrad::kernels::EmittedPtx& ptx,
                          normgrad::kernels::DType dtype, const std::string& nvjitlink_path,
                          bool* assembly_failed) {
   absl::StatusOr<std::string> driver = normgrad::kernels::MinCudaDriverForPtx(ptx.version);
-  std::string line = absl::StrCat(ptx.entry, " dtype=", normgrad::kernels::DTypeName(dtype),
-                                  " target=sm_", ptx.target_sm,
-                                  " ptx_version=", ptx.version.ToString(),
-                                  " min_cuda_driver=", driver.ok() ? *driver : "unknown");
+  auto line = [&](const absl::StatusOr<normgrad::base::ResourceUsageCounts>& counts) {
+    return normgrad::base::ResourceLine(ptx.entry, normgrad::kernels::DTypeName(dtype),
+                                        absl::StrCat("sm_", ptx.target_sm),
+                                        ptx.version.ToString(),
+                                        driver.ok() ? *driver : "unknown", counts);
+  };
   absl::StatusOr<std::unique_ptr<normgrad::server::NvJitLink>> jit =
       normgrad::server::NvJitLink::Load(nvjitlink_path);
-  if (!jit.ok()) {
-    return absl::StrCat(line, " resources=unknown (", jit.status().message(), ")");
-  }
+  if (!jit.ok()) return line(jit.status());
   absl::StatusOr<normgrad::server::NvJitLink::Assembled> assembled =
       (*jit)->Assemble(ptx.text, ptx.target_sm);
   if (!assembled.ok()) {
     *assembly_failed = true;
-    return absl::StrCat(line, " resources=unknown (", assembled.status().message(), ")");
+    return line(assembled.status());
   }
   absl::StatusOr<normgrad::server::AssemblerReport> r =
       normgrad::server::ParseAssemblerReport(assembled->info_log, ptx.entry);
-  if (!r.ok()) return absl::StrCat(line, " resources=unknown (", r.status().message(), ")");
-  return absl::StrCat(line, " registers=", r->registers, " spill_store_bytes=",
-                      r->spill_store_bytes, " spill_load_bytes=", r->spill_load_bytes,
-                      " shared_memory_bytes=", r->shared_memory_bytes,
-                      " local_memory_bytes=", r->stack_frame_bytes, " barriers=", r->barriers);
+  if (!r.ok()) return line(r.status());
+  return line(normgrad::base::ResourceUsageCounts{.registers = r->registers,
+                                                  .spill_store_bytes = r->spill_store_bytes,
+                                                  .spill_load_bytes = r->spill_load_bytes,
+                                                  .shared_memory_bytes = r->shared_memory_bytes,
+                                                  .local_memory_bytes = r->stack_frame_bytes,
+                                                  .barriers = r->barriers});
 }
 
 }  // namespace

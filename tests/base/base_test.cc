@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "base/bounded_quote.h"
+#include "base/resource_line.h"
 #include "base/sha256.h"
 #include "base/status_macros.h"
 #include "gtest/gtest.h"
@@ -58,6 +59,20 @@ TEST(StatusMacrosTest, ReturnTheFirstErrorAndEvaluateOnce) {
   EXPECT_EQ(AddPositive(60, 60, &sum, &evaluations).code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(evaluations, 4);
   EXPECT_EQ(sum, 5);  // untouched by the failures
+}
+
+TEST(ResourceLineTest, CountsOrWhyTheyAreUnknown) {
+  const ResourceUsageCounts counts{.registers = 72, .spill_store_bytes = 4, .spill_load_bytes = 8,
+                                   .shared_memory_bytes = 64, .local_memory_bytes = 16,
+                                   .barriers = 1};
+  EXPECT_EQ(ResourceLine("k", "bf16", "sm_90", "7.8", "11.8", counts),
+            "k dtype=bf16 target=sm_90 ptx_version=7.8 min_cuda_driver=11.8 registers=72 "
+            "spill_store_bytes=4 spill_load_bytes=8 shared_memory_bytes=64 local_memory_bytes=16 "
+            "barriers=1");
+  EXPECT_EQ(ResourceLine("k", "f32", "sm_75", "7.0", "unknown",
+                         absl::FailedPreconditionError("no nvJitLink")),
+            "k dtype=f32 target=sm_75 ptx_version=7.0 min_cuda_driver=unknown "
+            "resources=unknown (no nvJitLink)");
 }
 
 }  // namespace
