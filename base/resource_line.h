@@ -15,19 +15,14 @@
 
 namespace normgrad::base {
 
-struct ResourceUsageCounts {
-  uint64_t registers = 0;
-  uint64_t spill_store_bytes = 0;
-  uint64_t spill_load_bytes = 0;
-  uint64_t shared_memory_bytes = 0;
-  uint64_t local_memory_bytes = 0;
-  uint64_t barriers = 0;
-};
+// The counts' part: "registers=R spill_store_bytes=S ... barriers=B".
+std::string ResourceCounts(uint64_t registers, uint64_t spill_store_bytes,
+                           uint64_t spill_load_bytes, uint64_t shared_memory_bytes,
+                           uint64_t local_memory_bytes, uint64_t barriers);
 
-// `target` as "sm_90"; `counts` not ok: "resources=unknown (<its message>)".
+// `target` as "sm_90"; `counts` (ResourceCounts) not ok: "resources=unknown (<its message>)".
 std::string ResourceLine(absl::string_view entry, absl::string_view dtype,
                          absl::string_view target, absl::string_view ptx_version,
-                         absl::string_view min_cuda_driver,
-                         const absl::StatusOr<ResourceUsageCounts>& counts);
+                         absl::string_view min_cuda_driver, const absl::StatusOr<std::string>& counts);
 
 }  // namespace normgrad::base

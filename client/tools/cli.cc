@@ -192,16 +192,12 @@ v1::EmitPtxArtifact ArtifactOf(const v1::EmitPtxResponse& r, v1::DType dtype) {
 
 // One line per artifact: base::ResourceLine, then " sha256=...".
 std::string ResourceLine(const v1::EmitPtxArtifact& a) {
-  absl::StatusOr<base::ResourceUsageCounts> counts = absl::UnknownError(
+  absl::StatusOr<std::string> counts = absl::UnknownError(
       a.resource_usage_unknown().empty() ? "not reported" : a.resource_usage_unknown());
   if (a.has_resource_usage()) {
     const v1::ResourceUsage& u = a.resource_usage();
-    counts = base::ResourceUsageCounts{.registers = u.registers(),
-                                       .spill_store_bytes = u.spill_store_bytes(),
-                                       .spill_load_bytes = u.spill_load_bytes(),
-                                       .shared_memory_bytes = u.shared_memory_bytes(),
-                                       .local_memory_bytes = u.local_memory_bytes(),
-                                       .barriers = u.barriers()};
+    counts = base::ResourceCounts(u.registers(), u.spill_store_bytes(), u.spill_load_bytes(),
+                                  u.shared_memory_bytes(), u.local_memory_bytes(), u.barriers());
   }
   std::string line = base::ResourceLine(a.entry(), DTypeLabel(a.dtype()), a.target(),
                                         a.ptx_version(), a.min_cuda_driver(), counts);

@@ -61,7 +61,7 @@ std::string ResourceLine(const normgrad::kernels::EmittedPtx& ptx,
                          normgrad::kernels::DType dtype, const std::string& nvjitlink_path,
                          bool* assembly_failed) {
   absl::StatusOr<std::string> driver = normgrad::kernels::MinCudaDriverForPtx(ptx.version);
-  auto line = [&](const absl::StatusOr<normgrad::base::ResourceUsageCounts>& counts) {
+  auto line = [&](const absl::StatusOr<std::string>& counts) {
     return normgrad::base::ResourceLine(ptx.entry, normgrad::kernels::DTypeName(dtype),
                                         absl::StrCat("sm_", ptx.target_sm),
                                         ptx.version.ToString(),
@@ -79,12 +79,9 @@ std::string ResourceLine(const normgrad::kernels::EmittedPtx& ptx,
   absl::StatusOr<normgrad::server::AssemblerReport> r =
       normgrad::server::ParseAssemblerReport(assembled->info_log, ptx.entry);
   if (!r.ok()) return line(r.status());
-  return line(normgrad::base::ResourceUsageCounts{.registers = r->registers,
-                                                  .spill_store_bytes = r->spill_store_bytes,
-                                                  .spill_load_bytes = r->spill_load_bytes,
-                                                  .shared_memory_bytes = r->shared_memory_bytes,
-                                                  .local_memory_bytes = r->stack_frame_bytes,
-                                                  .barriers = r->barriers});
+  return line(normgrad::base::ResourceCounts(r->registers, r->spill_store_bytes,
+                                             r->spill_load_bytes, r->shared_memory_bytes,
+                                             r->stack_frame_bytes, r->barriers));
 }
 
 }  // namespace

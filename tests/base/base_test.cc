@@ -62,10 +62,7 @@ TEST(StatusMacrosTest, ReturnTheFirstErrorAndEvaluateOnce) {
 }
 
 TEST(ResourceLineTest, CountsOrWhyTheyAreUnknown) {
-  const ResourceUsageCounts counts{.registers = 72, .spill_store_bytes = 4, .spill_load_bytes = 8,
-                                   .shared_memory_bytes = 64, .local_memory_bytes = 16,
-                                   .barriers = 1};
-  EXPECT_EQ(ResourceLine("k", "bf16", "sm_90", "7.8", "11.8", counts),
+  EXPECT_EQ(ResourceLine("k", "bf16", "sm_90", "7.8", "11.8", ResourceCounts(72, 4, 8, 64, 16, 1)),
             "k dtype=bf16 target=sm_90 ptx_version=7.8 min_cuda_driver=11.8 registers=72 "
             "spill_store_bytes=4 spill_load_bytes=8 shared_memory_bytes=64 local_memory_bytes=16 "
             "barriers=1");
