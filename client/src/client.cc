@@ -553,6 +553,9 @@ void BackwardCall::Start() {
     header->set_dtype(ToProtoDType(a.type));
     header->set_gamma(a.gamma.data(), a.gamma.size());
     header->set_rms_provided(a.device.has_value() ? a.device->rms.has_value() : !a.rms.empty());
+    header->set_gamma_offset(a.gamma_offset);
+    header->set_no_gamma(a.no_gamma);
+    header->set_casting_mode(a.casting_mode);
     if (!shared_->options.kernel.empty())
       header->mutable_options()->set_kernel(shared_->options.kernel);
   }

@@ -212,6 +212,12 @@ class CpuBackend : public Backend {
     NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckBatch(spec, gamma.size()));
     // A named kernel is honoured for its validity rules (the CPU computes the same math).
     NORMGRAD_RETURN_IF_ERROR(kernels::CheckNamedKernel(backend_internal::RequestOf(spec)));
+    if (!spec.variant.is_default()) {
+      return absl::UnimplementedError(absl::StrCat(
+          "the cpu backend computes the plain RMSNorm only (gamma_offset 0, a gamma, casting mode "
+          "gemma); this batch has ",
+          spec.variant.KeySuffix()));
+    }
     // gamma as f32 a piece at a time (no buffer of hidden_dim floats), then as double.
     std::vector<double> gamma_f64 = buffers_.Take();
     gamma_f64.resize(spec.hidden_dim);

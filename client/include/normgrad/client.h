@@ -184,6 +184,11 @@ struct RawBackwardArgs {
   // Set: x, dy, rms and dx are these device buffers (the spans above stay empty; gamma and
   // dgamma are host memory still). Needs a server started with --cuda-ipc on this machine.
   std::optional<CudaIpcTensors> device;
+  // Which RMSNorm (docs/kernels.md, "Variants"): the scale is gamma_offset + gamma in float32;
+  // no_gamma: a scale of 1, gamma and dgamma empty, no grad_gamma; the forward's casting mode.
+  float gamma_offset = 0.0f;
+  bool no_gamma = false;
+  v1::CastingMode casting_mode = v1::CASTING_MODE_UNSPECIFIED;
 };
 
 struct RawBackwardResult {
