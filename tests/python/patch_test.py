@@ -172,7 +172,7 @@ class PatchTest(CpuServerFixture, unittest.TestCase):
         torch.manual_seed(0)
         model = LlamaForCausalLM()
         weights = norm_weights(model)
-        state = model.state_dict()
+        state = {key: value.clone() for key, value in model.state_dict().items()}
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         result = ngt.patch(model, client=self.client)
         self.assertEqual(sorted(name for name, _, _ in result.replaced), sorted(weights))
@@ -274,8 +274,9 @@ class PatchTest(CpuServerFixture, unittest.TestCase):
 @unittest.skipIf(torch is None, "torch is not installed")
 class PatchedTrainingTest(CpuServerFixture, unittest.TestCase):
     """Two-layer decoders (hidden 32, 2 heads, vocabulary 48), 5 steps of SGD with momentum on
-    next-token prediction: local RMSNorm layers, and the same model patched (its copy from the
-    same initial weights), on the same batches."""
+    next-token prediction of learnable sequences (each a random start and stride, mod the
+    vocabulary): local RMSNorm layers, and the same model patched (its copy from the same
+    initial weights), on the same batches."""
 
     def train(self, model, batches):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
@@ -297,7 +298,8 @@ class PatchedTrainingTest(CpuServerFixture, unittest.TestCase):
         self.assertEqual(len(result.replaced), 5)  # 2 per layer and the final norm
         self.assertEqual({(s["offset"], s["casting_mode"]) for _, _, s in result.replaced},
                          {(offset, casting_mode)})
-        batches = [torch.randint(0, 48, (4, 9)) for _ in range(5)]
+        batches = [(torch.randint(0, 48, (8, 1)) + torch.randint(1, 4, (8, 1)) *
+                    torch.arange(12)) % 48 for _ in range(5)]
         local_losses = self.train(local, batches)
         patched_losses = self.train(patched, batches)
         print(f"{model_class.__name__} losses, local:   {local_losses}\n"
