@@ -457,10 +457,10 @@ class Client:
         rms, or None (the server recomputes it from eps). gamma: (hidden_dim,) host array of
         dtype (numpy float32/float16, bf16 as its bits in uint16; or a torch CPU tensor), or
         None for an RMSNorm without weight. gamma_offset, casting_mode: as in backward.
-        Returns grad_gamma, a host array of gamma's kind (None without gamma). The caller's work on the buffers must
-        be finished (synchronize its stream) before the call, the CUDA context that owns them
-        must be current on this thread, and they must stay allocated while the server may use
-        them (docs/python.md). dx holds grad_input when this returns.
+        Returns grad_gamma, a host array of gamma's kind (None without gamma). The caller's
+        work on the buffers must be finished (synchronize its stream) before the call, the CUDA
+        context that owns them must be current on this thread, and they must stay allocated
+        while the server may use them (docs/python.md). dx holds grad_input when this returns.
         """
         if self.transport in ("bytes", "shm"):
             raise ValueError(f"transport {self.transport!r} moves host memory; backward_device "
