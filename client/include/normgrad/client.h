@@ -189,6 +189,11 @@ struct RawBackwardArgs {
   float gamma_offset = 0.0f;
   bool no_gamma = false;
   v1::CastingMode casting_mode = v1::CASTING_MODE_UNSPECIFIED;
+  // dx is written over dy: dx must be exactly dy's span (device form: the same handle and
+  // offset). Over shared memory the server writes each chunk's dx over its dy; over bytes the
+  // client does as the chunk's grad_input arrives. Otherwise dx may not overlap x or dy. An
+  // in-place call is never retried once a chunk may have been computed: dy is gone by then.
+  bool in_place = false;
 };
 
 struct RawBackwardResult {
