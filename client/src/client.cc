@@ -284,6 +284,7 @@ class ClientImpl final : public Client {
     args.dy = AsBytes(dy);
     args.gamma = AsBytes(gamma);
     args.rms = AsBytes(options.rms);
+    args.gamma_offset = options.gamma_offset;
     absl::Span<float> dx = options.dx;
     absl::Span<float> dgamma = options.dgamma;
     if (dx.data() == nullptr && x.size() == dy.size()) {

@@ -133,6 +133,9 @@ struct BackwardOptions {
   std::function<void(uint64_t rows_done, uint64_t num_rows)> on_progress;
   // Set: CallCancellation::Cancel() cancels this call (CANCELLED, no retry).
   std::shared_ptr<CallCancellation> cancellation;
+  // The float calls only: the scale is gamma_offset + gamma (RawBackwardArgs::gamma_offset; for
+  // f32 the casting modes are all the same math).
+  float gamma_offset = 0.0f;
 };
 
 // What the server reports about a finished Backward (normgrad.v1.BackwardSummary).
