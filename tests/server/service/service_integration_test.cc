@@ -380,7 +380,11 @@ TEST_F(ServiceTest, NoGammaFinalResponseCarriesNoGradGamma) {
     dx += r.grad_input();
     last = r;
   }
-  ASSERT_TRUE(stream->Finish().ok());
+  const grpc::Status status = stream->Finish();
+  if (testing::TestBackendIsCuda() && status.error_code() == grpc::UNIMPLEMENTED) {
+    GTEST_SKIP() << "this backend refuses the variant: " << status.error_message();
+  }
+  ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_TRUE(last.has_summary());
   EXPECT_TRUE(last.grad_gamma().empty()) << last.grad_gamma().size() << " bytes";
   ASSERT_EQ(dx.size(), ones.dx.size() * 4);
