@@ -44,6 +44,13 @@ absl::Status BuiltKernel::CanImplement(const KernelConfig& config) const {
         absl::StrCat("hidden_dim ", config.hidden_dim, " is outside 1..", max_hidden_dim_,
                      ", the limit of ", entry_name_, hidden_dim_limit_note_));
   }
+  if (!ImplementsVariant(config.variant)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        entry_name_, " implements the plain RMSNorm only (gamma_offset 0, a gamma, casting mode "
+        "gemma); this batch has gamma_offset ", config.variant.gamma_offset, ", ",
+        config.variant.has_gamma ? "a gamma" : "no gamma", ", casting mode ",
+        CastingModeName(config.variant.casting)));
+  }
   if (config.dtype == DType::kBF16 && config.target_sm < 80) {
     return absl::InvalidArgumentError(
         absl::StrCat("dtype bf16 needs target sm_80 or newer (cvt.rn.bf16.f32); target is sm_",
@@ -70,7 +77,7 @@ std::string BuiltKernel::ConfigKey(const KernelConfig& config) const {
       v.ok() ? v->ToString()
              : (config.ptx_version.has_value() ? config.ptx_version->ToString() : "invalid");
   return absl::StrCat(EntryName(), "|dtype=", DTypeName(config.dtype), "|sm_", config.target_sm,
-                      "|ptx=", version, "|", kGeneratorVersion);
+                      "|ptx=", version, "|", kGeneratorVersion, config.variant.KeySuffix());
 }
 
 absl::StatusOr<EmittedPtx> BuiltKernel::Emit(const KernelConfig& config) const {

@@ -51,6 +51,7 @@ class BuiltKernel : public BackwardKernel {
   std::vector<KernelParam> Params() const final;
   // hidden_dim in 1..max_hidden_dim (INVALID_ARGUMENT: "hidden_dim H is outside 1..M, the
   // limit of <entry><hidden_dim_limit_note>"), bf16 only on sm_80+, then the PTX version.
+  // A variant other than the default only where ImplementsVariant says so.
   absl::Status CanImplement(const KernelConfig& config) const final;
   // Entry, dtype, target, PTX version and generator version: the key of a kernel that reads
   // every parameter (hidden_dim, eps, ...) at run time. A kernel that bakes more into its PTX
@@ -62,6 +63,9 @@ class BuiltKernel : public BackwardKernel {
   virtual absl::StatusOr<Module> Build(const KernelConfig& config) const = 0;
 
  protected:
+  // Whether Build emits `variant` (gamma offset, no gamma, casting mode); the default only,
+  // unless a kernel says more.
+  virtual bool ImplementsVariant(const NormVariant& variant) const { return variant.is_default(); }
   // Build's opening: CanImplement, then a module at the lowest PTX version the target and the
   // dtype's instructions allow (or the requested one) with one entry named EntryName() that
   // declares `.maxntid BlockThreads(config), 1, 1`.

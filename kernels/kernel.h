@@ -31,6 +31,29 @@ absl::string_view DTypeName(DType dtype);  // "f32", "bf16", "f16"
 absl::StatusOr<DType> ParseDType(absl::string_view name);
 int DTypeBytes(DType dtype);
 
+// Where the forward pass rounds to the element type (bf16, f16; for f32 every mode is the same
+// math): Liger-Kernel's casting modes, docs/kernels.md "Variants".
+//   kLlama: m = round(dy * scale), grad_gamma adds dy * round(x / rms)
+//   kGemma: all float32 (no rounding before dx)
+//   kNone:  m = round(dy * scale), grad_gamma adds dy * x / rms in float32
+enum class CastingMode { kLlama, kGemma, kNone };
+absl::string_view CastingModeName(CastingMode mode);  // "llama", "gemma", "none"
+absl::StatusOr<CastingMode> ParseCastingMode(absl::string_view name);
+
+// Which RMSNorm the backward is of: scale = gamma_offset + gamma (float32), or 1 without gamma
+// (then no grad_gamma), and the casting mode. The default is the plain RMSNorm with a weight,
+// all in float32.
+struct NormVariant {
+  float gamma_offset = 0.0f;
+  bool has_gamma = true;
+  CastingMode casting = CastingMode::kGemma;
+  bool is_default() const {
+    return gamma_offset == 0.0f && has_gamma && casting == CastingMode::kGemma;
+  }
+  // "" for the default; else e.g. "_off1_llama", "_nogamma" (for ConfigKey()).
+  std::string KeySuffix() const;
+};
+
 // PTX ISA version, e.g. {8, 0} for ".version 8.0".
 struct PtxVersion {
   int major = 0;
@@ -55,6 +78,8 @@ struct KernelConfig {
   // persistent-grid kernels reads it (rms_norm_backward_row_resident sizes its grid from it); it
   // never changes the emitted PTX, so it is NOT part of ConfigKey().
   uint32_t sm_count = 0;
+  // Baked into the PTX (part of ConfigKey() when not the default).
+  NormVariant variant;
 };
 
 struct LaunchGeometry {

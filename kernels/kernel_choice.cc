@@ -17,6 +17,7 @@ KernelConfig ConfigFor(const BackwardRequest& request, const BackwardDevice& dev
   config.dtype = request.dtype;
   config.target_sm = device.target_sm;
   config.sm_count = device.sm_count;
+  config.variant = request.variant;
   return config;
 }
 

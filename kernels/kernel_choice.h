@@ -26,6 +26,7 @@ struct BackwardRequest {
   bool rms_given = false;  // the forward's rms comes with the rows
   float eps = 1e-5f;
   absl::string_view kernel;  // an entry name; empty: ChooseBackwardKernel's choice
+  NormVariant variant;
 };
 
 // The device a kernel is emitted and sized for.

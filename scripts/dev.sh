@@ -35,12 +35,13 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-numpy python3-yaml openssl
   python3-dev pybind11-dev python3-torch
+  python3-pip python3-setuptools python3-wheel python3-venv
   clang-14 libclang-rt-14-dev
 )
 
 # What only the tests, benchmarks and Python package need (the Dockerfile's build stage and
 # `dev.sh run` leave them out).
-TEST_ONLY_PACKAGES="python3-torch python3-dev pybind11-dev python3-numpy python3-yaml clang-14 libclang-rt-14-dev libgtest-dev libgmock-dev libbenchmark-dev libdnnl-dev"
+TEST_ONLY_PACKAGES="python3-torch python3-dev pybind11-dev python3-numpy python3-yaml python3-pip python3-setuptools python3-wheel python3-venv clang-14 libclang-rt-14-dev libgtest-dev libgmock-dev libbenchmark-dev libdnnl-dev"
 
 as_root() {
   if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi

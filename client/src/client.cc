@@ -284,6 +284,7 @@ class ClientImpl final : public Client {
     args.dy = AsBytes(dy);
     args.gamma = AsBytes(gamma);
     args.rms = AsBytes(options.rms);
+    args.gamma_offset = options.gamma_offset;
     absl::Span<float> dx = options.dx;
     absl::Span<float> dgamma = options.dgamma;
     if (dx.data() == nullptr && x.size() == dy.size()) {
@@ -553,6 +554,9 @@ void BackwardCall::Start() {
     header->set_dtype(ToProtoDType(a.type));
     header->set_gamma(a.gamma.data(), a.gamma.size());
     header->set_rms_provided(a.device.has_value() ? a.device->rms.has_value() : !a.rms.empty());
+    header->set_gamma_offset(a.gamma_offset);
+    header->set_no_gamma(a.no_gamma);
+    header->set_casting_mode(a.casting_mode);
     if (!shared_->options.kernel.empty())
       header->mutable_options()->set_kernel(shared_->options.kernel);
   }
@@ -812,17 +816,26 @@ void BackwardCall::OnDone(const grpc::Status& status) {
     const auto& trailers = context_.GetServerTrailingMetadata();
     writes_done = trailers.find(kWritesDoneTrailer) != trailers.end();
   }
-  const bool retryable = error_.ok() && !cancelled_by_caller && cancel_status_.ok() &&
-                         writes_done &&
-                         (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
-                          (status.error_code() == grpc::StatusCode::CANCELLED && !any_response_));
-  if (retryable && client_->RetryLater<BackwardCall>(shared_, attempt_)) {
+  // In place, a chunk's dy is gone once the server may have computed it (memory calls: the
+  // chunk was sent) or once the client wrote its grad_input (bytes): a retry would send dx as
+  // dy and end OK with a wrong gradient.
+  const bool dy_intact = !shared_->args.in_place || (!exposed_ && rows_received_ == 0);
+  const bool retry_worthy =
+      error_.ok() && !cancelled_by_caller && cancel_status_.ok() && writes_done &&
+      (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+       (status.error_code() == grpc::StatusCode::CANCELLED && !any_response_));
+  if (retry_worthy && dy_intact && client_->RetryLater<BackwardCall>(shared_, attempt_)) {
     lock.unlock();
     delete this;
     return;
   }
   absl::Status result = error_;
   if (result.ok()) result = FromGrpcStatus(status);
+  if (retry_worthy && !dy_intact) {
+    result = absl::Status(result.code(), absl::StrCat(result.message(),
+                                                      " [not retried: the call is in place and "
+                                                      "dy may already be overwritten by dx]"));
+  }
   if (!result.ok() && !cancel_status_.ok()) result = cancel_status_;
   if (!result.ok() && !writes_done) {
     if (shared_->shm.has_value() && shared_->shm->staging != nullptr) {

@@ -2,7 +2,9 @@
 
 #include <google/protobuf/util/json_util.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <mutex>
 #include <optional>
@@ -18,6 +20,7 @@
 #include "client/tools/ptx_cache.h"
 #include "client/tools/tool_flags.h"
 #include "normgrad/client.h"
+#include "normgrad/shared_memory.h"
 #include "proto/normgrad/v1/emit_ptx_fields.h"
 
 namespace normgrad::tools {
@@ -28,6 +31,8 @@ constexpr char kUsage[] =
     "commands:\n"
     "  backward --x X.npy --dy DY.npy --gamma G.npy [--rms RMS.npy] [--eps 1e-5]\n"
     "           [--kernel NAME] [--dx DX.npy] [--dgamma DG.npy]\n"
+    "           [--gamma-offset X] [--no-gamma (no --gamma, no --dgamma)]\n"
+    "           [--casting-mode llama|gemma|none] [--in-place (dx over dy in shared memory)]\n"
     "  emit-ptx --kernel NAME --hidden-dim N [--target sm_90 ...] [--ptx-version 8.0]\n"
     "           [--dtype f32|bf16|f16 ...] [-o FILE] [--cubin FILE] [--out-dir DIR [--cubins]]\n"
     "           [--resource-usage] [--cache-dir DIR (else $NORMGRAD_PTX_CACHE)]\n"
@@ -52,7 +57,9 @@ int ServerError(std::ostream& err, const absl::Status& status) {
 
 // Each command's own flags, as given (unset when not given).
 struct BackwardFlags {
-  std::optional<std::string> x, dy, gamma, rms, eps, kernel, dx, dgamma;
+  std::optional<std::string> x, dy, gamma, rms, eps, kernel, dx, dgamma, gamma_offset, casting_mode;
+  bool no_gamma = false;
+  bool in_place = false;
 };
 struct EmitPtxFlags {
   std::optional<std::string> kernel, hidden_dim, ptx_version, output, cubin, out_dir, cache_dir;
@@ -88,12 +95,52 @@ class ProgressBar {
   bool drawn_ = false;
 };
 
+// The variant flags of `backward` into `a`; a usage error's message otherwise.
+absl::Status ParseVariantFlags(const BackwardFlags& args, RawBackwardArgs& a) {
+  if (args.gamma_offset &&
+      (!absl::SimpleAtof(*args.gamma_offset, &a.gamma_offset) || !std::isfinite(a.gamma_offset))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--gamma-offset: not a finite number: \"", *args.gamma_offset, "\""));
+  }
+  a.no_gamma = args.no_gamma;
+  if (a.no_gamma && (args.gamma || args.dgamma || args.gamma_offset)) {
+    return absl::InvalidArgumentError(
+        "backward: --no-gamma takes no --gamma, --dgamma or --gamma-offset");
+  }
+  if (!a.no_gamma && !args.gamma) {
+    return absl::InvalidArgumentError("backward: --gamma is required");
+  }
+  if (args.casting_mode) {
+    const std::pair<const char*, v1::CastingMode> modes[] = {{"llama", v1::CASTING_MODE_LLAMA},
+                                                             {"gemma", v1::CASTING_MODE_GEMMA},
+                                                             {"none", v1::CASTING_MODE_NONE}};
+    bool known = false;
+    for (const auto& [name, mode] : modes) {
+      if (*args.casting_mode == name) {
+        a.casting_mode = mode;
+        known = true;
+      }
+    }
+    if (!known) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--casting-mode: \"", *args.casting_mode, "\" is not llama, gemma or none"));
+    }
+  }
+  a.in_place = args.in_place;
+  return absl::OkStatus();
+}
+
+absl::Span<uint8_t> BytesOf(std::vector<float>& v) {
+  return {reinterpret_cast<uint8_t*>(v.data()), v.size() * sizeof(float)};
+}
+
 int Backward(const BackwardFlags& args, const ClientOptions& options, const CliEnvironment& env,
              std::ostream& out, std::ostream& err) {
-  for (const auto& [flag, given] :
-       {std::pair{"x", &args.x}, std::pair{"dy", &args.dy}, std::pair{"gamma", &args.gamma}}) {
+  for (const auto& [flag, given] : {std::pair{"x", &args.x}, std::pair{"dy", &args.dy}}) {
     if (!*given) return UsageError(err, absl::StrCat("backward: --", flag, " is required"));
   }
+  RawBackwardArgs raw;
+  if (absl::Status s = ParseVariantFlags(args, raw); !s.ok()) return UsageError(err, s.message());
   float eps = 1e-5f;
   if (args.eps && !absl::SimpleAtof(*args.eps, &eps)) {
     return UsageError(err, absl::StrCat("--eps: not a number: \"", *args.eps, "\""));
@@ -102,7 +149,8 @@ int Backward(const BackwardFlags& args, const ClientOptions& options, const CliE
   if (!x.ok()) return UsageError(err, x.status().message());
   absl::StatusOr<npy::Array> dy = npy::ReadF32(*args.dy);
   if (!dy.ok()) return UsageError(err, dy.status().message());
-  absl::StatusOr<npy::Array> gamma = npy::ReadF32(*args.gamma);
+  absl::StatusOr<npy::Array> gamma = npy::Array{};
+  if (!raw.no_gamma) gamma = npy::ReadF32(*args.gamma);
   if (!gamma.ok()) return UsageError(err, gamma.status().message());
 
   if (x->shape.size() < 2) {
@@ -115,7 +163,7 @@ int Backward(const BackwardFlags& args, const ClientOptions& options, const CliE
     return UsageError(err, absl::StrCat(*args.dy, ": shape ", npy::ShapeString(dy->shape),
                                         " differs from x's ", npy::ShapeString(x->shape)));
   }
-  if (gamma->shape.size() != 1 || gamma->shape[0] != hidden) {
+  if (!raw.no_gamma && (gamma->shape.size() != 1 || gamma->shape[0] != hidden)) {
     return UsageError(err, absl::StrCat(*args.gamma, ": shape ", npy::ShapeString(gamma->shape),
                                         "; expected (", hidden, ",) to match x's last dimension"));
   }
@@ -136,28 +184,60 @@ int Backward(const BackwardFlags& args, const ClientOptions& options, const CliE
     rms = std::move(r->data);
   }
 
+  std::unique_ptr<SharedMemoryRegion> region;  // --in-place; outlives the client
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(options);
   if (!client.ok()) return UsageError(err, client.status().message());
   BackwardOptions call;
   call.kernel = args.kernel.value_or("");
-  call.rms = rms;
   ProgressBar bar(err);
   // A bar only for batches that take several messages, and only on a terminal.
   if (env.stderr_is_terminal && x->data.size() * sizeof(float) > options.chunk_bytes) {
     call.on_progress = [&bar](uint64_t done, uint64_t total) { bar.Update(done, total); };
   }
-  absl::StatusOr<Gradients> g = (*client)->Backward(x->data, dy->data, gamma->data, eps, call);
+  std::vector<float> dx, dgamma(raw.no_gamma ? 0 : hidden);
+  raw.num_rows = rows;
+  raw.hidden_dim = static_cast<uint32_t>(hidden);
+  raw.eps = eps;
+  raw.x = BytesOf(x->data);
+  raw.dy = BytesOf(dy->data);
+  raw.gamma = BytesOf(gamma->data);
+  raw.rms = BytesOf(rms);
+  raw.dgamma = BytesOf(dgamma);
+  // In place: x and dy in a region registered with the server, which writes dx over dy there.
+  if (raw.in_place) {
+    const uint64_t bytes = raw.x.size();
+    absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> made =
+        SharedMemoryRegion::Create(2 * bytes);
+    if (!made.ok()) return ServerError(err, made.status());
+    region = *std::move(made);
+    std::copy(raw.x.begin(), raw.x.end(), region->data());
+    std::copy(raw.dy.begin(), raw.dy.end(), region->data() + bytes);
+    if (absl::Status s = (*client)->RegisterSharedMemory(*region); !s.ok()) {
+      return ServerError(err, absl::Status(s.code(), absl::StrCat("--in-place: ", s.message())));
+    }
+    raw.x = {region->data(), bytes};
+    raw.dy = {region->data() + bytes, bytes};
+    raw.dx = {region->data() + bytes, bytes};
+  } else {
+    dx.resize(x->data.size());
+    raw.dx = BytesOf(dx);
+  }
+  absl::StatusOr<RawBackwardResult> g = (*client)->BackwardRaw(raw, call);
   bar.Clear();
   if (!g.ok()) return ServerError(err, g.status());
 
   if (args.dx) {
-    if (absl::Status s = npy::WriteF32(*args.dx, x->shape, g->dx); !s.ok()) {
+    if (raw.in_place) {
+      dx.resize(x->data.size());
+      std::memcpy(dx.data(), raw.dx.data(), raw.dx.size());
+    }
+    if (absl::Status s = npy::WriteF32(*args.dx, x->shape, dx); !s.ok()) {
       return UsageError(err, s.message());
     }
   }
   if (args.dgamma) {
     const uint64_t shape[] = {hidden};
-    if (absl::Status s = npy::WriteF32(*args.dgamma, shape, g->dgamma); !s.ok()) {
+    if (absl::Status s = npy::WriteF32(*args.dgamma, shape, dgamma); !s.ok()) {
       return UsageError(err, s.message());
     }
   }
@@ -411,6 +491,11 @@ int RunCli(const std::vector<std::string>& args, const CliEnvironment& env, std:
   }
   backward_command->add_option("--eps", backward.eps)->type_name("X");
   backward_command->add_option("--kernel", backward.kernel)->type_name("NAME");
+  backward_command->add_option("--gamma-offset", backward.gamma_offset)->type_name("X");
+  backward_command->add_flag("--no-gamma", backward.no_gamma);
+  backward_command->add_option("--casting-mode", backward.casting_mode)
+      ->type_name("llama|gemma|none");
+  backward_command->add_flag("--in-place", backward.in_place);
 
   EmitPtxFlags emit;
   CLI::App* emit_command = app.add_subcommand("emit-ptx");

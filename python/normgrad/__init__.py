@@ -3,6 +3,8 @@
     import normgrad
     client = normgrad.Client("localhost:50051")
     dx, dgamma = client.backward(x, dy, gamma, eps=1e-5)   # numpy arrays or torch tensors
+    dx, dgamma = client.backward(x, dy, gamma, gamma_offset=1.0, casting_mode="gemma")
+    dx, none = client.backward(x, dy, None, in_place=True)  # no weight; dx written over dy
     dgamma = client.backward_device(x_ptr, dy_ptr, dx_ptr, gamma, num_rows=r, hidden_dim=h)
     future = client.backward_async(x, dy, gamma)            # concurrent.futures.Future
     ptx = client.emit_ptx("rms_norm_backward_row_resident", 4096, target="sm_90")
@@ -23,13 +25,14 @@ import base64
 import concurrent.futures
 import dataclasses
 import json
+import math
 import operator
 import threading
 
 from . import _native
 
 __all__ = [
-    "Client", "Error", "PtxResult", "Tls", "TRANSPORTS",
+    "CASTING_MODES", "Client", "Error", "PtxResult", "Tls", "TRANSPORTS",
     "CancelledError", "UnknownError", "InvalidArgumentError", "DeadlineExceededError",
     "NotFoundError", "AlreadyExistsError", "PermissionDeniedError", "ResourceExhaustedError",
     "FailedPreconditionError", "AbortedError", "OutOfRangeError", "UnimplementedError",
@@ -109,6 +112,52 @@ def _text(pem):
     return pem.decode() if isinstance(pem, (bytes, bytearray)) else str(pem)
 
 
+# casting_mode names and their v1::CastingMode values (docs/python.md, "RMSNorm variants");
+# None sends CASTING_MODE_UNSPECIFIED, which the server treats as "gemma".
+CASTING_MODES = ("llama", "gemma", "none")
+_CASTING_MODE_VALUES = {None: 0, "llama": 1, "gemma": 2, "none": 3}
+_CASTING_MODE_NAMES = {value: name for name, value in _CASTING_MODE_VALUES.items()}
+
+
+def _variant(gamma, gamma_offset, casting_mode):
+    """The checked (gamma_offset, casting_mode value) of a Backward; errors name the argument."""
+    if casting_mode not in _CASTING_MODE_VALUES:
+        raise ValueError(f"casting_mode: {casting_mode!r} is not one of "
+                         f"{', '.join(map(repr, CASTING_MODES))} or None")
+    try:
+        offset = float(gamma_offset)
+    except (TypeError, ValueError):
+        raise TypeError(f"gamma_offset: expected a number, got "
+                        f"{type(gamma_offset).__name__}") from None
+    if not math.isfinite(offset):
+        raise ValueError(f"gamma_offset: {offset} is not finite")
+    if gamma is None and offset != 0:
+        raise ValueError(f"gamma_offset: {offset} without gamma (gamma=None scales by 1); an "
+                         "offset needs a weight")
+    return offset, _CASTING_MODE_VALUES[casting_mode]
+
+
+def _check_in_place(dy):
+    """in_place=True writes dx over dy: dy must be one dense, writable block of memory."""
+    if _is_torch(dy):
+        if not dy.is_contiguous():
+            raise ValueError("dy: in_place=True writes dx into dy's memory, which must be "
+                             "contiguous (dy.contiguous() first)")
+    elif not (dy.flags.c_contiguous and dy.flags.writeable):
+        raise ValueError("dy: in_place=True writes dx into dy's memory, which must be a "
+                         "C-contiguous, writable array")
+
+
+def _write_into(dy, dx):
+    """dx copied over dy (same shape and dtype); returns dy."""
+    if _is_torch(dy):
+        dy.detach().copy_(dx)
+    else:
+        import numpy as np
+        np.copyto(dy, dx)
+    return dy
+
+
 # Element types the server computes in, by numpy dtype name / torch dtype.
 _NUMPY_TYPES = {"float32": "f32", "float16": "f16"}
 
@@ -134,7 +183,7 @@ def _prepare_numpy(x, dy, gamma, rms):
     import numpy as np
     arrays = []
     for name, value in (("x", x), ("dy", dy), ("gamma", gamma)):
-        if not isinstance(value, np.ndarray):
+        if not isinstance(value, np.ndarray) and not (name == "gamma" and value is None):
             raise TypeError(f"{name}: expected a numpy array like x, got {type(value).__name__}")
         arrays.append(value)
     x, dy, gamma = arrays
@@ -142,15 +191,16 @@ def _prepare_numpy(x, dy, gamma, rms):
     if dtype is None:
         raise TypeError(f"x: dtype {x.dtype} is not supported; numpy arrays must be float32 or "
                         "float16 (bfloat16: pass torch tensors)")
-    _check_shapes(x.shape, dy.shape, gamma.shape, x.dtype, dy.dtype, gamma.dtype)
+    _check_shapes(x, dy, gamma)
     p = _Prepared()
     p.dtype = dtype
     p.hidden = x.shape[-1]
     p.rows = x.size // p.hidden if p.hidden else 0
     # No copy for C-contiguous arrays (the common case); one for any other layout.
-    x, dy, gamma = np.ascontiguousarray(x), np.ascontiguousarray(dy), np.ascontiguousarray(gamma)
+    x, dy = np.ascontiguousarray(x), np.ascontiguousarray(dy)
+    gamma = None if gamma is None else np.ascontiguousarray(gamma)
     p.dx = np.empty_like(x)
-    p.dgamma = np.empty_like(gamma)
+    p.dgamma = None if gamma is None else np.empty_like(gamma)
     rms_buffer = None if rms is None else _rms_buffer(rms, p.rows)
     p.buffers = (x, dy, gamma, rms_buffer, p.dx, p.dgamma)
     return p
@@ -170,6 +220,8 @@ def _torch_int16():
 def _prepare_torch(x, dy, gamma, rms):
     import torch
     for name, value in (("x", x), ("dy", dy), ("gamma", gamma)):
+        if name == "gamma" and value is None:
+            continue
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: expected a torch tensor like x, got {type(value).__name__}")
         if value.device.type != "cpu":
@@ -179,27 +231,29 @@ def _prepare_torch(x, dy, gamma, rms):
     if dtype is None:
         raise TypeError(f"x: dtype {x.dtype} is not supported; torch tensors must be float32, "
                         "bfloat16 or float16")
-    _check_shapes(tuple(x.shape), tuple(dy.shape), tuple(gamma.shape), x.dtype, dy.dtype,
-                  gamma.dtype)
+    _check_shapes(x, dy, gamma)
     p = _Prepared()
     p.dtype = dtype
     p.hidden = x.shape[-1]
     p.rows = x.numel() // p.hidden if p.hidden else 0
     # detach: the server's gradients are not part of any autograd graph; contiguous: no copy
     # when already contiguous.
-    x, dy, gamma = x.detach().contiguous(), dy.detach().contiguous(), gamma.detach().contiguous()
+    x, dy = x.detach().contiguous(), dy.detach().contiguous()
+    gamma = None if gamma is None else gamma.detach().contiguous()
     p.dx = torch.empty_like(x)
-    p.dgamma = torch.empty_like(gamma)
+    p.dgamma = None if gamma is None else torch.empty_like(gamma)
     rms_buffer = None if rms is None else _rms_buffer(rms, p.rows)
-    p.buffers = tuple(_torch_buffer(t, dtype) for t in (x, dy, gamma)) + (
-        rms_buffer, _torch_buffer(p.dx, dtype), _torch_buffer(p.dgamma, dtype))
+    x, dy, gamma, dx, dgamma = (None if t is None else _torch_buffer(t, dtype)
+                                for t in (x, dy, gamma, p.dx, p.dgamma))
+    p.buffers = (x, dy, gamma, rms_buffer, dx, dgamma)
     return p
 
 
 def _check_torch_cuda(x, dy, gamma, rms):
     """Checks a Backward whose x is a CUDA tensor: dy and rms on x's device, gamma anywhere."""
     import torch
-    others = (("dy", dy), ("gamma", gamma)) + ((("rms", rms),) if rms is not None else ())
+    others = (("dy", dy),) + ((("gamma", gamma),) if gamma is not None else ()) + (
+        (("rms", rms),) if rms is not None else ())
     for name, value in others:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: expected a torch tensor like x, got {type(value).__name__}")
@@ -209,8 +263,7 @@ def _check_torch_cuda(x, dy, gamma, rms):
     if _torch_types().get(x.dtype) is None:
         raise TypeError(f"x: dtype {x.dtype} is not supported; torch tensors must be float32, "
                         "bfloat16 or float16")
-    _check_shapes(tuple(x.shape), tuple(dy.shape), tuple(gamma.shape), x.dtype, dy.dtype,
-                  gamma.dtype)
+    _check_shapes(x, dy, gamma)
 
 
 def _device_route(transport, server_takes_cuda_ipc, target):
@@ -287,17 +340,19 @@ def _rms_buffer(rms, rows):
     return rms
 
 
-def _check_shapes(x_shape, dy_shape, gamma_shape, x_dtype, dy_dtype, gamma_dtype):
+def _check_shapes(x, dy, gamma):
+    """x and dy (..., hidden) of one shape; gamma (hidden,) or None; one dtype for them all."""
+    x_shape, dy_shape = tuple(x.shape), tuple(dy.shape)
     if len(x_shape) < 1:
         raise ValueError("x: needs at least one dimension (..., hidden)")
     if dy_shape != x_shape:
         raise ValueError(f"dy: shape {dy_shape} differs from x's {x_shape}")
-    if gamma_shape != (x_shape[-1],):
-        raise ValueError(f"gamma: shape {gamma_shape}, expected ({x_shape[-1]},) "
+    if gamma is not None and tuple(gamma.shape) != (x_shape[-1],):
+        raise ValueError(f"gamma: shape {tuple(gamma.shape)}, expected ({x_shape[-1]},) "
                          "(x's last dimension)")
-    if dy_dtype != x_dtype or gamma_dtype != x_dtype:
-        raise TypeError(f"x, dy and gamma must share one dtype; got {x_dtype}, {dy_dtype}, "
-                        f"{gamma_dtype}")
+    if dy.dtype != x.dtype or (gamma is not None and gamma.dtype != x.dtype):
+        raise TypeError(f"x, dy and gamma must share one dtype; got {x.dtype}, {dy.dtype}, "
+                        f"{'no gamma' if gamma is None else gamma.dtype}")
 
 
 class Client:
@@ -345,13 +400,19 @@ class Client:
         self._server_cuda_ipc = None
         self._device_uuids = {}
 
-    def backward(self, x, dy, gamma, *, eps=1e-5, rms=None, kernel=None):
-        """dx and dgamma of y = x / rms(x) * gamma for upstream gradient dy.
+    def backward(self, x, dy, gamma, *, eps=1e-5, rms=None, kernel=None, gamma_offset=0.0,
+                 casting_mode=None, in_place=False):
+        """dx and dgamma of y = x / rms(x) * (gamma_offset + gamma) for upstream gradient dy.
 
         x, dy: (..., hidden) arrays of one kind and dtype: numpy float32/float16 or torch
-        float32/bfloat16/float16; leading dimensions are rows. gamma: (hidden,), same dtype.
+        float32/bfloat16/float16; leading dimensions are rows. gamma: (hidden,), same dtype, or
+        None for an RMSNorm without weight (y = x / rms(x); dgamma is then None).
         rms: the forward pass's per-row sqrt(mean(x^2) + eps) (float32, one per row); given,
         the server uses it and ignores eps. kernel: the server's kernel name (None: its choice).
+        gamma_offset: added to gamma in float32 (Gemma's 1.0; 0 without gamma). casting_mode:
+        the forward's rounding, "llama", "gemma" or "none" (None: the server's default,
+        "gemma"); docs/python.md, "RMSNorm variants". in_place: dx is written over dy's memory
+        (dy contiguous) and dy itself is returned as dx.
         Returns (dx, dgamma) of x's and gamma's kind, dtype and shape.
 
         Torch CUDA tensors (x, dy and rms on one device; gamma anywhere) go by CUDA IPC when the
@@ -359,8 +420,19 @@ class Client:
         allocated here on x's device, and dgamma is returned on x's device too. Otherwise
         (transport "auto", "bytes" or "shm") they are copied to the host and the results back.
         """
+        variant = _variant(gamma, gamma_offset, casting_mode)
+        if in_place:
+            _check_in_place(dy)
         if _is_torch(x) and getattr(x, "is_cuda", False):
-            return self._backward_cuda(x, dy, gamma, eps, rms, kernel)
+            dx, dgamma = self._backward_cuda(x, dy, gamma, eps, rms, kernel, variant)
+        else:
+            dx, dgamma = self._backward_host(x, dy, gamma, eps, rms, kernel, variant)
+        # The server's dx lands in memory of its own and is copied over dy after the call
+        # succeeded: dy stays intact while the C++ client may still resend it (retries).
+        return (_write_into(dy, dx) if in_place else dx), dgamma
+
+    def _backward_host(self, x, dy, gamma, eps, rms, kernel, variant):
+        """backward for numpy arrays and torch CPU tensors."""
         if self.transport == "cuda_ipc":
             raise ValueError(f"x: transport \"cuda_ipc\" takes torch CUDA tensors (or device "
                              f"pointers: backward_device), got a host {type(x).__name__}; use "
@@ -370,11 +442,12 @@ class Client:
         if p.rows == 0 or p.hidden == 0:
             raise ValueError(f"x: shape {tuple(x.shape)} has no elements")
         self._native.backward_raw(p.dtype, p.rows, p.hidden, float(eps), *p.buffers,
-                                  kernel or "")
+                                  kernel or "", *variant)
         return p.dx, p.dgamma
 
     def backward_device(self, x_ptr, dy_ptr, dx_ptr, gamma, *, num_rows, hidden_dim, dtype="f32",
-                        eps=1e-5, rms_ptr=None, device=0, kernel=None):
+                        eps=1e-5, rms_ptr=None, device=0, kernel=None, gamma_offset=0.0,
+                        casting_mode=None):
         """Backward on tensors in CUDA device memory of this process, by CUDA IPC: the server
         (same GPU, started with --cuda-ipc) reads x and dy and writes dx in place.
 
@@ -382,11 +455,12 @@ class Client:
         hidden_dim contiguous elements of dtype ("f32", "bf16" or "f16") on CUDA device
         `device`; dx must not overlap x or dy. rms_ptr: num_rows float32 values of the forward's
         rms, or None (the server recomputes it from eps). gamma: (hidden_dim,) host array of
-        dtype (numpy float32/float16, bf16 as its bits in uint16; or a torch CPU tensor).
-        Returns grad_gamma, a host array of gamma's kind. The caller's work on the buffers must
-        be finished (synchronize its stream) before the call, the CUDA context that owns them
-        must be current on this thread, and they must stay allocated while the server may use
-        them (docs/python.md). dx holds grad_input when this returns.
+        dtype (numpy float32/float16, bf16 as its bits in uint16; or a torch CPU tensor), or
+        None for an RMSNorm without weight. gamma_offset, casting_mode: as in backward.
+        Returns grad_gamma, a host array of gamma's kind (None without gamma). The caller's
+        work on the buffers must be finished (synchronize its stream) before the call, the CUDA
+        context that owns them must be current on this thread, and they must stay allocated
+        while the server may use them (docs/python.md). dx holds grad_input when this returns.
         """
         if self.transport in ("bytes", "shm"):
             raise ValueError(f"transport {self.transport!r} moves host memory; backward_device "
@@ -400,10 +474,12 @@ class Client:
         pointers = [_pointer(name, value) for name, value in
                     (("x_ptr", x_ptr), ("dy_ptr", dy_ptr), ("dx_ptr", dx_ptr))]
         rms_pointer = None if rms_ptr is None else _pointer("rms_ptr", rms_ptr)
-        grad_gamma, (gamma_buffer, grad_buffer) = _gamma_host(gamma, dtype, hidden_dim)
+        variant = _variant(gamma, gamma_offset, casting_mode)
+        grad_gamma, (gamma_buffer, grad_buffer) = (
+            (None, (None, None)) if gamma is None else _gamma_host(gamma, dtype, hidden_dim))
         self._native.backward_device(dtype, num_rows, hidden_dim, float(eps), *pointers,
                                      rms_pointer, gamma_buffer, grad_buffer, kernel or "",
-                                     operator.index(device))
+                                     operator.index(device), *variant)
         return grad_gamma
 
     def takes_cuda_ipc(self, device=0):
@@ -421,7 +497,7 @@ class Client:
                 self._device_uuids[device] = _native.cuda_device_uuid(device)
             return self._device_uuids[device] == server_uuid
 
-    def _backward_cuda(self, x, dy, gamma, eps, rms, kernel):
+    def _backward_cuda(self, x, dy, gamma, eps, rms, kernel, variant):
         """backward for a torch CUDA x: by CUDA IPC (_device_route), or through the host."""
         import torch
         _check_torch_cuda(x, dy, gamma, rms)
@@ -434,15 +510,15 @@ class Client:
         with torch.cuda.device(device):  # the device's context current on this thread
             takes = self.transport not in ("bytes", "shm") and self.takes_cuda_ipc(device)
             if _device_route(self.transport, takes, self.target) == "host":
-                dx, dgamma = self.backward(x.cpu(), dy.cpu(), gamma.cpu(), eps=eps,
-                                           rms=None if rms is None else rms.cpu(),
-                                           kernel=kernel)
-                return dx.to(x.device), dgamma.to(x.device)
+                dx, dgamma = self._backward_host(
+                    x.cpu(), dy.cpu(), None if gamma is None else gamma.cpu(), eps,
+                    None if rms is None else rms.cpu(), kernel, variant)
+                return dx.to(x.device), None if dgamma is None else dgamma.to(x.device)
             # The locals hold every tensor until the call returns (the server reads them).
             x, dy = x.detach().contiguous(), dy.detach().contiguous()
             rms = None if rms is None else rms.detach().to(torch.float32).contiguous()
             dx = torch.empty_like(x)
-            gamma_host = gamma.detach().cpu().contiguous()
+            gamma_host = None if gamma is None else gamma.detach().cpu().contiguous()
             # PyTorch's kernels are asynchronous: x, dy and rms must be written before another
             # process reads them. (This first runtime call on the thread also makes the device's
             # primary context current, which the driver calls of the export need.)
@@ -450,14 +526,14 @@ class Client:
             dgamma = self.backward_device(
                 x.data_ptr(), dy.data_ptr(), dx.data_ptr(), gamma_host, num_rows=rows,
                 hidden_dim=x.shape[-1], dtype=_torch_types()[x.dtype], eps=eps,
-                rms_ptr=None if rms is None else rms.data_ptr(), device=device, kernel=kernel)
-            return dx, dgamma.to(x.device)
+                rms_ptr=None if rms is None else rms.data_ptr(), device=device, kernel=kernel,
+                gamma_offset=variant[0], casting_mode=_CASTING_MODE_NAMES[variant[1]])
+            return dx, None if dgamma is None else dgamma.to(x.device)
 
-    def backward_async(self, x, dy, gamma, *, eps=1e-5, rms=None, kernel=None):
+    def backward_async(self, x, dy, gamma, **options):
         """backward on one of the Client's worker threads: a concurrent.futures.Future of
-        (dx, dgamma). Inputs must not change until it is done."""
-        return self._workers().submit(self.backward, x, dy, gamma, eps=eps, rms=rms,
-                                      kernel=kernel)
+        (dx, dgamma); options as backward's. Inputs must not change until it is done."""
+        return self._workers().submit(self.backward, x, dy, gamma, **options)
 
     def emit_ptx(self, kernel, hidden_dim, *, target="sm_75", dtype="f32", ptx_version=None,
                  cubin=False):

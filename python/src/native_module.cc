@@ -6,10 +6,15 @@
 //
 //   client = _native.Client(target, token, use_tls, tls_roots, tls_cert, tls_key,
 //                           tls_server_name, deadline_s, max_attempts, transport)
-//   summary = client.backward_raw("f32", rows, hidden, eps, x, dy, gamma, rms, dx, dgamma, kernel)
+//   summary = client.backward_raw("f32", rows, hidden, eps, x, dy, gamma, rms, dx, dgamma, kernel,
+//                                 gamma_offset, casting_mode)
 //   summary = client.backward_device("f32", rows, hidden, eps, x_ptr, dy_ptr, dx_ptr, rms_ptr,
-//                                    gamma, dgamma, kernel, device)   # CUDA IPC
+//                                    gamma, dgamma, kernel, device, gamma_offset,
+//                                    casting_mode)   # CUDA IPC
 //   uuid = cuda_device_uuid(device)                                   # 16 bytes
+//
+// gamma and dgamma None: the RMSNorm has no weight (no_gamma). casting_mode: the value of
+// v1::CastingMode (0 unspecified, 1 llama, 2 gemma, 3 none).
 //
 // Errors: a failed call raises the exception that the factory registered with
 // set_error_factory(code_name, message) returns (normgrad.Error and its subclasses).
@@ -122,15 +127,39 @@ absl::Span<uint8_t> WritableBytesOf(const py::buffer_info& info, const char* nam
   return {const_cast<uint8_t*>(bytes.data()), bytes.size()};
 }
 
-// Arguments with the call's shape set; the caller adds the tensors.
+// Arguments with the call's shape and RMSNorm variant set; the caller adds the tensors (and
+// sets no_gamma when there is no gamma).
 RawBackwardArgs ShapedArgs(const std::string& type, uint64_t num_rows, uint32_t hidden_dim,
-                           double eps) {
+                           double eps, double gamma_offset, int casting_mode) {
+  if (!v1::CastingMode_IsValid(casting_mode)) {
+    throw py::value_error(absl::StrCat("casting_mode: ", casting_mode, " is not a CastingMode"));
+  }
   RawBackwardArgs args;
   args.type = ParseType(type);
   args.num_rows = num_rows;
   args.hidden_dim = hidden_dim;
   args.eps = static_cast<float>(eps);
+  args.gamma_offset = static_cast<float>(gamma_offset);
+  args.casting_mode = static_cast<v1::CastingMode>(casting_mode);
   return args;
+}
+
+// gamma and dgamma into `args`, or no_gamma when both are None (one without the other is a
+// ValueError). The buffer_infos keep the exporters' views alive while the spans are used.
+void SetGamma(const std::optional<py::buffer>& gamma, const std::optional<py::buffer>& dgamma,
+              const char* dgamma_name, std::optional<py::buffer_info>& gamma_info,
+              std::optional<py::buffer_info>& dgamma_info, RawBackwardArgs& args) {
+  if (gamma.has_value() != dgamma.has_value()) {
+    throw py::value_error(absl::StrCat("gamma and ", dgamma_name, ": give both or neither"));
+  }
+  if (!gamma.has_value()) {
+    args.no_gamma = true;
+    return;
+  }
+  gamma_info = gamma->request();
+  dgamma_info = dgamma->request(true);
+  args.gamma = BytesOf(*gamma_info, "gamma");
+  args.dgamma = WritableBytesOf(*dgamma_info, dgamma_name);
 }
 
 py::dict SummaryDict(const RawBackwardResult& result) {
@@ -198,21 +227,19 @@ class PyClient {
 
   // One Backward of `type` elements from the caller's buffers into the caller's output buffers.
   py::dict BackwardRaw(const std::string& type, uint64_t num_rows, uint32_t hidden_dim, double eps,
-                       const py::buffer& x, const py::buffer& dy, const py::buffer& gamma,
-                       const std::optional<py::buffer>& rms, const py::buffer& dx,
-                       const py::buffer& dgamma, const std::string& kernel) {
-    const py::buffer_info x_info = x.request(), dy_info = dy.request(),
-                          gamma_info = gamma.request(), dx_info = dx.request(true),
-                          dgamma_info = dgamma.request(true);
-    std::optional<py::buffer_info> rms_info;
+                       const py::buffer& x, const py::buffer& dy,
+                       const std::optional<py::buffer>& gamma, const std::optional<py::buffer>& rms,
+                       const py::buffer& dx, const std::optional<py::buffer>& dgamma,
+                       const std::string& kernel, double gamma_offset, int casting_mode) {
+    const py::buffer_info x_info = x.request(), dy_info = dy.request(), dx_info = dx.request(true);
+    std::optional<py::buffer_info> rms_info, gamma_info, dgamma_info;
     if (rms.has_value()) rms_info = rms->request();
-    RawBackwardArgs args = ShapedArgs(type, num_rows, hidden_dim, eps);
+    RawBackwardArgs args = ShapedArgs(type, num_rows, hidden_dim, eps, gamma_offset, casting_mode);
     args.x = BytesOf(x_info, "x");
     args.dy = BytesOf(dy_info, "dy");
-    args.gamma = BytesOf(gamma_info, "gamma");
+    SetGamma(gamma, dgamma, "dgamma", gamma_info, dgamma_info, args);
     if (rms_info.has_value()) args.rms = BytesOf(*rms_info, "rms");
     args.dx = WritableBytesOf(dx_info, "dx");
-    args.dgamma = WritableBytesOf(dgamma_info, "dgamma");
     return RunRaw(args, kernel);
   }
 
@@ -221,12 +248,12 @@ class PyClient {
   // host buffers. The driver calls need the pointers' CUDA context current on this thread.
   py::dict BackwardDevice(const std::string& type, uint64_t num_rows, uint32_t hidden_dim,
                           double eps, uint64_t x_ptr, uint64_t dy_ptr, uint64_t dx_ptr,
-                          std::optional<uint64_t> rms_ptr, const py::buffer& gamma,
-                          const py::buffer& dgamma, const std::string& kernel, int device) {
-    const py::buffer_info gamma_info = gamma.request(), dgamma_info = dgamma.request(true);
-    RawBackwardArgs args = ShapedArgs(type, num_rows, hidden_dim, eps);
-    args.gamma = BytesOf(gamma_info, "gamma");
-    args.dgamma = WritableBytesOf(dgamma_info, "grad_gamma");
+                          std::optional<uint64_t> rms_ptr, const std::optional<py::buffer>& gamma,
+                          const std::optional<py::buffer>& dgamma, const std::string& kernel,
+                          int device, double gamma_offset, int casting_mode) {
+    std::optional<py::buffer_info> gamma_info, dgamma_info;
+    RawBackwardArgs args = ShapedArgs(type, num_rows, hidden_dim, eps, gamma_offset, casting_mode);
+    SetGamma(gamma, dgamma, "grad_gamma", gamma_info, dgamma_info, args);
     absl::Status exported;
     {
       py::gil_scoped_release release;
@@ -335,11 +362,12 @@ PYBIND11_MODULE(_native, m) {
            py::arg("deadline_s"), py::arg("max_attempts"), py::arg("transport"))
       .def("backward_raw", &PyClient::BackwardRaw, py::arg("dtype"), py::arg("num_rows"),
            py::arg("hidden_dim"), py::arg("eps"), py::arg("x"), py::arg("dy"), py::arg("gamma"),
-           py::arg("rms"), py::arg("dx"), py::arg("dgamma"), py::arg("kernel"))
+           py::arg("rms"), py::arg("dx"), py::arg("dgamma"), py::arg("kernel"),
+           py::arg("gamma_offset"), py::arg("casting_mode"))
       .def("backward_device", &PyClient::BackwardDevice, py::arg("dtype"), py::arg("num_rows"),
            py::arg("hidden_dim"), py::arg("eps"), py::arg("x_ptr"), py::arg("dy_ptr"),
            py::arg("dx_ptr"), py::arg("rms_ptr"), py::arg("gamma"), py::arg("dgamma"),
-           py::arg("kernel"), py::arg("device"))
+           py::arg("kernel"), py::arg("device"), py::arg("gamma_offset"), py::arg("casting_mode"))
       .def("emit_ptx", &PyClient::EmitPtx)
       .def("server_info_json", &PyClient::ServerInfoJson)
       .def("health", &PyClient::Health, py::arg("service") = "");

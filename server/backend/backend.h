@@ -49,6 +49,7 @@ struct BatchSpec {
   kernels::DType dtype = kernels::DType::kF32;
   bool rms_provided = false;
   std::string kernel;  // entry name; empty = the backend's best choice
+  kernels::NormVariant variant;  // no gamma: the session leaves grad_gamma alone
 };
 
 // The size of a CUDA IPC memory handle (cuda.h's CU_IPC_HANDLE_SIZE).
@@ -88,7 +89,8 @@ class BackwardSession {
     return absl::FailedPreconditionError("this backend computes no chunk in device memory");
   }
 
-  // Writes grad_gamma (hidden_dim elements of the dtype). Call once, after the last chunk.
+  // Writes grad_gamma (hidden_dim elements of the dtype; none, an empty span, for a batch without
+  // gamma). Call once, after the last chunk.
   virtual absl::Status Finish(absl::Span<uint8_t> dgamma) = 0;
 
   virtual absl::string_view KernelName() const = 0;  // what ran ("cpu_highway" on CPU)

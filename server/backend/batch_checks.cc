@@ -39,6 +39,15 @@ absl::Status CheckBatch(const BatchSpec& spec, size_t gamma_bytes) {
   if (!spec.rms_provided && !(std::isfinite(spec.eps) && spec.eps > 0)) {
     return absl::InvalidArgumentError(absl::StrCat("eps must be finite and > 0, got ", spec.eps));
   }
+  if (!std::isfinite(spec.variant.gamma_offset)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gamma_offset must be finite, got ", spec.variant.gamma_offset));
+  }
+  if (!spec.variant.has_gamma) {
+    if (gamma_bytes == 0) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat("gamma has ", gamma_bytes, " bytes; a batch without gamma takes none"));
+  }
   const uint64_t expected = uint64_t{spec.hidden_dim} * ElementBytes(spec.dtype);
   if (gamma_bytes != expected) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -81,10 +90,12 @@ absl::Status CheckFinish(const BatchSpec& spec, uint64_t rows_done, size_t dgamm
     return absl::InvalidArgumentError(
         absl::StrCat("batch ended after ", rows_done, " rows; num_rows declared ", spec.num_rows));
   }
-  const uint64_t expected = uint64_t{spec.hidden_dim} * ElementBytes(spec.dtype);
+  const uint64_t expected =
+      spec.variant.has_gamma ? uint64_t{spec.hidden_dim} * ElementBytes(spec.dtype) : 0;
   if (dgamma_bytes != expected) {
     return absl::InvalidArgumentError(
-        absl::StrCat("dgamma has ", dgamma_bytes, " bytes; expected ", expected));
+        absl::StrCat("dgamma has ", dgamma_bytes, " bytes; expected ", expected,
+                     spec.variant.has_gamma ? "" : " (a batch without gamma has no grad_gamma)"));
   }
   return absl::OkStatus();
 }
@@ -96,6 +107,7 @@ kernels::BackwardRequest RequestOf(const BatchSpec& spec) {
   request.rms_given = spec.rms_provided;
   request.eps = spec.eps;
   request.kernel = spec.kernel;
+  request.variant = spec.variant;
   return request;
 }
 

@@ -118,28 +118,33 @@ class CpuBackwardSession : public backend_internal::BackwardSessionBase {
     const uint64_t rows_per_part = cpu_internal::RowsPerPartition(rows, spec_.hidden_dim);
     const size_t parts = (rows + rows_per_part - 1) / rows_per_part;
     partials_.resize(parts * h);
-    // f32 buffers that are 4-byte aligned are used in place; anything else is staged as f32.
-    const bool in_place = spec_.dtype == DType::kF32 && IsFloatAligned(x.data()) &&
-                          IsFloatAligned(dy.data()) && IsFloatAligned(dx.data());
+    // f32 buffers that are 4-byte aligned are used as they are; anything else is staged as f32.
+    // dx may be dy (in place): host_rows reads a dy element before it writes that dx element,
+    // and a staged tile's dy is converted before its dx is written back.
+    const bool direct = spec_.dtype == DType::kF32 && IsFloatAligned(x.data()) &&
+                        IsFloatAligned(dy.data()) && IsFloatAligned(dx.data());
     const size_t elem_bytes = ElementBytes(spec_.dtype);
     // Chunks far larger than the caches: dx goes straight to memory (see RowBlock).
-    const bool stream_dx = in_place && dx.size() >= cpu_internal::kStreamDxBytes;
+    const bool stream_dx = direct && dx.size() >= cpu_internal::kStreamDxBytes;
+    const bool has_gamma = spec_.variant.has_gamma;
 
     pool_->ParallelFor(parts, [&](size_t p) {
       const uint64_t first = p * rows_per_part;
       const size_t n = std::min<uint64_t>(rows_per_part, rows - first);
       const size_t offset = first * h;  // elements
       double* partial = partials_.data() + p * h;
-      std::fill(partial, partial + h, 0.0);
+      if (has_gamma) std::fill(partial, partial + h, 0.0);
       host_rows::RowBlock block;
       block.gamma_f64 = gamma_f64_.data();
       block.rms = reads_rms_ ? rms.data() + first : nullptr;
-      block.dgamma = partial;
+      block.dgamma = has_gamma ? partial : nullptr;
       block.num_rows = n;
       block.hidden_dim = h;
       block.eps = spec_.eps;
       block.stream_dx = stream_dx;
-      if (in_place) {
+      block.casting = spec_.variant.casting;
+      block.element = spec_.dtype;
+      if (direct) {
         block.x = reinterpret_cast<const float*>(x.data()) + offset;
         block.dy = reinterpret_cast<const float*>(dy.data()) + offset;
         block.dx = reinterpret_cast<float*>(dx.data()) + offset;
@@ -174,14 +179,14 @@ class CpuBackwardSession : public backend_internal::BackwardSessionBase {
     });
 
     // Fixed order: partition 0, 1, ... into the batch's accumulator.
-    for (size_t p = 0; p < parts; ++p) {
+    for (size_t p = 0; has_gamma && p < parts; ++p) {
       const double* partial = partials_.data() + p * h;
       for (size_t i = 0; i < h; ++i) dgamma_sum_[i] += partial[i];
     }
     return absl::OkStatus();
   }
 
-  std::vector<double> gamma_f64_;  // promoted once per batch instead of per partition
+  std::vector<double> gamma_f64_;  // the scale, formed once per batch instead of per partition
   ThreadPool* const pool_;
   DoubleBufferPool* const buffers_;
   const bool reads_rms_;  // the forward's rms is read (kernels::ReadsGivenRms), else recomputed
@@ -212,14 +217,24 @@ class CpuBackend : public Backend {
     NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckBatch(spec, gamma.size()));
     // A named kernel is honoured for its validity rules (the CPU computes the same math).
     NORMGRAD_RETURN_IF_ERROR(kernels::CheckNamedKernel(backend_internal::RequestOf(spec)));
-    // gamma as f32 a piece at a time (no buffer of hidden_dim floats), then as double.
+    // The scale (kernels::NormVariant): gamma as f32 a piece at a time (no buffer of hidden_dim
+    // floats), plus the offset in one f32 add, then as double; 1 without gamma.
     std::vector<double> gamma_f64 = buffers_.Take();
+    if (!spec.variant.has_gamma) {
+      gamma_f64.assign(spec.hidden_dim, 1.0);
+      return std::unique_ptr<BackwardSession>(
+          new CpuBackwardSession(spec, std::move(gamma_f64), &pool_, &buffers_));
+    }
     gamma_f64.resize(spec.hidden_dim);
     const size_t elem_bytes = ElementBytes(spec.dtype);
+    const float offset = spec.variant.gamma_offset;
     float piece[1024];
     for (size_t i = 0; i < spec.hidden_dim; i += 1024) {
       const size_t n = std::min<size_t>(1024, spec.hidden_dim - i);
       host_rows::ConvertToF32(spec.dtype, gamma.data() + i * elem_bytes, piece, n);
+      if (offset != 0.0f) {
+        for (size_t k = 0; k < n; ++k) piece[k] = offset + piece[k];
+      }
       std::copy(piece, piece + n, gamma_f64.begin() + i);
     }
     return std::unique_ptr<BackwardSession>(

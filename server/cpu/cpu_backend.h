@@ -17,6 +17,10 @@
 //
 // dtypes: f32 natively; bf16 and f16 are converted to f32 on load and rounded back on store, a
 // few rows at a time (kStagingElements).
+//
+// Variants (kernels::NormVariant, every one): the scale gamma_offset + gamma is formed once per
+// batch in f32; without gamma it is 1 and no grad_gamma is accumulated; the casting modes llama
+// and none round where host_rows::RowBlock says. dx may be written over dy (in place).
 #pragma once
 
 #include <cstdint>

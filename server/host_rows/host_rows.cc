@@ -20,11 +20,12 @@ namespace hn = hwy::HWY_NAMESPACE;
 // One element the way the vector body computes it: dx = inv * fma(-x, c, g*dy) and
 // dgamma = fma(dy*x, inv, dgamma), so heads and tails round exactly like the vector lanes
 // on targets with FMA.
+template <bool kAccumulate>
 HWY_INLINE void ScalarElement(float xf, float yf, double g, double inv_rms, double correction,
                               float* dx, double* dgamma) {
   const double x = xf, y = yf;
   *dx = static_cast<float>(inv_rms * std::fma(-x, correction, g * y));
-  *dgamma = std::fma(y * x, inv_rms, *dgamma);
+  if (kAccumulate) *dgamma = std::fma(y * x, inv_rms, *dgamma);
 }
 
 // Rows r .. r + R - 1 of `b`: pass 1 for each of them, then one pass 2 over hidden_dim for all
@@ -32,10 +33,11 @@ HWY_INLINE void ScalarElement(float xf, float yf, double g, double inv_rms, doub
 // R rows instead of once per row. Each row's operations are those of R = 1 in the same order,
 // and grad_gamma receives row r's term before row r + 1's, so the grouping never changes a bit.
 // With kStream, the caller guarantees that every row's dx has the same misalignment (the same
-// scalar head).
-template <size_t R, bool kStream>
+// scalar head). Without kAccumulate grad_gamma is neither read nor written, and each row's
+// 1/rms is stored to inv_rms_out[r + k] when inv_rms_out is not null.
+template <size_t R, bool kStream, bool kAccumulate>
 HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT gamma, size_t r,
-                                 size_t prefetch_rows) {
+                                 size_t prefetch_rows, double* inv_rms_out) {
   const hn::ScalableTag<double> d;
   const hn::Rebind<float, decltype(d)> df;  // half-width f32 vectors, promoted to double
   using V = hn::Vec<decltype(d)>;
@@ -114,6 +116,7 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
     const double rms = b.rms != nullptr ? static_cast<double>(b.rms[r + k])
                                         : std::sqrt(sum_sq / h_double + static_cast<double>(b.eps));
     inv_rms[k] = 1.0 / rms;
+    if (!kAccumulate && inv_rms_out != nullptr) inv_rms_out[r + k] = inv_rms[k];
     correction[k] = inv_rms[k] * inv_rms[k] * (sum_xdyg / h_double);
     inv_v[k] = hn::Set(d, inv_rms[k]);
     corr_v[k] = hn::Set(d, correction[k]);
@@ -129,14 +132,14 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
     const size_t head = misalign == 0 ? 0 : (lanes * sizeof(float) - misalign) / sizeof(float);
     for (; i < std::min(head, h); ++i) {
       for (size_t k = 0; k < R; ++k) {
-        ScalarElement(x[k][i], dy[k][i], gamma[i], inv_rms[k], correction[k], dx[k] + i,
-                      dgamma + i);
+        ScalarElement<kAccumulate>(x[k][i], dy[k][i], gamma[i], inv_rms[k], correction[k],
+                                   dx[k] + i, dgamma + i);
       }
     }
   }
   for (; i + lanes <= h; i += lanes) {
     const V g0 = hn::LoadU(d, gamma + i);
-    V dg = hn::LoadU(d, dgamma + i);
+    V dg = kAccumulate ? hn::LoadU(d, dgamma + i) : hn::Zero(d);
     // Every row's loads before the first store: dx may alias x/dy for all the compiler knows, so
     // it keeps this order, and a later row's load then never waits behind an earlier row's dx
     // store whose address matches it in the low 12 bits (rows 16 KiB apart do).
@@ -157,13 +160,14 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
       } else {
         hn::StoreU(hn::DemoteTo(df, dx0), df, dx[k] + i);
       }
-      dg = hn::MulAdd(hn::Mul(y0, x0), inv_v[k], dg);
+      if (kAccumulate) dg = hn::MulAdd(hn::Mul(y0, x0), inv_v[k], dg);
     }
-    hn::StoreU(dg, d, dgamma + i);
+    if (kAccumulate) hn::StoreU(dg, d, dgamma + i);
   }
   for (; i < h; ++i) {
     for (size_t k = 0; k < R; ++k) {
-      ScalarElement(x[k][i], dy[k][i], gamma[i], inv_rms[k], correction[k], dx[k] + i, dgamma + i);
+      ScalarElement<kAccumulate>(x[k][i], dy[k][i], gamma[i], inv_rms[k], correction[k], dx[k] + i,
+                                 dgamma + i);
     }
   }
 }
@@ -174,8 +178,8 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
 // streams (x, dy, dx of each row, gamma, grad_gamma) on the same L1 sets, which measured slower.
 constexpr size_t kFourRowsMaxElements = 2048;
 
-template <bool kStream>
-void BackwardRows(const RowBlock& b, const double* gamma) {
+template <bool kStream, bool kAccumulate>
+void BackwardRows(const RowBlock& b, const double* gamma, double* inv_rms_out) {
   size_t r = 0;
   // Streaming needs every row of a group to have the same scalar head: true when a row is a
   // whole number of f32 vectors.
@@ -183,29 +187,24 @@ void BackwardRows(const RowBlock& b, const double* gamma) {
   if (!kStream || b.hidden_dim % hn::Lanes(d) == 0) {
     if (b.hidden_dim <= kFourRowsMaxElements) {
       for (; r + 4 <= b.num_rows; r += 4) {
-        BackwardRowGroup<4, kStream>(b, gamma, r, b.num_rows - r - 4);
+        BackwardRowGroup<4, kStream, kAccumulate>(b, gamma, r, b.num_rows - r - 4, inv_rms_out);
       }
     }
     for (; r + 2 <= b.num_rows; r += 2) {
-      BackwardRowGroup<2, kStream>(b, gamma, r, b.num_rows - r - 2);
+      BackwardRowGroup<2, kStream, kAccumulate>(b, gamma, r, b.num_rows - r - 2, inv_rms_out);
     }
   }
-  for (; r < b.num_rows; ++r) BackwardRowGroup<1, kStream>(b, gamma, r, b.num_rows - r - 1);
+  for (; r < b.num_rows; ++r) {
+    BackwardRowGroup<1, kStream, kAccumulate>(b, gamma, r, b.num_rows - r - 1, inv_rms_out);
+  }
 }
 
-void BackwardRowsF32Impl(const RowBlock& b) {
-  // gamma in double: read as is by every row instead of promoted twice per row.
-  std::vector<double> promoted;
-  const double* gamma = b.gamma_f64;
-  if (gamma == nullptr) {
-    promoted.assign(b.gamma, b.gamma + b.hidden_dim);
-    gamma = promoted.data();
-  }
-  if (b.stream_dx) {
-    BackwardRows<true>(b, gamma);
-    hwy::FlushStream();
+template <bool kStream>
+void BackwardRowsWithOrWithoutGamma(const RowBlock& b, const double* gamma) {
+  if (b.dgamma != nullptr) {
+    BackwardRows<kStream, true>(b, gamma, nullptr);
   } else {
-    BackwardRows<false>(b, gamma);
+    BackwardRows<kStream, false>(b, gamma, nullptr);
   }
 }
 
@@ -288,6 +287,85 @@ void ConvertFromF32Impl(kernels::DType dtype, const float* src, uint8_t* dst, si
     case kernels::DType::kF16:
       DemoteFromF32(src, reinterpret_cast<hwy::float16_t*>(dst), n);
       return;
+  }
+}
+
+// The casting modes that round (kLlama, kNone) on bf16/f16 rows, one row at a time: m =
+// R(dy * scale) into a row of its own, dx from the plain row math with m as dy and a scale of 1
+// (1 * m is m exactly), then grad_gamma from the row's dy (copied first: dx may be dy) and 1/rms.
+// Not the default path, so plain loops suffice besides the row math.
+thread_local std::vector<float> rounded_rows;  // m, the row's dy, and a row for R(x / rms)
+thread_local std::vector<uint8_t> rounded_bytes;
+thread_local std::vector<double> unit_scale;
+
+// `v` as the nearest f32 in the direction of rounding to odd: exact values stay, inexact ones
+// get the neighbour with an odd last bit. Rounding that to a type at least two bits narrower
+// (bf16, f16) to nearest even rounds `v` once, as if directly.
+HWY_INLINE float RoundToOddF32(double v) {
+  float f = static_cast<float>(v);
+  if (static_cast<double>(f) != v) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    if ((bits & 1u) == 0) f = std::nextafter(f, v > f ? HUGE_VALF : -HUGE_VALF);
+  }
+  return f;
+}
+
+// v[i] = R(v[i]): each value rounded to `element` and back to f32.
+void RoundThroughElement(kernels::DType element, float* v, size_t n) {
+  rounded_bytes.resize(n * 2);
+  ConvertFromF32Impl(element, v, rounded_bytes.data(), n);
+  ConvertToF32Impl(element, rounded_bytes.data(), v, n);
+}
+
+void BackwardRowsRounded(const RowBlock& b, const double* scale) {
+  const size_t h = b.hidden_dim;
+  rounded_rows.resize(3 * h);
+  float* m = rounded_rows.data();
+  float* dy = m + h;
+  float* n = dy + h;
+  if (unit_scale.size() < h) unit_scale.assign(h, 1.0);
+  for (size_t r = 0; r < b.num_rows; ++r) {
+    const float* x = b.x + r * h;
+    std::copy(b.dy + r * h, b.dy + (r + 1) * h, dy);
+    for (size_t i = 0; i < h; ++i) m[i] = RoundToOddF32(static_cast<double>(dy[i]) * scale[i]);
+    RoundThroughElement(b.element, m, h);
+    RowBlock row = b;
+    row.x = x;
+    row.dy = m;
+    row.dx = b.dx + r * h;
+    row.rms = b.rms != nullptr ? b.rms + r : nullptr;
+    row.num_rows = 1;
+    double inv_rms = 0;
+    BackwardRows<false, false>(row, unit_scale.data(), &inv_rms);
+    if (b.dgamma == nullptr) continue;
+    if (b.casting == kernels::CastingMode::kLlama) {
+      for (size_t i = 0; i < h; ++i) n[i] = RoundToOddF32(static_cast<double>(x[i]) * inv_rms);
+      RoundThroughElement(b.element, n, h);
+      for (size_t i = 0; i < h; ++i) b.dgamma[i] += static_cast<double>(dy[i]) * n[i];
+    } else {
+      for (size_t i = 0; i < h; ++i) {
+        b.dgamma[i] = std::fma(static_cast<double>(dy[i]) * x[i], inv_rms, b.dgamma[i]);
+      }
+    }
+  }
+}
+
+void BackwardRowsF32Impl(const RowBlock& b) {
+  // gamma in double: read as is by every row instead of promoted twice per row.
+  std::vector<double> promoted;
+  const double* gamma = b.gamma_f64;
+  if (gamma == nullptr) {
+    promoted.assign(b.gamma, b.gamma + b.hidden_dim);
+    gamma = promoted.data();
+  }
+  if (b.element != kernels::DType::kF32 && b.casting != kernels::CastingMode::kGemma) {
+    BackwardRowsRounded(b, gamma);
+  } else if (b.stream_dx) {
+    BackwardRowsWithOrWithoutGamma<true>(b, gamma);
+    hwy::FlushStream();
+  } else {
+    BackwardRowsWithOrWithoutGamma<false>(b, gamma);
   }
 }
 

@@ -25,20 +25,31 @@
 namespace normgrad::server::host_rows {
 
 // Rows [0, num_rows) of one partition, all pointers already offset to its first row.
+//
+// Variants (kernels::NormVariant): `gamma` is the scale, which the caller forms (gamma_offset +
+// gamma in f32, or 1 without gamma); `dgamma` is nullptr when the batch has no gamma. The
+// casting modes kLlama and kNone round to `element` (bf16, f16) where the forward did:
+// m = R(dy * scale), and for kLlama grad_gamma adds dy * R(x / rms); R rounds the double value
+// once, to nearest even. With kGemma, or element kF32, the math is the plain one above.
+//
+// In place: dx may be dy (the same rows at the same address); each dy element is read before
+// that dx element is written. dx must not overlap x, rms, or another row of dy.
 struct RowBlock {
   const float* x = nullptr;           // num_rows * hidden_dim
   const float* dy = nullptr;          // num_rows * hidden_dim
-  const float* gamma = nullptr;       // hidden_dim
-  const double* gamma_f64 = nullptr;  // gamma as double, or nullptr: promoted on each call
+  const float* gamma = nullptr;       // hidden_dim: the scale
+  const double* gamma_f64 = nullptr;  // the scale as double, or nullptr: promoted on each call
   const float* rms = nullptr;         // num_rows, or nullptr to recompute from x and eps
   float* dx = nullptr;                // num_rows * hidden_dim (written)
-  double* dgamma = nullptr;           // hidden_dim; each row's dy*x/rms is added in row order
+  double* dgamma = nullptr;  // hidden_dim, or nullptr; each row's dy*x/rms is added in row order
   size_t num_rows = 0;
   size_t hidden_dim = 0;
   float eps = 0;
   // Write dx with non-temporal stores (for chunks much larger than the caches: saves the
   // read-for-ownership of dx and keeps x/dy in cache).
   bool stream_dx = false;
+  kernels::CastingMode casting = kernels::CastingMode::kGemma;
+  kernels::DType element = kernels::DType::kF32;  // what x and dy were before promotion to f32
 };
 
 void BackwardRowsF32(const RowBlock& block);

@@ -1,5 +1,7 @@
 #include "server/proto_conversion/proto_conversion.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/bounded_quote.h"
@@ -14,6 +16,38 @@ std::string KnownKernelNames() {
 }
 
 }  // namespace
+
+absl::StatusOr<kernels::NormVariant> VariantFromHeader(const v1::BackwardHeader& header) {
+  kernels::NormVariant variant;
+  if (!std::isfinite(header.gamma_offset())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.gamma_offset is ", header.gamma_offset(), "; must be finite"));
+  }
+  if (header.no_gamma() && header.gamma_offset() != 0.0f) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.gamma_offset is ", header.gamma_offset(),
+                     " with header.no_gamma; an offset scales gamma, so it must be 0"));
+  }
+  variant.gamma_offset = header.gamma_offset() == 0.0f ? 0.0f : header.gamma_offset();  // -0 is 0
+  variant.has_gamma = !header.no_gamma();
+  switch (header.casting_mode()) {
+    case v1::CASTING_MODE_UNSPECIFIED:
+    case v1::CASTING_MODE_GEMMA:
+      variant.casting = kernels::CastingMode::kGemma;
+      break;
+    case v1::CASTING_MODE_LLAMA:
+      variant.casting = kernels::CastingMode::kLlama;
+      break;
+    case v1::CASTING_MODE_NONE:
+      variant.casting = kernels::CastingMode::kNone;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("header.casting_mode is ", static_cast<int>(header.casting_mode()),
+                       "; must be one of 0 (unspecified: gemma), 1 (llama), 2 (gemma), 3 (none)"));
+  }
+  return variant;
+}
 
 absl::StatusOr<kernels::DType> DTypeFromProto(v1::DType dtype, absl::string_view field) {
   switch (dtype) {

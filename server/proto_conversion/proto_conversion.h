@@ -27,6 +27,10 @@ namespace normgrad::server {
 // anything else.
 absl::StatusOr<kernels::DType> DTypeFromProto(v1::DType dtype, absl::string_view field);
 
+// The header's gamma_offset, no_gamma and casting_mode. INVALID_ARGUMENT naming the field: an
+// offset that is not finite, or not 0 with no_gamma; a casting mode this server does not know.
+absl::StatusOr<kernels::NormVariant> VariantFromHeader(const v1::BackwardHeader& header);
+
 // Every kernel's entry name, in the registry's order.
 std::vector<std::string> KernelNames();
 

@@ -88,10 +88,13 @@ absl::StatusOr<std::unique_ptr<Outgoing>> BackwardJobRunner::RunFinish(const Bac
                                                                        const BatchSpec& spec) {
   auto out = std::make_unique<Outgoing>();
   out->is_final = true;
-  std::string* dgamma = out->response.mutable_grad_gamma();
-  dgamma->resize(RowLayout::Of(spec).row_bytes);
+  // A batch without gamma has no grad_gamma: the field stays unset.
+  std::string dgamma_bytes;
+  if (spec.variant.has_gamma) dgamma_bytes.resize(RowLayout::Of(spec).row_bytes);
   NORMGRAD_RETURN_IF_ERROR(session_->Finish(
-      absl::MakeSpan(reinterpret_cast<uint8_t*>(dgamma->data()), dgamma->size())));
+      absl::MakeSpan(reinterpret_cast<uint8_t*>(dgamma_bytes.data()), dgamma_bytes.size())));
+  const size_t dgamma_size = dgamma_bytes.size();
+  if (spec.variant.has_gamma) *out->response.mutable_grad_gamma() = std::move(dgamma_bytes);
   v1::BackwardSummary* summary = out->response.mutable_summary();
   summary->set_backend(std::string(backend_.Name()));
   summary->set_kernel(std::string(session_->KernelName()));
@@ -99,7 +102,7 @@ absl::StatusOr<std::unique_ptr<Outgoing>> BackwardJobRunner::RunFinish(const Bac
   summary->set_chunks(job.chunks);
   summary->set_compute_seconds(session_->ComputeSeconds());
   summary->set_total_seconds(absl::ToDoubleSeconds(absl::Now() - job.header_time));
-  out->payload_bytes = dgamma->size();
+  out->payload_bytes = dgamma_size;
   return out;
 }
 

@@ -62,7 +62,12 @@ absl::Status BackwardValidator::AcceptHeader(const v1::BackwardRequest& message)
     return absl::InvalidArgumentError(absl::StrCat(
         "header.eps is ", h.eps(), "; must be finite and > 0 (or set header.rms_provided)"));
   }
-  const uint64_t gamma_expected = uint64_t{h.hidden_dim()} * element_bytes;
+  NORMGRAD_ASSIGN_OR_RETURN(const kernels::NormVariant variant, VariantFromHeader(h));
+  const uint64_t gamma_expected = variant.has_gamma ? uint64_t{h.hidden_dim()} * element_bytes : 0;
+  if (!variant.has_gamma && !h.gamma().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("header.gamma has ", h.gamma().size(),
+                                                   " bytes; must be empty with header.no_gamma"));
+  }
   if (h.gamma().size() != gamma_expected) {
     return absl::InvalidArgumentError(absl::StrCat(
         "header.gamma has ", h.gamma().size(), " bytes, not hidden_dim*", element_bytes, " = ",
@@ -75,6 +80,7 @@ absl::Status BackwardValidator::AcceptHeader(const v1::BackwardRequest& message)
     kernels::KernelConfig config;
     config.hidden_dim = h.hidden_dim();
     config.dtype = dtype;
+    config.variant = variant;
     if (absl::Status s = kernel->CanImplement(config); !s.ok()) {
       return absl::Status(s.code(),
                           absl::StrCat("header.options.kernel ", base::BoundedQuote(kernel_name),
@@ -88,6 +94,7 @@ absl::Status BackwardValidator::AcceptHeader(const v1::BackwardRequest& message)
   spec_.dtype = dtype;
   spec_.rms_provided = h.rms_provided();
   spec_.kernel = kernel_name;
+  spec_.variant = variant;
   element_bytes_ = element_bytes;
   row_bytes_ = uint64_t{h.hidden_dim()} * element_bytes;
   return absl::OkStatus();

@@ -35,6 +35,10 @@ absl::Status CheckTaken(absl::string_view where, absl::string_view field, absl::
   return absl::OkStatus();
 }
 
+// What an overlap refusal adds: the one overlap that is taken.
+constexpr absl::string_view kInPlaceRule =
+    "; grad_input may overlap an input only as exactly dy's range (in place)";
+
 }  // namespace
 
 RowLayout RowLayout::Of(const BatchSpec& spec) {
@@ -87,14 +91,17 @@ absl::StatusOr<RegionRows> FindRegionRows(const RegionRegistry* regions, bool pe
       return s;
     }
   }
-  // grad_input is written while x, dy and rms are read: it must not overlap them.
+  // grad_input is written while x, dy and rms are read: it must not overlap them, except that
+  // it may be exactly dy's range (in place: each dy element is read before its dx is written).
   const Range& out = ranges[3];
   for (int i = 0; i < 3; ++i) {
     const Range& in = ranges[i];
-    if (in.bytes > 0 && out.offset < in.offset + in.bytes && in.offset < out.offset + out.bytes) {
+    const bool over_dy = i == 1 && out.offset == in.offset;
+    if (!over_dy && in.bytes > 0 && out.offset < in.offset + in.bytes &&
+        in.offset < out.offset + out.bytes) {
       return absl::InvalidArgumentError(absl::StrCat(
           where, "shm.grad_input_offset = ", out.offset, " (", out.bytes, " bytes) overlaps ",
-          in.field, " = ", in.offset, " (", in.bytes, " bytes)"));
+          in.field, " = ", in.offset, " (", in.bytes, " bytes)", kInPlaceRule));
     }
   }
   RegionRows rows;
@@ -139,7 +146,7 @@ absl::Status CheckDeviceChunk(absl::string_view server_uuid, bool peer_is_local,
         absl::StrCat(where, "cuda_ipc.rms is set but header.rms_provided is false"));
   }
   // grad_input is written while x, dy and rms are read: within one allocation it must not
-  // overlap them.
+  // overlap them, except as exactly dy's range (in place).
   if (chunk.num_rows > UINT64_MAX / layout.row_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(where, "cuda_ipc.num_rows = ", chunk.num_rows,
                                                    " rows do not fit in any buffer"));
@@ -152,11 +159,12 @@ absl::Status CheckDeviceChunk(absl::string_view server_uuid, bool peer_is_local,
       {"cuda_ipc.rms", &ipc.rms(), rms ? chunk.num_rows * 4 : 0}};
   for (const auto& [field, in, in_bytes] : inputs) {
     if (in_bytes == 0 || in->handle() != out.handle()) continue;
+    if (in == &ipc.dy() && in->offset() == out.offset()) continue;  // in place
     if (out.offset() < in->offset() + in_bytes && in->offset() < out.offset() + bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, "cuda_ipc.grad_input.offset = ", out.offset(), " (", bytes,
-          " bytes) overlaps ", field, ".offset = ", in->offset(), " (", in_bytes,
-          " bytes) in the same allocation"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "cuda_ipc.grad_input.offset = ", out.offset(), " (", bytes,
+                       " bytes) overlaps ", field, ".offset = ", in->offset(), " (", in_bytes,
+                       " bytes) in the same allocation", kInPlaceRule));
     }
   }
   return absl::OkStatus();
@@ -198,11 +206,12 @@ absl::StatusOr<DeviceRows> OpenDeviceRows(Backend& backend, const v1::CudaIpcChu
       {"cuda_ipc.rms", rows.rms, rms_provided ? chunk.num_rows * 4 : 0}};
   for (const auto& [field, address, in_bytes] : inputs) {
     if (in_bytes == 0) continue;
+    if (absl::string_view(field) == "cuda_ipc.dy" && rows.dx == rows.dy) continue;  // in place
     if (rows.dx < address + in_bytes && address < rows.dx + bytes) {
       return absl::InvalidArgumentError(absl::StrCat(
-          where, "cuda_ipc.grad_input (", bytes, " bytes at device address 0x",
-          absl::Hex(rows.dx), ") overlaps ", field, " (", in_bytes, " bytes at 0x",
-          absl::Hex(address), "): their handles name the same device memory"));
+          where, "cuda_ipc.grad_input (", bytes, " bytes at device address 0x", absl::Hex(rows.dx),
+          ") overlaps ", field, " (", in_bytes, " bytes at 0x", absl::Hex(address),
+          "): their handles name the same device memory", kInPlaceRule));
     }
   }
   return rows;

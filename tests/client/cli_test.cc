@@ -126,6 +126,41 @@ TEST_F(CliFilesTest, BadInputFilesExit2WithOneLineNamingTheProblem) {
   EXPECT_EQ(RunTool(eps).code, kExitUsage);
 }
 
+TEST_F(CliFilesTest, BadVariantFlagsExit2WithOneLineNamingTheFlag) {
+  auto with = [this](std::vector<std::string> extra) {
+    std::vector<std::string> args = Backward("x.npy", "x.npy", "g.npy");
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  };
+  const std::vector<std::string> no_gamma = {
+      "--target=127.0.0.1:1", "backward", "--x", P("x.npy"), "--dy", P("x.npy"), "--no-gamma"};
+  std::vector<std::string> no_gamma_offset = no_gamma, no_gamma_dgamma = no_gamma;
+  no_gamma_offset.push_back("--gamma-offset=1");
+  no_gamma_dgamma.push_back("--dgamma=" + P("dg.npy"));
+  const struct {
+    std::vector<std::string> args;
+    std::string expected;
+  } cases[] = {
+      {with({"--gamma-offset=nan"}), "--gamma-offset: not a finite number: \"nan\""},
+      {with({"--gamma-offset=one"}), "--gamma-offset: not a finite number: \"one\""},
+      {with({"--casting-mode=bf16"}), "--casting-mode: \"bf16\" is not llama, gemma or none"},
+      {with({"--no-gamma"}), "--no-gamma takes no --gamma, --dgamma or --gamma-offset"},
+      {no_gamma_offset, "--no-gamma takes no --gamma"},
+      {no_gamma_dgamma, "--no-gamma takes no --gamma"},
+      {{"backward", "--x", P("x.npy"), "--dy", P("x.npy")}, "--gamma is required"},
+  };
+  for (const auto& c : cases) {
+    const Result r = RunTool(c.args);
+    EXPECT_EQ(r.code, kExitUsage) << c.expected;
+    EXPECT_EQ(Lines(r.err), 1) << r.err;
+    EXPECT_NE(r.err.find(c.expected), std::string::npos) << r.err;
+  }
+  // Well-formed variant flags reach the (unreachable) server.
+  std::vector<std::string> good = no_gamma;
+  good.insert(good.end(), {"--casting-mode=llama", "--max-attempts=1"});
+  EXPECT_EQ(RunTool(good).code, kExitServerError) << RunTool(good).err;
+}
+
 TEST_F(CliFilesTest, UnreachableServerExits1WithTheGrpcCode) {
   std::vector<std::string> args = Backward("x.npy", "x.npy", "g.npy");
   args.push_back("--max-attempts=1");

@@ -1,5 +1,6 @@
 // The client's gRPC-free parts: argument validation, chunk planning, target resolution and service config, the hand
 // encoding of grpc.health.v1 messages, and the status conversion.
+#include <cmath>
 #include <set>
 
 #include "client/src/channel_config.h"
@@ -210,6 +211,88 @@ TEST(ValidateRawTest, SizeProductsThatOverflowAreInvalidArgumentNotAWrappedMatch
   a.num_rows = 8;
   a.hidden_dim = 4;
   EXPECT_TRUE(ValidateRaw(a).ok()) << ValidateRaw(a);
+}
+
+// 2 rows of 4 f32 values, buffers apart, the default variant: valid.
+struct VariantArgs {
+  std::vector<uint8_t> x = std::vector<uint8_t>(32), dy = x, dx = x,
+                       gamma = std::vector<uint8_t>(16), dgamma = gamma;
+  RawBackwardArgs Args() {
+    return {ElementType::kF32, 2, 4, 1e-5f, x, dy, gamma, {}, absl::MakeSpan(dx),
+            absl::MakeSpan(dgamma), std::nullopt, 0.0f, false, v1::CASTING_MODE_UNSPECIFIED,
+            false};
+  }
+};
+
+void ExpectInvalid(const RawBackwardArgs& a, absl::string_view message) {
+  absl::Status s = ValidateRaw(a);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find(message), std::string::npos) << s;
+}
+
+TEST(ValidateRawTest, VariantFieldsAreCheckedNamingTheField) {
+  VariantArgs v;
+  RawBackwardArgs a = v.Args();
+  ASSERT_TRUE(ValidateRaw(a).ok());
+  a.gamma_offset = std::nanf("");
+  ExpectInvalid(a, "gamma_offset: must be finite, got nan");
+  a.gamma_offset = 1.0f;
+  EXPECT_TRUE(ValidateRaw(a).ok());
+  a.casting_mode = static_cast<v1::CastingMode>(7);
+  ExpectInvalid(a, "casting_mode: 7 is not one of");
+  a.casting_mode = v1::CASTING_MODE_LLAMA;
+  EXPECT_TRUE(ValidateRaw(a).ok());
+  a.no_gamma = true;
+  ExpectInvalid(a, "gamma_offset: 1 with no_gamma; must be 0");
+  a.gamma_offset = 0.0f;
+  ExpectInvalid(a, "gamma (no_gamma): 16 bytes, expected 0");
+  a.gamma = {};
+  ExpectInvalid(a, "dgamma (no_gamma): 16 bytes, expected 0");
+  a.dgamma = {};
+  EXPECT_TRUE(ValidateRaw(a).ok()) << ValidateRaw(a);
+  a.no_gamma = false;
+  ExpectInvalid(a, "gamma: 0 bytes, expected 16");
+}
+
+TEST(ValidateRawTest, DxIsApartFromXAndDyOrWithInPlaceExactlyDy) {
+  VariantArgs v;
+  RawBackwardArgs a = v.Args();
+  a.dx = absl::MakeSpan(v.dy);
+  ExpectInvalid(a, "dx: overlaps dy (dx starts 0 bytes from dy); set in_place");
+  a.in_place = true;
+  EXPECT_TRUE(ValidateRaw(a).ok()) << ValidateRaw(a);
+  std::vector<uint8_t> both(48);  // dy, and dx one row (16 bytes) into it
+  a.dy = absl::MakeConstSpan(both).subspan(0, 32);
+  a.dx = absl::MakeSpan(both).subspan(16, 32);
+  ExpectInvalid(a, "in_place: dx must be exactly dy's span; dx starts 16 bytes from dy");
+  a.in_place = false;
+  ExpectInvalid(a, "dx: overlaps dy (dx starts 16 bytes from dy)");
+  a = v.Args();
+  a.dx = absl::MakeSpan(v.x);
+  a.dy = v.x;
+  a.in_place = true;
+  ExpectInvalid(a, "dx: overlaps x");
+}
+
+TEST(ValidateRawTest, DeviceInPlaceNeedsDxToBeDy) {
+  VariantArgs v;
+  RawBackwardArgs a = v.Args();
+  a.x = {};
+  a.dy = {};
+  a.dx = {};
+  CudaIpcTensors d;
+  d.device_uuid = std::string(16, 'u');
+  d.x.handle = std::string(64, 'x');
+  d.dy.handle = std::string(64, 'y');
+  d.dx = d.dy;
+  a.device = d;
+  ExpectInvalid(a, "device.dx is device.dy: set in_place");
+  a.in_place = true;
+  EXPECT_TRUE(ValidateRaw(a).ok()) << ValidateRaw(a);
+  a.device->dx.offset = 16;
+  ExpectInvalid(a,
+                "in_place: device.dx must be device.dy (the same handle and offset); dx is at "
+                "offset 16, dy at 0 of the same handle");
 }
 
 }  // namespace

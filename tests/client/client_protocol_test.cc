@@ -1,8 +1,8 @@
 // How the client handles what a server sends, against a scripted server in the test: on the
 // RmsNormBackward stream, the whole-call retry on UNAVAILABLE (before or after a response) and on
-// CANCELLED before any response, chunks placed by first_row, and malformed replies (row ranges
-// that leave a gap or overlap included) reported as INTERNAL; the unary calls' retries on
-// UNAVAILABLE.
+// CANCELLED before any response (never for an in-place call once dx was written over dy),
+// chunks placed by first_row, and malformed replies (row ranges that leave a gap or overlap
+// included) reported as INTERNAL; the unary calls' retries on UNAVAILABLE.
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
@@ -248,6 +248,44 @@ TEST_F(ClientProtocolTest, RetriesStopAtMaxAttempts) {
 // rewritten by the second stream.
 TEST_F(ClientProtocolTest, UnavailableAfterAResponseRetriesTheWholeStream) {
   ExpectWholeStreamRetried(Script::kUnavailableAfterOneChunk, 2);
+}
+
+// dx written over dy (in place): once a chunk's grad_input was written, dy is partly gone and a
+// retry would send dx as dy, a wrong gradient with OK. The call fails instead, not retried.
+absl::StatusOr<RawBackwardResult> InPlaceCall(Client& client, const std::vector<float>& x,
+                                              std::vector<float>& dy_then_dx,
+                                              std::vector<float>& dgamma,
+                                              const std::vector<float>& gamma) {
+  RawBackwardArgs a;
+  a.num_rows = dy_then_dx.size() / gamma.size();
+  a.hidden_dim = static_cast<uint32_t>(gamma.size());
+  a.x = {reinterpret_cast<const uint8_t*>(x.data()), x.size() * 4};
+  a.dy = {reinterpret_cast<const uint8_t*>(dy_then_dx.data()), dy_then_dx.size() * 4};
+  a.dx = {reinterpret_cast<uint8_t*>(dy_then_dx.data()), dy_then_dx.size() * 4};
+  a.gamma = {reinterpret_cast<const uint8_t*>(gamma.data()), gamma.size() * 4};
+  a.dgamma = {reinterpret_cast<uint8_t*>(dgamma.data()), dgamma.size() * 4};
+  a.in_place = true;
+  return client.BackwardRaw(a, {});
+}
+
+TEST_F(ClientProtocolTest, InPlaceIsNotRetriedOnceAChunksGradInputWasWritten) {
+  service_.script = Script::kUnavailableAfterOneChunk;
+  std::vector<float> dy = dy_, dgamma(kHidden);
+  absl::StatusOr<RawBackwardResult> r = InPlaceCall(*client_, x_, dy, dgamma, gamma_);
+  ASSERT_FALSE(r.ok()) << "retried in place: attempts " << r->attempts;
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(r.status().message().find("not retried: the call is in place"), std::string::npos)
+      << r.status();
+  EXPECT_EQ(service_.streams.load(), 1);
+}
+
+TEST_F(ClientProtocolTest, InPlaceIsRetriedWhileNoChunkWasAnswered) {
+  service_.script = Script::kUnavailableFirstTwo;
+  std::vector<float> dy = dy_, dgamma(kHidden);
+  absl::StatusOr<RawBackwardResult> r = InPlaceCall(*client_, x_, dy, dgamma, gamma_);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->attempts, 3);
+  EXPECT_EQ(dy, x_);  // the scripted server's dx
 }
 
 TEST_F(ClientProtocolTest, CancelledBeforeAnyResponseRetriesTheWholeStream) {

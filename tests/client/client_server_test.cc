@@ -1,6 +1,7 @@
 // normgrad::Client against a real server on loopback: chunking of batches larger than the
 // message limit, chunk boundaries, caller-provided buffers, rms, deadlines, retries onto a
 // second server, concurrent asynchronous calls, and server errors passed through untouched.
+#include <cmath>
 #include <future>
 #include <memory>
 #include <vector>
@@ -36,6 +37,28 @@ TEST_F(ClientServerTest, SmallBatchMatchesReference) {
   EXPECT_EQ(g->summary.backend, "cpu");
   EXPECT_EQ(g->summary.rows, 3u);
   EXPECT_EQ(g->attempts, 1);
+}
+
+// The float call's gamma_offset: the bits of gamma + offset sent as gamma (exact for these
+// values: gamma in [0.5, 1.5) plus 1 rounds the same in f32 either way); grad_gamma does not
+// change with the offset.
+TEST_F(ClientServerTest, GammaOffsetOfTheFloatCallScalesLikeTheOffsetAddedToGamma) {
+  const Batch b(5, 24, /*seed=*/6);
+  auto client = Connect();
+  BackwardOptions offset;
+  offset.gamma_offset = 1.0f;
+  absl::StatusOr<Gradients> with_offset = client->Backward(b.x, b.dy, b.gamma, 1e-5f, offset);
+  std::vector<float> shifted = b.gamma;
+  for (float& g : shifted) g += 1.0f;
+  absl::StatusOr<Gradients> added = client->Backward(b.x, b.dy, shifted, 1e-5f);
+  absl::StatusOr<Gradients> plain = client->Backward(b.x, b.dy, b.gamma, 1e-5f);
+  ASSERT_TRUE(with_offset.ok() && added.ok() && plain.ok()) << with_offset.status();
+  EXPECT_EQ(with_offset->dx, added->dx);
+  EXPECT_NE(with_offset->dx, plain->dx);
+  EXPECT_EQ(with_offset->dgamma, added->dgamma);
+  offset.gamma_offset = std::nanf("");
+  EXPECT_EQ(client->Backward(b.x, b.dy, b.gamma, 1e-5f, offset).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(ClientServerTest, BatchLargerThanTheMessageLimitIsChunked) {

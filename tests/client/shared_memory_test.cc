@@ -3,7 +3,8 @@
 // dy and write grad_input in place (zero copy) or through a staging region (transport auto); and
 // every way a region can be misused: another client's id and key, offsets out of range or
 // overflowing, misaligned or overlapping, a region that could be truncated, a plain file, a
-// client that goes away, the server's limits, garbage on the region socket.
+// client that goes away, the server's limits, garbage on the region socket; dx written over dy
+// (in place) by the library and the CLI.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -27,6 +28,7 @@
 #include "gtest/gtest.h"
 #include "client/tools/cli.h"
 #include "client/tools/load_flags.h"
+#include "client/tools/npy.h"
 #include "normgrad/client.h"
 #include "normgrad/shared_memory.h"
 #include "normgrad/v1/normgrad.grpc.pb.h"
@@ -263,9 +265,16 @@ TEST_F(SharedMemoryTest, BadRegionReferencesAreRefusedNamingTheFieldAndNumbers) 
       // 2 rows x 64 x 4 B = 512 B each.
       {chunk(0, 512, 4000), grpc::INVALID_ARGUMENT,
        "shm.grad_input_offset is 4000 with 512 bytes to access, past the end of the 4096-byte"},
-      {chunk(0, UINT64_MAX - 100, 1024), grpc::INVALID_ARGUMENT, "shm.dy_offset is 18446744073709551515"},
+      {chunk(0, UINT64_MAX - 100, 1024), grpc::INVALID_ARGUMENT,
+       "shm.dy_offset is 18446744073709551515"},
       {chunk(2, 512, 1024), grpc::INVALID_ARGUMENT, "shm.x_offset is 2, not a multiple of 4"},
-      {chunk(0, 512, 256), grpc::INVALID_ARGUMENT, "shm.grad_input_offset = 256 (512 bytes) overlaps shm.x_offset"},
+      {chunk(0, 512, 256), grpc::INVALID_ARGUMENT,
+       "shm.grad_input_offset = 256 (512 bytes) overlaps shm.x_offset"},
+      {chunk(0, 512, 768), grpc::INVALID_ARGUMENT,
+       "shm.grad_input_offset = 768 (512 bytes) overlaps shm.dy_offset = 512 (512 bytes); "
+       "grad_input may overlap an input only as exactly dy's range (in place)"},
+      {chunk(512, 512, 512), grpc::INVALID_ARGUMENT,
+       "shm.grad_input_offset = 512 (512 bytes) overlaps shm.x_offset = 512"},
       {chunk(0, 512, 1024, 3), grpc::INVALID_ARGUMENT, "would exceed header.num_rows = 2"},
   };
   for (const auto& c : cases) {
@@ -283,8 +292,115 @@ TEST_F(SharedMemoryTest, BadRegionReferencesAreRefusedNamingTheFieldAndNumbers) 
     EXPECT_EQ(st.error_code(), grpc::NOT_FOUND) << st.error_message();
     EXPECT_THAT(st.error_message(), HasSubstr("no registered region with this id and shm.region_key"));
   }
-  // The right one works.
+  // The right one works, and so does grad_input exactly over dy (in place).
   EXPECT_TRUE(Send(*stub, {Header(2, 64), chunk(0, 512, 1024)}).ok());
+  EXPECT_TRUE(Send(*stub, {Header(2, 64), chunk(0, 512, 512)}).ok());
+}
+
+// dx written over dy in a registered region (the server computes in place) gives the bits of dx
+// written apart, for f32 and bf16 and the variants' paths; the client refuses a dx that overlaps
+// dy without in_place.
+TEST_F(SharedMemoryTest, InPlaceOverSharedMemoryGivesTheBitsOfOutOfPlace) {
+  auto client = Connect(Transport::kSharedMemory);
+  const Batch b(301, 200, /*seed=*/8);
+  const uint64_t n = b.rows * b.hidden;
+  const struct {
+    ElementType type;
+    float offset;
+    v1::CastingMode casting;
+  } cases[] = {{ElementType::kF32, 0.0f, v1::CASTING_MODE_UNSPECIFIED},
+               {ElementType::kF32, 0.5f, v1::CASTING_MODE_LLAMA},
+               {ElementType::kBF16, 0.0f, v1::CASTING_MODE_UNSPECIFIED},
+               {ElementType::kBF16, 1.0f, v1::CASTING_MODE_LLAMA}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(absl::StrCat(static_cast<int>(c.type), " offset ", c.offset));
+    const uint64_t elem = c.type == ElementType::kF32 ? 4 : 2;
+    const uint64_t bytes = n * elem;
+    // x, dy, dx, then dy again (for the in-place call), as the element type (bf16: the top half
+    // of the f32 bits).
+    auto region = *SharedMemoryRegion::Create(4 * bytes);
+    auto put = [&](const std::vector<float>& v, uint8_t* at) {
+      for (uint64_t i = 0; i < v.size(); ++i)
+        std::memcpy(at + i * elem, reinterpret_cast<const uint8_t*>(&v[i]) + 4 - elem, elem);
+    };
+    uint8_t* base = region->data();
+    put(b.x, base);
+    put(b.dy, base + bytes);
+    put(b.dy, base + 3 * bytes);
+    std::vector<uint8_t> gamma(b.hidden * elem), dgamma_apart(gamma.size()),
+        dgamma_over(gamma.size());
+    put(b.gamma, gamma.data());
+    ASSERT_TRUE(client->RegisterSharedMemory(*region).ok());
+    RawBackwardArgs a;
+    a.type = c.type;
+    a.num_rows = b.rows;
+    a.hidden_dim = b.hidden;
+    a.x = {base, bytes};
+    a.dy = {base + bytes, bytes};
+    a.dx = {base + 2 * bytes, bytes};
+    a.gamma = gamma;
+    a.dgamma = absl::MakeSpan(dgamma_apart);
+    a.gamma_offset = c.offset;
+    a.casting_mode = c.casting;
+    absl::StatusOr<RawBackwardResult> apart = client->BackwardRaw(a, {});
+    ASSERT_TRUE(apart.ok()) << apart.status();
+    a.dy = {base + 3 * bytes, bytes};
+    a.dx = {base + 3 * bytes, bytes};
+    a.dgamma = absl::MakeSpan(dgamma_over);
+    absl::StatusOr<RawBackwardResult> refused = client->BackwardRaw(a, {});
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(refused.status().message(), HasSubstr("set in_place"));
+    a.in_place = true;
+    absl::StatusOr<RawBackwardResult> over = client->BackwardRaw(a, {});
+    ASSERT_TRUE(over.ok()) << over.status();
+    EXPECT_EQ(0, std::memcmp(base + 2 * bytes, base + 3 * bytes, bytes));
+    EXPECT_EQ(dgamma_apart, dgamma_over);
+    ASSERT_TRUE(client->UnregisterSharedMemory(*region).ok());
+  }
+}
+
+// --in-place: x and dy in a region of the CLI's own, dx written over dy there; the same dx as
+// without it, for a variant.
+TEST_F(SharedMemoryTest, TheCliComputesInPlaceWithVariantFlags) {
+  const Batch b(40, 64, /*seed=*/9);
+  const std::string x = dir_ + "/x.npy", dy = dir_ + "/dy.npy", gamma = dir_ + "/g.npy";
+  ASSERT_TRUE(npy::WriteF32(x, std::vector<uint64_t>{40, 64}, b.x).ok());
+  ASSERT_TRUE(npy::WriteF32(dy, std::vector<uint64_t>{40, 64}, b.dy).ok());
+  ASSERT_TRUE(npy::WriteF32(gamma, std::vector<uint64_t>{64}, b.gamma).ok());
+  tools::CliEnvironment env;
+  auto run = [&](std::vector<std::string> extra, const std::string& dx) {
+    std::vector<std::string> args = {
+        "backward",           "--target=unix:" + socket_, "--x", x, "--dy", dy, "--dx", dx,
+        "--gamma-offset=0.5", "--casting-mode=none"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    std::ostringstream out, err;
+    EXPECT_EQ(tools::RunCli(args, env, out, err), tools::kExitOk) << err.str();
+    absl::StatusOr<npy::Array> got = npy::ReadF32(dx);
+    EXPECT_TRUE(got.ok()) << got.status();
+    return got.ok() ? got->data : std::vector<float>();
+  };
+  const std::vector<float> apart = run({"--gamma", gamma}, dir_ + "/dx_apart.npy");
+  const std::vector<float> over = run({"--gamma", gamma, "--in-place"}, dir_ + "/dx_over.npy");
+  ASSERT_EQ(apart.size(), b.x.size());
+  EXPECT_EQ(apart, over);
+  // Without gamma the scale is 1: different from gamma + 0.5, and it needs no gamma file.
+  std::vector<std::string> args = {
+      "backward", "--target=unix:" + socket_, "--x",        x,           "--dy", dy,
+      "--dx",     dir_ + "/dx_nogamma.npy",   "--no-gamma", "--in-place"};
+  std::ostringstream out, err;
+  ASSERT_EQ(tools::RunCli(args, env, out, err), tools::kExitOk) << err.str();
+  absl::StatusOr<npy::Array> no_gamma = npy::ReadF32(dir_ + "/dx_nogamma.npy");
+  ASSERT_TRUE(no_gamma.ok());
+  EXPECT_NE(no_gamma->data, apart);
+  // --in-place over TCP: the region cannot be registered.
+  std::vector<std::string> tcp = {"backward",  absl::StrCat("--target=127.0.0.1:", server_->port()),
+                                  "--x",       x,
+                                  "--dy",      dy,
+                                  "--gamma",   gamma,
+                                  "--in-place"};
+  std::ostringstream out2, err2;
+  EXPECT_EQ(tools::RunCli(tcp, env, out2, err2), tools::kExitServerError);
+  EXPECT_THAT(err2.str(), HasSubstr("--in-place: "));
 }
 
 TEST_F(SharedMemoryTest, OnlySealedMemfdsAreTakenSoNobodyCanTruncateAMappedRegion) {

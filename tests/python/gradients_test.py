@@ -3,14 +3,12 @@ inputs of every dtype, many shapes (hidden sizes 1 to 4097, 3-D inputs, multi-ch
 with and without the forward's rms, on the CPU backend and on the emulated CUDA driver."""
 
 import hashlib
-import os
-import tempfile
 import unittest
 
 import numpy as np
 
 import normgrad
-from server_process import ServerProcess, skip_without_emulated_cuda
+from server_process import ServerProcess, SharedMemoryServer, skip_without_emulated_cuda
 
 try:
     import torch
@@ -185,15 +183,8 @@ class SharedMemoryGradientsTest(GradientsTestBase, unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.directory = tempfile.TemporaryDirectory()
-        socket = os.path.join(cls.directory.name, "grpc.sock")
-        cls.server = ServerProcess("cpu", [f"--listen=unix:{socket}", "--shared-memory"])
-        cls.client = normgrad.Client(f"unix:{socket}", transport=cls.transport, deadline=120)
-
-    @classmethod
-    def tearDownClass(cls):
-        super().tearDownClass()
-        cls.directory.cleanup()
+        cls.server = SharedMemoryServer("cpu")
+        cls.client = normgrad.Client(cls.server.target, transport=cls.transport, deadline=120)
 
 
 @skip_without_emulated_cuda

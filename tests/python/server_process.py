@@ -75,6 +75,37 @@ class ServerProcess:
         self.stderr.close()
 
 
+class SharedMemoryServer(ServerProcess):
+    """A server on a unix socket in a temporary directory, with --shared-memory: .target is
+    the unix: target for transport "shm" (the client stages tensors in a region of its own)."""
+
+    def __init__(self, backend="cpu", flags=()):
+        self.directory = tempfile.TemporaryDirectory()
+        socket_path = os.path.join(self.directory.name, "grpc.sock")
+        self.target = f"unix:{socket_path}"
+        super().__init__(backend, [f"--listen={self.target}", "--shared-memory", *flags])
+
+    def stop(self):
+        super().stop()
+        self.directory.cleanup()
+
+
+class CpuServerFixture:
+    """A unittest.TestCase mixin: one CPU-backend server for the class, cls.server, and a
+    Client of it, cls.client."""
+
+    @classmethod
+    def setUpClass(cls):
+        import normgrad
+        cls.server = ServerProcess("cpu")
+        cls.client = normgrad.Client(cls.server.address, deadline=120)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.stop()
+
+
 def dead_address():
     """A loopback address with nothing listening (bound, then closed)."""
     with socket.socket() as s:

@@ -6,8 +6,7 @@ local one."""
 
 import unittest
 
-import normgrad
-from server_process import ServerProcess
+from server_process import CpuServerFixture
 
 try:
     import torch
@@ -28,17 +27,7 @@ def max_relative_error(got, want):
 
 
 @unittest.skipIf(torch is None, "torch is not installed")
-class TorchModuleTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.server = ServerProcess("cpu")
-        cls.client = normgrad.Client(cls.server.address, deadline=120)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        cls.server.stop()
-
+class TorchModuleTest(CpuServerFixture, unittest.TestCase):
     def compare(self, x, weight, eps=1e-6, grad_x=True, grad_w=True, dy=None):
         """Gradients of rms_norm (remote backward) against float64 autograd of the same
         forward on the same (rounded) inputs."""

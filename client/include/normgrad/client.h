@@ -133,6 +133,9 @@ struct BackwardOptions {
   std::function<void(uint64_t rows_done, uint64_t num_rows)> on_progress;
   // Set: CallCancellation::Cancel() cancels this call (CANCELLED, no retry).
   std::shared_ptr<CallCancellation> cancellation;
+  // The float calls only: the scale is gamma_offset + gamma (RawBackwardArgs::gamma_offset; for
+  // f32 the casting modes are all the same math).
+  float gamma_offset = 0.0f;
 };
 
 // What the server reports about a finished Backward (normgrad.v1.BackwardSummary).
@@ -184,6 +187,16 @@ struct RawBackwardArgs {
   // Set: x, dy, rms and dx are these device buffers (the spans above stay empty; gamma and
   // dgamma are host memory still). Needs a server started with --cuda-ipc on this machine.
   std::optional<CudaIpcTensors> device;
+  // Which RMSNorm (docs/kernels.md, "Variants"): the scale is gamma_offset + gamma in float32;
+  // no_gamma: a scale of 1, gamma and dgamma empty, no grad_gamma; the forward's casting mode.
+  float gamma_offset = 0.0f;
+  bool no_gamma = false;
+  v1::CastingMode casting_mode = v1::CASTING_MODE_UNSPECIFIED;
+  // dx is written over dy: dx must be exactly dy's span (device form: the same handle and
+  // offset). Over shared memory the server writes each chunk's dx over its dy; over bytes the
+  // client does as the chunk's grad_input arrives. Otherwise dx may not overlap x or dy. An
+  // in-place call is never retried once a chunk may have been computed: dy is gone by then.
+  bool in_place = false;
 };
 
 struct RawBackwardResult {

@@ -1,6 +1,7 @@
 // Where a chunk's rows are, checked alone: the refusals of shared-memory and device-memory
 // chunks (no regions, a remote client, another GPU, bad handles, ranges outside the region,
-// grad_input over an input) name the field and the numbers; good ranges give the offsets.
+// grad_input over an input other than exactly dy) name the field and the numbers; good ranges
+// give the offsets, and grad_input exactly over dy is taken (in place).
 #include "server/service/chunk_rows.h"
 
 #include <fcntl.h>
@@ -98,6 +99,31 @@ TEST_F(RegionRowsTest, GradInputOverAnInputIsInvalidArgumentNamingBoth) {
               HasSubstr("shm.grad_input_offset = 2048 (4096 bytes) overlaps shm.x_offset = 0"));
 }
 
+TEST_F(RegionRowsTest, GradInputExactlyOverDyIsTakenAsInPlace) {
+  v1::SharedMemoryChunk shm = Shm();
+  shm.set_grad_input_offset(shm.dy_offset());
+  absl::StatusOr<RegionRows> rows = FindRegionRows(&registry_, true, shm, kChunk, kLayout);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_EQ(rows->grad_input, rows->dy);
+}
+
+TEST_F(RegionRowsTest, GradInputPartlyOverDyOrOverDyAndXIsInvalidArgumentNamingBoth) {
+  v1::SharedMemoryChunk shm = Shm();
+  shm.set_grad_input_offset(kRowsBytes + 256);  // one row past dy's start
+  absl::StatusOr<RegionRows> rows = FindRegionRows(&registry_, true, shm, kChunk, kLayout);
+  EXPECT_EQ(rows.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(
+      rows.status().message(),
+      HasSubstr("shm.grad_input_offset = 4352 (4096 bytes) overlaps shm.dy_offset = 4096 "
+                "(4096 bytes); grad_input may overlap an input only as exactly dy's range"));
+  shm.set_x_offset(kRowsBytes);  // x, dy and grad_input all one range: x is overwritten
+  shm.set_grad_input_offset(kRowsBytes);
+  rows = FindRegionRows(&registry_, true, shm, kChunk, kLayout);
+  EXPECT_EQ(rows.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(rows.status().message(),
+              HasSubstr("shm.grad_input_offset = 4096 (4096 bytes) overlaps shm.x_offset = 4096"));
+}
+
 const std::string kServerUuid(16, '\x11');
 
 v1::CudaIpcChunk Ipc() {
@@ -149,6 +175,20 @@ TEST(DeviceChunkTest, GradInputOverAnInputOfTheSameHandleIsInvalidArgument) {
                                      "cuda_ipc.x.offset = 0 (4096 bytes) in the same allocation"));
   ipc.mutable_grad_input()->set_offset(kRowsBytes);  // right after x: apart
   EXPECT_TRUE(CheckDeviceChunk(kServerUuid, true, ipc, kChunk, kLayout).ok());
+}
+
+TEST(DeviceChunkTest, GradInputExactlyOverDyOfTheSameHandleIsTakenPartlyIsNot) {
+  v1::CudaIpcChunk ipc = Ipc();
+  ipc.mutable_dy()->set_offset(512);
+  *ipc.mutable_grad_input() = ipc.dy();
+  EXPECT_TRUE(CheckDeviceChunk(kServerUuid, true, ipc, kChunk, kLayout).ok());
+  ipc.mutable_grad_input()->set_offset(512 + 256);
+  absl::Status s = CheckDeviceChunk(kServerUuid, true, ipc, kChunk, kLayout);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("cuda_ipc.grad_input.offset = 768 (4096 bytes) overlaps "
+                                     "cuda_ipc.dy.offset = 512 (4096 bytes) in the same "
+                                     "allocation; grad_input may overlap an input only as "
+                                     "exactly dy's range (in place)"));
 }
 
 }  // namespace

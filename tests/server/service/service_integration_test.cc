@@ -312,6 +312,28 @@ std::vector<BadInput> BadInputs() {
                    {with_header([](auto& h) { h.set_rms_provided(true); }),
                     with_chunk([](auto& c) { c.set_rms(std::string(12, 'r')); })},
                    grpc::INVALID_ARGUMENT, "chunk 0: rms has 12 bytes, not rows*4 = 16"});
+  // The variant fields (gamma is 8 f32 values = 32 bytes).
+  cases.push_back({"gamma_offset nan",
+                   {with_header([](auto& h) { h.set_gamma_offset(std::nanf("")); })},
+                   grpc::INVALID_ARGUMENT,
+                   "header.gamma_offset is nan; must be finite"});
+  cases.push_back({"gamma_offset with no_gamma",
+                   {with_header([](auto& h) {
+                     h.set_no_gamma(true);
+                     h.clear_gamma();
+                     h.set_gamma_offset(1.0f);
+                   })},
+                   grpc::INVALID_ARGUMENT,
+                   "header.gamma_offset is 1 with header.no_gamma"});
+  cases.push_back({"gamma bytes with no_gamma",
+                   {with_header([](auto& h) { h.set_no_gamma(true); })},
+                   grpc::INVALID_ARGUMENT,
+                   "header.gamma has 32 bytes; must be empty with header.no_gamma"});
+  cases.push_back(
+      {"casting_mode 7",
+       {with_header([](auto& h) { h.set_casting_mode(static_cast<v1::CastingMode>(7)); })},
+       grpc::INVALID_ARGUMENT,
+       "header.casting_mode is 7; must be one of"});
   {
     // One message above the server's receive limit (4 MiB by default).
     v1::BackwardRequest big;
@@ -332,6 +354,41 @@ TEST_F(ServiceTest, EveryBadInputGetsItsCodeAndAMessageNamingFieldAndNumbers) {
   }
   // ... and the server still serves everyone.
   ExpectMatchesReference(*stub_, testing::RandomBatch(20, 16, 9), 7);
+}
+
+// A batch without gamma: the final response carries no grad_gamma, and dx is that of a gamma of
+// ones (a scale of 1 either way: the same bits).
+TEST_F(ServiceTest, NoGammaFinalResponseCarriesNoGradGamma) {
+  testing::Batch b = testing::RandomBatch(10, 8, 11);
+  std::fill(b.gamma.begin(), b.gamma.end(), 1.0f);
+  const testing::BackwardResult ones = testing::RunBackward(*stub_, b, 4);
+  ASSERT_TRUE(ones.status.ok()) << ones.status.error_message();
+  ASSERT_EQ(ones.dgamma.size(), 8u);
+
+  v1::BackwardRequest header = testing::HeaderFor(b);
+  header.mutable_header()->set_no_gamma(true);
+  header.mutable_header()->clear_gamma();
+  grpc::ClientContext context;
+  auto stream = stub_->RmsNormBackward(&context);
+  ASSERT_TRUE(stream->Write(header));
+  ASSERT_TRUE(stream->Write(testing::ChunkFor(b, 0, 4)));
+  ASSERT_TRUE(stream->Write(testing::ChunkFor(b, 4, 6)));
+  stream->WritesDone();
+  std::string dx;
+  v1::BackwardResponse r, last;
+  while (stream->Read(&r)) {
+    dx += r.grad_input();
+    last = r;
+  }
+  const grpc::Status status = stream->Finish();
+  if (testing::TestBackendIsCuda() && status.error_code() == grpc::UNIMPLEMENTED) {
+    GTEST_SKIP() << "this backend refuses the variant: " << status.error_message();
+  }
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_TRUE(last.has_summary());
+  EXPECT_TRUE(last.grad_gamma().empty()) << last.grad_gamma().size() << " bytes";
+  ASSERT_EQ(dx.size(), ones.dx.size() * 4);
+  EXPECT_EQ(0, std::memcmp(dx.data(), ones.dx.data(), dx.size()));
 }
 
 // ---------------------------------------------------------------------------------------------
