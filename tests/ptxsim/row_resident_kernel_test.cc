@@ -8,6 +8,9 @@
 // rows than blocks, so blocks loop), 16-byte-aligned buffers (vector path) and buffers offset by 4
 // bytes (element path), rms recomputed and given. grad_gamma is bitwise reproducible, whichever
 // block arrives last: the interpreter also runs the blocks in reverse order.
+// Variants (gamma offset 0, 1, -0.5; no gamma; casting llama, gemma, none; f32, bf16, f16; held
+// and streamed rows) against VariantReferenceFor, the spec's math with its roundings, within the
+// same tolerances; dx written over dy (in place) gives the out-of-place bits.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -309,48 +312,6 @@ TEST(RowResidentVectorPath, AlignedAndOffsetBuffersGiveTheSameBits) {
 // ---------------------------------------------------------------------------------------------
 // Variants (docs/kernels.md, "Variants"): gamma offset, no gamma, casting modes.
 
-// The variant's math in double, with the element roundings R() where the casting mode puts them:
-// s = offset + gamma (one f32 add), m = dy * s (R of the f32 product for llama and none),
-// dx = r * (m - c * x) with c = r^2 / H * sum(m * x), grad_gamma += dy * n with n = x * r
-// (R(f32 x * r) for llama). For llama the rms must be given: n then uses the kernel's own f32
-// 1/rms (rcp.rn of the given rms), so R() rounds the same f32 value in both.
-kernel_testing::BackwardReference VariantReference(const BackwardProblem& p,
-                                                   const kernels::NormVariant& v, bool given_rms) {
-  using kernel_testing::RoundToElement;
-  const bool rounds = p.dtype != DType::kF32;
-  const bool round_m = rounds && v.has_gamma && v.casting != kernels::CastingMode::kGemma;
-  const bool round_n = rounds && v.casting == kernels::CastingMode::kLlama;
-  const size_t h = p.hidden;
-  kernel_testing::BackwardReference out;
-  out.dx.resize(size_t{p.rows} * h);
-  std::vector<double> dgamma(h, 0.0);
-  std::vector<double> m(h);
-  for (uint32_t r = 0; r < p.rows; ++r) {
-    const float* x = &p.x[r * h];
-    const float* dy = &p.dy[r * h];
-    double sum_sq = 0;
-    for (size_t i = 0; i < h; ++i) sum_sq += double{x[i]} * x[i];
-    const double rms = given_rms ? double{p.rms[r]} : std::sqrt(sum_sq / h + p.eps);
-    const double inv = 1.0 / rms;
-    const float inv_f32 = 1.0f / p.rms[r];
-    double dot = 0;
-    for (size_t i = 0; i < h; ++i) {
-      const float scale = v.has_gamma ? v.gamma_offset + p.gamma[i] : 1.0f;
-      const float product = dy[i] * scale;
-      m[i] = round_m ? RoundToElement(product, p.dtype) : double{dy[i]} * scale;
-      dot += m[i] * x[i];
-    }
-    const double c = inv * inv / h * dot;
-    for (size_t i = 0; i < h; ++i) {
-      out.dx[r * h + i] = static_cast<float>(inv * (m[i] - c * x[i]));
-      const double n = round_n ? RoundToElement(x[i] * inv_f32, p.dtype) : x[i] * inv;
-      dgamma[i] += dy[i] * n;
-    }
-  }
-  if (v.has_gamma) out.dgamma.assign(dgamma.begin(), dgamma.end());
-  return out;
-}
-
 std::string VariantCaseName(const ::testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
   std::string offset = absl::StrCat(c.variant.gamma_offset);
@@ -369,7 +330,8 @@ TEST_P(VariantsOnInterpreter, MatchesTheVariantReference) {
   // sm_count 2: two blocks, so the tree adds rows from both (and each block loops).
   const Result r = RunPlan(c, p, /*sm_count=*/2);
   ASSERT_TRUE(r.ok);
-  const kernel_testing::BackwardReference want = VariantReference(p, c.variant, c.given_rms);
+  const kernel_testing::BackwardReference want =
+      kernel_testing::VariantReferenceFor(p, c.variant, c.given_rms);
   ExpectClose(r.dx, want.dx, DxTolerance(c.dtype), "dx");
   if (c.variant.has_gamma) {
     ExpectClose(r.dgamma, want.dgamma, 1e-5, "dgamma");
