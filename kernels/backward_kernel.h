@@ -71,7 +71,9 @@ class KernelLauncher {
 struct BackwardDataFlow {
   bool reads_rms = false;     // a given BackwardArgs::rms is used; else rms comes from x and eps
   bool requires_rms = false;  // BackwardArgs::rms must be given
-  // BackwardArgs::dgamma receives the rows' grad_gamma (f32); false: the caller computes it.
+  // BackwardArgs::dgamma receives the rows' grad_gamma (f32); false: the caller computes it, or,
+  // for a config without gamma (NormVariant::has_gamma false, BackwardPlan::DataFlow), there is
+  // no grad_gamma at all: nothing writes it, nobody computes it, and dgamma is ignored.
   bool writes_dgamma = false;
   // The grad_gamma sum has a fixed order (same inputs and grid, same bits); false: atomics.
   bool reproducible_dgamma = false;
@@ -129,7 +131,12 @@ class BackwardPlan {
 
   const BackwardKernel& kernel() const { return *kernel_; }
   const KernelConfig& config() const { return config_; }
-  BackwardDataFlow DataFlow() const { return kernel_->DataFlow(); }
+  // The kernel's data flow at this config: without gamma, no grad_gamma (writes_dgamma false).
+  BackwardDataFlow DataFlow() const {
+    BackwardDataFlow flow = kernel_->DataFlow();
+    flow.writes_dgamma = flow.writes_dgamma && config_.variant.has_gamma;
+    return flow;
+  }
   uint64_t WorkspaceBytes(uint64_t rows) const { return kernel_->WorkspaceBytes(config_, rows); }
   uint64_t SemaphoreBytes(uint64_t rows) const { return kernel_->SemaphoreBytes(config_, rows); }
   absl::Status CheckArgs(const BackwardArgs& args) const {

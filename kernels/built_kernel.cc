@@ -47,9 +47,8 @@ absl::Status BuiltKernel::CanImplement(const KernelConfig& config) const {
   if (!ImplementsVariant(config.variant)) {
     return absl::InvalidArgumentError(absl::StrCat(
         entry_name_, " implements the plain RMSNorm only (gamma_offset 0, a gamma, casting mode "
-        "gemma); this batch has gamma_offset ", config.variant.gamma_offset, ", ",
-        config.variant.has_gamma ? "a gamma" : "no gamma", ", casting mode ",
-        CastingModeName(config.variant.casting)));
+        "gemma); this batch has ", config.variant.Describe(),
+        "; rms_norm_backward_row_resident computes the variants"));
   }
   if (config.dtype == DType::kBF16 && config.target_sm < 80) {
     return absl::InvalidArgumentError(

@@ -61,6 +61,11 @@ std::string NormVariant::KeySuffix() const {
   return key;
 }
 
+std::string NormVariant::Describe() const {
+  return absl::StrCat("gamma_offset ", gamma_offset, ", ", has_gamma ? "a gamma" : "no gamma",
+                      ", casting mode ", CastingModeName(casting));
+}
+
 std::string PtxVersion::ToString() const { return absl::StrCat(major, ".", minor); }
 
 absl::StatusOr<PtxVersion> ParsePtxVersion(absl::string_view text) {

@@ -52,6 +52,8 @@ struct NormVariant {
   }
   // "" for the default; else e.g. "_off1_llama", "_nogamma" (for ConfigKey()).
   std::string KeySuffix() const;
+  // For messages: "gamma_offset 1, a gamma, casting mode llama".
+  std::string Describe() const;
 };
 
 // PTX ISA version, e.g. {8, 0} for ".version 8.0".

@@ -55,6 +55,26 @@ absl::StatusOr<const BackwardKernel*> ChooseBackwardKernel(const BackwardRequest
                                                            const BackwardDevice& device) {
   NORMGRAD_RETURN_IF_ERROR(CheckNamedKernel(request));
   absl::string_view name = request.kernel;
+  if (name.empty() && !request.variant.is_default()) {
+    // Only the row-resident kernel computes the variants: no other kernel, and not the host path
+    // (its math is the plain RMSNorm), may stand in for it. Whether the device's target can run
+    // it is the caller's check, as for any chosen kernel.
+    const BackwardKernel* row_resident = FindKernel(RowResidentRmsNormBackwardKernel::kEntryName);
+    if (row_resident == nullptr) {
+      return absl::InternalError(absl::StrCat("the kernels library lacks ",
+                                              RowResidentRmsNormBackwardKernel::kEntryName));
+    }
+    const absl::Status s =
+        row_resident->CanImplement(ConfigFor(request, {.target_sm = kProbeTargetSm}));
+    if (!s.ok()) {
+      return absl::Status(
+          s.code(), absl::StrCat("no kernel computes this RMSNorm variant (",
+                                 request.variant.Describe(), ") for this batch: only ",
+                                 RowResidentRmsNormBackwardKernel::kEntryName,
+                                 " computes variants, and it refuses: ", s.message()));
+    }
+    return row_resident;
+  }
   if (name.empty()) {
     const BackwardKernel* row_resident = FindKernel(RowResidentRmsNormBackwardKernel::kEntryName);
     name = row_resident != nullptr && row_resident->CanImplement(ConfigFor(request, device)).ok()

@@ -53,7 +53,10 @@ absl::Status CheckNamedKernel(const BackwardRequest& request);
 // answered alike on every backend.
 bool ReadsGivenRms(const BackwardRequest& request);
 
-// The kernel for `request` on `device`: the named one (after CheckNamedKernel), else
+// The kernel for `request` on `device`: the named one (after CheckNamedKernel), else, for a
+// variant other than the default (NormVariant), rms_norm_backward_row_resident, the one kernel
+// that computes them, or its refusal at kProbeTargetSm (never another kernel, never nullptr);
+// else
 //   rms_norm_backward_row_resident   when it implements the request on the device (any rms,
 //                                    reproducible grad_gamma, one launch);
 //   batched_rms_norm_backward        else, without a given rms;

@@ -144,6 +144,63 @@ void StoreSlot(Builder& b, DType dtype, Address addr, Value vec, const std::vect
 
 uint32_t CeilDiv(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
 
+// The variant as the PTX computes it. Without gamma the scale is 1, so the offset does not
+// apply and every casting mode is the same math (dy is already of the element type); for f32 the
+// roundings are the identity. Such configs share one module (ConfigKey names this variant).
+NormVariant EmittedVariant(const KernelConfig& config) {
+  NormVariant v = config.variant;
+  if (!v.has_gamma) v = NormVariant{.gamma_offset = 0.0f, .has_gamma = false};
+  if (config.dtype == DType::kF32) v.casting = CastingMode::kGemma;
+  return v;
+}
+
+// What the per-column math of a variant needs (docs/kernels.md, "Variants").
+struct VariantMath {
+  DType dtype = DType::kF32;
+  NormVariant variant;
+  // m = R(dy * scale): casting llama and none, 16-bit dtypes, with gamma.
+  bool round_scaled() const {
+    return variant.has_gamma && variant.casting != CastingMode::kGemma && dtype != DType::kF32;
+  }
+  // grad_gamma adds dy * R(x / rms): casting llama, 16-bit dtypes.
+  bool round_normalized() const {
+    return variant.casting == CastingMode::kLlama && dtype != DType::kF32;
+  }
+};
+VariantMath MathFor(const KernelConfig& config) { return {config.dtype, EmittedVariant(config)}; }
+
+// f32 rounded to the element type and back (exact): cvt.rn to f16/bf16, then widened as a load
+// widens (bf16: the high half of an f32; f16: cvt.f32.f16).
+Value RoundToElement(Builder& b, DType dtype, Value v) {
+  const Value bits = F32ToU16(b, dtype, v);
+  if (dtype == DType::kF16) {
+    return b.CvtFrom(PtxType::kF32, PtxType::kF16, b.Bitcast(PtxType::kB16, bits));
+  }
+  const Value wide = b.Cvt(PtxType::kU32, bits);
+  return b.Bitcast(PtxType::kF32, b.Shl(wide, Value::U32(16)));
+}
+
+// One slot's scales (offset + gamma, one f32 add after the load); none without gamma (scale 1:
+// no gamma load at all).
+std::vector<Value> LoadScales(Builder& b, const VariantMath& math, Address addr, Value vec,
+                              const std::vector<Value>& scalar) {
+  if (!math.variant.has_gamma) return {};
+  std::vector<Value> gs = LoadSlot(b, math.dtype, addr, vec, scalar);
+  if (math.variant.gamma_offset != 0.0f) {
+    for (Value& g : gs) g = b.Add(g, Value::F32(math.variant.gamma_offset));
+  }
+  return gs;
+}
+
+// Column j's m: dy * scale, rounded to the element type where the casting mode says so; dy
+// itself without gamma.
+Value ScaledDy(Builder& b, const VariantMath& math, const std::vector<Value>& gs,
+               const std::vector<Value>& dys, size_t j) {
+  if (!math.variant.has_gamma) return dys[j];
+  const Value m = b.Mul(gs[j], dys[j]);
+  return math.round_scaled() ? RoundToElement(b, math.dtype, m) : m;
+}
+
 // Which path a thread takes for one slot (V columns from col0 + slot_col): `vec` the whole
 // 16-byte vector (the slot lies inside the row and rows are aligned), else `elem[j]` for each
 // column inside the row. Recomputed where needed rather than held (they are cheap, registers
@@ -202,7 +259,7 @@ struct RowKernelValues {
   Value is_lane0, sums_base, warp_slot;  // the row reduction's lane 0, array and warp's pair
 };
 RowKernelValues LoadRowKernelValues(Builder& b, const RowKernelDecl& d, const RowTiling& tiling,
-                                    DType dtype) {
+                                    DType dtype, bool has_gamma) {
   RowKernelValues v;
   v.tid = b.Mov(SpecialReg::kTidX);
   v.block = b.Mov(SpecialReg::kCtaidX);
@@ -213,12 +270,12 @@ RowKernelValues LoadRowKernelValues(Builder& b, const RowKernelDecl& d, const Ro
   v.hidden_f = b.Cvt(PtxType::kF32, v.hidden, Rounding::kRn);
   v.have_rms = b.Setp(CmpOp::kNe, v.rms_base, Value::U64(0));
 
-  // 16-byte vectors only when every row start of x, dy, dx and gamma is 16-byte aligned:
-  // hidden_dim * elem_bytes % 16 == 0 and the four base pointers aligned. vec_limit is
+  // 16-byte vectors only when every row start of x, dy, dx and gamma (if read) is 16-byte
+  // aligned: hidden_dim * elem_bytes % 16 == 0 and the base pointers aligned. vec_limit is
   // hidden_dim then, 0 otherwise (no slot passes `slot_end <= vec_limit`).
   const Value ptr_or1 = b.Or(v.x_base, v.dy_base);
   const Value ptr_or2 = b.Or(ptr_or1, v.dx_base);
-  const Value ptr_or = b.Or(ptr_or2, v.gamma_base);
+  const Value ptr_or = has_gamma ? b.Or(ptr_or2, v.gamma_base) : ptr_or2;
   const Value ptr_low64 = b.And(ptr_or, Value::U64(kVectorBytes - 1));
   const Value ptr_low = b.Cvt(PtxType::kU32, ptr_low64);
   const Value row_bytes32 = b.Mul(v.hidden, Value::U32(DTypeBytes(dtype)));
@@ -230,7 +287,7 @@ RowKernelValues LoadRowKernelValues(Builder& b, const RowKernelDecl& d, const Ro
   // This thread's first column and its byte offset in a row; slot k adds k*T*V columns.
   v.col0 = b.Mul(v.tid, Value::U32(tiling.vector_elements));
   v.thread_bytes = b.MulWide(v.tid, Value::U32(kVectorBytes));
-  v.gamma_thread = b.Add(v.gamma_base, v.thread_bytes);
+  if (has_gamma) v.gamma_thread = b.Add(v.gamma_base, v.thread_bytes);
   const Value lane = b.And(v.tid, Value::U32(31));
   const Value warp = b.Shr(v.tid, Value::U32(5));
   v.is_lane0 = b.Setp(CmpOp::kEq, lane, Value::U32(0));
@@ -252,13 +309,14 @@ ThreadRowPointers RowPointers(Builder& b, const RowKernelValues& v, Value row,
   return {b.Add(v.x_base, thread_off), b.Add(v.dy_base, thread_off), b.Add(v.dx_base, thread_off)};
 }
 
-// Adds one slot's columns to the thread's sums of x^2 and x*gamma*dy, in column order.
-void AddRowSums(Builder& b, const std::vector<Value>& xs, const std::vector<Value>& dys,
-                const std::vector<Value>& gs, Value sum_sq, Value sum_dot) {
+// Adds one slot's columns to the thread's sums of x^2 and x*m (m = ScaledDy), in column order.
+void AddRowSums(Builder& b, const VariantMath& math, const std::vector<Value>& xs,
+                const std::vector<Value>& dys, const std::vector<Value>& gs, Value sum_sq,
+                Value sum_dot) {
   for (size_t j = 0; j < xs.size(); ++j) {
     b.FmaTo(sum_sq, xs[j], xs[j]);
-    const Value gdy = b.Mul(gs[j], dys[j]);
-    b.FmaTo(sum_dot, xs[j], gdy);
+    const Value m = ScaledDy(b, math, gs, dys, j);
+    b.FmaTo(sum_dot, xs[j], m);
   }
 }
 
@@ -307,20 +365,28 @@ RowScale ReduceRowSums(Builder& b, const RowKernelValues& v, uint32_t warps, Val
   return out;
 }
 
-// One slot's dx = inv_rms * (gamma*dy - x*correction) and grad_gamma parts dy*x*inv_rms, column
-// by column; `on_part(j, part)` takes each part as it is made.
+// One slot's dx = inv_rms * (m - x*correction) and grad_gamma parts, column by column;
+// `on_part(j, part)` takes each part as it is made (none without gamma). The part is
+// dy*x*inv_rms, or dy * R(x*inv_rms) for casting llama.
 template <typename OnPart>
-std::vector<Value> SlotDx(Builder& b, const std::vector<Value>& xs, const std::vector<Value>& dys,
-                          const std::vector<Value>& gs, const RowScale& scale, OnPart on_part) {
+std::vector<Value> SlotDx(Builder& b, const VariantMath& math, const std::vector<Value>& xs,
+                          const std::vector<Value>& dys, const std::vector<Value>& gs,
+                          const RowScale& scale, OnPart on_part) {
   std::vector<Value> dx(xs.size());
   for (size_t j = 0; j < xs.size(); ++j) {
-    const Value gdy = b.Mul(gs[j], dys[j]);
+    const Value m = ScaledDy(b, math, gs, dys, j);
     const Value xc = b.Mul(xs[j], scale.correction);
-    const Value diff = b.Sub(gdy, xc);
+    const Value diff = b.Sub(m, xc);
     dx[j] = b.Mul(scale.inv_rms, diff);
+    if (!math.variant.has_gamma) continue;
     // Columns past hidden_dim hold x = dy = 0 and add 0.
-    const Value dyx = b.Mul(dys[j], xs[j]);
-    on_part(j, b.Mul(dyx, scale.inv_rms));
+    if (math.round_normalized()) {
+      const Value normalized = b.Mul(xs[j], scale.inv_rms);
+      on_part(j, b.Mul(dys[j], RoundToElement(b, math.dtype, normalized)));
+    } else {
+      const Value dyx = b.Mul(dys[j], xs[j]);
+      on_part(j, b.Mul(dyx, scale.inv_rms));
+    }
   }
   return dx;
 }
@@ -721,17 +787,23 @@ void BuildStreamedTree(Builder& b, const RowTiling& tiling, Value col0, Value ti
 void BuildStreamedRows(Builder& b, const KernelConfig& config, const RowKernelDecl& d,
                        const RowKernelValues& v, Label row_loop, Label rows_done) {
   const DType dtype = config.dtype;
+  const VariantMath math = MathFor(config);
+  const bool has_gamma = math.variant.has_gamma;
   const RowTiling tiling = RowResidentRmsNormBackwardKernel::TilingFor(config);
   const uint32_t T = tiling.threads;
   const uint32_t V = tiling.vector_elements;
   const uint32_t elem_bytes = DTypeBytes(dtype);
-  const Value stride_up = b.Add(v.hidden, Value::U32(V - 1));
-  const Value stride = b.And(stride_up, Value::U32(~(V - 1)));
-  // This block's grad_gamma sums: workspace row ctaid (level 0 of the tree).
-  const Value ws_base = b.LdParam(d.partials);
-  const Value own_off = b.MulWide(v.block, Value::U32(tiling.capacity() * 4));
-  const Value ws_block = b.Add(ws_base, own_off);
-  const Value ws_thread = b.Add(ws_block, v.thread_bytes);
+  // This block's grad_gamma sums: workspace row ctaid (level 0 of the tree); no workspace
+  // without gamma.
+  Value stride, ws_thread;
+  if (has_gamma) {
+    const Value stride_up = b.Add(v.hidden, Value::U32(V - 1));
+    stride = b.And(stride_up, Value::U32(~(V - 1)));
+    const Value ws_base = b.LdParam(d.partials);
+    const Value own_off = b.MulWide(v.block, Value::U32(tiling.capacity() * 4));
+    const Value ws_block = b.Add(ws_base, own_off);
+    ws_thread = b.Add(ws_block, v.thread_bytes);
+  }
   // A segment's byte offset in a row of the dtype, from its offset in an f32 row.
   auto data_offset = [&](Value seg_bytes4) {
     return elem_bytes == 4 ? seg_bytes4 : b.Shr(seg_bytes4, Value::U32(1));
@@ -755,14 +827,14 @@ void BuildStreamedRows(Builder& b, const KernelConfig& config, const RowKernelDe
       sg.off = data_offset(seg_bytes4);
       const Value x_addr = b.Add(x_thread, sg.off);
       const Value dy_addr = b.Add(dy_thread, sg.off);
-      const Value g_addr = b.Add(v.gamma_thread, sg.off);
+      const Value g_addr = has_gamma ? b.Add(v.gamma_thread, sg.off) : Value();
       std::vector<Value> x_raw, dy_raw;
       {
         auto policy = b.WithCache(cache);
         x_raw = LoadSlotRaw(b, dtype, Address{x_addr, 0}, sg.p.vec, sg.p.elem);
         dy_raw = LoadSlotRaw(b, dtype, Address{dy_addr, 0}, sg.p.vec, sg.p.elem);
       }
-      sg.gs = LoadSlot(b, dtype, Address{g_addr, 0}, sg.p.vec, sg.p.elem);
+      sg.gs = LoadScales(b, math, Address{g_addr, 0}, sg.p.vec, sg.p.elem);
       sg.xs = SlotToF32(b, dtype, x_raw);
       sg.dys = SlotToF32(b, dtype, dy_raw);
       return sg;
@@ -773,25 +845,29 @@ void BuildStreamedRows(Builder& b, const KernelConfig& config, const RowKernelDe
     const Value sum_dot = b.Mov(Value::F32(0.0f));
     SegmentLoop(b, v.hidden, T * V, "pass1", [&](Value seg, Value seg_bytes4) {
       const Segment sg = load_segment(seg, seg_bytes4, CacheOp::kCg);
-      AddRowSums(b, sg.xs, sg.dys, sg.gs, sum_sq, sum_dot);
+      AddRowSums(b, math, sg.xs, sg.dys, sg.gs, sum_sq, sum_dot);
     });
     const RowScale scale = ReduceRowSums(b, v, T / 32, sum_sq, sum_dot, row);
     // The block's first row starts its sums (0 + part, as the held kernel's zeroed registers);
     // later rows add to what the same thread stored.
-    const Value first_row = b.Setp(CmpOp::kEq, row, v.block);
-    const Value acc_limit = b.Selp(Value::U32(0), stride, first_row);
+    Value acc_limit;
+    if (has_gamma) {
+      const Value first_row = b.Setp(CmpOp::kEq, row, v.block);
+      acc_limit = b.Selp(Value::U32(0), stride, first_row);
+    }
 
     // Pass 2: dx, and the sums' parts into the workspace row.
     SegmentLoop(b, v.hidden, T * V, "pass2", [&](Value seg, Value seg_bytes4) {
       const Segment sg = load_segment(seg, seg_bytes4, CacheOp::kCs);  // last use
       std::vector<Value> part(V);
       const std::vector<Value> dx =
-          SlotDx(b, sg.xs, sg.dys, sg.gs, scale, [&](size_t j, Value p) { part[j] = p; });
+          SlotDx(b, math, sg.xs, sg.dys, sg.gs, scale, [&](size_t j, Value p) { part[j] = p; });
       {
         auto streamed = b.WithCache(CacheOp::kCs);
         const Value dx_addr = b.Add(dx_thread, sg.off);
         StoreSlot(b, dtype, Address{dx_addr, 0}, sg.p.vec, sg.p.elem, dx);
       }
+      if (!has_gamma) return;
       // Columns below hidden_dim rounded up to V (past hidden_dim they add 0).
       const Value col = b.Add(v.col0, seg);
       const Value in_row = b.Setp(CmpOp::kLt, col, stride);
@@ -812,6 +888,10 @@ void BuildStreamedRows(Builder& b, const KernelConfig& config, const RowKernelDe
     b.Bra(row_loop);
   }
   b.Bind(rows_done);
+  if (!has_gamma) {
+    b.Ret();
+    return;
+  }
   BuildStreamedTree(b, tiling, v.col0, v.tid, d.last_flag,
                     DgammaTreeParams{d.dgamma, d.partials, d.semaphores, v.hidden});
 }
@@ -895,20 +975,24 @@ LaunchGeometry RowResidentRmsNormBackwardKernel::Geometry(const KernelConfig& co
 
 std::string RowResidentRmsNormBackwardKernel::ConfigKey(const KernelConfig& config) const {
   const RowTiling t = TilingFor(config);
-  return absl::StrCat(BuiltKernel::ConfigKey(config), "|tile=", t.threads, "x",
+  KernelConfig emitted = config;
+  emitted.variant = EmittedVariant(config);
+  return absl::StrCat(BuiltKernel::ConfigKey(emitted), "|tile=", t.threads, "x",
                       t.vectors_per_thread, "x", t.blocks_per_sm, t.streamed ? "s" : "");
 }
 
 absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfig& config) const {
   NORMGRAD_ASSIGN_OR_RETURN(Module m, StartModule(config));
   const DType dtype = config.dtype;
+  const VariantMath math = MathFor(config);
+  const bool has_gamma = math.variant.has_gamma;
   const RowTiling tiling = TilingFor(config);
   Function& f = m.mutable_functions().front();
   const RowKernelDecl d = DeclareRowKernel(f, tiling);
   Builder b(&f);
   const Label row_loop = b.CreateLabel("row_loop");
   const Label rows_done = b.CreateLabel("rows_done");
-  const RowKernelValues v = LoadRowKernelValues(b, d, tiling, dtype);
+  const RowKernelValues v = LoadRowKernelValues(b, d, tiling, dtype, has_gamma);
   if (tiling.streamed) {
     BuildStreamedRows(b, config, d, v, row_loop, rows_done);
     return m;
@@ -918,9 +1002,10 @@ absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfi
   const uint32_t V = tiling.vector_elements;
   const uint32_t elem_bytes = DTypeBytes(dtype);
 
-  // fp32 grad_gamma accumulators for this thread's columns, over all rows of this block.
+  // fp32 grad_gamma accumulators for this thread's columns, over all rows of this block (none
+  // without gamma).
   std::vector<Value> acc;
-  for (uint32_t e = 0; e < K * V; ++e) acc.push_back(b.Mov(Value::F32(0.0f)));
+  for (uint32_t e = 0; has_gamma && e < K * V; ++e) acc.push_back(b.Mov(Value::F32(0.0f)));
 
   // Grid-stride loop over rows; the trip count is the same for every thread of the block.
   const Value row = b.Mov(v.block);
@@ -942,21 +1027,24 @@ absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfi
         x_raw[k] = LoadSlotRaw(b, dtype, Address{x_thread, off}, p.vec, p.elem);
         dy_raw[k] = LoadSlotRaw(b, dtype, Address{dy_thread, off}, p.vec, p.elem);
       }
-      const std::vector<Value> gs = LoadSlot(b, dtype, Address{v.gamma_thread, off}, p.vec, p.elem);
+      const std::vector<Value> gs =
+          LoadScales(b, math, Address{v.gamma_thread, off}, p.vec, p.elem);
       const std::vector<Value> xs = SlotToF32(b, dtype, x_raw[k]);
       const std::vector<Value> dys = SlotToF32(b, dtype, dy_raw[k]);
-      AddRowSums(b, xs, dys, gs, sum_sq, sum_dot);
+      AddRowSums(b, math, xs, dys, gs, sum_sq, sum_dot);
     }
     const RowScale scale = ReduceRowSums(b, v, T / 32, sum_sq, sum_dot, row);
 
     for (uint32_t k = 0; k < K; ++k) {
       const SlotPredicates p = MakeSlotPredicates(b, v.col0, k * T * V, V, v.vec_limit, v.hidden);
       const int64_t off = int64_t{k} * T * kVectorBytes;
-      const std::vector<Value> gs = LoadSlot(b, dtype, Address{v.gamma_thread, off}, p.vec, p.elem);
+      const std::vector<Value> gs =
+          LoadScales(b, math, Address{v.gamma_thread, off}, p.vec, p.elem);
       const std::vector<Value> xs = SlotToF32(b, dtype, x_raw[k]);
       const std::vector<Value> dys = SlotToF32(b, dtype, dy_raw[k]);
-      const std::vector<Value> dx = SlotDx(
-          b, xs, dys, gs, scale, [&](size_t j, Value part) { b.AddTo(acc[k * V + j], part); });
+      const std::vector<Value> dx = SlotDx(b, math, xs, dys, gs, scale, [&](size_t j, Value part) {
+        b.AddTo(acc[k * V + j], part);
+      });
       auto streamed = b.WithCache(CacheOp::kCs);  // written once, read by nobody here
       StoreSlot(b, dtype, Address{dx_thread, off}, p.vec, p.elem, dx);
     }
@@ -964,6 +1052,10 @@ absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfi
     b.Bra(row_loop);
   }
   b.Bind(rows_done);
+  if (!has_gamma) {
+    b.Ret();
+    return m;
+  }
   BuildDgammaTree(b, tiling, v.col0, v.tid, d.last_flag, acc,
                   DgammaTreeParams{d.dgamma, d.partials, d.semaphores, v.hidden});
   return m;
@@ -979,13 +1071,19 @@ BackwardDataFlow RowResidentRmsNormBackwardKernel::DataFlow() const {
 
 uint64_t RowResidentRmsNormBackwardKernel::WorkspaceBytes(const KernelConfig& config,
                                                           uint64_t rows) const {
+  if (!config.variant.has_gamma) return 0;  // no grad_gamma, no tree
   const uint32_t blocks = Geometry(config, rows).grid[0];
   return uint64_t{WorkspaceRows(config, blocks)} * TilingFor(config).capacity() * sizeof(float);
 }
 
 uint64_t RowResidentRmsNormBackwardKernel::SemaphoreBytes(const KernelConfig& config,
                                                           uint64_t rows) const {
+  if (!config.variant.has_gamma) return 0;
   return uint64_t{TreeSemaphores(Geometry(config, rows).grid[0])} * sizeof(uint32_t);
+}
+
+bool RowResidentRmsNormBackwardKernel::ImplementsVariant(const NormVariant& variant) const {
+  return true;
 }
 
 uint64_t RowResidentRmsNormBackwardKernel::MaxRows() const {

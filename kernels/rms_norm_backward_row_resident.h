@@ -21,6 +21,10 @@
 //   added to in place, .cg) instead of registers; the tree then sums rows segment by segment.
 //   Same math, same per-thread column order, same tree order: one launch, reproducible.
 //
+// In place: dx may be exactly dy (grad_input_ptr == grad_output_ptr). Each thread reads the dy of
+// its own columns of a row (held: all of them, before the reduction; streamed: each segment in
+// pass 2) before it writes dx to those same columns, and no thread writes a column another reads.
+//
 // Same inputs and the same G give the same bits, run after run. G depends on num_rows and
 // KernelConfig::sm_count, so results are bitwise equal for equal (rows, sm_count), and equal to
 // the reference within the f32 tolerance for any G.
@@ -124,11 +128,17 @@ class RowResidentRmsNormBackwardKernel : public BuiltKernel {
 
   // Reads a given rms (optional); writes a reproducible f32 dgamma.
   BackwardDataFlow DataFlow() const override;
-  // The tree's workspace rows and semaphores for the grid Geometry gives `rows`.
+  // The tree's workspace rows and semaphores for the grid Geometry gives `rows`; 0 without gamma.
   uint64_t WorkspaceBytes(const KernelConfig& config, uint64_t rows) const override;
   uint64_t SemaphoreBytes(const KernelConfig& config, uint64_t rows) const override;
 
  protected:
+  // Every variant (docs/kernels.md, "Variants"): scale = gamma_offset + gamma (one f32 add after
+  // the load), or 1 without gamma (no gamma loads and no grad_gamma: no accumulators, no tree,
+  // no workspace or semaphores, dgamma_ptr never touched); casting llama and none round
+  // dy * scale to the element type, llama also x / rms before grad_gamma. f32 ignores the casting
+  // mode and no gamma ignores both offset and casting: ConfigKey names the variant as emitted.
+  bool ImplementsVariant(const NormVariant& variant) const override;
   // One launch takes every row: its num_rows is u32.
   uint64_t MaxRows() const override;
   // One launch of G blocks writes dx and, through the tree, dgamma.

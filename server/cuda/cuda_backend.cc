@@ -64,7 +64,9 @@ class CudaBackend : public Backend {
                               kernels::ChooseBackwardKernel(request, device));
     const kernels::KernelConfig config = kernels::ConfigFor(request, device);
     std::vector<uint8_t> gamma_bytes(gamma.begin(), gamma.end());
-    std::vector<float> gamma_f32(spec.hidden_dim);
+    // The host path's gamma; none without gamma (only the row-resident kernel takes such a
+    // batch, never the host path).
+    std::vector<float> gamma_f32(spec.variant.has_gamma ? spec.hidden_dim : 0);
     host_rows::ConvertToF32(spec.dtype, gamma.data(), gamma_f32.data(), gamma_f32.size());
 
     std::optional<kernels::BackwardPlan> plan;  // none: the host path

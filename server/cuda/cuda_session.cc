@@ -159,7 +159,8 @@ absl::Status CudaBackwardSession::DeviceChunk(absl::Span<const uint8_t> x,
   return WithSlot(host.bytes(), device.bytes(), [&](const StagingSlot& slot) -> absl::Status {
     NORMGRAD_RETURN_IF_ERROR(ctx_->MakeCurrent());
     std::memcpy(slot.host + at.host_gamma, gamma_.data(), gamma_.size());
-    const ChunkRows chunk{x, dy, rms, dx, in_place, rms_bytes != 0, dgamma_bytes};
+    const ChunkRows chunk{x,           dy,           rms, dx, in_place, rms_bytes != 0,
+                          dgamma_bytes, !flow.writes_dgamma && spec_.variant.has_gamma};
     const uint64_t pieces = (rows + piece_rows - 1) / piece_rows;
     Piece next = PieceOf(0, piece_rows, rows);
     NORMGRAD_RETURN_IF_ERROR(IssuePiece(slot, at, chunk, next));
@@ -188,7 +189,8 @@ CudaBackwardSession::Piece CudaBackwardSession::PieceOf(uint64_t p, uint64_t pie
 }
 
 // Stages a piece's rows (unless in place) and issues its copies and launches on its stream. A
-// stream's first piece of the chunk also copies gamma to that stream's own copy.
+// stream's first piece of the chunk also copies gamma (if any) to that stream's own copy. Where
+// the host adds grad_gamma, it does so here, before the piece's dx may overwrite its dy.
 absl::Status CudaBackwardSession::IssuePiece(const StagingSlot& slot, const ChunkLayout& at,
                                              const ChunkRows& c, const Piece& piece) {
   const cuda::DriverApi& api = ctx_->api();
@@ -200,7 +202,11 @@ absl::Status CudaBackwardSession::IssuePiece(const StagingSlot& slot, const Chun
   const size_t rms_bytes = c.rms_to_device ? rows * sizeof(float) : 0;
   uint8_t* const pinned = slot.host;
   const CUdeviceptr dev = slot.device;
-  if (piece.index < StagingSlot::kStreams) {
+  if (c.host_dgamma) {
+    AddHostGradGamma(c.x.subspan(off, bytes), c.dy.subspan(off, bytes),
+                     c.rms.subspan(piece.first, piece.rows), piece.rows);
+  }
+  if (piece.index < StagingSlot::kStreams && !gamma_.empty()) {
     NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
         api.cuMemcpyHtoDAsync_v2(dev + at.gamma[s], pinned + at.host_gamma, gamma_.size(), stream),
         "cuMemcpyHtoDAsync(gamma)"));
@@ -245,7 +251,8 @@ absl::Status CudaBackwardSession::IssuePiece(const StagingSlot& slot, const Chun
 }
 
 // Waits for a piece (its stream holds nothing issued after it: the next piece on that stream is
-// issued only after this), then copies its dx out of pinned memory and adds its grad_gamma.
+// issued only after this), then copies its dx out of pinned memory and adds the kernel's
+// grad_gamma.
 absl::Status CudaBackwardSession::CompletePiece(const StagingSlot& slot, const ChunkLayout& at,
                                                 const ChunkRows& c, const Piece& piece) {
   const size_t off = piece.off, bytes = piece.bytes;
@@ -255,16 +262,15 @@ absl::Status CudaBackwardSession::CompletePiece(const StagingSlot& slot, const C
     const float* piece_dgamma =
         reinterpret_cast<const float*>(slot.host + at.host_dgamma[piece.stream]);
     for (size_t i = 0; i < spec_.hidden_dim; ++i) dgamma_sum_[i] += piece_dgamma[i];
-  } else {
-    AddHostGradGamma(c.x.subspan(off, bytes), c.dy.subspan(off, bytes),
-                     c.rms.subspan(piece.first, piece.rows), piece.rows);
   }
   return absl::OkStatus();
 }
 
-// One chunk whose rows are in device memory (CUDA IPC): the kernel runs on them in place. The
-// slot holds only gamma, the workspace and grad_gamma on the device; where the kernel leaves
-// grad_gamma to the host, x, dy and rms come to pinned memory for it.
+// One chunk whose rows are in device memory (CUDA IPC): the kernel runs on them where they are
+// (dx may be dy's own range: every kernel reads a dy element before that dx element is written).
+// The slot holds only gamma, the workspace and grad_gamma on the device; where the kernel leaves
+// grad_gamma to the host, x, dy and rms come to pinned memory for it, copied before the launch
+// (which may overwrite dy).
 absl::Status CudaBackwardSession::DeviceChunkInPlace(const DeviceRows& in) {
   const kernels::BackwardPlan& plan = *plan_;
   const kernels::BackwardDataFlow flow = plan.DataFlow();
@@ -274,13 +280,14 @@ absl::Status CudaBackwardSession::DeviceChunkInPlace(const DeviceRows& in) {
   const size_t data_bytes = rows * h * element_bytes_;
   const bool rms_to_device = flow.reads_rms && spec_.rms_provided;
   const bool dgamma_on_device = flow.writes_dgamma;
-  if ((rms_to_device || !dgamma_on_device) && in.rms == 0) {
+  const bool host_dgamma = !dgamma_on_device && spec_.variant.has_gamma;
+  if ((rms_to_device || host_dgamma) && in.rms == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(plan.kernel().EntryName(), " needs the forward pass's rms for each row"));
   }
   const size_t dgamma_bytes = dgamma_on_device ? h * sizeof(float) : 0;
-  const size_t to_host = dgamma_on_device ? 0 : data_bytes;
-  const size_t rms_to_host = dgamma_on_device ? 0 : rows * sizeof(float);
+  const size_t to_host = host_dgamma ? data_bytes : 0;
+  const size_t rms_to_host = host_dgamma ? rows * sizeof(float) : 0;
   SlotLayout host;
   const size_t h_gamma = host.Add(gamma_.size()), h_dgamma = host.Add(dgamma_bytes),
                h_x = host.Add(to_host), h_dy = host.Add(to_host), h_rms = host.Add(rms_to_host);
@@ -293,19 +300,14 @@ absl::Status CudaBackwardSession::DeviceChunkInPlace(const DeviceRows& in) {
     const CUdeviceptr dev = slot.device;
     const CUstream stream = slot.streams[0];
     NORMGRAD_RETURN_IF_ERROR(ctx_->MakeCurrent());
-    std::memcpy(pinned + h_gamma, gamma_.data(), gamma_.size());
-    NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
-        api.cuMemcpyHtoDAsync_v2(dev + d_gamma, pinned + h_gamma, gamma_.size(), stream),
-        "cuMemcpyHtoDAsync(gamma)"));
-    const DeviceRows on_device{in.x, in.dy, rms_to_device ? in.rms : 0, in.dx, rows};
-    const LaunchScratch scratch{dev + d_gamma, dgamma_on_device ? dev + d_dgamma : 0,
-                                dev + d_workspace, slot.semaphores[0]};
-    NORMGRAD_RETURN_IF_ERROR(RunKernel(on_device, scratch, stream));
-    if (dgamma_on_device) {
+    if (!gamma_.empty()) {
+      std::memcpy(pinned + h_gamma, gamma_.data(), gamma_.size());
       NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
-          api.cuMemcpyDtoHAsync_v2(pinned + h_dgamma, dev + d_dgamma, dgamma_bytes, stream),
-          "cuMemcpyDtoHAsync(grad_gamma)"));
-    } else {
+          api.cuMemcpyHtoDAsync_v2(dev + d_gamma, pinned + h_gamma, gamma_.size(), stream),
+          "cuMemcpyHtoDAsync(gamma)"));
+    }
+    if (host_dgamma) {
+      // Stream order: copied before the launch writes dx, which may be dy's range.
       for (auto [to, from, bytes, what] :
            {std::tuple{h_x, in.x, data_bytes, "x"}, std::tuple{h_dy, in.dy, data_bytes, "dy"},
             std::tuple{h_rms, in.rms, rms_to_host, "rms"}}) {
@@ -314,11 +316,20 @@ absl::Status CudaBackwardSession::DeviceChunkInPlace(const DeviceRows& in) {
                         absl::StrCat("cuMemcpyDtoHAsync(", what, ")")));
       }
     }
+    const DeviceRows on_device{in.x, in.dy, rms_to_device ? in.rms : 0, in.dx, rows};
+    const LaunchScratch scratch{dev + d_gamma, dgamma_on_device ? dev + d_dgamma : 0,
+                                dev + d_workspace, slot.semaphores[0]};
+    NORMGRAD_RETURN_IF_ERROR(RunKernel(on_device, scratch, stream));
+    if (dgamma_on_device) {
+      NORMGRAD_RETURN_IF_ERROR(ctx_->Check(
+          api.cuMemcpyDtoHAsync_v2(pinned + h_dgamma, dev + d_dgamma, dgamma_bytes, stream),
+          "cuMemcpyDtoHAsync(grad_gamma)"));
+    }
     NORMGRAD_RETURN_IF_ERROR(ctx_->Synchronize(stream));
     if (dgamma_on_device) {
       const float* chunk_dgamma = reinterpret_cast<const float*>(pinned + h_dgamma);
       for (size_t i = 0; i < h; ++i) dgamma_sum_[i] += chunk_dgamma[i];
-    } else {
+    } else if (host_dgamma) {
       AddHostGradGamma(absl::MakeConstSpan(pinned + h_x, data_bytes),
                        absl::MakeConstSpan(pinned + h_dy, data_bytes),
                        absl::MakeConstSpan(reinterpret_cast<const float*>(pinned + h_rms), rows),

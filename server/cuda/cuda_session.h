@@ -6,8 +6,10 @@
 //                                 them in place (DeviceChunkInPlace);
 //   ProcessChunk, no kernel       a given rms with rows no GPU kernel takes it for: dx and
 //                                 grad_gamma on the host from the given rms (HostChunk).
-// Where the kernel leaves grad_gamma to its caller (BackwardDataFlow::writes_dgamma false), the
-// host computes it from the chunk and the given rms. grad_gamma is added (double) in piece and
+// Where the kernel leaves grad_gamma to its caller (BackwardDataFlow::writes_dgamma false with a
+// gamma), the host computes it from the chunk and the given rms, reading each piece's dy before
+// its dx is written (dx may be dy's own memory: in place). A batch without gamma has no
+// grad_gamma: no gamma is uploaded and nothing is read back. grad_gamma is added (double) in piece and
 // chunk order: the same chunks give the same bits where the kernel's own sum is reproducible.
 //
 // Device memory of a chunk lies in a slot borrowed from the backend's StagingPool for the chunk
@@ -84,7 +86,8 @@ class CudaBackwardSession : public backend_internal::BackwardSessionBase {
     absl::Span<uint8_t> dx;
     bool in_place;        // x, dy, rms and dx in registered host memory: no staging copies
     bool rms_to_device;   // the kernel reads the given rms
-    size_t dgamma_bytes;  // the kernel's f32 grad_gamma on the device; 0: the host adds it
+    size_t dgamma_bytes;  // the kernel's f32 grad_gamma on the device; 0: see host_dgamma
+    bool host_dgamma;     // the host adds grad_gamma (a gamma, and the kernel leaves it)
   };
   // Piece p of a chunk: its stream, rows and byte range in the chunk's rows.
   struct Piece {

@@ -37,6 +37,50 @@ TEST(ChooseBackwardKernel, PrefersTheRowResidentKernelThenByRmsAndWidth) {
             "batched_rms_norm_backward");
 }
 
+TEST(ChooseBackwardKernel, GivesEveryVariantToTheRowResidentKernelOnly) {
+  const NormVariant offset{.gamma_offset = 1.0f};
+  const NormVariant no_gamma{.has_gamma = false};
+  const NormVariant llama{.casting = CastingMode::kLlama};
+  for (const NormVariant& v : {offset, no_gamma, llama}) {
+    for (bool rms : {false, true}) {
+      // Where the default would go to the warp kernel, the batched kernel or the host.
+      for (uint32_t h : {16u, 4096u, 65536u}) {
+        EXPECT_EQ(Chosen({.hidden_dim = h, .rms_given = rms, .variant = v}, kH100),
+                  "rms_norm_backward_row_resident")
+            << v.Describe() << " h" << h;
+      }
+      // bf16 on sm_75: still the row-resident kernel, whose CanImplement then fails on the
+      // device's target (the backend says so), never a kernel that would ignore the variant.
+      EXPECT_EQ(Chosen({.dtype = DType::kBF16, .hidden_dim = 32, .rms_given = rms, .variant = v},
+                       kTuring),
+                "rms_norm_backward_row_resident");
+      // Wider than the row-resident kernel takes: its refusal, naming the variant.
+      const std::string wide = Chosen({.hidden_dim = 65537, .rms_given = rms, .variant = v}, kH100);
+      EXPECT_TRUE(absl::StartsWith(wide, "error: no kernel computes this RMSNorm variant (" +
+                                             v.Describe() + ")"))
+          << wide;
+      EXPECT_TRUE(absl::StrContains(wide, "hidden_dim 65537 is outside 1..65536")) << wide;
+    }
+  }
+}
+
+TEST(ChooseBackwardKernel, ANamedKernelThatCannotComputeTheVariantIsRefused) {
+  const NormVariant offset{.gamma_offset = 0.5f, .casting = CastingMode::kNone};
+  for (absl::string_view name : {"batched_rms_norm_backward", "rms_norm_backward"}) {
+    const std::string got =
+        Chosen({.hidden_dim = 16, .rms_given = true, .kernel = name, .variant = offset}, kH100);
+    EXPECT_EQ(got, "error: " + std::string(name) +
+                       " implements the plain RMSNorm only (gamma_offset 0, a gamma, casting mode "
+                       "gemma); this batch has gamma_offset 0.5, a gamma, casting mode none; "
+                       "rms_norm_backward_row_resident computes the variants");
+  }
+  EXPECT_EQ(Chosen({.hidden_dim = 16,
+                    .kernel = "rms_norm_backward_row_resident",
+                    .variant = offset},
+                   kH100),
+            "rms_norm_backward_row_resident");
+}
+
 TEST(ChooseBackwardKernel, ObeysANamedKernelAfterCheckingIt) {
   EXPECT_EQ(Chosen({.hidden_dim = 64, .kernel = "batched_rms_norm_backward"}, kH100),
             "batched_rms_norm_backward");

@@ -21,6 +21,8 @@
 #include "gtest/gtest.h"
 #include "kernels/divergence_analysis.h"
 #include "kernels/kernel.h"
+#include "kernels/backward_kernel.h"
+#include "kernels/built_kernel.h"
 #include "kernels/kernel_registry.h"
 #include "kernels/rms_norm_backward_row_resident.h"
 
@@ -129,6 +131,80 @@ TEST(RowResidentKernelTest, TheKeyNamesTheTilingButNotTheSmCount) {
             Main().Emit({.hidden_dim = 4096, .target_sm = 90, .sm_count = 7})->text);
 }
 
+KernelConfig WithVariant(KernelConfig c, NormVariant v) {
+  c.variant = v;
+  return c;
+}
+
+TEST(RowResidentKernelTest, ImplementsEveryVariantAndKeysItAsEmitted) {
+  const KernelConfig bf16{.hidden_dim = 896, .dtype = DType::kBF16, .target_sm = 90};
+  const KernelConfig f32{.hidden_dim = 896, .target_sm = 90};
+  const NormVariant llama{.gamma_offset = 1.0f, .casting = CastingMode::kLlama};
+  const NormVariant none{.gamma_offset = 1.0f, .casting = CastingMode::kNone};
+  const NormVariant gemma{.gamma_offset = 1.0f};
+  EXPECT_TRUE(Main().CanImplement(WithVariant(bf16, llama)).ok());
+  EXPECT_TRUE(Main().CanImplement(WithVariant(bf16, {.has_gamma = false})).ok());
+  // bf16: every casting mode has its own module.
+  const std::string key_llama = Main().ConfigKey(WithVariant(bf16, llama));
+  EXPECT_TRUE(absl::StrContains(key_llama, "_llama|tile=")) << key_llama;
+  EXPECT_NE(key_llama, Main().ConfigKey(WithVariant(bf16, none)));
+  EXPECT_NE(Main().ConfigKey(WithVariant(bf16, gemma)), Main().ConfigKey(bf16));
+  // f32: the casting mode changes nothing, so one key and one module.
+  EXPECT_EQ(Main().ConfigKey(WithVariant(f32, llama)), Main().ConfigKey(WithVariant(f32, gemma)));
+  EXPECT_EQ(Main().Emit(WithVariant(f32, llama))->text, Main().Emit(WithVariant(f32, gemma))->text);
+  // Without gamma neither the offset nor the casting mode changes the math.
+  EXPECT_EQ(Main().ConfigKey(WithVariant(bf16, {.has_gamma = false, .casting = CastingMode::kLlama})),
+            Main().ConfigKey(WithVariant(bf16, {.has_gamma = false})));
+  // The default variant's key is the key it always had.
+  EXPECT_EQ(Main().ConfigKey(f32),
+            "rms_norm_backward_row_resident|dtype=f32|sm_90|ptx=7.8|normgrad-ptx/3|tile=256x1x4");
+}
+
+TEST(RowResidentKernelTest, EmitsTheVariantsMath) {
+  for (uint32_t h : {896u, 16392u}) {  // held, streamed
+    const KernelConfig bf16{.hidden_dim = h, .dtype = DType::kBF16, .target_sm = 90};
+    const std::string plain = Main().Emit(bf16)->text;
+    const int stores = Count(plain, "cvt.rn.bf16.f32");  // dx (and nothing else) is rounded
+    // The offset: one f32 add of the immediate per gamma element loaded (0f3F800000 = 1.0).
+    const std::string offset = Main().Emit(WithVariant(bf16, {.gamma_offset = 1.0f}))->text;
+    EXPECT_GT(Count(offset, "add.rn.f32 "), Count(plain, "add.rn.f32 ")) << h;
+    EXPECT_GT(Count(offset, "0f3F800000"), Count(plain, "0f3F800000")) << h;
+    EXPECT_EQ(Count(offset, "cvt.rn.bf16.f32"), stores) << h;
+    // none rounds m = dy * scale; llama also x / rms: more roundings each.
+    const std::string none = Main().Emit(WithVariant(bf16, {.casting = CastingMode::kNone}))->text;
+    const std::string llama =
+        Main().Emit(WithVariant(bf16, {.casting = CastingMode::kLlama}))->text;
+    EXPECT_GT(Count(none, "cvt.rn.bf16.f32"), stores) << h;
+    EXPECT_GT(Count(llama, "cvt.rn.bf16.f32"), Count(none, "cvt.rn.bf16.f32")) << h;
+    // No gamma: no grad_gamma at all (no tree: no atomics, fences, workspace or dgamma), and
+    // the gamma pointer never read.
+    const std::string no_gamma = Main().Emit(WithVariant(bf16, {.has_gamma = false}))->text;
+    EXPECT_EQ(Count(no_gamma, "atom."), 0) << h;
+    EXPECT_EQ(Count(no_gamma, "fence."), 0) << h;
+    EXPECT_FALSE(absl::StrContains(no_gamma, "[dgamma_ptr]")) << h;
+    EXPECT_FALSE(absl::StrContains(no_gamma, "[dgamma_partials_ptr]")) << h;
+    EXPECT_FALSE(absl::StrContains(no_gamma, "[semaphores_ptr]")) << h;
+    // The same parameters for every config (the backend packs them once).
+    const std::vector<KernelParam> params = Main().Emit(WithVariant(bf16, {.has_gamma = false}))->params;
+    ASSERT_EQ(params.size(), Main().Params().size());
+    for (size_t i = 0; i < params.size(); ++i) EXPECT_EQ(params[i].name, Main().Params()[i].name);
+  }
+}
+
+TEST(RowResidentKernelTest, NoGammaNeedsNoWorkspaceAndWritesNoGradGamma) {
+  const KernelConfig c{.hidden_dim = 4096, .target_sm = 90, .variant = {.has_gamma = false}};
+  const auto& k = static_cast<const BackwardKernel&>(Main());
+  EXPECT_EQ(k.WorkspaceBytes(c, 1000), 0u);
+  EXPECT_EQ(k.SemaphoreBytes(c, 1000), 0u);
+  absl::StatusOr<BackwardPlan> plan = BackwardPlan::Create(k, c);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_FALSE(plan->DataFlow().writes_dgamma);
+  EXPECT_TRUE(plan->DataFlow().reads_rms);
+  const KernelConfig with_gamma{.hidden_dim = 4096, .target_sm = 90};
+  EXPECT_TRUE(BackwardPlan::Create(k, with_gamma)->DataFlow().writes_dgamma);
+  EXPECT_GT(k.WorkspaceBytes(with_gamma, 1000), 0u);
+}
+
 TEST(RowResidentKernelTest, GeometryIsAPersistentGridSizedBySmCount) {
   const KernelConfig c{.hidden_dim = 4096, .target_sm = 90, .sm_count = 132};
   LaunchGeometry g = Main().Geometry(c, 1u << 20);
@@ -206,12 +282,19 @@ TEST(RowResidentKernelTest, StreamedRowsReadTwiceAndSumTheTreeFromRows) {
 }
 
 TEST(RowResidentKernelTest, DivergenceAnalysisIsClean) {
-  for (DType d : {DType::kF32, DType::kBF16, DType::kF16}) {
-    for (uint32_t h : {1u, 3u, 33u, 896u, 4095u, 4097u, 8193u, 16384u, 16385u, 40000u, 65536u}) {
-      const KernelConfig c{.hidden_dim = h, .dtype = d, .target_sm = 80};
-      absl::StatusOr<Module> m = static_cast<const BuiltKernel&>(Main()).Build(c);
-      ASSERT_TRUE(m.ok()) << m.status();
-      EXPECT_TRUE(CheckDivergence(*m, LaunchAssumptions{}).ok()) << Main().EntryName() << " " << h;
+  const NormVariant variants[] = {{},
+                                  {1.0f, true, CastingMode::kLlama},
+                                  {-0.5f, true, CastingMode::kNone},
+                                  {0.0f, false, CastingMode::kGemma}};
+  for (const NormVariant& v : variants) {
+    for (DType d : {DType::kF32, DType::kBF16, DType::kF16}) {
+      for (uint32_t h : {1u, 3u, 33u, 896u, 4095u, 4097u, 8193u, 16384u, 16385u, 40000u, 65536u}) {
+        const KernelConfig c{.hidden_dim = h, .dtype = d, .target_sm = 80, .variant = v};
+        absl::StatusOr<Module> m = static_cast<const BuiltKernel&>(Main()).Build(c);
+        ASSERT_TRUE(m.ok()) << m.status();
+        EXPECT_TRUE(CheckDivergence(*m, LaunchAssumptions{}).ok())
+            << Main().EntryName() << " " << h << v.KeySuffix();
+      }
     }
   }
 }
@@ -249,33 +332,72 @@ std::string Assemble(const std::string& ptxas, const std::string& text, int sm, 
   return out;
 }
 
+// ptxas assembles `c` with a register count that lets .minnctapersm blocks of the tiling's
+// threads fit in an SM's 65,536 registers, and no spills; returns the registers (0 on failure).
+int ExpectAssemblesWithoutSpills(const std::string& ptxas, const KernelConfig& c) {
+  const std::regex used("Used ([0-9]+) registers");
+  absl::StatusOr<EmittedPtx> ptx = Main().Emit(c);
+  EXPECT_TRUE(ptx.ok()) << ptx.status();
+  if (!ptx.ok()) return 0;
+  const std::string what = absl::StrCat(DTypeName(c.dtype), " h", c.hidden_dim, " sm_",
+                                        c.target_sm, c.variant.KeySuffix());
+  int code = -1;
+  const std::string out = Assemble(ptxas, ptx->text, c.target_sm, &code);
+  EXPECT_EQ(code, 0) << what << "\n" << out;
+  std::smatch match;
+  int regs = 0;
+  if (!std::regex_search(out, match, used) || !absl::SimpleAtoi(match[1].str(), &regs)) {
+    ADD_FAILURE() << what << ": no register count in\n" << out;
+    return 0;
+  }
+  const RowTiling tiling = RowResidentRmsNormBackwardKernel::TilingFor(c);
+  const uint32_t threads = Main().Geometry(c, 1).block[0];
+  // .minnctapersm holds: that many blocks fit in an SM's 65,536 registers.
+  EXPECT_LE(regs * threads * tiling.blocks_per_sm, 65536u) << what;
+  EXPECT_TRUE(absl::StrContains(out, "0 bytes spill stores")) << what << "\n" << out;
+  return regs;
+}
+
 TEST(RowResidentKernelTest, PtxasAssemblesEveryTargetWithRegistersThatFitTheBlock) {
   const std::optional<std::string> ptxas = FindPtxas();
   if (!ptxas.has_value()) GTEST_SKIP() << "ptxas not found on PATH or in /usr/local/cuda/bin";
-  const std::regex used("Used ([0-9]+) registers");
   for (int sm : {75, 80, 90, 100}) {
     for (DType d : {DType::kF32, DType::kBF16, DType::kF16}) {
       if (d == DType::kBF16 && sm < 80) continue;
       for (uint32_t h : {1u, 896u, 4096u, 4097u, 8192u, 16384u, 16385u, 65536u}) {
         const KernelConfig c{.hidden_dim = h, .dtype = d, .target_sm = sm};
-        absl::StatusOr<EmittedPtx> ptx = Main().Emit(c);
-        ASSERT_TRUE(ptx.ok()) << ptx.status();
-        int code = -1;
-        const std::string out = Assemble(*ptxas, ptx->text, sm, &code);
-        ASSERT_EQ(code, 0) << out;
-        std::smatch match;
-        ASSERT_TRUE(std::regex_search(out, match, used)) << out;
-        int regs = 0;
-        ASSERT_TRUE(absl::SimpleAtoi(match[1].str(), &regs));
-        const RowTiling tiling = RowResidentRmsNormBackwardKernel::TilingFor(c);
-        const uint32_t threads = Main().Geometry(c, 1).block[0];
-        // .minnctapersm holds: that many blocks fit in an SM's 65,536 registers.
-        EXPECT_LE(regs * threads * tiling.blocks_per_sm, 65536u)
-            << DTypeName(d) << " h" << h << " sm_" << sm;
-        EXPECT_TRUE(absl::StrContains(out, "0 bytes spill stores")) << out;
+        const int regs = ExpectAssemblesWithoutSpills(*ptxas, c);
         if (sm == 90 && (h == 896 || h == 4096 || h == 16384 || h == 65536)) {
           std::cout << "rms_norm_backward_row_resident " << DTypeName(d) << " hidden_dim=" << h
-                    << " sm_90 block=" << threads << ": " << regs << " registers\n";
+                    << " sm_90 block=" << Main().Geometry(c, 1).block[0] << ": " << regs
+                    << " registers\n";
+        }
+      }
+    }
+  }
+}
+
+TEST(RowResidentKernelTest, PtxasAssemblesTheVariantsWithoutSpills) {
+  const std::optional<std::string> ptxas = FindPtxas();
+  if (!ptxas.has_value()) GTEST_SKIP() << "ptxas not found on PATH or in /usr/local/cuda/bin";
+  // The most instructions (offset add, both roundings), the product rounding alone, and the
+  // fewest (no gamma), held (up to the most registers, 16384) and streamed.
+  const NormVariant variants[] = {{1.0f, true, CastingMode::kLlama},
+                                  {-0.5f, true, CastingMode::kNone},
+                                  {0.0f, false, CastingMode::kGemma}};
+  for (int sm : {75, 80, 90, 100}) {
+    for (DType d : {DType::kBF16, DType::kF16, DType::kF32}) {
+      if (d == DType::kBF16 && sm < 80) continue;
+      for (const NormVariant& v : variants) {
+        if (d == DType::kF32 && v.casting == CastingMode::kNone) continue;  // same PTX as gemma
+        for (uint32_t h : {1u, 896u, 4097u, 16384u, 16385u, 65536u}) {
+          KernelConfig c{.hidden_dim = h, .dtype = d, .target_sm = sm};
+          c.variant = v;
+          const int regs = ExpectAssemblesWithoutSpills(*ptxas, c);
+          if (sm == 90 && (h == 16384 || h == 65536)) {
+            std::cout << "rms_norm_backward_row_resident" << v.KeySuffix() << " " << DTypeName(d)
+                      << " hidden_dim=" << h << " sm_90: " << regs << " registers\n";
+          }
         }
       }
     }

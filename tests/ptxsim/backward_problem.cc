@@ -120,6 +120,42 @@ BackwardReference ReferenceFor(const BackwardProblem& p, bool with_rms) {
   return want;
 }
 
+BackwardReference VariantReferenceFor(const BackwardProblem& p, const kernels::NormVariant& v,
+                                      bool with_rms) {
+  const bool rounds = p.dtype != kernels::DType::kF32;
+  const bool round_m = rounds && v.has_gamma && v.casting != kernels::CastingMode::kGemma;
+  const bool round_n = rounds && v.casting == kernels::CastingMode::kLlama;
+  const size_t h = p.hidden;
+  BackwardReference out;
+  out.dx.resize(size_t{p.rows} * h);
+  std::vector<double> dgamma(h, 0.0);
+  std::vector<double> m(h);
+  for (uint32_t r = 0; r < p.rows; ++r) {
+    const float* x = &p.x[r * h];
+    const float* dy = &p.dy[r * h];
+    double sum_sq = 0;
+    for (size_t i = 0; i < h; ++i) sum_sq += double{x[i]} * x[i];
+    const double rms = with_rms ? double{p.rms[r]} : std::sqrt(sum_sq / h + p.eps);
+    const double inv = 1.0 / rms;
+    const float inv_f32 = 1.0f / p.rms[r];
+    double dot = 0;
+    for (size_t i = 0; i < h; ++i) {
+      const float scale = v.has_gamma ? v.gamma_offset + p.gamma[i] : 1.0f;
+      const float product = dy[i] * scale;
+      m[i] = round_m ? RoundToElement(product, p.dtype) : double{dy[i]} * scale;
+      dot += m[i] * x[i];
+    }
+    const double c = inv * inv / h * dot;
+    for (size_t i = 0; i < h; ++i) {
+      out.dx[r * h + i] = static_cast<float>(inv * (m[i] - c * x[i]));
+      const double n = round_n ? RoundToElement(x[i] * inv_f32, p.dtype) : x[i] * inv;
+      dgamma[i] += dy[i] * n;
+    }
+  }
+  if (v.has_gamma) out.dgamma.assign(dgamma.begin(), dgamma.end());
+  return out;
+}
+
 double MaxRelativeError(absl::Span<const float> got, absl::Span<const float> want) {
   double worst = 0;
   for (size_t i = 0; i < std::min(got.size(), want.size()); ++i) {

@@ -60,6 +60,15 @@ struct BackwardReference {
 // kernels::ReferenceBackward of the problem, with its rms given or recomputed.
 BackwardReference ReferenceFor(const BackwardProblem& p, bool with_rms);
 
+// The reference of a variant (docs/kernels.md, "Variants") in double, with the element roundings
+// R() where the casting mode puts them: s = offset + gamma (one f32 add), or 1 without gamma;
+// m = dy * s (R of the f32 product for llama and none); dx = r * (m - c * x) with
+// c = r^2 / H * sum(m * x), unrounded; grad_gamma += dy * n with n = x * r (R(f32 x * r) for
+// llama; empty without gamma). For llama, give the rms: n then uses the kernel's own f32 1/rms
+// (rcp.rn of the given rms), so R() rounds the same f32 value in both.
+BackwardReference VariantReferenceFor(const BackwardProblem& p, const kernels::NormVariant& v,
+                                      bool with_rms);
+
 // The largest |got - want| / max(1, |want|).
 double MaxRelativeError(absl::Span<const float> got, absl::Span<const float> want);
 

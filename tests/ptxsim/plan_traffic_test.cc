@@ -187,6 +187,38 @@ INSTANTIATE_TEST_SUITE_P(WideRows, StreamedPlanTraffic,
                                   std::to_string(info.param.rows);
                          });
 
+// The variants: an offset and a casting mode change the arithmetic, not one access (the same
+// sectors, the same bytes); without gamma there is no gamma read, no grad_gamma written and no
+// tree, so x and dy read and dx written once are all (3 elements per element). Held rows (bf16
+// 896, a tree of more than one group) and streamed ones (bf16 16400 on 20 SMs).
+TEST(PlanTraffic, VariantsMoveTheSameBytesAndNoGammaMovesLess) {
+  for (const StreamedShape& shape : {StreamedShape{DType::kBF16, 896, 62 * 36, 9},
+                                     StreamedShape{DType::kBF16, 16400, 80, 20}}) {
+    PlanTrafficOptions options = OptionsFor(shape.dtype, shape.hidden, shape.sm_count);
+    options.rows = shape.rows;
+    absl::StatusOr<PlanTraffic> plain = RunPlanTraffic(options);
+    ASSERT_TRUE(plain.ok()) << plain.status();
+    options.variant = {.gamma_offset = 1.0f, .casting = kernels::CastingMode::kNone};
+    absl::StatusOr<PlanTraffic> offset = RunPlanTraffic(options);
+    ASSERT_TRUE(offset.ok()) << offset.status();
+    EXPECT_EQ(offset->total.read_bytes, plain->total.read_bytes) << shape;
+    EXPECT_EQ(offset->total.written_bytes, plain->total.written_bytes) << shape;
+    EXPECT_EQ(offset->total.marked_read_bytes, plain->total.marked_read_bytes) << shape;
+    EXPECT_EQ(offset->total.requested_sector_bytes, plain->total.requested_sector_bytes) << shape;
+
+    options.variant = {.has_gamma = false};
+    absl::StatusOr<PlanTraffic> no_gamma = RunPlanTraffic(options);
+    ASSERT_TRUE(no_gamma.ok()) << no_gamma.status();
+    ASSERT_EQ(no_gamma->launches.size(), 1u);
+    EXPECT_EQ(no_gamma->workspace_bytes, 0u) << shape;
+    EXPECT_EQ(no_gamma->PartialBytesPerElement(), 0.0) << shape;
+    const double elem = static_cast<double>(kernels::DTypeBytes(shape.dtype));
+    EXPECT_DOUBLE_EQ(no_gamma->BytesPerElement(), 3.0 * elem) << shape;
+    EXPECT_LT(no_gamma->BytesPerElement(), plain->BytesPerElement()) << shape;
+    EXPECT_LT(no_gamma->L2BytesPerElement(), plain->L2BytesPerElement()) << shape;
+  }
+}
+
 TEST(PlanTraffic, RejectsAnEmptyShape) {
   PlanTrafficOptions options;
   options.rows = 0;

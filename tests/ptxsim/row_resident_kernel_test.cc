@@ -8,6 +8,9 @@
 // rows than blocks, so blocks loop), 16-byte-aligned buffers (vector path) and buffers offset by 4
 // bytes (element path), rms recomputed and given. grad_gamma is bitwise reproducible, whichever
 // block arrives last: the interpreter also runs the blocks in reverse order.
+// Variants (gamma offset 0, 1, -0.5; no gamma; casting llama, gemma, none; f32, bf16, f16; held
+// and streamed rows) against VariantReferenceFor, the spec's math with its roundings, within the
+// same tolerances; dx written over dy (in place) gives the out-of-place bits.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -49,6 +52,8 @@ struct Case {
   bool offset = false;     // every buffer starts 4 bytes past a 16-byte boundary
   bool given_rms = false;  // the forward's rms is passed
   int target_sm = 80;
+  kernels::NormVariant variant = {};
+  bool in_place = false;  // dx written over dy (grad_input_ptr == grad_output_ptr)
 };
 
 BackwardProblem MakeProblem(const Case& c) {
@@ -80,6 +85,7 @@ Result RunPlan(const Case& c, const BackwardProblem& p, uint32_t sm_count = 1,
   config.dtype = c.dtype;
   config.target_sm = c.target_sm;
   config.sm_count = sm_count;
+  config.variant = c.variant;
   absl::StatusOr<BackwardPlan> plan = BackwardPlan::Create(*main, config);
   if (!plan.ok()) {
     ADD_FAILURE() << plan.status();
@@ -110,11 +116,14 @@ Result RunPlan(const Case& c, const BackwardProblem& p, uint32_t sm_count = 1,
     return b;
   };
   const size_t n = size_t{c.rows} * c.hidden;
+  const bool has_gamma = c.variant.has_gamma;
   BackwardArgs args;
   args.x = SimHarness::Address(store(p.x));
-  args.dy = SimHarness::Address(store(p.dy));
-  args.gamma = SimHarness::Address(store(p.gamma));
-  uint8_t* dx = place(n * elem);
+  uint8_t* dy = store(p.dy);
+  args.dy = SimHarness::Address(dy);
+  // Without gamma no gamma or dgamma is passed (0): the sanitizer fails any access to them.
+  args.gamma = has_gamma ? SimHarness::Address(store(p.gamma)) : 0;
+  uint8_t* dx = c.in_place ? dy : place(n * elem);
   args.dx = SimHarness::Address(dx);
   float* rms = sim.Alloc<float>(c.rows);
   std::copy(p.rms.begin(), p.rms.end(), rms);
@@ -127,13 +136,14 @@ Result RunPlan(const Case& c, const BackwardProblem& p, uint32_t sm_count = 1,
   const size_t sem_count = plan->SemaphoreBytes(c.rows) / sizeof(uint32_t);
   uint32_t* sems = sem_count == 0 ? nullptr : sim.Alloc<uint32_t>(sem_count);
   args.semaphores = sems == nullptr ? 0 : SimHarness::Address(sems);
-  float* dgamma = reinterpret_cast<float*>(place(c.hidden * sizeof(float)));
-  args.dgamma = SimHarness::Address(dgamma);
+  float* dgamma =
+      has_gamma ? reinterpret_cast<float*>(place(c.hidden * sizeof(float))) : nullptr;
+  args.dgamma = has_gamma ? SimHarness::Address(dgamma) : 0;
   args.rows = c.rows;
   args.hidden_dim = c.hidden;
   args.eps = 1e-5f;
   for (int run = 0; run < runs; ++run) {
-    std::fill(dgamma, dgamma + c.hidden, std::nanf(""));
+    if (has_gamma) std::fill(dgamma, dgamma + c.hidden, std::nanf(""));
     if (absl::Status s = plan->Run(args, *launcher); !s.ok()) {
       ADD_FAILURE() << s;
       return out;
@@ -141,7 +151,7 @@ Result RunPlan(const Case& c, const BackwardProblem& p, uint32_t sm_count = 1,
   }
   out.semaphores_left_zero = std::all_of(sems, sems + sem_count, [](uint32_t v) { return v == 0; });
   out.dx = DecodeElements(absl::MakeConstSpan(dx, n * elem), c.dtype);
-  out.dgamma.assign(dgamma, dgamma + c.hidden);
+  if (has_gamma) out.dgamma.assign(dgamma, dgamma + c.hidden);
   out.ok = true;
   return out;
 }
@@ -296,6 +306,120 @@ TEST(RowResidentVectorPath, AlignedAndOffsetBuffersGiveTheSameBits) {
     ASSERT_TRUE(a.ok && b.ok);
     ASSERT_TRUE(SameBits(a.dx, b.dx));
     ASSERT_TRUE(SameBits(a.dgamma, b.dgamma));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Variants (docs/kernels.md, "Variants"): gamma offset, no gamma, casting modes.
+
+std::string VariantCaseName(const ::testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  std::string offset = absl::StrCat(c.variant.gamma_offset);
+  std::replace(offset.begin(), offset.end(), '-', 'm');
+  std::replace(offset.begin(), offset.end(), '.', 'p');
+  return absl::StrCat(kernels::DTypeName(c.dtype), "_", kernels::CastingModeName(c.variant.casting),
+                      c.variant.has_gamma ? absl::StrCat("_off", offset) : "_nogamma", "_h",
+                      c.hidden, "_rows", c.rows, c.given_rms ? "_rms" : "");
+}
+
+class VariantsOnInterpreter : public ::testing::TestWithParam<Case> {};
+
+TEST_P(VariantsOnInterpreter, MatchesTheVariantReference) {
+  const Case& c = GetParam();
+  const BackwardProblem p = MakeProblem(c);
+  // sm_count 2: two blocks, so the tree adds rows from both (and each block loops).
+  const Result r = RunPlan(c, p, /*sm_count=*/2);
+  ASSERT_TRUE(r.ok);
+  const kernel_testing::BackwardReference want =
+      kernel_testing::VariantReferenceFor(p, c.variant, c.given_rms);
+  ExpectClose(r.dx, want.dx, DxTolerance(c.dtype), "dx");
+  if (c.variant.has_gamma) {
+    ExpectClose(r.dgamma, want.dgamma, 1e-5, "dgamma");
+    EXPECT_TRUE(r.semaphores_left_zero);
+  }
+}
+
+std::vector<Case> VariantCases() {
+  using kernels::CastingMode;
+  std::vector<Case> out;
+  for (DType d : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (CastingMode mode : {CastingMode::kLlama, CastingMode::kGemma, CastingMode::kNone}) {
+      std::vector<kernels::NormVariant> variants;
+      for (float offset : {0.0f, 1.0f, -0.5f}) variants.push_back({offset, true, mode});
+      variants.push_back({0.0f, false, mode});
+      for (const kernels::NormVariant& v : variants) {
+        // Held rows (1, 7, 33, 896, 1000, 4097) and streamed ones (16385), the rms given (llama's
+        // grad_gamma needs the kernel's 1/rms) and, for the others, recomputed too.
+        for (uint32_t h : {1u, 7u, 33u, 896u, 1000u, 4097u, 16385u}) {
+          const uint32_t rows = h > 4096 ? 3 : 5;
+          out.push_back({d, h, rows, /*offset=*/h == 1000, /*given_rms=*/true, 80, v});
+          if (mode != CastingMode::kLlama && (h == 33 || h == 16385)) {
+            out.push_back({d, h, rows, false, /*given_rms=*/false, 80, v});
+          }
+        }
+      }
+    }
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, VariantsOnInterpreter, ::testing::ValuesIn(VariantCases()),
+                         VariantCaseName);
+
+TEST(RowResidentVariants, F32GivesTheSameBitsInEveryCastingMode) {
+  // For f32 R() is the identity: one module (one key) and the same bits.
+  using kernels::CastingMode;
+  for (uint32_t h : {33u, 16385u}) {
+    Result first;
+    for (CastingMode mode : {CastingMode::kGemma, CastingMode::kLlama, CastingMode::kNone}) {
+      Case c{DType::kF32, h, 3, false, true, 80, {1.0f, true, mode}};
+      const Result r = RunPlan(c, MakeProblem(c), 2);
+      ASSERT_TRUE(r.ok);
+      if (mode == CastingMode::kGemma) {
+        first = r;
+        continue;
+      }
+      EXPECT_TRUE(SameBits(first.dx, r.dx)) << CastingModeName(mode) << " h" << h;
+      EXPECT_TRUE(SameBits(first.dgamma, r.dgamma)) << CastingModeName(mode) << " h" << h;
+    }
+  }
+}
+
+TEST(RowResidentVariants, GradGammaIsReproducibleInEitherBlockOrder) {
+  // Offset and llama casting change what is summed, not the tree: the same bits for the same G.
+  for (DType d : {DType::kF32, DType::kBF16}) {
+    for (uint32_t h : {33u, 16392u}) {
+      Case c{d, h, 45, false, true, 80, {-0.5f, true, kernels::CastingMode::kLlama}};
+      const BackwardProblem p = MakeProblem(c);
+      // 40 blocks either way: hidden 33 keeps 4 blocks per SM, streamed rows 1.
+      const uint32_t sms = h == 33 ? 10 : 40;
+      const Result forward = RunPlan(c, p, sms);
+      const Result reversed = RunPlan(c, p, sms, /*reverse_blocks=*/true);
+      ASSERT_TRUE(forward.ok && reversed.ok);
+      EXPECT_EQ(forward.blocks, 40u);
+      EXPECT_TRUE(SameBits(forward.dgamma, reversed.dgamma)) << DTypeName(d) << " h" << h;
+      EXPECT_TRUE(SameBits(forward.dx, reversed.dx)) << DTypeName(d) << " h" << h;
+    }
+  }
+}
+
+// In place (dx == dy): every thread reads its columns' dy before it writes their dx, so the
+// result is bit for bit the out-of-place one, held and streamed, vector and element paths.
+TEST(RowResidentInPlace, DxOverDyGivesTheOutOfPlaceBits) {
+  for (DType d : {DType::kF32, DType::kBF16}) {
+    for (uint32_t h : {33u, 4096u, 16385u, 16392u}) {
+      for (bool no_gamma : {false, true}) {
+        Case c{d, h, h > 4096 ? 3u : 7u, /*offset=*/h == 16385, false, 80};
+        c.variant.has_gamma = !no_gamma;
+        const BackwardProblem p = MakeProblem(c);
+        const Result apart = RunPlan(c, p, 2);
+        c.in_place = true;
+        const Result over = RunPlan(c, p, 2);
+        ASSERT_TRUE(apart.ok && over.ok);
+        EXPECT_TRUE(SameBits(apart.dx, over.dx)) << DTypeName(d) << " h" << h;
+        EXPECT_TRUE(SameBits(apart.dgamma, over.dgamma)) << DTypeName(d) << " h" << h;
+      }
+    }
   }
 }
 

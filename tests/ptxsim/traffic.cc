@@ -64,10 +64,12 @@ absl::StatusOr<PlanTraffic> RunPlanTraffic(const PlanTrafficOptions& options) {
   config.dtype = options.dtype;
   config.target_sm = options.target_sm;
   config.sm_count = options.sm_count;
+  config.variant = options.variant;
   // The CUDA backend's choice for a request without rms.
   kernels::BackwardRequest request;
   request.dtype = options.dtype;
   request.hidden_dim = options.hidden;
+  request.variant = options.variant;
   absl::StatusOr<const kernels::BackwardKernel*> kernel = kernels::ChooseBackwardKernel(
       request, kernels::BackwardDevice{options.target_sm, options.sm_count});
   if (!kernel.ok()) return kernel.status();
@@ -90,7 +92,8 @@ absl::StatusOr<PlanTraffic> RunPlanTraffic(const PlanTrafficOptions& options) {
   const size_t n = size_t{options.rows} * options.hidden;
   const size_t dx_bytes = n * kernels::DTypeBytes(options.dtype);
   kernels::BackwardArgs args;
-  args.gamma = store(p.gamma);
+  const bool has_gamma = options.variant.has_gamma;
+  args.gamma = has_gamma ? store(p.gamma) : 0;
   args.x = store(p.x);
   args.dy = store(p.dy);
   args.dx = device.Alloc(dx_bytes);
@@ -99,7 +102,7 @@ absl::StatusOr<PlanTraffic> RunPlanTraffic(const PlanTrafficOptions& options) {
   // Zeroed: the semaphores' state before a first launch, and dgamma for kAccumulated.
   const uint64_t semaphore_bytes = plan->SemaphoreBytes(options.rows);
   args.semaphores = semaphore_bytes == 0 ? 0 : device.Alloc(semaphore_bytes);
-  args.dgamma = device.Alloc(size_t{options.hidden} * sizeof(float));
+  args.dgamma = has_gamma ? device.Alloc(size_t{options.hidden} * sizeof(float)) : 0;
   args.rows = options.rows;
   args.hidden_dim = options.hidden;
   args.eps = p.eps;
@@ -118,7 +121,9 @@ absl::StatusOr<PlanTraffic> RunPlanTraffic(const PlanTrafficOptions& options) {
   const std::vector<float> got =
       kernel_testing::DecodeElements(absl::MakeConstSpan(dx, dx_bytes), options.dtype);
   const kernel_testing::BackwardReference want =
-      kernel_testing::ReferenceFor(p, /*with_rms=*/false);
+      options.variant.is_default()
+          ? kernel_testing::ReferenceFor(p, /*with_rms=*/false)
+          : kernel_testing::VariantReferenceFor(p, options.variant, /*with_rms=*/false);
   if (absl::Status s = kernel_testing::CheckClose(got, want.dx,
                                                   kernel_testing::DxTolerance(options.dtype), "dx");
       !s.ok()) {

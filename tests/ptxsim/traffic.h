@@ -87,6 +87,9 @@ struct PlanTrafficOptions {
   kernels::DType dtype = kernels::DType::kF32;
   int target_sm = 90;
   uint32_t sm_count = 132;  // sizes the row-resident kernel's grid, as the backend's device does
+  // Without gamma neither gamma nor dgamma is passed. dx and dgamma are checked against the
+  // variant's reference with rms recomputed, which is exact for casting gemma and none only.
+  kernels::NormVariant variant;
 };
 
 struct PlanTraffic {

@@ -60,9 +60,10 @@ struct Result {
 };
 
 // Runs the kernel's BackwardPlan on the interpreter (the launches the CUDA backend makes), with
-// the device's grid limit lowered to `max_grid_x` when given; returns dx (and dgamma).
+// the device's grid limit lowered to `max_grid_x` when given; returns dx (and dgamma). In place:
+// dx is written over dy (grad_input_ptr == grad_output_ptr).
 Result RunOnInterpreter(const Shape& s, const BackwardProblem& p,
-                        uint32_t max_grid_x = kernels::kMaxGridX) {
+                        uint32_t max_grid_x = kernels::kMaxGridX, bool in_place = false) {
   const kernels::BackwardKernel* kernel = FindKernel(s.kernel);
   EXPECT_NE(kernel, nullptr);
   if (kernel == nullptr) return {};
@@ -92,7 +93,7 @@ Result RunOnInterpreter(const Shape& s, const BackwardProblem& p,
   args.x = store(p.x);
   args.dy = store(p.dy);
   args.gamma = store(p.gamma);
-  uint8_t* dx = sim.Alloc<uint8_t>(n * elem);
+  uint8_t* dx = in_place ? reinterpret_cast<uint8_t*>(args.dy) : sim.Alloc<uint8_t>(n * elem);
   args.dx = SimHarness::Address(dx);
   float* rms = sim.Alloc<float>(p.rows);
   std::copy(p.rms.begin(), p.rms.end(), rms);
@@ -151,6 +152,26 @@ TEST(TruenoKernelPieces, ALowGridLimitSplitsTheLaunchWithoutChangingTheResult) {
     ExpectClose(pieces.dgamma, whole.dgamma, kRelativeTolerance, "dgamma");
     ExpectClose(pieces.dx, kernel_testing::ReferenceFor(p, IsWarpKernel(s)).dx,
                 DxTolerance(s.dtype), "dx");
+  }
+}
+
+TEST(TruenoKernelInPlace, DxOverDyGivesTheOutOfPlaceBits) {
+  // Each lane reads the dy of its columns before it writes their dx (the warp kernel: one column
+  // per lane; the batched kernel: the same lane's columns in both passes), and no lane writes a
+  // column another reads.
+  for (const Shape& s : {Shape{"rms_norm_backward", 7, 19, 80, 1e-5f},
+                         Shape{"rms_norm_backward", 32, 9, 80, 1e-5f, DType::kBF16},
+                         Shape{"batched_rms_norm_backward", 33, 5, 80, 1e-5f},
+                         Shape{"batched_rms_norm_backward", 1000, 3, 80, 1e-5f, DType::kBF16}}) {
+    const BackwardProblem p = MakeProblem(s);
+    const Result apart = RunOnInterpreter(s, p);
+    const Result over = RunOnInterpreter(s, p, kernels::kMaxGridX, /*in_place=*/true);
+    ASSERT_EQ(apart.dx.size(), over.dx.size());
+    EXPECT_EQ(std::memcmp(apart.dx.data(), over.dx.data(), 4 * apart.dx.size()), 0)
+        << ShapeName({s, 0});
+    if (IsWarpKernel(s)) continue;
+    // The batched kernel's grad_gamma is a sum of atomics: compare within the f32 tolerance.
+    ExpectClose(over.dgamma, apart.dgamma, kRelativeTolerance, "dgamma in place");
   }
 }
 

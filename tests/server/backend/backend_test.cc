@@ -138,6 +138,38 @@ TEST(BackendTest, GradGammaSameBitsForSameInputAndChunking) {
   EXPECT_EQ(0, std::memcmp(first->dx.data(), second->dx.data(), first->dx.size() * 4));
 }
 
+TEST(BackendTest, VariantsMatchTheReferenceOfTheirScale) {
+  // f32: the casting mode changes nothing, and a variant's math is the plain RMSNorm's with
+  // gamma replaced by its scale (offset + gamma in f32, or 1 without gamma). dx over dy (in
+  // place) gives the out-of-place result.
+  if (IsCpu()) GTEST_SKIP() << "the cpu backend computes the plain RMSNorm only";
+  absl::StatusOr<std::unique_ptr<Backend>> backend = MakeBackendUnderTest();
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  for (bool with_rms : {false, true}) {
+    const Batch b = MakeBatch(301, 896, with_rms);
+    for (const kernels::NormVariant& v :
+         {kernels::NormVariant{.gamma_offset = 1.0f, .casting = kernels::CastingMode::kLlama},
+          kernels::NormVariant{.gamma_offset = -0.5f}, kernels::NormVariant{.has_gamma = false}}) {
+      Batch scaled = b;
+      for (float& g : scaled.gamma) g = v.has_gamma ? v.gamma_offset + g : 1.0f;
+      absl::StatusOr<Gradients> got = RunF32(**backend, b, 100, "", v);
+      ASSERT_TRUE(got.ok()) << got.status();
+      absl::StatusOr<Gradients> over = RunF32(**backend, b, 100, "", v, /*in_place=*/true);
+      ASSERT_TRUE(over.ok()) << over.status();
+      EXPECT_EQ(got->dx, over->dx) << v.Describe();
+      EXPECT_EQ(got->dgamma, over->dgamma) << v.Describe();
+      if (!v.has_gamma) {
+        EXPECT_TRUE(got->dgamma.empty());
+        Gradients with_dgamma = *got;
+        with_dgamma.dgamma = Reference(scaled).dgamma;  // only dx is compared
+        ExpectNearReference(scaled, with_dgamma);
+        continue;
+      }
+      ExpectNearReference(scaled, *got);
+    }
+  }
+}
+
 TEST(BackendTest, NanAndInfInTheDataAreComputedThrough) {
   absl::StatusOr<std::unique_ptr<Backend>> backend = MakeBackendUnderTest();
   ASSERT_TRUE(backend.ok()) << backend.status();

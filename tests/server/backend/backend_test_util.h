@@ -99,26 +99,35 @@ struct Gradients {
   std::vector<float> dx, dgamma;
 };
 
-// Runs `b` (f32) through `backend` in chunks of `chunk_rows` rows (the last may be shorter).
+// Runs `b` (f32) through `backend` in chunks of `chunk_rows` rows (the last may be shorter), as
+// `variant` (without gamma: no gamma sent, no grad_gamma back), dx written over a copy of dy
+// when `in_place`.
 inline absl::StatusOr<Gradients> RunF32(Backend& backend, const Batch& b, uint64_t chunk_rows,
-                                        const std::string& kernel = "") {
+                                        const std::string& kernel = "",
+                                        const kernels::NormVariant& variant = {},
+                                        bool in_place = false) {
   BatchSpec spec;
   spec.num_rows = b.rows;
   spec.hidden_dim = b.hidden;
   spec.eps = b.eps;
   spec.rms_provided = !b.rms.empty();
   spec.kernel = kernel;
-  absl::StatusOr<std::unique_ptr<BackwardSession>> session =
-      backend.StartBackward(spec, Bytes(b.gamma));
+  spec.variant = variant;
+  absl::StatusOr<std::unique_ptr<BackwardSession>> session = backend.StartBackward(
+      spec, variant.has_gamma ? Bytes(b.gamma) : absl::Span<const uint8_t>());
   if (!session.ok()) return session.status();
   Gradients g;
-  g.dx.assign(b.rows * b.hidden, 0.0f);
-  g.dgamma.assign(b.hidden, 0.0f);
+  if (in_place) {
+    g.dx = b.dy;
+  } else {
+    g.dx.assign(b.rows * b.hidden, 0.0f);
+  }
+  g.dgamma.assign(variant.has_gamma ? b.hidden : 0, 0.0f);
   const uint64_t h = b.hidden;
   for (uint64_t first = 0; first < b.rows; first += chunk_rows) {
     const uint64_t n = std::min(chunk_rows, b.rows - first);
     absl::Span<const uint8_t> x = Bytes(b.x).subspan(first * h * 4, n * h * 4);
-    absl::Span<const uint8_t> dy = Bytes(b.dy).subspan(first * h * 4, n * h * 4);
+    absl::Span<const uint8_t> dy = Bytes(in_place ? g.dx : b.dy).subspan(first * h * 4, n * h * 4);
     absl::Span<const float> rms =
         b.rms.empty() ? absl::Span<const float>() : absl::MakeConstSpan(b.rms).subspan(first, n);
     absl::Span<uint8_t> dx = MutableBytes(g.dx).subspan(first * h * 4, n * h * 4);
