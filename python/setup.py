@@ -1,4 +1,5 @@
-"""Builds normgrad._native with CMake for `pip install --no-build-isolation ./python`.
+"""Builds normgrad._native with CMake for `pip install --no-build-isolation ./python` (and, through
+the repository root's setup.py, for `pip install --no-build-isolation .` there).
 
 The extension is the CMake target normgrad_python_native (python/CMakeLists.txt): this runs
 CMake on the repository in a build directory of its own under setuptools' build_temp (never
@@ -48,4 +49,11 @@ class CMakeBuild(build_ext):
         shutil.copyfile(built, destination)
 
 
-setup(ext_modules=[CMakeExtension("normgrad._native")], cmdclass={"build_ext": CMakeBuild})
+def normgrad_setup(**options):
+    """setup() of the package; the repository root's setup.py adds where the package is."""
+    setup(ext_modules=[CMakeExtension("normgrad._native")], cmdclass={"build_ext": CMakeBuild},
+          **options)
+
+
+if __name__ == "__main__":
+    normgrad_setup()
