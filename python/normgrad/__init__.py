@@ -149,9 +149,10 @@ def _check_in_place(dy):
 
 
 def _write_into(dy, dx):
-    """dx copied over dy (same shape and dtype); returns dy."""
+    """dx copied over dy (same shape and dtype), unless it is dy's memory already; returns dy."""
     if _is_torch(dy):
-        dy.detach().copy_(dx)
+        if dx.data_ptr() != dy.data_ptr():
+            dy.detach().copy_(dx)
     else:
         import numpy as np
         np.copyto(dy, dx)
@@ -424,11 +425,12 @@ class Client:
         if in_place:
             _check_in_place(dy)
         if _is_torch(x) and getattr(x, "is_cuda", False):
-            dx, dgamma = self._backward_cuda(x, dy, gamma, eps, rms, kernel, variant)
+            dx, dgamma = self._backward_cuda(x, dy, gamma, eps, rms, kernel, variant, in_place)
         else:
             dx, dgamma = self._backward_host(x, dy, gamma, eps, rms, kernel, variant)
-        # The server's dx lands in memory of its own and is copied over dy after the call
-        # succeeded: dy stays intact while the C++ client may still resend it (retries).
+        # Over host memory the server's dx lands in memory of its own and is copied over dy
+        # after the call succeeded (dy stays intact while the C++ client may resend it); by CUDA
+        # IPC the server wrote it over dy already.
         return (_write_into(dy, dx) if in_place else dx), dgamma
 
     def _backward_host(self, x, dy, gamma, eps, rms, kernel, variant):
@@ -447,13 +449,15 @@ class Client:
 
     def backward_device(self, x_ptr, dy_ptr, dx_ptr, gamma, *, num_rows, hidden_dim, dtype="f32",
                         eps=1e-5, rms_ptr=None, device=0, kernel=None, gamma_offset=0.0,
-                        casting_mode=None):
+                        casting_mode=None, in_place=False):
         """Backward on tensors in CUDA device memory of this process, by CUDA IPC: the server
         (same GPU, started with --cuda-ipc) reads x and dy and writes dx in place.
 
         x_ptr, dy_ptr, dx_ptr: device addresses (ints, e.g. tensor.data_ptr()) of num_rows *
         hidden_dim contiguous elements of dtype ("f32", "bf16" or "f16") on CUDA device
-        `device`; dx must not overlap x or dy. rms_ptr: num_rows float32 values of the forward's
+        `device`; dx must not overlap x or dy, except in_place=True with dx_ptr == dy_ptr (the
+        server writes dx over dy; such a call is not retried once a chunk may have been
+        computed, since dy is gone). rms_ptr: num_rows float32 values of the forward's
         rms, or None (the server recomputes it from eps). gamma: (hidden_dim,) host array of
         dtype (numpy float32/float16, bf16 as its bits in uint16; or a torch CPU tensor), or
         None for an RMSNorm without weight. gamma_offset, casting_mode: as in backward.
@@ -479,7 +483,7 @@ class Client:
             (None, (None, None)) if gamma is None else _gamma_host(gamma, dtype, hidden_dim))
         self._native.backward_device(dtype, num_rows, hidden_dim, float(eps), *pointers,
                                      rms_pointer, gamma_buffer, grad_buffer, kernel or "",
-                                     operator.index(device), *variant)
+                                     operator.index(device), *variant, bool(in_place))
         return grad_gamma
 
     def takes_cuda_ipc(self, device=0):
@@ -497,8 +501,9 @@ class Client:
                 self._device_uuids[device] = _native.cuda_device_uuid(device)
             return self._device_uuids[device] == server_uuid
 
-    def _backward_cuda(self, x, dy, gamma, eps, rms, kernel, variant):
-        """backward for a torch CUDA x: by CUDA IPC (_device_route), or through the host."""
+    def _backward_cuda(self, x, dy, gamma, eps, rms, kernel, variant, in_place):
+        """backward for a torch CUDA x: by CUDA IPC (_device_route), or through the host. By
+        CUDA IPC with in_place, the server writes dx over dy itself (dy is returned as dx)."""
         import torch
         _check_torch_cuda(x, dy, gamma, rms)
         device = x.device.index if x.device.index is not None else torch.cuda.current_device()
@@ -517,7 +522,7 @@ class Client:
             # The locals hold every tensor until the call returns (the server reads them).
             x, dy = x.detach().contiguous(), dy.detach().contiguous()
             rms = None if rms is None else rms.detach().to(torch.float32).contiguous()
-            dx = torch.empty_like(x)
+            dx = dy if in_place else torch.empty_like(x)
             gamma_host = None if gamma is None else gamma.detach().cpu().contiguous()
             # PyTorch's kernels are asynchronous: x, dy and rms must be written before another
             # process reads them. (This first runtime call on the thread also makes the device's
@@ -527,7 +532,8 @@ class Client:
                 x.data_ptr(), dy.data_ptr(), dx.data_ptr(), gamma_host, num_rows=rows,
                 hidden_dim=x.shape[-1], dtype=_torch_types()[x.dtype], eps=eps,
                 rms_ptr=None if rms is None else rms.data_ptr(), device=device, kernel=kernel,
-                gamma_offset=variant[0], casting_mode=_CASTING_MODE_NAMES[variant[1]])
+                gamma_offset=variant[0], casting_mode=_CASTING_MODE_NAMES[variant[1]],
+                in_place=in_place)
             return dx, None if dgamma is None else dgamma.to(x.device)
 
     def backward_async(self, x, dy, gamma, **options):

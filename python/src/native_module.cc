@@ -250,9 +250,10 @@ class PyClient {
                           double eps, uint64_t x_ptr, uint64_t dy_ptr, uint64_t dx_ptr,
                           std::optional<uint64_t> rms_ptr, const std::optional<py::buffer>& gamma,
                           const std::optional<py::buffer>& dgamma, const std::string& kernel,
-                          int device, double gamma_offset, int casting_mode) {
+                          int device, double gamma_offset, int casting_mode, bool in_place) {
     std::optional<py::buffer_info> gamma_info, dgamma_info;
     RawBackwardArgs args = ShapedArgs(type, num_rows, hidden_dim, eps, gamma_offset, casting_mode);
+    args.in_place = in_place;  // dx_ptr is dy_ptr: the server writes dx over dy
     SetGamma(gamma, dgamma, "grad_gamma", gamma_info, dgamma_info, args);
     absl::Status exported;
     {
@@ -367,7 +368,8 @@ PYBIND11_MODULE(_native, m) {
       .def("backward_device", &PyClient::BackwardDevice, py::arg("dtype"), py::arg("num_rows"),
            py::arg("hidden_dim"), py::arg("eps"), py::arg("x_ptr"), py::arg("dy_ptr"),
            py::arg("dx_ptr"), py::arg("rms_ptr"), py::arg("gamma"), py::arg("dgamma"),
-           py::arg("kernel"), py::arg("device"), py::arg("gamma_offset"), py::arg("casting_mode"))
+           py::arg("kernel"), py::arg("device"), py::arg("gamma_offset"), py::arg("casting_mode"),
+           py::arg("in_place") = false)
       .def("emit_ptx", &PyClient::EmitPtx)
       .def("server_info_json", &PyClient::ServerInfoJson)
       .def("health", &PyClient::Health, py::arg("service") = "");

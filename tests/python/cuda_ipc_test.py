@@ -207,6 +207,43 @@ class CudaIpcTest(EmulatedCudaServerTest):
         assert_close(self, from_bf16_bits(dx), dx_ref, RTOL["bf16"], "dx")
         assert_close(self, from_bf16_bits(grad_gamma), dgamma_ref, RTOL["bf16"], "grad_gamma")
 
+    def run_device(self, x, dy, gamma, rows, hidden, in_place, **options):
+        """One backward_device on fresh device copies of x and dy, dx over dy when in_place:
+        (dx, grad_gamma) read back."""
+        x_ptr, dy_ptr, dx_ptr = self.place(x, dy)
+        if in_place:
+            dx_ptr = dy_ptr
+        grad_gamma = self.client.backward_device(x_ptr, dy_ptr, dx_ptr, gamma, num_rows=rows,
+                                                 hidden_dim=hidden, in_place=in_place, **options)
+        return self.device.download(dx_ptr, x.dtype, rows * hidden), grad_gamma
+
+    def test_in_place_writes_dx_over_dy_with_the_out_of_place_bits(self):
+        # The row-resident kernel, and the warp kernel whose grad_gamma the server sums on the
+        # host from x and dy (read before dx is written over dy).
+        for hidden, options in ((256, {}), (32, {"kernel": "rms_norm_backward"})):
+            with self.subTest(hidden=hidden):
+                x, dy, gamma, dx_ref, _ = random_case(6, hidden, np.float32, 11)
+                rms_ptr = None
+                if options:
+                    x64 = x.astype(np.float64)
+                    rms = np.sqrt((x64 * x64).mean(-1) + EPS).astype(np.float32)
+                    rms_ptr = self.device.alloc(rms.nbytes)
+                    self.device.upload(rms_ptr, rms)
+                apart = self.run_device(x, dy, gamma, 6, hidden, False, eps=EPS, rms_ptr=rms_ptr,
+                                        **options)
+                over = self.run_device(x, dy, gamma, 6, hidden, True, eps=EPS, rms_ptr=rms_ptr,
+                                       **options)
+                np.testing.assert_array_equal(over[0], apart[0])
+                np.testing.assert_array_equal(over[1], apart[1])
+                assert_close(self, over[0].reshape(6, hidden), dx_ref, RTOL["f32"], "dx")
+
+    def test_dx_at_dy_without_in_place_is_invalid_argument_naming_it(self):
+        x, dy, gamma, _, _ = random_case(2, 64, np.float32, 12)
+        x_ptr, dy_ptr, _ = self.place(x, dy)
+        with self.assertRaises(normgrad.InvalidArgumentError) as caught:
+            self.client.backward_device(x_ptr, dy_ptr, dy_ptr, gamma, num_rows=2, hidden_dim=64)
+        self.assertIn("set in_place", caught.exception.message)
+
     def test_the_server_takes_cuda_ipc_for_this_device(self):
         info = self.client.info()
         self.assertTrue(info["cuda_ipc"]["enabled"])
