@@ -753,7 +753,9 @@ absl::Status BackwardCall::TakeResponseLocked() {
       return absl::InternalError(absl::StrCat("server sent ", response_.grad_gamma().size(),
                                               " grad_gamma bytes, expected ", a.dgamma.size()));
     }
-    std::memcpy(a.dgamma.data(), response_.grad_gamma().data(), a.dgamma.size());
+    if (!a.dgamma.empty()) {  // none without gamma
+      std::memcpy(a.dgamma.data(), response_.grad_gamma().data(), a.dgamma.size());
+    }
     const v1::BackwardSummary& s = response_.summary();
     summary_ = {s.backend(), s.kernel(),          s.rows(),
                 s.chunks(),  s.compute_seconds(), s.total_seconds()};

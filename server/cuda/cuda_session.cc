@@ -158,7 +158,7 @@ absl::Status CudaBackwardSession::DeviceChunk(absl::Span<const uint8_t> x,
   }
   return WithSlot(host.bytes(), device.bytes(), [&](const StagingSlot& slot) -> absl::Status {
     NORMGRAD_RETURN_IF_ERROR(ctx_->MakeCurrent());
-    std::memcpy(slot.host + at.host_gamma, gamma_.data(), gamma_.size());
+    if (!gamma_.empty()) std::memcpy(slot.host + at.host_gamma, gamma_.data(), gamma_.size());
     const ChunkRows chunk{x,           dy,           rms, dx, in_place, rms_bytes != 0,
                           dgamma_bytes, !flow.writes_dgamma && spec_.variant.has_gamma};
     const uint64_t pieces = (rows + piece_rows - 1) / piece_rows;

@@ -386,10 +386,12 @@ HWY_EXPORT(TargetNameImpl);
 void BackwardRowsF32(const RowBlock& block) { HWY_DYNAMIC_DISPATCH(BackwardRowsF32Impl)(block); }
 
 void ConvertToF32(kernels::DType dtype, const uint8_t* src, float* dst, size_t n) {
+  if (n == 0) return;  // empty buffers may be null (no gamma)
   HWY_DYNAMIC_DISPATCH(ConvertToF32Impl)(dtype, src, dst, n);
 }
 
 void ConvertFromF32(kernels::DType dtype, const float* src, uint8_t* dst, size_t n) {
+  if (n == 0) return;  // empty buffers may be null (no gamma)
   HWY_DYNAMIC_DISPATCH(ConvertFromF32Impl)(dtype, src, dst, n);
 }
 

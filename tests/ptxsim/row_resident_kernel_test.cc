@@ -164,7 +164,7 @@ void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, 
 
 // Whether `a` and `b` hold the same floats bit for bit.
 bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), 4 * a.size()) == 0;
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), 4 * a.size()) == 0);
 }
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {

@@ -725,7 +725,9 @@ TEST_F(ServiceShutdownTest, DrainLetsInFlightStreamsFinishAndRefusesNewOnes) {
     ++more;
     if (response.has_summary()) {
       dgamma.resize(response.grad_gamma().size() / 4);
-      std::memcpy(dgamma.data(), response.grad_gamma().data(), dgamma.size() * 4);
+      if (!dgamma.empty()) {
+        std::memcpy(dgamma.data(), response.grad_gamma().data(), dgamma.size() * 4);
+      }
     }
   }
   EXPECT_TRUE(stream->Finish().ok());

@@ -71,8 +71,10 @@ BackwardResult RunBackward(v1::NormGrad::Stub& stub, const Batch& b, uint64_t ro
       result.saw_final = true;
       result.summary = response.summary();
       result.dgamma.resize(response.grad_gamma().size() / 4);
-      std::memcpy(result.dgamma.data(), response.grad_gamma().data(),
-                  result.dgamma.size() * 4);
+      if (!result.dgamma.empty()) {  // none for a batch without gamma
+        std::memcpy(result.dgamma.data(), response.grad_gamma().data(),
+                    result.dgamma.size() * 4);
+      }
       continue;
     }
     result.chunks.emplace_back(response.first_row(), response.num_rows());
