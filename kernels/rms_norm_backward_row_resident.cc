@@ -575,7 +575,9 @@ void BuildDgammaTree(Builder& b, const RowTiling& tiling, Value col0, Value tid,
   const uint32_t T = tiling.threads;
   const uint32_t K = tiling.vectors_per_thread;
   const uint32_t V = tiling.vector_elements;
-  const auto [level_loop, ticket_taken, top, done] = CreateTreeLabels(b, "tree", "top");
+  const TreeLabels labels = CreateTreeLabels(b, "tree", "top");
+  const Label level_loop = labels.level_loop, ticket_taken = labels.ticket_taken;
+  const Label top = labels.end, done = labels.done;
   const TreeFrame t = StartTree(b, tiling, col0, tid, last_flag, p);
   // Byte offset of slot k's quad q in a workspace row, past the thread's own 16 bytes.
   auto quad_offset = [&](uint32_t k, uint32_t q) {
@@ -683,7 +685,9 @@ void BuildStreamedTree(Builder& b, const RowTiling& tiling, Value col0, Value ti
                        SharedArray last_flag, const DgammaTreeParams& p) {
   const uint32_t T = tiling.threads;
   const uint32_t V = tiling.vector_elements;
-  const auto [level_loop, ticket_taken, single, done] = CreateTreeLabels(b, "stree", "single");
+  const TreeLabels labels = CreateTreeLabels(b, "stree", "single");
+  const Label level_loop = labels.level_loop, ticket_taken = labels.ticket_taken;
+  const Label single = labels.end, done = labels.done;
   const TreeFrame t = StartTree(b, tiling, col0, tid, last_flag, p);
   const Value hidden = p.hidden;
   const Value dg_thread = b.Add(t.dgamma, t.col0_bytes);
@@ -813,7 +817,9 @@ void BuildStreamedRows(Builder& b, const KernelConfig& config, const RowKernelDe
   b.Bind(row_loop);
   b.BraIf(b.Setp(CmpOp::kGe, row, v.rows), rows_done);
   {
-    const auto [x_thread, dy_thread, dx_thread] = RowPointers(b, v, row, elem_bytes);
+    // Named values, not a structured binding: the lambdas below capture them (C++17).
+    const ThreadRowPointers ptrs = RowPointers(b, v, row, elem_bytes);
+    const Value x_thread = ptrs.x, dy_thread = ptrs.dy, dx_thread = ptrs.dx;
     // One segment's x, dy (with `cache`) and gamma as f32, and its predicates.
     struct Segment {
       SlotPredicates p;
@@ -1012,7 +1018,9 @@ absl::StatusOr<Module> RowResidentRmsNormBackwardKernel::Build(const KernelConfi
   b.Bind(row_loop);
   b.BraIf(b.Setp(CmpOp::kGe, row, v.rows), rows_done);
   {
-    const auto [x_thread, dy_thread, dx_thread] = RowPointers(b, v, row, elem_bytes);
+    // Named values, not a structured binding: the lambdas below capture them (C++17).
+    const ThreadRowPointers ptrs = RowPointers(b, v, row, elem_bytes);
+    const Value x_thread = ptrs.x, dy_thread = ptrs.dy, dx_thread = ptrs.dx;
 
     // x and dy stay in registers until the output; gamma (the same for every row, so cache
     // resident) is loaded again after the reduction instead of holding it, to save registers.
