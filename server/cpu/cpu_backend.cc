@@ -108,8 +108,8 @@ class CpuBackwardSession : public backend_internal::BackwardSessionBase {
   absl::string_view KernelName() const override { return "cpu_highway"; }
 
  private:
-  static bool IsFloatAligned(const void* p) {
-    return reinterpret_cast<uintptr_t>(p) % alignof(float) == 0;
+  static bool IsAligned(const void* p, size_t bytes) {
+    return reinterpret_cast<uintptr_t>(p) % bytes == 0;
   }
 
   absl::Status ComputeChunk(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
@@ -118,14 +118,19 @@ class CpuBackwardSession : public backend_internal::BackwardSessionBase {
     const uint64_t rows_per_part = cpu_internal::RowsPerPartition(rows, spec_.hidden_dim);
     const size_t parts = (rows + rows_per_part - 1) / rows_per_part;
     partials_.resize(parts * h);
-    // f32 buffers that are 4-byte aligned are used as they are; anything else is staged as f32.
-    // dx may be dy (in place): host_rows reads a dy element before it writes that dx element,
-    // and a staged tile's dy is converted before its dx is written back.
-    const bool direct = spec_.dtype == DType::kF32 && IsFloatAligned(x.data()) &&
-                        IsFloatAligned(dy.data()) && IsFloatAligned(dx.data());
+    // Buffers aligned to their element are used as they are (bf16/f16 converted in registers),
+    // except for the casting modes that round (llama, none on bf16/f16), which run on rows
+    // staged as f32; anything misaligned is staged too. dx may be dy (in place): host_rows
+    // reads a dy element before it writes that dx element, and a staged tile's dy is converted
+    // before its dx is written back.
     const size_t elem_bytes = ElementBytes(spec_.dtype);
+    const bool rounds = spec_.dtype != DType::kF32 &&
+                        spec_.variant.casting != kernels::CastingMode::kGemma;
+    const bool direct = !rounds && IsAligned(x.data(), elem_bytes) &&
+                        IsAligned(dy.data(), elem_bytes) && IsAligned(dx.data(), elem_bytes);
     // Chunks far larger than the caches: dx goes straight to memory (see RowBlock).
-    const bool stream_dx = direct && dx.size() >= cpu_internal::kStreamDxBytes;
+    const bool stream_dx =
+        direct && spec_.dtype == DType::kF32 && dx.size() >= cpu_internal::kStreamDxBytes;
     const bool has_gamma = spec_.variant.has_gamma;
 
     pool_->ParallelFor(parts, [&](size_t p) {
@@ -145,9 +150,10 @@ class CpuBackwardSession : public backend_internal::BackwardSessionBase {
       block.casting = spec_.variant.casting;
       block.element = spec_.dtype;
       if (direct) {
-        block.x = reinterpret_cast<const float*>(x.data()) + offset;
-        block.dy = reinterpret_cast<const float*>(dy.data()) + offset;
-        block.dx = reinterpret_cast<float*>(dx.data()) + offset;
+        block.x = x.data() + offset * elem_bytes;
+        block.dy = dy.data() + offset * elem_bytes;
+        block.dx = dx.data() + offset * elem_bytes;
+        block.storage = spec_.dtype;
         host_rows::BackwardRowsF32(block);
         return;
       }

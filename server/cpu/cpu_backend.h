@@ -15,8 +15,10 @@
 // a different vector width, which changes the order of each row's two sums: bits may then
 // differ in the last place.)
 //
-// dtypes: f32 natively; bf16 and f16 are converted to f32 on load and rounded back on store, a
-// few rows at a time (kStagingElements).
+// dtypes: f32, bf16 and f16 read and written where they lie, bf16/f16 converted in registers
+// (exactly, and rounded back as staging through f32 would). Staged as f32 a few rows at a time
+// (kStagingElements): buffers not aligned to their element, and the casting modes llama and none
+// on bf16/f16.
 //
 // Variants (kernels::NormVariant, every one): the scale gamma_offset + gamma is formed once per
 // batch in f32; without gamma it is 1 and no grad_gamma is accumulated; the casting modes llama
@@ -51,8 +53,9 @@ uint64_t RowsPerPartition(uint64_t rows, uint32_t hidden_dim);
 // dx of a chunk at least this large is written with non-temporal stores.
 inline constexpr uint64_t kStreamDxBytes = 8ull << 20;
 
-// bf16/f16 (and unaligned f32) rows are converted to f32 at most StagingRows(hidden_dim) rows
-// at a time per thread: kStagingElements elements, or one row when rows are wider. A thread
+// Staged rows (misaligned buffers; llama/none on bf16/f16) are converted to f32 at most
+// StagingRows(hidden_dim) rows at a time per thread: kStagingElements elements, or one row when
+// rows are wider. A thread
 // then holds at most 12 x max(kStagingElements, hidden_dim) bytes of f32 copies (x, dy and dx),
 // whatever the chunk's size (docs/operations.md, "Memory and overload"); it keeps them for the
 // next chunk when they are at most 4 MiB.

@@ -387,7 +387,7 @@ absl::Status CudaBackwardSession::HostChunk(absl::Span<const uint8_t> x,
     block.rms = rms.data() + first;
     block.num_rows = m;
     host_rows::BackwardRowsF32(block);
-    host_rows::ConvertFromF32(spec_.dtype, block.dx, dx.data() + at, m * h);
+    host_rows::ConvertFromF32(spec_.dtype, staged.data() + 2 * tile * h, dx.data() + at, m * h);
   }
   for (size_t i = 0; i < partial.size(); ++i) dgamma_sum_[i] += partial[i];
   return absl::OkStatus();

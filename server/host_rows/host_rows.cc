@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #undef HWY_TARGET_INCLUDE
@@ -17,6 +18,83 @@ namespace normgrad::server::host_rows {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
+// x, dy and dx as stored (RowBlock::storage): f32, or bf16/f16 converted in registers. A vector
+// step loads Lanes(d) elements as double and stores Lanes(d) results (double -> f32 -> the
+// element type, each rounding to nearest even, as staging through f32 rounds).
+template <class D>
+HWY_INLINE hn::Vec<D> LoadAsDouble(D d, const float* HWY_RESTRICT p) {
+  return hn::PromoteTo(d, hn::LoadU(hn::Rebind<float, D>(), p));
+}
+template <class D, typename T>
+HWY_INLINE hn::Vec<D> LoadAsDouble(D d, const T* HWY_RESTRICT p) {
+  const hn::Rebind<float, D> df;
+  return hn::PromoteTo(d, hn::PromoteTo(df, hn::LoadU(hn::Rebind<T, D>(), p)));
+}
+
+// f32 -> bf16 rounding to nearest even (Highway 1.0.3's DemoteTo truncates); NaN stays NaN.
+template <class DF>
+HWY_INLINE hn::Vec<hn::Rebind<uint16_t, DF>> RoundToBF16Bits(DF df, hn::Vec<DF> v) {
+  const hn::RebindToUnsigned<decltype(df)> du;
+  const hn::Rebind<uint16_t, decltype(df)> du16;
+  const auto bits = hn::BitCast(du, v);
+  const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
+  const auto rounded = hn::ShiftRight<16>(hn::Add(bits, hn::Add(lsb, hn::Set(du, 0x7fffu))));
+  const auto nan = hn::Or(hn::ShiftRight<16>(bits), hn::Set(du, 0x40u));  // quiet NaN
+  const hn::RebindToSigned<decltype(df)> di;  // values are <= 0xffff: the signed demotion is exact
+  return hn::DemoteTo(
+      du16, hn::BitCast(di, hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(v)), nan, rounded)));
+}
+
+template <bool kStream, class D>
+HWY_INLINE void StoreFromDouble(D d, hn::Vec<D> v, float* HWY_RESTRICT p) {
+  const hn::Rebind<float, D> df;
+  if (kStream) {
+    hn::Stream(hn::DemoteTo(df, v), df, p);
+  } else {
+    hn::StoreU(hn::DemoteTo(df, v), df, p);
+  }
+}
+template <bool kStream, class D>
+HWY_INLINE void StoreFromDouble(D d, hn::Vec<D> v, hwy::bfloat16_t* HWY_RESTRICT p) {
+  const hn::Rebind<float, D> df;
+  hn::StoreU(RoundToBF16Bits(df, hn::DemoteTo(df, v)), hn::Rebind<uint16_t, D>(),
+             reinterpret_cast<uint16_t*>(p));
+}
+template <bool kStream, class D>
+HWY_INLINE void StoreFromDouble(D d, hn::Vec<D> v, hwy::float16_t* HWY_RESTRICT p) {
+  const hn::Rebind<hwy::float16_t, D> dh;
+  hn::StoreU(hn::DemoteTo(dh, hn::DemoteTo(hn::Rebind<float, D>(), v)), dh, p);
+}
+
+// A row's last n < Lanes elements as f32 (`out`), and f32 results back into the row, through a
+// zero-padded vector so that they round exactly as the vector body's elements do.
+template <typename T>
+HWY_INLINE void TailToF32(const T* HWY_RESTRICT src, size_t n, float* HWY_RESTRICT out) {
+  const hn::ScalableTag<float> df;
+  HWY_ALIGN T in[hn::MaxLanes(df)] = {};
+  std::memcpy(in, src, n * sizeof(T));
+  HWY_ALIGN float promoted[hn::MaxLanes(df)];
+  hn::Store(hn::PromoteTo(df, hn::Load(hn::Rebind<T, decltype(df)>(), in)), df, promoted);
+  std::memcpy(out, promoted, n * sizeof(float));
+}
+HWY_INLINE void TailFromF32(const float* HWY_RESTRICT src, size_t n, hwy::bfloat16_t* dst) {
+  const hn::ScalableTag<float> df;
+  HWY_ALIGN float in[hn::MaxLanes(df)] = {};
+  std::memcpy(in, src, n * sizeof(float));
+  HWY_ALIGN uint16_t out[hn::MaxLanes(df)];
+  hn::Store(RoundToBF16Bits(df, hn::Load(df, in)), hn::Rebind<uint16_t, decltype(df)>(), out);
+  std::memcpy(dst, out, n * sizeof(uint16_t));
+}
+HWY_INLINE void TailFromF32(const float* HWY_RESTRICT src, size_t n, hwy::float16_t* dst) {
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<hwy::float16_t, decltype(df)> dh;
+  HWY_ALIGN float in[hn::MaxLanes(df)] = {};
+  std::memcpy(in, src, n * sizeof(float));
+  HWY_ALIGN hwy::float16_t out[hn::MaxLanes(df)];
+  hn::Store(hn::DemoteTo(dh, hn::Load(df, in)), dh, out);
+  std::memcpy(dst, out, n * sizeof(hwy::float16_t));
+}
+
 // One element the way the vector body computes it: dx = inv * fma(-x, c, g*dy) and
 // dgamma = fma(dy*x, inv, dgamma), so heads and tails round exactly like the vector lanes
 // on targets with FMA.
@@ -28,45 +106,48 @@ HWY_INLINE void ScalarElement(float xf, float yf, double g, double inv_rms, doub
   if (kAccumulate) *dgamma = std::fma(y * x, inv_rms, *dgamma);
 }
 
-// Rows r .. r + R - 1 of `b`: pass 1 for each of them, then one pass 2 over hidden_dim for all
-// of them, so that gamma and the grad_gamma partial are loaded (and grad_gamma stored) once per
-// R rows instead of once per row. Each row's operations are those of R = 1 in the same order,
-// and grad_gamma receives row r's term before row r + 1's, so the grouping never changes a bit.
-// With kStream, the caller guarantees that every row's dx has the same misalignment (the same
-// scalar head). Without kAccumulate grad_gamma is neither read nor written, and each row's
-// 1/rms is stored to inv_rms_out[r + k] when inv_rms_out is not null.
-template <size_t R, bool kStream, bool kAccumulate>
+// Rows r .. r + R - 1 of `b`, whose x, dy and dx are T (RowBlock::storage): pass 1 for each of
+// them, then one pass 2 over hidden_dim for all of them, so that gamma and the grad_gamma partial
+// are loaded (and grad_gamma stored) once per R rows instead of once per row. Each row's
+// operations are those of R = 1 in the same order, and grad_gamma receives row r's term before
+// row r + 1's, so the grouping never changes a bit. bf16/f16 elements are converted in
+// registers; a row's last elements (fewer than a vector) go through f32 copies converted as a
+// vector is, so every element's bits are those of staging the rows as f32 first.
+// With kStream (T = float only), the caller guarantees that every row's dx has the same
+// misalignment (the same scalar head). Without kAccumulate grad_gamma is neither read nor
+// written, and each row's 1/rms is stored to inv_rms_out[r + k] when inv_rms_out is not null.
+template <typename T, size_t R, bool kStream, bool kAccumulate>
 HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT gamma, size_t r,
                                  size_t prefetch_rows, double* inv_rms_out) {
+  static_assert(!kStream || std::is_same<T, float>::value, "streaming stores are f32 only");
   const hn::ScalableTag<double> d;
-  const hn::Rebind<float, decltype(d)> df;  // half-width f32 vectors, promoted to double
   using V = hn::Vec<decltype(d)>;
   const size_t lanes = hn::Lanes(d);
   const size_t h = b.hidden_dim;
   const double h_double = static_cast<double>(h);
   double* HWY_RESTRICT dgamma = b.dgamma;
-  const float* x[R];
-  const float* dy[R];
-  float* dx[R];
+  const T* x[R];
+  const T* dy[R];
+  T* dx[R];
   HWY_UNROLL(4)
   for (size_t k = 0; k < R; ++k) {
-    x[k] = b.x + (r + k) * h;
-    dy[k] = b.dy + (r + k) * h;
-    dx[k] = b.dx + (r + k) * h;
+    x[k] = static_cast<const T*>(b.x) + (r + k) * h;
+    dy[k] = static_cast<const T*>(b.dy) + (r + k) * h;
+    dx[k] = static_cast<T*>(b.dx) + (r + k) * h;
   }
 
   // The next group's x is prefetched during pass 1 and its dy during pass 2, one prefetch per row
   // and vector step, so that memory keeps working while this group's rows are computed from the
   // cache (without it, memory idled during pass 2 until the next rows' first misses). Into L2
   // (locality 2): the current rows, gamma and the partial already fill much of L1.
-  const float* next_x[R];
-  const float* next_dy[R];
+  const T* next_x[R];
+  const T* next_dy[R];
   HWY_UNROLL(4)
   for (size_t k = 0; k < R; ++k) {
     // Past the block's end: prefetch this group's own (cached) rows, harmless.
     const size_t next = k < prefetch_rows ? r + R + k : r + k;
-    next_x[k] = b.x + next * h;
-    next_dy[k] = b.dy + next * h;
+    next_x[k] = static_cast<const T*>(b.x) + next * h;
+    next_dy[k] = static_cast<const T*>(b.dy) + next * h;
   }
 
   // Pass 1: sum x^2 (unless the forward's rms is given) and sum x*dy*gamma, two
@@ -81,10 +162,10 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
     HWY_UNROLL(4)
     for (size_t k = 0; k < R; ++k) {
       __builtin_prefetch(next_x[k] + i, 0, 2);
-      const V x0 = hn::PromoteTo(d, hn::LoadU(df, x[k] + i));
-      const V x1 = hn::PromoteTo(d, hn::LoadU(df, x[k] + i + lanes));
-      const V y0 = hn::PromoteTo(d, hn::LoadU(df, dy[k] + i));
-      const V y1 = hn::PromoteTo(d, hn::LoadU(df, dy[k] + i + lanes));
+      const V x0 = LoadAsDouble(d, x[k] + i);
+      const V x1 = LoadAsDouble(d, x[k] + i + lanes);
+      const V y0 = LoadAsDouble(d, dy[k] + i);
+      const V y1 = LoadAsDouble(d, dy[k] + i + lanes);
       sq0[k] = hn::MulAdd(x0, x0, sq0[k]);
       sq1[k] = hn::MulAdd(x1, x1, sq1[k]);
       xg0[k] = hn::MulAdd(hn::Mul(x0, y0), g0, xg0[k]);
@@ -95,13 +176,36 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
     const V g0 = hn::LoadU(d, gamma + i);
     HWY_UNROLL(4)
     for (size_t k = 0; k < R; ++k) {
-      const V x0 = hn::PromoteTo(d, hn::LoadU(df, x[k] + i));
-      const V y0 = hn::PromoteTo(d, hn::LoadU(df, dy[k] + i));
+      const V x0 = LoadAsDouble(d, x[k] + i);
+      const V y0 = LoadAsDouble(d, dy[k] + i);
       sq0[k] = hn::MulAdd(x0, x0, sq0[k]);
       xg0[k] = hn::MulAdd(hn::Mul(x0, y0), g0, xg0[k]);
     }
   }
   const size_t tail = i;
+  // The rows' elements [tail, h) as f32: the rows themselves for f32, else converted copies.
+  constexpr bool kF32 = std::is_same<T, float>::value;
+  HWY_ALIGN float tail_x[kF32 ? 1 : R][kF32 ? 1 : hn::MaxLanes(d)];
+  HWY_ALIGN float tail_dy[kF32 ? 1 : R][kF32 ? 1 : hn::MaxLanes(d)];
+  HWY_ALIGN float tail_dx[kF32 ? 1 : R][kF32 ? 1 : hn::MaxLanes(d)];
+  const float* x_tail[R];
+  const float* dy_tail[R];
+  float* dx_tail[R];
+  for (size_t k = 0; k < R; ++k) {
+    if constexpr (kF32) {
+      x_tail[k] = x[k] + tail;
+      dy_tail[k] = dy[k] + tail;
+      dx_tail[k] = dx[k] + tail;
+    } else {
+      if (tail < h) {
+        TailToF32(x[k] + tail, h - tail, tail_x[k]);
+        TailToF32(dy[k] + tail, h - tail, tail_dy[k]);
+      }
+      x_tail[k] = tail_x[k];
+      dy_tail[k] = tail_dy[k];
+      dx_tail[k] = tail_dx[k];
+    }
+  }
   V inv_v[R], corr_v[R];
   double inv_rms[R], correction[R];
   HWY_UNROLL(4)
@@ -109,9 +213,9 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
     double sum_sq = hn::GetLane(hn::SumOfLanes(d, hn::Add(sq0[k], sq1[k])));
     double sum_xdyg = hn::GetLane(hn::SumOfLanes(d, hn::Add(xg0[k], xg1[k])));
     for (i = tail; i < h; ++i) {
-      const double xi = x[k][i];
+      const double xi = x_tail[k][i - tail];
       sum_sq += xi * xi;
-      sum_xdyg += xi * static_cast<double>(dy[k][i]) * gamma[i];
+      sum_xdyg += xi * static_cast<double>(dy_tail[k][i - tail]) * gamma[i];
     }
     const double rms = b.rms != nullptr ? static_cast<double>(b.rms[r + k])
                                         : std::sqrt(sum_sq / h_double + static_cast<double>(b.eps));
@@ -125,7 +229,7 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
   // Pass 2 (the rows are still in L1/L2): dx = inv_rms * (gamma*dy - x*correction) and
   // dgamma += dy*x*inv_rms.
   i = 0;
-  if (kStream) {
+  if constexpr (kStream) {
     // Scalar head up to the vector alignment of dx (same operations as the vector body, fused
     // the same way, so an element's bits do not depend on its address).
     const size_t misalign = reinterpret_cast<uintptr_t>(dx[0]) % (lanes * sizeof(float));
@@ -147,27 +251,30 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
     HWY_UNROLL(4)
     for (size_t k = 0; k < R; ++k) {
       __builtin_prefetch(next_dy[k] + i, 0, 2);
-      xs[k] = hn::PromoteTo(d, hn::LoadU(df, x[k] + i));
-      ys[k] = hn::PromoteTo(d, hn::LoadU(df, dy[k] + i));
+      xs[k] = LoadAsDouble(d, x[k] + i);
+      ys[k] = LoadAsDouble(d, dy[k] + i);
     }
     HWY_UNROLL(4)
     for (size_t k = 0; k < R; ++k) {
       const V x0 = xs[k];
       const V y0 = ys[k];
       const V dx0 = hn::Mul(inv_v[k], hn::NegMulAdd(x0, corr_v[k], hn::Mul(g0, y0)));
-      if (kStream) {
-        hn::Stream(hn::DemoteTo(df, dx0), df, dx[k] + i);
-      } else {
-        hn::StoreU(hn::DemoteTo(df, dx0), df, dx[k] + i);
-      }
+      StoreFromDouble<kStream>(d, dx0, dx[k] + i);
       if (kAccumulate) dg = hn::MulAdd(hn::Mul(y0, x0), inv_v[k], dg);
     }
     if (kAccumulate) hn::StoreU(dg, d, dgamma + i);
   }
+  // The tail: from `tail` on when there is no head (always for bf16/f16), else later for f32.
+  const size_t from = i;
   for (; i < h; ++i) {
     for (size_t k = 0; k < R; ++k) {
-      ScalarElement<kAccumulate>(x[k][i], dy[k][i], gamma[i], inv_rms[k], correction[k], dx[k] + i,
-                                 dgamma + i);
+      ScalarElement<kAccumulate>(x_tail[k][i - tail], dy_tail[k][i - tail], gamma[i], inv_rms[k],
+                                 correction[k], dx_tail[k] + (i - tail), dgamma + i);
+    }
+  }
+  if constexpr (!kF32) {
+    if (from < h) {
+      for (size_t k = 0; k < R; ++k) TailFromF32(tail_dx[k], h - from, dx[k] + from);
     }
   }
 }
@@ -178,7 +285,7 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
 // streams (x, dy, dx of each row, gamma, grad_gamma) on the same L1 sets, which measured slower.
 constexpr size_t kFourRowsMaxElements = 2048;
 
-template <bool kStream, bool kAccumulate>
+template <typename T, bool kStream, bool kAccumulate>
 void BackwardRows(const RowBlock& b, const double* gamma, double* inv_rms_out) {
   size_t r = 0;
   // Streaming needs every row of a group to have the same scalar head: true when a row is a
@@ -187,24 +294,25 @@ void BackwardRows(const RowBlock& b, const double* gamma, double* inv_rms_out) {
   if (!kStream || b.hidden_dim % hn::Lanes(d) == 0) {
     if (b.hidden_dim <= kFourRowsMaxElements) {
       for (; r + 4 <= b.num_rows; r += 4) {
-        BackwardRowGroup<4, kStream, kAccumulate>(b, gamma, r, b.num_rows - r - 4, inv_rms_out);
+        BackwardRowGroup<T, 4, kStream, kAccumulate>(b, gamma, r, b.num_rows - r - 4,
+                                                     inv_rms_out);
       }
     }
     for (; r + 2 <= b.num_rows; r += 2) {
-      BackwardRowGroup<2, kStream, kAccumulate>(b, gamma, r, b.num_rows - r - 2, inv_rms_out);
+      BackwardRowGroup<T, 2, kStream, kAccumulate>(b, gamma, r, b.num_rows - r - 2, inv_rms_out);
     }
   }
   for (; r < b.num_rows; ++r) {
-    BackwardRowGroup<1, kStream, kAccumulate>(b, gamma, r, b.num_rows - r - 1, inv_rms_out);
+    BackwardRowGroup<T, 1, kStream, kAccumulate>(b, gamma, r, b.num_rows - r - 1, inv_rms_out);
   }
 }
 
-template <bool kStream>
+template <typename T, bool kStream>
 void BackwardRowsWithOrWithoutGamma(const RowBlock& b, const double* gamma) {
   if (b.dgamma != nullptr) {
-    BackwardRows<kStream, true>(b, gamma, nullptr);
+    BackwardRows<T, kStream, true>(b, gamma, nullptr);
   } else {
-    BackwardRows<kStream, false>(b, gamma, nullptr);
+    BackwardRows<T, kStream, false>(b, gamma, nullptr);
   }
 }
 
@@ -257,23 +365,10 @@ void ConvertToF32Impl(kernels::DType dtype, const uint8_t* src, float* dst, size
   }
 }
 
-// f32 -> bf16 rounding to nearest even (Highway 1.0.3's DemoteTo truncates); NaN stays NaN.
-HWY_ATTR HWY_INLINE hn::Vec<hn::Rebind<uint16_t, hn::ScalableTag<float>>> RoundToBF16Bits(
-    hn::Vec<hn::ScalableTag<float>> v) {
-  const hn::ScalableTag<float> df;
-  const hn::RebindToUnsigned<decltype(df)> du;
-  const hn::Rebind<uint16_t, decltype(df)> du16;
-  const auto bits = hn::BitCast(du, v);
-  const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
-  const auto rounded = hn::ShiftRight<16>(hn::Add(bits, hn::Add(lsb, hn::Set(du, 0x7fffu))));
-  const auto nan = hn::Or(hn::ShiftRight<16>(bits), hn::Set(du, 0x40u));  // quiet NaN
-  const hn::RebindToSigned<decltype(df)> di;  // values are <= 0xffff: the signed demotion is exact
-  return hn::DemoteTo(
-      du16, hn::BitCast(di, hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(v)), nan, rounded)));
-}
-
 void DemoteToBF16(const float* HWY_RESTRICT src, uint16_t* HWY_RESTRICT dst, size_t n) {
-  ConvertLanes(src, dst, n, [](auto v) HWY_ATTR { return RoundToBF16Bits(v); });
+  ConvertLanes(src, dst, n, [](auto v) HWY_ATTR {
+    return RoundToBF16Bits(hn::ScalableTag<float>(), v);
+  });
 }
 
 void ConvertFromF32Impl(kernels::DType dtype, const float* src, uint8_t* dst, size_t n) {
@@ -326,18 +421,19 @@ void BackwardRowsRounded(const RowBlock& b, const double* scale) {
   float* n = dy + h;
   if (unit_scale.size() < h) unit_scale.assign(h, 1.0);
   for (size_t r = 0; r < b.num_rows; ++r) {
-    const float* x = b.x + r * h;
-    std::copy(b.dy + r * h, b.dy + (r + 1) * h, dy);
+    const float* x = static_cast<const float*>(b.x) + r * h;
+    const float* dy_row = static_cast<const float*>(b.dy) + r * h;
+    std::copy(dy_row, dy_row + h, dy);
     for (size_t i = 0; i < h; ++i) m[i] = RoundToOddF32(static_cast<double>(dy[i]) * scale[i]);
     RoundThroughElement(b.element, m, h);
     RowBlock row = b;
     row.x = x;
     row.dy = m;
-    row.dx = b.dx + r * h;
+    row.dx = static_cast<float*>(b.dx) + r * h;
     row.rms = b.rms != nullptr ? b.rms + r : nullptr;
     row.num_rows = 1;
     double inv_rms = 0;
-    BackwardRows<false, false>(row, unit_scale.data(), &inv_rms);
+    BackwardRows<float, false, false>(row, unit_scale.data(), &inv_rms);
     if (b.dgamma == nullptr) continue;
     if (b.casting == kernels::CastingMode::kLlama) {
       for (size_t i = 0; i < h; ++i) n[i] = RoundToOddF32(static_cast<double>(x[i]) * inv_rms);
@@ -359,13 +455,23 @@ void BackwardRowsF32Impl(const RowBlock& b) {
     promoted.assign(b.gamma, b.gamma + b.hidden_dim);
     gamma = promoted.data();
   }
+  switch (b.storage) {
+    case kernels::DType::kBF16:
+      BackwardRowsWithOrWithoutGamma<hwy::bfloat16_t, false>(b, gamma);
+      return;
+    case kernels::DType::kF16:
+      BackwardRowsWithOrWithoutGamma<hwy::float16_t, false>(b, gamma);
+      return;
+    case kernels::DType::kF32:
+      break;
+  }
   if (b.element != kernels::DType::kF32 && b.casting != kernels::CastingMode::kGemma) {
     BackwardRowsRounded(b, gamma);
   } else if (b.stream_dx) {
-    BackwardRowsWithOrWithoutGamma<true>(b, gamma);
+    BackwardRowsWithOrWithoutGamma<float, true>(b, gamma);
     hwy::FlushStream();
   } else {
-    BackwardRowsWithOrWithoutGamma<false>(b, gamma);
+    BackwardRowsWithOrWithoutGamma<float, false>(b, gamma);
   }
 }
 
@@ -398,6 +504,10 @@ void ConvertFromF32(kernels::DType dtype, const float* src, uint8_t* dst, size_t
 std::string SimdTargetName() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)(); }
 
 bool LimitSimdTarget(const std::string& name) {
+  if (name.empty()) {
+    hwy::DisableTargets(0);
+    return true;
+  }
   for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
     if (name == hwy::TargetName(target)) {
       // Targets are single bits, the better ones lower: disable every bit below this one.
@@ -406,6 +516,14 @@ bool LimitSimdTarget(const std::string& name) {
     }
   }
   return false;
+}
+
+std::vector<std::string> SupportedSimdTargets() {
+  std::vector<std::string> names;
+  for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    names.push_back(hwy::TargetName(target));
+  }
+  return names;
 }
 
 }  // namespace normgrad::server::host_rows

@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "kernels/kernel.h"
 
@@ -34,13 +35,18 @@ namespace normgrad::server::host_rows {
 //
 // In place: dx may be dy (the same rows at the same address); each dy element is read before
 // that dx element is written. dx must not overlap x, rms, or another row of dy.
+//
+// Storage: x, dy and dx are `storage` elements (f32, or bf16/f16 converted in registers, every
+// element rounded as staging the rows through f32 would). bf16/f16 storage takes the casting
+// mode kGemma only (the rounding modes run on f32 rows staged by the caller, `element` naming
+// their dtype), and no streaming stores.
 struct RowBlock {
-  const float* x = nullptr;           // num_rows * hidden_dim
-  const float* dy = nullptr;          // num_rows * hidden_dim
+  const void* x = nullptr;            // num_rows * hidden_dim of `storage`
+  const void* dy = nullptr;           // num_rows * hidden_dim of `storage`
   const float* gamma = nullptr;       // hidden_dim: the scale
   const double* gamma_f64 = nullptr;  // the scale as double, or nullptr: promoted on each call
   const float* rms = nullptr;         // num_rows, or nullptr to recompute from x and eps
-  float* dx = nullptr;                // num_rows * hidden_dim (written)
+  void* dx = nullptr;                 // num_rows * hidden_dim of `storage` (written)
   double* dgamma = nullptr;  // hidden_dim, or nullptr; each row's dy*x/rms is added in row order
   size_t num_rows = 0;
   size_t hidden_dim = 0;
@@ -50,6 +56,7 @@ struct RowBlock {
   bool stream_dx = false;
   kernels::CastingMode casting = kernels::CastingMode::kGemma;
   kernels::DType element = kernels::DType::kF32;  // what x and dy were before promotion to f32
+  kernels::DType storage = kernels::DType::kF32;  // what x, dy and dx are in memory
 };
 
 void BackwardRowsF32(const RowBlock& block);
@@ -64,8 +71,11 @@ std::string SimdTargetName();
 
 // For benchmarks and tests: from now on the dispatcher picks no target better than `name` (a
 // SimdTargetName() of a target this build has and the CPU supports; "AVX2" on an AVX-512
-// machine runs the code path of CPUs without AVX-512). False, and nothing changed, otherwise.
-// Not thread-safe with calls running on other threads.
+// machine runs the code path of CPUs without AVX-512); "" lifts the limit. False, and nothing
+// changed, otherwise. Not thread-safe with calls running on other threads.
 bool LimitSimdTarget(const std::string& name);
+
+// The targets this build has and this CPU runs, best first (what LimitSimdTarget takes).
+std::vector<std::string> SupportedSimdTargets();
 
 }  // namespace normgrad::server::host_rows
