@@ -17,10 +17,15 @@ std::string ResourceLine(absl::string_view entry, absl::string_view dtype,
                          absl::string_view target, absl::string_view ptx_version,
                          absl::string_view min_cuda_driver,
                          const absl::StatusOr<std::string>& counts) {
-  return absl::StrCat(entry, " dtype=", dtype, " target=", target, " ptx_version=", ptx_version,
-                      " min_cuda_driver=", min_cuda_driver,
-                      counts.ok() ? " " : " resources=unknown (",
-                      counts.ok() ? *counts : counts.status().message(), counts.ok() ? "" : ")");
+  std::string line = absl::StrCat(entry, " dtype=", dtype, " target=", target,
+                                  " ptx_version=", ptx_version,
+                                  " min_cuda_driver=", min_cuda_driver);
+  if (counts.ok()) {
+    absl::StrAppend(&line, " ", *counts);
+  } else {
+    absl::StrAppend(&line, " resources=unknown (", counts.status().message(), ")");
+  }
+  return line;
 }
 
 }  // namespace normgrad::base
