@@ -17,8 +17,8 @@
 //
 // dtypes: f32, bf16 and f16 read and written where they lie, bf16/f16 converted in registers
 // (exactly, and rounded back as staging through f32 would). Staged as f32 a few rows at a time
-// (kStagingElements): buffers not aligned to their element, and the casting modes llama and none
-// on bf16/f16.
+// (kStagingElements): buffers not aligned to their element, the casting modes llama and none on
+// bf16/f16, and bf16 where the SIMD target stages it faster (host_rows::ConvertsInRegisters).
 //
 // Variants (kernels::NormVariant, every one): the scale gamma_offset + gamma is formed once per
 // batch in f32; without gamma it is 1 and no grad_gamma is accumulated; the casting modes llama

@@ -475,6 +475,10 @@ void BackwardRowsF32Impl(const RowBlock& b) {
   }
 }
 
+bool ConvertsInRegistersImpl(kernels::DType dtype) {
+  return dtype != kernels::DType::kBF16 || hn::Lanes(hn::ScalableTag<double>()) >= 8;
+}
+
 const char* TargetNameImpl() { return hwy::TargetName(HWY_TARGET); }
 
 }  // namespace HWY_NAMESPACE
@@ -488,6 +492,11 @@ HWY_EXPORT(BackwardRowsF32Impl);
 HWY_EXPORT(ConvertToF32Impl);
 HWY_EXPORT(ConvertFromF32Impl);
 HWY_EXPORT(TargetNameImpl);
+HWY_EXPORT(ConvertsInRegistersImpl);
+
+bool ConvertsInRegisters(kernels::DType dtype) {
+  return HWY_DYNAMIC_DISPATCH(ConvertsInRegistersImpl)(dtype);
+}
 
 void BackwardRowsF32(const RowBlock& block) { HWY_DYNAMIC_DISPATCH(BackwardRowsF32Impl)(block); }
 
