@@ -583,6 +583,11 @@ void BackwardCall::Start() {
 }
 
 void BackwardCall::ReleaseHold() {
+  // The reaction that ends the reads may run before any other took mu_ (OnReadDone(false) as
+  // the first reaction): taking it once orders this call's construction and Start() before the
+  // reads below for ThreadSanitizer too, which cannot see the ordering gRPC gives (Debian's
+  // libgrpc is not instrumented). Never called with mu_ held.
+  { std::lock_guard<std::mutex> lock(mu_); }
   if (hold_released_.exchange(true)) return;
   {
     std::lock_guard<std::mutex> lock(timer_target_->mu);  // waits for a timer's callback
