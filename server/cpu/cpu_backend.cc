@@ -121,9 +121,9 @@ class CpuBackwardSession : public backend_internal::BackwardSessionBase {
     // Buffers aligned to their element are used as they are (bf16/f16 converted in registers),
     // except for the casting modes that round (llama, none on bf16/f16), which run on rows
     // staged as f32, and where the SIMD target stages faster (host_rows::ConvertsInRegisters);
-    // anything misaligned is staged too. dx may be dy (in place): host_rows
-    // reads a dy element before it writes that dx element, and a staged tile's dy is converted
-    // before its dx is written back.
+    // anything misaligned is staged too. dx may be dy (in place): host_rows reads a dy element
+    // before it writes that dx element, and a staged tile's dy is converted before its dx is
+    // written back.
     const size_t elem_bytes = ElementBytes(spec_.dtype);
     const bool rounds = spec_.dtype != DType::kF32 &&
                         spec_.variant.casting != kernels::CastingMode::kGemma;

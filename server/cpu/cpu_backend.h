@@ -53,12 +53,12 @@ uint64_t RowsPerPartition(uint64_t rows, uint32_t hidden_dim);
 // dx of a chunk at least this large is written with non-temporal stores.
 inline constexpr uint64_t kStreamDxBytes = 8ull << 20;
 
-// Staged rows (misaligned buffers; llama/none on bf16/f16) are converted to f32 at most
-// StagingRows(hidden_dim) rows at a time per thread: kStagingElements elements, or one row when
-// rows are wider. A thread
-// then holds at most 12 x max(kStagingElements, hidden_dim) bytes of f32 copies (x, dy and dx),
-// whatever the chunk's size (docs/operations.md, "Memory and overload"); it keeps them for the
-// next chunk when they are at most 4 MiB.
+// Staged rows (misaligned buffers; llama/none on bf16/f16; bf16 where the SIMD target stages it
+// faster) are converted to f32 at most StagingRows(hidden_dim) rows at a time per thread:
+// kStagingElements elements, or one row when rows are wider. A thread then holds at most
+// 12 x max(kStagingElements, hidden_dim) bytes of f32 copies (x, dy and dx), whatever the chunk's
+// size (docs/operations.md, "Memory and overload"); it keeps them for the next chunk when they
+// are at most 4 MiB.
 inline constexpr uint64_t kStagingElements = 16384;
 uint64_t StagingRows(uint32_t hidden_dim);
 

@@ -66,33 +66,44 @@ HWY_INLINE void StoreFromDouble(D d, hn::Vec<D> v, hwy::float16_t* HWY_RESTRICT 
   hn::StoreU(hn::DemoteTo(dh, hn::DemoteTo(hn::Rebind<float, D>(), v)), dh, p);
 }
 
-// A row's last n < Lanes elements as f32 (`out`), and f32 results back into the row, through a
-// zero-padded vector so that they round exactly as the vector body's elements do.
+// dst[i] = convert(src[i]), a vector of the f32 tag's lane count at a time; a tail shorter than a
+// vector goes through a zero-padded local buffer so that every element takes the same (vector)
+// rounding path.
+template <typename From, typename To, class Convert>
+HWY_ATTR HWY_INLINE void ConvertLanes(const From* HWY_RESTRICT src, To* HWY_RESTRICT dst,
+                                      size_t n, Convert convert) {
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<From, decltype(df)> d_from;
+  const hn::Rebind<To, decltype(df)> d_to;
+  const size_t lanes = hn::Lanes(df);
+  size_t i = 0;
+  for (; i + lanes <= n; i += lanes) hn::StoreU(convert(hn::LoadU(d_from, src + i)), d_to, dst + i);
+  if (i < n) {
+    HWY_ALIGN From in[hn::MaxLanes(df)] = {};
+    HWY_ALIGN To out[hn::MaxLanes(df)];
+    std::memcpy(in, src + i, (n - i) * sizeof(From));
+    hn::Store(convert(hn::Load(d_from, in)), d_to, out);
+    std::memcpy(dst + i, out, (n - i) * sizeof(To));
+  }
+}
+
 template <typename T>
-HWY_INLINE void TailToF32(const T* HWY_RESTRICT src, size_t n, float* HWY_RESTRICT out) {
-  const hn::ScalableTag<float> df;
-  HWY_ALIGN T in[hn::MaxLanes(df)] = {};
-  std::memcpy(in, src, n * sizeof(T));
-  HWY_ALIGN float promoted[hn::MaxLanes(df)];
-  hn::Store(hn::PromoteTo(df, hn::Load(hn::Rebind<T, decltype(df)>(), in)), df, promoted);
-  std::memcpy(out, promoted, n * sizeof(float));
+void PromoteToF32(const T* HWY_RESTRICT src, float* HWY_RESTRICT dst, size_t n) {
+  ConvertLanes(src, dst, n, [](auto v) HWY_ATTR {
+    return hn::PromoteTo(hn::ScalableTag<float>(), v);
+  });
 }
-HWY_INLINE void TailFromF32(const float* HWY_RESTRICT src, size_t n, hwy::bfloat16_t* dst) {
-  const hn::ScalableTag<float> df;
-  HWY_ALIGN float in[hn::MaxLanes(df)] = {};
-  std::memcpy(in, src, n * sizeof(float));
-  HWY_ALIGN uint16_t out[hn::MaxLanes(df)];
-  hn::Store(RoundToBF16Bits(df, hn::Load(df, in)), hn::Rebind<uint16_t, decltype(df)>(), out);
-  std::memcpy(dst, out, n * sizeof(uint16_t));
+
+void DemoteFromF32(const float* HWY_RESTRICT src, hwy::float16_t* HWY_RESTRICT dst, size_t n) {
+  ConvertLanes(src, dst, n, [](auto v) HWY_ATTR {
+    return hn::DemoteTo(hn::Rebind<hwy::float16_t, hn::ScalableTag<float>>(), v);
+  });
 }
-HWY_INLINE void TailFromF32(const float* HWY_RESTRICT src, size_t n, hwy::float16_t* dst) {
-  const hn::ScalableTag<float> df;
-  const hn::Rebind<hwy::float16_t, decltype(df)> dh;
-  HWY_ALIGN float in[hn::MaxLanes(df)] = {};
-  std::memcpy(in, src, n * sizeof(float));
-  HWY_ALIGN hwy::float16_t out[hn::MaxLanes(df)];
-  hn::Store(hn::DemoteTo(dh, hn::Load(df, in)), dh, out);
-  std::memcpy(dst, out, n * sizeof(hwy::float16_t));
+
+void DemoteFromF32(const float* HWY_RESTRICT src, hwy::bfloat16_t* HWY_RESTRICT dst, size_t n) {
+  ConvertLanes(src, reinterpret_cast<uint16_t*>(dst), n, [](auto v) HWY_ATTR {
+    return RoundToBF16Bits(hn::ScalableTag<float>(), v);
+  });
 }
 
 // One element the way the vector body computes it: dx = inv * fma(-x, c, g*dy) and
@@ -198,8 +209,8 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
       dx_tail[k] = dx[k] + tail;
     } else {
       if (tail < h) {
-        TailToF32(x[k] + tail, h - tail, tail_x[k]);
-        TailToF32(dy[k] + tail, h - tail, tail_dy[k]);
+        PromoteToF32(x[k] + tail, tail_x[k], h - tail);
+        PromoteToF32(dy[k] + tail, tail_dy[k], h - tail);
       }
       x_tail[k] = tail_x[k];
       dy_tail[k] = tail_dy[k];
@@ -274,7 +285,7 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
   }
   if constexpr (!kF32) {
     if (from < h) {
-      for (size_t k = 0; k < R; ++k) TailFromF32(tail_dx[k], h - from, dx[k] + from);
+      for (size_t k = 0; k < R; ++k) DemoteFromF32(tail_dx[k], dx[k] + from, h - from);
     }
   }
 }
@@ -316,41 +327,6 @@ void BackwardRowsWithOrWithoutGamma(const RowBlock& b, const double* gamma) {
   }
 }
 
-// dst[i] = convert(src[i]), a vector of the f32 tag's lane count at a time; a tail shorter than a
-// vector goes through a zero-padded local buffer so that every element takes the same (vector)
-// rounding path.
-template <typename From, typename To, class Convert>
-HWY_ATTR HWY_INLINE void ConvertLanes(const From* HWY_RESTRICT src, To* HWY_RESTRICT dst,
-                                      size_t n, Convert convert) {
-  const hn::ScalableTag<float> df;
-  const hn::Rebind<From, decltype(df)> d_from;
-  const hn::Rebind<To, decltype(df)> d_to;
-  const size_t lanes = hn::Lanes(df);
-  size_t i = 0;
-  for (; i + lanes <= n; i += lanes) hn::StoreU(convert(hn::LoadU(d_from, src + i)), d_to, dst + i);
-  if (i < n) {
-    HWY_ALIGN From in[hn::MaxLanes(df)] = {};
-    HWY_ALIGN To out[hn::MaxLanes(df)];
-    std::memcpy(in, src + i, (n - i) * sizeof(From));
-    hn::Store(convert(hn::Load(d_from, in)), d_to, out);
-    std::memcpy(dst + i, out, (n - i) * sizeof(To));
-  }
-}
-
-template <typename T>
-void PromoteToF32(const T* HWY_RESTRICT src, float* HWY_RESTRICT dst, size_t n) {
-  ConvertLanes(src, dst, n, [](auto v) HWY_ATTR {
-    return hn::PromoteTo(hn::ScalableTag<float>(), v);
-  });
-}
-
-template <typename T>
-void DemoteFromF32(const float* HWY_RESTRICT src, T* HWY_RESTRICT dst, size_t n) {
-  ConvertLanes(src, dst, n, [](auto v) HWY_ATTR {
-    return hn::DemoteTo(hn::Rebind<T, hn::ScalableTag<float>>(), v);
-  });
-}
-
 void ConvertToF32Impl(kernels::DType dtype, const uint8_t* src, float* dst, size_t n) {
   switch (dtype) {
     case kernels::DType::kF32:
@@ -365,19 +341,13 @@ void ConvertToF32Impl(kernels::DType dtype, const uint8_t* src, float* dst, size
   }
 }
 
-void DemoteToBF16(const float* HWY_RESTRICT src, uint16_t* HWY_RESTRICT dst, size_t n) {
-  ConvertLanes(src, dst, n, [](auto v) HWY_ATTR {
-    return RoundToBF16Bits(hn::ScalableTag<float>(), v);
-  });
-}
-
 void ConvertFromF32Impl(kernels::DType dtype, const float* src, uint8_t* dst, size_t n) {
   switch (dtype) {
     case kernels::DType::kF32:
       std::memcpy(dst, src, n * sizeof(float));
       return;
     case kernels::DType::kBF16:
-      DemoteToBF16(src, reinterpret_cast<uint16_t*>(dst), n);
+      DemoteFromF32(src, reinterpret_cast<hwy::bfloat16_t*>(dst), n);
       return;
     case kernels::DType::kF16:
       DemoteFromF32(src, reinterpret_cast<hwy::float16_t*>(dst), n);
