@@ -417,6 +417,19 @@ void BackwardRowsRounded(const RowBlock& b, const double* scale) {
   }
 }
 
+// Rows shorter than this stream dx only when its rows start on a vector boundary. Otherwise each
+// row's scalar head and tail are ordinary stores into lines that the neighbouring rows stream,
+// which costs more than streaming saves: at hidden 64, 4 of every 64 elements' lines then mix
+// the two kinds of store and the backward ran at 20 GB/s streamed against 34 GB/s not
+// (docs/benchmarks.md). From 128 elements on, streaming won at any offset.
+constexpr size_t kMisalignedStreamMinElements = 128;
+
+bool StreamsWholeLines(const RowBlock& b) {
+  const size_t vector_bytes = hn::Lanes(hn::ScalableTag<double>()) * sizeof(float);
+  return b.hidden_dim >= kMisalignedStreamMinElements ||
+         reinterpret_cast<uintptr_t>(b.dx) % vector_bytes == 0;
+}
+
 void BackwardRowsF32Impl(const RowBlock& b) {
   // gamma in double: read as is by every row instead of promoted twice per row.
   std::vector<double> promoted;
@@ -437,7 +450,7 @@ void BackwardRowsF32Impl(const RowBlock& b) {
   }
   if (b.element != kernels::DType::kF32 && b.casting != kernels::CastingMode::kGemma) {
     BackwardRowsRounded(b, gamma);
-  } else if (b.stream_dx) {
+  } else if (b.stream_dx && StreamsWholeLines(b)) {
     BackwardRowsWithOrWithoutGamma<float, true>(b, gamma);
     hwy::FlushStream();
   } else {

@@ -9,18 +9,24 @@
 // variance (computed once, untimed) and scale. A layer-norm backward does strictly more work than
 // an RMSNorm backward (it also reduces diff_dst and subtracts the mean) and moves the same bytes:
 // x and dy read, dx written. Debian's libdnnl is threaded with OpenMP: its thread count is set
-// with omp_set_num_threads(--threads) before the first primitive runs.
+// with omp_set_num_threads(--threads) before the first primitive runs. Its idle threads wait
+// passively (OMP_WAIT_POLICY=passive, unless the caller set a policy): libgomp's default lets
+// them spin after each parallel region, and on 2 cores they then took the CPU from normgrad's
+// pool, which runs right after oneDNN (normgrad measured up to 1.8x slower; oneDNN's own times
+// moved by a few percent).
 //
 // normgrad: the CPU backend with --threads threads, one whole batch per timing (StartBackward, one
 // ProcessChunk, Finish), rms recomputed from x. The two alternate; best of --iterations each,
 // after one warm-up. Shapes: four of models' sizes (4096 x 4096, 4096 x 896, 16384 x 1024,
 // 2048 x 8192) and the sweep's hidden sizes at --sweep_mib MiB of x.
 #include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -105,6 +111,14 @@ class OneDnnLayerNormBackward {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // libgomp reads its wait policy when it loads, so the policy is set by running this program
+  // again with it in the environment (once: the second run finds it set).
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
+    setenv("OMP_WAIT_POLICY", "passive", 1);
+    execv("/proc/self/exe", argv);
+    std::perror("re-running with OMP_WAIT_POLICY=passive");  // goes on with the default policy
+    unsetenv("OMP_WAIT_POLICY");
+  }
   absl::SetProgramUsageMessage(
       "bench_onednn_layer_norm [--threads=N] [--iterations=I] [--sweep_mib=64]");
   absl::ParseCommandLine(argc, argv);
@@ -132,9 +146,12 @@ int main(int argc, char** argv) {
   options.threads = threads;
   std::unique_ptr<Backend> backend = normgrad::server::NewCpuBackend(options);
   dnnl::engine engine(dnnl::engine::kind::cpu, 0);
-  std::printf("normgrad: %s; oneDNN %d.%d.%d, OpenMP, %d threads; f32, best of %d\n",
-              backend->Device().name.c_str(), dnnl_version()->major, dnnl_version()->minor,
-              dnnl_version()->patch, threads, iterations);
+  const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
+  std::printf(
+      "normgrad: %s; oneDNN %d.%d.%d, OpenMP, %d threads, OMP_WAIT_POLICY=%s; f32, best of %d\n",
+      backend->Device().name.c_str(), dnnl_version()->major, dnnl_version()->minor,
+      dnnl_version()->patch, threads, wait_policy != nullptr ? wait_policy : "(default)",
+      iterations);
   std::printf("%8s %7s %14s %13s %14s %13s %17s\n", "rows", "hidden", "normgrad ms",
               "normgrad GB/s", "oneDNN ms", "oneDNN GB/s", "normgrad/oneDNN");
   double lowest = 1e30;
