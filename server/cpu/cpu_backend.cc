@@ -11,10 +11,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/kernel_choice.h"
 #include "base/status_macros.h"
-#include "server/backend/batch_checks.h"
+#include "kernels/kernel_choice.h"
 #include "server/backend/backward_session_base.h"
+#include "server/backend/batch_checks.h"
 #include "server/host_rows/host_rows.h"
 #include "server/thread_pool/thread_pool.h"
 
@@ -120,15 +120,13 @@ class CpuBackwardSession : public backend_internal::BackwardSessionBase {
     partials_.resize(parts * h);
     // Buffers aligned to their element are used as they are (bf16/f16 converted in registers),
     // except for the casting modes that round (llama, none on bf16/f16), which run on rows
-    // staged as f32, and where the SIMD target stages faster (host_rows::ConvertsInRegisters);
-    // anything misaligned is staged too. dx may be dy (in place): host_rows reads a dy element
-    // before it writes that dx element, and a staged tile's dy is converted before its dx is
-    // written back.
+    // staged as f32; anything misaligned is staged too. dx may be dy (in place): host_rows
+    // reads a dy element before it writes that dx element, and a staged tile's dy is converted
+    // before its dx is written back.
     const size_t elem_bytes = ElementBytes(spec_.dtype);
-    const bool rounds = spec_.dtype != DType::kF32 &&
-                        spec_.variant.casting != kernels::CastingMode::kGemma;
-    const bool direct = !rounds && host_rows::ConvertsInRegisters(spec_.dtype) &&
-                        IsAligned(x.data(), elem_bytes) &&
+    const bool rounds =
+        spec_.dtype != DType::kF32 && spec_.variant.casting != kernels::CastingMode::kGemma;
+    const bool direct = !rounds && IsAligned(x.data(), elem_bytes) &&
                         IsAligned(dy.data(), elem_bytes) && IsAligned(dx.data(), elem_bytes);
     // Chunks far larger than the caches: dx goes straight to memory (see RowBlock).
     const bool stream_dx =

@@ -17,8 +17,8 @@
 //
 // dtypes: f32, bf16 and f16 read and written where they lie, bf16/f16 converted in registers
 // (exactly, and rounded back as staging through f32 would). Staged as f32 a few rows at a time
-// (kStagingElements): buffers not aligned to their element, the casting modes llama and none on
-// bf16/f16, and bf16 where the SIMD target stages it faster (host_rows::ConvertsInRegisters).
+// (kStagingElements): buffers not aligned to their element, and the casting modes llama and none
+// on bf16/f16.
 //
 // Variants (kernels::NormVariant, every one): the scale gamma_offset + gamma is formed once per
 // batch in f32; without gamma it is 1 and no grad_gamma is accumulated; the casting modes llama
@@ -53,12 +53,11 @@ uint64_t RowsPerPartition(uint64_t rows, uint32_t hidden_dim);
 // dx of a chunk at least this large is written with non-temporal stores.
 inline constexpr uint64_t kStreamDxBytes = 8ull << 20;
 
-// Staged rows (misaligned buffers; llama/none on bf16/f16; bf16 where the SIMD target stages it
-// faster) are converted to f32 at most StagingRows(hidden_dim) rows at a time per thread:
-// kStagingElements elements, or one row when rows are wider. A thread then holds at most
-// 12 x max(kStagingElements, hidden_dim) bytes of f32 copies (x, dy and dx), whatever the chunk's
-// size (docs/operations.md, "Memory and overload"); it keeps them for the next chunk when they
-// are at most 4 MiB.
+// Staged rows (misaligned buffers; llama/none on bf16/f16) are converted to f32 at most
+// StagingRows(hidden_dim) rows at a time per thread: kStagingElements elements, or one row when
+// rows are wider. A thread then holds at most 12 x max(kStagingElements, hidden_dim) bytes of f32
+// copies (x, dy and dx), whatever the chunk's size (docs/operations.md, "Memory and overload");
+// it keeps them for the next chunk when they are at most 4 MiB.
 inline constexpr uint64_t kStagingElements = 16384;
 uint64_t StagingRows(uint32_t hidden_dim);
 

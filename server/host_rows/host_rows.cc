@@ -45,6 +45,17 @@ HWY_INLINE hn::Vec<hn::Rebind<uint16_t, DF>> RoundToBF16Bits(DF df, hn::Vec<DF> 
       du16, hn::BitCast(di, hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(v)), nan, rounded)));
 }
 
+// f32 lanes stored as the element type (round to nearest even).
+template <class DF>
+HWY_INLINE void StoreF32As(DF df, hn::Vec<DF> v, hwy::bfloat16_t* HWY_RESTRICT p) {
+  hn::StoreU(RoundToBF16Bits(df, v), hn::Rebind<uint16_t, DF>(), reinterpret_cast<uint16_t*>(p));
+}
+template <class DF>
+HWY_INLINE void StoreF32As(DF df, hn::Vec<DF> v, hwy::float16_t* HWY_RESTRICT p) {
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  hn::StoreU(hn::DemoteTo(dh, v), dh, p);
+}
+
 template <bool kStream, class D>
 HWY_INLINE void StoreFromDouble(D d, hn::Vec<D> v, float* HWY_RESTRICT p) {
   const hn::Rebind<float, D> df;
@@ -54,24 +65,61 @@ HWY_INLINE void StoreFromDouble(D d, hn::Vec<D> v, float* HWY_RESTRICT p) {
     hn::StoreU(hn::DemoteTo(df, v), df, p);
   }
 }
-template <bool kStream, class D>
-HWY_INLINE void StoreFromDouble(D d, hn::Vec<D> v, hwy::bfloat16_t* HWY_RESTRICT p) {
+template <bool kStream, class D, typename T>
+HWY_INLINE void StoreFromDouble(D d, hn::Vec<D> v, T* HWY_RESTRICT p) {
   const hn::Rebind<float, D> df;
-  hn::StoreU(RoundToBF16Bits(df, hn::DemoteTo(df, v)), hn::Rebind<uint16_t, D>(),
-             reinterpret_cast<uint16_t*>(p));
+  StoreF32As(df, hn::DemoteTo(df, v), p);
+}
+
+// Two vector steps at once (2 * Lanes(d) elements, lo then hi). bf16 is converted a whole f32
+// vector at a time: one widening and one rounding (seven integer operations) per 2 * Lanes(d)
+// elements instead of two on half-width vectors. Elementwise, so the bits are those of two single
+// steps. f32 and f16 (one conversion instruction either way; measured no faster in pairs), and the
+// scalar target, take two single steps.
+template <class D, typename T>
+HWY_INLINE void LoadPairAsDouble(D d, const T* HWY_RESTRICT p, hn::Vec<D>& lo, hn::Vec<D>& hi) {
+  lo = LoadAsDouble(d, p);
+  hi = LoadAsDouble(d, p + hn::Lanes(d));
+}
+template <class D>
+HWY_INLINE void LoadPairAsDouble(D d, const hwy::bfloat16_t* HWY_RESTRICT p, hn::Vec<D>& lo,
+                                 hn::Vec<D>& hi) {
+#if HWY_TARGET == HWY_SCALAR
+  lo = LoadAsDouble(d, p);
+  hi = LoadAsDouble(d, p + hn::Lanes(d));
+#else
+  const hn::Rebind<float, D> dfh;
+  const hn::Twice<decltype(dfh)> df;
+  const auto f = hn::PromoteTo(df, hn::LoadU(hn::Rebind<hwy::bfloat16_t, decltype(df)>(), p));
+  lo = hn::PromoteTo(d, hn::LowerHalf(dfh, f));
+  hi = hn::PromoteTo(d, hn::UpperHalf(dfh, f));
+#endif
+}
+
+template <bool kStream, class D, typename T>
+HWY_INLINE void StorePairFromDouble(D d, hn::Vec<D> lo, hn::Vec<D> hi, T* HWY_RESTRICT p) {
+  StoreFromDouble<kStream>(d, lo, p);
+  StoreFromDouble<kStream>(d, hi, p + hn::Lanes(d));
 }
 template <bool kStream, class D>
-HWY_INLINE void StoreFromDouble(D d, hn::Vec<D> v, hwy::float16_t* HWY_RESTRICT p) {
-  const hn::Rebind<hwy::float16_t, D> dh;
-  hn::StoreU(hn::DemoteTo(dh, hn::DemoteTo(hn::Rebind<float, D>(), v)), dh, p);
+HWY_INLINE void StorePairFromDouble(D d, hn::Vec<D> lo, hn::Vec<D> hi,
+                                    hwy::bfloat16_t* HWY_RESTRICT p) {
+#if HWY_TARGET == HWY_SCALAR
+  StoreFromDouble<kStream>(d, lo, p);
+  StoreFromDouble<kStream>(d, hi, p + hn::Lanes(d));
+#else
+  const hn::Rebind<float, D> dfh;
+  const hn::Twice<decltype(dfh)> df;
+  StoreF32As(df, hn::Combine(df, hn::DemoteTo(dfh, hi), hn::DemoteTo(dfh, lo)), p);
+#endif
 }
 
 // dst[i] = convert(src[i]), a vector of the f32 tag's lane count at a time; a tail shorter than a
 // vector goes through a zero-padded local buffer so that every element takes the same (vector)
 // rounding path.
 template <typename From, typename To, class Convert>
-HWY_ATTR HWY_INLINE void ConvertLanes(const From* HWY_RESTRICT src, To* HWY_RESTRICT dst,
-                                      size_t n, Convert convert) {
+HWY_ATTR HWY_INLINE void ConvertLanes(const From* HWY_RESTRICT src, To* HWY_RESTRICT dst, size_t n,
+                                      Convert convert) {
   const hn::ScalableTag<float> df;
   const hn::Rebind<From, decltype(df)> d_from;
   const hn::Rebind<To, decltype(df)> d_to;
@@ -89,9 +137,8 @@ HWY_ATTR HWY_INLINE void ConvertLanes(const From* HWY_RESTRICT src, To* HWY_REST
 
 template <typename T>
 void PromoteToF32(const T* HWY_RESTRICT src, float* HWY_RESTRICT dst, size_t n) {
-  ConvertLanes(src, dst, n, [](auto v) HWY_ATTR {
-    return hn::PromoteTo(hn::ScalableTag<float>(), v);
-  });
+  ConvertLanes(src, dst, n,
+               [](auto v) HWY_ATTR { return hn::PromoteTo(hn::ScalableTag<float>(), v); });
 }
 
 void DemoteFromF32(const float* HWY_RESTRICT src, hwy::float16_t* HWY_RESTRICT dst, size_t n) {
@@ -101,9 +148,8 @@ void DemoteFromF32(const float* HWY_RESTRICT src, hwy::float16_t* HWY_RESTRICT d
 }
 
 void DemoteFromF32(const float* HWY_RESTRICT src, hwy::bfloat16_t* HWY_RESTRICT dst, size_t n) {
-  ConvertLanes(src, reinterpret_cast<uint16_t*>(dst), n, [](auto v) HWY_ATTR {
-    return RoundToBF16Bits(hn::ScalableTag<float>(), v);
-  });
+  ConvertLanes(src, reinterpret_cast<uint16_t*>(dst), n,
+               [](auto v) HWY_ATTR { return RoundToBF16Bits(hn::ScalableTag<float>(), v); });
 }
 
 // One element the way the vector body computes it: dx = inv * fma(-x, c, g*dy) and
@@ -173,10 +219,9 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
     HWY_UNROLL(4)
     for (size_t k = 0; k < R; ++k) {
       __builtin_prefetch(next_x[k] + i, 0, 2);
-      const V x0 = LoadAsDouble(d, x[k] + i);
-      const V x1 = LoadAsDouble(d, x[k] + i + lanes);
-      const V y0 = LoadAsDouble(d, dy[k] + i);
-      const V y1 = LoadAsDouble(d, dy[k] + i + lanes);
+      V x0, x1, y0, y1;
+      LoadPairAsDouble(d, x[k] + i, x0, x1);
+      LoadPairAsDouble(d, dy[k] + i, y0, y1);
       sq0[k] = hn::MulAdd(x0, x0, sq0[k]);
       sq1[k] = hn::MulAdd(x1, x1, sq1[k]);
       xg0[k] = hn::MulAdd(hn::Mul(x0, y0), g0, xg0[k]);
@@ -252,6 +297,36 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
       }
     }
   }
+  if constexpr (std::is_same<T, hwy::bfloat16_t>::value) {
+    // bf16: two vector steps at once (LoadPairAsDouble), each element computed as below.
+    for (; i + 2 * lanes <= h; i += 2 * lanes) {
+      const V g0 = hn::LoadU(d, gamma + i);
+      const V g1 = hn::LoadU(d, gamma + i + lanes);
+      V dg0 = kAccumulate ? hn::LoadU(d, dgamma + i) : hn::Zero(d);
+      V dg1 = kAccumulate ? hn::LoadU(d, dgamma + i + lanes) : hn::Zero(d);
+      V xs0[R], xs1[R], ys0[R], ys1[R];
+      HWY_UNROLL(4)
+      for (size_t k = 0; k < R; ++k) {
+        __builtin_prefetch(next_dy[k] + i, 0, 2);
+        LoadPairAsDouble(d, x[k] + i, xs0[k], xs1[k]);
+        LoadPairAsDouble(d, dy[k] + i, ys0[k], ys1[k]);
+      }
+      HWY_UNROLL(4)
+      for (size_t k = 0; k < R; ++k) {
+        const V dx0 = hn::Mul(inv_v[k], hn::NegMulAdd(xs0[k], corr_v[k], hn::Mul(g0, ys0[k])));
+        const V dx1 = hn::Mul(inv_v[k], hn::NegMulAdd(xs1[k], corr_v[k], hn::Mul(g1, ys1[k])));
+        StorePairFromDouble<kStream>(d, dx0, dx1, dx[k] + i);
+        if (kAccumulate) {
+          dg0 = hn::MulAdd(hn::Mul(ys0[k], xs0[k]), inv_v[k], dg0);
+          dg1 = hn::MulAdd(hn::Mul(ys1[k], xs1[k]), inv_v[k], dg1);
+        }
+      }
+      if (kAccumulate) {
+        hn::StoreU(dg0, d, dgamma + i);
+        hn::StoreU(dg1, d, dgamma + i + lanes);
+      }
+    }
+  }
   for (; i + lanes <= h; i += lanes) {
     const V g0 = hn::LoadU(d, gamma + i);
     V dg = kAccumulate ? hn::LoadU(d, dgamma + i) : hn::Zero(d);
@@ -305,8 +380,7 @@ void BackwardRows(const RowBlock& b, const double* gamma, double* inv_rms_out) {
   if (!kStream || b.hidden_dim % hn::Lanes(d) == 0) {
     if (b.hidden_dim <= kFourRowsMaxElements) {
       for (; r + 4 <= b.num_rows; r += 4) {
-        BackwardRowGroup<T, 4, kStream, kAccumulate>(b, gamma, r, b.num_rows - r - 4,
-                                                     inv_rms_out);
+        BackwardRowGroup<T, 4, kStream, kAccumulate>(b, gamma, r, b.num_rows - r - 4, inv_rms_out);
       }
     }
     for (; r + 2 <= b.num_rows; r += 2) {
@@ -458,10 +532,6 @@ void BackwardRowsF32Impl(const RowBlock& b) {
   }
 }
 
-bool ConvertsInRegistersImpl(kernels::DType dtype) {
-  return dtype != kernels::DType::kBF16 || hn::Lanes(hn::ScalableTag<double>()) >= 8;
-}
-
 const char* TargetNameImpl() { return hwy::TargetName(HWY_TARGET); }
 
 }  // namespace HWY_NAMESPACE
@@ -475,11 +545,6 @@ HWY_EXPORT(BackwardRowsF32Impl);
 HWY_EXPORT(ConvertToF32Impl);
 HWY_EXPORT(ConvertFromF32Impl);
 HWY_EXPORT(TargetNameImpl);
-HWY_EXPORT(ConvertsInRegistersImpl);
-
-bool ConvertsInRegisters(kernels::DType dtype) {
-  return HWY_DYNAMIC_DISPATCH(ConvertsInRegistersImpl)(dtype);
-}
 
 void BackwardRowsF32(const RowBlock& block) { HWY_DYNAMIC_DISPATCH(BackwardRowsF32Impl)(block); }
 

@@ -61,13 +61,6 @@ struct RowBlock {
 
 void BackwardRowsF32(const RowBlock& block);
 
-// Whether rows of `dtype` run faster with RowBlock::storage = dtype (converted in registers) than
-// staged through f32 on this machine's SIMD target. Measured (docs/benchmarks.md): f32 and f16
-// always; bf16 with 512-bit vectors (1.34x) but not with 256-bit ones (1-11% slower than staged
-// in five paired runs: its promotion and rounding then work on 128-bit halves, while staging
-// converts whole vectors).
-bool ConvertsInRegisters(kernels::DType dtype);
-
 // Element conversions for the non-f32 dtypes (f32 <-> bf16/f16, round to nearest even).
 // `src`/`dst` hold n elements of `dtype` as little-endian bytes.
 void ConvertToF32(kernels::DType dtype, const uint8_t* src, float* dst, size_t n);

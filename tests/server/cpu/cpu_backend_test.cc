@@ -182,7 +182,6 @@ void ExpectDirectSameAsStaged(kernels::DType dtype, uint64_t rows, uint32_t hidd
 }
 
 // On every SIMD target this CPU runs (AVX2 on an AVX-512 machine too: other vector widths).
-// Where a target stages bf16 anyway (host_rows::ConvertsInRegisters), both runs are staged.
 TEST(CpuBackendTest, Bf16AndF16InRegistersGiveTheBitsOfStagingThroughF32) {
   const std::vector<std::string> targets = host_rows::SupportedSimdTargets();
   ASSERT_FALSE(targets.empty());
