@@ -1,9 +1,12 @@
 #include "server/host_rows/host_rows.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <type_traits>
 #include <vector>
 
@@ -365,12 +368,6 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
   }
 }
 
-// Rows of at most this many elements go four at a time, wider ones two at a time. Four short
-// rows keep the per-group costs (reductions, heads, the grad_gamma load and store) small and
-// prefetch further ahead; four wide rows whose stride is a multiple of 4 KiB would put a dozen
-// streams (x, dy, dx of each row, gamma, grad_gamma) on the same L1 sets, which measured slower.
-constexpr size_t kFourRowsMaxElements = 2048;
-
 template <typename T, bool kStream, bool kAccumulate>
 void BackwardRows(const RowBlock& b, const double* gamma, double* inv_rms_out) {
   size_t r = 0;
@@ -378,7 +375,7 @@ void BackwardRows(const RowBlock& b, const double* gamma, double* inv_rms_out) {
   // whole number of f32 vectors.
   const hn::ScalableTag<double> d;
   if (!kStream || b.hidden_dim % hn::Lanes(d) == 0) {
-    if (b.hidden_dim <= kFourRowsMaxElements) {
+    if (b.hidden_dim <= FourRowsMaxElements()) {
       for (; r + 4 <= b.num_rows; r += 4) {
         BackwardRowGroup<T, 4, kStream, kAccumulate>(b, gamma, r, b.num_rows - r - 4, inv_rms_out);
       }
@@ -559,6 +556,32 @@ void ConvertFromF32(kernels::DType dtype, const float* src, uint8_t* dst, size_t
 }
 
 std::string SimdTargetName() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)(); }
+
+int L1DataCacheWays() {
+  long ways = sysconf(_SC_LEVEL1_DCACHE_ASSOC);
+  if (ways > 0) return static_cast<int>(ways);
+  // cpu0's caches as the kernel describes them; index0..3 are L1d, L1i, L2, L3 on x86, but the
+  // order is not promised, so each entry's level and type are read.
+  for (int index = 0; index < 8; ++index) {
+    const std::string dir =
+        "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/";
+    std::ifstream level(dir + "level"), type(dir + "type"), assoc(dir + "ways_of_associativity");
+    int l = 0;
+    std::string t;
+    if (!(level >> l) || !(type >> t)) break;
+    if (l == 1 && t == "Data" && (assoc >> ways) && ways > 0) return static_cast<int>(ways);
+  }
+  return 0;
+}
+
+size_t FourRowsMaxElementsFor(int l1_ways) {
+  return l1_ways >= kWaysForFourWideRows ? SIZE_MAX : kFourRowsMaxElementsFewWays;
+}
+
+size_t FourRowsMaxElements() {
+  static const size_t max_elements = FourRowsMaxElementsFor(L1DataCacheWays());
+  return max_elements;
+}
 
 bool LimitSimdTarget(const std::string& name) {
   if (name.empty()) {

@@ -11,9 +11,9 @@
 // does; only the summation order differs (SIMD lanes), so dx agrees with the reference to
 // within an ulp or two of f32.
 //
-// Rows go two or four at a time (pass 2 of a group loads gamma and the grad_gamma partial once),
-// each row computed exactly as alone, and the next group is prefetched meanwhile
-// (docs/backends.md, "CPU backend").
+// Rows go two or four at a time (pass 2 of a group loads gamma and the grad_gamma partial once;
+// FourRowsMaxElements below), each row computed exactly as alone, and the next group is
+// prefetched meanwhile (docs/backends.md, "CPU backend").
 #pragma once
 
 #include <cstddef>
@@ -60,6 +60,23 @@ struct RowBlock {
 };
 
 void BackwardRowsF32(const RowBlock& block);
+
+// Rows go four at a time when they have at most FourRowsMaxElements() elements, else two at a
+// time. Four rows keep the per-group costs (reductions, the grad_gamma load and store) small and
+// prefetch further ahead, but four rows whose stride is near a multiple of 4 KiB put a dozen
+// streams (x, dy and dx of each row) on the same L1 sets: with 8 ways that measured slower for
+// wide rows (4096 elements in cache: 27 -> 20 GB/s), with 12 ways it did not (34-36 GB/s either
+// way) and four rows were faster in memory (4096 x 4096: 5.2 -> 4.3 ms). So: every width where
+// the L1 data cache has at least kWaysForFourWideRows ways, else up to
+// kFourRowsMaxElementsFewWays, also where the ways are unknown (docs/backends.md).
+inline constexpr int kWaysForFourWideRows = 12;
+inline constexpr size_t kFourRowsMaxElementsFewWays = 2048;
+size_t FourRowsMaxElementsFor(int l1_ways);
+size_t FourRowsMaxElements();  // for this machine's L1DataCacheWays(), computed once
+
+// The L1 data cache's associativity: sysconf, else the kernel's cache description in sysfs; 0
+// when neither says.
+int L1DataCacheWays();
 
 // Element conversions for the non-f32 dtypes (f32 <-> bf16/f16, round to nearest even).
 // `src`/`dst` hold n elements of `dtype` as little-endian bytes.

@@ -54,7 +54,8 @@ ABSL_FLAG(uint64_t, chunk_rows, 0, "rows per chunk (0: the whole batch as one ch
 ABSL_FLAG(int, dx_page_offset, -1,
           "dx's byte offset in its page (-1: as allocated; not a multiple of the element size: "
           "staged through f32)");
-ABSL_FLAG(bool, sweep, false, "every hidden size of the table and every dtype instead of one shape");
+ABSL_FLAG(bool, sweep, false,
+          "every hidden size of the table and every dtype instead of one shape");
 ABSL_FLAG(uint64_t, sweep_mib, 64, "MiB of x per sweep shape");
 ABSL_FLAG(std::string, simd, "", "a Highway target to stop at (e.g. AVX2) instead of the best");
 
@@ -166,9 +167,10 @@ Timing Measure(Backend& backend, normgrad::server::ThreadPool& pool, int threads
       const uint64_t r = std::min(chunk_rows, shape.rows - first);
       const uint64_t off = first * shape.hidden * elem;
       const uint64_t len = r * shape.hidden * elem;
-      absl::Status s = (*session)->ProcessChunk(absl::Span<const uint8_t>(buffers.x() + off, len),
-                                                absl::Span<const uint8_t>(buffers.dy() + off, len),
-                                                {}, r, absl::Span<uint8_t>(buffers.dx() + off, len));
+      absl::Status s =
+          (*session)->ProcessChunk(absl::Span<const uint8_t>(buffers.x() + off, len),
+                                   absl::Span<const uint8_t>(buffers.dy() + off, len), {}, r,
+                                   absl::Span<uint8_t>(buffers.dx() + off, len));
       if (!s.ok()) {
         std::fprintf(stderr, "ProcessChunk: %s\n", s.ToString().c_str());
         return -1;
@@ -238,7 +240,12 @@ int main(int argc, char** argv) {
   normgrad::server::CpuBackendOptions options;
   options.threads = threads;
   std::unique_ptr<Backend> backend = normgrad::server::NewCpuBackend(options);
-  std::printf("device: %s\n", backend->Device().name.c_str());
+  const size_t four_rows_max = normgrad::server::host_rows::FourRowsMaxElements();
+  const std::string grouping = four_rows_max == SIZE_MAX
+                                   ? std::string("at every width")
+                                   : "up to " + std::to_string(four_rows_max) + " elements";
+  std::printf("device: %s; L1d %d-way: rows four at a time %s\n", backend->Device().name.c_str(),
+              normgrad::server::host_rows::L1DataCacheWays(), grouping.c_str());
 
   if (sweep) {
     const uint64_t bytes = sweep_mib << 20;
@@ -277,10 +284,11 @@ int main(int argc, char** argv) {
   Buffers buffers(x_bytes, dx_page_offset);
   const Timing t = Measure(*backend, pool, threads, buffers, shape, iterations);
   if (t.backward_seconds < 0) return 1;
-  std::printf("shape: %llu x %u %s, chunk %llu rows, %d threads, best of %d\n",
-              static_cast<unsigned long long>(shape.rows), shape.hidden, dtype_name.c_str(),
-              static_cast<unsigned long long>(shape.chunk_rows == 0 ? shape.rows : shape.chunk_rows),
-              threads, iterations);
+  std::printf(
+      "shape: %llu x %u %s, chunk %llu rows, %d threads, best of %d\n",
+      static_cast<unsigned long long>(shape.rows), shape.hidden, dtype_name.c_str(),
+      static_cast<unsigned long long>(shape.chunk_rows == 0 ? shape.rows : shape.chunk_rows),
+      threads, iterations);
   if (dx_page_offset >= 0) std::printf("dx %d bytes after x within a 4 KiB page\n", dx_page_offset);
   std::printf("copy (memcpy, read+write):      %8.3f ms  %7.2f GB/s\n", t.copy_seconds * 1e3,
               t.CopyGbps(x_bytes));

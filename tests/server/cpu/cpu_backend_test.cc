@@ -130,9 +130,9 @@ TEST(CpuBackendTest, StagingIsBoundedPerThreadWhateverTheChunk) {
 // an offset gamma, and in NaN/inf/subnormal-free data of wide dynamic range.
 void ExpectDirectSameAsStaged(kernels::DType dtype, uint64_t rows, uint32_t hidden, bool with_rms,
                               float gamma_offset) {
-  SCOPED_TRACE(::testing::Message() << "dtype " << static_cast<int>(dtype) << " rows " << rows
-                                    << " hidden " << hidden << " rms " << with_rms
-                                    << " offset " << gamma_offset);
+  SCOPED_TRACE(::testing::Message()
+               << "dtype " << static_cast<int>(dtype) << " rows " << rows << " hidden " << hidden
+               << " rms " << with_rms << " offset " << gamma_offset);
   const Batch b = MakeBatch(rows, hidden, with_rms);
   // Values scaled by 2^-12 .. 2^12 by column so that x^2 sums span a wide range.
   std::vector<float> x = b.x, dy = b.dy;
@@ -202,8 +202,9 @@ TEST(CpuBackendTest, Bf16AndF16InRegistersGiveTheBitsOfStagingThroughF32) {
 
 // host_rows runs rows four or two at a time (pass 2 of a group shares the gamma and grad_gamma
 // loads). A row's dx and the grad_gamma partial must not depend on the grouping, nor on whether
-// gamma comes promoted: 7 rows in one block (4 + 2 + 1, or 2 + 2 + 2 + 1 for wide rows) against
-// 7 blocks of one row, with and without streaming stores, dx off the vector alignment (heads).
+// gamma comes promoted: 7 rows in one block (4 + 2 + 1, or 2 + 2 + 2 + 1 for rows wider than
+// host_rows::FourRowsMaxElements()) against 7 blocks of one row, with and without streaming
+// stores, dx off the vector alignment (heads).
 void ExpectGroupingKeepsBits(uint32_t hidden, bool stream, bool with_rms) {
   SCOPED_TRACE(::testing::Message()
                << "hidden " << hidden << " stream " << stream << " rms " << with_rms);
@@ -247,6 +248,17 @@ TEST(CpuBackendTest, RowGroupingDoesNotChangeBits) {
       ExpectGroupingKeepsBits(hidden, stream, /*with_rms=*/true);
     }
   }
+}
+
+// Four wide rows at a time only where four rows' x, dy and dx fit the ways of one L1 set; unknown
+// ways (0) keep the limit measured on an 8-way L1.
+TEST(CpuBackendTest, FourWideRowsAtATimeOnlyWithTwelveL1Ways) {
+  EXPECT_EQ(host_rows::FourRowsMaxElementsFor(0), 2048u);
+  EXPECT_EQ(host_rows::FourRowsMaxElementsFor(8), 2048u);
+  EXPECT_EQ(host_rows::FourRowsMaxElementsFor(11), 2048u);
+  EXPECT_EQ(host_rows::FourRowsMaxElementsFor(12), SIZE_MAX);
+  EXPECT_EQ(host_rows::FourRowsMaxElementsFor(16), SIZE_MAX);
+  EXPECT_GE(host_rows::L1DataCacheWays(), 0);
 }
 
 TEST(CpuBackendTest, DeviceNamesThreadsAndSimdTarget) {
