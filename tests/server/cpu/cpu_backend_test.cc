@@ -59,7 +59,8 @@ TEST(CpuBackendTest, LargeChunksWrittenWithStreamingStoresGiveTheSameBits) {
 
 TEST(CpuBackendTest, PartitionsDependOnlyOnTheShape) {
   EXPECT_EQ(cpu_internal::RowsPerPartition(4096, 4096), 64u);  // 64 partitions
-  EXPECT_EQ(cpu_internal::RowsPerPartition(256, 4096), 32u);   // >= 131072 elements each
+  EXPECT_EQ(cpu_internal::RowsPerPartition(4096, 1024), 128u);  // >= 131072 elements each
+  EXPECT_EQ(cpu_internal::RowsPerPartition(1024, 16384), 64u);  // >= 64 rows each
   EXPECT_EQ(cpu_internal::RowsPerPartition(100, 896), 147u);   // a single partition
   EXPECT_EQ(cpu_internal::RowsPerPartition(1, 1), 131072u);
   EXPECT_EQ(cpu_internal::RowsPerPartition(10000000, 8), 156250u);  // at most 64 partitions
