@@ -155,7 +155,10 @@ int main(int argc, char** argv) {
   std::printf("%8s %7s %14s %13s %14s %13s %17s\n", "rows", "hidden", "normgrad ms",
               "normgrad GB/s", "oneDNN ms", "oneDNN GB/s", "normgrad/oneDNN");
   double lowest = 1e30;
-  for (const auto& [rows, hidden] : shapes) {
+  for (const auto& shape : shapes) {
+    // Plain variables: lambdas below capture them (C++17 cannot capture structured bindings).
+    const uint64_t rows = shape.first;
+    const uint32_t hidden = shape.second;
     const float eps = 1e-5f;
     std::vector<float> gamma(hidden), dgamma(hidden);
     for (uint32_t i = 0; i < hidden; ++i) gamma[i] = 1.0f + static_cast<float>(i % 7) / 10.0f;
