@@ -64,11 +64,11 @@ void BackwardRowsF32(const RowBlock& block);
 // Rows go four at a time when they have at most FourRowsMaxElements() elements, else two at a
 // time. Four rows keep the per-group costs (reductions, the grad_gamma load and store) small and
 // prefetch further ahead, but four rows whose stride is near a multiple of 4 KiB put a dozen
-// streams (x, dy and dx of each row) on the same L1 sets: with 8 ways that measured slower for
-// wide rows (4096 elements in cache: 27 -> 20 GB/s), with 12 ways it did not (34-36 GB/s either
-// way) and four rows were faster in memory (4096 x 4096: 5.2 -> 4.3 ms). So: every width where
-// the L1 data cache has at least kWaysForFourWideRows ways, else up to
-// kFourRowsMaxElementsFewWays, also where the ways are unknown (docs/backends.md).
+// streams (x, dy and dx of each row) on the same L1 sets. On an earlier machine four wide rows
+// measured slower in cache (4096 elements: 27 -> 20 GB/s); on a 12-way L1 they did not (34-37
+// GB/s either way) and were faster in memory (4096 x 4096: 5.2 -> 4.3 ms). So: every width where
+// the L1 data cache has at least kWaysForFourWideRows ways (a dozen streams fit a set), else up
+// to kFourRowsMaxElementsFewWays, also where the ways are unknown (docs/backends.md).
 inline constexpr int kWaysForFourWideRows = 12;
 inline constexpr size_t kFourRowsMaxElementsFewWays = 2048;
 size_t FourRowsMaxElementsFor(int l1_ways);

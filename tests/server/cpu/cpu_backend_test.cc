@@ -251,8 +251,8 @@ TEST(CpuBackendTest, RowGroupingDoesNotChangeBits) {
   }
 }
 
-// Four wide rows at a time only where four rows' x, dy and dx fit the ways of one L1 set; unknown
-// ways (0) keep the limit measured on an 8-way L1.
+// Four wide rows at a time only where four rows' x, dy and dx fit the ways of one L1 set; fewer or
+// unknown ways (0) keep the earlier limit.
 TEST(CpuBackendTest, FourWideRowsAtATimeOnlyWithTwelveL1Ways) {
   EXPECT_EQ(host_rows::FourRowsMaxElementsFor(0), 2048u);
   EXPECT_EQ(host_rows::FourRowsMaxElementsFor(8), 2048u);
