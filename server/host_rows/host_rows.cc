@@ -119,8 +119,9 @@ HWY_INLINE void StorePairFromDouble(D d, hn::Vec<D> lo, hn::Vec<D> hi,
 
 // dst[i] = convert(src[i]), a vector of the f32 tag's lane count at a time; a tail shorter than a
 // vector goes through a zero-padded local buffer so that every element takes the same (vector)
-// rounding path.
-template <typename From, typename To, class Convert>
+// rounding path. kPartial: the caller promises n < one vector (a row's tail), and there is no
+// vector loop (which the compiler would otherwise check against the caller's small buffers).
+template <bool kPartial, typename From, typename To, class Convert>
 HWY_ATTR HWY_INLINE void ConvertLanes(const From* HWY_RESTRICT src, To* HWY_RESTRICT dst, size_t n,
                                       Convert convert) {
   const hn::ScalableTag<float> df;
@@ -128,7 +129,11 @@ HWY_ATTR HWY_INLINE void ConvertLanes(const From* HWY_RESTRICT src, To* HWY_REST
   const hn::Rebind<To, decltype(df)> d_to;
   const size_t lanes = hn::Lanes(df);
   size_t i = 0;
-  for (; i + lanes <= n; i += lanes) hn::StoreU(convert(hn::LoadU(d_from, src + i)), d_to, dst + i);
+  if constexpr (!kPartial) {
+    for (; i + lanes <= n; i += lanes) {
+      hn::StoreU(convert(hn::LoadU(d_from, src + i)), d_to, dst + i);
+    }
+  }
   if (i < n) {
     HWY_ALIGN From in[hn::MaxLanes(df)] = {};
     HWY_ALIGN To out[hn::MaxLanes(df)];
@@ -138,21 +143,24 @@ HWY_ATTR HWY_INLINE void ConvertLanes(const From* HWY_RESTRICT src, To* HWY_REST
   }
 }
 
-template <typename T>
+template <bool kPartial = false, typename T>
 void PromoteToF32(const T* HWY_RESTRICT src, float* HWY_RESTRICT dst, size_t n) {
-  ConvertLanes(src, dst, n,
-               [](auto v) HWY_ATTR { return hn::PromoteTo(hn::ScalableTag<float>(), v); });
+  ConvertLanes<kPartial>(
+      src, dst, n, [](auto v) HWY_ATTR { return hn::PromoteTo(hn::ScalableTag<float>(), v); });
 }
 
+template <bool kPartial = false>
 void DemoteFromF32(const float* HWY_RESTRICT src, hwy::float16_t* HWY_RESTRICT dst, size_t n) {
-  ConvertLanes(src, dst, n, [](auto v) HWY_ATTR {
+  ConvertLanes<kPartial>(src, dst, n, [](auto v) HWY_ATTR {
     return hn::DemoteTo(hn::Rebind<hwy::float16_t, hn::ScalableTag<float>>(), v);
   });
 }
 
+template <bool kPartial = false>
 void DemoteFromF32(const float* HWY_RESTRICT src, hwy::bfloat16_t* HWY_RESTRICT dst, size_t n) {
-  ConvertLanes(src, reinterpret_cast<uint16_t*>(dst), n,
-               [](auto v) HWY_ATTR { return RoundToBF16Bits(hn::ScalableTag<float>(), v); });
+  ConvertLanes<kPartial>(src, reinterpret_cast<uint16_t*>(dst), n, [](auto v) HWY_ATTR {
+    return RoundToBF16Bits(hn::ScalableTag<float>(), v);
+  });
 }
 
 // One element the way the vector body computes it: dx = inv * fma(-x, c, g*dy) and
@@ -257,8 +265,8 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
       dx_tail[k] = dx[k] + tail;
     } else {
       if (tail < h) {
-        PromoteToF32(x[k] + tail, tail_x[k], h - tail);
-        PromoteToF32(dy[k] + tail, tail_dy[k], h - tail);
+        PromoteToF32</*kPartial=*/true>(x[k] + tail, tail_x[k], h - tail);
+        PromoteToF32</*kPartial=*/true>(dy[k] + tail, tail_dy[k], h - tail);
       }
       x_tail[k] = tail_x[k];
       dy_tail[k] = tail_dy[k];
@@ -363,7 +371,9 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
   }
   if constexpr (!kF32) {
     if (from < h) {
-      for (size_t k = 0; k < R; ++k) DemoteFromF32(tail_dx[k], dx[k] + from, h - from);
+      for (size_t k = 0; k < R; ++k) {
+        DemoteFromF32</*kPartial=*/true>(tail_dx[k], dx[k] + from, h - from);
+      }
     }
   }
 }
