@@ -505,10 +505,12 @@ void BackwardRowsRounded(const RowBlock& b, const double* scale) {
 // (docs/benchmarks.md). From 128 elements on, streaming won at any offset.
 constexpr size_t kMisalignedStreamMinElements = 128;
 
-bool StreamsWholeLines(const RowBlock& b) {
+// Whether f32 rows stream dx, when the caller asks (b.stream_dx): from
+// kMisalignedStreamMinElements on at any offset, shorter rows only from a vector boundary.
+bool StreamsDx(const RowBlock& b) {
   const size_t vector_bytes = hn::Lanes(hn::ScalableTag<double>()) * sizeof(float);
-  return b.hidden_dim >= kMisalignedStreamMinElements ||
-         reinterpret_cast<uintptr_t>(b.dx) % vector_bytes == 0;
+  return b.stream_dx && (b.hidden_dim >= kMisalignedStreamMinElements ||
+                         reinterpret_cast<uintptr_t>(b.dx) % vector_bytes == 0);
 }
 
 void BackwardRowsF32Impl(const RowBlock& b) {
@@ -531,7 +533,7 @@ void BackwardRowsF32Impl(const RowBlock& b) {
   }
   if (b.element != kernels::DType::kF32 && b.casting != kernels::CastingMode::kGemma) {
     BackwardRowsRounded(b, gamma);
-  } else if (b.stream_dx && StreamsWholeLines(b)) {
+  } else if (StreamsDx(b)) {
     BackwardRowsWithOrWithoutGamma<float, true>(b, gamma);
     hwy::FlushStream();
   } else {
