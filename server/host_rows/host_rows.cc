@@ -174,6 +174,64 @@ HWY_INLINE void ScalarElement(float xf, float yf, double g, double inv_rms, doub
   if (kAccumulate) *dgamma = std::fma(y * x, inv_rms, *dgamma);
 }
 
+// kSteps vector steps of a row at p: one, or (kSteps 2) a pair through LoadPairAsDouble /
+// StorePairFromDouble.
+template <size_t kSteps, class D, typename T>
+HWY_INLINE void LoadStepsAsDouble(D d, const T* HWY_RESTRICT p, hn::Vec<D>* v) {
+  if constexpr (kSteps == 2) {
+    LoadPairAsDouble(d, p, v[0], v[1]);
+  } else {
+    static_assert(kSteps == 1, "one or two steps");
+    v[0] = LoadAsDouble(d, p);
+  }
+}
+template <size_t kSteps, bool kStream, class D, typename T>
+HWY_INLINE void StoreStepsFromDouble(D d, const hn::Vec<D>* v, T* HWY_RESTRICT p) {
+  if constexpr (kSteps == 2) {
+    StorePairFromDouble<kStream>(d, v[0], v[1], p);
+  } else {
+    StoreFromDouble<kStream>(d, v[0], p);
+  }
+}
+
+// Pass 2 of BackwardRowGroup over kSteps vector steps at element i of R rows: dx = inv_rms *
+// (gamma*dy - x*correction), and dgamma += dy*x*inv_rms row after row. Every row's loads come
+// before the first store: dx may alias x/dy for all the compiler knows, so it keeps this order,
+// and a later row's load then never waits behind an earlier row's dx store whose address
+// matches it in the low 12 bits (rows 16 KiB apart do).
+template <size_t kSteps, size_t R, bool kStream, bool kAccumulate, class D, typename T>
+HWY_INLINE void Pass2Steps(D d, size_t i, const double* HWY_RESTRICT gamma,
+                           double* HWY_RESTRICT dgamma, const T* const* x, const T* const* dy,
+                           T* const* dx, const T* const* next_dy, const hn::Vec<D>* inv_v,
+                           const hn::Vec<D>* corr_v) {
+  using V = hn::Vec<D>;
+  const size_t lanes = hn::Lanes(d);
+  V g[kSteps], dg[kSteps];
+  for (size_t j = 0; j < kSteps; ++j) {
+    g[j] = hn::LoadU(d, gamma + i + j * lanes);
+    dg[j] = kAccumulate ? hn::LoadU(d, dgamma + i + j * lanes) : hn::Zero(d);
+  }
+  V xs[R][kSteps], ys[R][kSteps];
+  HWY_UNROLL(4)
+  for (size_t k = 0; k < R; ++k) {
+    __builtin_prefetch(next_dy[k] + i, 0, 2);
+    LoadStepsAsDouble<kSteps>(d, x[k] + i, xs[k]);
+    LoadStepsAsDouble<kSteps>(d, dy[k] + i, ys[k]);
+  }
+  HWY_UNROLL(4)
+  for (size_t k = 0; k < R; ++k) {
+    V out[kSteps];
+    for (size_t j = 0; j < kSteps; ++j) {
+      out[j] = hn::Mul(inv_v[k], hn::NegMulAdd(xs[k][j], corr_v[k], hn::Mul(g[j], ys[k][j])));
+      if (kAccumulate) dg[j] = hn::MulAdd(hn::Mul(ys[k][j], xs[k][j]), inv_v[k], dg[j]);
+    }
+    StoreStepsFromDouble<kSteps, kStream>(d, out, dx[k] + i);
+  }
+  if (kAccumulate) {
+    for (size_t j = 0; j < kSteps; ++j) hn::StoreU(dg[j], d, dgamma + i + j * lanes);
+  }
+}
+
 // Rows r .. r + R - 1 of `b`, whose x, dy and dx are T (RowBlock::storage): pass 1 for each of
 // them, then one pass 2 over hidden_dim for all of them, so that gamma and the grad_gamma partial
 // are loaded (and grad_gamma stored) once per R rows instead of once per row. Each row's
@@ -308,58 +366,17 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
       }
     }
   }
-  if constexpr (std::is_same<T, hwy::bfloat16_t>::value) {
-    // bf16: two vector steps at once (LoadPairAsDouble), each element computed as below.
-    for (; i + 2 * lanes <= h; i += 2 * lanes) {
-      const V g0 = hn::LoadU(d, gamma + i);
-      const V g1 = hn::LoadU(d, gamma + i + lanes);
-      V dg0 = kAccumulate ? hn::LoadU(d, dgamma + i) : hn::Zero(d);
-      V dg1 = kAccumulate ? hn::LoadU(d, dgamma + i + lanes) : hn::Zero(d);
-      V xs0[R], xs1[R], ys0[R], ys1[R];
-      HWY_UNROLL(4)
-      for (size_t k = 0; k < R; ++k) {
-        __builtin_prefetch(next_dy[k] + i, 0, 2);
-        LoadPairAsDouble(d, x[k] + i, xs0[k], xs1[k]);
-        LoadPairAsDouble(d, dy[k] + i, ys0[k], ys1[k]);
-      }
-      HWY_UNROLL(4)
-      for (size_t k = 0; k < R; ++k) {
-        const V dx0 = hn::Mul(inv_v[k], hn::NegMulAdd(xs0[k], corr_v[k], hn::Mul(g0, ys0[k])));
-        const V dx1 = hn::Mul(inv_v[k], hn::NegMulAdd(xs1[k], corr_v[k], hn::Mul(g1, ys1[k])));
-        StorePairFromDouble<kStream>(d, dx0, dx1, dx[k] + i);
-        if (kAccumulate) {
-          dg0 = hn::MulAdd(hn::Mul(ys0[k], xs0[k]), inv_v[k], dg0);
-          dg1 = hn::MulAdd(hn::Mul(ys1[k], xs1[k]), inv_v[k], dg1);
-        }
-      }
-      if (kAccumulate) {
-        hn::StoreU(dg0, d, dgamma + i);
-        hn::StoreU(dg1, d, dgamma + i + lanes);
-      }
-    }
+  // kSteps vector steps at a time: two for bf16 (LoadPairAsDouble), else one; then single steps.
+  constexpr size_t kSteps = std::is_same<T, hwy::bfloat16_t>::value ? 2 : 1;
+  for (; i + kSteps * lanes <= h; i += kSteps * lanes) {
+    Pass2Steps<kSteps, R, kStream, kAccumulate>(d, i, gamma, dgamma, x, dy, dx, next_dy, inv_v,
+                                                corr_v);
   }
-  for (; i + lanes <= h; i += lanes) {
-    const V g0 = hn::LoadU(d, gamma + i);
-    V dg = kAccumulate ? hn::LoadU(d, dgamma + i) : hn::Zero(d);
-    // Every row's loads before the first store: dx may alias x/dy for all the compiler knows, so
-    // it keeps this order, and a later row's load then never waits behind an earlier row's dx
-    // store whose address matches it in the low 12 bits (rows 16 KiB apart do).
-    V xs[R], ys[R];
-    HWY_UNROLL(4)
-    for (size_t k = 0; k < R; ++k) {
-      __builtin_prefetch(next_dy[k] + i, 0, 2);
-      xs[k] = LoadAsDouble(d, x[k] + i);
-      ys[k] = LoadAsDouble(d, dy[k] + i);
+  if constexpr (kSteps > 1) {
+    for (; i + lanes <= h; i += lanes) {
+      Pass2Steps<1, R, kStream, kAccumulate>(d, i, gamma, dgamma, x, dy, dx, next_dy, inv_v,
+                                             corr_v);
     }
-    HWY_UNROLL(4)
-    for (size_t k = 0; k < R; ++k) {
-      const V x0 = xs[k];
-      const V y0 = ys[k];
-      const V dx0 = hn::Mul(inv_v[k], hn::NegMulAdd(x0, corr_v[k], hn::Mul(g0, y0)));
-      StoreFromDouble<kStream>(d, dx0, dx[k] + i);
-      if (kAccumulate) dg = hn::MulAdd(hn::Mul(y0, x0), inv_v[k], dg);
-    }
-    if (kAccumulate) hn::StoreU(dg, d, dgamma + i);
   }
   // The tail: from `tail` on when there is no head (always for bf16/f16), else later for f32.
   const size_t from = i;
