@@ -36,6 +36,7 @@ constexpr char kUsage[] =
     "  emit-ptx --kernel NAME --hidden-dim N [--target sm_90 ...] [--ptx-version 8.0]\n"
     "           [--dtype f32|bf16|f16 ...] [-o FILE] [--cubin FILE] [--out-dir DIR [--cubins]]\n"
     "           [--resource-usage] [--cache-dir DIR (else $NORMGRAD_PTX_CACHE)]\n"
+    "           [--gamma-offset X] [--no-gamma] [--casting-mode llama|gemma|none]\n"
     "           (server: --server or global --target; --target/--dtype repeat or take a,b,c)\n"
     "  info     server version, backend, device, limits, cache (JSON)\n"
     "  health   [--service NAME]   grpc.health.v1 check; exit 0 when SERVING, 3 otherwise\n"
@@ -63,6 +64,8 @@ struct BackwardFlags {
 };
 struct EmitPtxFlags {
   std::optional<std::string> kernel, hidden_dim, ptx_version, output, cubin, out_dir, cache_dir;
+  std::optional<std::string> gamma_offset, casting_mode;  // the variant, as backward's
+  bool no_gamma = false;
   std::vector<std::string> gpu_targets, dtypes;
   bool cubins = false;
   bool resource_usage = false;
@@ -95,13 +98,36 @@ class ProgressBar {
   bool drawn_ = false;
 };
 
+// --gamma-offset and --casting-mode (backward's and emit-ptx's) into `offset` and `mode`; a usage
+// error's message otherwise.
+absl::Status ParseOffsetAndCasting(const std::optional<std::string>& gamma_offset,
+                                   const std::optional<std::string>& casting_mode, float& offset,
+                                   v1::CastingMode& mode) {
+  if (gamma_offset && (!absl::SimpleAtof(*gamma_offset, &offset) || !std::isfinite(offset))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--gamma-offset: not a finite number: \"", *gamma_offset, "\""));
+  }
+  if (casting_mode) {
+    const std::pair<const char*, v1::CastingMode> modes[] = {{"llama", v1::CASTING_MODE_LLAMA},
+                                                             {"gemma", v1::CASTING_MODE_GEMMA},
+                                                             {"none", v1::CASTING_MODE_NONE}};
+    bool known = false;
+    for (const auto& [name, value] : modes) {
+      if (*casting_mode == name) {
+        mode = value;
+        known = true;
+      }
+    }
+    if (!known) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--casting-mode: \"", *casting_mode, "\" is not llama, gemma or none"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // The variant flags of `backward` into `a`; a usage error's message otherwise.
 absl::Status ParseVariantFlags(const BackwardFlags& args, RawBackwardArgs& a) {
-  if (args.gamma_offset &&
-      (!absl::SimpleAtof(*args.gamma_offset, &a.gamma_offset) || !std::isfinite(a.gamma_offset))) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--gamma-offset: not a finite number: \"", *args.gamma_offset, "\""));
-  }
   a.no_gamma = args.no_gamma;
   if (a.no_gamma && (args.gamma || args.dgamma || args.gamma_offset)) {
     return absl::InvalidArgumentError(
@@ -110,21 +136,10 @@ absl::Status ParseVariantFlags(const BackwardFlags& args, RawBackwardArgs& a) {
   if (!a.no_gamma && !args.gamma) {
     return absl::InvalidArgumentError("backward: --gamma is required");
   }
-  if (args.casting_mode) {
-    const std::pair<const char*, v1::CastingMode> modes[] = {{"llama", v1::CASTING_MODE_LLAMA},
-                                                             {"gemma", v1::CASTING_MODE_GEMMA},
-                                                             {"none", v1::CASTING_MODE_NONE}};
-    bool known = false;
-    for (const auto& [name, mode] : modes) {
-      if (*args.casting_mode == name) {
-        a.casting_mode = mode;
-        known = true;
-      }
-    }
-    if (!known) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--casting-mode: \"", *args.casting_mode, "\" is not llama, gemma or none"));
-    }
+  if (absl::Status s =
+          ParseOffsetAndCasting(args.gamma_offset, args.casting_mode, a.gamma_offset, a.casting_mode);
+      !s.ok()) {
+    return s;
   }
   a.in_place = args.in_place;
   return absl::OkStatus();
@@ -285,6 +300,19 @@ std::string ResourceLine(const v1::EmitPtxArtifact& a) {
   return line;
 }
 
+// For file names: "" for the default variant, else e.g. "_off1_llama", "_nogamma" (the offset
+// with 9 significant digits, which tell every float apart).
+std::string VariantLabel(const v1::EmitPtxRequest& request) {
+  std::string label;
+  if (request.gamma_offset() != 0.0f) {
+    absl::StrAppend(&label, "_off", absl::StrFormat("%.9g", request.gamma_offset()));
+  }
+  if (request.no_gamma()) absl::StrAppend(&label, "_nogamma");
+  if (request.casting_mode() == v1::CASTING_MODE_LLAMA) absl::StrAppend(&label, "_llama");
+  if (request.casting_mode() == v1::CASTING_MODE_NONE) absl::StrAppend(&label, "_none");
+  return label;
+}
+
 int EmitPtx(const EmitPtxFlags& args, const ClientOptions& options, const CliEnvironment& env,
             std::ostream& out, std::ostream& err) {
   if (!args.kernel) return UsageError(err, "emit-ptx: --kernel is required");
@@ -315,6 +343,20 @@ int EmitPtx(const EmitPtxFlags& args, const ClientOptions& options, const CliEnv
   const std::vector<std::string> targets =
       args.gpu_targets.empty() ? std::vector<std::string>{""} : args.gpu_targets;
   const size_t configurations = targets.size() * dtypes.size();
+  {
+    float offset = 0.0f;
+    v1::CastingMode mode = v1::CASTING_MODE_UNSPECIFIED;
+    if (absl::Status s = ParseOffsetAndCasting(args.gamma_offset, args.casting_mode, offset, mode);
+        !s.ok()) {
+      return UsageError(err, s.message());
+    }
+    if (args.no_gamma && args.gamma_offset) {
+      return UsageError(err, "emit-ptx: --no-gamma takes no --gamma-offset");
+    }
+    base.set_gamma_offset(offset);
+    base.set_no_gamma(args.no_gamma);
+    base.set_casting_mode(mode);
+  }
   base.set_ptx_version(args.ptx_version.value_or(""));
   base.set_cubin(args.cubin.has_value() || args.cubins);
   base.set_resource_usage(args.resource_usage);
@@ -396,8 +438,8 @@ int EmitPtx(const EmitPtxFlags& args, const ClientOptions& options, const CliEnv
   };
   if (args.out_dir) {
     for (const v1::EmitPtxArtifact& a : artifacts) {
-      const std::string stem =
-          absl::StrCat(*args.out_dir, "/", a.entry(), ".", DTypeLabel(a.dtype()), ".", a.target());
+      const std::string stem = absl::StrCat(*args.out_dir, "/", a.entry(), VariantLabel(base), ".",
+                                            DTypeLabel(a.dtype()), ".", a.target());
       if (!write(stem + ".ptx", a.ptx())) return kExitUsage;
       wrote(stem + ".ptx", a);
       if (args.cubins) {
@@ -510,6 +552,9 @@ int RunCli(const std::vector<std::string>& args, const CliEnvironment& env, std:
   emit_command->add_flag("--cubins", emit.cubins);
   emit_command->add_flag("--resource-usage", emit.resource_usage);
   emit_command->add_option("--cache-dir", emit.cache_dir)->type_name("DIR");
+  emit_command->add_option("--gamma-offset", emit.gamma_offset)->type_name("X");
+  emit_command->add_flag("--no-gamma", emit.no_gamma);
+  emit_command->add_option("--casting-mode", emit.casting_mode)->type_name("llama|gemma|none");
 
   CLI::App* info_command = app.add_subcommand("info");
 

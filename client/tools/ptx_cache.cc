@@ -13,6 +13,7 @@
 #include <sstream>
 #include <utility>
 
+#include "absl/base/casts.h"
 #include "absl/strings/str_cat.h"
 #include "base/sha256.h"
 
@@ -80,7 +81,11 @@ std::string PtxCache::Key(absl::string_view server_version, const v1::EmitPtxReq
                       "\nhidden_dim=", request.hidden_dim(),
                       "\ndtype=", static_cast<int>(request.dtype()), "\ntarget=", request.target(),
                       "\nptx_version=", request.ptx_version(), "\ncubin=", request.cubin(),
-                      "\nresource_usage=", request.resource_usage(), "\n");
+                      "\nresource_usage=", request.resource_usage(),
+                      // The variant; the offset by its bits (StrCat prints six digits).
+                      "\ngamma_offset_bits=", absl::bit_cast<uint32_t>(request.gamma_offset()),
+                      "\nno_gamma=", request.no_gamma(),
+                      "\ncasting_mode=", static_cast<int>(request.casting_mode()), "\n");
 }
 
 std::string PtxCache::EntryPath(const std::string& key) const {

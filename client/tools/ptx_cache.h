@@ -17,7 +17,8 @@
 // local filesystem (on NFS it may not exclude; entries stay correct, a key may be fetched twice).
 //
 // The key is the request's configuration (kernel, hidden_dim, dtype, target, ptx_version, cubin,
-// resource_usage as asked) and the server's version. Thread-compatible; separate processes (and
+// resource_usage as asked, the variant: gamma_offset, no_gamma, casting_mode) and the server's
+// version. Thread-compatible; separate processes (and
 // separate PtxCache objects) may share a directory.
 #pragma once
 

@@ -12,6 +12,7 @@
 //
 // Exit status: 0 on success, 2 on bad arguments or a configuration the kernel refuses (one line
 // on stderr saying why), 1 when the output file cannot be written or nvJitLink refuses the PTX.
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -40,7 +41,8 @@ using normgrad::kernels::KernelParam;
 
 constexpr char kUsage[] =
     "usage: normgrad-ptx --kernel NAME --hidden-dim N [--target sm_NN] [--ptx-version X.Y] "
-    "[--dtype f32] [-o FILE] [--resource-usage [--nvjitlink PATH]] | --list";
+    "[--dtype f32] [--gamma-offset X] [--no-gamma] [--casting-mode llama|gemma|none] [-o FILE] "
+    "[--resource-usage [--nvjitlink PATH]] | --list";
 
 [[noreturn]] void Fail(const std::string& reason) {
   std::cerr << "normgrad-ptx: " << reason << "\n";
@@ -127,6 +129,20 @@ int main(int argc, char** argv) {
       absl::StatusOr<normgrad::kernels::DType> d = normgrad::kernels::ParseDType(value());
       if (!d.ok()) Fail(std::string(d.status().message()));
       config.dtype = *d;
+    } else if (arg == "--gamma-offset") {
+      const std::string v = value();
+      float offset = 0.0f;
+      if (!absl::SimpleAtof(v, &offset) || !std::isfinite(offset)) {
+        Fail(absl::StrCat("--gamma-offset \"", v, "\" is not a finite number"));
+      }
+      config.variant.gamma_offset = offset == 0.0f ? 0.0f : offset;  // -0 is 0
+    } else if (arg == "--no-gamma") {
+      config.variant.has_gamma = false;
+    } else if (arg == "--casting-mode") {
+      absl::StatusOr<normgrad::kernels::CastingMode> mode =
+          normgrad::kernels::ParseCastingMode(value());
+      if (!mode.ok()) Fail(std::string(mode.status().message()));
+      config.variant.casting = *mode;
     } else if (arg == "-o" || arg == "--output") {
       output = value();
     } else if (arg == "--resource-usage") {
@@ -151,6 +167,9 @@ int main(int argc, char** argv) {
   }
   if (!hidden_dim.has_value()) Fail(absl::StrCat("--hidden-dim is required; ", kUsage));
   config.hidden_dim = *hidden_dim;
+  if (!config.variant.has_gamma && config.variant.gamma_offset != 0.0f) {
+    Fail("--no-gamma takes no --gamma-offset (an offset scales gamma)");
+  }
 
   absl::StatusOr<normgrad::kernels::EmittedPtx> ptx = kernel->Emit(config);
   if (!ptx.ok()) Fail(std::string(ptx.status().message()));

@@ -542,11 +542,15 @@ class Client:
         return self._workers().submit(self.backward, x, dy, gamma, **options)
 
     def emit_ptx(self, kernel, hidden_dim, *, target="sm_75", dtype="f32", ptx_version=None,
-                 cubin=False):
+                 cubin=False, gamma_offset=0.0, no_gamma=False, casting_mode=None):
         """The server's PTX for `kernel` (normgrad.PtxResult). dtype: "f32", "bf16" or "f16";
-        cubin=True also asks for the cubin (needs nvJitLink on the server)."""
+        cubin=True also asks for the cubin (needs nvJitLink on the server). gamma_offset,
+        no_gamma and casting_mode pick the RMSNorm variant, as backward's gamma_offset,
+        gamma=None and casting_mode do."""
+        offset, mode = _variant(None if no_gamma else True, gamma_offset, casting_mode)
         ptx, sha256, entry, cubin_bytes, version, declared_target = self._native.emit_ptx(
-            kernel, int(hidden_dim), target, dtype, ptx_version or "", bool(cubin))
+            kernel, int(hidden_dim), target, dtype, ptx_version or "", bool(cubin), offset,
+            bool(no_gamma), mode)
         return PtxResult(ptx, sha256, entry, cubin_bytes, version, declared_target)
 
     def info(self):

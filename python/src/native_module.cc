@@ -281,8 +281,15 @@ class PyClient {
   }
 
   py::tuple EmitPtx(const std::string& kernel, uint32_t hidden_dim, const std::string& target,
-                    const std::string& dtype, const std::string& ptx_version, bool cubin) {
+                    const std::string& dtype, const std::string& ptx_version, bool cubin,
+                    double gamma_offset, bool no_gamma, int casting_mode) {
+    if (!v1::CastingMode_IsValid(casting_mode)) {
+      throw py::value_error(absl::StrCat("casting_mode: ", casting_mode, " is not a CastingMode"));
+    }
     v1::EmitPtxRequest request;
+    request.set_gamma_offset(static_cast<float>(gamma_offset));
+    request.set_no_gamma(no_gamma);
+    request.set_casting_mode(static_cast<v1::CastingMode>(casting_mode));
     request.set_kernel(kernel);
     request.set_hidden_dim(hidden_dim);
     request.set_target(target);
@@ -370,7 +377,10 @@ PYBIND11_MODULE(_native, m) {
            py::arg("dx_ptr"), py::arg("rms_ptr"), py::arg("gamma"), py::arg("dgamma"),
            py::arg("kernel"), py::arg("device"), py::arg("gamma_offset"), py::arg("casting_mode"),
            py::arg("in_place") = false)
-      .def("emit_ptx", &PyClient::EmitPtx)
+      .def("emit_ptx", &PyClient::EmitPtx, py::arg("kernel"), py::arg("hidden_dim"),
+           py::arg("target"), py::arg("dtype"), py::arg("ptx_version"), py::arg("cubin"),
+           py::arg("gamma_offset") = 0.0, py::arg("no_gamma") = false,
+           py::arg("casting_mode") = 0)
       .def("server_info_json", &PyClient::ServerInfoJson)
       .def("health", &PyClient::Health, py::arg("service") = "");
 }

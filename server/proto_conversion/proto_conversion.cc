@@ -17,20 +17,27 @@ std::string KnownKernelNames() {
 
 }  // namespace
 
-absl::StatusOr<kernels::NormVariant> VariantFromHeader(const v1::BackwardHeader& header) {
+namespace {
+
+// gamma_offset, no_gamma and casting_mode of a message; `prefix` names their message in errors
+// ("header." or "").
+absl::StatusOr<kernels::NormVariant> VariantFromFields(float gamma_offset, bool no_gamma,
+                                                       v1::CastingMode casting,
+                                                       absl::string_view prefix) {
   kernels::NormVariant variant;
-  if (!std::isfinite(header.gamma_offset())) {
+  if (!std::isfinite(gamma_offset)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("header.gamma_offset is ", header.gamma_offset(), "; must be finite"));
+        absl::StrCat(prefix, "gamma_offset is ", gamma_offset, "; must be finite"));
   }
-  if (header.no_gamma() && header.gamma_offset() != 0.0f) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("header.gamma_offset is ", header.gamma_offset(),
-                     " with header.no_gamma; an offset scales gamma, so it must be 0"));
+  if (no_gamma && gamma_offset != 0.0f) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "gamma_offset is ", gamma_offset,
+                                                   " with ", prefix,
+                                                   "no_gamma; an offset scales gamma, so it must "
+                                                   "be 0"));
   }
-  variant.gamma_offset = header.gamma_offset() == 0.0f ? 0.0f : header.gamma_offset();  // -0 is 0
-  variant.has_gamma = !header.no_gamma();
-  switch (header.casting_mode()) {
+  variant.gamma_offset = gamma_offset == 0.0f ? 0.0f : gamma_offset;  // -0 is 0
+  variant.has_gamma = !no_gamma;
+  switch (casting) {
     case v1::CASTING_MODE_UNSPECIFIED:
     case v1::CASTING_MODE_GEMMA:
       variant.casting = kernels::CastingMode::kGemma;
@@ -43,10 +50,21 @@ absl::StatusOr<kernels::NormVariant> VariantFromHeader(const v1::BackwardHeader&
       break;
     default:
       return absl::InvalidArgumentError(
-          absl::StrCat("header.casting_mode is ", static_cast<int>(header.casting_mode()),
+          absl::StrCat(prefix, "casting_mode is ", static_cast<int>(casting),
                        "; must be one of 0 (unspecified: gemma), 1 (llama), 2 (gemma), 3 (none)"));
   }
   return variant;
+}
+
+}  // namespace
+
+absl::StatusOr<kernels::NormVariant> VariantFromHeader(const v1::BackwardHeader& header) {
+  return VariantFromFields(header.gamma_offset(), header.no_gamma(), header.casting_mode(),
+                           "header.");
+}
+
+absl::StatusOr<kernels::NormVariant> VariantFromEmitPtxRequest(const v1::EmitPtxRequest& request) {
+  return VariantFromFields(request.gamma_offset(), request.no_gamma(), request.casting_mode(), "");
 }
 
 absl::StatusOr<kernels::DType> DTypeFromProto(v1::DType dtype, absl::string_view field) {

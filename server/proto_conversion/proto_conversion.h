@@ -30,6 +30,8 @@ absl::StatusOr<kernels::DType> DTypeFromProto(v1::DType dtype, absl::string_view
 // The header's gamma_offset, no_gamma and casting_mode. INVALID_ARGUMENT naming the field: an
 // offset that is not finite, or not 0 with no_gamma; a casting mode this server does not know.
 absl::StatusOr<kernels::NormVariant> VariantFromHeader(const v1::BackwardHeader& header);
+// The same fields of an EmitPtx request (errors name them without a prefix).
+absl::StatusOr<kernels::NormVariant> VariantFromEmitPtxRequest(const v1::EmitPtxRequest& request);
 
 // Every kernel's entry name, in the registry's order.
 std::vector<std::string> KernelNames();

@@ -123,6 +123,8 @@ absl::StatusOr<v1::EmitPtxResponse> PtxService::Emit(const v1::EmitPtxRequest& r
     NORMGRAD_ASSIGN_OR_RETURN(ptx_version, kernels::ParsePtxVersion(request.ptx_version()));
   }
 
+  NORMGRAD_ASSIGN_OR_RETURN(const kernels::NormVariant variant, VariantFromEmitPtxRequest(request));
+
   // Every configuration is checked before any is emitted: a batch is all or nothing.
   std::vector<Configuration> configurations;
   for (int t = 0; t < static_cast<int>(targets.size()); ++t) {
@@ -133,6 +135,7 @@ absl::StatusOr<v1::EmitPtxResponse> PtxService::Emit(const v1::EmitPtxRequest& r
       c.config.dtype = dtypes[d];
       c.config.target_sm = targets[t];
       c.config.ptx_version = ptx_version;
+      c.config.variant = variant;
       if (batch) {
         c.name =
             absl::StrCat("configuration ", configurations.size(), " (targets[", t, "] sm_",

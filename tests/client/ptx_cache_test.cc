@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -72,6 +73,19 @@ TEST(PtxCacheTest, EntriesRoundTripAndKeysSeparateServerVersionsAndConfiguration
   const std::string key = PtxCache::Key("1.0", Request("sm_90"));
   EXPECT_NE(key, PtxCache::Key("1.1", Request("sm_90")));
   EXPECT_NE(key, PtxCache::Key("1.0", Request("sm_80")));
+  // The variant is part of the configuration (an offset down to its last bit).
+  v1::EmitPtxRequest variant = Request("sm_90");
+  variant.set_gamma_offset(1.0f);
+  const std::string offset_key = PtxCache::Key("1.0", variant);
+  EXPECT_NE(key, offset_key);
+  variant.set_gamma_offset(std::nextafter(1.0f, 2.0f));
+  EXPECT_NE(offset_key, PtxCache::Key("1.0", variant));
+  variant = Request("sm_90");
+  variant.set_no_gamma(true);
+  EXPECT_NE(key, PtxCache::Key("1.0", variant));
+  variant = Request("sm_90");
+  variant.set_casting_mode(v1::CASTING_MODE_LLAMA);
+  EXPECT_NE(key, PtxCache::Key("1.0", variant));
   EXPECT_EQ(cache->Read(key).status().code(), absl::StatusCode::kNotFound);
   ASSERT_TRUE(cache->Write(key, Artifact(".version 9.0\n")).ok());
   absl::StatusOr<v1::EmitPtxArtifact> back = cache->Read(key);

@@ -1,6 +1,7 @@
 // The `normgrad` CLI and `normgrad-load` against a real server on loopback: .npy round trips
 // checked against the reference, every server-error path, and the load generator's counts
 // (exact request counts, and errors counted by code against an overloaded server).
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -134,6 +135,50 @@ TEST_F(CliServerTest, EmitPtxWritesTheFileWithTheGpuTargetFlag) {
       Cli({target_, "emit-ptx", "--kernel=batched_rms_norm_backward", "--hidden-dim=896"});
   ASSERT_EQ(s.code, kExitOk) << s.err;
   EXPECT_NE(s.out.find(".entry batched_rms_norm_backward"), std::string::npos);
+}
+
+// --gamma-offset, --no-gamma and --casting-mode ask for that variant: other PTX than the default,
+// its label in --out-dir's file names; a bad value is a usage error naming the flag.
+TEST_F(CliServerTest, EmitPtxVariantFlagsEmitTheVariant) {
+  const std::vector<std::string> base = {target_, "emit-ptx",
+                                         "--kernel=rms_norm_backward_row_resident",
+                                         "--hidden-dim=4096", "--target=sm_90", "--dtype=bf16"};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> args = base;
+    args.insert(args.end(), more.begin(), more.end());
+    return Cli(args);
+  };
+  const Result plain = with({});
+  ASSERT_EQ(plain.code, kExitOk) << plain.err;
+  const Result gemma = with({"--gamma-offset=1"});
+  ASSERT_EQ(gemma.code, kExitOk) << gemma.err;
+  const Result llama = with({"--casting-mode=llama"});
+  ASSERT_EQ(llama.code, kExitOk) << llama.err;
+  const Result no_gamma = with({"--no-gamma"});
+  ASSERT_EQ(no_gamma.code, kExitOk) << no_gamma.err;
+  EXPECT_NE(plain.out, gemma.out);
+  EXPECT_NE(plain.out, llama.out);
+  EXPECT_NE(plain.out, no_gamma.out);
+  EXPECT_NE(gemma.out, llama.out);
+
+  const std::string dir = P("variants");
+  std::filesystem::remove_all(dir);  // a file from an earlier run must not pass for this one's
+  ASSERT_TRUE(std::filesystem::create_directory(dir));
+  const Result files = with({"--gamma-offset=1", "--casting-mode=llama", "--out-dir", dir});
+  ASSERT_EQ(files.code, kExitOk) << files.err;
+  const std::string ptx =
+      ReadAll(dir + "/rms_norm_backward_row_resident_off1_llama.bf16.sm_90.ptx");
+  EXPECT_NE(ptx.find(".entry rms_norm_backward_row_resident"), std::string::npos) << files.err;
+  EXPECT_NE(ptx, plain.out);
+
+  const Result bad = with({"--casting-mode=mistral"});
+  EXPECT_EQ(bad.code, kExitUsage);
+  EXPECT_NE(bad.err.find("--casting-mode: \"mistral\" is not llama, gemma or none"),
+            std::string::npos)
+      << bad.err;
+  const Result both = with({"--no-gamma", "--gamma-offset=1"});
+  EXPECT_EQ(both.code, kExitUsage);
+  EXPECT_NE(both.err.find("--no-gamma takes no --gamma-offset"), std::string::npos) << both.err;
 }
 
 TEST_F(CliServerTest, EmitPtxCubinIsAnElfFileOrAFailedPrecondition) {

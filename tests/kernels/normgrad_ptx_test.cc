@@ -85,6 +85,29 @@ TEST(NormgradPtxTest, PrintsTheSameBytesAsEmit) {
   EXPECT_TRUE(r.err.empty()) << r.err;
 }
 
+// The variant flags print Emit's bytes for that variant (not the default's).
+TEST(NormgradPtxTest, VariantFlagsPrintThatVariant) {
+  NormVariant variant;
+  variant.gamma_offset = 1.0f;
+  variant.casting = CastingMode::kLlama;
+  RunResult r = RunTool(
+      "--kernel rms_norm_backward_row_resident --hidden-dim 4096 --target sm_90 --dtype bf16 "
+      "--gamma-offset 1 --casting-mode llama");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  KernelConfig config{.hidden_dim = 4096, .dtype = DType::kBF16, .target_sm = 90};
+  absl::StatusOr<EmittedPtx> plain = FindKernel("rms_norm_backward_row_resident")->Emit(config);
+  config.variant = variant;
+  absl::StatusOr<EmittedPtx> ptx = FindKernel("rms_norm_backward_row_resident")->Emit(config);
+  ASSERT_TRUE(ptx.ok() && plain.ok());
+  EXPECT_EQ(r.out, ptx->text);
+  EXPECT_NE(r.out, plain->text);
+  RunResult none = RunTool("--kernel rms_norm_backward_row_resident --hidden-dim 64 --no-gamma");
+  ASSERT_EQ(none.exit_code, 0) << none.err;
+  config = KernelConfig{.hidden_dim = 64};
+  config.variant.has_gamma = false;
+  EXPECT_EQ(none.out, FindKernel("rms_norm_backward_row_resident")->Emit(config)->text);
+}
+
 TEST(NormgradPtxTest, HonoursPtxVersionAndWritesTheOutputFile) {
   const std::string path = absl::StrCat(::testing::TempDir(), "/normgrad_ptx_file_", getpid());
   RunResult r =
@@ -134,6 +157,11 @@ TEST(NormgradPtxTest, BadArgumentsExitTwoWithOneLine) {
       {"--kernel rms_norm_backward --hidden-dim 8 --bogus", "unknown argument \"--bogus\""},
       {"--kernel rms_norm_backward --hidden-dim", "--hidden-dim needs a value"},
       {"--kernel rms_norm_backward --hidden-dim 8 --ptx-version eight", "not MAJOR.MINOR"},
+      {"--kernel rms_norm_backward --hidden-dim 8 --gamma-offset nan", "is not a finite number"},
+      {"--kernel rms_norm_backward --hidden-dim 8 --casting-mode x", "casting"},
+      {"--kernel rms_norm_backward_row_resident --hidden-dim 8 --no-gamma --gamma-offset 1",
+       "--no-gamma takes no --gamma-offset"},
+      {"--kernel rms_norm_backward --hidden-dim 8 --gamma-offset 1", "variant"},
   };
   for (const auto& c : cases) {
     RunResult r = RunTool(c.args);

@@ -152,6 +152,20 @@ class GradientsTestBase:
         self.assertEqual(ptx.sha256, hashlib.sha256(ptx.ptx.encode()).hexdigest())
         self.assertEqual(ptx.cubin, b"")
         self.assertEqual(ptx.target, "sm_90")
+        # The variants: each its own PTX; an offset without a weight is refused here.
+        texts = {ptx.ptx}
+        kernel = "rms_norm_backward_row_resident"
+        plain = self.client.emit_ptx(kernel, 4096, target="sm_90", dtype="bf16")
+        for variant in ({"gamma_offset": 1.0}, {"casting_mode": "llama"}, {"no_gamma": True}):
+            with self.subTest(**variant):
+                other = self.client.emit_ptx(kernel, 4096, target="sm_90", dtype="bf16",
+                                             **variant)
+                self.assertIn(".entry rms_norm_backward_row_resident", other.ptx)
+                self.assertNotEqual(other.ptx, plain.ptx)
+                self.assertNotIn(other.ptx, texts)
+                texts.add(other.ptx)
+        with self.assertRaisesRegex(ValueError, "gamma_offset: 1.0 without gamma"):
+            self.client.emit_ptx(kernel, 4096, no_gamma=True, gamma_offset=1.0)
 
 
 class CpuBackendGradientsTest(GradientsTestBase, unittest.TestCase):

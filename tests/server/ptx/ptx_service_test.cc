@@ -4,6 +4,7 @@
 #include "server/ptx/ptx_service.h"
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -81,6 +82,69 @@ TEST(PtxServiceTest, BatchIsOneArtifactPerTargetAndDtypeTargetsOuter) {
   EXPECT_EQ(one->digest().sha256(), r->artifacts(3).digest().sha256());
   EXPECT_EQ(one->target(), "sm_90");
   EXPECT_EQ(one->config_key(), r->artifacts(3).config_key());
+}
+
+// The variant fields emit that variant: its own PTX and config_key, for every configuration of
+// a batch; invalid fields and kernels that do not emit the variant are INVALID_ARGUMENT naming
+// the field or the variant.
+TEST(PtxServiceTest, VariantFieldsEmitThatVariant) {
+  PtxService ptx(Options("/nonexistent/libnvJitLink.so.13"));
+  v1::EmitPtxRequest plain = Request();
+  plain.set_dtype(v1::DTYPE_BF16);
+  plain.set_target("sm_90");
+  absl::StatusOr<v1::EmitPtxResponse> base = ptx.Emit(plain);
+  ASSERT_TRUE(base.ok()) << base.status();
+
+  v1::EmitPtxRequest gemma = plain;
+  gemma.set_gamma_offset(1.0f);
+  v1::EmitPtxRequest llama = plain;
+  llama.set_casting_mode(v1::CASTING_MODE_LLAMA);
+  v1::EmitPtxRequest no_gamma = plain;
+  no_gamma.set_no_gamma(true);
+  std::vector<std::string> texts = {base->ptx()};
+  for (const auto& [request, suffix] : {std::pair{gemma, "_off3f800000"}, std::pair{llama, "_llama"},
+                                        std::pair{no_gamma, "_nogamma"}}) {
+    SCOPED_TRACE(suffix);
+    absl::StatusOr<v1::EmitPtxResponse> r = ptx.Emit(request);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_THAT(r->config_key(), HasSubstr(suffix));
+    EXPECT_THAT(base->config_key(), ::testing::Not(HasSubstr(suffix)));
+    for (const std::string& other : texts) EXPECT_NE(r->ptx(), other);
+    texts.push_back(r->ptx());
+  }
+
+  v1::EmitPtxRequest batch = gemma;
+  batch.clear_dtype();
+  batch.clear_target();
+  batch.add_targets("sm_90");
+  batch.add_dtypes(v1::DTYPE_F32);
+  batch.add_dtypes(v1::DTYPE_BF16);
+  absl::StatusOr<v1::EmitPtxResponse> r = ptx.Emit(batch);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->artifacts_size(), 2);
+  for (const v1::EmitPtxArtifact& a : r->artifacts()) EXPECT_THAT(a.config_key(), HasSubstr("_off3f800000"));
+  EXPECT_EQ(r->artifacts(1).ptx(), texts[1]);  // the bf16 one, as emitted alone
+
+  v1::EmitPtxRequest bad = no_gamma;
+  bad.set_gamma_offset(1.0f);
+  absl::StatusOr<v1::EmitPtxResponse> e = ptx.Emit(bad);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(e.status().message(), HasSubstr("gamma_offset is 1 with no_gamma"));
+  bad = plain;
+  bad.set_gamma_offset(std::numeric_limits<float>::infinity());
+  e = ptx.Emit(bad);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(e.status().message(), HasSubstr("gamma_offset is inf; must be finite"));
+  bad = plain;
+  bad.set_casting_mode(static_cast<v1::CastingMode>(7));
+  e = ptx.Emit(bad);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(e.status().message(), HasSubstr("casting_mode is 7"));
+  bad = Request("rms_norm_backward");
+  bad.set_hidden_dim(32);
+  bad.set_gamma_offset(1.0f);
+  e = ptx.Emit(bad);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument) << e.status();
 }
 
 TEST(PtxServiceTest, MinCudaDriverFollowsThePtxVersion) {
