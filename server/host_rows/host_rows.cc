@@ -395,14 +395,24 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
   }
 }
 
+// How many rows BackwardRows puts in a group of a block with `hidden_dim` elements of
+// `element_bytes` per row: four, or two for rows wider than FourRowsMaxElements() and for four
+// rows that alias where ToleratesAliasedRows() is false (their x, dy and dx are a dozen lines on
+// the same L1 sets); one when streaming and a row is not a whole number of f32 vectors (every row
+// of a streamed group needs the same scalar head).
+size_t RowsPerGroup(size_t hidden_dim, size_t element_bytes, bool stream) {
+  if (stream && hidden_dim % hn::Lanes(hn::ScalableTag<double>()) != 0) return 1;
+  if (hidden_dim > FourRowsMaxElements()) return 2;
+  if (!ToleratesAliasedRows() && GroupRowsAlias(hidden_dim * element_bytes, 4)) return 2;
+  return 4;
+}
+
 template <typename T, bool kStream, bool kAccumulate>
 void BackwardRows(const RowBlock& b, const double* gamma, double* inv_rms_out) {
   size_t r = 0;
-  // Streaming needs every row of a group to have the same scalar head: true when a row is a
-  // whole number of f32 vectors.
-  const hn::ScalableTag<double> d;
-  if (!kStream || b.hidden_dim % hn::Lanes(d) == 0) {
-    if (b.hidden_dim <= FourRowsMaxElements()) {
+  const size_t group = RowsPerGroup(b.hidden_dim, sizeof(T), kStream);
+  if (group > 1) {
+    if (group == 4) {
       for (; r + 4 <= b.num_rows; r += 4) {
         BackwardRowGroup<T, 4, kStream, kAccumulate>(b, gamma, r, b.num_rows - r - 4, inv_rms_out);
       }
@@ -523,9 +533,15 @@ void BackwardRowsRounded(const RowBlock& b, const double* scale) {
 constexpr size_t kMisalignedStreamMinElements = 128;
 
 // Whether f32 rows stream dx, when the caller asks (b.stream_dx): from
-// kMisalignedStreamMinElements on at any offset, shorter rows only from a vector boundary.
+// kMisalignedStreamMinElements on at any offset, shorter rows only from a vector boundary; and
+// groups whose rows alias only where ToleratesAliasedRows().
 bool StreamsDx(const RowBlock& b) {
   const size_t vector_bytes = hn::Lanes(hn::ScalableTag<double>()) * sizeof(float);
+  if (!ToleratesAliasedRows() &&
+      GroupRowsAlias(b.hidden_dim * sizeof(float),
+                     RowsPerGroup(b.hidden_dim, sizeof(float), /*stream=*/true))) {
+    return false;
+  }
   return b.stream_dx && (b.hidden_dim >= kMisalignedStreamMinElements ||
                          reinterpret_cast<uintptr_t>(b.dx) % vector_bytes == 0);
 }
@@ -610,6 +626,22 @@ size_t FourRowsMaxElementsFor(int l1_ways) {
 size_t FourRowsMaxElements() {
   static const size_t max_elements = FourRowsMaxElementsFor(L1DataCacheWays());
   return max_elements;
+}
+
+bool GroupRowsAlias(size_t row_bytes, size_t group_rows) {
+  constexpr size_t kPage = 4096;
+  for (size_t k = 1; k < group_rows; ++k) {
+    const size_t offset = (k * row_bytes) % kPage;  // row k's start against row 0's
+    if (std::min(offset, kPage - offset) < kAliasBytes) return true;
+  }
+  return false;
+}
+
+bool ToleratesAliasedRowsFor(int l1_ways) { return l1_ways >= kWaysForFourWideRows; }
+
+bool ToleratesAliasedRows() {
+  static const bool tolerates = ToleratesAliasedRowsFor(L1DataCacheWays());
+  return tolerates;
 }
 
 bool LimitSimdTarget(const std::string& name) {

@@ -244,8 +244,12 @@ int main(int argc, char** argv) {
   const std::string grouping = four_rows_max == SIZE_MAX
                                    ? std::string("at every width")
                                    : "up to " + std::to_string(four_rows_max) + " elements";
-  std::printf("device: %s; L1d %d-way: rows four at a time %s\n", backend->Device().name.c_str(),
-              normgrad::server::host_rows::L1DataCacheWays(), grouping.c_str());
+  std::printf("device: %s; L1d %d-way: rows four at a time %s; dx streamed%s\n",
+              backend->Device().name.c_str(), normgrad::server::host_rows::L1DataCacheWays(),
+              grouping.c_str(),
+              normgrad::server::host_rows::ToleratesAliasedRows()
+                  ? ""
+                  : " (and rows four at a time) except where a group's rows alias modulo 4 KiB");
 
   if (sweep) {
     const uint64_t bytes = sweep_mib << 20;

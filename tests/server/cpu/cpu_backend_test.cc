@@ -243,7 +243,7 @@ void ExpectGroupingKeepsBits(uint32_t hidden, bool stream, bool with_rms) {
 }
 
 TEST(CpuBackendTest, RowGroupingDoesNotChangeBits) {
-  for (uint32_t hidden : {1u, 33u, 896u, 2048u, 2049u, 2056u, 4096u}) {
+  for (uint32_t hidden : {1u, 33u, 896u, 1000u, 1024u, 2048u, 2049u, 2056u, 4096u}) {
     for (bool stream : {false, true}) {
       ExpectGroupingKeepsBits(hidden, stream, /*with_rms=*/false);
       ExpectGroupingKeepsBits(hidden, stream, /*with_rms=*/true);
@@ -260,6 +260,36 @@ TEST(CpuBackendTest, FourWideRowsAtATimeOnlyWithTwelveL1Ways) {
   EXPECT_EQ(host_rows::FourRowsMaxElementsFor(12), SIZE_MAX);
   EXPECT_EQ(host_rows::FourRowsMaxElementsFor(16), SIZE_MAX);
   EXPECT_GE(host_rows::L1DataCacheWays(), 0);
+}
+
+// Rows alias when two rows of a group start within 128 bytes of each other modulo 4 KiB: f32
+// rows of 1024 (4 KiB), 1000 (96 bytes short of it), 1536 (rows k and k + 2 one page apart), not
+// 896 (rows 512 bytes apart modulo 4 KiB) or 992 (128 bytes: not within).
+TEST(CpuBackendTest, GroupRowsAliasModulo4KiB) {
+  EXPECT_TRUE(host_rows::GroupRowsAlias(1024 * 4, 4));
+  EXPECT_TRUE(host_rows::GroupRowsAlias(1024 * 4, 2));
+  EXPECT_TRUE(host_rows::GroupRowsAlias(65536 * 4, 2));
+  EXPECT_TRUE(host_rows::GroupRowsAlias(1000 * 4, 2));
+  EXPECT_TRUE(host_rows::GroupRowsAlias(1016 * 4, 4));
+  EXPECT_TRUE(host_rows::GroupRowsAlias(1536 * 4, 4));   // rows 0 and 2: 12 KiB apart
+  EXPECT_FALSE(host_rows::GroupRowsAlias(1536 * 4, 2));  // rows 0 and 1: 2 KiB apart
+  EXPECT_TRUE(host_rows::GroupRowsAlias(2048 * 2, 4));   // bf16 rows of 2048
+  EXPECT_FALSE(host_rows::GroupRowsAlias(1024 * 2, 2));  // bf16 rows of 1024, two at a time
+  EXPECT_FALSE(host_rows::GroupRowsAlias(896 * 4, 4));
+  EXPECT_FALSE(host_rows::GroupRowsAlias(992 * 4, 4));
+  EXPECT_FALSE(host_rows::GroupRowsAlias(1280 * 4, 4));
+  EXPECT_FALSE(host_rows::GroupRowsAlias(64 * 4, 4));
+  EXPECT_FALSE(host_rows::GroupRowsAlias(1024 * 4, 1));  // one row aliases nothing
+}
+
+// Aliasing rows stream dx and go four at a time only where the L1 has 12 or more ways; fewer or
+// unknown ways (0) take ordinary stores and two rows.
+TEST(CpuBackendTest, AliasedRowsStreamOnlyWithTwelveL1Ways) {
+  EXPECT_FALSE(host_rows::ToleratesAliasedRowsFor(0));
+  EXPECT_FALSE(host_rows::ToleratesAliasedRowsFor(8));
+  EXPECT_FALSE(host_rows::ToleratesAliasedRowsFor(11));
+  EXPECT_TRUE(host_rows::ToleratesAliasedRowsFor(12));
+  EXPECT_TRUE(host_rows::ToleratesAliasedRowsFor(16));
 }
 
 TEST(CpuBackendTest, DeviceNamesThreadsAndSimdTarget) {
