@@ -15,10 +15,6 @@ std::string KnownKernelNames() {
   return names.empty() ? "none" : absl::StrJoin(names, ", ");
 }
 
-}  // namespace
-
-namespace {
-
 // gamma_offset, no_gamma and casting_mode of a message; `prefix` names their message in errors
 // ("header." or "").
 absl::StatusOr<kernels::NormVariant> VariantFromFields(float gamma_offset, bool no_gamma,
