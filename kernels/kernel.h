@@ -50,6 +50,8 @@ struct NormVariant {
   bool is_default() const {
     return gamma_offset == 0.0f && has_gamma && casting == CastingMode::kGemma;
   }
+  // An offset as a variant holds it: -0 is 0 (the same scale, so one ConfigKey() and one PTX).
+  static float CanonicalOffset(float offset) { return offset == 0.0f ? 0.0f : offset; }
   // "" for the default; else e.g. "_off1_llama", "_nogamma" (for ConfigKey()).
   std::string KeySuffix() const;
   // For messages: "gamma_offset 1, a gamma, casting mode llama".

@@ -135,7 +135,7 @@ int main(int argc, char** argv) {
       if (!absl::SimpleAtof(v, &offset) || !std::isfinite(offset)) {
         Fail(absl::StrCat("--gamma-offset \"", v, "\" is not a finite number"));
       }
-      config.variant.gamma_offset = offset == 0.0f ? 0.0f : offset;  // -0 is 0
+      config.variant.gamma_offset = normgrad::kernels::NormVariant::CanonicalOffset(offset);
     } else if (arg == "--no-gamma") {
       config.variant.has_gamma = false;
     } else if (arg == "--casting-mode") {

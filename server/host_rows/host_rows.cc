@@ -536,14 +536,15 @@ constexpr size_t kMisalignedStreamMinElements = 128;
 // kMisalignedStreamMinElements on at any offset, shorter rows only from a vector boundary; and
 // groups whose rows alias only where ToleratesAliasedRows().
 bool StreamsDx(const RowBlock& b) {
+  if (!b.stream_dx) return false;
   const size_t vector_bytes = hn::Lanes(hn::ScalableTag<double>()) * sizeof(float);
-  if (!ToleratesAliasedRows() &&
-      GroupRowsAlias(b.hidden_dim * sizeof(float),
-                     RowsPerGroup(b.hidden_dim, sizeof(float), /*stream=*/true))) {
+  if (b.hidden_dim < kMisalignedStreamMinElements &&
+      reinterpret_cast<uintptr_t>(b.dx) % vector_bytes != 0) {
     return false;
   }
-  return b.stream_dx && (b.hidden_dim >= kMisalignedStreamMinElements ||
-                         reinterpret_cast<uintptr_t>(b.dx) % vector_bytes == 0);
+  return ToleratesAliasedRows() ||
+         !GroupRowsAlias(b.hidden_dim * sizeof(float),
+                         RowsPerGroup(b.hidden_dim, sizeof(float), /*stream=*/true));
 }
 
 void BackwardRowsF32Impl(const RowBlock& b) {

@@ -31,7 +31,7 @@ absl::StatusOr<kernels::NormVariant> VariantFromFields(float gamma_offset, bool 
                                                    "no_gamma; an offset scales gamma, so it must "
                                                    "be 0"));
   }
-  variant.gamma_offset = gamma_offset == 0.0f ? 0.0f : gamma_offset;  // -0 is 0
+  variant.gamma_offset = kernels::NormVariant::CanonicalOffset(gamma_offset);
   variant.has_gamma = !no_gamma;
   switch (casting) {
     case v1::CASTING_MODE_UNSPECIFIED:

@@ -1,6 +1,8 @@
 // GetServerInfo's answer from ServerInfo: every section filled from its field, shared memory and
-// CUDA IPC enabled exactly when present, durations in seconds.
+// CUDA IPC enabled exactly when present, durations in seconds. A variant from the wire: -0 is 0.
 #include "server/proto_conversion/proto_conversion.h"
+
+#include <cmath>
 
 #include "gtest/gtest.h"
 
@@ -62,6 +64,26 @@ TEST(ServerInfoToProtoTest, SharedMemoryAndCudaIpcAreEnabledExactlyWhenPresent) 
   EXPECT_EQ(r.cuda_ipc().max_open_handles(), 9u);
   EXPECT_FALSE(r.health().serving());
   EXPECT_EQ(r.health().reason(), "self-test failed");
+}
+
+// -0 and 0 are the same scale: both become the default variant (one ConfigKey(), one PTX, one
+// cached module), from a stream's header and from an emission request alike.
+TEST(VariantFromProtoTest, NegativeZeroOffsetIsTheDefaultVariant) {
+  v1::BackwardHeader header;
+  header.set_gamma_offset(-0.0f);
+  absl::StatusOr<kernels::NormVariant> from_header = VariantFromHeader(header);
+  ASSERT_TRUE(from_header.ok()) << from_header.status();
+  EXPECT_FALSE(std::signbit(from_header->gamma_offset));
+  EXPECT_TRUE(from_header->is_default());
+  v1::EmitPtxRequest request;
+  request.set_gamma_offset(-0.0f);
+  request.set_no_gamma(true);  // an offset with no_gamma must be 0; -0 is
+  absl::StatusOr<kernels::NormVariant> from_request = VariantFromEmitPtxRequest(request);
+  ASSERT_TRUE(from_request.ok()) << from_request.status();
+  EXPECT_FALSE(std::signbit(from_request->gamma_offset));
+  EXPECT_EQ(from_request->KeySuffix(), "_nogamma");
+  header.set_gamma_offset(-1.5f);
+  EXPECT_EQ(VariantFromHeader(header)->gamma_offset, -1.5f);
 }
 
 }  // namespace
