@@ -5,9 +5,10 @@
 # sha256 of the files. OUTPUT is written only when its content changes, so an image regenerated
 # with the same bytes recompiles nothing.
 #
-# Variables: PTX, CUBIN (empty: none), OUTPUT, SYMBOL, KERNEL, HIDDEN_DIM, DTYPE.
+# Variables: PTX, CUBIN (empty: none), OUTPUT, SYMBOL, KERNEL, HIDDEN_DIM, DTYPE, and the
+# variant: GAMMA_OFFSET (a decimal number), HAS_GAMMA (true/false), CASTING_MODE.
 cmake_minimum_required(VERSION 3.25)
-foreach(var PTX OUTPUT SYMBOL KERNEL HIDDEN_DIM DTYPE)
+foreach(var PTX OUTPUT SYMBOL KERNEL HIDDEN_DIM DTYPE GAMMA_OFFSET HAS_GAMMA CASTING_MODE)
   if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
     message(FATAL_ERROR "NormgradPtxEmbed.cmake: -D${var}=... is required")
   endif()
@@ -61,7 +62,7 @@ set(count 1)
 macro(image kind data size digest)
   string(APPEND images "    {\"${KERNEL}\", \"${entry}\", ${HIDDEN_DIM}u, \"${DTYPE}\", ${target_sm}, "
          "\"${ptx_version}\", PtxImageKind::${kind}, ${data}, ${size}u, \"${digest}\", kParams, "
-         "${num_params}u},\n")
+         "${num_params}u, static_cast<float>(${GAMMA_OFFSET}), ${HAS_GAMMA}, \"${CASTING_MODE}\"},\n")
 endmacro()
 image(kPtx kPtx ${ptx_bytes_size} ${ptx_bytes_sha256})
 set(cubin_array "")

@@ -7,10 +7,13 @@
 #     HIDDEN_DIMS n [n2 ...]        every kernel x hidden_dim x dtype x target is embedded
 #     DTYPES f32|bf16|f16 [...]
 #     TARGETS sm_80 [sm_90 ...]
+#     [GAMMA_OFFSET x] [NO_GAMMA]   the RMSNorm variant of every image (docs/api.md, Variants):
+#     [CASTING_MODE llama|gemma|none]  default offset 0, a gamma, gemma (the plain RMSNorm)
 #     [CUBINS AUTO|ON|OFF])         default: NORMGRAD_PTX_CUBINS, else AUTO
 #
 # Gives the static library NAME and its header NAME.h, which declares
-# `const normgrad::PtxLibrary& normgrad::embedded::<NAME as a C identifier>()`.
+# `const normgrad::PtxLibrary& normgrad::embedded::<NAME as a C identifier>()`. One variant per
+# library: a program that needs several links one library for each.
 #
 # Where the images come from, decided when the project is configured:
 #   - a server, when NORMGRAD_PTX_SERVER (CMake variable) or else $ENV{NORMGRAD_TARGET} names
@@ -64,10 +67,12 @@ function(_normgrad_ptx_cubins_available out server server_args)
 endfunction()
 
 function(normgrad_add_ptx_library name)
-  cmake_parse_arguments(PARSE_ARGV 1 arg "" "CUBINS" "KERNEL;HIDDEN_DIMS;DTYPES;TARGETS")
+  cmake_parse_arguments(PARSE_ARGV 1 arg "NO_GAMMA" "CUBINS;GAMMA_OFFSET;CASTING_MODE"
+    "KERNEL;HIDDEN_DIMS;DTYPES;TARGETS")
   if(arg_UNPARSED_ARGUMENTS)
     message(FATAL_ERROR "normgrad_add_ptx_library(${name}): unknown arguments "
-      "\"${arg_UNPARSED_ARGUMENTS}\" (KERNEL, HIDDEN_DIMS, DTYPES, TARGETS, CUBINS)")
+      "\"${arg_UNPARSED_ARGUMENTS}\" (KERNEL, HIDDEN_DIMS, DTYPES, TARGETS, GAMMA_OFFSET, "
+      "NO_GAMMA, CASTING_MODE, CUBINS)")
   endif()
   foreach(field KERNEL HIDDEN_DIMS DTYPES TARGETS)
     if(NOT arg_${field})
@@ -92,6 +97,35 @@ function(normgrad_add_ptx_library name)
         "(sm_80, sm_90, ...)")
     endif()
   endforeach()
+  # The variant: the emitters' flags, and what each image records.
+  set(variant_flags "")
+  set(gamma_offset 0)
+  set(has_gamma true)
+  set(casting_mode gemma)
+  if(DEFINED arg_GAMMA_OFFSET)
+    if(NOT arg_GAMMA_OFFSET MATCHES "^[-+]?([0-9]+\\.?[0-9]*|\\.[0-9]+)([eE][-+]?[0-9]+)?$")
+      message(FATAL_ERROR "normgrad_add_ptx_library(${name}): GAMMA_OFFSET \"${arg_GAMMA_OFFSET}\" "
+        "is not a decimal number (1, -0.5, 1e-3)")
+    endif()
+    if(arg_NO_GAMMA)
+      message(FATAL_ERROR "normgrad_add_ptx_library(${name}): NO_GAMMA takes no GAMMA_OFFSET "
+        "(an offset scales gamma)")
+    endif()
+    set(gamma_offset ${arg_GAMMA_OFFSET})
+    list(APPEND variant_flags --gamma-offset ${arg_GAMMA_OFFSET})
+  endif()
+  if(arg_NO_GAMMA)
+    set(has_gamma false)
+    list(APPEND variant_flags --no-gamma)
+  endif()
+  if(DEFINED arg_CASTING_MODE)
+    if(NOT arg_CASTING_MODE MATCHES "^(llama|gemma|none)$")
+      message(FATAL_ERROR "normgrad_add_ptx_library(${name}): CASTING_MODE "
+        "\"${arg_CASTING_MODE}\" is not llama, gemma or none")
+    endif()
+    set(casting_mode ${arg_CASTING_MODE})
+    list(APPEND variant_flags --casting-mode ${arg_CASTING_MODE})
+  endif()
 
   # Offline or a server, and cubins or not.
   set(server "")
@@ -144,7 +178,8 @@ function(normgrad_add_ptx_library name)
             set(cubin ${gen}/${stem}.cubin)
             list(APPEND outputs ${cubin})
           endif()
-          set(flags --kernel ${kernel} --hidden-dim ${hidden} --dtype ${dtype} --target ${target})
+          set(flags --kernel ${kernel} --hidden-dim ${hidden} --dtype ${dtype} --target ${target}
+                    ${variant_flags})
           if(server)
             set(fetch_flags "")
             if(cubins)
@@ -178,7 +213,8 @@ function(normgrad_add_ptx_library name)
           add_custom_command(OUTPUT ${source}
             COMMAND ${CMAKE_COMMAND} -DPTX=${ptx} -DCUBIN=${cubin} -DOUTPUT=${source}
                     -DSYMBOL=${symbol} -DKERNEL=${kernel} -DHIDDEN_DIM=${hidden} -DDTYPE=${dtype}
-                    -P ${_NORMGRAD_PTX_EMBED_SCRIPT}
+                    -DGAMMA_OFFSET=${gamma_offset} -DHAS_GAMMA=${has_gamma}
+                    -DCASTING_MODE=${casting_mode} -P ${_NORMGRAD_PTX_EMBED_SCRIPT}
             DEPENDS ${outputs} ${_NORMGRAD_PTX_EMBED_SCRIPT}
             COMMENT "normgrad: embedding ${stem}" VERBATIM)
           list(APPEND sources ${source})

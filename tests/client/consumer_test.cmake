@@ -59,12 +59,24 @@ endif()
 step(${prefix}/bin/normgrad-ptx --list)
 file(WRITE ${ref}/list.txt "${out}")
 set(stems "")
-foreach(kernel rms_norm_backward_row_resident batched_rms_norm_backward)
+# The plain RMSNorm of both kernels (consumer_ptx), then the variant (consumer_ptx_variant):
+# STEM_off1_llama.
+foreach(config rms_norm_backward_row_resident batched_rms_norm_backward
+               rms_norm_backward_row_resident:off1_llama)
+  string(REPLACE ":" ";" config "${config}")
+  list(GET config 0 kernel)
+  set(suffix "")
+  set(variant_flags "")
+  list(LENGTH config parts)
+  if(parts EQUAL 2)
+    set(suffix _off1_llama)
+    set(variant_flags --gamma-offset 1 --casting-mode llama)
+  endif()
   foreach(target sm_80 sm_90)
-    set(stem ${kernel}_h896_bf16_${target})
+    set(stem ${kernel}_h896_bf16_${target}${suffix})
     list(APPEND stems ${stem})
     step(${prefix}/bin/normgrad-ptx --kernel ${kernel} --hidden-dim 896 --dtype bf16
-         --target ${target} -o ${ref}/${stem}.ptx)
+         --target ${target} ${variant_flags} -o ${ref}/${stem}.ptx)
     set(files ${stem}.ptx)
     if(cubins)
       step(${prefix}/bin/normgrad-cubin --target ${target} -o ${ref}/${stem}.cubin
@@ -82,6 +94,30 @@ message(STATUS "cubins embedded: ${cubins}")
 # Offline: the consumer above built them with normgrad-ptx.
 step(${WORK_DIR}/build/ptx_consumer ${ref} ${cubins})
 message(STATUS "offline: ${out}")
+
+# A variant argument that is not one stops configuration, naming the argument and the value.
+foreach(bad "CASTING_MODE fp8:CASTING_MODE \"fp8\" is not llama, gemma or none"
+            "GAMMA_OFFSET one:GAMMA_OFFSET \"one\" is not a decimal number"
+            "NO_GAMMA GAMMA_OFFSET 1:NO_GAMMA takes no GAMMA_OFFSET")
+  string(REPLACE ":" ";" bad "${bad}")
+  list(GET bad 0 arguments)
+  list(GET bad 1 message)
+  set(dir ${WORK_DIR}/bad-arguments)
+  file(REMOVE_RECURSE ${dir})
+  file(WRITE ${dir}/CMakeLists.txt "cmake_minimum_required(VERSION 3.25)
+project(bad CXX)
+find_package(normgrad CONFIG REQUIRED)
+normgrad_add_ptx_library(bad KERNEL rms_norm_backward_row_resident HIDDEN_DIMS 896 DTYPES f32
+  TARGETS sm_80 ${arguments})
+")
+  execute_process(COMMAND ${CMAKE_COMMAND} -S ${dir} -B ${dir}/build -G ${GENERATOR}
+    -DCMAKE_PREFIX_PATH=${prefix} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  string(REGEX REPLACE "[ \n]+" " " err "${err}")
+  if(rc EQUAL 0 OR NOT err MATCHES "normgrad_add_ptx_library\\(bad\\): ${message}")
+    fail("${arguments}: configuration should stop with \"${message}\" (exit ${rc}):\n${err}")
+  endif()
+endforeach()
+message(STATUS "bad variant arguments: refused when configured")
 
 if(GENERATOR STREQUAL "Ninja")
   # Nothing changed: nothing to do.
@@ -140,8 +176,8 @@ if(EXISTS ${BUILD_DIR}/bin/normgrad-server)
   # Through the CLI's cache (docs/build-systems.md, Cache): one entry per configuration.
   file(GLOB entries ${WORK_DIR}/ptx-cache/ac/*)
   list(LENGTH entries num_entries)
-  if(NOT num_entries EQUAL 4)
-    fail("NORMGRAD_PTX_CACHE_DIR holds ${num_entries} cache entries, expected 4: ${entries}")
+  if(NOT num_entries EQUAL 6)
+    fail("NORMGRAD_PTX_CACHE_DIR holds ${num_entries} cache entries, expected 6: ${entries}")
   endif()
   step(${WORK_DIR}/build-server/ptx_consumer ${ref} ${cubins})
   message(STATUS "from the server: ${out}")

@@ -37,8 +37,9 @@ struct PtxKernelParam {
 };
 
 // One embedded image. Everything is read from the image itself (entry, parameters, PTX version)
-// or is the configuration it was requested for (kernel, hidden_dim, dtype, target_sm): the
-// inputs of the kernel's launch geometry (docs/kernels.md gives each kernel's grid and block).
+// or is the configuration it was requested for (kernel, hidden_dim, dtype, target_sm: the
+// inputs of the kernel's launch geometry, docs/kernels.md; and the RMSNorm variant baked into
+// the PTX, the library's GAMMA_OFFSET, NO_GAMMA and CASTING_MODE).
 struct PtxImage {
   const char* kernel;       // the kernel's name, as requested ("rms_norm_backward_row_resident")
   const char* entry;        // the .entry name in the PTX (what cuModuleGetFunction takes)
@@ -52,6 +53,9 @@ struct PtxImage {
   const char* sha256;  // lowercase hex of data[0, size): the content address EmitPtx reports
   const PtxKernelParam* params;
   size_t num_params;
+  float gamma_offset;        // scale = gamma_offset + gamma (0: the plain RMSNorm)
+  bool has_gamma;            // false: the scale is 1 and there is no grad_gamma
+  const char* casting_mode;  // "llama", "gemma" or "none"
 
   std::string_view bytes() const {
     return std::string_view(reinterpret_cast<const char*>(data), size);
