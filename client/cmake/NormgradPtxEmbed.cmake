@@ -62,7 +62,8 @@ set(count 1)
 macro(image kind data size digest)
   string(APPEND images "    {\"${KERNEL}\", \"${entry}\", ${HIDDEN_DIM}u, \"${DTYPE}\", ${target_sm}, "
          "\"${ptx_version}\", PtxImageKind::${kind}, ${data}, ${size}u, \"${digest}\", kParams, "
-         "${num_params}u, static_cast<float>(${GAMMA_OFFSET}), ${HAS_GAMMA}, \"${CASTING_MODE}\"},\n")
+         "${num_params}u, static_cast<float>(${GAMMA_OFFSET}), ${HAS_GAMMA}, "
+         "\"${CASTING_MODE}\"},\n")
 endmacro()
 image(kPtx kPtx ${ptx_bytes_size} ${ptx_bytes_sha256})
 set(cubin_array "")

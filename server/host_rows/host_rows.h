@@ -80,7 +80,8 @@ size_t FourRowsMaxElements();  // for this machine's L1DataCacheWays(), computed
 // L1 (Zen 3, AVX2) streamed dx then ran at 1.8 - 5.7 GB/s (9.7 at 1000) against 9.4 - 16.4 GB/s
 // with ordinary stores, and four such rows at a time were slower than two (of copy: 1024 0.55
 // against 0.69, 2048 0.58 against 0.76); on one with a 12-way L1 (Zen 5) those widths streamed
-// faster than they stored (4096 x 4096: 4.3 against 5.7 ms), four rows at a time included. Rows that do not alias streamed well on both.
+// faster than they stored (4096 x 4096: 4.3 against 5.7 ms), four rows at a time included.
+// Rows that do not alias streamed well on both.
 // So where the L1 data cache has fewer than kWaysForFourWideRows ways, or unknown ways, a group
 // whose rows alias writes dx with ordinary stores, and goes two rows at a time, not four
 // (docs/backends.md; figures in docs/benchmarks.md).
