@@ -16,7 +16,7 @@
 #
 # When podman cannot run containers at all, the script says so and exits 1 under CI=true
 # (a skip would hide that the image was never checked); elsewhere it exits 0 after the warning.
-# Environment: CONTAINER_IMAGE (default normgrad:ci), CONTAINER_MAX_IMAGE_MB (default 240; the
+# Environment: CONTAINER_PREPARE_ONLY=1 (steps 1-2 only, below), CONTAINER_IMAGE (default normgrad:ci), CONTAINER_MAX_IMAGE_MB (default 240; the
 # image is 214 MB, and nvJitLink copied twice again would make it 313 MB). The image stays in
 # podman's store for inspection (CONTAINERS_CONF=build-container/containers.conf podman run ...).
 set -euo pipefail
@@ -31,7 +31,12 @@ mkdir -p "$WORK"
 # Debian's python3 (numpy, yaml); a python3 earlier on PATH may be another interpreter.
 PY=/usr/bin/python3
 say() { echo "[container] $*"; }
-ok() { echo "[container] ok: $*"; }
+# CONTAINER_CHECKS_FILE (set by scripts/dev.sh): each passed check is also written there, a line
+# each, for the run's summary.
+ok() {
+  echo "[container] ok: $*"
+  if [ -n "${CONTAINER_CHECKS_FILE:-}" ]; then echo "$*" >> "$CONTAINER_CHECKS_FILE"; fi
+}
 fail() {
   echo "[container] FAIL: $*" >&2
   exit 1
@@ -223,6 +228,14 @@ for from in "${FROMS[@]}"; do
     *) fail "base image $from: cannot pull it and no recipe to make it" ;;
   esac
 done
+
+# CONTAINER_PREPARE_ONLY=1: steps 1 and 2 only (packages, podman's configuration, base images).
+# scripts/dev.sh runs that in the background while the other stages build and test, since it is
+# mostly waiting on downloads; the container stage then finds the base images present.
+if [ "${CONTAINER_PREPARE_ONLY:-0}" = 1 ]; then
+  say "prepared in $((SECONDS - START)) s: podman and the base images"
+  exit 0
+fi
 
 # --- 3. build -------------------------------------------------------------------------------
 say "podman build --format docker -t $IMAGE ."

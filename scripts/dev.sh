@@ -11,11 +11,15 @@
 #                                 code fails (gRPC itself is uninstrumented; docs/testing.md)
 #                           fuzz  libFuzzer targets (clang, build-fuzz/): seed corpora, then a fixed input count each
 #                           container  the Dockerfile built with podman and the image checked from outside
-#                                 (scripts/container_check.sh, build-container/)
+#                                 (scripts/container_check.sh, build-container/; its podman and base
+#                                 images are prepared in the background from the start)
+#                           at the end, whatever the outcome: each stage's time and test count and
+#                           the 15 slowest tests (scripts/ci_summary.py, from build-ci/)
 #   scripts/dev.sh run [server flags...]   build the server and CLI only (build-run/) + run the
 #                           server (CPU backend when no GPU)
 #
-# Environment: BUILD_DIR (default build), BUILD_TYPE (default RelWithDebInfo),
+# Environment: BUILD_DIR (default build), BUILD_TYPE (default Release; RelWithDebInfo for a
+# debugger), NORMGRAD_WERROR (default ON: our targets compile with -Werror),
 # NORMGRAD_SKIP_DEPS=1 skips the package step (for images that already have them).
 # test only: NORMGRAD_CI_STAGES (default "main asan tsan fuzz container"), ASAN_BUILD_DIR, TSAN_BUILD_DIR,
 # FUZZ_BUILD_DIR, FUZZ_SECONDS (default 0: a fixed seed and input count per target; e.g.
@@ -24,7 +28,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 BUILD_DIR=${BUILD_DIR:-build}
-BUILD_TYPE=${BUILD_TYPE:-RelWithDebInfo}
+# Release (-O3): what the server runs, and the tree where CI sees -O3's warnings.
+BUILD_TYPE=${BUILD_TYPE:-Release}
 
 # Packages: build toolchain, gRPC/protobuf/abseil, SIMD, HTTP, tests, and the tools tests call.
 PACKAGES=(
@@ -63,8 +68,11 @@ deps() {
   fi
 }
 
+# Our own targets compile with -Werror here and in CI (NORMGRAD_WERROR=OFF turns it off; a
+# plain cmake configure has it off, so a user's other compiler is not stopped by a new warning).
 configure() {
-  cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" "$@"
+  cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
+    -DNORMGRAD_WERROR="${NORMGRAD_WERROR:-ON}" "$@"
 }
 
 build() {
@@ -73,11 +81,23 @@ build() {
   cmake --build "$BUILD_DIR" -j"$(nproc)"
 }
 
-# ctest with the summary lines on the log (the whole output stays on it too).
+# What the stages record for the summary at the end (scripts/ci_summary.py): stage times, each
+# ctest run's JUnit report, the fuzzing runs' times, the container checks.
+CI_SUMMARY_DIR=$(realpath -m "${CI_SUMMARY_DIR:-build-ci}")
+CURRENT_STAGE=
+CTEST_RUNS=0
+
+# ctest with the summary lines on the log (the whole output stays on it too); each run's JUnit
+# report goes to the summary folder under the current stage's name.
 run_ctest() {
   local dir=$1
   shift
-  (cd "$dir" && ctest --output-on-failure -j"$(nproc)" --timeout 900 "$@")
+  local junit=()
+  if [ -n "$CURRENT_STAGE" ]; then
+    CTEST_RUNS=$((CTEST_RUNS + 1))
+    junit=(--output-junit "$CI_SUMMARY_DIR/ctest-$CURRENT_STAGE-$CTEST_RUNS.xml")
+  fi
+  (cd "$dir" && ctest --output-on-failure -j"$(nproc)" --timeout 900 "${junit[@]}" "$@")
 }
 
 # Sanitizer reports fail the run: -fno-sanitize-recover=all (CMakeLists.txt) plus these.
@@ -91,11 +111,13 @@ stage_main() {
   run_ctest "$BUILD_DIR"
 }
 
-# The whole suite under ASan+UBSan, -O1 for speed; benchmarks are not built.
+# The whole suite under ASan+UBSan, -O1 for speed; benchmarks are not built. -g1: line tables
+# and inlined frames, what the reports print, at about two thirds of -g's compile time (the
+# tree's compile time is most of the stage).
 stage_asan() {
   local dir=${ASAN_BUILD_DIR:-build-asan}
   cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g" \
+    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g1" \
     -DNORMGRAD_SANITIZE=address,undefined -DNORMGRAD_BUILD_BENCHMARKS=OFF
   cmake --build "$dir" -j"$(nproc)"
   run_ctest "$dir"
@@ -119,9 +141,11 @@ TSAN_GRPC_TARGETS=(service_integration_test hostile_clients_test client_server_t
   client_scripted_server_test fairness_test)
 stage_tsan() {
   local dir=${TSAN_BUILD_DIR:-build-tsan}
+  # -g1: line tables and inlined frames, what reports and tests/tsan/triage.py read, at about
+  # two thirds of -g's compile time.
   cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g" \
-    -DNORMGRAD_SANITIZE=thread -DNORMGRAD_BUILD_BENCHMARKS=OFF
+    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g1" \
+    -DNORMGRAD_SANITIZE=thread -DNORMGRAD_BUILD_BENCHMARKS=OFF -DNORMGRAD_BUILD_PYTHON=OFF
   cmake --build "$dir" -j"$(nproc)" --target "${TSAN_TARGETS[@]}"
   TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1" \
     run_ctest "$dir" -R "^(Concurrent[A-Za-z]*Test|ModuleCacheTest|CpuBackendTest|ThreadPoolTest|EmulatedDriverTest)\\."
@@ -163,9 +187,13 @@ FUZZ_TARGETS=(backward_sequence_fuzzer npy_fuzzer ptx_parser_fuzzer preload_fuzz
 declare -A FUZZ_RUNS=([backward_sequence_fuzzer]=3000000 [npy_fuzzer]=5000000
   [ptx_parser_fuzzer]=300000 [preload_fuzzer]=300000 [emit_ptx_fuzzer]=500000
   [client_args_fuzzer]=1000000)
+# -O2 for the fuzzing speed, line tables only (-gline-tables-only: file:line and inlined frames
+# in a crash's stack, at about half the compile time of -g).
 stage_fuzz() {
   local dir=${FUZZ_BUILD_DIR:-build-fuzz}
   CC=clang-14 CXX=clang++-14 cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -gline-tables-only" \
+    -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O2 -gline-tables-only" \
     -DCMAKE_C_FLAGS=-fsanitize=fuzzer-no-link -DCMAKE_CXX_FLAGS=-fsanitize=fuzzer-no-link \
     -DNORMGRAD_SANITIZE=address,undefined -DNORMGRAD_FUZZ=ON -DNORMGRAD_BUILD_BENCHMARKS=OFF
   cmake --build "$dir" -j"$(nproc)" --target "${FUZZ_TARGETS[@]}"
@@ -179,12 +207,14 @@ stage_fuzz() {
       budget=(-runs="${FUZZ_RUNS[$t]}" -seed=1 -max_total_time=300)
     fi
     echo "[dev.sh] fuzzing $t: ${budget[*]}"
+    local fuzz_start=$SECONDS
     set +e
     "$dir/bin/$t" "${budget[@]}" -rss_limit_mb=2048 -timeout=10 \
       -print_final_stats=1 -artifact_prefix="$dir/fuzz-corpus/$t-" \
       "$dir/fuzz-corpus/$t" "$ROOT/tests/fuzz/corpus/$t" > "$dir/fuzz-$t.log" 2>&1
     status=$?
     set -e
+    printf '%s\t%d\n' "fuzzing $t (${budget[*]})" $((SECONDS - fuzz_start)) >> "$CI_SUMMARY_DIR/timed-fuzz.tsv"
     grep -E "^#[0-9]+[[:space:]]+(INITED|DONE)|^stat::|ERROR|SUMMARY|Test unit written" \
       "$dir/fuzz-$t.log" || true
     [ "$status" -eq 0 ] || { echo "[dev.sh] $t failed (exit $status); see $dir/fuzz-$t.log" >&2; return 1; }
@@ -195,8 +225,27 @@ stage_fuzz() {
 # user, HEALTHCHECK, health/backward/cubin through the published port with the default CMD and
 # with the Kubernetes args (read-only root, no capabilities), SIGTERM under load, no compiler,
 # libraries, size (scripts/container_check.sh; it installs podman, runc and debootstrap itself).
+# The stage's first part (podman installed, base images pulled or made with debootstrap) waits on
+# downloads more than it computes, so `test` starts it in the background once deps is done
+# (CONTAINER_PREPARE_ONLY, its log in the summary folder) and the stage waits for it here.
+CONTAINER_PREPARE_PID=
+start_container_prepare() {
+  CONTAINER_BUILD_DIR=${CONTAINER_BUILD_DIR:-build-container} CONTAINER_PREPARE_ONLY=1 \
+    CONTAINER_CHECKS_FILE="$CI_SUMMARY_DIR/checks-container.txt" \
+    bash "$ROOT/scripts/container_check.sh" > "$CI_SUMMARY_DIR/container-prepare.log" 2>&1 &
+  CONTAINER_PREPARE_PID=$!
+  echo "[dev.sh] container: preparing podman and the base images in the background (pid $CONTAINER_PREPARE_PID)"
+}
 stage_container() {
-  CONTAINER_BUILD_DIR=${CONTAINER_BUILD_DIR:-build-container} bash "$ROOT/scripts/container_check.sh"
+  if [ -n "$CONTAINER_PREPARE_PID" ]; then
+    local status=0
+    wait "$CONTAINER_PREPARE_PID" || status=$?
+    CONTAINER_PREPARE_PID=
+    cat "$CI_SUMMARY_DIR/container-prepare.log"
+    [ "$status" -eq 0 ] || { echo "[dev.sh] container: preparation failed (exit $status)" >&2; return 1; }
+  fi
+  CONTAINER_BUILD_DIR=${CONTAINER_BUILD_DIR:-build-container} \
+    CONTAINER_CHECKS_FILE="$CI_SUMMARY_DIR/checks-container.txt" bash "$ROOT/scripts/container_check.sh"
 }
 
 cmd=${1:-build}
@@ -205,12 +254,35 @@ case "$cmd" in
   deps) deps ;;
   build) build "$@" ;;
   test)
+    rm -rf "$CI_SUMMARY_DIR"
+    mkdir -p "$CI_SUMMARY_DIR"
+    # The summary is printed however the run ends; a stage still running at exit failed.
+    finish() {
+      local status=$?
+      if [ -n "$CURRENT_STAGE" ]; then
+        printf '%s\t%d\tFAILED\n' "$CURRENT_STAGE" $((SECONDS - stage_start)) >> "$CI_SUMMARY_DIR/stages.tsv"
+      fi
+      if [ -n "$CONTAINER_PREPARE_PID" ]; then kill "$CONTAINER_PREPARE_PID" 2> /dev/null || true; fi
+      python3 "$ROOT/scripts/ci_summary.py" "$CI_SUMMARY_DIR" || true
+      return $status
+    }
+    trap finish EXIT
+    stage_start=$SECONDS
+    CURRENT_STAGE=deps
     deps
+    printf '%s\t%d\tpassed\n' deps $((SECONDS - stage_start)) >> "$CI_SUMMARY_DIR/stages.tsv"
+    CURRENT_STAGE=
+    case " ${NORMGRAD_CI_STAGES:-container} " in
+      *" container "*) start_container_prepare ;;
+    esac
     for stage in ${NORMGRAD_CI_STAGES:-main asan tsan fuzz container}; do
       stage_start=$SECONDS
+      CURRENT_STAGE=$stage
       echo "[dev.sh] stage $stage"
       "stage_$stage"
       echo "[dev.sh] stage $stage passed in $((SECONDS - stage_start)) s"
+      printf '%s\t%d\tpassed\n' "$stage" $((SECONDS - stage_start)) >> "$CI_SUMMARY_DIR/stages.tsv"
+      CURRENT_STAGE=
     done
     ;;
   run)

@@ -213,7 +213,9 @@ absl::Status CudaBackwardSession::IssuePiece(const StagingSlot& slot, const Chun
   }
   const uint8_t* x_host = c.x.data() + off;
   const uint8_t* dy_host = c.dy.data() + off;
-  const uint8_t* rms_host = reinterpret_cast<const uint8_t*>(c.rms.data()) + rms_off;
+  // No offset into an absent rms (null + offset is undefined even unused).
+  const uint8_t* rms_host =
+      rms_bytes != 0 ? reinterpret_cast<const uint8_t*>(c.rms.data()) + rms_off : nullptr;
   if (!c.in_place) {
     std::memcpy(pinned + at.host_x + off, x_host, bytes);
     std::memcpy(pinned + at.host_dy + off, dy_host, bytes);

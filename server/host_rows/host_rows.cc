@@ -174,6 +174,17 @@ HWY_INLINE void ScalarElement(float xf, float yf, double g, double inv_rms, doub
   if (kAccumulate) *dgamma = std::fma(y * x, inv_rms, *dgamma);
 }
 
+// grad_gamma's element i when the rows accumulate it; none otherwise (then dgamma may be null,
+// and null + i is undefined even unused).
+template <bool kAccumulate>
+HWY_INLINE double* DgammaAt(double* dgamma, size_t i) {
+  if constexpr (kAccumulate) {
+    return dgamma + i;
+  } else {
+    return nullptr;
+  }
+}
+
 // kSteps vector steps of a row at p: one, or (kSteps 2) a pair through LoadPairAsDouble /
 // StorePairFromDouble.
 template <size_t kSteps, class D, typename T>
@@ -362,7 +373,7 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
     for (; i < std::min(head, h); ++i) {
       for (size_t k = 0; k < R; ++k) {
         ScalarElement<kAccumulate>(x[k][i], dy[k][i], gamma[i], inv_rms[k], correction[k],
-                                   dx[k] + i, dgamma + i);
+                                   dx[k] + i, DgammaAt<kAccumulate>(dgamma, i));
       }
     }
   }
@@ -378,12 +389,15 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
                                              corr_v);
     }
   }
-  // The tail: from `tail` on when there is no head (always for bf16/f16), else later for f32.
+  // The tail: from `tail` on when there is no head (always for bf16/f16), else for f32 where the
+  // head's shift ends the vector steps, which may be before `tail`: a signed offset from the
+  // tail pointers, which for f32 point into the rows themselves.
   const size_t from = i;
   for (; i < h; ++i) {
+    const ptrdiff_t at = static_cast<ptrdiff_t>(i) - static_cast<ptrdiff_t>(tail);
     for (size_t k = 0; k < R; ++k) {
-      ScalarElement<kAccumulate>(x_tail[k][i - tail], dy_tail[k][i - tail], gamma[i], inv_rms[k],
-                                 correction[k], dx_tail[k] + (i - tail), dgamma + i);
+      ScalarElement<kAccumulate>(x_tail[k][at], dy_tail[k][at], gamma[i], inv_rms[k],
+                                 correction[k], dx_tail[k] + at, DgammaAt<kAccumulate>(dgamma, i));
     }
   }
   if constexpr (!kF32) {

@@ -7,10 +7,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/reference.h"
+#include "tests/ptxsim/float16.h"
 
 namespace normgrad::kernel_testing {
 
 using kernels::DType;
+using ptxsim::FloatToHalf;
+using ptxsim::HalfToFloat;
 
 std::vector<float> Fill(size_t n, uint32_t seed, float lo, float hi) {
   std::vector<float> v(n);
@@ -24,10 +27,7 @@ std::vector<float> Fill(size_t n, uint32_t seed, float lo, float hi) {
 
 uint16_t ToBits16(float f, DType dtype) {
   if (dtype == DType::kF16) {
-    const _Float16 h = static_cast<_Float16>(f);
-    uint16_t bits;
-    std::memcpy(&bits, &h, 2);
-    return bits;
+    return FloatToHalf(f);
   }
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -36,9 +36,7 @@ uint16_t ToBits16(float f, DType dtype) {
 
 float FromBits16(uint16_t bits, DType dtype) {
   if (dtype == DType::kF16) {
-    _Float16 h;
-    std::memcpy(&h, &bits, 2);
-    return static_cast<float>(h);
+    return HalfToFloat(bits);
   }
   const uint32_t u = static_cast<uint32_t>(bits) << 16;
   float f;

@@ -22,6 +22,7 @@
 #include "absl/base/casts.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "tests/ptxsim/float16.h"
 
 namespace normgrad::ptxsim {
 
@@ -77,35 +78,7 @@ inline int64_t SignExtend(uint64_t v, int bits) {
 }
 inline uint64_t Mask(int bits) { return bits >= 64 ? ~uint64_t{0} : (uint64_t{1} << bits) - 1; }
 
-// IEEE binary16 / bfloat16 <-> f32, round to nearest even.
-float HalfToFloat(uint16_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1f;
-  const uint32_t man = h & 0x3ff;
-  if (exp == 0) return AsF32(F32Bits(std::ldexp(static_cast<float>(man), -24)) | sign);
-  return AsF32(exp == 31 ? (sign | 0x7f800000u | (man << 13))
-                         : (sign | ((exp + 112) << 23) | (man << 13)));
-}
-uint16_t FloatToHalf(float f) {
-  const uint32_t u = static_cast<uint32_t>(F32Bits(f));
-  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
-  if (std::isnan(f)) return sign | 0x7e00u;
-  const float a = std::fabs(f);
-  if (a >= 65520.0f) return sign | 0x7c00u;  // rounds to infinity
-  if (a < std::ldexp(1.0f, -14)) {           // subnormal half: multiple of 2^-24
-    const float scaled = std::nearbyint(a * std::ldexp(1.0f, 24));
-    return sign | static_cast<uint16_t>(scaled);
-  }
-  int e;
-  const float m = std::frexp(a, &e);         // a = m * 2^e, m in [0.5, 1)
-  float mant = std::nearbyint(m * 2048.0f);  // 11 significant bits
-  if (mant >= 2048.0f) {
-    mant /= 2.0f;
-    ++e;
-  }
-  const uint32_t exp = static_cast<uint32_t>(e - 1 + 15);
-  return sign | static_cast<uint16_t>((exp << 10) | (static_cast<uint32_t>(mant) & 0x3ffu));
-}
+// IEEE binary16 (tests/ptxsim/float16.h) / bfloat16 <-> f32, round to nearest even.
 float Bf16ToFloat(uint16_t b) { return AsF32(static_cast<uint32_t>(b) << 16); }
 uint16_t FloatToBf16(float f) {
   const uint32_t u = static_cast<uint32_t>(F32Bits(f));

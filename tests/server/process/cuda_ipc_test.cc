@@ -6,6 +6,7 @@
 // memory, and no tensor byte crosses the socket. Skipped when the build has no emulated driver.
 #include "normgrad/cuda_ipc.h"
 
+#include <cuda.h>
 #include <dlfcn.h>
 #include <sys/wait.h>
 
@@ -43,17 +44,20 @@ namespace st = ::normgrad::server::testing;
 
 // The Driver API calls this client makes itself (allocating and filling its buffers), with the
 // ABI's types, so the test builds without cuda.h.
+// The driver's entry points with cuda.h's own types: a call through a pointer of another
+// function type (int for CUresult) is undefined behaviour, which clang's -fsanitize=function
+// reports.
 struct TestDriver {
-  using Ptr = unsigned long long;  // NOLINT(runtime/int): CUdeviceptr
-  int (*cuInit)(unsigned int);
-  int (*cuDeviceGet)(int*, int);
-  int (*cuDevicePrimaryCtxRetain)(void**, int);
-  int (*cuCtxSetCurrent)(void*);
-  int (*cuMemAlloc_v2)(Ptr*, size_t);
-  int (*cuMemFree_v2)(Ptr);
-  int (*cuMemcpyHtoDAsync_v2)(Ptr, const void*, size_t, void*);
-  int (*cuMemcpyDtoHAsync_v2)(void*, Ptr, size_t, void*);
-  int (*cuStreamSynchronize)(void*);
+  using Ptr = CUdeviceptr;
+  decltype(&::cuInit) cuInit;
+  decltype(&::cuDeviceGet) cuDeviceGet;
+  decltype(&::cuDevicePrimaryCtxRetain) cuDevicePrimaryCtxRetain;
+  decltype(&::cuCtxSetCurrent) cuCtxSetCurrent;
+  decltype(&::cuMemAlloc_v2) cuMemAlloc_v2;
+  decltype(&::cuMemFree_v2) cuMemFree_v2;
+  decltype(&::cuMemcpyHtoDAsync_v2) cuMemcpyHtoDAsync_v2;
+  decltype(&::cuMemcpyDtoHAsync_v2) cuMemcpyDtoHAsync_v2;
+  decltype(&::cuStreamSynchronize) cuStreamSynchronize;
 };
 
 template <typename F>
@@ -81,12 +85,12 @@ class CudaIpcTest : public ::testing::Test {
     Resolve(lib, "cuMemcpyHtoDAsync_v2", d_.cuMemcpyHtoDAsync_v2);
     Resolve(lib, "cuMemcpyDtoHAsync_v2", d_.cuMemcpyDtoHAsync_v2);
     Resolve(lib, "cuStreamSynchronize", d_.cuStreamSynchronize);
-    ASSERT_EQ(d_.cuInit(0), 0);
-    int device = 0;
-    ASSERT_EQ(d_.cuDeviceGet(&device, 0), 0);
-    void* context = nullptr;
-    ASSERT_EQ(d_.cuDevicePrimaryCtxRetain(&context, device), 0);
-    ASSERT_EQ(d_.cuCtxSetCurrent(context), 0);
+    ASSERT_EQ(d_.cuInit(0), CUDA_SUCCESS);
+    CUdevice device = 0;
+    ASSERT_EQ(d_.cuDeviceGet(&device, 0), CUDA_SUCCESS);
+    CUcontext context = nullptr;
+    ASSERT_EQ(d_.cuDevicePrimaryCtxRetain(&context, device), CUDA_SUCCESS);
+    ASSERT_EQ(d_.cuCtxSetCurrent(context), CUDA_SUCCESS);
   }
 
   void TearDown() override {
@@ -113,18 +117,18 @@ class CudaIpcTest : public ::testing::Test {
 
   TestDriver::Ptr Alloc(size_t bytes) {
     TestDriver::Ptr p = 0;
-    EXPECT_EQ(d_.cuMemAlloc_v2(&p, bytes), 0);
+    EXPECT_EQ(d_.cuMemAlloc_v2(&p, bytes), CUDA_SUCCESS);
     allocations_.push_back(p);
     return p;
   }
   void Upload(TestDriver::Ptr to, const void* from, size_t bytes) {
-    ASSERT_EQ(d_.cuMemcpyHtoDAsync_v2(to, from, bytes, nullptr), 0);
-    ASSERT_EQ(d_.cuStreamSynchronize(nullptr), 0);
+    ASSERT_EQ(d_.cuMemcpyHtoDAsync_v2(to, from, bytes, nullptr), CUDA_SUCCESS);
+    ASSERT_EQ(d_.cuStreamSynchronize(nullptr), CUDA_SUCCESS);
   }
   std::vector<float> Download(TestDriver::Ptr from, size_t count) {
     std::vector<float> out(count, std::nanf(""));
-    EXPECT_EQ(d_.cuMemcpyDtoHAsync_v2(out.data(), from, count * 4, nullptr), 0);
-    EXPECT_EQ(d_.cuStreamSynchronize(nullptr), 0);
+    EXPECT_EQ(d_.cuMemcpyDtoHAsync_v2(out.data(), from, count * 4, nullptr), CUDA_SUCCESS);
+    EXPECT_EQ(d_.cuStreamSynchronize(nullptr), CUDA_SUCCESS);
     return out;
   }
   static CudaIpcBuffer Export(TestDriver::Ptr p) {
@@ -276,7 +280,7 @@ TEST_F(CudaIpcTest, BadBuffersAreRefusedNamingTheFieldAndTheServerKeepsServing) 
   // A buffer freed before the server opened it: the driver refuses its handle.
   const TestDriver::Ptr gone = Alloc(3 * bytes);
   const CudaIpcBuffer gone_buffer = Export(gone);
-  ASSERT_EQ(d_.cuMemFree_v2(gone), 0);
+  ASSERT_EQ(d_.cuMemFree_v2(gone), CUDA_SUCCESS);
   allocations_.pop_back();
   s = call([&](CudaIpcTensors& t) { t.dy = gone_buffer; });
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
