@@ -5,7 +5,11 @@
 //
 // Then the transports, against the same backend called in-process (no RPC at all) in the same
 // run: the client library over TCP loopback, over the unix socket (bytes), and over shared
-// memory (tensors in a registered region: no payload byte crosses a socket).
+// memory (tensors in a registered region: no payload byte crosses a socket). TCP and the unix
+// socket also against their floor, measured alternately in the same run: a plain socket round
+// trip of the same bytes (x and dy written, dx read back), for the large batch (service/plain,
+// target >= 0.5) and for 1 x 896 (p50 service/plain, target <= 4). The plain socket's server is
+// a thread of this process, as the service is here.
 //
 //   bench_end_to_end [--rows=4096] [--hidden=4096] [--chunk_rows=64] [--repeats=3]
 //                    [--small_calls=2000] [--backend=cpu] [--transport=all|echo|tcp|unix|shm]
@@ -17,9 +21,14 @@
 // (unix no worse than tcp).
 #include <grpcpp/grpcpp.h>
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <deque>
@@ -252,10 +261,127 @@ double InProcessSeconds(normgrad::server::Backend& backend, absl::Span<const flo
   return best;
 }
 
+// The floor any protocol over a socket pays: the same bytes as a call (x and dy written, dx read
+// back) over a plain socket, no framing beyond one 16-byte header per round (bytes in, bytes
+// out), served by a thread that reads a round whole and writes the answer's bytes from a buffer
+// of its own (no copy, no computation: the socket's cost alone). TCP
+// loopback with TCP_NODELAY, or a unix socket; one connection, kept.
+class PlainSocketFloor {
+ public:
+  // AF_INET on 127.0.0.1:0 when unix_path is empty, else AF_UNIX at unix_path.
+  static std::unique_ptr<PlainSocketFloor> Start(const std::string& unix_path) {
+    auto floor = std::unique_ptr<PlainSocketFloor>(new PlainSocketFloor());
+    const bool tcp = unix_path.empty();
+    floor->listen_fd_ = socket(tcp ? AF_INET : AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (floor->listen_fd_ < 0) return nullptr;
+    sockaddr_storage addr{};
+    socklen_t len = 0;
+    if (tcp) {
+      auto* in = reinterpret_cast<sockaddr_in*>(&addr);
+      in->sin_family = AF_INET;
+      in->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      len = sizeof(sockaddr_in);
+    } else {
+      auto* un = reinterpret_cast<sockaddr_un*>(&addr);
+      un->sun_family = AF_UNIX;
+      if (unix_path.size() >= sizeof(un->sun_path)) return nullptr;
+      std::memcpy(un->sun_path, unix_path.c_str(), unix_path.size() + 1);
+      unlink(unix_path.c_str());
+      len = sizeof(sockaddr_un);
+    }
+    if (bind(floor->listen_fd_, reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
+        listen(floor->listen_fd_, 1) != 0 ||
+        getsockname(floor->listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      return nullptr;
+    }
+    floor->unix_path_ = unix_path;
+    floor->server_ = std::thread([f = floor.get()] { f->Serve(); });
+    floor->client_fd_ = socket(tcp ? AF_INET : AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (floor->client_fd_ < 0 ||
+        connect(floor->client_fd_, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+      return nullptr;
+    }
+    if (tcp) NoDelay(floor->client_fd_);
+    return floor;
+  }
+
+  ~PlainSocketFloor() {
+    if (client_fd_ >= 0) close(client_fd_);  // the server thread sees EOF and ends
+    if (listen_fd_ >= 0) shutdown(listen_fd_, SHUT_RDWR);
+    if (server_.joinable()) server_.join();
+    if (listen_fd_ >= 0) close(listen_fd_);
+    if (!unix_path_.empty()) unlink(unix_path_.c_str());
+  }
+
+  // One round trip: x and dy out, dx back into `dx`. Seconds, or -1 on a socket error.
+  double RoundTrip(absl::Span<const float> x, absl::Span<const float> dy, absl::Span<float> dx) {
+    const uint64_t header[2] = {(x.size() + dy.size()) * 4, dx.size() * 4};
+    const absl::Time start = absl::Now();
+    // The writes and the read overlap as a client's do: the server answers only after the whole
+    // round, so writing everything first cannot deadlock.
+    if (!WriteAll(client_fd_, header, sizeof(header)) ||
+        !WriteAll(client_fd_, x.data(), x.size() * 4) ||
+        !WriteAll(client_fd_, dy.data(), dy.size() * 4) ||
+        !ReadAll(client_fd_, dx.data(), dx.size() * 4)) {
+      return -1;
+    }
+    return absl::ToDoubleSeconds(absl::Now() - start);
+  }
+
+ private:
+  PlainSocketFloor() = default;
+
+  static void NoDelay(int fd) {
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  }
+  static bool WriteAll(int fd, const void* data, size_t n) {
+    const char* p = static_cast<const char*>(data);
+    while (n > 0) {
+      const ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+      if (w <= 0) return false;
+      p += w;
+      n -= static_cast<size_t>(w);
+    }
+    return true;
+  }
+  static bool ReadAll(int fd, void* data, size_t n) {
+    char* p = static_cast<char*>(data);
+    while (n > 0) {
+      const ssize_t r = recv(fd, p, n, 0);
+      if (r <= 0) return false;
+      p += r;
+      n -= static_cast<size_t>(r);
+    }
+    return true;
+  }
+
+  void Serve() {
+    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) return;
+    if (unix_path_.empty()) NoDelay(fd);
+    std::vector<char> in, out;
+    uint64_t header[2];
+    while (ReadAll(fd, header, sizeof(header))) {
+      in.resize(header[0]);
+      out.resize(header[1]);
+      if (!ReadAll(fd, in.data(), in.size())) break;
+      if (!WriteAll(fd, out.data(), out.size())) break;
+    }
+    close(fd);
+  }
+
+  int listen_fd_ = -1;
+  int client_fd_ = -1;
+  std::string unix_path_;
+  std::thread server_;
+};
+
 struct TransportRun {
   std::string name;
   std::unique_ptr<normgrad::Client> client;
   std::unique_ptr<normgrad::SharedMemoryRegion> region;  // shm: x, dy, dx live here
+  std::unique_ptr<PlainSocketFloor> floor;               // tcp, unix: the plain socket's floor
 };
 
 // Each transport against the backend in-process, alternating runs so drift hits all alike.
@@ -296,6 +422,12 @@ int CompareTransports(normgrad::server::NormGradServer& server, const std::strin
         return 1;
       }
       run.region = *std::move(region);
+    } else {
+      run.floor = PlainSocketFloor::Start(run.name == "tcp" ? "" : socket_path + ".floor");
+      if (run.floor == nullptr) {
+        std::fprintf(stderr, "plain %s socket: %s\n", name, std::strerror(errno));
+        return 1;
+      }
     }
     runs.push_back(std::move(run));
   }
@@ -321,9 +453,14 @@ int CompareTransports(normgrad::server::NormGradServer& server, const std::strin
     return absl::ToDoubleSeconds(absl::Now() - start);
   };
 
-  std::vector<double> best(runs.size(), 1e30);
+  auto plain = [&](TransportRun& r, uint64_t m) -> double {
+    return r.floor->RoundTrip(absl::MakeConstSpan(x.data(), m), absl::MakeConstSpan(dy.data(), m),
+                              absl::MakeSpan(dx.data(), m));
+  };
+  std::vector<double> best(runs.size(), 1e30), best_plain(runs.size(), 1e30);
   for (TransportRun& r : runs) {
     if (call(r, rows, hidden) < 0) return 1;  // warm
+    if (r.floor != nullptr && plain(r, n) < 0) return 1;
   }
   // The region's memory (shared memory pages) read in-process too: how much of the shm figure is
   // the memory rather than the transport.
@@ -350,6 +487,11 @@ int CompareTransports(normgrad::server::NormGradServer& server, const std::strin
       const double s = call(runs[j], rows, hidden);
       if (s < 0) return 1;
       best[j] = std::min(best[j], s);
+      if (runs[j].floor != nullptr) {
+        const double f = plain(runs[j], n);
+        if (f < 0) return 1;
+        best_plain[j] = std::min(best_plain[j], f);
+      }
     }
   }
   const double gb = 3.0 * static_cast<double>(n) * 4 / 1e9;  // x and dy in, dx out
@@ -360,19 +502,30 @@ int CompareTransports(normgrad::server::NormGradServer& server, const std::strin
                 gb / in_process_region, in_process_region, in_process / in_process_region);
   }
   for (size_t j = 0; j < runs.size(); ++j) {
-    std::printf("%-4s %llux%u f32: %.3f GB/s (%.4f s), %s/in-process = %.2f%s\n",
+    std::printf("%-4s %llux%u f32: %.3f GB/s (%.4f s), %s/in-process = %.2f\n",
                 runs[j].name.c_str(), static_cast<unsigned long long>(rows), hidden,
-                gb / best[j], best[j], runs[j].name.c_str(), in_process / best[j],
-                "");
+                gb / best[j], best[j], runs[j].name.c_str(), in_process / best[j]);
+    if (runs[j].floor != nullptr) {
+      std::printf("plain %-4s socket, the same bytes: %.3f GB/s (%.4f s), %s/plain = %.2f "
+                  "(target >= 0.5)\n",
+                  runs[j].name.c_str(), gb / best_plain[j], best_plain[j], runs[j].name.c_str(),
+                  best_plain[j] / best[j]);
+    }
   }
 
   const int calls = absl::GetFlag(FLAGS_small_calls);
-  std::vector<std::vector<double>> small(runs.size());
+  std::vector<std::vector<double>> small(runs.size()), small_plain(runs.size());
   for (int i = 0; i < std::min(calls, 100); ++i) {
-    for (TransportRun& r : runs) call(r, 1, 896);
+    for (TransportRun& r : runs) {
+      call(r, 1, 896);
+      if (r.floor != nullptr) plain(r, 896);
+    }
   }
   for (int i = 0; i < calls; ++i) {
-    for (size_t j = 0; j < runs.size(); ++j) small[j].push_back(call(runs[j], 1, 896));
+    for (size_t j = 0; j < runs.size(); ++j) {
+      small[j].push_back(call(runs[j], 1, 896));
+      if (runs[j].floor != nullptr) small_plain[j].push_back(plain(runs[j], 896));
+    }
   }
   std::string line = absl::StrCat("small 1x896, ", calls, " calls each, p50:");
   double tcp_p50 = 0, unix_p50 = 0;
@@ -386,6 +539,13 @@ int CompareTransports(normgrad::server::NormGradServer& server, const std::strin
     absl::StrAppend(&line, absl::StrFormat(", unix/tcp = %.2f (target <= 1)", unix_p50 / tcp_p50));
   }
   std::printf("%s\n", line.c_str());
+  for (size_t j = 0; j < runs.size(); ++j) {
+    if (small_plain[j].empty()) continue;
+    const double p50 = Percentile(small[j], 0.5), plain_p50 = Percentile(small_plain[j], 0.5);
+    std::printf("small 1x896 %-4s: service p50 %.1f us, plain socket p50 %.1f us, "
+                "service/plain = %.1f (target <= 4)\n",
+                runs[j].name.c_str(), p50 * 1e6, plain_p50 * 1e6, p50 / plain_p50);
+  }
   return 0;
 }
 
