@@ -25,23 +25,25 @@ import xml.etree.ElementTree as ElementTree
 SLOWEST = 15
 
 
-def cpu_model():
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def simd_flags():
+def machine():
+    """'MODEL, AVX-512|AVX2|no AVX2, N cores' from one read of /proc/cpuinfo."""
+    model, flags = platform.processor() or "unknown CPU", set()
     try:
         text = pathlib.Path("/proc/cpuinfo").read_text()
     except OSError:
-        return ""
-    flags = set(re.search(r"^flags\s*:(.*)$", text, re.M).group(1).split()) if "flags" in text else set()
-    return "AVX-512" if "avx512f" in flags else ("AVX2" if "avx2" in flags else "no AVX2")
+        text = ""
+    found = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
+    if found:
+        model = found.group(1).strip()
+    found = re.search(r"^flags\s*:(.*)$", text, re.M)
+    if found:
+        flags = set(found.group(1).split())
+    simd = "AVX-512" if "avx512f" in flags else ("AVX2" if "avx2" in flags else "no AVX2")
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = "?"
+    return f"{model}, {simd}, {cores} cores"
 
 
 def read_junit(path):
@@ -73,7 +75,7 @@ def main(argv):
             if len(fields) == 3:
                 stages.append((fields[0], int(fields[1]), fields[2]))
 
-    counts = collections.OrderedDict()
+    counts = {}
     everything = []  # (seconds, stage, name)
     for name, _, _ in stages:
         count = collections.Counter()
@@ -97,7 +99,7 @@ def main(argv):
             count["checks"] = len(checks.read_text().splitlines())
         counts[name] = count
 
-    print(f"[ci] summary ({cpu_model()}, {simd_flags()}, {_cores()} cores)")
+    print(f"[ci] summary ({machine()})")
     print(f"[ci] {'stage':<10} {'seconds':>8} {'result':<7} {'tests':>6} {'passed':>7} "
           f"{'failed':>7} {'skipped':>8}  other")
     total_seconds = 0
@@ -122,13 +124,6 @@ def main(argv):
     for seconds, stage, test in sorted(everything, reverse=True)[:SLOWEST]:
         print(f"[ci] {seconds:>9.2f} s  {stage:<10} {test}")
     return 0
-
-
-def _cores():
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return "?"
 
 
 if __name__ == "__main__":
