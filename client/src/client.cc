@@ -19,6 +19,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <thread>
 #include <string>
 #include <utility>
 
@@ -32,6 +33,7 @@
 #include "client/src/raw_args.h"
 #include "client/src/shared_memory_transport.h"
 #include "normgrad/v1/normgrad.grpc.pb.h"
+#include "proto/normgrad/v1/bulk_wire.h"
 
 namespace normgrad {
 
@@ -110,14 +112,60 @@ absl::Span<uint8_t> AsBytes(absl::Span<float> s) {
 
 class ClientImpl;
 
+constexpr char kBackwardMethod[] = "/normgrad.v1.NormGrad/RmsNormBackward";
+
+// The caller's x, dy and rms, lent to gRPC: every slice of a request that points into them holds
+// the loan's pin (proto/normgrad/v1/bulk_wire.h), and the call's result is handed to its caller
+// only once gRPC has released them all, so the caller may reuse or free its arrays as soon as
+// the call returns. gRPC releases a message's slices once it wrote them out, so a call that ended
+// normally has them all back; a cancelled one may still be writing one when OnDone runs.
+class MemoryLoan {
+ public:
+  // The pin the request slices hold; the loan is returned when the last copy goes.
+  static std::shared_ptr<const void> Lend(const std::shared_ptr<MemoryLoan>& loan) {
+    return std::shared_ptr<const void>(loan.get(), [loan](const void*) { loan->Returned(); });
+  }
+
+  // Runs `deliver` now when the memory is back, else when it comes back (on a thread of its own:
+  // gRPC releases a slice deep inside its transport, where no caller's code may run).
+  void DeliverWhenReturned(std::function<void()> deliver) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!returned_) {
+        deliver_ = std::move(deliver);
+        return;
+      }
+    }
+    deliver();
+  }
+
+ private:
+  void Returned() {
+    std::function<void()> deliver;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      returned_ = true;
+      deliver = std::move(deliver_);
+    }
+    if (deliver) std::thread(std::move(deliver)).detach();
+  }
+
+  std::mutex mu_;
+  bool returned_ = false;          // guarded by mu_
+  std::function<void()> deliver_;  // guarded by mu_
+};
+
 // One attempt of one RmsNormBackward stream. Writes the header, then each row chunk from
 // OnWriteDone (one write in flight), reads grad_input chunks into args.dx as they come. Deletes
 // itself in OnDone, after handing the result on (or starting the next attempt).
-class BackwardCall final
-    : public grpc::ClientBidiReactor<v1::BackwardRequest, v1::BackwardResponse> {
+class BackwardCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   struct Shared {
     RawBackwardArgs args;
+    // The request slices' pin on args.x, dy and rms (every attempt's), until the result is
+    // handed on.
+    std::shared_ptr<MemoryLoan> loan = std::make_shared<MemoryLoan>();
+    std::shared_ptr<const void> pin = MemoryLoan::Lend(loan);
     BackwardOptions options;
     std::optional<ShmPlan> shm;  // set: the rows travel in a shared-memory region
     Client::RawBackwardCallback done;
@@ -163,6 +211,8 @@ class BackwardCall final
   NextWrite NextWriteLocked();
   void Issue(NextWrite next);
   void FillChunkLocked(uint64_t index);
+  // request_ on the wire, x, dy and rms not copied but pointed at (the Shared's pin).
+  void EncodeRequestLocked(absl::Span<const v1::BulkField> bulk = {});
   absl::Status TakeResponseLocked();
 
   // The reactions run on gRPC's threads, one write chain and one read chain at a time. Every
@@ -177,8 +227,11 @@ class BackwardCall final
   RowChunker chunker_;
   uint64_t row_bytes_;
   grpc::ClientContext context_;
-  v1::BackwardRequest request_;
-  v1::BackwardResponse response_;
+  v1::BackwardRequest request_;      // the message, less the row bytes of a chunk
+  grpc::ByteBuffer request_buffer_;  // request_ and the row bytes, as written
+  grpc::ByteBuffer response_buffer_;  // as read
+  v1::BackwardResponse response_;     // response_buffer_, less grad_input
+  v1::ReceivedBytes grad_input_;      // grad_input where gRPC received it
   uint64_t next_chunk_ = 0;
   uint64_t rows_received_ = 0;
   bool any_response_ = false;
@@ -480,6 +533,7 @@ class ClientImpl final : public Client {
 
   const ClientOptions& options() const { return options_; }
   v1::NormGrad::Stub& stub() { return *stub_; }
+  grpc::GenericStub& generic() { return generic_; }
 
  private:
   ClientOptions options_;
@@ -571,14 +625,16 @@ void BackwardCall::Start() {
       shared_->options.cancellation->Attach([this] { context_.TryCancel(); });
     }
   }
-  client_->stub().async()->RmsNormBackward(&context_, this);
+  client_->generic().PrepareBidiStreamingCall(&context_, kBackwardMethod, grpc::StubOptions(),
+                                              this);
   {
     std::lock_guard<std::mutex> lock(mu_);
     write_in_flight_ = true;  // the header
+    EncodeRequestLocked();
   }
   AddHold();  // until ReleaseHold: writes may start from outside the reactions until then
-  StartWrite(&request_);
-  StartRead(&response_);
+  StartWrite(&request_buffer_);
+  StartRead(&response_buffer_);
   StartCall();
 }
 
@@ -639,6 +695,7 @@ BackwardCall::NextWrite BackwardCall::NextWriteLocked() {
     if (!exposed_) return NextWrite::kNothing;  // cut off (CancelInOrder)
     request_.Clear();
     request_.set_cancel(true);
+    EncodeRequestLocked();
     cancel_sent_ = true;
     write_in_flight_ = true;
     return NextWrite::kMessage;
@@ -657,7 +714,7 @@ BackwardCall::NextWrite BackwardCall::NextWriteLocked() {
 }
 
 void BackwardCall::Issue(NextWrite next) {
-  if (next == NextWrite::kMessage) StartWrite(&request_);
+  if (next == NextWrite::kMessage) StartWrite(&request_buffer_);
   if (next == NextWrite::kWritesDone) StartWritesDone();
 }
 
@@ -680,6 +737,7 @@ void BackwardCall::FillChunkLocked(uint64_t index) {
     set(ipc->mutable_dy(), d.dy, offset);
     set(ipc->mutable_grad_input(), d.dx, offset);
     if (d.rms.has_value()) set(ipc->mutable_rms(), *d.rms, range.first_row * 4);
+    EncodeRequestLocked();
     return;
   }
   if (shared_->shm.has_value()) {
@@ -692,11 +750,21 @@ void BackwardCall::FillChunkLocked(uint64_t index) {
     shm->set_dy_offset(plan.dy + offset);
     if (!a.rms.empty()) shm->set_rms_offset(plan.rms + range.first_row * 4);
     shm->set_grad_input_offset(plan.dx + offset);
+    EncodeRequestLocked();
     return;
   }
-  request_.set_x(a.x.data() + offset, bytes);
-  request_.set_dy(a.dy.data() + offset, bytes);
-  if (!a.rms.empty()) request_.set_rms(a.rms.data() + range.first_row * 4, range.num_rows * 4);
+  // The rows go from the caller's arrays: no copy on this side.
+  const v1::BulkField rows[] = {
+      {v1::BackwardRequest::kXFieldNumber, a.x.subspan(offset, bytes)},
+      {v1::BackwardRequest::kDyFieldNumber, a.dy.subspan(offset, bytes)},
+      {v1::BackwardRequest::kRmsFieldNumber,
+       a.rms.empty() ? absl::Span<const uint8_t>()
+                     : a.rms.subspan(range.first_row * 4, range.num_rows * 4)}};
+  EncodeRequestLocked(rows);
+}
+
+void BackwardCall::EncodeRequestLocked(absl::Span<const v1::BulkField> bulk) {
+  request_buffer_ = v1::EncodeWithBulk(request_, bulk, bulk.empty() ? nullptr : shared_->pin);
 }
 
 void BackwardCall::OnWriteDone(bool ok) {
@@ -714,7 +782,7 @@ absl::Status BackwardCall::TakeResponseLocked() {
   const RawBackwardArgs& a = shared_->args;
   if (final_received_) return absl::InternalError("server sent a message after the final one");
   const bool is_final = !response_.grad_gamma().empty() || response_.has_summary();
-  if (response_.num_rows() > 0 || !response_.grad_input().empty()) {
+  if (response_.num_rows() > 0 || grad_input_.size() > 0) {
     const uint64_t first = response_.first_row(), rows = response_.num_rows();
     if (first > a.num_rows || rows > a.num_rows - first) {
       return absl::InternalError(absl::StrCat("server sent rows [", first, ", ", first + rows,
@@ -731,9 +799,9 @@ absl::Status BackwardCall::TakeResponseLocked() {
     if (shared_->shm.has_value() || a.device.has_value()) {
       // grad_input is in the region or device buffer already; from a staging region it is
       // copied out.
-      if (!response_.grad_input().empty()) {
+      if (grad_input_.size() > 0) {
         return absl::InternalError(
-            absl::StrCat("server sent ", response_.grad_input().size(), " grad_input bytes for a ",
+            absl::StrCat("server sent ", grad_input_.size(), " grad_input bytes for a ",
                          a.device.has_value() ? "device" : "shared-memory", " chunk"));
       }
       if (shared_->shm.has_value() && shared_->shm->staging != nullptr) {
@@ -741,13 +809,13 @@ absl::Status BackwardCall::TakeResponseLocked() {
         std::memcpy(a.dx.data() + first * row_bytes_,
                     plan.staging->data() + plan.dx + first * row_bytes_, rows * row_bytes_);
       }
-    } else if (response_.grad_input().size() != rows * row_bytes_) {
-      return absl::InternalError(absl::StrCat("server sent ", response_.grad_input().size(),
+    } else if (grad_input_.size() != rows * row_bytes_) {
+      return absl::InternalError(absl::StrCat("server sent ", grad_input_.size(),
                                               " grad_input bytes for ", rows, " rows, expected ",
                                               rows * row_bytes_));
     } else {
-      std::memcpy(a.dx.data() + first * row_bytes_, response_.grad_input().data(),
-                  response_.grad_input().size());
+      // From gRPC's slices straight into the caller's array: the one copy on this side.
+      grad_input_.CopyTo(a.dx.data() + first * row_bytes_);
     }
     rows_received_ += rows;
     ++chunks_answered_;
@@ -780,7 +848,13 @@ void BackwardCall::OnReadDone(bool ok) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     any_response_ = true;
-    error_ = TakeResponseLocked();
+    error_ = v1::DecodeWithBulk(response_buffer_, &response_,
+                            {{v1::BackwardResponse::kGradInputFieldNumber, &grad_input_}})
+                 ? TakeResponseLocked()
+                 : absl::InternalError(absl::StrCat("server sent a message of ",
+                                                    response_buffer_.Length(),
+                                                    " bytes that is not a BackwardResponse"));
+    grad_input_.Clear();  // gives gRPC's slices back
     malformed = !error_.ok();
     if (!malformed) next = NextWriteLocked();  // a memory call's next chunk may wait for this
     if (progress_to_report_) progress = rows_received_;
@@ -795,7 +869,7 @@ void BackwardCall::OnReadDone(bool ok) {
   if (progress > 0 && shared_->options.on_progress) {
     shared_->options.on_progress(progress, shared_->args.num_rows);
   }
-  StartRead(&response_);
+  StartRead(&response_buffer_);
   Issue(next);
 }
 
@@ -871,11 +945,18 @@ void BackwardCall::OnDone(const grpc::Status& status) {
   BackwardSummary summary = std::move(summary_);
   lock.unlock();
   delete this;
-  if (!result.ok()) {
-    shared->done(std::move(result));
-  } else {
-    shared->done(RawBackwardResult{std::move(summary), attempts});
-  }
+  // Handed on once gRPC gave back the caller's x, dy and rms (MemoryLoan): at once unless a
+  // write of this call is still going out.
+  std::shared_ptr<MemoryLoan> loan = shared->loan;
+  shared->pin.reset();
+  loan->DeliverWhenReturned([shared = std::move(shared), result = std::move(result),
+                             summary = std::move(summary), attempts]() mutable {
+    if (!result.ok()) {
+      shared->done(std::move(result));
+    } else {
+      shared->done(RawBackwardResult{std::move(summary), attempts});
+    }
+  });
 }
 
 }  // namespace

@@ -65,8 +65,10 @@ absl::StatusOr<std::unique_ptr<Outgoing>> BackwardJobRunner::RunChunk(BackwardJo
         job.chunk.num_rows, absl::MakeSpan(base + in.grad_input, bytes)));
   } else {
     // The rows are in the message; grad_input goes back in the response.
-    std::string* dx = out->response.mutable_grad_input();
-    dx->resize(r.x().size());
+    // Not zero-filled: the backend writes every byte (CheckChunk: dx is as long as x).
+    const uint64_t dx_bytes = r.x().size();
+    out->grad_input.reset(new uint8_t[dx_bytes], std::default_delete<uint8_t[]>());
+    out->grad_input_bytes = dx_bytes;
     std::vector<float> rms_copy;  // aligned for the backend
     absl::Span<const float> rms;
     if (!r.rms().empty()) {
@@ -77,8 +79,8 @@ absl::StatusOr<std::unique_ptr<Outgoing>> BackwardJobRunner::RunChunk(BackwardJo
     NORMGRAD_RETURN_IF_ERROR(session_->ProcessChunk(
         absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(r.x().data()), r.x().size()),
         absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(r.dy().data()), r.dy().size()), rms,
-        job.chunk.num_rows, absl::MakeSpan(reinterpret_cast<uint8_t*>(dx->data()), dx->size())));
-    out->payload_bytes = dx->size();
+        job.chunk.num_rows, absl::MakeSpan(out->grad_input.get(), dx_bytes)));
+    out->payload_bytes = dx_bytes;
   }
   count_chunk_();
   return out;

@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "normgrad/v1/normgrad.pb.h"
 #include "server/backend/backend.h"
 #include "server/service/backward_validator.h"
@@ -36,12 +37,26 @@ struct BackwardJob {
 
 // A response to write, with what its write gives back.
 struct Outgoing {
+  // Every field but grad_input, which the backend computed into `grad_input` and which is sent
+  // from there (proto/normgrad/v1/bulk_wire.h): no copy into the message.
   v1::BackwardResponse response;
+  std::shared_ptr<uint8_t> grad_input;  // grad_input_bytes bytes; null when there are none
+  uint64_t grad_input_bytes = 0;
   uint64_t reserved = 0;       // bytes to release once written
   uint64_t payload_bytes = 0;  // grad_input or grad_gamma bytes in the message
   uint64_t rows = 0;           // rows computed by the job
   bool is_chunk = false;
   bool is_final = false;
+
+  absl::Span<const uint8_t> GradInput() const {
+    return {grad_input.get(), static_cast<size_t>(grad_input_bytes)};
+  }
+  // The message as it goes on the wire, grad_input included (a copy; for tests).
+  v1::BackwardResponse ToProto() const {
+    v1::BackwardResponse r = response;
+    if (grad_input_bytes > 0) r.set_grad_input(grad_input.get(), grad_input_bytes);
+    return r;
+  }
 };
 
 class BackwardJobRunner {

@@ -332,7 +332,7 @@ void BackwardPipeline::StartNextWriteLocked(StreamActions& a) {
   writes_.pop_front();
   write_in_flight_ = true;
   ++issuing_;
-  a.write_from = &writing_->response;
+  a.write_from = writing_.get();
 }
 
 StreamActions BackwardPipeline::RunOneJob() {

@@ -53,7 +53,7 @@ inline constexpr int kMaxChunksHeldPerStream = 3;
 // finish with `finish` or with what Issued() returns, cancel the call.
 struct StreamActions {
   v1::BackwardRequest* read_into = nullptr;         // start a read into this buffer
-  const v1::BackwardResponse* write_from = nullptr;  // start a write of this response
+  const Outgoing* write_from = nullptr;  // start a write of this response
   bool schedule = false;                             // run RunOneJob() once on the pool
   bool try_cancel = false;  // the client stopped reading: only a cancel ends the call now
   std::optional<absl::Status> finish;  // the stream's final status

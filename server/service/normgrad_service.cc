@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/status_macros.h"
+#include "proto/normgrad/v1/bulk_wire.h"
 #include "server/proto_conversion/proto_conversion.h"
 #include "server/service/backward_pipeline.h"
 #include "server/service/status_conversion.h"
@@ -266,7 +267,11 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     }
     if (a.write_from != nullptr) {
       // One write in flight: gRPC is done with write_buffer_ before the next one is decided.
-      SerializeMessage(*a.write_from, &write_buffer_);
+      // grad_input goes from the buffer the backend computed into, which the slice keeps.
+      const v1::BulkField grad_input[] = {
+          {v1::BackwardResponse::kGradInputFieldNumber, a.write_from->GradInput()}};
+      write_buffer_ = v1::EncodeWithBulk(a.write_from->response, grad_input,
+                                         a.write_from->grad_input);
       StartWrite(&write_buffer_);
     }
     if (a.schedule) {

@@ -78,7 +78,7 @@ TEST_F(BackwardJobTest, ChunksInMessagesThenTheFinishGiveTheReferenceAndTheTotal
     EXPECT_EQ(o.reserved, 123u);
     EXPECT_EQ(o.response.first_row(), first);
     EXPECT_EQ(o.payload_bytes, 4u * 32 * 4);
-    const std::vector<float> part = Floats(o.response.grad_input());
+    const std::vector<float> part = Floats(o.ToProto().grad_input());
     dx.insert(dx.end(), part.begin(), part.end());
   }
   EXPECT_EQ(chunks_counted_, 2);
@@ -117,7 +117,8 @@ TEST_F(BackwardJobTest, AChunkInARegionIsReadAndWrittenThereAndSendsNoBytes) {
   absl::StatusOr<std::unique_ptr<Outgoing>> out = runner_.Run(job, spec_);
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_EQ((*out)->payload_bytes, 0u);
-  EXPECT_TRUE((*out)->response.grad_input().empty());
+  EXPECT_EQ((*out)->grad_input_bytes, 0u);
+  EXPECT_TRUE((*out)->ToProto().grad_input().empty());
   std::vector<float> dx(batch_.x.size());
   std::memcpy(dx.data(), region->data() + 2 * bytes, bytes);
   EXPECT_LT(testing::MaxScaledError(dx, want_dx_), 1e-5);

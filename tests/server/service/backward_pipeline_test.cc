@@ -75,7 +75,7 @@ class FakeCall {
   // Completes the pending write (the client read it).
   void CompleteWrite(bool ok = true) {
     ASSERT_NE(write_from_, nullptr) << "no write pending";
-    responses_.push_back(*write_from_);
+    responses_.push_back(write_from_->ToProto());
     write_from_ = nullptr;
     Apply(pipeline_->OnWriteDone(ok));
   }
@@ -116,7 +116,7 @@ class FakeCall {
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<BackwardPipeline> pipeline_;
   v1::BackwardRequest* read_into_ = nullptr;
-  const v1::BackwardResponse* write_from_ = nullptr;
+  const Outgoing* write_from_ = nullptr;
   int scheduled_ = 0;
   int try_cancels_ = 0;
   std::vector<v1::BackwardResponse> responses_;
