@@ -65,8 +65,16 @@ absl::StatusOr<std::unique_ptr<Outgoing>> BackwardJobRunner::RunChunk(BackwardJo
         job.chunk.num_rows, absl::MakeSpan(base + in.grad_input, bytes)));
   } else {
     // The rows are in the message; grad_input goes back in the response.
+    const absl::Span<const uint8_t> x =
+        job.beside.present()
+            ? job.beside.x
+            : absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(r.x().data()), r.x().size());
+    const absl::Span<const uint8_t> dy =
+        job.beside.present()
+            ? job.beside.dy
+            : absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(r.dy().data()), r.dy().size());
     // Not zero-filled: the backend writes every byte (CheckChunk: dx is as long as x).
-    const uint64_t dx_bytes = r.x().size();
+    const uint64_t dx_bytes = x.size();
     out->grad_input.reset(new uint8_t[dx_bytes], std::default_delete<uint8_t[]>());
     out->grad_input_bytes = dx_bytes;
     std::vector<float> rms_copy;  // aligned for the backend
@@ -77,9 +85,7 @@ absl::StatusOr<std::unique_ptr<Outgoing>> BackwardJobRunner::RunChunk(BackwardJo
       rms = rms_copy;
     }
     NORMGRAD_RETURN_IF_ERROR(session_->ProcessChunk(
-        absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(r.x().data()), r.x().size()),
-        absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(r.dy().data()), r.dy().size()), rms,
-        job.chunk.num_rows, absl::MakeSpan(out->grad_input.get(), dx_bytes)));
+        x, dy, rms, job.chunk.num_rows, absl::MakeSpan(out->grad_input.get(), dx_bytes)));
     out->payload_bytes = dx_bytes;
   }
   count_chunk_();

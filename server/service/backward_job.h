@@ -23,9 +23,18 @@
 
 namespace normgrad::server {
 
+// A chunk's x and dy that came beside its message instead of in it (the transport found them
+// where gRPC received them: proto/normgrad/v1/bulk_wire.h); valid while `owner` is held.
+struct BesideBytes {
+  absl::Span<const uint8_t> x, dy;
+  std::shared_ptr<const void> owner;
+  bool present() const { return owner != nullptr; }
+};
+
 struct BackwardJob {
   enum Kind { kStart, kChunk, kFinish } kind = kChunk;
   std::unique_ptr<v1::BackwardRequest> request;  // kStart: the header; kChunk: the chunk
+  BesideBytes beside;  // kChunk: x and dy, when not in `request`
   RowChunk chunk;                                // kChunk
   uint64_t reserved = 0;  // kChunk: bytes reserved with admission until its response is written
   std::optional<RegionRows> in_region;  // kChunk whose rows are in a shared-memory region

@@ -58,13 +58,13 @@ void BackwardPipeline::IoDoneLocked(bool& in_flight) {
   watchdog_.NoteProgress(absl::Now());
 }
 
-StreamActions BackwardPipeline::OnReadDone(bool ok, bool call_cancelled) {
+StreamActions BackwardPipeline::OnReadDone(bool ok, bool call_cancelled, BesideBytes beside) {
   StreamActions a;
   std::lock_guard<std::mutex> lock(mu_);
   IoDoneLocked(read_in_flight_);
   if (finish_decided_) return a;  // the stream already has its status
   if (ok) {
-    OnMessageLocked(a);
+    OnMessageLocked(a, std::move(beside));
     return a;
   }
   // The client half-closed, or the call died (then OnCancel follows or came first).
@@ -226,7 +226,7 @@ absl::Status BackwardPipeline::CancelStatusLocked() const {
       "the stream was cancelled (by the client, or by server shutdown after the grace)");
 }
 
-void BackwardPipeline::OnMessageLocked(StreamActions& a) {
+void BackwardPipeline::OnMessageLocked(StreamActions& a, BesideBytes beside) {
   const v1::BackwardRequest& message = *request_;
   if (message.cancel()) {
     // In order: every chunk read before this one was queued or dropped already.
@@ -238,10 +238,11 @@ void BackwardPipeline::OnMessageLocked(StreamActions& a) {
   }
   // Everything the parsed message holds, fields this server does not know included (a client
   // could otherwise pad chunks past --max-inflight-bytes with them).
-  const uint64_t message_bytes = message.ByteSizeLong();
-  const uint64_t x_bytes = message.x().size();
+  const uint64_t message_bytes = message.ByteSizeLong() + beside.x.size() + beside.dy.size();
+  const uint64_t x_bytes = message.x().size() + beside.x.size();
   bytes_in_ += message_bytes;
-  absl::StatusOr<AcceptedMessage> accepted = validator_.Accept(message);
+  absl::StatusOr<AcceptedMessage> accepted =
+      validator_.Accept(message, beside.x.size(), beside.dy.size());
   if (!accepted.ok()) {
     FinishLocked(accepted.status(), a);
     return;
@@ -264,6 +265,7 @@ void BackwardPipeline::OnMessageLocked(StreamActions& a) {
   }
   job.kind = BackwardJob::kChunk;
   job.chunk = accepted->chunk;
+  job.beside = std::move(beside);
   if (absl::Status s = LocateRowsLocked(job); !s.ok()) {
     FinishLocked(s, a);
     return;

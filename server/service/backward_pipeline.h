@@ -105,8 +105,9 @@ class BackwardPipeline {
   // OK when the server takes no streams (draining, an unusable device) or the caller may not use
   // the service (its unix peer's user); the stream then ends with it at once.
   StreamActions Start(absl::Status refused = absl::OkStatus());
-  // `ok` false: the client half-closed or the call died; `call_cancelled` says which.
-  StreamActions OnReadDone(bool ok, bool call_cancelled);
+  // `ok` false: the client half-closed or the call died; `call_cancelled` says which. `beside`:
+  // the message's x and dy when the transport kept them out of it (bulk_wire.h).
+  StreamActions OnReadDone(bool ok, bool call_cancelled, BesideBytes beside = {});
   // A message arrived (`bytes` long) that does not parse as a BackwardRequest: the stream ends
   // with INVALID_ARGUMENT saying which message.
   StreamActions OnUnparsableMessage(uint64_t bytes);
@@ -133,7 +134,7 @@ class BackwardPipeline {
   // The held-back finish, once no read or write is being issued and no job runs.
   std::optional<absl::Status> TakeDeferredFinishLocked();
   absl::Status CancelStatusLocked() const;
-  void OnMessageLocked(StreamActions& a);
+  void OnMessageLocked(StreamActions& a, BesideBytes beside);
   // Where a chunk's rows are (shared memory, device memory): checked, and kept in `job`.
   absl::Status LocateRowsLocked(BackwardJob& job);
   void AdmitWaitingChunkLocked(StreamActions& a);

@@ -29,26 +29,35 @@ absl::Status CheckSize(absl::string_view field, uint64_t value, uint64_t limit,
 BackwardValidator::BackwardValidator(const BackwardLimits& limits) : limits_(limits) {}
 
 absl::StatusOr<AcceptedMessage> BackwardValidator::Accept(const v1::BackwardRequest& message) {
+  return Accept(message, 0, 0);
+}
+
+absl::StatusOr<AcceptedMessage> BackwardValidator::Accept(const v1::BackwardRequest& message,
+                                                          uint64_t beside_x_bytes,
+                                                          uint64_t beside_dy_bytes) {
+  const uint64_t x_bytes = message.x().size() + beside_x_bytes;
+  const uint64_t dy_bytes = message.dy().size() + beside_dy_bytes;
   AcceptedMessage accepted;
   if (!has_header_) {
-    NORMGRAD_RETURN_IF_ERROR(AcceptHeader(message));
+    NORMGRAD_RETURN_IF_ERROR(AcceptHeader(message, x_bytes, dy_bytes));
     accepted.is_header = true;
     return accepted;
   }
-  NORMGRAD_ASSIGN_OR_RETURN(accepted.chunk, AcceptChunk(message));
+  NORMGRAD_ASSIGN_OR_RETURN(accepted.chunk, AcceptChunk(message, x_bytes, dy_bytes));
   return accepted;
 }
 
-absl::Status BackwardValidator::AcceptHeader(const v1::BackwardRequest& message) {
+absl::Status BackwardValidator::AcceptHeader(const v1::BackwardRequest& message,
+                                             uint64_t x_bytes, uint64_t dy_bytes) {
   if (!message.has_header()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "the first message must carry `header`; it carries a row chunk (x: ", message.x().size(),
-        " bytes, dy: ", message.dy().size(), " bytes)"));
+        "the first message must carry `header`; it carries a row chunk (x: ", x_bytes,
+        " bytes, dy: ", dy_bytes, " bytes)"));
   }
-  if (!message.x().empty() || !message.dy().empty() || !message.rms().empty()) {
+  if (x_bytes != 0 || dy_bytes != 0 || !message.rms().empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "the header message must not carry row data (x: ", message.x().size(),
-        " bytes, dy: ", message.dy().size(), " bytes, rms: ", message.rms().size(),
+        "the header message must not carry row data (x: ", x_bytes,
+        " bytes, dy: ", dy_bytes, " bytes, rms: ", message.rms().size(),
         " bytes); send rows in the following messages"));
   }
   const v1::BackwardHeader& h = message.header();
@@ -100,16 +109,23 @@ absl::Status BackwardValidator::AcceptHeader(const v1::BackwardRequest& message)
   return absl::OkStatus();
 }
 
-absl::StatusOr<RowChunk> BackwardValidator::AcceptChunk(const v1::BackwardRequest& message) {
+absl::StatusOr<RowChunk> BackwardValidator::AcceptChunk(const v1::BackwardRequest& message,
+                                                        uint64_t x_bytes, uint64_t dy_bytes) {
   const uint64_t index = chunks_received_;
   const std::string where = absl::StrCat("chunk ", index, ": ");
   if (message.has_header()) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, "header repeated; only the first message may carry `header`"));
   }
-  if (message.has_shm() || message.has_cuda_ipc()) return AcceptReferencedChunk(message, where);
-  const uint64_t x_bytes = message.x().size();
-  const uint64_t dy_bytes = message.dy().size();
+  if (message.has_shm() || message.has_cuda_ipc()) {
+    if (x_bytes != 0 || dy_bytes != 0 || !message.rms().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, "carries ", message.has_shm() ? "shm" : "cuda_ipc", " and also row bytes (x: ",
+          x_bytes, ", dy: ", dy_bytes, ", rms: ", message.rms().size(),
+          "); send one or the other"));
+    }
+    return AcceptReferencedChunk(message, where);
+  }
   if (x_bytes == 0 && dy_bytes == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, "x and dy are empty; a chunk carries at least one row"));
@@ -156,11 +172,6 @@ absl::StatusOr<RowChunk> BackwardValidator::AcceptReferencedChunk(
   if (shm && message.has_cuda_ipc()) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, "carries both shm and cuda_ipc; send one or the other"));
-  }
-  if (!message.x().empty() || !message.dy().empty() || !message.rms().empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, "carries ", field, " and also row bytes (x: ", message.x().size(), ", dy: ",
-        message.dy().size(), ", rms: ", message.rms().size(), "); send one or the other"));
   }
   const uint64_t rows = shm ? message.shm().num_rows() : message.cuda_ipc().num_rows();
   if (rows == 0) {

@@ -49,6 +49,10 @@ class BackwardValidator {
   // `rms` (rows * 4 bytes) exactly when header.rms_provided. A chunk with `shm` (or `cuda_ipc`)
   // carries no row bytes and shm.num_rows rows (its region or buffers are the caller's to check).
   absl::StatusOr<AcceptedMessage> Accept(const v1::BackwardRequest& message);
+  // The same, for a message whose x and dy came beside it (bulk_wire.h: its own are empty):
+  // their sizes.
+  absl::StatusOr<AcceptedMessage> Accept(const v1::BackwardRequest& message,
+                                         uint64_t beside_x_bytes, uint64_t beside_dy_bytes);
 
   // OK when a header arrived and the chunks carried exactly header.num_rows rows.
   absl::Status AtEndOfStream() const;
@@ -60,8 +64,10 @@ class BackwardValidator {
   uint64_t row_bytes() const { return row_bytes_; }  // hidden_dim * element size
 
  private:
-  absl::Status AcceptHeader(const v1::BackwardRequest& message);
-  absl::StatusOr<RowChunk> AcceptChunk(const v1::BackwardRequest& message);
+  absl::Status AcceptHeader(const v1::BackwardRequest& message, uint64_t x_bytes,
+                            uint64_t dy_bytes);
+  absl::StatusOr<RowChunk> AcceptChunk(const v1::BackwardRequest& message, uint64_t x_bytes,
+                                       uint64_t dy_bytes);
   // A chunk whose rows are elsewhere (shm or cuda_ipc).
   absl::StatusOr<RowChunk> AcceptReferencedChunk(const v1::BackwardRequest& message,
                                                  const std::string& where);

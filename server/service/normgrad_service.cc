@@ -48,6 +48,51 @@ void SerializeMessage(const Message& message, grpc::ByteBuffer* buffer) {
   }
 }
 
+// x and dy as the backend takes them: in place in gRPC's slices when each arrived in one piece
+// at an address aligned for any element (gRPC's slices are then held), else gathered into one
+// buffer of the stream's: one copy, where a protobuf parse made one too.
+BesideBytes BesideOf(v1::ReceivedBytes& x, v1::ReceivedBytes& dy) {
+  constexpr uintptr_t kAlignment = 4;
+  auto in_place = [](const v1::ReceivedBytes& r) {
+    const absl::Span<const uint8_t> c = r.Contiguous();
+    return r.size() == 0 ||
+           (c.size() == r.size() && reinterpret_cast<uintptr_t>(c.data()) % kAlignment == 0);
+  };
+  BesideBytes out;
+  if (in_place(x) && in_place(dy)) {
+    auto held = std::make_shared<std::pair<v1::ReceivedBytes, v1::ReceivedBytes>>(std::move(x),
+                                                                                  std::move(dy));
+    out.x = held->first.Contiguous();
+    out.dy = held->second.Contiguous();
+    out.owner = std::move(held);
+    return out;
+  }
+  std::shared_ptr<uint8_t> gathered(new uint8_t[x.size() + dy.size()],
+                                    std::default_delete<uint8_t[]>());
+  x.CopyTo(gathered.get());
+  dy.CopyTo(gathered.get() + x.size());
+  out.x = absl::MakeConstSpan(gathered.get(), x.size());
+  out.dy = absl::MakeConstSpan(gathered.get() + x.size(), dy.size());
+  out.owner = std::move(gathered);
+  x.Clear();
+  dy.Clear();
+  return out;
+}
+
+// Parses a BackwardRequest gRPC handed over, x and dy left beside it. False: not a
+// BackwardRequest.
+bool ParseBackwardRequest(const grpc::ByteBuffer& buffer, v1::BackwardRequest* message,
+                          BesideBytes* beside) {
+  v1::ReceivedBytes x, dy;
+  if (!v1::DecodeWithBulk(buffer, message,
+                          {{v1::BackwardRequest::kXFieldNumber, &x},
+                           {v1::BackwardRequest::kDyFieldNumber, &dy}})) {
+    return false;
+  }
+  if (x.present() || dy.present()) *beside = BesideOf(x, dy);
+  return true;
+}
+
 absl::Status UnparsableRequest(const grpc::ByteBuffer& request, const char* type) {
   return absl::InvalidArgumentError(absl::StrCat("the request (", request.Length(),
                                                  " bytes) does not parse as a normgrad.v1.", type));
@@ -185,11 +230,14 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   // and the reactions is invisible to ThreadSanitizer (docs/testing.md).
   void OnReadDone(bool ok) override {
     bool call_cancelled = false;
+    BesideBytes beside;
     {
       std::lock_guard<std::mutex> lock(read_mu_);
       if (ok) {
         const uint64_t bytes = read_buffer_.Length();
-        if (!ParseMessage(read_buffer_, read_into_.load())) {
+        const bool parsed = ParseBackwardRequest(read_buffer_, read_into_.load(), &beside);
+        read_buffer_.Clear();  // gRPC's slices stay only where `beside` holds them
+        if (!parsed) {
           Apply(pipeline_.OnUnparsableMessage(bytes));
           return;
         }
@@ -198,7 +246,7 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
         read_failed_uncancelled_ = !call_cancelled;
       }
     }
-    Apply(pipeline_.OnReadDone(ok, call_cancelled));
+    Apply(pipeline_.OnReadDone(ok, call_cancelled, std::move(beside)));
   }
   void OnWriteDone(bool ok) override { Apply(pipeline_.OnWriteDone(ok)); }
   void OnCancel() override { Apply(pipeline_.OnCancel()); }
