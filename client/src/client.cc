@@ -113,6 +113,7 @@ absl::Span<uint8_t> AsBytes(absl::Span<float> s) {
 class ClientImpl;
 
 constexpr char kBackwardMethod[] = "/normgrad.v1.NormGrad/RmsNormBackward";
+constexpr char kBackwardUnaryMethod[] = "/normgrad.v1.NormGrad/RmsNormBackwardUnary";
 
 // The caller's x, dy and rms, lent to gRPC: every slice of a request that points into them holds
 // the loan's pin (proto/normgrad/v1/bulk_wire.h), and the call's result is handed to its caller
@@ -256,6 +257,48 @@ class BackwardCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc
   std::atomic<bool> hold_released_{false};       // ReleaseHold ran
 };
 
+// A batch in one RmsNormBackwardUnary call (ClientOptions::unary_small_batches): the header and
+// every row in one request, x, dy and rms lent to gRPC as the stream's chunks are; grad_input
+// read from gRPC's slices into the caller's dx once the whole answer is checked. One attempt;
+// retried as a stream is (UNAVAILABLE, or CANCELLED before an answer), and a server without the
+// method (UNIMPLEMENTED) gets the stream. Deletes itself in OnDone.
+class UnaryBackwardCall final : public grpc::ClientUnaryReactor {
+ public:
+  using Shared = BackwardCall::Shared;
+  UnaryBackwardCall(ClientImpl* client, std::shared_ptr<Shared> shared, int attempt)
+      : client_(client), shared_(std::move(shared)), attempt_(attempt) {}
+  void Start();
+  void OnDone(const grpc::Status& status) override;
+
+ private:
+  // Checks the answer and copies it into the caller's arrays.
+  absl::Status TakeResponse();
+
+  std::mutex mu_;  // as BackwardCall's: Start and OnDone run on different threads
+  ClientImpl* client_;
+  std::shared_ptr<Shared> shared_;
+  int attempt_;
+  grpc::ClientContext context_;
+  grpc::ByteBuffer request_;
+  grpc::ByteBuffer response_;
+  BackwardSummary summary_;
+};
+
+// Hands a call's result to its caller once gRPC gave back the caller's memory (MemoryLoan).
+void DeliverBackward(std::shared_ptr<BackwardCall::Shared> shared, absl::Status result,
+                     BackwardSummary summary, int attempts) {
+  std::shared_ptr<MemoryLoan> loan = shared->loan;
+  shared->pin.reset();
+  loan->DeliverWhenReturned([shared = std::move(shared), result = std::move(result),
+                             summary = std::move(summary), attempts]() mutable {
+    if (!result.ok()) {
+      shared->done(std::move(result));
+    } else {
+      shared->done(RawBackwardResult{std::move(summary), attempts});
+    }
+  });
+}
+
 // The trailing metadata key of every RmsNormBackward status that the server itself sent, once
 // no job of the stream touched the client's memory any more (server/service/normgrad_service.h).
 constexpr char kWritesDoneTrailer[] = "normgrad-writes-done";
@@ -390,8 +433,17 @@ class ClientImpl final : public Client {
     shared->shm = *std::move(plan);
     shared->done = std::move(done);
     SetDeadline(options.deadline, shared->has_deadline, shared->deadline);
+    const uint64_t x_bytes = args.num_rows * args.hidden_dim * ElementBytes(args.type);
+    if (options_.unary_small_batches && !shared->shm.has_value() && !args.device.has_value() &&
+        x_bytes <= options_.chunk_bytes && unary_backward_.load()) {
+      (new UnaryBackwardCall(this, std::move(shared), 1))->Start();
+      return;
+    }
     (new BackwardCall(this, std::move(shared), 1))->Start();
   }
+
+  // The server said it has no RmsNormBackwardUnary: from here on this client uses the stream.
+  void NoUnaryBackward() { unary_backward_.store(false); }
 
   // Schedules `then` (attempt `attempt`, >= 2) on a gRPC thread after a backoff:
   // initial_backoff doubling per attempt up to max_backoff, jittered by +-20%. Returns false,
@@ -540,6 +592,7 @@ class ClientImpl final : public Client {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::NormGrad::Stub> stub_;
   grpc::GenericStub generic_;
+  std::atomic<bool> unary_backward_{true};  // until a server answers it UNIMPLEMENTED
   SharedMemoryTransport shm_;
   std::mutex rng_mu_;
   std::mt19937_64 rng_{std::random_device{}()};  // guarded by rng_mu_
@@ -947,16 +1000,108 @@ void BackwardCall::OnDone(const grpc::Status& status) {
   delete this;
   // Handed on once gRPC gave back the caller's x, dy and rms (MemoryLoan): at once unless a
   // write of this call is still going out.
-  std::shared_ptr<MemoryLoan> loan = shared->loan;
-  shared->pin.reset();
-  loan->DeliverWhenReturned([shared = std::move(shared), result = std::move(result),
-                             summary = std::move(summary), attempts]() mutable {
-    if (!result.ok()) {
-      shared->done(std::move(result));
-    } else {
-      shared->done(RawBackwardResult{std::move(summary), attempts});
-    }
-  });
+  DeliverBackward(std::move(shared), std::move(result), std::move(summary), attempts);
+}
+
+void UnaryBackwardCall::Start() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (shared_->has_deadline) context_.set_deadline(shared_->deadline);
+  client_->AddMetadata(context_);
+  const RawBackwardArgs& a = shared_->args;
+  v1::BackwardRequest message;
+  v1::BackwardHeader* header = message.mutable_header();
+  header->set_num_rows(a.num_rows);
+  header->set_hidden_dim(a.hidden_dim);
+  header->set_eps(a.eps);
+  header->set_dtype(ToProtoDType(a.type));
+  header->set_gamma(a.gamma.data(), a.gamma.size());
+  header->set_rms_provided(!a.rms.empty());
+  header->set_gamma_offset(a.gamma_offset);
+  header->set_no_gamma(a.no_gamma);
+  header->set_casting_mode(a.casting_mode);
+  if (!shared_->options.kernel.empty()) header->mutable_options()->set_kernel(shared_->options.kernel);
+  const v1::BulkField rows[] = {{v1::BackwardRequest::kXFieldNumber, a.x},
+                                {v1::BackwardRequest::kDyFieldNumber, a.dy},
+                                {v1::BackwardRequest::kRmsFieldNumber, a.rms}};
+  request_ = v1::EncodeWithBulk(message, rows, shared_->pin);
+  if (shared_->options.cancellation) {
+    shared_->options.cancellation->Attach([this] { context_.TryCancel(); });
+  }
+  client_->generic().PrepareUnaryCall(&context_, kBackwardUnaryMethod, grpc::StubOptions(),
+                                      &request_, &response_, this);
+  StartCall();
+}
+
+absl::Status UnaryBackwardCall::TakeResponse() {
+  const RawBackwardArgs& a = shared_->args;
+  v1::BackwardResponse r;
+  v1::ReceivedBytes grad_input;
+  if (!v1::DecodeWithBulk(response_, &r,
+                          {{v1::BackwardResponse::kGradInputFieldNumber, &grad_input}})) {
+    return absl::InternalError(absl::StrCat("server sent a message of ", response_.Length(),
+                                            " bytes that is not a BackwardResponse"));
+  }
+  const uint64_t row_bytes = uint64_t{a.hidden_dim} * ElementBytes(a.type);
+  if (r.first_row() != 0 || r.num_rows() != a.num_rows) {
+    return absl::InternalError(absl::StrCat("server sent rows [", r.first_row(), ", ",
+                                            r.first_row() + r.num_rows(), ") of a ", a.num_rows,
+                                            "-row batch in one answer"));
+  }
+  if (grad_input.size() != a.num_rows * row_bytes || a.dx.size() != grad_input.size()) {
+    return absl::InternalError(absl::StrCat("server sent ", grad_input.size(),
+                                            " grad_input bytes for ", a.num_rows,
+                                            " rows, expected ", a.num_rows * row_bytes));
+  }
+  if (r.grad_gamma().size() != a.dgamma.size()) {
+    return absl::InternalError(absl::StrCat("server sent ", r.grad_gamma().size(),
+                                            " grad_gamma bytes, expected ", a.dgamma.size()));
+  }
+  if (!r.has_summary()) return absl::InternalError("server sent no summary");
+  grad_input.CopyTo(a.dx.data());
+  if (!a.dgamma.empty()) std::memcpy(a.dgamma.data(), r.grad_gamma().data(), a.dgamma.size());
+  const v1::BackwardSummary& s = r.summary();
+  summary_ = {s.backend(), s.kernel(), s.rows(), s.chunks(), s.compute_seconds(),
+              s.total_seconds()};
+  return absl::OkStatus();
+}
+
+void UnaryBackwardCall::OnDone(const grpc::Status& status) {
+  if (shared_->options.cancellation) shared_->options.cancellation->Detach();
+  const bool cancelled_by_caller =
+      shared_->options.cancellation && shared_->options.cancellation->cancelled();
+  std::unique_lock<std::mutex> lock(mu_);
+  if (status.error_code() == grpc::StatusCode::UNIMPLEMENTED && !cancelled_by_caller) {
+    // A server without the method: the stream, this time and from now on.
+    client_->NoUnaryBackward();
+    std::shared_ptr<Shared> shared = std::move(shared_);
+    const int attempt = attempt_;
+    ClientImpl* client = client_;
+    lock.unlock();
+    delete this;
+    (new BackwardCall(client, std::move(shared), attempt))->Start();
+    return;
+  }
+  const bool retry_worthy = !cancelled_by_caller &&
+                            (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                             status.error_code() == grpc::StatusCode::CANCELLED);
+  if (retry_worthy && client_->RetryLater<UnaryBackwardCall>(shared_, attempt_)) {
+    lock.unlock();
+    delete this;
+    return;
+  }
+  absl::Status result = FromGrpcStatus(status);
+  if (result.ok()) result = TakeResponse();
+  if (result.ok() && shared_->options.on_progress) {
+    shared_->options.on_progress(shared_->args.num_rows, shared_->args.num_rows);
+  }
+  // Context first, callback last (see BackwardCall::OnDone).
+  std::shared_ptr<Shared> shared = std::move(shared_);
+  const int attempts = attempt_;
+  BackwardSummary summary = std::move(summary_);
+  response_.Clear();
+  lock.unlock();
+  delete this;
+  DeliverBackward(std::move(shared), std::move(result), std::move(summary), attempts);
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include "proto/normgrad/v1/bulk_wire.h"
 #include "server/proto_conversion/proto_conversion.h"
 #include "server/service/backward_pipeline.h"
+#include "server/service/one_message_backward.h"
 #include "server/service/status_conversion.h"
 #include "server/service/unix_peers.h"
 #include "server/shared_memory/region_registry.h"
@@ -28,6 +29,10 @@ namespace normgrad::server {
 namespace {
 
 constexpr char kBackwardMethod[] = "RmsNormBackward";
+constexpr char kBackwardUnaryMethod[] = "RmsNormBackwardUnary";
+// RmsNormBackwardUnary computes a batch of at most this many x bytes on gRPC's thread (CPU
+// backend): about 30 us of work at the CPU backend's speed on two cores.
+constexpr uint64_t kInlineUnaryBytes = 256 * 1024;
 constexpr char kEmitPtxMethod[] = "EmitPtx";
 constexpr char kServerInfoMethod[] = "GetServerInfo";
 // Jobs one worker task runs for a stream before it yields the worker (BackwardStream::Apply).
@@ -384,12 +389,23 @@ void StreamRegistry::Add(BackwardStream* stream) {
 void StreamRegistry::Remove(BackwardStream* stream) {
   std::lock_guard<std::mutex> lock(mu_);
   streams_.erase(stream);
-  if (streams_.empty()) emptied_.notify_all();
+  if (streams_.empty() && unary_calls_ == 0) emptied_.notify_all();
+}
+
+void StreamRegistry::AddUnary() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++unary_calls_;
+}
+
+void StreamRegistry::RemoveUnary() {
+  std::lock_guard<std::mutex> lock(mu_);
+  --unary_calls_;
+  if (streams_.empty() && unary_calls_ == 0) emptied_.notify_all();
 }
 
 size_t StreamRegistry::size() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return streams_.size();
+  return streams_.size() + unary_calls_;
 }
 
 void StreamRegistry::CheckIdle(absl::Time now, absl::Duration timeout) {
@@ -410,12 +426,66 @@ bool StreamRegistry::WaitUntilEmpty(absl::Time deadline) {
   std::unique_lock<std::mutex> lock(mu_);
   // absl::InfiniteFuture() becomes time_point::max(): a wait without end.
   return emptied_.wait_until(lock, absl::ToChronoTime(deadline),
-                             [this] { return streams_.empty(); });
+                             [this] { return streams_.empty() && unary_calls_ == 0; });
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* NormGradService::RmsNormBackward(
     grpc::CallbackServerContext* context) {
   return new BackwardStream(env_, context);
+}
+
+grpc::ServerUnaryReactor* NormGradService::RmsNormBackwardUnary(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request,
+    grpc::ByteBuffer* raw_response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const absl::Time start = absl::Now();
+  ServiceEnv* env = env_;
+  const char* listener = IsUnixPeer(context->peer()) ? "unix" : "tcp";
+  // Counted before the checks, so that draining waits for a call it did not refuse.
+  env->streams->AddUnary();
+  auto request = std::make_shared<v1::BackwardRequest>();
+  BesideBytes beside;
+  absl::Status refused = RefuseStream(*env, context->peer());
+  if (refused.ok() && !ParseBackwardRequest(*raw_request, request.get(), &beside)) {
+    refused = UnparsableRequest(*raw_request, "BackwardRequest");
+  }
+  if (!refused.ok()) {
+    env->metrics->RecordRpc(kBackwardUnaryMethod, refused.code(),
+                            absl::ToDoubleSeconds(absl::Now() - start), raw_request->Length(), 0);
+    reactor->Finish(ToGrpcStatus(refused));
+    env->streams->RemoveUnary();
+    return reactor;
+  }
+  const uint64_t row_bytes = beside.x.size() + request->x().size();
+  auto run = [env, reactor, raw_response, start, listener, request,
+              beside = std::move(beside), client = ClientIdentity(*context, *env)]() mutable {
+    OneMessageTotals totals;
+    absl::StatusOr<std::unique_ptr<Outgoing>> out = RunOneMessageBackward(
+        StreamDepsOf(*env), client, *request, std::move(beside), &totals);
+    if (out.ok()) {
+      const v1::BulkField grad_input[] = {
+          {v1::BackwardResponse::kGradInputFieldNumber, (*out)->GradInput()}};
+      *raw_response = v1::EncodeWithBulk((*out)->response, grad_input, (*out)->grad_input);
+    }
+    const ServiceMetrics& metrics = *env->metrics;
+    metrics.rows.Increment({}, static_cast<double>(totals.rows));
+    metrics.transport_tensor_bytes.Increment({{"transport", listener}},
+                                             static_cast<double>(totals.tensor_bytes));
+    metrics.transport_streams.Increment({{"transport", listener}});
+    metrics.RecordRpc(kBackwardUnaryMethod, out.status().code(),
+                      absl::ToDoubleSeconds(absl::Now() - start), totals.bytes_in,
+                      totals.bytes_out);
+    reactor->Finish(ToGrpcStatus(out.status()));
+    env->streams->RemoveUnary();
+  };
+  // Rows that compute in microseconds are computed here, on gRPC's thread: no hand-off. Larger
+  // batches, and a batch whose kernel may still need compiling, go to the service's pool.
+  if (row_bytes <= kInlineUnaryBytes && env->backend->Name() == "cpu") {
+    run();
+  } else {
+    env->pool->Schedule(std::move(run));
+  }
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* NormGradService::EmitPtx(grpc::CallbackServerContext* context,

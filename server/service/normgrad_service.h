@@ -31,12 +31,15 @@ class BackwardStream;
 // a call"). The client library has the same key (client/src/client.cc).
 inline constexpr char kWritesDoneTrailer[] = "normgrad-writes-done";
 
-// Every live BackwardStream, for the idle watchdog and for draining. Thread-safe.
+// Every live BackwardStream, for the idle watchdog and for draining, and the number of
+// RmsNormBackwardUnary calls running (draining waits for them too). Thread-safe.
 class StreamRegistry {
  public:
   void Add(BackwardStream* stream);
   void Remove(BackwardStream* stream);
-  size_t size() const;
+  void AddUnary();
+  void RemoveUnary();
+  size_t size() const;  // streams and unary calls
   // Ends streams that made no progress for `timeout` while waiting on their client.
   void CheckIdle(absl::Time now, absl::Duration timeout);
   // Blocks until no stream is alive or `deadline` passes; true when none is alive.
@@ -46,6 +49,7 @@ class StreamRegistry {
   mutable std::mutex mu_;
   std::condition_variable emptied_;
   absl::flat_hash_set<BackwardStream*> streams_;  // guarded by mu_
+  size_t unary_calls_ = 0;  // guarded by mu_
 };
 
 // Every method takes its messages as bytes (gRPC's raw callback API) and parses them itself, so
@@ -53,8 +57,9 @@ class StreamRegistry {
 // own parsing answers a unary call UNIMPLEMENTED with no message, and ends a stream's reads as
 // if the client had half-closed).
 using RawNormGradService = v1::NormGrad::WithRawCallbackMethod_RmsNormBackward<
-    v1::NormGrad::WithRawCallbackMethod_EmitPtx<
-        v1::NormGrad::WithRawCallbackMethod_GetServerInfo<v1::NormGrad::Service>>>;
+    v1::NormGrad::WithRawCallbackMethod_RmsNormBackwardUnary<
+        v1::NormGrad::WithRawCallbackMethod_EmitPtx<
+            v1::NormGrad::WithRawCallbackMethod_GetServerInfo<v1::NormGrad::Service>>>>;
 
 class NormGradService final : public RawNormGradService {
  public:
@@ -62,6 +67,9 @@ class NormGradService final : public RawNormGradService {
 
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* RmsNormBackward(
       grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* RmsNormBackwardUnary(grpc::CallbackServerContext* context,
+                                                 const grpc::ByteBuffer* request,
+                                                 grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* EmitPtx(grpc::CallbackServerContext* context,
                                     const grpc::ByteBuffer* request,
                                     grpc::ByteBuffer* response) override;

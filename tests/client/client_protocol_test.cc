@@ -125,6 +125,15 @@ class ScriptedService final : public v1::NormGrad::CallbackService {
       grpc::CallbackServerContext*) override {
     return new ScriptedStream(script, ++streams);
   }
+  // A server that predates RmsNormBackwardUnary (what gRPC answers for a method not served).
+  grpc::ServerUnaryReactor* RmsNormBackwardUnary(grpc::CallbackServerContext* context,
+                                                 const v1::BackwardRequest*,
+                                                 v1::BackwardResponse*) override {
+    ++unary_backward_calls;
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "scripted: no such method"));
+    return reactor;
+  }
   // The unary methods: the first `unary_failures` calls end with `unary_code`, the rest answer.
   grpc::ServerUnaryReactor* EmitPtx(grpc::CallbackServerContext* context,
                                     const v1::EmitPtxRequest* request,
@@ -142,6 +151,7 @@ class ScriptedService final : public v1::NormGrad::CallbackService {
   std::atomic<Script> script{Script::kEchoX};
   std::atomic<int> streams{0};
   std::atomic<int> unary_calls{0};
+  std::atomic<int> unary_backward_calls{0};
   std::atomic<int> unary_failures{0};
   std::atomic<grpc::StatusCode> unary_code{grpc::StatusCode::UNAVAILABLE};
 
@@ -225,6 +235,21 @@ TEST_F(ClientProtocolTest, ChunksArePlacedByFirstRow) {
   EXPECT_EQ(g->dx, x_);
   EXPECT_EQ(g->summary.chunks, 4u);  // 3 + 3 + 3 + 1 rows
   EXPECT_EQ(g->summary.backend, "scripted");
+}
+
+// A batch that fits one message asks for RmsNormBackwardUnary once; a server without it gets the
+// stream, for that call and every later one.
+TEST_F(ClientProtocolTest, AServerWithoutTheUnaryMethodGetsTheStream) {
+  service_.script = Script::kEchoX;
+  const std::vector<float> x(x_.begin(), x_.begin() + 2 * kHidden);
+  for (int call = 1; call <= 3; ++call) {
+    absl::StatusOr<Gradients> g =
+        client_->Backward(x, absl::MakeConstSpan(dy_).subspan(0, x.size()), gamma_, 1e-5f);
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_EQ(g->dx, x);
+    EXPECT_EQ(service_.streams.load(), call);
+    EXPECT_EQ(service_.unary_backward_calls.load(), 1) << "asked again after UNIMPLEMENTED";
+  }
 }
 
 TEST_F(ClientProtocolTest, UnavailableBeforeAnyResponseRetriesTheWholeStream) {

@@ -4,8 +4,10 @@
 #include <cmath>
 #include <future>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "normgrad/client.h"
 #include "tests/client/test_server.h"
@@ -86,6 +88,43 @@ TEST_F(ClientServerTest, ChunkBoundariesDoNotChangeTheResult) {
     EXPECT_EQ(g->summary.chunks, c.chunks) << c.chunk_bytes;
     ExpectGradientsClose(g->dx, g->dgamma, b);
   }
+}
+
+// A batch whose x fits one chunk is one RmsNormBackwardUnary call; more rows, or the option
+// off, are the stream. The server's metrics count each method apart, and the results agree bit
+// for bit (the CPU backend's sums do not depend on how the rows arrived).
+TEST_F(ClientServerTest, ABatchThatFitsOneMessageIsOneUnaryCall) {
+  auto served = [this](const std::string& method) {
+    const std::string text = server_->metrics().RenderText();
+    const std::string key =
+        "normgrad_requests_total{method=\"" + method + "\",code=\"OK\"} ";
+    const size_t at = text.find(key);
+    return at == std::string::npos ? 0.0 : std::stod(text.substr(at + key.size()));
+  };
+  const Batch b(5, 64, /*seed=*/9);
+  ClientOptions unary, stream;
+  unary.chunk_bytes = stream.chunk_bytes = 5 * 64 * 4;
+  stream.unary_small_batches = false;
+  absl::StatusOr<Gradients> one = Connect(unary)->Backward(b.x, b.dy, b.gamma, 1e-5f);
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(served("RmsNormBackwardUnary"), 1);
+  EXPECT_EQ(served("RmsNormBackward"), 0);
+  absl::StatusOr<Gradients> streamed = Connect(stream)->Backward(b.x, b.dy, b.gamma, 1e-5f);
+  ASSERT_TRUE(streamed.ok()) << streamed.status();
+  unary.chunk_bytes = 4 * 64 * 4;  // 5 rows no longer fit one message
+  absl::StatusOr<Gradients> chunked = Connect(unary)->Backward(b.x, b.dy, b.gamma, 1e-5f);
+  ASSERT_TRUE(chunked.ok()) << chunked.status();
+  // Counted once the server sent the status, which may come a moment after the answer.
+  for (int i = 0; i < 200 && served("RmsNormBackward") < 2; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(served("RmsNormBackward"), 2);
+  EXPECT_EQ(served("RmsNormBackwardUnary"), 1);
+  EXPECT_EQ(one->summary.chunks, 1u);
+  EXPECT_EQ(chunked->summary.chunks, 2u);
+  ExpectGradientsClose(one->dx, one->dgamma, b);
+  EXPECT_EQ(one->dx, streamed->dx);
+  EXPECT_EQ(one->dgamma, streamed->dgamma);
 }
 
 TEST_F(ClientServerTest, CallerProvidedBuffersAreFilledAndResultVectorsStayEmpty) {

@@ -90,13 +90,18 @@ class Replica {
   }
 
   // Finished calls of `method` with code OK, from GET /metrics; -1 when unreachable.
-  double Served(absl::string_view method = "RmsNormBackward") const {
+  // Calls of `method` answered OK; a backward is either method (a batch that fits one message
+  // is an RmsNormBackwardUnary call).
+  double Served(absl::string_view method = "backward") const {
     const std::string text = Metrics();
     if (text.empty()) return -1;
     double total = 0;
     for (absl::string_view line : absl::StrSplit(text, '\n')) {
       if (!absl::StartsWith(line, "normgrad_requests_total{") ||
-          !absl::StrContains(line, absl::StrCat("method=\"", method, "\"")) ||
+          !(method == "backward"
+                ? absl::StrContains(line, "method=\"RmsNormBackward\"") ||
+                      absl::StrContains(line, "method=\"RmsNormBackwardUnary\"")
+                : absl::StrContains(line, absl::StrCat("method=\"", method, "\""))) ||
           !absl::StrContains(line, "code=\"OK\"")) {
         continue;
       }

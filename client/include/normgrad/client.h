@@ -83,6 +83,10 @@ struct ClientOptions {
   // Bytes of x per request message (x and dy together are twice this); always whole rows, at
   // least one. The default keeps a message near 2 MiB, well under the 4 MiB default limit.
   uint64_t chunk_bytes = uint64_t{1} << 20;
+  // A batch whose x fits one chunk (and whose rows travel in messages) is one
+  // RmsNormBackwardUnary call: one request, one response. False: always the stream. A server
+  // without the method (UNIMPLEMENTED) gets the stream.
+  bool unary_small_batches = true;
   // True: this channel opens its own connections instead of sharing them with other channels
   // to the same target in this process (what a load generator's "connections" needs).
   bool own_connection = false;
