@@ -207,6 +207,44 @@ def _prepare_numpy(x, dy, gamma, rms):
     return p
 
 
+def _use_out(p, out):
+    """Makes the caller's `out` = (dx, dgamma) the outputs of prepared call `p`, after checking
+    that each matches what would have been allocated and shares no memory with an input: the
+    server's dx must never land on x or dy (a retried call would send dx as dy)."""
+    import numpy as np
+    try:
+        dx, dgamma = out
+    except (TypeError, ValueError):
+        raise TypeError("out: expected a pair (dx, dgamma)") from None
+    inputs = [b for b in p.buffers[:4] if b is not None]
+    checked = []
+    for name, given, want in (("dx", dx, p.dx), ("dgamma", dgamma, p.dgamma)):
+        if want is None:
+            if given is not None:
+                raise ValueError(f"out: {name} must be None without gamma")
+            checked.append(None)
+            continue
+        if type(given) is not type(want):
+            raise TypeError(f"out: {name} is a {type(given).__name__}, expected a "
+                            f"{type(want).__name__} like x")
+        if tuple(given.shape) != tuple(want.shape) or given.dtype != want.dtype:
+            raise ValueError(f"out: {name} has shape {tuple(given.shape)} and dtype "
+                             f"{given.dtype}, expected {tuple(want.shape)} and {want.dtype}")
+        if _is_torch(given):
+            if given.device.type != "cpu" or not given.is_contiguous():
+                raise ValueError(f"out: {name} must be a contiguous CPU tensor")
+            view = _torch_buffer(given, p.dtype)
+        else:
+            if not given.flags.c_contiguous or not given.flags.writeable:
+                raise ValueError(f"out: {name} must be C-contiguous and writeable")
+            view = given
+        if any(np.may_share_memory(view, b) for b in inputs + [c for c in checked if c is not None]):
+            raise ValueError(f"out: {name} shares memory with an input or the other output")
+        checked.append(view)
+    p.dx, p.dgamma = dx, dgamma
+    p.buffers = p.buffers[:4] + (checked[0], checked[1])
+
+
 def _torch_buffer(tensor, dtype):
     # A numpy view of the tensor's memory (no copy); numpy has no bfloat16, so its bits travel
     # as int16.
@@ -402,7 +440,7 @@ class Client:
         self._device_uuids = {}
 
     def backward(self, x, dy, gamma, *, eps=1e-5, rms=None, kernel=None, gamma_offset=0.0,
-                 casting_mode=None, in_place=False):
+                 casting_mode=None, in_place=False, out=None):
         """dx and dgamma of y = x / rms(x) * (gamma_offset + gamma) for upstream gradient dy.
 
         x, dy: (..., hidden) arrays of one kind and dtype: numpy float32/float16 or torch
@@ -413,8 +451,11 @@ class Client:
         gamma_offset: added to gamma in float32 (Gemma's 1.0; 0 without gamma). casting_mode:
         the forward's rounding, "llama", "gemma" or "none" (None: the server's default,
         "gemma"); docs/python.md, "RMSNorm variants". in_place: dx is written over dy's memory
-        (dy contiguous) and dy itself is returned as dx.
-        Returns (dx, dgamma) of x's and gamma's kind, dtype and shape.
+        (dy contiguous) and dy itself is returned as dx. out: (dx, dgamma) arrays to write the
+        results into instead of new ones (host arrays of x's and gamma's kind, dtype and
+        shape, C-contiguous, sharing no memory with the inputs; dgamma None without gamma): a
+        caller that reuses them saves allocating and faulting in fresh pages on every call.
+        Returns (dx, dgamma) of x's and gamma's kind, dtype and shape (out's arrays when given).
 
         Torch CUDA tensors (x, dy and rms on one device; gamma anywhere) go by CUDA IPC when the
         server takes it for their GPU (takes_cuda_ipc): the server writes dx into a tensor
@@ -424,16 +465,20 @@ class Client:
         variant = _variant(gamma, gamma_offset, casting_mode)
         if in_place:
             _check_in_place(dy)
+        if out is not None and in_place:
+            raise ValueError("out: not with in_place (dx is then dy)")
         if _is_torch(x) and getattr(x, "is_cuda", False):
+            if out is not None:
+                raise ValueError("out: takes host arrays; CUDA tensors get dx on x's device")
             dx, dgamma = self._backward_cuda(x, dy, gamma, eps, rms, kernel, variant, in_place)
         else:
-            dx, dgamma = self._backward_host(x, dy, gamma, eps, rms, kernel, variant)
+            dx, dgamma = self._backward_host(x, dy, gamma, eps, rms, kernel, variant, out)
         # Over host memory the server's dx lands in memory of its own and is copied over dy
         # after the call succeeded (dy stays intact while the C++ client may resend it); by CUDA
         # IPC the server wrote it over dy already.
         return (_write_into(dy, dx) if in_place else dx), dgamma
 
-    def _backward_host(self, x, dy, gamma, eps, rms, kernel, variant):
+    def _backward_host(self, x, dy, gamma, eps, rms, kernel, variant, out=None):
         """backward for numpy arrays and torch CPU tensors."""
         if self.transport == "cuda_ipc":
             raise ValueError(f"x: transport \"cuda_ipc\" takes torch CUDA tensors (or device "
@@ -443,6 +488,8 @@ class Client:
                                                                                   rms)
         if p.rows == 0 or p.hidden == 0:
             raise ValueError(f"x: shape {tuple(x.shape)} has no elements")
+        if out is not None:
+            _use_out(p, out)
         self._native.backward_raw(p.dtype, p.rows, p.hidden, float(eps), *p.buffers,
                                   kernel or "", *variant)
         return p.dx, p.dgamma

@@ -467,9 +467,12 @@ def timed(f):
     f()
     return time.perf_counter() - t
 def raw(r, h, dt):
-    # The binding into caller-owned outputs (what the package's backward calls).
+    # Into caller-owned outputs: Client.backward(out=...) for f32; for bf16 (no numpy
+    # bfloat16) the binding that backward calls, with the bits as uint16.
     x, dy, g = arrays(r, h, dt)
     dx, dg = np.empty_like(x), np.empty_like(g)
+    if dt == "f32":
+        return lambda: c.backward(x, dy, g, out=(dx, dg))
     return lambda: c._native.backward_raw(dt, r, h, 1e-5, x, dy, g, None, dx, dg, "", 0.0, 0)
 def api(r, h):
     # normgrad.Client.backward: new output arrays each call, as its users get them.

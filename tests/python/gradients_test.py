@@ -179,6 +179,42 @@ class CpuBackendGradientsTest(GradientsTestBase, unittest.TestCase):
                 with self.subTest(kind=kind):
                     self.run_case((300, 4096), dtype, kind, seed=300)
 
+    def test_out_arrays_are_filled_and_returned(self):
+        for kind, dtype in self.kinds():
+            with self.subTest(kind=kind, dtype=dtype):
+                case = GradientCase((6, 896), dtype, kind, 11)
+                make = torch.empty_like if kind == "torch" else np.empty_like
+                dx_out, dgamma_out = make(case.x), make(case.gamma)
+                dx, dgamma = self.client.backward(case.x, case.dy, case.gamma, eps=EPS,
+                                                  out=(dx_out, dgamma_out))
+                self.assertIs(dx, dx_out)
+                self.assertIs(dgamma, dgamma_out)
+                self.check(case, dx, dgamma)
+                fresh_dx, fresh_dgamma = self.client.backward(case.x, case.dy, case.gamma,
+                                                              eps=EPS)
+                self.assertTrue(np.array_equal(as_float64(dx), as_float64(fresh_dx)))
+                self.assertTrue(np.array_equal(as_float64(dgamma), as_float64(fresh_dgamma)))
+
+    def test_out_arrays_that_do_not_fit_are_refused(self):
+        case = GradientCase((4, 8), "f32", "numpy", 12)
+        x, dy, gamma = case.x, case.dy, case.gamma
+        bad = (
+            ((np.empty((4, 9), np.float32), np.empty(8, np.float32)), ValueError, "shape"),
+            ((np.empty((4, 8), np.float64), np.empty(8, np.float32)), ValueError, "dtype"),
+            ((np.empty((8, 4), np.float32).T, np.empty(8, np.float32)), ValueError,
+             "C-contiguous"),
+            ((dy, np.empty(8, np.float32)), ValueError, "shares memory"),
+            ((np.empty((4, 8), np.float32), gamma), ValueError, "shares memory"),
+            ((np.empty((4, 8), np.float32),), TypeError, "pair"),
+        )
+        for out, error, message in bad:
+            with self.subTest(message=message):
+                with self.assertRaisesRegex(error, message):
+                    self.client.backward(x, dy, gamma, eps=EPS, out=out)
+        with self.assertRaisesRegex(ValueError, "in_place"):
+            self.client.backward(x, dy, gamma, eps=EPS, in_place=True,
+                                 out=(np.empty_like(x), np.empty_like(gamma)))
+
     def test_non_contiguous_numpy_inputs(self):
         case = GradientCase((33, 8), "f32", "numpy", 3)
         x_t, dy_t = np.ascontiguousarray(case.x.T).T, np.ascontiguousarray(case.dy.T).T
