@@ -68,7 +68,7 @@ ABSL_FLAG(uint64_t, max_inflight_bytes, 1ull << 30,
           "until written); a chunk past it ends its stream with RESOURCE_EXHAUSTED.");
 ABSL_FLAG(uint32_t, max_streams_per_client, 0,
           "RmsNormBackward streams one client may hold at once (client: the mTLS certificate's "
-          "name, else the peer address without the port; all unix-socket peers are one); more "
+          "name; a unix-socket peer by its user id; else the peer address without the port); more "
           "get RESOURCE_EXHAUSTED at once. 0: half of --max-streams (at least 1).");
 ABSL_FLAG(uint64_t, min_stream_bytes_per_second, 1024,
           "End a stream whose x, dy and grad_input move slower than this over "

@@ -76,6 +76,12 @@ absl::StatusOr<RegionRows> FindRegionRows(const RegionRegistry* regions, bool pe
   }
   const uint64_t bytes = chunk.num_rows * layout.row_bytes;
   const uint64_t rms_bytes = layout.rms_provided ? chunk.num_rows * 4 : 0;
+  // As a bytes chunk's rms without header.rms_provided: refused, not ignored (0 is also the
+  // field's unset value, so only a nonzero offset can tell).
+  if (!layout.rms_provided && shm.rms_offset() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "shm.rms_offset = ", shm.rms_offset(),
+                                                   " but header.rms_provided is false"));
+  }
   struct Range {
     const char* field;
     uint64_t offset, bytes, alignment;

@@ -10,6 +10,7 @@
 
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -97,6 +98,21 @@ TEST_F(RegionRowsTest, GradInputOverAnInputIsInvalidArgumentNamingBoth) {
   EXPECT_EQ(rows.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(rows.status().message(),
               HasSubstr("shm.grad_input_offset = 2048 (4096 bytes) overlaps shm.x_offset = 0"));
+}
+
+// As a bytes chunk that carries rms without header.rms_provided.
+TEST_F(RegionRowsTest, AnRmsOffsetWithoutRmsProvidedIsInvalidArgument) {
+  RowLayout no_rms = kLayout;
+  no_rms.rms_provided = false;
+  v1::SharedMemoryChunk shm = Shm();
+  ASSERT_NE(shm.rms_offset(), 0u);
+  absl::StatusOr<RegionRows> rows = FindRegionRows(&registry_, true, shm, kChunk, no_rms);
+  EXPECT_EQ(rows.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(rows.status().message(),
+              HasSubstr(absl::StrCat("shm.rms_offset = ", shm.rms_offset(),
+                                     " but header.rms_provided is false")));
+  shm.set_rms_offset(0);  // unset: the chunk is fine
+  EXPECT_TRUE(FindRegionRows(&registry_, true, shm, kChunk, no_rms).ok());
 }
 
 TEST_F(RegionRowsTest, GradInputExactlyOverDyIsTakenAsInPlace) {
