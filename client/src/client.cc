@@ -1149,9 +1149,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
   // client (told the write failed) sent nothing more, and the call hung until the server's
   // idle timeout (docs/client.md).
   args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
-  if (options.max_receive_message_bytes != -1) {
-    args.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
-  }
+  args.SetMaxReceiveMessageSize(options.max_receive_message_bytes != -1
+                                     ? options.max_receive_message_bytes
+                                     : ClientOptions::kDefaultMaxReceiveBytes);
   if (options.max_send_message_bytes != -1)
     args.SetMaxSendMessageSize(options.max_send_message_bytes);
   if (options.own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);

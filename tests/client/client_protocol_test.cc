@@ -139,6 +139,9 @@ class ScriptedService final : public v1::NormGrad::CallbackService {
                                     const v1::EmitPtxRequest* request,
                                     v1::EmitPtxResponse* response) override {
     response->set_entry(request->kernel());
+    // An answer the size of the largest EmitPtx batch the real server sends (32 artifacts of
+    // up to ~190 KB of PTX and cubin): over gRPC's default 4 MiB receive limit.
+    if (request->kernel() == "largest-batch") response->set_ptx(std::string(6 << 20, 'p'));
     return Unary(context);
   }
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
@@ -340,6 +343,15 @@ TEST_F(ClientProtocolTest, SkippedRowIsInternal) {
 
 // Unary calls get the client's own retries too (gRPC's retry layer is off, see client.cc):
 // UNAVAILABLE is retried within max_attempts, other codes are not.
+// The client's default receive limit takes the largest answer the server sends.
+TEST_F(ClientProtocolTest, TheLargestEmitPtxBatchFitsTheDefaultReceiveLimit) {
+  v1::EmitPtxRequest request;
+  request.set_kernel("largest-batch");
+  absl::StatusOr<v1::EmitPtxResponse> r = client_->EmitPtx(request);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->ptx().size(), size_t{6} << 20);
+}
+
 TEST_F(ClientProtocolTest, UnaryCallsRetryOnUnavailableUntilTheyGetThrough) {
   service_.unary_failures = 2;  // max_attempts is 3
   v1::EmitPtxRequest request;

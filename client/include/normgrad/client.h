@@ -77,7 +77,10 @@ struct ClientOptions {
   int max_attempts = 3;
   absl::Duration initial_backoff = absl::Milliseconds(50);
   absl::Duration max_backoff = absl::Seconds(1);
-  // Channel message limits; -1 keeps gRPC's defaults (4 MiB receive, unlimited send).
+  // Channel message limits. Receive: -1 is kDefaultMaxReceiveBytes (16 MiB), room for the
+  // largest answer the server sends (an EmitPtx batch of 32 configurations with cubins, about
+  // 6 MB) where gRPC's own default (4 MiB) is not; send: -1 is gRPC's default (unlimited).
+  static constexpr int kDefaultMaxReceiveBytes = 16 << 20;
   int max_receive_message_bytes = -1;
   int max_send_message_bytes = -1;
   // Bytes of x per request message (x and dy together are twice this); always whole rows, at
