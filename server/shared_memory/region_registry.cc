@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -35,8 +36,17 @@ MappedRegion::~MappedRegion() {
 
 namespace {
 
-// Bytes of `fd`'s pages that are allocated (a memfd's st_blocks counts them, 512-byte units).
-absl::StatusOr<uint64_t> AllocatedBytes(int fd) {
+// Bytes of the region's pages that are allocated, of its first `size` bytes. st_blocks counts
+// every allocated page of the file, also pages past its end (fallocate with
+// FALLOC_FL_KEEP_SIZE, which F_SEAL_GROW does not stop), which would hide as many holes inside:
+// those are given back first (they are no part of the region). (SEEK_HOLE cannot tell: on
+// tmpfs, a page fallocated and not yet written reads as a hole.)
+absl::StatusOr<uint64_t> AllocatedBytes(int fd, uint64_t size) {
+  if (fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(size),
+                std::numeric_limits<off_t>::max() - static_cast<off_t>(size)) != 0) {
+    return absl::InternalError(
+        absl::StrCat("fallocate(PUNCH_HOLE) past the region's end: ", std::strerror(errno)));
+  }
   struct stat st;
   if (fstat(fd, &st) != 0) return absl::InternalError(absl::StrCat("fstat: ", std::strerror(errno)));
   return static_cast<uint64_t>(st.st_blocks) * 512;
@@ -53,7 +63,7 @@ absl::Status UnallocatedError(absl::string_view field, uint64_t allocated, uint6
 
 absl::Status MappedRegion::CheckAllocated(absl::string_view field) const {
   if (fd_.get() < 0) return absl::OkStatus();
-  absl::StatusOr<uint64_t> allocated = AllocatedBytes(fd_.get());
+  absl::StatusOr<uint64_t> allocated = AllocatedBytes(fd_.get(), size_);
   if (!allocated.ok()) return allocated.status();
   if (*allocated < size_) return UnallocatedError(field, *allocated, size_);
   return absl::OkStatus();
@@ -116,9 +126,9 @@ absl::StatusOr<RegionGrant> RegionRegistry::Register(OwnedFd fd, const RegionOwn
   if (size == 0) {
     return refuse(absl::InvalidArgumentError("the region is 0 bytes; ftruncate it first"));
   }
-  if (static_cast<uint64_t>(st.st_blocks) * 512 < size) {
-    return refuse(UnallocatedError("the region", static_cast<uint64_t>(st.st_blocks) * 512, size));
-  }
+  absl::StatusOr<uint64_t> allocated = AllocatedBytes(fd.get(), size);
+  if (!allocated.ok()) return refuse(allocated.status());
+  if (*allocated < size) return refuse(UnallocatedError("the region", *allocated, size));
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (absl::Status s = CheckRoomLocked(size, owner.uid); !s.ok()) {

@@ -455,6 +455,21 @@ TEST_F(SharedMemoryTest, TheServerNeverAllocatesAClientsPages) {
   EXPECT_EQ(g.status().code(), absl::StatusCode::kFailedPrecondition) << g.status();
   EXPECT_THAT(g.status().message(), HasSubstr("0 of the region's 1048576 bytes are allocated"));
 
+  // Half its pages missing inside, and as many allocated past the end (FALLOC_FL_KEEP_SIZE,
+  // which F_SEAL_GROW does not stop): st_blocks covers the size, and the region is still
+  // refused (the pages past the end are given back: no part of the region).
+  const int padded = memfd_create("padded", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_EQ(ftruncate(padded, 1 << 20), 0);
+  ASSERT_EQ(fallocate(padded, 0, 0, 512 << 10), 0);
+  ASSERT_EQ(fallocate(padded, FALLOC_FL_KEEP_SIZE, 1 << 20, 512 << 10), 0);
+  ASSERT_EQ(fcntl(padded, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  ASSERT_GE(blocks(padded), uint64_t{1} << 20);
+  g = server_->regions()->Register(server::OwnedFd(dup(padded)), {.connection = 999});
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kFailedPrecondition) << g.status();
+  EXPECT_THAT(g.status().message(), HasSubstr("524288 of the region's 1048576 bytes are allocated"));
+  EXPECT_EQ(blocks(padded), uint64_t{512} << 10);
+  close(padded);
+
   // A registered region whose grad_input pages were given back after registration: the chunk is
   // refused and the pages stay unallocated (the server wrote nothing there).
   const server::RegionGrant grant = RegisterDirect(*server_, *region);
