@@ -1,14 +1,19 @@
 #include "server/shared_memory/region_socket.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <deque>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -28,6 +33,47 @@ struct Connection {
   uint64_t id = 0;
   RegionOwner owner;
 };
+
+// Closes descriptors on a thread of its own, which nothing waits for: closing what a client
+// passed may block for as long as the client chooses (a socket with SO_LINGER whose peer does
+// not read, a file of a FUSE mount the client serves), and the thread that serves every region
+// connection, or a drain, must not wait for that. The thread is never joined.
+void CloseInBackground(int fd) {
+  struct Queue {
+    std::mutex mu;
+    std::condition_variable ready;
+    std::deque<int> fds;
+  };
+  static Queue* const queue = [] {
+    auto* q = new Queue;  // lives as long as the process: the thread may outlive any owner
+    std::thread([q] {
+      while (true) {
+        int next;
+        {
+          std::unique_lock<std::mutex> lock(q->mu);
+          q->ready.wait(lock, [q] { return !q->fds.empty(); });
+          next = q->fds.front();
+          q->fds.pop_front();
+        }
+        close(next);
+      }
+    }).detach();
+    return q;
+  }();
+  {
+    std::lock_guard<std::mutex> lock(queue->mu);
+    queue->fds.push_back(fd);
+  }
+  queue->ready.notify_one();
+}
+
+// A descriptor a client passed: kept when it may be a region (a memfd: its close never
+// blocks), else closed in the background at once.
+OwnedFd TakePassed(int fd) {
+  if (fcntl(fd, F_GET_SEALS) >= 0) return OwnedFd(fd);
+  CloseInBackground(fd);
+  return OwnedFd();
+}
 
 // One datagram and the descriptors that came with it (all but the first are closed: a
 // registration takes one).
@@ -61,9 +107,9 @@ Received ReceiveMessage(int fd) {
       int passed;
       std::memcpy(&passed, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
       if (r.fds++ == 0) {
-        r.fd = OwnedFd(passed);
+        r.fd = TakePassed(passed);  // not a memfd: closed, and Register says so
       } else {
-        close(passed);
+        CloseInBackground(passed);
       }
     }
   }

@@ -4,7 +4,9 @@
 // regions and bytes keep one user from locking out another.
 #include "server/shared_memory/region_socket.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -114,6 +116,54 @@ class RegionSocketTest : public ::testing::Test {
   std::unique_ptr<RegionSocket> socket_;
   std::atomic<uint64_t> refused_peers_{0}, refused_over_bound_{0};
 };
+
+// A client passes a TCP socket whose close blocks (SO_LINGER of 20 s, unsent bytes, a peer that
+// never reads) and drops its own copy: the server's is the last. Another client's registration is
+// still answered at once, and the passed socket is gone (closed, in the background).
+TEST_F(RegionSocketTest, ADescriptorWhoseCloseBlocksStallsNoOne) {
+  Start(Options({}));
+  const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), len), 0);
+  ASSERT_EQ(listen(listener, 1), 0);
+  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const int lingering = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  connect(lingering, reinterpret_cast<sockaddr*>(&addr), len);  // in progress or done
+  const int never_reads = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+  ASSERT_GE(never_reads, 0);
+  const std::string junk(1 << 16, 'j');
+  while (send(lingering, junk.data(), junk.size(), MSG_NOSIGNAL) > 0) {
+  }  // both buffers full
+  const linger twenty{1, 20};
+  ASSERT_EQ(setsockopt(lingering, SOL_SOCKET, SO_LINGER, &twenty, sizeof(twenty)), 0);
+  const int flags = fcntl(lingering, F_GETFL);
+  ASSERT_EQ(fcntl(lingering, F_SETFL, flags & ~O_NONBLOCK), 0);  // close() lingers when blocking
+
+  v1::RegionRequest request;
+  request.set_register_region(true);
+  request.set_request_id(1);
+  const int hostile = Connect();
+  ASSERT_GE(client_internal::SendWithDescriptor(hostile, request.SerializeAsString(), lingering),
+            0);
+  close(lingering);  // the server's copy is the last
+  const absl::Time start = absl::Now();
+  std::optional<v1::RegionReply> refused = Await(hostile);
+  ASSERT_TRUE(refused.has_value());
+  EXPECT_NE(refused->code(), 0);
+  EXPECT_THAT(refused->message(), HasSubstr("not a memfd"));
+  const int other = Connect();
+  std::optional<v1::RegionReply> ok = Register(other, 4096, 2);
+  ASSERT_TRUE(ok.has_value());
+  EXPECT_EQ(ok->code(), 0) << ok->message();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "a close blocked the region socket";
+  close(other);
+  close(hostile);
+  close(never_reads);
+  close(listener);
+}
 
 TEST_F(RegionSocketTest, APeerTheAllowListDoesNotNameIsClosedAtAcceptAndRegistersNothing) {
   Start(Options({getuid() + 1}));
