@@ -68,7 +68,8 @@ ABSL_FLAG(uint64_t, max_inflight_bytes, 1ull << 30,
           "until written); a chunk past it ends its stream with RESOURCE_EXHAUSTED.");
 ABSL_FLAG(uint32_t, max_streams_per_client, 0,
           "RmsNormBackward streams one client may hold at once (client: the mTLS certificate's "
-          "name; a unix-socket peer by its user id; else the peer address without the port); more "
+          "name; a unix-socket peer, and a TCP peer on a loopback address, by its user id; else the "
+          "peer address without the port, an IPv6 one by its /64); more "
           "get RESOURCE_EXHAUSTED at once. 0: half of --max-streams (at least 1).");
 ABSL_FLAG(uint64_t, min_stream_bytes_per_second, 1024,
           "End a stream whose x, dy and grad_input move slower than this over "

@@ -1,11 +1,21 @@
 #include "server/service/admission.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
 #include <mutex>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "base/status_macros.h"
 
 namespace normgrad::server {
@@ -34,10 +44,61 @@ absl::Status CheckAdmissionLimits(const AdmissionLimits& l) {
                           l.max_emit_ptx_bytes_per_connection);
 }
 
+namespace {
+
+// A TCP peer's address and port from gRPC's peer string: "ipv4:A.B.C.D:PORT",
+// "ipv6:[ADDR]:PORT" (brackets also as %5B and %5D). False for anything else.
+struct TcpPeer {
+  bool v6 = false;
+  in_addr v4{};
+  in6_addr v6_addr{};
+  uint16_t port = 0;
+};
+bool ParseTcpPeer(absl::string_view peer, TcpPeer* out) {
+  const size_t colon = peer.rfind(':');
+  if (colon == absl::string_view::npos || colon + 1 == peer.size()) return false;
+  const absl::string_view port = peer.substr(colon + 1);
+  if (port.size() > 5 ||
+      !std::all_of(port.begin(), port.end(), [](char c) { return absl::ascii_isdigit(c); })) {
+    return false;
+  }
+  const int port_value = std::stoi(std::string(port));
+  if (port_value > 65535) return false;
+  out->port = static_cast<uint16_t>(port_value);
+  absl::string_view host = peer.substr(0, colon);
+  if (absl::ConsumePrefix(&host, "ipv4:")) {
+    out->v6 = false;
+    return inet_pton(AF_INET, std::string(host).c_str(), &out->v4) == 1;
+  }
+  if (!absl::ConsumePrefix(&host, "ipv6:")) return false;
+  if (!(absl::ConsumePrefix(&host, "[") && absl::ConsumeSuffix(&host, "]")) &&
+      !(absl::ConsumePrefix(&host, "%5B") && absl::ConsumeSuffix(&host, "%5D"))) {
+    return false;
+  }
+  out->v6 = true;
+  return inet_pton(AF_INET6, std::string(host).c_str(), &out->v6_addr) == 1;
+}
+
+}  // namespace
+
 std::string ClientIdentityFromPeer(absl::string_view peer) {
   // unix: and unix-abstract:, and "fd:N" (a unix-socket connection whose credentials were not
   // found; the service names a known one by its uid).
   if (absl::StartsWith(peer, "unix") || absl::StartsWith(peer, "fd:")) return "unix";
+  TcpPeer p;
+  if (ParseTcpPeer(peer, &p) && p.v6) {
+    char text[INET6_ADDRSTRLEN];
+    if (IN6_IS_ADDR_V4MAPPED(&p.v6_addr)) {
+      in_addr v4;
+      std::memcpy(&v4, &p.v6_addr.s6_addr[12], 4);
+      return absl::StrCat("ipv4:", inet_ntop(AF_INET, &v4, text, sizeof(text)));
+    }
+    if (!IN6_IS_ADDR_LOOPBACK(&p.v6_addr)) {
+      in6_addr prefix = p.v6_addr;
+      std::memset(&prefix.s6_addr[8], 0, 8);
+      return absl::StrCat("ipv6:[", inet_ntop(AF_INET6, &prefix, text, sizeof(text)), "]/64");
+    }
+  }
   const size_t colon = peer.rfind(':');
   // "ipv4:" or "ipv6:" and at least one character before the port's colon.
   if (colon == absl::string_view::npos || colon <= 5 || colon + 1 == peer.size()) {
@@ -48,6 +109,47 @@ std::string ClientIdentityFromPeer(absl::string_view peer) {
     return std::string(peer);
   }
   return std::string(peer.substr(0, colon));
+}
+
+std::optional<uint32_t> LoopbackPeerUid(absl::string_view peer) {
+  TcpPeer p;
+  if (!ParseTcpPeer(peer, &p)) return std::nullopt;
+  // The kernel prints each address as the 32-bit words of its bytes in memory, in hex (%08X),
+  // and the port as a number: the client end's line has the peer as its local address.
+  std::string local;
+  const char* table;
+  auto word = [](const uint8_t* bytes) {
+    uint32_t w;
+    std::memcpy(&w, bytes, 4);
+    char hex[9];
+    std::snprintf(hex, sizeof(hex), "%08X", w);
+    return std::string(hex);
+  };
+  if (!p.v6) {
+    if ((ntohl(p.v4.s_addr) >> 24) != 127) return std::nullopt;
+    local = word(reinterpret_cast<const uint8_t*>(&p.v4.s_addr));
+    table = "/proc/net/tcp";
+  } else {
+    const bool mapped_loopback =
+        IN6_IS_ADDR_V4MAPPED(&p.v6_addr) && p.v6_addr.s6_addr[12] == 127;
+    if (!IN6_IS_ADDR_LOOPBACK(&p.v6_addr) && !mapped_loopback) return std::nullopt;
+    for (int i = 0; i < 16; i += 4) local += word(&p.v6_addr.s6_addr[i]);
+    table = "/proc/net/tcp6";
+  }
+  char port[8];
+  std::snprintf(port, sizeof(port), ":%04X", p.port);
+  local += port;
+  std::ifstream in(table);
+  std::string line;
+  std::getline(in, line);  // the header
+  while (std::getline(in, line)) {
+    // sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid ...
+    std::vector<absl::string_view> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    if (f.size() < 8 || f[1] != local) continue;
+    uint32_t uid;
+    if (absl::SimpleAtoi(f[7], &uid)) return uid;
+  }
+  return std::nullopt;
 }
 
 void AdmissionController::CountRejection(const char* method, const char* limit) {

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <mutex>
 #include <string>
 
@@ -45,9 +46,18 @@ struct AdmissionLimits {
 absl::Status CheckAdmissionLimits(const AdmissionLimits& limits);
 
 // A client's identity from gRPC's peer string when the call carries no authenticated one: the
-// address without the port ("ipv4:10.0.0.7:51234" -> "ipv4:10.0.0.7", "ipv6:[::1]:5000" ->
-// "ipv6:[::1]"); every unix-socket peer is the one identity "unix".
+// address without the port ("ipv4:10.0.0.7:51234" -> "ipv4:10.0.0.7"); an IPv6 address by its
+// /64, which one host or site holds whole ("ipv6:[2001:db8:1:2::9]:5000" ->
+// "ipv6:[2001:db8:1:2::]/64"; an IPv4-mapped one as IPv4); every unix-socket peer is the one
+// identity "unix". A loopback peer is better named by its user (LoopbackPeerUid): any local user
+// can connect from 127.0.0.2, .3, ... and would otherwise be that many clients.
 std::string ClientIdentityFromPeer(absl::string_view peer);
+
+// The user owning the client end of a TCP connection from a loopback address (127.0.0.0/8,
+// ::1, ::ffff:127.x.y.z), as the kernel lists it (/proc/net/tcp, tcp6) in this network
+// namespace: `peer` is gRPC's peer string ("ipv4:127.0.0.2:40000"). Empty for any other peer,
+// or when the connection is not found (it closed meanwhile).
+std::optional<uint32_t> LoopbackPeerUid(absl::string_view peer);
 
 class AdmissionController {
  public:

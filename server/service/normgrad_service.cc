@@ -115,8 +115,10 @@ bool PeerIsLocal(absl::string_view peer) {
 
 // Who the caller is, for its share of the stream slots: the verified client certificate's name
 // under mutual TLS; on a unix socket the peer's user ("uid:1000", from the credentials read at
-// accept); else the peer address without the port. The bearer token names no one: every client
-// presents the same one.
+// accept); over TCP from a loopback address the user owning the client's socket
+// ("loopback-uid:1000", LoopbackPeerUid); else the peer address without the port, an IPv6 one by
+// its /64 (ClientIdentityFromPeer). The bearer token names no one: every client presents the
+// same one.
 std::string ClientIdentity(const grpc::CallbackServerContext& context, const ServiceEnv& env) {
   std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
   if (auth != nullptr && auth->IsPeerAuthenticated()) {
@@ -129,6 +131,12 @@ std::string ClientIdentity(const grpc::CallbackServerContext& context, const Ser
     if (std::optional<PeerCredentials> c = env.unix_peers->Find(context.peer())) {
       return absl::StrCat("uid:", c->uid);
     }
+  }
+  // A loopback TCP peer by its user too, not its address: a user can connect from any number of
+  // 127.x addresses. (A share of its own beside the user's unix-socket share: bounded all the
+  // same, two shares per local user at most.)
+  if (std::optional<uint32_t> uid = LoopbackPeerUid(context.peer())) {
+    return absl::StrCat("loopback-uid:", *uid);
   }
   return ClientIdentityFromPeer(context.peer());
 }

@@ -3,6 +3,15 @@
 // numbers, and counted. (Many threads at once: service_concurrency_test.)
 #include "server/service/admission.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "absl/strings/str_cat.h"
@@ -147,6 +156,49 @@ TEST(ClientIdentityTest, ThePeerAddressWithoutItsPortAndOneIdentityForUnixSocket
   EXPECT_EQ(ClientIdentityFromPeer("unix:"), "unix");
   EXPECT_EQ(ClientIdentityFromPeer("unix-abstract:x"), "unix");
   EXPECT_EQ(ClientIdentityFromPeer("ipv4:10.0.0.7"), "ipv4:10.0.0.7");  // no port: as is
+}
+
+// One host or site holds a whole IPv6 /64: its addresses are one client.
+TEST(ClientIdentityTest, IPv6AddressesCountByTheirSlash64) {
+  EXPECT_EQ(ClientIdentityFromPeer("ipv6:[2001:db8:1:2:aaaa::1]:5000"), "ipv6:[2001:db8:1:2::]/64");
+  EXPECT_EQ(ClientIdentityFromPeer("ipv6:[2001:db8:1:2:bbbb:cccc:dddd:2]:6000"),
+            "ipv6:[2001:db8:1:2::]/64");
+  EXPECT_EQ(ClientIdentityFromPeer("ipv6:%5B2001:db8:1:2::9%5D:7000"), "ipv6:[2001:db8:1:2::]/64");
+  EXPECT_EQ(ClientIdentityFromPeer("ipv6:[2001:db8:1:3::1]:5000"), "ipv6:[2001:db8:1:3::]/64");
+  EXPECT_EQ(ClientIdentityFromPeer("ipv6:[::ffff:10.0.0.7]:5000"), "ipv4:10.0.0.7");
+}
+
+// Any local user can connect from 127.0.0.2, .3, ...: the kernel still knows whose socket it is.
+TEST(ClientIdentityTest, LoopbackPeersFromAnyAddressAreFoundAsTheirUser) {
+  const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in server{};
+  server.sin_family = AF_INET;
+  server.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(server);
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&server), len), 0);
+  ASSERT_EQ(listen(listener, 4), 0);
+  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&server), &len), 0);
+  std::vector<int> fds;
+  for (const char* from : {"127.0.0.2", "127.0.0.3"}) {
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in local{};
+    local.sin_family = AF_INET;
+    ASSERT_EQ(inet_pton(AF_INET, from, &local.sin_addr), 1);
+    ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&local), sizeof(local)), 0);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&server), sizeof(server)), 0);
+    socklen_t n = sizeof(local);
+    ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&local), &n), 0);
+    const std::string peer = absl::StrCat("ipv4:", from, ":", ntohs(local.sin_port));
+    const std::optional<uint32_t> uid = LoopbackPeerUid(peer);
+    ASSERT_TRUE(uid.has_value()) << peer;
+    EXPECT_EQ(*uid, getuid()) << peer;
+    fds.push_back(fd);
+  }
+  EXPECT_FALSE(LoopbackPeerUid("ipv4:10.0.0.7:5000").has_value());  // not loopback
+  EXPECT_FALSE(LoopbackPeerUid("ipv4:127.0.0.9:1").has_value());    // no such connection
+  EXPECT_FALSE(LoopbackPeerUid("unix:/run/normgrad/grpc.sock").has_value());
+  for (int fd : fds) close(fd);
+  close(listener);
 }
 
 }  // namespace

@@ -2,8 +2,12 @@
 // unix socket, so that two client identities exist on one machine): a greedy client holding
 // many streams gets its share of the slots and a polite client is still served; a stream that
 // trickles is ended by the minimum rate; EmitPtx beyond its queue bounds is RESOURCE_EXHAUSTED.
+#include <arpa/inet.h>
+#include <grpcpp/create_channel_posix.h>
 #include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 
 #include <atomic>
 #include <cstdio>
@@ -62,7 +66,10 @@ using BackwardStream = grpc::ClientReaderWriter<v1::BackwardRequest, v1::Backwar
 // nothing, held open until Release.
 class GreedyClient {
  public:
-  GreedyClient(int port, int count, const testing::Batch& batch) : stub_(testing::StubFor(port)) {
+  GreedyClient(int port, int count, const testing::Batch& batch)
+      : GreedyClient(v1::NormGrad::NewStub(testing::ChannelFor(port)), count, batch) {}
+  GreedyClient(std::unique_ptr<v1::NormGrad::Stub> stub, int count, const testing::Batch& batch)
+      : stub_(std::move(stub)) {
     for (int i = 0; i < count; ++i) {
       calls_.push_back(std::make_unique<Call>());
       Call& c = *calls_.back();
@@ -165,6 +172,39 @@ TEST_F(FairnessTest, AGreedyClientGetsItsShareOfTheSlotsAndAPoliteClientIsServed
   EXPECT_EQ(held, kSlots / 2);  // the polite client's calls were all over
   EXPECT_EQ(refused, kGreedyStreams + 1 - kSlots / 2);
   EXPECT_EQ(served, kPoliteCalls) << error;
+}
+
+// A channel on a TCP connection from local address `from` (e.g. 127.0.0.2) to the server.
+std::shared_ptr<grpc::Channel> ChannelFrom(const char* from, int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in local{}, server{};
+  local.sin_family = server.sin_family = AF_INET;
+  EXPECT_EQ(inet_pton(AF_INET, from, &local.sin_addr), 1);
+  server.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  server.sin_port = htons(static_cast<uint16_t>(port));
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&local), sizeof(local)), 0);
+  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&server), sizeof(server)), 0);
+  return grpc::CreateInsecureChannelFromFd("localhost", fd);
+}
+
+// One user's streams from 127.0.0.2 and from 127.0.0.3 are one client: together they get one
+// share (before, each address was a client, and a user could take every slot).
+TEST_F(FairnessTest, LoopbackAddressesOfOneUserShareOneShare) {
+  ServerOptions options = testing::TestServerOptions();
+  options.admission.max_streams = kSlots;
+  options.admission.max_streams_per_client = 2;
+  ASSERT_TRUE(Start(options));
+  const testing::Batch batch = testing::RandomBatch(64, 64, 6);
+  GreedyClient a(v1::NormGrad::NewStub(ChannelFrom("127.0.0.2", server_->port())), 1, batch);
+  GreedyClient b(v1::NormGrad::NewStub(ChannelFrom("127.0.0.3", server_->port())), 1, batch);
+  ASSERT_TRUE(WaitFor([&] { return Metrics(*server_)["normgrad_inflight_streams"] == 2; }));
+  GreedyClient c(v1::NormGrad::NewStub(ChannelFrom("127.0.0.4", server_->port())), 0, batch);
+  const grpc::Status more = c.OneMore(batch);
+  EXPECT_EQ(more.error_code(), grpc::RESOURCE_EXHAUSTED) << more.error_message();
+  EXPECT_THAT(more.error_message(),
+              HasSubstr("holds 2 streams, its share of 2 (of 8 in all) (--max-streams-per-client)"));
+  a.Release();
+  b.Release();
 }
 
 // What the share prevents (the server as it was): one client takes every slot and the polite one
