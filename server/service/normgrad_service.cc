@@ -219,6 +219,31 @@ StreamDeps StreamDepsOf(const ServiceEnv& env) {
 
 }  // namespace
 
+// An admitted EmitPtx call: holds its slot of the EmitPtx queue (AdmitEmitPtx) until it is
+// compiled, or until it is cancelled, whichever comes first. Deleted by gRPC's OnDone, after the
+// worker's Finish.
+class EmitPtxCall final : public grpc::ServerUnaryReactor {
+ public:
+  EmitPtxCall(ServiceEnv* env, std::string connection, uint64_t held_bytes)
+      : env_(env), connection_(std::move(connection)), held_bytes_(held_bytes) {}
+  void OnCancel() override {
+    cancelled_.store(true);
+    ReleaseSlot();
+  }
+  void OnDone() override { delete this; }
+  bool cancelled() const { return cancelled_.load(); }
+  void ReleaseSlot() {
+    if (!released_.exchange(true)) env_->admission->ReleaseEmitPtx(connection_, held_bytes_);
+  }
+
+ private:
+  ServiceEnv* const env_;
+  const std::string connection_;
+  const uint64_t held_bytes_;
+  std::atomic<bool> cancelled_{false};
+  std::atomic<bool> released_{false};
+};
+
 // One RmsNormBackward stream: the gRPC shell around its BackwardPipeline. It hands the pipeline
 // what gRPC reports and carries out the actions it returns, after the pipeline's lock is released
 // (a StartRead/StartWrite/Finish may run reactions inline). Lifetime: reference counted; gRPC
@@ -499,7 +524,12 @@ grpc::ServerUnaryReactor* NormGradService::RmsNormBackwardUnary(
 grpc::ServerUnaryReactor* NormGradService::EmitPtx(grpc::CallbackServerContext* context,
                                                    const grpc::ByteBuffer* raw_request,
                                                    grpc::ByteBuffer* raw_response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // Refusals are answered here, by gRPC's default reactor; an admitted call has its own.
+  auto finish_now = [context](const absl::Status& s) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(ToGrpcStatus(s));
+    return reactor;
+  };
   const absl::Time start = absl::Now();
   ServiceEnv* env = env_;
   absl::Status refused = CheckUnixPeer(*env, context->peer(), kEmitPtxMethod);
@@ -508,8 +538,7 @@ grpc::ServerUnaryReactor* NormGradService::EmitPtx(grpc::CallbackServerContext* 
   }
   if (!refused.ok()) {
     env->metrics->RecordRpc(kEmitPtxMethod, refused.code(), 0, 0, 0);
-    reactor->Finish(ToGrpcStatus(refused));
-    return reactor;
+    return finish_now(refused);
   }
   auto request = std::make_shared<v1::EmitPtxRequest>();
   grpc::ByteBuffer bytes(*raw_request);  // parsing consumes it
@@ -517,8 +546,7 @@ grpc::ServerUnaryReactor* NormGradService::EmitPtx(grpc::CallbackServerContext* 
     absl::Status s = UnparsableRequest(*raw_request, "EmitPtxRequest");
     env->metrics->RecordRpc(kEmitPtxMethod, s.code(), absl::ToDoubleSeconds(absl::Now() - start),
               raw_request->Length(), 0);
-    reactor->Finish(ToGrpcStatus(s));
-    return reactor;
+    return finish_now(s);
   }
   // Admitted before it queues: the EmitPtx workers' queue is bounded in calls and request bytes,
   // per connection and in total (--max-emit-ptx-queue*).
@@ -527,14 +555,22 @@ grpc::ServerUnaryReactor* NormGradService::EmitPtx(grpc::CallbackServerContext* 
   if (absl::Status s = env->admission->AdmitEmitPtx(connection, held_bytes); !s.ok()) {
     env->metrics->RecordRpc(kEmitPtxMethod, s.code(), absl::ToDoubleSeconds(absl::Now() - start),
               held_bytes, 0);
-    reactor->Finish(ToGrpcStatus(s));
-    return reactor;
+    return finish_now(s);
   }
   // Emission and nvJitLink may take a while: never in a reaction, and on their own workers so
-  // that chunks never wait behind a compile.
+  // that chunks never wait behind a compile. A call cancelled meanwhile (its deadline, its
+  // client, a drain) gives its queue slot back at once and is not compiled.
+  auto* call = new EmitPtxCall(env, std::move(connection), held_bytes);
   ThreadPool* pool = env->emit_ptx_pool != nullptr ? env->emit_ptx_pool : env->pool;
-  pool->Schedule([env, reactor, request, raw_response, start, held_bytes,
-                  connection = std::move(connection)] {
+  pool->Schedule([env, call, request, raw_response, start] {
+    if (call->cancelled()) {
+      env->metrics->RecordRpc(kEmitPtxMethod, absl::StatusCode::kCancelled,
+                              absl::ToDoubleSeconds(absl::Now() - start),
+                              request->ByteSizeLong(), 0);
+      call->Finish(grpc::Status(grpc::StatusCode::CANCELLED,
+                                "the call was cancelled before its turn on the EmitPtx workers"));
+      return;
+    }
     absl::StatusOr<v1::EmitPtxResponse> r = env->ptx->Emit(*request);
     absl::Status status = r.status();
     uint64_t bytes_out = 0;
@@ -544,10 +580,10 @@ grpc::ServerUnaryReactor* NormGradService::EmitPtx(grpc::CallbackServerContext* 
     }
     env->metrics->RecordRpc(kEmitPtxMethod, status.code(),
               absl::ToDoubleSeconds(absl::Now() - start), request->ByteSizeLong(), bytes_out);
-    env->admission->ReleaseEmitPtx(connection, held_bytes);
-    reactor->Finish(ToGrpcStatus(status));
+    call->ReleaseSlot();
+    call->Finish(ToGrpcStatus(status));
   });
-  return reactor;
+  return call;
 }
 
 grpc::ServerUnaryReactor* NormGradService::GetServerInfo(grpc::CallbackServerContext* context,

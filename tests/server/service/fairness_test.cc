@@ -283,6 +283,80 @@ TEST_F(FairnessTest, EmitPtxBeyondItsQueueBytesIsResourceExhaustedNamingTheFlagA
 // EmitPtx runs on its own workers: with every one of them busy (a compile that does not end until
 // the test says), an EmitPtx call waits, and a backward stream is still computed on the chunk
 // workers. (When EmitPtx shared the chunk workers, a compile held a chunk worker.)
+// Calls cancelled while queued (here: their deadlines) give their queue slots back at once, and
+// are not compiled when their turn comes (before, they kept the slots and were compiled anyway,
+// holding a drain for as long).
+TEST(EmitPtxWorkersTest, CancelledCallsFreeTheirSlotsAndAreNotCompiled) {
+  MetricsRegistry registry;
+  const ServiceMetrics metrics(registry);
+  std::unique_ptr<Backend> backend = NewCpuBackend({.threads = 1});
+  PtxService ptx(PtxServiceOptions{});
+  AdmissionController admission(AdmissionLimits{}, &metrics);
+  StreamRegistry streams;
+  ThreadPool chunk_workers(1);
+  ThreadPool emit_ptx_workers(1);
+  ServiceEnv env;
+  env.config.max_message_bytes = 4 << 20;
+  env.backend = backend.get();
+  env.ptx = &ptx;
+  env.admission = &admission;
+  env.metrics = &metrics;
+  env.pool = &chunk_workers;
+  env.emit_ptx_pool = &emit_ptx_workers;
+  env.streams = &streams;
+  NormGradService service(&env);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  emit_ptx_workers.Schedule([released] { released.wait(); });  // the busy "compile"
+
+  auto stub = testing::StubFor(port);
+  constexpr int kCalls = 4;
+  struct Call {
+    grpc::ClientContext context;
+    v1::EmitPtxRequest request;
+    v1::EmitPtxResponse response;
+    grpc::Status status;
+    std::atomic<bool> done{false};
+  };
+  std::vector<std::unique_ptr<Call>> calls;
+  for (int i = 0; i < kCalls; ++i) {
+    calls.push_back(std::make_unique<Call>());
+    Call& c = *calls.back();
+    c.request.set_kernel("batched_rms_norm_backward");
+    c.request.set_hidden_dim(896 + 32 * static_cast<uint32_t>(i));
+    c.request.set_target("sm_90");
+    c.context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+    stub->async()->EmitPtx(&c.context, &c.request, &c.response, [&c](grpc::Status s) {
+      c.status = std::move(s);
+      c.done.store(true);
+    });
+  }
+  for (auto& c : calls) {
+    ASSERT_TRUE(WaitFor([&] { return c->done.load(); }));
+    EXPECT_EQ(c->status.error_code(), grpc::DEADLINE_EXCEEDED) << c->status.error_message();
+  }
+  // The worker is still busy: the slots came back with the cancels, not with the compiles.
+  EXPECT_TRUE(WaitFor([&] { return admission.emit_ptx_calls() == 0; }, absl::Seconds(5)))
+      << admission.emit_ptx_calls() << " slots still held by cancelled calls";
+  release.set_value();
+  // Their turns come and go without a compile.
+  ASSERT_TRUE(WaitFor([&] {
+    std::promise<void> drained;
+    emit_ptx_workers.Schedule([&drained] { drained.set_value(); });
+    return drained.get_future().wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  }));
+  EXPECT_EQ(ptx.CacheStats().compiles, 0u) << "a cancelled call was compiled";
+  server->Shutdown();
+  server->Wait();
+}
+
 TEST(EmitPtxWorkersTest, ChunksAreComputedWhileEveryEmitPtxWorkerIsBusy) {
   MetricsRegistry registry;
   const ServiceMetrics metrics(registry);
