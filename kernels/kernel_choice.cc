@@ -30,13 +30,13 @@ absl::Status CheckNamedKernel(const BackwardRequest& request) {
   }
   NORMGRAD_RETURN_IF_ERROR(kernel->CanImplement(ConfigFor(request, {.target_sm = kProbeTargetSm})));
   const BackwardDataFlow flow = kernel->DataFlow();
-  if (!flow.reads_rms && request.rms_given && !(std::isfinite(request.eps) && request.eps > 0)) {
+  if (!flow.reads_rms && request.rms_provided && !(std::isfinite(request.eps) && request.eps > 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("kernel \"", kernel->EntryName(), "\" recomputes rms from x and eps (a given ",
                      "rms is not read), so eps must be finite and > 0, got ", request.eps,
                      "; leave kernel empty to use the given rms"));
   }
-  if (flow.requires_rms && !request.rms_given) {
+  if (flow.requires_rms && !request.rms_provided) {
     return absl::InvalidArgumentError(
         absl::StrCat("kernel \"", kernel->EntryName(),
                      "\" needs the forward pass's rms (one value per row); none given"));
@@ -45,7 +45,7 @@ absl::Status CheckNamedKernel(const BackwardRequest& request) {
 }
 
 bool ReadsGivenRms(const BackwardRequest& request) {
-  if (!request.rms_given) return false;
+  if (!request.rms_provided) return false;
   if (request.kernel.empty()) return true;
   const BackwardKernel* kernel = FindKernel(request.kernel);
   return kernel == nullptr || kernel->DataFlow().reads_rms;
@@ -79,7 +79,7 @@ absl::StatusOr<const BackwardKernel*> ChooseBackwardKernel(const BackwardRequest
     const BackwardKernel* row_resident = FindKernel(RowResidentRmsNormBackwardKernel::kEntryName);
     name = row_resident != nullptr && row_resident->CanImplement(ConfigFor(request, device)).ok()
                ? RowResidentRmsNormBackwardKernel::kEntryName
-           : !request.rms_given ? BatchedRmsNormBackwardKernel::kEntryName
+           : !request.rms_provided ? BatchedRmsNormBackwardKernel::kEntryName
            : request.hidden_dim <= RmsNormBackwardKernel::kMaxHiddenDim
                ? RmsNormBackwardKernel::kEntryName
                : absl::string_view();

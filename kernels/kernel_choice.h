@@ -2,7 +2,7 @@
 // and the checks of a kernel named in a request. The backends ask and obey; none of them knows a
 // kernel by name.
 //
-//   BackwardRequest request{.dtype = DType::kBF16, .hidden_dim = 4096, .rms_given = true};
+//   BackwardRequest request{.dtype = DType::kBF16, .hidden_dim = 4096, .rms_provided = true};
 //   NORMGRAD_ASSIGN_OR_RETURN(const BackwardKernel* kernel,
 //                             ChooseBackwardKernel(request, {.target_sm = 90, .sm_count = 132}));
 //   if (kernel == nullptr) ... no kernel takes it on a GPU: compute on the host
@@ -23,7 +23,7 @@ namespace normgrad::kernels {
 struct BackwardRequest {
   DType dtype = DType::kF32;
   uint32_t hidden_dim = 0;
-  bool rms_given = false;  // the forward's rms comes with the rows
+  bool rms_provided = false;  // the forward's rms comes with the rows (header.rms_provided)
   float eps = 1e-5f;
   absl::string_view kernel;  // an entry name; empty: ChooseBackwardKernel's choice
   NormVariant variant;

@@ -104,7 +104,7 @@ kernels::BackwardRequest RequestOf(const BatchSpec& spec) {
   kernels::BackwardRequest request;
   request.dtype = spec.dtype;
   request.hidden_dim = spec.hidden_dim;
-  request.rms_given = spec.rms_provided;
+  request.rms_provided = spec.rms_provided;
   request.eps = spec.eps;
   request.kernel = spec.kernel;
   request.variant = spec.variant;

@@ -22,17 +22,17 @@ std::string Chosen(const BackwardRequest& request, const BackwardDevice& device)
 
 TEST(ChooseBackwardKernel, PrefersTheRowResidentKernelThenByRmsAndWidth) {
   EXPECT_EQ(Chosen({.hidden_dim = 4096}, kH100), "rms_norm_backward_row_resident");
-  EXPECT_EQ(Chosen({.hidden_dim = 4096, .rms_given = true}, kH100),
+  EXPECT_EQ(Chosen({.hidden_dim = 4096, .rms_provided = true}, kH100),
             "rms_norm_backward_row_resident");
   EXPECT_EQ(Chosen({.hidden_dim = 65536}, kH100), "rms_norm_backward_row_resident");
   // Wider than the row-resident kernel streams: rms recomputed, or the host with a given rms.
   EXPECT_EQ(Chosen({.hidden_dim = 65537}, kH100), "batched_rms_norm_backward");
-  EXPECT_EQ(Chosen({.hidden_dim = 65537, .rms_given = true}, kH100), "host");
+  EXPECT_EQ(Chosen({.hidden_dim = 65537, .rms_provided = true}, kH100), "host");
   // bf16 below sm_80: the row-resident kernel cannot run there; narrow rows with a given rms go
   // to the warp kernel (which then fails on the device's target), wider ones to the host.
-  EXPECT_EQ(Chosen({.dtype = DType::kBF16, .hidden_dim = 32, .rms_given = true}, kTuring),
+  EXPECT_EQ(Chosen({.dtype = DType::kBF16, .hidden_dim = 32, .rms_provided = true}, kTuring),
             "rms_norm_backward");
-  EXPECT_EQ(Chosen({.dtype = DType::kBF16, .hidden_dim = 33, .rms_given = true}, kTuring), "host");
+  EXPECT_EQ(Chosen({.dtype = DType::kBF16, .hidden_dim = 33, .rms_provided = true}, kTuring), "host");
   EXPECT_EQ(Chosen({.dtype = DType::kBF16, .hidden_dim = 4096}, kTuring),
             "batched_rms_norm_backward");
 }
@@ -45,17 +45,17 @@ TEST(ChooseBackwardKernel, GivesEveryVariantToTheRowResidentKernelOnly) {
     for (bool rms : {false, true}) {
       // Where the default would go to the warp kernel, the batched kernel or the host.
       for (uint32_t h : {16u, 4096u, 65536u}) {
-        EXPECT_EQ(Chosen({.hidden_dim = h, .rms_given = rms, .variant = v}, kH100),
+        EXPECT_EQ(Chosen({.hidden_dim = h, .rms_provided = rms, .variant = v}, kH100),
                   "rms_norm_backward_row_resident")
             << v.Describe() << " h" << h;
       }
       // bf16 on sm_75: still the row-resident kernel, whose CanImplement then fails on the
       // device's target (the backend says so), never a kernel that would ignore the variant.
-      EXPECT_EQ(Chosen({.dtype = DType::kBF16, .hidden_dim = 32, .rms_given = rms, .variant = v},
+      EXPECT_EQ(Chosen({.dtype = DType::kBF16, .hidden_dim = 32, .rms_provided = rms, .variant = v},
                        kTuring),
                 "rms_norm_backward_row_resident");
       // Wider than the row-resident kernel takes: its refusal, naming the variant.
-      const std::string wide = Chosen({.hidden_dim = 65537, .rms_given = rms, .variant = v}, kH100);
+      const std::string wide = Chosen({.hidden_dim = 65537, .rms_provided = rms, .variant = v}, kH100);
       EXPECT_TRUE(absl::StartsWith(wide, "error: no kernel computes this RMSNorm variant (" +
                                              v.Describe() + ")"))
           << wide;
@@ -68,7 +68,7 @@ TEST(ChooseBackwardKernel, ANamedKernelThatCannotComputeTheVariantIsRefused) {
   const NormVariant offset{.gamma_offset = 0.5f, .casting = CastingMode::kNone};
   for (absl::string_view name : {"batched_rms_norm_backward", "rms_norm_backward"}) {
     const std::string got =
-        Chosen({.hidden_dim = 16, .rms_given = true, .kernel = name, .variant = offset}, kH100);
+        Chosen({.hidden_dim = 16, .rms_provided = true, .kernel = name, .variant = offset}, kH100);
     EXPECT_EQ(got, "error: " + std::string(name) +
                        " implements the plain RMSNorm only (gamma_offset 0, a gamma, casting mode "
                        "gemma); this batch has gamma_offset 0.5, a gamma, casting mode none; "
@@ -84,7 +84,7 @@ TEST(ChooseBackwardKernel, ANamedKernelThatCannotComputeTheVariantIsRefused) {
 TEST(ChooseBackwardKernel, ObeysANamedKernelAfterCheckingIt) {
   EXPECT_EQ(Chosen({.hidden_dim = 64, .kernel = "batched_rms_norm_backward"}, kH100),
             "batched_rms_norm_backward");
-  EXPECT_EQ(Chosen({.hidden_dim = 16, .rms_given = true, .kernel = "rms_norm_backward"}, kH100),
+  EXPECT_EQ(Chosen({.hidden_dim = 16, .rms_provided = true, .kernel = "rms_norm_backward"}, kH100),
             "rms_norm_backward");
   EXPECT_EQ(Chosen({.hidden_dim = 64, .kernel = "rms_norm_backward"}, kH100),
             "error: hidden_dim 64 is outside 1..32, the limit of rms_norm_backward (one warp per "
@@ -103,7 +103,7 @@ TEST(CheckNamedKernel, SaysWhatIsWrongInTheBackendsWords) {
                 "kernel \"rms_norm_backward\" needs the forward pass's rms (one value per row); "
                 "none given"},
            Case{{.hidden_dim = 64,
-           .rms_given = true,
+           .rms_provided = true,
            .eps = 0,
            .kernel = "batched_rms_norm_backward"},
                 "kernel \"batched_rms_norm_backward\" recomputes rms from x and eps (a given rms "
@@ -118,7 +118,7 @@ TEST(CheckNamedKernel, SaysWhatIsWrongInTheBackendsWords) {
   }
   // A kernel that reads the given rms needs no eps.
   EXPECT_TRUE(CheckNamedKernel({.hidden_dim = 64,
-                                .rms_given = true,
+                                .rms_provided = true,
                                 .eps = 0,
                                 .kernel = "rms_norm_backward_row_resident"})
                   .ok());
@@ -126,11 +126,11 @@ TEST(CheckNamedKernel, SaysWhatIsWrongInTheBackendsWords) {
 
 TEST(ReadsGivenRms, OnlyWhenGivenAndTheKernelReadsIt) {
   EXPECT_FALSE(ReadsGivenRms({.hidden_dim = 64}));
-  EXPECT_TRUE(ReadsGivenRms({.hidden_dim = 64, .rms_given = true}));
+  EXPECT_TRUE(ReadsGivenRms({.hidden_dim = 64, .rms_provided = true}));
   EXPECT_TRUE(ReadsGivenRms(
-      {.hidden_dim = 64, .rms_given = true, .kernel = "rms_norm_backward_row_resident"}));
+      {.hidden_dim = 64, .rms_provided = true, .kernel = "rms_norm_backward_row_resident"}));
   EXPECT_FALSE(
-      ReadsGivenRms({.hidden_dim = 64, .rms_given = true, .kernel = "batched_rms_norm_backward"}));
+      ReadsGivenRms({.hidden_dim = 64, .rms_provided = true, .kernel = "batched_rms_norm_backward"}));
 }
 
 TEST(ConfigFor, TakesTheRequestsShapeAndTheDevicesTarget) {
