@@ -103,8 +103,11 @@ TEST(BinariesTest, CliHealthAndInfoAgainstAServerProcess) {
 TEST(BinariesTest, LoadCountsAgainstAServerWithMaxStreams1) {
   ServerProcess server({"--max-streams=1"});
   ASSERT_GT(server.port(), 0);
+  // 512 x 1024 f32 (2 MiB of x) is a stream, which holds its slot from its start through its
+  // upload; a batch that fits one message (RmsNormBackwardUnary) holds it only while computed,
+  // and eight of them could all be served one after another.
   const CommandOutput o = RunCommand(kLoad + " --target=" + server.target() +
-                                     " --total=40 --concurrency=8 --shapes=256x1024 --format=csv");
+                                     " --total=40 --concurrency=8 --shapes=512x1024 --format=csv");
   ASSERT_EQ(o.exit_code, 0) << o.output;
   // concurrency,requests,successes,errors,...
   const size_t row = o.output.find("\n8,40,");
@@ -114,7 +117,7 @@ TEST(BinariesTest, LoadCountsAgainstAServerWithMaxStreams1) {
   EXPECT_EQ(successes + errors, 40);
   EXPECT_GT(errors, 0) << o.output;
   const CommandOutput summary = RunCommand(kLoad + " --target=" + server.target() +
-                                           " --total=24 --concurrency=8 --shapes=256x1024");
+                                           " --total=24 --concurrency=8 --shapes=512x1024");
   EXPECT_NE(summary.output.find("RESOURCE_EXHAUSTED"), std::string::npos) << summary.output;
 }
 #endif

@@ -268,7 +268,9 @@ TEST_F(LoadServerTest, OverloadedServerErrorsAreCountedByCode) {
   // This test's server admits one stream at a time.
   server_ = testing::StartTestServer([](server::ServerOptions& o) { o.admission.max_streams = 1; });
   ASSERT_NE(server_, nullptr);
-  const Result r = Load({"--total=48", "--concurrency=8", "--shapes=256x1024", "--format=json"});
+  // 512 x 1024 (2 MiB of x) is a stream, holding its slot through its upload (a one-message
+  // batch holds it only while computed).
+  const Result r = Load({"--total=48", "--concurrency=8", "--shapes=512x1024", "--format=json"});
   ASSERT_EQ(r.code, 0) << r.err;
   const int requests = CountOf(r.out, "requests");
   const int successes = CountOf(r.out, "successes");
