@@ -112,6 +112,21 @@ absl::Span<uint8_t> AsBytes(absl::Span<float> s) {
 
 class ClientImpl;
 
+// A call's BackwardHeader, for the stream's first message and the unary request alike.
+void FillHeader(const RawBackwardArgs& a, const BackwardOptions& options,
+                v1::BackwardHeader* header) {
+  header->set_num_rows(a.num_rows);
+  header->set_hidden_dim(a.hidden_dim);
+  header->set_eps(a.eps);
+  header->set_dtype(ToProtoDType(a.type));
+  header->set_gamma(a.gamma.data(), a.gamma.size());
+  header->set_rms_provided(a.device.has_value() ? a.device->rms.has_value() : !a.rms.empty());
+  header->set_gamma_offset(a.gamma_offset);
+  header->set_no_gamma(a.no_gamma);
+  header->set_casting_mode(a.casting_mode);
+  if (!options.kernel.empty()) header->mutable_options()->set_kernel(options.kernel);
+}
+
 constexpr char kBackwardMethod[] = "/normgrad.v1.NormGrad/RmsNormBackward";
 constexpr char kBackwardUnaryMethod[] = "/normgrad.v1.NormGrad/RmsNormBackwardUnary";
 
@@ -654,18 +669,7 @@ void BackwardCall::Start() {
     }
     client_->AddMetadata(context_);
     const RawBackwardArgs& a = shared_->args;
-    v1::BackwardHeader* header = request_.mutable_header();
-    header->set_num_rows(a.num_rows);
-    header->set_hidden_dim(a.hidden_dim);
-    header->set_eps(a.eps);
-    header->set_dtype(ToProtoDType(a.type));
-    header->set_gamma(a.gamma.data(), a.gamma.size());
-    header->set_rms_provided(a.device.has_value() ? a.device->rms.has_value() : !a.rms.empty());
-    header->set_gamma_offset(a.gamma_offset);
-    header->set_no_gamma(a.no_gamma);
-    header->set_casting_mode(a.casting_mode);
-    if (!shared_->options.kernel.empty())
-      header->mutable_options()->set_kernel(shared_->options.kernel);
+    FillHeader(a, shared_->options, request_.mutable_header());
   }
   // ClientContext::TryCancel may come before the call starts (the call then starts cancelled).
   // gRPC does not run this reactor's OnDone inline inside TryCancel, so OnDone's Detach waits
@@ -1009,17 +1013,7 @@ void UnaryBackwardCall::Start() {
   client_->AddMetadata(context_);
   const RawBackwardArgs& a = shared_->args;
   v1::BackwardRequest message;
-  v1::BackwardHeader* header = message.mutable_header();
-  header->set_num_rows(a.num_rows);
-  header->set_hidden_dim(a.hidden_dim);
-  header->set_eps(a.eps);
-  header->set_dtype(ToProtoDType(a.type));
-  header->set_gamma(a.gamma.data(), a.gamma.size());
-  header->set_rms_provided(!a.rms.empty());
-  header->set_gamma_offset(a.gamma_offset);
-  header->set_no_gamma(a.no_gamma);
-  header->set_casting_mode(a.casting_mode);
-  if (!shared_->options.kernel.empty()) header->mutable_options()->set_kernel(shared_->options.kernel);
+  FillHeader(a, shared_->options, message.mutable_header());
   const v1::BulkField rows[] = {{v1::BackwardRequest::kXFieldNumber, a.x},
                                 {v1::BackwardRequest::kDyFieldNumber, a.dy},
                                 {v1::BackwardRequest::kRmsFieldNumber, a.rms}};

@@ -53,6 +53,14 @@ void SerializeMessage(const Message& message, grpc::ByteBuffer* buffer) {
   }
 }
 
+// A response on the wire, grad_input sent from the buffer the backend computed into (the
+// slice keeps it).
+grpc::ByteBuffer EncodeResponse(const Outgoing& out) {
+  const v1::BulkField grad_input[] = {
+      {v1::BackwardResponse::kGradInputFieldNumber, out.GradInput()}};
+  return v1::EncodeWithBulk(out.response, grad_input, out.grad_input);
+}
+
 // x and dy as the backend takes them: in place in gRPC's slices when each arrived in one piece
 // at an address aligned for any element (gRPC's slices are then held), else gathered into one
 // buffer of the stream's: one copy, where a protobuf parse made one too.
@@ -354,10 +362,7 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
     if (a.write_from != nullptr) {
       // One write in flight: gRPC is done with write_buffer_ before the next one is decided.
       // grad_input goes from the buffer the backend computed into, which the slice keeps.
-      const v1::BulkField grad_input[] = {
-          {v1::BackwardResponse::kGradInputFieldNumber, a.write_from->GradInput()}};
-      write_buffer_ = v1::EncodeWithBulk(a.write_from->response, grad_input,
-                                         a.write_from->grad_input);
+      write_buffer_ = EncodeResponse(*a.write_from);
       StartWrite(&write_buffer_);
     }
     if (a.schedule) {
@@ -496,9 +501,7 @@ grpc::ServerUnaryReactor* NormGradService::RmsNormBackwardUnary(
     absl::StatusOr<std::unique_ptr<Outgoing>> out = RunOneMessageBackward(
         StreamDepsOf(*env), client, *request, std::move(beside), &totals);
     if (out.ok()) {
-      const v1::BulkField grad_input[] = {
-          {v1::BackwardResponse::kGradInputFieldNumber, (*out)->GradInput()}};
-      *raw_response = v1::EncodeWithBulk((*out)->response, grad_input, (*out)->grad_input);
+      *raw_response = EncodeResponse(**out);
     }
     const ServiceMetrics& metrics = *env->metrics;
     metrics.rows.Increment({}, static_cast<double>(totals.rows));
