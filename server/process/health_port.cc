@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "server/metrics/metrics_http_server.h"
+#include "server/process/grpc_listener.h"
 
 namespace normgrad::server {
 namespace {
@@ -82,25 +83,38 @@ void SetHealth(grpc::Server* server, bool serving) {
 
 absl::StatusOr<std::unique_ptr<HealthPort>> HealthPort::Start(const ServerOptions& options) {
   std::unique_ptr<HealthPort> port(new HealthPort());
-  int unused_port;
+  int wanted_port;
   NORMGRAD_RETURN_IF_ERROR(
-      SplitHostPort(options.health_listen, "health-listen", &port->host_, &unused_port));
+      SplitHostPort(options.health_listen, "health-listen", &port->host_, &wanted_port));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.SetOption(std::make_unique<WithoutPlugins>());
   port->rejecter_ = std::make_unique<HealthPortRejecter>();
   builder.RegisterCallbackGenericService(port->rejecter_.get());
+  // Accepted here where gRPC can take connections from descriptors (GrpcListener: accepting
+  // survives running out of descriptors, which gRPC's own TCP listener does not).
+  const bool accept_here = GrpcListener::Supported();
   int selected_port = 0;
-  builder.AddListeningPort(options.health_listen, grpc::InsecureServerCredentials(),
-                           &selected_port);
+  if (!accept_here) {
+    builder.AddListeningPort(options.health_listen, grpc::InsecureServerCredentials(),
+                             &selected_port);
+  }
   builder.SetMaxReceiveMessageSize(4096);  // a HealthCheckRequest is a service name
   AddConnectionLimits(options, builder);
   port->server_ = builder.BuildAndStart();
+  const std::string what = absl::StrCat("--health-listen=", options.health_listen);
+  if (port->server_ != nullptr && accept_here) {
+    absl::StatusOr<std::unique_ptr<GrpcListener>> listener =
+        GrpcListener::StartTcp(port->host_, wanted_port, port->server_.get(), nullptr, what);
+    if (listener.ok()) {
+      selected_port = (*listener)->port();
+      port->listener_ = *std::move(listener);
+    }
+  }
   if (port->server_ == nullptr || selected_port == 0) {
-    port->server_.reset();
+    port->Shutdown();
     return absl::UnavailableError(
-        absl::StrCat("--health-listen=", options.health_listen,
-                     ": cannot listen there (address in use or not local)"));
+        absl::StrCat(what, ": cannot listen there (address in use or not local)"));
   }
   port->port_ = selected_port;
   return port;
@@ -109,6 +123,7 @@ absl::StatusOr<std::unique_ptr<HealthPort>> HealthPort::Start(const ServerOption
 HealthPort::~HealthPort() { Shutdown(); }
 
 void HealthPort::Shutdown() {
+  if (listener_ != nullptr) listener_->Stop();
   if (server_ == nullptr) return;
   server_->Shutdown(std::chrono::system_clock::now());
   server_->Wait();

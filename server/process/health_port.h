@@ -13,6 +13,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "server/process/grpc_listener.h"
 #include "server/process/server_options.h"
 
 namespace grpc {
@@ -49,6 +50,7 @@ class HealthPort {
   HealthPort() = default;
 
   std::unique_ptr<grpc::CallbackGenericService> rejecter_;  // every method but health
+  std::unique_ptr<GrpcListener> listener_;  // accepts for server_; Shutdown stops it first
   std::unique_ptr<grpc::Server> server_;
   std::string host_;
   int port_ = 0;

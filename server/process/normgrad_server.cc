@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <mutex>
 #include <utility>
 
@@ -26,7 +27,7 @@
 #include "server/service/normgrad_service.h"
 #include "server/shared_memory/region_socket.h"
 #include "server/thread_pool/thread_pool.h"
-#include "server/unix_socket/unix_acceptor.h"
+#include "server/listen_socket/acceptor.h"
 
 #ifndef NORMGRAD_VERSION
 #define NORMGRAD_VERSION "0.0.0"
@@ -38,6 +39,9 @@ namespace {
 // How long a draining server's gRPC shutdown lets the calls that arrived during the drain finish
 // (the service answers them at once) before it cancels what is left (Shutdown).
 constexpr absl::Duration kLateCallGrace = absl::Milliseconds(500);
+// Visits (one a second) at which connections wait on a TLS port before its listener counts as
+// dead (ListenerWatchdog).
+constexpr int kListenerDeadVisits = 10;
 
 }  // namespace
 
@@ -119,8 +123,8 @@ void NormGradServer::AssembleService() {
   env_->pool = pool_.get();
   env_->emit_ptx_pool = emit_ptx_pool_.get();
   env_->streams = streams_.get();
-  unix_peers_ = std::make_unique<UnixPeers>();
-  env_->unix_peers = unix_peers_.get();
+  accepted_peers_ = std::make_unique<AcceptedPeers>();
+  env_->accepted_peers = accepted_peers_.get();
   env_->cuda_ipc = options_.cuda_ipc;
   env_->max_cuda_ipc_handles = options_.backend.max_ipc_handles;
   if (options_.shared_memory) {
@@ -183,12 +187,12 @@ absl::Status NormGradServer::StartGrpcPort(
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   std::vector<int> selected_ports(addresses.size(), 0);
-  // Plaintext unix sockets are accepted here, for the peers' credentials (UnixGrpcListener);
-  // with TLS gRPC listens on them itself.
-  const bool accept_unix_here =
-      options_.security.cert_file.empty() && UnixGrpcListener::Supported();
+  // Plaintext listeners accept here and hand each connection to gRPC (GrpcListener): unix
+  // sockets for the peers' credentials, TCP to survive running out of descriptors. With TLS
+  // gRPC listens on them itself.
+  const bool accept_here = options_.security.cert_file.empty() && GrpcListener::Supported();
   for (size_t i = 0; i < addresses.size(); ++i) {
-    if (accept_unix_here && addresses[i].kind == ListenAddress::kUnix) continue;
+    if (accept_here) continue;
     builder.AddListeningPort(addresses[i].text, credentials, &selected_ports[i]);
   }
   builder.SetMaxReceiveMessageSize(static_cast<int>(options_.max_message_bytes));
@@ -200,17 +204,22 @@ absl::Status NormGradServer::StartGrpcPort(
   grpc_server_ = builder.BuildAndStart();
   umask(old_umask);
   for (size_t i = 0; i < addresses.size(); ++i) {
-    if (grpc_server_ != nullptr && accept_unix_here && addresses[i].kind == ListenAddress::kUnix) {
-      absl::StatusOr<std::unique_ptr<UnixGrpcListener>> listener = UnixGrpcListener::Start(
-          addresses[i].path, options_.unix_socket_mode, grpc_server_.get(), unix_peers_.get(),
-          options_.unix_allowed_uids, &refused_grpc_peers_);
+    const ListenAddress& a = addresses[i];
+    if (grpc_server_ != nullptr && accept_here) {
+      absl::StatusOr<std::unique_ptr<GrpcListener>> listener =
+          a.kind == ListenAddress::kUnix
+              ? GrpcListener::StartUnix(a.path, options_.unix_socket_mode, grpc_server_.get(),
+                                        accepted_peers_.get(), options_.unix_allowed_uids,
+                                        &refused_grpc_peers_)
+              : GrpcListener::StartTcp(a.host, a.port, grpc_server_.get(), accepted_peers_.get(),
+                                       absl::StrCat("--listen=", a.text));
       if (listener.ok()) {
-        unix_listeners_.push_back(*std::move(listener));
-        selected_ports[i] = 1;  // listening
+        selected_ports[i] = a.kind == ListenAddress::kUnix ? 1 : (*listener)->port();
+        listeners_.push_back(*std::move(listener));
       }
     }
     if (grpc_server_ != nullptr && selected_ports[i] != 0) continue;
-    unix_listeners_.clear();
+    listeners_.clear();
     if (grpc_server_ != nullptr) {
       grpc_server_->Shutdown(std::chrono::system_clock::now());
       grpc_server_->Wait();
@@ -310,6 +319,22 @@ void NormGradServer::StartWatchdogs() {
     device_watchdog_ = std::make_unique<PeriodicTask>(
         DeviceWatchdogPeriod(bound), [=] { return backend->CheckDevice(bound).ok(); });
   }
+  const bool grpc_listens_on_tcp =
+      !options_.security.cert_file.empty() || !GrpcListener::Supported();
+  if (grpc_listens_on_tcp && port_ > 0) {
+    auto watchdog = std::make_shared<ListenerWatchdog>(port_, kListenerDeadVisits);
+    listener_watchdog_ = std::make_unique<PeriodicTask>(absl::Seconds(1), [this, watchdog] {
+      if (watchdog->Visit()) return true;
+      std::fprintf(stderr,
+                   "normgrad-server: --listen=%s:%d: connections have waited %d s to be "
+                   "accepted: gRPC's accept loop has stopped (it ends when accept4 runs out of "
+                   "descriptors); health is NOT_SERVING from now on: restart this replica\n",
+                   host_.c_str(), port_, kListenerDeadVisits);
+      listener_dead_.store(true);
+      SetServing(false);
+      return false;
+    });
+  }
 }
 
 absl::Status NormGradServer::Preload(const std::vector<PreloadEntry>& entries) {
@@ -351,7 +376,7 @@ std::string NormGradServer::ReadyLine() const {
 
 void NormGradServer::SetServing(bool serving) {
   std::lock_guard<std::mutex> lock(serving_mu_);
-  serving = serving && env_->device_health.healthy();
+  serving = serving && env_->device_health.healthy() && !listener_dead_.load();
   SetHealth(grpc_server_.get(), serving);
   if (health_port_ != nullptr) SetHealth(health_port_->server(), serving);
   server_metrics_->serving.Set(serving ? 1 : 0);
@@ -408,12 +433,13 @@ void NormGradServer::Shutdown(absl::Duration grace) {
     //    running when the grace ran out is cancelled here too; its client sees UNAVAILABLE
     //    ("Cancelling all calls"), which it retries. (Shutdown(now) cancelled the late arrivals
     //    before the service saw them: their clients saw CANCELLED, which they do not retry.)
-    for (auto& listener : unix_listeners_) listener->Stop();
+    for (auto& listener : listeners_) listener->Stop();
     grpc_server_->Shutdown(absl::ToChronoTime(std::min(deadline, absl::Now() + kLateCallGrace)));
     streams_->WaitUntilEmpty(absl::InfiniteFuture());  // workers finish their current chunk
   }
   if (stream_watchdog_ != nullptr) stream_watchdog_->Stop();
   if (device_watchdog_ != nullptr) device_watchdog_->Stop();
+  if (listener_watchdog_ != nullptr) listener_watchdog_->Stop();
   if (metrics_http_ != nullptr) metrics_http_->Stop();
   emit_ptx_pool_.reset();  // calls still queued were answered before grpc's Shutdown returned
   pool_.reset();  // runs what is queued (nothing but finished streams' leftovers), joins

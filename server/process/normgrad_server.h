@@ -29,8 +29,8 @@
 #include "absl/time/time.h"
 #include "server/backend/backend.h"
 #include "server/process/server_options.h"
-#include "server/process/unix_grpc_listener.h"
-#include "server/service/unix_peers.h"
+#include "server/process/grpc_listener.h"
+#include "server/service/accepted_peers.h"
 #include "server/shared_memory/region_registry.h"
 
 namespace grpc {
@@ -118,12 +118,12 @@ class NormGradServer {
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<ThreadPool> emit_ptx_pool_;
   std::unique_ptr<ServiceEnv> env_;
-  std::unique_ptr<UnixPeers> unix_peers_;  // credentials of accepted unix connections
+  std::unique_ptr<AcceptedPeers> accepted_peers_;  // credentials of accepted unix connections
   std::unique_ptr<NormGradService> service_;
   std::unique_ptr<grpc::Server> grpc_server_;
   // Plaintext unix sockets, accepted here for their peers' credentials; before grpc_server_ in
   // destruction (they hand connections to it).
-  std::vector<std::unique_ptr<UnixGrpcListener>> unix_listeners_;
+  std::vector<std::unique_ptr<GrpcListener>> listeners_;  // those accepting here (plaintext)
   uint64_t open_file_limit_ = 1024;  // RLIMIT_NOFILE after Start raised it
   // Connections closed at accept (normgrad_unix_refused_connections_total).
   std::atomic<uint64_t> refused_grpc_peers_{0};
@@ -135,6 +135,8 @@ class NormGradServer {
   std::vector<std::unique_ptr<RegionSocket>> region_sockets_;
   std::unique_ptr<PeriodicTask> stream_watchdog_;
   std::unique_ptr<PeriodicTask> device_watchdog_;
+  std::unique_ptr<PeriodicTask> listener_watchdog_;  // TLS: gRPC listens on TCP itself
+  std::atomic<bool> listener_dead_{false};           // NOT_SERVING for good once set
   std::mutex serving_mu_;  // serializes SetServing (a failing device may race start-up)
   std::string host_;
   std::string metrics_host_;

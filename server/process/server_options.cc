@@ -13,7 +13,7 @@
 #include "base/status_macros.h"
 #include "server/metrics/metrics_http_server.h"
 #include "server/process/listen_address.h"
-#include "server/process/unix_grpc_listener.h"
+#include "server/process/grpc_listener.h"
 
 namespace normgrad::server {
 namespace {
@@ -110,7 +110,7 @@ absl::Status ValidateOptions(const ServerOptions& o) {
       return absl::InvalidArgumentError(
           "--unix-allowed-uids needs a --listen=unix:/PATH (it governs unix-socket clients)");
     }
-    if (!o.security.cert_file.empty() || !UnixGrpcListener::Supported()) {
+    if (!o.security.cert_file.empty() || !GrpcListener::Supported()) {
       return absl::InvalidArgumentError(
           "--unix-allowed-uids needs plaintext unix sockets: with --tls-cert gRPC accepts their "
           "connections itself and gives no peer credentials");

@@ -1,7 +1,13 @@
 #include "server/process/watchdogs.h"
 
 #include <algorithm>
+#include <fstream>
+#include <string>
 #include <utility>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 
 namespace normgrad::server {
 
@@ -44,6 +50,41 @@ absl::Duration StreamWatchdogPeriod(const ServerOptions& options) {
 
 absl::Duration DeviceWatchdogPeriod(absl::Duration device_timeout) {
   return std::clamp(device_timeout / 10, absl::Milliseconds(10), absl::Seconds(1));
+}
+
+uint64_t AcceptQueueLength(int port) {
+  uint64_t waiting = 0;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // the header
+    while (std::getline(in, line)) {
+      // sl local_address rem_address st tx_queue:rx_queue ...; LISTEN is state 0A.
+      std::vector<absl::string_view> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+      if (f.size() < 5 || f[3] != "0A") continue;
+      const size_t colon = f[1].rfind(':');
+      uint32_t local_port = 0;
+      if (colon == absl::string_view::npos ||
+          !absl::SimpleHexAtoi(f[1].substr(colon + 1), &local_port) ||
+          local_port != static_cast<uint32_t>(port)) {
+        continue;
+      }
+      const size_t queue_colon = f[4].find(':');
+      uint64_t queued = 0;
+      if (queue_colon != absl::string_view::npos &&
+          absl::SimpleHexAtoi(f[4].substr(queue_colon + 1), &queued)) {
+        waiting += queued;
+      }
+    }
+  }
+  return waiting;
+}
+
+bool ListenerWatchdog::Visit() {
+  if (dead_) return false;
+  waiting_visits_ = AcceptQueueLength(port_) > 0 ? waiting_visits_ + 1 : 0;
+  dead_ = waiting_visits_ >= visits_;
+  return !dead_;
 }
 
 }  // namespace normgrad::server

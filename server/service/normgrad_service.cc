@@ -22,7 +22,7 @@
 #include "server/service/backward_pipeline.h"
 #include "server/service/one_message_backward.h"
 #include "server/service/status_conversion.h"
-#include "server/service/unix_peers.h"
+#include "server/service/accepted_peers.h"
 #include "server/shared_memory/region_registry.h"
 
 namespace normgrad::server {
@@ -111,8 +111,16 @@ absl::Status UnparsableRequest(const grpc::ByteBuffer& request, const char* type
                                                  " bytes) does not parse as a normgrad.v1.", type));
 }
 
-// gRPC's peer strings: "unix:...", "fd:17" (a unix-socket connection the server accepted
-// itself: server/process/unix_grpc_listener.h), "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", ...
+// The caller's peer string as gRPC would name it had it accepted the connection itself: a TCP
+// connection the server accepted (server/process/grpc_listener.h), which gRPC calls "fd:17", by
+// its address ("ipv4:10.0.0.7:41234"); every other peer string as it is.
+std::string PeerOf(const grpc::CallbackServerContext& context, const ServiceEnv& env) {
+  std::string peer = context.peer();
+  return env.accepted_peers != nullptr ? env.accepted_peers->Address(peer) : peer;
+}
+
+// Peer strings (PeerOf): "unix:...", "fd:17" (a unix-socket connection the server accepted
+// itself), "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", ...
 bool IsUnixPeer(absl::string_view peer) {
   return absl::StartsWith(peer, "unix:") || absl::StartsWith(peer, "fd:");
 }
@@ -127,7 +135,8 @@ bool PeerIsLocal(absl::string_view peer) {
 // ("loopback-uid:1000", LoopbackPeerUid); else the peer address without the port, an IPv6 one by
 // its /64 (ClientIdentityFromPeer). The bearer token names no one: every client presents the
 // same one.
-std::string ClientIdentity(const grpc::CallbackServerContext& context, const ServiceEnv& env) {
+std::string ClientIdentity(const grpc::CallbackServerContext& context, const ServiceEnv& env,
+                           absl::string_view peer) {
   std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
   if (auth != nullptr && auth->IsPeerAuthenticated()) {
     const std::vector<grpc::string_ref> names = auth->GetPeerIdentity();
@@ -135,26 +144,26 @@ std::string ClientIdentity(const grpc::CallbackServerContext& context, const Ser
       return absl::StrCat("x509:", absl::string_view(names.front().data(), names.front().size()));
     }
   }
-  if (env.unix_peers != nullptr) {
-    if (std::optional<PeerCredentials> c = env.unix_peers->Find(context.peer())) {
+  if (env.accepted_peers != nullptr) {
+    if (std::optional<PeerCredentials> c = env.accepted_peers->Find(peer)) {
       return absl::StrCat("uid:", c->uid);
     }
   }
   // A loopback TCP peer by its user too, not its address: a user can connect from any number of
   // 127.x addresses. (A share of its own beside the user's unix-socket share: bounded all the
   // same, two shares per local user at most.)
-  if (std::optional<uint32_t> uid = LoopbackPeerUid(context.peer())) {
+  if (std::optional<uint32_t> uid = LoopbackPeerUid(peer)) {
     return absl::StrCat("loopback-uid:", *uid);
   }
-  return ClientIdentityFromPeer(context.peer());
+  return ClientIdentityFromPeer(peer);
 }
 
 // PERMISSION_DENIED for a unix-socket peer whose user --unix-allowed-uids does not list (counted
 // in normgrad_rejected_total{limit="unix-allowed-uids"}); OK for every other caller.
 absl::Status CheckUnixPeer(const ServiceEnv& env, absl::string_view peer, const char* method) {
   const std::vector<uint32_t>& allowed = env.config.unix_allowed_uids;
-  if (allowed.empty() || env.unix_peers == nullptr) return absl::OkStatus();
-  const std::optional<PeerCredentials> c = env.unix_peers->Find(peer);
+  if (allowed.empty() || env.accepted_peers == nullptr) return absl::OkStatus();
+  const std::optional<PeerCredentials> c = env.accepted_peers->Find(peer);
   if (!c.has_value()) return absl::OkStatus();  // not a unix-socket connection
   if (std::find(allowed.begin(), allowed.end(), c->uid) != allowed.end()) return absl::OkStatus();
   env.metrics->rejected.Increment({{"method", method}, {"limit", "unix-allowed-uids"}});
@@ -262,13 +271,14 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
   BackwardStream(ServiceEnv* env, grpc::CallbackServerContext* context)
       : env_(env),
         context_(context),
-        listener_(IsUnixPeer(context->peer()) ? "unix" : "tcp"),
-        pipeline_(StreamDepsOf(*env), absl::FromChrono(context->deadline()),
-                  PeerIsLocal(context->peer()), ClientIdentity(*context, *env)) {
+        peer_(PeerOf(*context, *env)),
+        listener_(IsUnixPeer(peer_) ? "unix" : "tcp"),
+        pipeline_(StreamDepsOf(*env), absl::FromChrono(context->deadline()), PeerIsLocal(peer_),
+                  ClientIdentity(*context, *env, peer_)) {
     env_->streams->Add(this);
     // Published to OnReadDone, whose first step is parsing the read buffer (below).
     { std::lock_guard<std::mutex> lock(read_mu_); }
-    Apply(pipeline_.Start(RefuseStream(*env, context->peer())));
+    Apply(pipeline_.Start(RefuseStream(*env, peer_)));
   }
 
   // Every reaction's first access to this object takes a lock the constructor released (the
@@ -407,6 +417,7 @@ class BackwardStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, gr
 
   ServiceEnv* const env_;
   grpc::CallbackServerContext* const context_;
+  const std::string peer_;      // PeerOf
   const char* const listener_;  // "unix" or "tcp": the transport label when no rows were in shm
   std::atomic<int> refs_{1};  // gRPC's, dropped in OnDone
   BackwardPipeline pipeline_;
@@ -478,12 +489,13 @@ grpc::ServerUnaryReactor* NormGradService::RmsNormBackwardUnary(
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const absl::Time start = absl::Now();
   ServiceEnv* env = env_;
-  const char* listener = IsUnixPeer(context->peer()) ? "unix" : "tcp";
+  const std::string peer = PeerOf(*context, *env);
+  const char* listener = IsUnixPeer(peer) ? "unix" : "tcp";
   // Counted before the checks, so that draining waits for a call it did not refuse.
   env->streams->AddUnary();
   auto request = std::make_shared<v1::BackwardRequest>();
   BesideBytes beside;
-  absl::Status refused = RefuseStream(*env, context->peer());
+  absl::Status refused = RefuseStream(*env, peer);
   if (refused.ok() && !ParseBackwardRequest(*raw_request, request.get(), &beside)) {
     refused = UnparsableRequest(*raw_request, "BackwardRequest");
   }
@@ -496,7 +508,7 @@ grpc::ServerUnaryReactor* NormGradService::RmsNormBackwardUnary(
   }
   const uint64_t row_bytes = beside.x.size() + request->x().size();
   auto run = [env, reactor, raw_response, start, listener, request,
-              beside = std::move(beside), client = ClientIdentity(*context, *env)]() mutable {
+              beside = std::move(beside), client = ClientIdentity(*context, *env, peer)]() mutable {
     OneMessageTotals totals;
     absl::StatusOr<std::unique_ptr<Outgoing>> out = RunOneMessageBackward(
         StreamDepsOf(*env), client, *request, std::move(beside), &totals);
@@ -535,7 +547,8 @@ grpc::ServerUnaryReactor* NormGradService::EmitPtx(grpc::CallbackServerContext* 
   };
   const absl::Time start = absl::Now();
   ServiceEnv* env = env_;
-  absl::Status refused = CheckUnixPeer(*env, context->peer(), kEmitPtxMethod);
+  const std::string peer = PeerOf(*context, *env);
+  absl::Status refused = CheckUnixPeer(*env, peer, kEmitPtxMethod);
   if (refused.ok() && env->draining.load()) {
     refused = absl::UnavailableError("the server is shutting down; retry elsewhere");
   }
@@ -554,7 +567,7 @@ grpc::ServerUnaryReactor* NormGradService::EmitPtx(grpc::CallbackServerContext* 
   // Admitted before it queues: the EmitPtx workers' queue is bounded in calls and request bytes,
   // per connection and in total (--max-emit-ptx-queue*).
   const uint64_t held_bytes = raw_request->Length();
-  std::string connection = context->peer();
+  std::string connection = peer;
   if (absl::Status s = env->admission->AdmitEmitPtx(connection, held_bytes); !s.ok()) {
     env->metrics->RecordRpc(kEmitPtxMethod, s.code(), absl::ToDoubleSeconds(absl::Now() - start),
               held_bytes, 0);
@@ -594,7 +607,8 @@ grpc::ServerUnaryReactor* NormGradService::GetServerInfo(grpc::CallbackServerCon
                                                          grpc::ByteBuffer* raw_response) {
   const absl::Time start = absl::Now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (absl::Status s = CheckUnixPeer(*env_, context->peer(), kServerInfoMethod); !s.ok()) {
+  if (absl::Status s = CheckUnixPeer(*env_, PeerOf(*context, *env_), kServerInfoMethod);
+      !s.ok()) {
     env_->metrics->RecordRpc(kServerInfoMethod, s.code(), 0, 0, 0);
     reactor->Finish(ToGrpcStatus(s));
     return reactor;

@@ -21,7 +21,7 @@
 namespace normgrad::server {
 
 class RegionRegistry;
-class UnixPeers;
+class AcceptedPeers;
 class StreamRegistry;
 
 struct ServiceConfig {
@@ -74,7 +74,7 @@ struct ServiceEnv {
   RegionRegistry* regions = nullptr;  // shared-memory regions; null without --shared-memory
   // Credentials of the unix-socket connections the server accepted itself; null when gRPC
   // listens on the unix sockets (TLS) or there are none.
-  const UnixPeers* unix_peers = nullptr;
+  const AcceptedPeers* accepted_peers = nullptr;
   bool cuda_ipc = false;  // --cuda-ipc: chunks may name device memory (backend->DeviceUuid())
   uint32_t max_cuda_ipc_handles = 0;  // --max-cuda-ipc-handles
   std::atomic<bool> draining{false};

@@ -20,7 +20,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "normgrad/v1/normgrad.pb.h"
-#include "server/unix_socket/unix_acceptor.h"
+#include "server/listen_socket/acceptor.h"
 
 namespace normgrad::server {
 namespace {
@@ -172,7 +172,7 @@ absl::Status Handle(RegionRegistry& registry, const Connection& c, Received& r,
 
 absl::StatusOr<std::unique_ptr<RegionSocket>> RegionSocket::Start(
     const std::string& path, const RegionSocketOptions& options, RegionRegistry* registry) {
-  absl::StatusOr<std::unique_ptr<UnixListenSocket>> socket = UnixListenSocket::Open(
+  absl::StatusOr<std::unique_ptr<ListenSocket>> socket = ListenSocket::Open(
       path, {.type = SOCK_SEQPACKET, .mode = options.mode, .backlog = 64,
              .what = absl::StrCat("region socket ", path), .remove_on_stop = true});
   if (!socket.ok()) return socket.status();
@@ -181,7 +181,7 @@ absl::StatusOr<std::unique_ptr<RegionSocket>> RegionSocket::Start(
   return s;
 }
 
-RegionSocket::RegionSocket(std::unique_ptr<UnixListenSocket> socket, RegionRegistry* registry,
+RegionSocket::RegionSocket(std::unique_ptr<ListenSocket> socket, RegionRegistry* registry,
                            RegionSocketOptions options)
     : options_(std::move(options)), registry_(registry), socket_(std::move(socket)) {}
 
@@ -193,7 +193,7 @@ void RegionSocket::Run() {
   std::vector<Connection> connections;
   absl::flat_hash_map<uid_t, uint32_t> per_user;  // connections by the peer's uid
   uint64_t next_id = 1;
-  UnixAcceptor acceptor(socket_->fd(), options_.allowed_uids, "region socket " + path(),
+  Acceptor acceptor(socket_->fd(), options_.allowed_uids, "region socket " + path(),
                         options_.refused_peers);
   auto drop = [&](size_t i) {
     const int released = registry_->ReleaseOwner(connections[i].id);
@@ -230,7 +230,7 @@ void RegionSocket::Run() {
       const absl::Status s = Handle(*registry_, connections[i], r, &grant, &request_id);
       Reply(connections[i].fd, request_id, s, s.ok() && grant.id != 0 ? &grant : nullptr);
     }
-    while (std::optional<UnixPeer> peer = acceptor.AcceptOne()) {
+    while (std::optional<AcceptedPeer> peer = acceptor.AcceptOne()) {
       uint32_t& mine = per_user[peer->uid];
       if (connections.size() >= options_.max_connections ||
           mine >= options_.max_connections_per_user) {

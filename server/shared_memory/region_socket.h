@@ -22,7 +22,7 @@
 
 #include "absl/status/statusor.h"
 #include "server/shared_memory/region_registry.h"
-#include "server/unix_socket/unix_listen_socket.h"
+#include "server/listen_socket/listen_socket.h"
 
 namespace normgrad::server {
 
@@ -54,13 +54,13 @@ class RegionSocket {
   const std::string& path() const { return socket_->path(); }
 
  private:
-  RegionSocket(std::unique_ptr<UnixListenSocket> socket, RegionRegistry* registry,
+  RegionSocket(std::unique_ptr<ListenSocket> socket, RegionRegistry* registry,
                RegionSocketOptions options);
   void Run();
 
   const RegionSocketOptions options_;
   RegionRegistry* const registry_;
-  std::unique_ptr<UnixListenSocket> socket_;
+  std::unique_ptr<ListenSocket> socket_;
 };
 
 }  // namespace normgrad::server

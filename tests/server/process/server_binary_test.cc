@@ -6,8 +6,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <grpcpp/generic/generic_stub.h>
+
 #include <algorithm>
 #include <atomic>
+#include <future>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -24,6 +27,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/common/child_process.h"
+#include "tests/common/unix_socket_util.h"
 #include "tests/server/service/service_test_util.h"
 
 namespace normgrad::server {
@@ -195,6 +199,91 @@ TEST(ServerBinaryTest, DrainExitsPromptlyAfterTheLastStreamEvenWhileClientsRetry
   }
   std::printf("drain: slowest exit after the last stream of %d: %s\n", kRepeats,
               absl::FormatDuration(slowest).c_str());
+}
+
+// grpc.health.v1.Health/Check for the whole server at `target`, with `timeout`: true when the
+// answer is SERVING (HealthCheckResponse.status, field 1, SERVING = 1).
+bool HealthServing(const std::string& target, absl::Duration timeout) {
+  auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  grpc::Slice empty(std::string(""));  // HealthCheckRequest{service: ""}
+  grpc::ByteBuffer in(&empty, 1), out;
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &in, &out,
+                 [&done](grpc::Status s) { done.set_value(std::move(s)); });
+  if (!done.get_future().get().ok()) return false;
+  std::vector<grpc::Slice> slices;
+  if (!out.Dump(&slices).ok()) return false;
+  std::string reply;
+  for (const grpc::Slice& p : slices) reply.append(reinterpret_cast<const char*>(p.begin()), p.size());
+  return reply == std::string("\x08\x01", 2);
+}
+
+// A connection to 127.0.0.1:`port` that says nothing (-1 on failure).
+int ConnectTcp(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd >= 0 && connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof(a)) == 0) return fd;
+  if (fd >= 0) close(fd);
+  return -1;
+}
+
+// A brief descriptor exhaustion must not kill a listener. The process gets 192 descriptors;
+// idle unix-socket connections take them all, so that accepting on the TCP ports fails with
+// EMFILE meanwhile. (gRPC 1.51's own TCP accept loop stops for good at that failure: the main
+// port and the health port stayed dead after the descriptors were released.) Once they are
+// released, every listener serves again.
+TEST(ServerBinaryTest, EveryListenerServesAgainAfterTheDescriptorsRanOut) {
+  ::normgrad::testing::TempDir dir("normgrad-emfile");
+  const std::string path = dir.path() + "/s.sock";
+  absl::StatusOr<ChildProcess> server = StartChild(
+      {"/bin/sh", "-c", "ulimit -n 192 && exec \"$0\" \"$@\"", NORMGRAD_SERVER_BINARY,
+       "--listen=127.0.0.1:0", "--listen=unix:" + path, "--health-listen=127.0.0.1:0",
+       "--backend=cpu", "--cpu-threads=1"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const ::normgrad::testing::ReadyLine ready = server->AwaitReady(absl::Seconds(60));
+  ASSERT_GT(ready.grpc_port, 0) << server->Stderr();
+  ASSERT_GT(ready.health_port, 0) << ready.text;
+  const std::string main_port = absl::StrCat("127.0.0.1:", ready.grpc_port);
+  const std::string health_port = absl::StrCat("127.0.0.1:", ready.health_port);
+  ASSERT_TRUE(HealthServing(main_port, absl::Seconds(10)));
+  ASSERT_TRUE(HealthServing(health_port, absl::Seconds(10)));
+
+  std::vector<int> held;
+  for (int i = 0; i < 400; ++i) {
+    const int fd = ::normgrad::testing::ConnectUnix(path, SOCK_STREAM);
+    if (fd >= 0) held.push_back(fd);
+  }
+  absl::SleepFor(absl::Milliseconds(500));  // the server accepts until it runs out
+  // Connections that reach the TCP ports meanwhile: accepting them fails with EMFILE.
+  for (int i = 0; i < 4; ++i) {
+    for (int port : {ready.grpc_port, ready.health_port}) {
+      const int fd = ConnectTcp(port);
+      if (fd >= 0) held.push_back(fd);
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  // Out of descriptors, the server cannot take a new connection.
+  EXPECT_FALSE(HealthServing(main_port, absl::Seconds(1)));
+  for (int fd : held) close(fd);
+
+  // Released: each listener serves again (the first calls may still meet the pause).
+  bool main_back = false, health_back = false, unix_back = false;
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  while (absl::Now() < until && !(main_back && health_back && unix_back)) {
+    main_back = main_back || HealthServing(main_port, absl::Seconds(2));
+    health_back = health_back || HealthServing(health_port, absl::Seconds(2));
+    unix_back = unix_back || HealthServing("unix:" + path, absl::Seconds(2));
+  }
+  EXPECT_TRUE(main_back) << server->Stderr();
+  EXPECT_TRUE(health_back);
+  EXPECT_TRUE(unix_back);
+  EXPECT_THAT(server->Stderr(), HasSubstr("Too many open files"));
 }
 
 TEST(ServerBinaryTest, PortInUseExitsOneWithOneClearLine) {

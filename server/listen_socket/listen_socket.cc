@@ -1,5 +1,6 @@
-#include "server/unix_socket/unix_listen_socket.h"
+#include "server/listen_socket/listen_socket.h"
 
+#include <netinet/in.h>
 #include <sys/eventfd.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -15,7 +16,7 @@
 
 namespace normgrad::server {
 
-absl::StatusOr<std::unique_ptr<UnixListenSocket>> UnixListenSocket::Open(const std::string& path,
+absl::StatusOr<std::unique_ptr<ListenSocket>> ListenSocket::Open(const std::string& path,
                                                                          Options options) {
   sockaddr_un addr{};
   if (path.size() >= sizeof(addr.sun_path)) {
@@ -44,27 +45,67 @@ absl::StatusOr<std::unique_ptr<UnixListenSocket>> UnixListenSocket::Open(const s
     close(fd);
     return absl::UnavailableError(absl::StrCat("eventfd: ", std::strerror(err)));
   }
-  std::unique_ptr<UnixListenSocket> s(new UnixListenSocket(path, std::move(options), fd, wake));
+  std::unique_ptr<ListenSocket> s(new ListenSocket(path, std::move(options), fd, wake));
   struct stat st;
   if (lstat(path.c_str(), &st) == 0) s->inode_ = st.st_ino;
   return s;
 }
 
-UnixListenSocket::UnixListenSocket(std::string path, Options options, int listen_fd, int wake_fd)
+absl::StatusOr<std::unique_ptr<ListenSocket>> ListenSocket::OpenTcp(const sockaddr* address,
+                                                                   socklen_t address_len,
+                                                                   Options options) {
+  const int fd = socket(address->sa_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return absl::UnavailableError(absl::StrCat("socket: ", std::strerror(errno)));
+  const int one = 1;
+  const int zero = 0;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (address->sa_family == AF_INET6) {
+    // "[::]:PORT" takes IPv4 peers too, as gRPC's own listener does.
+    const auto* a6 = reinterpret_cast<const sockaddr_in6*>(address);
+    if (IN6_IS_ADDR_UNSPECIFIED(&a6->sin6_addr)) {
+      setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+    }
+  }
+  if (bind(fd, address, address_len) != 0 || listen(fd, options.backlog) != 0) {
+    const int err = errno;
+    close(fd);
+    return absl::UnavailableError(
+        absl::StrCat(options.what, ": cannot listen there: ", std::strerror(err)));
+  }
+  const int wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wake < 0) {
+    const int err = errno;
+    close(fd);
+    return absl::UnavailableError(absl::StrCat("eventfd: ", std::strerror(err)));
+  }
+  options.remove_on_stop = false;
+  return std::unique_ptr<ListenSocket>(new ListenSocket("", std::move(options), fd, wake));
+}
+
+int ListenSocket::port() const {
+  sockaddr_storage a{};
+  socklen_t len = sizeof(a);
+  if (getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len) != 0) return 0;
+  if (a.ss_family == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in*>(&a)->sin_port);
+  if (a.ss_family == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6*>(&a)->sin6_port);
+  return 0;
+}
+
+ListenSocket::ListenSocket(std::string path, Options options, int listen_fd, int wake_fd)
     : path_(std::move(path)), options_(std::move(options)), listen_fd_(listen_fd),
       wake_fd_(wake_fd) {}
 
-UnixListenSocket::~UnixListenSocket() {
+ListenSocket::~ListenSocket() {
   Stop();
   close(listen_fd_);
   close(wake_fd_);
 }
 
-void UnixListenSocket::Start(std::function<void()> serve) {
+void ListenSocket::Start(std::function<void()> serve) {
   thread_ = std::thread(std::move(serve));
 }
 
-bool UnixListenSocket::Poll(const UnixAcceptor& acceptor, std::vector<pollfd>& connections) {
+bool ListenSocket::Poll(const Acceptor& acceptor, std::vector<pollfd>& connections) {
   fds_.clear();
   fds_.push_back({wake_fd_, POLLIN, 0});
   // Not polled while the acceptor pauses (out of descriptors): it would stay readable.
@@ -84,7 +125,7 @@ bool UnixListenSocket::Poll(const UnixAcceptor& acceptor, std::vector<pollfd>& c
   return true;
 }
 
-void UnixListenSocket::Stop() {
+void ListenSocket::Stop() {
   if (stopped_.exchange(true)) return;
   const uint64_t one = 1;
   (void)write(wake_fd_, &one, sizeof(one));

@@ -2,7 +2,7 @@
 // before it can say anything, and running out of descriptors pauses accepting instead of
 // spinning on a listening socket that stays readable (the queued connection is taken once
 // descriptors are back). The descriptor limit is raised and the connection bound derived from it.
-#include "server/unix_socket/unix_acceptor.h"
+#include "server/listen_socket/acceptor.h"
 
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -16,17 +16,17 @@
 
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
-#include "server/unix_socket/unix_listen_socket.h"
+#include "server/listen_socket/listen_socket.h"
 #include "tests/common/unix_socket_util.h"
 
 namespace normgrad::server {
 namespace {
 
-class UnixAcceptorTest : public ::testing::Test {
+class AcceptorTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    absl::StatusOr<std::unique_ptr<UnixListenSocket>> s =
-        UnixListenSocket::Open(dir_.path() + "/listen.sock", {.backlog = 16, .what = "test"});
+    absl::StatusOr<std::unique_ptr<ListenSocket>> s =
+        ListenSocket::Open(dir_.path() + "/listen.sock", {.backlog = 16, .what = "test"});
     ASSERT_TRUE(s.ok()) << s.status();
     socket_ = *std::move(s);
     listen_fd_ = socket_->fd();
@@ -38,13 +38,13 @@ class UnixAcceptorTest : public ::testing::Test {
   }
 
   testing::TempDir dir_{"normgrad-acceptor"};
-  std::unique_ptr<UnixListenSocket> socket_;
+  std::unique_ptr<ListenSocket> socket_;
   int listen_fd_ = -1;
 };
 
-TEST_F(UnixAcceptorTest, APeerTheAllowListDoesNotNameIsClosedAndCounted) {
+TEST_F(AcceptorTest, APeerTheAllowListDoesNotNameIsClosedAndCounted) {
   std::atomic<uint64_t> refused{0};
-  UnixAcceptor acceptor(listen_fd_, {getuid() + 1}, "test socket", &refused);
+  Acceptor acceptor(listen_fd_, {getuid() + 1}, "test socket", &refused);
   const int client = Connect();
   EXPECT_EQ(acceptor.AcceptOne(), std::nullopt);
   EXPECT_EQ(acceptor.refused(), 1u);
@@ -54,10 +54,10 @@ TEST_F(UnixAcceptorTest, APeerTheAllowListDoesNotNameIsClosedAndCounted) {
   close(client);
 }
 
-TEST_F(UnixAcceptorTest, APeerTheAllowListNamesIsTakenWithItsCredentials) {
-  UnixAcceptor acceptor(listen_fd_, {getuid()}, "test socket");
+TEST_F(AcceptorTest, APeerTheAllowListNamesIsTakenWithItsCredentials) {
+  Acceptor acceptor(listen_fd_, {getuid()}, "test socket");
   const int client = Connect();
-  std::optional<UnixPeer> peer = acceptor.AcceptOne();
+  std::optional<AcceptedPeer> peer = acceptor.AcceptOne();
   ASSERT_TRUE(peer.has_value());
   EXPECT_EQ(peer->uid, getuid());
   EXPECT_EQ(peer->pid, getpid());
@@ -70,13 +70,13 @@ TEST_F(UnixAcceptorTest, APeerTheAllowListNamesIsTakenWithItsCredentials) {
 // In a child process (it lowers its own descriptor limit): with every descriptor taken, accept4
 // fails with EMFILE once and accepting pauses; a thousand more calls meanwhile do not try again
 // (no busy loop); once descriptors are free and the pause is over, the queued peer is taken.
-TEST_F(UnixAcceptorTest, RunningOutOfDescriptorsPausesInsteadOfSpinning) {
+TEST_F(AcceptorTest, RunningOutOfDescriptorsPausesInsteadOfSpinning) {
   const int client = Connect();  // queued before the child runs out
   const pid_t child = fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
     int code = 0;
-    UnixAcceptor acceptor(listen_fd_, {}, "test socket");
+    Acceptor acceptor(listen_fd_, {}, "test socket");
     rlimit low{64, 64};
     if (setrlimit(RLIMIT_NOFILE, &low) != 0) _exit(10);
     std::vector<int> taken;
@@ -84,14 +84,14 @@ TEST_F(UnixAcceptorTest, RunningOutOfDescriptorsPausesInsteadOfSpinning) {
     if (acceptor.AcceptOne().has_value()) code = 11;
     if (acceptor.exhausted() != 1) code = 12;
     if (acceptor.listening() || acceptor.PollTimeoutMs() <= 0 ||
-        acceptor.PollTimeoutMs() > absl::ToInt64Milliseconds(UnixAcceptor::kBackoff)) {
+        acceptor.PollTimeoutMs() > absl::ToInt64Milliseconds(Acceptor::kBackoff)) {
       code = 13;
     }
     for (int i = 0; i < 1000; ++i) (void)acceptor.AcceptOne();
     if (acceptor.exhausted() != 1) code = 14;  // each call would fail again if it tried
     for (int fd : taken) close(fd);
-    absl::SleepFor(UnixAcceptor::kBackoff + absl::Milliseconds(20));
-    std::optional<UnixPeer> peer = acceptor.AcceptOne();
+    absl::SleepFor(Acceptor::kBackoff + absl::Milliseconds(20));
+    std::optional<AcceptedPeer> peer = acceptor.AcceptOne();
     if (!peer.has_value() || peer->pid != getppid()) code = code != 0 ? code : 15;
     _exit(code);
   }

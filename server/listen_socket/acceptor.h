@@ -1,20 +1,21 @@
-// Accepting connections on a listening unix socket the server owns (the gRPC unix listener and
-// the region socket): each connection's peer credentials (SO_PEERCRED), the uid allow-list
-// (--unix-allowed-uids: a peer it does not list is closed at accept, before it can say
-// anything), and a pause instead of a busy loop when the process runs out of descriptors or
+// Accepting connections on a listening socket the server owns (the gRPC listeners, unix and
+// plaintext TCP, and the region socket): each connection's address, a unix peer's credentials
+// (SO_PEERCRED), the uid allow-list (--unix-allowed-uids: a peer it does not list is closed at
+// accept, before it can say anything), and a pause instead of a busy loop when the process runs out of descriptors or
 // memory (accept4 fails with EMFILE, ENFILE, ENOBUFS or ENOMEM while the connection stays
 // queued, so the listening socket stays readable).
 //
-//   UnixAcceptor acceptor(listen_fd, allowed_uids, "region socket");
+//   Acceptor acceptor(listen_fd, allowed_uids, "region socket");
 //   while (...) {
 //     pollfd fds[] = {..., {acceptor.listening() ? listen_fd : -1, POLLIN, 0}};
 //     poll(fds, n, acceptor.PollTimeoutMs());
-//     while (std::optional<UnixPeer> p = acceptor.AcceptOne()) { ... p->fd is ours ... }
+//     while (std::optional<AcceptedPeer> p = acceptor.AcceptOne()) { ... p->fd is ours ... }
 //   }
 //
 // Not thread-safe: one accepting thread.
 #pragma once
 
+#include <sys/socket.h>
 #include <sys/types.h>
 
 #include <atomic>
@@ -27,27 +28,29 @@
 
 namespace normgrad::server {
 
-struct UnixPeer {
+struct AcceptedPeer {
   int fd = -1;  // the accepted connection (SOCK_CLOEXEC | SOCK_NONBLOCK)
-  pid_t pid = 0;
+  pid_t pid = 0;  // pid, uid, gid: a unix peer's; TCP peers have none
   uid_t uid = static_cast<uid_t>(-1);  // -1 when the kernel gave no credentials
   gid_t gid = static_cast<gid_t>(-1);
+  sockaddr_storage address{};  // the peer's address, as accept4 gave it
+  socklen_t address_len = 0;
 };
 
-class UnixAcceptor {
+class Acceptor {
  public:
   // How long accepting pauses after the process ran out of descriptors or memory.
   static constexpr absl::Duration kBackoff = absl::Milliseconds(100);
 
   // `allowed_uids` empty: every peer is taken. `what` names the socket in the log. `refused`
   // (optional, outliving this) counts the peers the allow-list refused, for metrics.
-  UnixAcceptor(int listen_fd, std::vector<uint32_t> allowed_uids, std::string what,
+  Acceptor(int listen_fd, std::vector<uint32_t> allowed_uids, std::string what,
                std::atomic<uint64_t>* refused = nullptr);
 
   // The next pending connection whose peer the allow-list admits; nullopt when none is pending,
   // while pausing, or when accept4 failed for want of descriptors or memory (the pause starts).
   // A refused peer's connection is closed here and counted.
-  std::optional<UnixPeer> AcceptOne();
+  std::optional<AcceptedPeer> AcceptOne();
 
   // False while pausing: do not poll the listening socket then (it stays readable).
   bool listening() const;

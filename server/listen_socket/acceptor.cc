@@ -1,4 +1,4 @@
-#include "server/unix_socket/unix_acceptor.h"
+#include "server/listen_socket/acceptor.h"
 
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -14,25 +14,28 @@
 
 namespace normgrad::server {
 
-UnixAcceptor::UnixAcceptor(int listen_fd, std::vector<uint32_t> allowed_uids, std::string what,
+Acceptor::Acceptor(int listen_fd, std::vector<uint32_t> allowed_uids, std::string what,
                            std::atomic<uint64_t>* refused)
     : listen_fd_(listen_fd),
       allowed_uids_(std::move(allowed_uids)),
       what_(std::move(what)),
       refused_counter_(refused) {}
 
-bool UnixAcceptor::listening() const { return absl::Now() >= paused_until_; }
+bool Acceptor::listening() const { return absl::Now() >= paused_until_; }
 
-int UnixAcceptor::PollTimeoutMs() const {
+int Acceptor::PollTimeoutMs() const {
   const absl::Duration left = paused_until_ - absl::Now();
   if (left <= absl::ZeroDuration()) return -1;
   return static_cast<int>(absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))));
 }
 
-std::optional<UnixPeer> UnixAcceptor::AcceptOne() {
+std::optional<AcceptedPeer> Acceptor::AcceptOne() {
   if (!listening()) return std::nullopt;
   while (true) {
-    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    AcceptedPeer peer;
+    peer.address_len = sizeof(peer.address);
+    const int fd = accept4(listen_fd_, reinterpret_cast<sockaddr*>(&peer.address),
+                           &peer.address_len, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
       if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
@@ -48,11 +51,11 @@ std::optional<UnixPeer> UnixAcceptor::AcceptOne() {
       }
       return std::nullopt;  // EAGAIN: none pending
     }
-    UnixPeer peer;
     peer.fd = fd;
     ucred cred{};
     socklen_t len = sizeof(cred);
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
+    if (peer.address.ss_family == AF_UNIX &&
+        getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
       peer.pid = cred.pid;
       peer.uid = cred.uid;
       peer.gid = cred.gid;

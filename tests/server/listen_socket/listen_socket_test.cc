@@ -2,7 +2,7 @@
 // the socket file ends up with the mode asked for, Poll reports the caller's connections and a
 // pending peer, Stop wakes a Poll that waits forever, and the file is removed on Stop only when
 // it is still the one Open made.
-#include "server/unix_socket/unix_listen_socket.h"
+#include "server/listen_socket/listen_socket.h"
 
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -24,7 +24,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-class UnixListenSocketTest : public ::testing::Test {
+class ListenSocketTest : public ::testing::Test {
  protected:
   int Connect(int type) const {
     const int fd = testing::ConnectUnix(path_, type);
@@ -36,9 +36,9 @@ class UnixListenSocketTest : public ::testing::Test {
   const std::string path_ = dir_.path() + "/s.sock";
 };
 
-TEST_F(UnixListenSocketTest, APathLongerThanSockaddrIsRefusedNamingBothLengths) {
+TEST_F(ListenSocketTest, APathLongerThanSockaddrIsRefusedNamingBothLengths) {
   const std::string long_path = dir_.path() + "/" + std::string(200, 'p');
-  auto s = UnixListenSocket::Open(long_path, {.what = "--listen=unix:x"});
+  auto s = ListenSocket::Open(long_path, {.what = "--listen=unix:x"});
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.status().message(), HasSubstr(absl::StrCat("--listen=unix:x: the path is ", long_path.size(), " bytes")));
@@ -47,9 +47,9 @@ TEST_F(UnixListenSocketTest, APathLongerThanSockaddrIsRefusedNamingBothLengths) 
   EXPECT_NE(lstat(long_path.c_str(), &st), 0);
 }
 
-TEST_F(UnixListenSocketTest, TheSocketFileHasTheModeAskedFor) {
+TEST_F(ListenSocketTest, TheSocketFileHasTheModeAskedFor) {
   for (mode_t mode : {0600, 0660, 0666}) {
-    auto s = UnixListenSocket::Open(path_, {.mode = mode, .what = "test"});
+    auto s = ListenSocket::Open(path_, {.mode = mode, .what = "test"});
     ASSERT_TRUE(s.ok()) << s.status();
     struct stat st;
     ASSERT_EQ(lstat(path_.c_str(), &st), 0);
@@ -60,22 +60,22 @@ TEST_F(UnixListenSocketTest, TheSocketFileHasTheModeAskedFor) {
   }
 }
 
-TEST_F(UnixListenSocketTest, AnOccupiedPathIsUnavailable) {
-  auto first = UnixListenSocket::Open(path_, {.what = "region socket"});
+TEST_F(ListenSocketTest, AnOccupiedPathIsUnavailable) {
+  auto first = ListenSocket::Open(path_, {.what = "region socket"});
   ASSERT_TRUE(first.ok()) << first.status();
-  auto second = UnixListenSocket::Open(path_, {.what = "region socket"});
+  auto second = ListenSocket::Open(path_, {.what = "region socket"});
   ASSERT_FALSE(second.ok());
   EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(second.status().message(), HasSubstr("region socket: cannot listen there"));
 }
 
-TEST_F(UnixListenSocketTest, PollReportsPeersAndConnectionsAndStopWakesIt) {
-  auto s = UnixListenSocket::Open(path_, {.type = SOCK_SEQPACKET, .what = "test"});
+TEST_F(ListenSocketTest, PollReportsPeersAndConnectionsAndStopWakesIt) {
+  auto s = ListenSocket::Open(path_, {.type = SOCK_SEQPACKET, .what = "test"});
   ASSERT_TRUE(s.ok()) << s.status();
-  UnixListenSocket* socket = s->get();
+  ListenSocket* socket = s->get();
   std::atomic<int> accepted{0}, messages{0}, polls_after_stop{0};
   socket->Start([&] {
-    UnixAcceptor acceptor(socket->fd(), {}, "test");
+    Acceptor acceptor(socket->fd(), {}, "test");
     std::vector<int> connections;
     std::vector<pollfd> polled;
     while (true) {
@@ -88,7 +88,7 @@ TEST_F(UnixListenSocketTest, PollReportsPeersAndConnectionsAndStopWakesIt) {
           messages.fetch_add(1);
         }
       }
-      while (std::optional<UnixPeer> peer = acceptor.AcceptOne()) {
+      while (std::optional<AcceptedPeer> peer = acceptor.AcceptOne()) {
         connections.push_back(peer->fd);
         accepted.fetch_add(1);
       }
@@ -108,16 +108,16 @@ TEST_F(UnixListenSocketTest, PollReportsPeersAndConnectionsAndStopWakesIt) {
   close(client);
 }
 
-TEST_F(UnixListenSocketTest, StopRemovesTheFileOnlyWhenItIsStillTheOneOpenMade) {
+TEST_F(ListenSocketTest, StopRemovesTheFileOnlyWhenItIsStillTheOneOpenMade) {
   struct stat st;
   {
-    auto s = UnixListenSocket::Open(path_, {.what = "test", .remove_on_stop = true});
+    auto s = ListenSocket::Open(path_, {.what = "test", .remove_on_stop = true});
     ASSERT_TRUE(s.ok()) << s.status();
     (*s)->Stop();
     EXPECT_NE(lstat(path_.c_str(), &st), 0);
   }
   {
-    auto s = UnixListenSocket::Open(path_, {.what = "test", .remove_on_stop = true});
+    auto s = ListenSocket::Open(path_, {.what = "test", .remove_on_stop = true});
     ASSERT_TRUE(s.ok()) << s.status();
     // Another process took the path over (removed the socket and made its own file).
     ASSERT_EQ(unlink(path_.c_str()), 0);
@@ -128,7 +128,7 @@ TEST_F(UnixListenSocketTest, StopRemovesTheFileOnlyWhenItIsStillTheOneOpenMade) 
     EXPECT_EQ(lstat(path_.c_str(), &st), 0);
   }
   {
-    auto s = UnixListenSocket::Open(dir_.path() + "/kept.sock", {.what = "test"});
+    auto s = ListenSocket::Open(dir_.path() + "/kept.sock", {.what = "test"});
     ASSERT_TRUE(s.ok()) << s.status();
     (*s)->Stop();
     EXPECT_EQ(lstat((dir_.path() + "/kept.sock").c_str(), &st), 0);
