@@ -189,6 +189,18 @@ TEST_F(SharedMemoryTest, AutoTransportStagesOrdinaryBuffersThroughSharedMemory) 
             2 * (3.0 * 777 * 96 * 4 + 96 * 4) + 777 * 4);
   EXPECT_EQ(Counter("normgrad_transport_tensor_bytes_total{transport=\"unix\"}"),
             3.0 * 50 * 64 * 4 + 64 * 4);
+  // And a call over TCP is counted as TCP. (The server accepts TCP connections itself and hands
+  // them to gRPC, which names them "fd:N" as it names the unix ones: the service looks the
+  // connection up to tell them apart.)
+  const Batch t(30, 64, /*seed=*/6);
+  g = Connect(Transport::kBytes, absl::StrCat("127.0.0.1:", server_->port()))
+          ->Backward(t.x, t.dy, t.gamma, 1e-5f);
+  ASSERT_TRUE(g.ok()) << g.status();
+  ExpectGradientsClose(g->dx, g->dgamma, t);
+  EXPECT_EQ(Counter("normgrad_transport_streams_total{transport=\"tcp\"}"), 1);
+  EXPECT_EQ(Counter("normgrad_transport_streams_total{transport=\"unix\"}"), 1);
+  EXPECT_EQ(Counter("normgrad_transport_tensor_bytes_total{transport=\"tcp\"}"),
+            3.0 * 30 * 64 * 4 + 64 * 4);
 }
 
 TEST_F(SharedMemoryTest, SharedMemoryOverTcpOrWithoutTheServerFlagIsFailedPrecondition) {
