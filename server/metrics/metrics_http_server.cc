@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/status_macros.h"
+#include "server/metrics/connection_time_limit.h"
 
 namespace normgrad::server {
 
@@ -29,7 +30,8 @@ absl::Status SplitHostPort(absl::string_view address, absl::string_view flag, st
 }
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
-    absl::string_view address, MetricsRegistry* registry, const MetricsTlsFiles& tls) {
+    absl::string_view address, MetricsRegistry* registry, const MetricsTlsFiles& tls,
+    const MetricsHttpLimits& limits) {
   std::string host;
   int port = 0;
   NORMGRAD_RETURN_IF_ERROR(SplitHostPort(address, "metrics-listen", &host, &port));
@@ -46,8 +48,10 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     }
     server->http_ = std::move(https);
   }
-  server->http_->set_read_timeout(5, 0);
-  server->http_->set_write_timeout(5, 0);
+  const int64_t io_us = absl::ToInt64Microseconds(limits.io_timeout);
+  server->http_->set_read_timeout(io_us / 1000000, io_us % 1000000);
+  server->http_->set_write_timeout(io_us / 1000000, io_us % 1000000);
+  server->http_->set_keep_alive_max_count(1);  // a connection is one request: bounded as one
   server->http_->set_payload_max_length(64 * 1024);
   server->http_->Get("/metrics", [registry](const httplib::Request&, httplib::Response& res) {
     res.set_content(registry->RenderText(), "text/plain; version=0.0.4; charset=utf-8");
@@ -63,6 +67,9 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   }
   server->port_ = bound;
   httplib::Server* http = server->http_.get();
+  http->new_task_queue = [bound, limits] {
+    return new LimitedConnectionQueue(bound, limits.workers, limits.connection_time);
+  };
   server->thread_ = std::thread([http] { http->listen_after_bind(); });
   // stop() only works once the listener runs; wait for it so that Stop() never races it.
   for (int i = 0; i < 5000 && !http->is_running(); ++i) absl::SleepFor(absl::Milliseconds(1));

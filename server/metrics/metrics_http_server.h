@@ -1,5 +1,7 @@
 // Serves a MetricsRegistry as Prometheus text on GET /metrics (cpp-httplib, its own threads),
-// over plain HTTP or, given a certificate and key, HTTPS.
+// over plain HTTP or, given a certificate and key, HTTPS. A connection is one request, and its
+// whole time is bounded (MetricsHttpLimits; server/metrics/connection_time_limit.h): a slow
+// client holds a worker for that long at most.
 //
 //   absl::StatusOr<std::unique_ptr<MetricsHttpServer>> s =
 //       MetricsHttpServer::Start("127.0.0.1:0", &registry);
@@ -15,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "server/metrics/metrics.h"
 
 namespace httplib {
@@ -33,11 +36,21 @@ struct MetricsTlsFiles {
   std::string key_file;
 };
 
+// What a client may hold: `workers` connections served at once (more wait), each for at most
+// `connection_time` in all (its request read, the answer written), and each read or write for
+// at most `io_timeout`.
+struct MetricsHttpLimits {
+  size_t workers = 8;
+  absl::Duration connection_time = absl::Seconds(10);
+  absl::Duration io_timeout = absl::Seconds(5);
+};
+
 class MetricsHttpServer {
  public:
   // INVALID_ARGUMENT naming the flag for an unreadable or unusable certificate or key.
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(
-      absl::string_view address, MetricsRegistry* registry, const MetricsTlsFiles& tls = {});
+      absl::string_view address, MetricsRegistry* registry, const MetricsTlsFiles& tls = {},
+      const MetricsHttpLimits& limits = {});
   ~MetricsHttpServer();
   void Stop();
   int port() const { return port_; }

@@ -1,13 +1,20 @@
-// The metrics registry (rendering that parses, recording from many threads while rendering) and
-// the HOST:PORT parsing of the listen flags. The concurrent test runs in the `tsan` stage
+// The metrics registry (rendering that parses, recording from many threads while rendering), the
+// HTTP server's bound on slow clients, and the HOST:PORT parsing of the listen flags. The concurrent test runs in the `tsan` stage
 // (docs/testing.md).
 #include "server/metrics/metrics.h"
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <chrono>
+#include <future>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/metrics/metrics_http_server.h"
@@ -102,6 +109,90 @@ TEST(SplitHostPortTest, ParsesHostsAndRejectsBadPorts) {
   EXPECT_THAT(SplitHostPort("nohost", "listen", &host, &port).message(),
               HasSubstr("--listen=nohost is not HOST:PORT"));
   EXPECT_FALSE(SplitHostPort("h:70000", "listen", &host, &port).ok());
+}
+
+// A client that sends a request a byte at a time, each byte well within the read timeout, never
+// finishing: every read succeeds in time, so only a bound on the whole connection ends it.
+class Trickler {
+ public:
+  explicit Trickler(int port) : fd_(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) {
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    connected_ = connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+    thread_ = std::thread([this] {
+      const std::string request = "GET /metrics HTTP/1.1\r\nHost: x\r\nX-Padding: ";
+      for (size_t i = 0; !stop_.load(); ++i) {
+        const char byte = i < request.size() ? request[i] : 'a';
+        if (send(fd_, &byte, 1, MSG_NOSIGNAL) != 1) {
+          closed_by_server_ = true;
+          return;
+        }
+        for (int t = 0; t < 20 && !stop_.load(); ++t) absl::SleepFor(absl::Milliseconds(10));
+      }
+    });
+  }
+  ~Trickler() {
+    stop_ = true;
+    thread_.join();
+    close(fd_);
+  }
+  bool connected() const { return connected_; }
+  bool closed_by_server() const { return closed_by_server_.load(); }
+
+ private:
+  const int fd_;
+  bool connected_ = false;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> closed_by_server_{false};
+  std::thread thread_;
+};
+
+// More slow clients than workers: with each read and write bounded but not the connection, they
+// held every worker for ever and scrapes timed out. Each is now cut when its connection has run
+// for connection_time, and a scrape waiting behind them is answered.
+TEST(MetricsHttpServerTest, SlowClientsAreCutAtTheConnectionTimeAndScrapesGetThrough) {
+  MetricsRegistry registry;
+  Counter scrapes(registry, "normgrad_test_total", "A counter to find in the scrape.");
+  scrapes.Increment();
+  MetricsHttpLimits limits;
+  limits.workers = 2;
+  limits.connection_time = absl::Milliseconds(1500);
+  limits.io_timeout = absl::Seconds(5);
+  absl::StatusOr<std::unique_ptr<MetricsHttpServer>> server =
+      MetricsHttpServer::Start("127.0.0.1:0", &registry, {}, limits);
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::vector<std::unique_ptr<Trickler>> slow;
+  for (int i = 0; i < 4; ++i) {
+    slow.push_back(std::make_unique<Trickler>((*server)->port()));
+    ASSERT_TRUE(slow.back()->connected());
+  }
+  absl::SleepFor(absl::Milliseconds(300));  // the slow clients hold both workers
+  const absl::Time start = absl::Now();
+  std::future<std::pair<int, std::string>> scrape = std::async(std::launch::async, [&] {
+    int status = 0;
+    std::string body = testing::HttpGet((*server)->port(), "/metrics", &status);
+    return std::make_pair(status, body);
+  });
+  // Two connection times for the first two slow clients, two more for the other two if they
+  // came first: the scrape is answered well within 10 s; without the bound it never is.
+  ASSERT_EQ(scrape.wait_for(std::chrono::seconds(10)), std::future_status::ready)
+      << "the scrape waited behind slow clients for 10 s";
+  const std::pair<int, std::string> answer = scrape.get();
+  EXPECT_EQ(answer.first, 200);
+  EXPECT_THAT(answer.second, HasSubstr("normgrad_test_total 1"));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(900)) << "it did wait for a worker";
+  // The slow clients were closed by the server, not left waiting.
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  auto all_closed = [&] {
+    for (const auto& t : slow) {
+      if (!t->closed_by_server()) return false;
+    }
+    return true;
+  };
+  while (!all_closed() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_TRUE(all_closed());
 }
 
 }  // namespace
