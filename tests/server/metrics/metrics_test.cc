@@ -1,6 +1,6 @@
 // The metrics registry (rendering that parses, recording from many threads while rendering), the
-// HTTP server's bound on slow clients, and the HOST:PORT parsing of the listen flags. The concurrent test runs in the `tsan` stage
-// (docs/testing.md).
+// HTTP server's bound on slow clients, and the HOST:PORT parsing of the listen flags. The two
+// concurrent tests run in the `tsan` stage (docs/testing.md).
 #include "server/metrics/metrics.h"
 
 #include <netinet/in.h>
@@ -152,7 +152,7 @@ class Trickler {
 // More slow clients than workers: with each read and write bounded but not the connection, they
 // held every worker for ever and scrapes timed out. Each is now cut when its connection has run
 // for connection_time, and a scrape waiting behind them is answered.
-TEST(MetricsHttpServerTest, SlowClientsAreCutAtTheConnectionTimeAndScrapesGetThrough) {
+TEST(ConcurrentMetricsHttpTest, SlowClientsAreCutAtTheConnectionTimeAndScrapesGetThrough) {
   MetricsRegistry registry;
   Counter scrapes(registry, "normgrad_test_total", "A counter to find in the scrape.");
   scrapes.Increment();
