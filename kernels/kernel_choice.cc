@@ -21,6 +21,16 @@ KernelConfig ConfigFor(const BackwardRequest& request, const BackwardDevice& dev
   return config;
 }
 
+absl::Status CheckEps(float eps, bool rms_provided, bool kernel_reads_rms,
+                      absl::string_view field) {
+  if ((rms_provided && kernel_reads_rms) || (std::isfinite(eps) && eps > 0)) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, " is ", eps, "; must be finite and > 0",
+                   rms_provided ? "" : " (or give the forward's rms with the rows)"));
+}
+
 absl::Status CheckNamedKernel(const BackwardRequest& request) {
   if (request.kernel.empty()) return absl::OkStatus();
   const BackwardKernel* kernel = FindKernel(request.kernel);
@@ -30,11 +40,10 @@ absl::Status CheckNamedKernel(const BackwardRequest& request) {
   }
   NORMGRAD_RETURN_IF_ERROR(kernel->CanImplement(ConfigFor(request, {.target_sm = kProbeTargetSm})));
   const BackwardDataFlow flow = kernel->DataFlow();
-  if (!flow.reads_rms && request.rms_provided && !(std::isfinite(request.eps) && request.eps > 0)) {
+  if (absl::Status s = CheckEps(request.eps, request.rms_provided, flow.reads_rms); !s.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("kernel \"", kernel->EntryName(), "\" recomputes rms from x and eps (a given ",
-                     "rms is not read), so eps must be finite and > 0, got ", request.eps,
-                     "; leave kernel empty to use the given rms"));
+                     "rms is not read): ", s.message(), "; leave kernel empty to use the given rms"));
   }
   if (flow.requires_rms && !request.rms_provided) {
     return absl::InvalidArgumentError(

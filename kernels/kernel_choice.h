@@ -2,7 +2,7 @@
 // and the checks of a kernel named in a request. The backends ask and obey; none of them knows a
 // kernel by name.
 //
-//   BackwardRequest request{.dtype = DType::kBF16, .hidden_dim = 4096, .rms_provided = true};
+//   BackwardRequest request{.hidden_dim = 4096, .dtype = DType::kBF16, .rms_provided = true};
 //   NORMGRAD_ASSIGN_OR_RETURN(const BackwardKernel* kernel,
 //                             ChooseBackwardKernel(request, {.target_sm = 90, .sm_count = 132}));
 //   if (kernel == nullptr) ... no kernel takes it on a GPU: compute on the host
@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -19,15 +20,25 @@
 
 namespace normgrad::kernels {
 
-// What a backward request fixes for its whole batch.
+// What a backward request fixes for its whole batch: the one shape of a request, from the
+// service's validator (server/service/backward_validator.h, which fills it from the stream's
+// header) to the backends and the kernel choice.
 struct BackwardRequest {
-  DType dtype = DType::kF32;
+  uint64_t num_rows = 0;
   uint32_t hidden_dim = 0;
+  float eps = 1e-5f;  // neither checked nor used when a given rms is read (CheckEps)
+  DType dtype = DType::kF32;
   bool rms_provided = false;  // the forward's rms comes with the rows (header.rms_provided)
-  float eps = 1e-5f;
-  absl::string_view kernel;  // an entry name; empty: ChooseBackwardKernel's choice
-  NormVariant variant;
+  std::string kernel;         // an entry name; empty: ChooseBackwardKernel's choice
+  NormVariant variant;        // no gamma: grad_gamma is left alone
 };
+
+// eps is used, so it must be finite and > 0, unless the rows come with their rms
+// (`rms_provided`) and the kernel reads it (`kernel_reads_rms`). INVALID_ARGUMENT otherwise,
+// naming `field` ("header.eps") and the value. The one check of eps: the service's validator,
+// the backends and the kernel choice all call it.
+absl::Status CheckEps(float eps, bool rms_provided, bool kernel_reads_rms,
+                      absl::string_view field = "eps");
 
 // The device a kernel is emitted and sized for.
 struct BackwardDevice {

@@ -26,6 +26,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kernels/kernel.h"
+#include "kernels/kernel_choice.h"
 #include "server/cache/module_cache.h"
 
 namespace normgrad::server {
@@ -38,18 +39,6 @@ struct DeviceDescription {
   std::string driver_version;       // "13.0"; empty on the CPU backend
   std::string max_ptx_version;      // highest PTX ISA the driver accepts; empty on CPU
   uint32_t sm_count = 0;            // multiprocessors (CPU: worker threads)
-};
-
-// What the stream's header fixed for the whole batch (already validated by the service for
-// sizes and ranges; the backend checks what only it knows, e.g. the kernel's CanImplement).
-struct BatchSpec {
-  uint64_t num_rows = 0;
-  uint32_t hidden_dim = 0;
-  float eps = 1e-5f;
-  kernels::DType dtype = kernels::DType::kF32;
-  bool rms_provided = false;
-  std::string kernel;  // entry name; empty = the backend's best choice
-  kernels::NormVariant variant;  // no gamma: the session leaves grad_gamma alone
 };
 
 // The size of a CUDA IPC memory handle (cuda.h's CU_IPC_HANDLE_SIZE).
@@ -106,7 +95,7 @@ class Backend {
   // gamma: hidden_dim elements of spec.dtype. Errors: INVALID_ARGUMENT (unknown kernel,
   // CanImplement), RESOURCE_EXHAUSTED (device memory), INTERNAL (JIT log), UNAVAILABLE.
   virtual absl::StatusOr<std::unique_ptr<BackwardSession>> StartBackward(
-      const BatchSpec& spec, absl::Span<const uint8_t> gamma) = 0;
+      const kernels::BackwardRequest& spec, absl::Span<const uint8_t> gamma) = 0;
 
   // Compiles (or finds) the module for `config` of `kernel` ahead of use (--preload).
   // The CPU backend has nothing to compile and returns OK.

@@ -9,7 +9,7 @@
 
 namespace normgrad::server::backend_internal {
 
-BackwardSessionBase::BackwardSessionBase(const BatchSpec& spec, std::vector<double> dgamma_sum)
+BackwardSessionBase::BackwardSessionBase(const kernels::BackwardRequest& spec, std::vector<double> dgamma_sum)
     : spec_(spec), dgamma_sum_(std::move(dgamma_sum)) {
   dgamma_sum_.assign(spec.hidden_dim, 0.0);
 }

@@ -28,13 +28,13 @@ class BackwardSessionBase : public BackwardSession {
 
  protected:
   // `dgamma_sum`: storage to reuse (a pool's); resized to hidden_dim zeros.
-  explicit BackwardSessionBase(const BatchSpec& spec, std::vector<double> dgamma_sum = {});
+  explicit BackwardSessionBase(const kernels::BackwardRequest& spec, std::vector<double> dgamma_sum = {});
 
   // Runs `compute` and adds its time to ComputeSeconds; on success `rows` more rows are done, on
   // failure the session is broken (the chunk may be half done): every later call returns it.
   absl::Status Compute(uint64_t rows, const std::function<absl::Status()>& compute);
 
-  const BatchSpec spec_;
+  const kernels::BackwardRequest spec_;
   uint64_t rows_done_ = 0;
   std::vector<double> dgamma_sum_;  // the batch's grad_gamma so far
   absl::Status broken_;             // OK until a chunk failed

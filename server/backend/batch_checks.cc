@@ -9,7 +9,7 @@ namespace normgrad::server::backend_internal {
 namespace {
 
 absl::Status CheckBufferBytes(absl::string_view field, size_t actual, uint64_t rows,
-                              const BatchSpec& spec) {
+                              const kernels::BackwardRequest& spec) {
   const uint64_t expected = rows * spec.hidden_dim * ElementBytes(spec.dtype);
   if (actual == expected) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
@@ -33,12 +33,10 @@ absl::string_view ElementName(kernels::DType dtype) {
   return "unknown";
 }
 
-absl::Status CheckBatch(const BatchSpec& spec, size_t gamma_bytes) {
+absl::Status CheckBatch(const kernels::BackwardRequest& spec, size_t gamma_bytes) {
   if (spec.num_rows == 0) return absl::InvalidArgumentError("num_rows must be >= 1, got 0");
   if (spec.hidden_dim == 0) return absl::InvalidArgumentError("hidden_dim must be >= 1, got 0");
-  if (!spec.rms_provided && !(std::isfinite(spec.eps) && spec.eps > 0)) {
-    return absl::InvalidArgumentError(absl::StrCat("eps must be finite and > 0, got ", spec.eps));
-  }
+  NORMGRAD_RETURN_IF_ERROR(kernels::CheckEps(spec.eps, spec.rms_provided, /*kernel_reads_rms=*/true));
   if (!std::isfinite(spec.variant.gamma_offset)) {
     return absl::InvalidArgumentError(
         absl::StrCat("gamma_offset must be finite, got ", spec.variant.gamma_offset));
@@ -57,7 +55,7 @@ absl::Status CheckBatch(const BatchSpec& spec, size_t gamma_bytes) {
   return absl::OkStatus();
 }
 
-absl::Status CheckChunk(const BatchSpec& spec, uint64_t rows_done, uint64_t rows, size_t x_bytes,
+absl::Status CheckChunk(const kernels::BackwardRequest& spec, uint64_t rows_done, uint64_t rows, size_t x_bytes,
                         size_t dy_bytes, absl::Span<const float> rms, size_t dx_bytes) {
   if (rows == 0) return absl::InvalidArgumentError("a chunk must carry at least 1 row, got 0");
   if (rows > spec.num_rows - rows_done) {
@@ -85,7 +83,7 @@ absl::Status CheckChunk(const BatchSpec& spec, uint64_t rows_done, uint64_t rows
   return absl::OkStatus();
 }
 
-absl::Status CheckFinish(const BatchSpec& spec, uint64_t rows_done, size_t dgamma_bytes) {
+absl::Status CheckFinish(const kernels::BackwardRequest& spec, uint64_t rows_done, size_t dgamma_bytes) {
   if (rows_done != spec.num_rows) {
     return absl::InvalidArgumentError(
         absl::StrCat("batch ended after ", rows_done, " rows; num_rows declared ", spec.num_rows));
@@ -98,17 +96,6 @@ absl::Status CheckFinish(const BatchSpec& spec, uint64_t rows_done, size_t dgamm
                      spec.variant.has_gamma ? "" : " (a batch without gamma has no grad_gamma)"));
   }
   return absl::OkStatus();
-}
-
-kernels::BackwardRequest RequestOf(const BatchSpec& spec) {
-  kernels::BackwardRequest request;
-  request.dtype = spec.dtype;
-  request.hidden_dim = spec.hidden_dim;
-  request.rms_provided = spec.rms_provided;
-  request.eps = spec.eps;
-  request.kernel = spec.kernel;
-  request.variant = spec.variant;
-  return request;
 }
 
 }  // namespace normgrad::server::backend_internal

@@ -82,13 +82,13 @@ class CpuBackwardSession : public backend_internal::BackwardSessionBase {
  public:
   // `gamma_f64` holds the batch's gamma as double; the three buffers come from and go back to
   // `buffers`.
-  CpuBackwardSession(const BatchSpec& spec, std::vector<double> gamma_f64, ThreadPool* pool,
+  CpuBackwardSession(const kernels::BackwardRequest& spec, std::vector<double> gamma_f64, ThreadPool* pool,
                      DoubleBufferPool* buffers)
       : BackwardSessionBase(spec, buffers->Take()),
         gamma_f64_(std::move(gamma_f64)),
         pool_(pool),
         buffers_(buffers),
-        reads_rms_(kernels::ReadsGivenRms(backend_internal::RequestOf(spec))),
+        reads_rms_(kernels::ReadsGivenRms(spec)),
         partials_(buffers->Take()) {}
 
   ~CpuBackwardSession() override {
@@ -219,10 +219,10 @@ class CpuBackend : public Backend {
   }
 
   absl::StatusOr<std::unique_ptr<BackwardSession>> StartBackward(
-      const BatchSpec& spec, absl::Span<const uint8_t> gamma) override {
+      const kernels::BackwardRequest& spec, absl::Span<const uint8_t> gamma) override {
     NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckBatch(spec, gamma.size()));
     // A named kernel is honoured for its validity rules (the CPU computes the same math).
-    NORMGRAD_RETURN_IF_ERROR(kernels::CheckNamedKernel(backend_internal::RequestOf(spec)));
+    NORMGRAD_RETURN_IF_ERROR(kernels::CheckNamedKernel(spec));
     // The scale (kernels::NormVariant): gamma as f32 a piece at a time (no buffer of hidden_dim
     // floats), plus the offset in one f32 add, then as double; 1 without gamma.
     std::vector<double> gamma_f64 = buffers_.Take();

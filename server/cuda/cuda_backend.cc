@@ -54,10 +54,10 @@ class CudaBackend : public Backend {
   DeviceDescription Device() const override { return device_; }
 
   absl::StatusOr<std::unique_ptr<BackwardSession>> StartBackward(
-      const BatchSpec& spec, absl::Span<const uint8_t> gamma) override {
+      const kernels::BackwardRequest& spec, absl::Span<const uint8_t> gamma) override {
     NORMGRAD_RETURN_IF_ERROR(ctx_->failure());
     NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckBatch(spec, gamma.size()));
-    const kernels::BackwardRequest request = backend_internal::RequestOf(spec);
+    const kernels::BackwardRequest& request = spec;
     // sm_count sizes the row-resident kernel's persistent grid.
     const kernels::BackwardDevice device{target_sm_, device_.sm_count};
     NORMGRAD_ASSIGN_OR_RETURN(const kernels::BackwardKernel* kernel,

@@ -14,7 +14,7 @@
 namespace normgrad::server::cuda_internal {
 
 CudaBackwardSession::CudaBackwardSession(std::shared_ptr<const DeviceContext> ctx,
-                                         const BatchSpec& spec,
+                                         const kernels::BackwardRequest& spec,
                                          std::optional<kernels::BackwardPlan> plan,
                                          std::shared_ptr<const LoadedModule> module,
                                          std::vector<uint8_t> gamma, std::vector<float> gamma_f32,

@@ -39,7 +39,7 @@ class CudaBackwardSession : public backend_internal::BackwardSessionBase {
   // plan and module: empty for the host path; module: the plan's kernel, loaded in the device's
   // context. gamma: hidden_dim elements of spec.dtype as given; gamma_f32: the same as f32 (host
   // path). piece_bytes: bytes of x per piece of a chunk (CudaBackendOptions).
-  CudaBackwardSession(std::shared_ptr<const DeviceContext> ctx, const BatchSpec& spec,
+  CudaBackwardSession(std::shared_ptr<const DeviceContext> ctx, const kernels::BackwardRequest& spec,
                       std::optional<kernels::BackwardPlan> plan,
                       std::shared_ptr<const LoadedModule> module, std::vector<uint8_t> gamma,
                       std::vector<float> gamma_f32, std::shared_ptr<StagingPool> staging,

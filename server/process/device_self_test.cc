@@ -49,7 +49,7 @@ absl::Status RunDeviceSelfTest(Backend& backend) {
   for (size_t i = 0; i < gamma.size(); ++i) {
     gamma[i] = static_cast<float>(1.0 + 0.5 * std::sin(0.11 * static_cast<double>(i)));
   }
-  BatchSpec spec;
+  kernels::BackwardRequest spec;
   spec.num_rows = rows;
   spec.hidden_dim = hidden;
   spec.eps = 1e-5f;

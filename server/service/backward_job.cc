@@ -13,7 +13,7 @@
 namespace normgrad::server {
 
 absl::StatusOr<std::unique_ptr<Outgoing>> BackwardJobRunner::Run(BackwardJob& job,
-                                                                 const BatchSpec& spec) {
+                                                                 const kernels::BackwardRequest& spec) {
   switch (job.kind) {
     case BackwardJob::kStart: {
       const std::string& gamma = job.request->header().gamma();
@@ -32,7 +32,7 @@ absl::StatusOr<std::unique_ptr<Outgoing>> BackwardJobRunner::Run(BackwardJob& jo
 }
 
 absl::StatusOr<std::unique_ptr<Outgoing>> BackwardJobRunner::RunChunk(BackwardJob& job,
-                                                                      const BatchSpec& spec) {
+                                                                      const kernels::BackwardRequest& spec) {
   const v1::BackwardRequest& r = *job.request;
   const RowLayout layout = RowLayout::Of(spec);
   auto out = std::make_unique<Outgoing>();
@@ -93,7 +93,7 @@ absl::StatusOr<std::unique_ptr<Outgoing>> BackwardJobRunner::RunChunk(BackwardJo
 }
 
 absl::StatusOr<std::unique_ptr<Outgoing>> BackwardJobRunner::RunFinish(const BackwardJob& job,
-                                                                       const BatchSpec& spec) {
+                                                                       const kernels::BackwardRequest& spec) {
   auto out = std::make_unique<Outgoing>();
   out->is_final = true;
   // A batch without gamma has no grad_gamma: the field stays unset.

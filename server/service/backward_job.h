@@ -76,15 +76,15 @@ class BackwardJobRunner {
 
   // `spec`: the batch's, fixed once its header was accepted. Returns null for kStart (nothing
   // to write). A chunk or finish before a successful kStart is a programming error.
-  absl::StatusOr<std::unique_ptr<Outgoing>> Run(BackwardJob& job, const BatchSpec& spec);
+  absl::StatusOr<std::unique_ptr<Outgoing>> Run(BackwardJob& job, const kernels::BackwardRequest& spec);
 
   // Drops the backend session: before the backend may go away.
   void Close() { session_.reset(); }
 
  private:
-  absl::StatusOr<std::unique_ptr<Outgoing>> RunChunk(BackwardJob& job, const BatchSpec& spec);
+  absl::StatusOr<std::unique_ptr<Outgoing>> RunChunk(BackwardJob& job, const kernels::BackwardRequest& spec);
   absl::StatusOr<std::unique_ptr<Outgoing>> RunFinish(const BackwardJob& job,
-                                                      const BatchSpec& spec);
+                                                      const kernels::BackwardRequest& spec);
 
   Backend& backend_;
   const std::function<void()> count_chunk_;

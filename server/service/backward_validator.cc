@@ -7,6 +7,7 @@
 #include "base/bounded_quote.h"
 #include "base/status_macros.h"
 #include "kernels/kernel.h"
+#include "kernels/kernel_choice.h"
 #include "server/proto_conversion/proto_conversion.h"
 
 namespace normgrad::server {
@@ -67,10 +68,8 @@ absl::Status BackwardValidator::AcceptHeader(const v1::BackwardRequest& message,
       CheckSize("header.hidden_dim", h.hidden_dim(), limits_.max_hidden_dim, "--max-hidden-dim"));
   NORMGRAD_ASSIGN_OR_RETURN(const kernels::DType dtype, DTypeFromProto(h.dtype(), "header.dtype"));
   const uint64_t element_bytes = kernels::DTypeBytes(dtype);
-  if (!h.rms_provided() && !(std::isfinite(h.eps()) && h.eps() > 0.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "header.eps is ", h.eps(), "; must be finite and > 0 (or set header.rms_provided)"));
-  }
+  NORMGRAD_RETURN_IF_ERROR(
+      kernels::CheckEps(h.eps(), h.rms_provided(), /*kernel_reads_rms=*/true, "header.eps"));
   NORMGRAD_ASSIGN_OR_RETURN(const kernels::NormVariant variant, VariantFromHeader(h));
   const uint64_t gamma_expected = variant.has_gamma ? uint64_t{h.hidden_dim()} * element_bytes : 0;
   if (!variant.has_gamma && !h.gamma().empty()) {
@@ -82,28 +81,27 @@ absl::Status BackwardValidator::AcceptHeader(const v1::BackwardRequest& message,
         "header.gamma has ", h.gamma().size(), " bytes, not hidden_dim*", element_bytes, " = ",
         gamma_expected));
   }
-  const std::string& kernel_name = h.options().kernel();
-  if (!kernel_name.empty()) {
+  kernels::BackwardRequest request;
+  request.num_rows = h.num_rows();
+  request.hidden_dim = h.hidden_dim();
+  request.eps = h.eps();
+  request.dtype = dtype;
+  request.rms_provided = h.rms_provided();
+  request.kernel = h.options().kernel();
+  request.variant = variant;
+  if (!request.kernel.empty()) {
     NORMGRAD_ASSIGN_OR_RETURN(const kernels::Kernel* kernel,
-                              KernelNamed(kernel_name, "header.options.kernel"));
-    kernels::KernelConfig config;
-    config.hidden_dim = h.hidden_dim();
-    config.dtype = dtype;
-    config.variant = variant;
+                              KernelNamed(request.kernel, "header.options.kernel"));
+    const kernels::KernelConfig config =
+        kernels::ConfigFor(request, {.target_sm = kernels::kProbeTargetSm});
     if (absl::Status s = kernel->CanImplement(config); !s.ok()) {
       return absl::Status(s.code(),
-                          absl::StrCat("header.options.kernel ", base::BoundedQuote(kernel_name),
+                          absl::StrCat("header.options.kernel ", base::BoundedQuote(request.kernel),
                                        " cannot run this batch: ", s.message()));
     }
   }
   has_header_ = true;
-  spec_.num_rows = h.num_rows();
-  spec_.hidden_dim = h.hidden_dim();
-  spec_.eps = h.eps();
-  spec_.dtype = dtype;
-  spec_.rms_provided = h.rms_provided();
-  spec_.kernel = kernel_name;
-  spec_.variant = variant;
+  spec_ = std::move(request);
   element_bytes_ = element_bytes;
   row_bytes_ = uint64_t{h.hidden_dim()} * element_bytes;
   return absl::OkStatus();

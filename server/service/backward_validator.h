@@ -58,7 +58,7 @@ class BackwardValidator {
   absl::Status AtEndOfStream() const;
 
   bool has_header() const { return has_header_; }
-  const BatchSpec& spec() const { return spec_; }  // valid once has_header()
+  const kernels::BackwardRequest& spec() const { return spec_; }  // valid once has_header()
   uint64_t rows_received() const { return rows_received_; }
   uint64_t chunks_received() const { return chunks_received_; }
   uint64_t row_bytes() const { return row_bytes_; }  // hidden_dim * element size
@@ -75,7 +75,7 @@ class BackwardValidator {
 
   BackwardLimits limits_;
   bool has_header_ = false;
-  BatchSpec spec_;
+  kernels::BackwardRequest spec_;
   uint64_t element_bytes_ = 4;
   uint64_t row_bytes_ = 0;
   uint64_t rows_received_ = 0;

@@ -41,7 +41,7 @@ constexpr absl::string_view kInPlaceRule =
 
 }  // namespace
 
-RowLayout RowLayout::Of(const BatchSpec& spec) {
+RowLayout RowLayout::Of(const kernels::BackwardRequest& spec) {
   RowLayout layout;
   layout.element_bytes = kernels::DTypeBytes(spec.dtype);
   layout.row_bytes = uint64_t{spec.hidden_dim} * layout.element_bytes;

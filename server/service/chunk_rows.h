@@ -32,7 +32,7 @@ struct RowLayout {
   uint64_t row_bytes = 0;      // hidden_dim * element_bytes: one row of x, dy or grad_input
   uint64_t element_bytes = 0;  // of header.dtype
   bool rms_provided = false;   // rms: 4 bytes a row
-  static RowLayout Of(const BatchSpec& spec);
+  static RowLayout Of(const kernels::BackwardRequest& spec);
 };
 
 // A chunk's rows in a shared-memory region: byte offsets checked against the region (in range,

@@ -62,7 +62,7 @@ absl::StatusOr<std::unique_ptr<Outgoing>> RunOneMessageBackward(
   absl::Cleanup release_bytes = [&] { deps.admission->ReleaseBytes(reserved); };
 
   BackwardJobRunner runner(*deps.backend, [metrics = deps.metrics] { metrics->chunks.Increment(); });
-  const BatchSpec& spec = validator.spec();
+  const kernels::BackwardRequest& spec = validator.spec();
   BackwardJob start_job;
   start_job.kind = BackwardJob::kStart;
   start_job.request = std::move(header);

@@ -63,7 +63,7 @@ namespace {
 
 using normgrad::kernels::DType;
 using normgrad::server::Backend;
-using normgrad::server::BatchSpec;
+using normgrad::kernels::BackwardRequest;
 
 double Seconds(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -151,7 +151,7 @@ Timing Measure(Backend& backend, normgrad::server::ThreadPool& pool, int threads
     return Seconds(start);
   };
 
-  BatchSpec spec;
+  BackwardRequest spec;
   spec.num_rows = shape.rows;
   spec.hidden_dim = shape.hidden;
   spec.dtype = shape.dtype;

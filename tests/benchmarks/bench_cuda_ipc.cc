@@ -141,7 +141,7 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<normgrad::server::Backend>> backend =
       normgrad::server::CreateBackend(backend_options);
   if (!backend.ok()) return Fail(backend.status().ToString());
-  normgrad::server::BatchSpec spec;
+  normgrad::kernels::BackwardRequest spec;
   spec.num_rows = rows;
   spec.hidden_dim = hidden;
   spec.dtype = *dtype;

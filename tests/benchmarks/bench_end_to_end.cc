@@ -237,7 +237,7 @@ double Percentile(std::vector<double> v, double p) {
 double InProcessSeconds(normgrad::server::Backend& backend, absl::Span<const float> x,
                         absl::Span<const float> dy, absl::Span<const float> gamma,
                         uint64_t rows, uint32_t hidden, absl::Span<float> dx, int repeats) {
-  normgrad::server::BatchSpec spec;
+  normgrad::kernels::BackwardRequest spec;
   spec.num_rows = rows;
   spec.hidden_dim = hidden;
   auto bytes = [](absl::Span<const float> v) {

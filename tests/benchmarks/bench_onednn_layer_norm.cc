@@ -50,7 +50,7 @@ ABSL_FLAG(uint64_t, sweep_mib, 64, "MiB of x per sweep shape");
 namespace {
 
 using normgrad::server::Backend;
-using normgrad::server::BatchSpec;
+using normgrad::kernels::BackwardRequest;
 
 double Seconds(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -165,7 +165,7 @@ int main(int argc, char** argv) {
     const uint64_t bytes = rows * hidden * sizeof(float);
     auto as_bytes = [](const float* p) { return reinterpret_cast<const uint8_t*>(p); };
 
-    BatchSpec spec;
+    BackwardRequest spec;
     spec.num_rows = rows;
     spec.hidden_dim = hidden;
     spec.eps = eps;

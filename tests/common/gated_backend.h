@@ -198,7 +198,7 @@ class GatedBackend final : public server::Backend {
   absl::string_view Name() const override { return inner_->Name(); }
   server::DeviceDescription Device() const override { return inner_->Device(); }
   absl::StatusOr<std::unique_ptr<server::BackwardSession>> StartBackward(
-      const server::BatchSpec& spec, absl::Span<const uint8_t> gamma) override {
+      const kernels::BackwardRequest& spec, absl::Span<const uint8_t> gamma) override {
     absl::StatusOr<std::unique_ptr<server::BackwardSession>> s = inner_->StartBackward(spec, gamma);
     if (!s.ok()) return s;
     const uint64_t row_bytes = uint64_t{spec.hidden_dim} * kernels::DTypeBytes(spec.dtype);

@@ -145,7 +145,7 @@ int RunDtype(const Options& o, kernels::DType dtype) {
     sides[s].buf.dgamma.assign(o.hidden * elem, 0);
   }
 
-  BatchSpec spec;
+  kernels::BackwardRequest spec;
   spec.num_rows = rows;
   spec.hidden_dim = o.hidden;
   spec.dtype = dtype;

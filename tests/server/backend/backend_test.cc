@@ -254,7 +254,7 @@ TEST_P(BackendHalfPrecisionTest, MatchesReferenceOnRoundedInputs) {
   const Gradients want = Reference(b);
   const TermScales scale = Scales(b);
 
-  BatchSpec spec;
+  kernels::BackwardRequest spec;
   spec.num_rows = b.rows;
   spec.hidden_dim = b.hidden;
   spec.eps = b.eps;
@@ -331,7 +331,7 @@ class BackendRefusalTest : public ::testing::Test {
 
   std::unique_ptr<Backend> backend_;
   Batch batch_;
-  BatchSpec spec_;
+  kernels::BackwardRequest spec_;
   std::vector<float> dx_ = std::vector<float>(32);
 };
 

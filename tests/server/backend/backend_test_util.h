@@ -106,7 +106,7 @@ inline absl::StatusOr<Gradients> RunF32(Backend& backend, const Batch& b, uint64
                                         const std::string& kernel = "",
                                         const kernels::NormVariant& variant = {},
                                         bool in_place = false) {
-  BatchSpec spec;
+  kernels::BackwardRequest spec;
   spec.num_rows = b.rows;
   spec.hidden_dim = b.hidden;
   spec.eps = b.eps;

@@ -90,7 +90,7 @@ void ExpectMisalignedSameAsAligned(uint64_t rows, uint32_t hidden, bool with_rms
   std::vector<uint8_t> x(n + 1), dy(n + 1), dx(n + 1);
   std::memcpy(x.data() + 1, b.x.data(), n);
   std::memcpy(dy.data() + 1, b.dy.data(), n);
-  BatchSpec spec;
+  kernels::BackwardRequest spec;
   spec.num_rows = rows;
   spec.hidden_dim = hidden;
   spec.eps = b.eps;
@@ -146,7 +146,7 @@ void ExpectDirectSameAsStaged(kernels::DType dtype, uint64_t rows, uint32_t hidd
   host_rows::ConvertFromF32(dtype, x.data(), xb.data(), x.size());
   host_rows::ConvertFromF32(dtype, dy.data(), dyb.data(), dy.size());
   host_rows::ConvertFromF32(dtype, b.gamma.data(), gb.data(), hidden);
-  BatchSpec spec;
+  kernels::BackwardRequest spec;
   spec.num_rows = rows;
   spec.hidden_dim = hidden;
   spec.eps = b.eps;

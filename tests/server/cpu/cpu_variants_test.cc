@@ -155,7 +155,7 @@ struct Got {
 absl::StatusOr<Got> RunOnCpu(const Case& c, const Inputs& in, uint64_t chunk_rows, bool in_place,
                              int threads = 2) {
   std::unique_ptr<Backend> cpu = NewCpuBackend({.threads = threads});
-  const BatchSpec spec{in.rows, c.hidden, in.eps, c.dtype, c.with_rms, "", c.variant};
+  const kernels::BackwardRequest spec{in.rows, c.hidden, in.eps, c.dtype, c.with_rms, "", c.variant};
   absl::StatusOr<std::unique_ptr<BackwardSession>> session =
       cpu->StartBackward(spec, absl::MakeConstSpan(in.gamma));
   if (!session.ok()) return session.status();
@@ -306,7 +306,7 @@ TEST(CpuVariantsTest, InPlaceF32OffAlignmentIsStagedAndStillExact) {
   absl::StatusOr<Got> apart = RunOnCpu(c, in, 50, /*in_place=*/false);
   ASSERT_TRUE(apart.ok());
   std::unique_ptr<Backend> cpu = NewCpuBackend({.threads = 2});
-  const BatchSpec spec{50, 37, in.eps, DType::kF32, false, "", {}};
+  const kernels::BackwardRequest spec{50, 37, in.eps, DType::kF32, false, "", {}};
   absl::StatusOr<std::unique_ptr<BackwardSession>> session =
       cpu->StartBackward(spec, absl::MakeConstSpan(in.gamma));
   ASSERT_TRUE(session.ok());
@@ -327,7 +327,7 @@ TEST(CpuVariantsTest, InPlaceF32OffAlignmentIsStagedAndStillExact) {
 TEST(CpuVariantsTest, NoGammaTakesNoGammaAndWritesNoGradGamma) {
   const Case c{DType::kF32, 8, {0.0f, false, CastingMode::kGemma}, false};
   std::unique_ptr<Backend> cpu = NewCpuBackend({.threads = 1});
-  const BatchSpec spec{1, 8, 1e-5f, DType::kF32, false, "", c.variant};
+  const kernels::BackwardRequest spec{1, 8, 1e-5f, DType::kF32, false, "", c.variant};
   std::vector<uint8_t> gamma(32);
   absl::StatusOr<std::unique_ptr<BackwardSession>> refused =
       cpu->StartBackward(spec, absl::MakeConstSpan(gamma));

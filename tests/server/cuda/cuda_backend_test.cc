@@ -300,7 +300,7 @@ TEST(CudaBackendTest, RowResidentKernelIsTheDefaultAndMatchesReference) {
   std::unique_ptr<Backend> cuda = ScriptedCuda();
   ASSERT_NE(cuda, nullptr);
   const Batch b = MakeBatch(301, 96, /*with_rms=*/false);
-  BatchSpec spec;
+  kernels::BackwardRequest spec;
   spec.num_rows = b.rows;
   spec.hidden_dim = b.hidden;
   auto session = cuda->StartBackward(spec, Bytes(b.gamma));
@@ -341,7 +341,7 @@ TEST(CudaBackendTest, NamedWarpKernelUsesTheGivenRms) {
   ASSERT_NE(cuda, nullptr);
   Batch b = MakeBatch(50, 31, /*with_rms=*/true);
   for (float& r : b.rms) r *= 1.25f;  // not what x implies: proves the given rms is used
-  BatchSpec spec;
+  kernels::BackwardRequest spec;
   spec.num_rows = b.rows;
   spec.hidden_dim = b.hidden;
   spec.rms_provided = true;
@@ -482,7 +482,7 @@ TEST(CudaBackendTest, IdleSessionsHoldNoStagingAndChunksReuseOneSlot) {
     std::unique_ptr<Backend> cuda = ScriptedCuda();
     ASSERT_NE(cuda, nullptr);
     const Batch b = MakeBatch(64, 256, false);
-    BatchSpec spec;
+    kernels::BackwardRequest spec;
     spec.num_rows = b.rows;
     spec.hidden_dim = b.hidden;
     std::vector<std::unique_ptr<BackwardSession>> sessions;

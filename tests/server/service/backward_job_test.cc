@@ -61,7 +61,7 @@ class BackwardJobTest : public ::testing::Test {
   int chunks_counted_ = 0;
   BackwardJobRunner runner_;
   testing::Batch batch_;
-  BatchSpec spec_;
+  kernels::BackwardRequest spec_;
   std::vector<float> want_dx_, want_dgamma_;
 };
 
