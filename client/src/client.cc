@@ -15,6 +15,7 @@
 #include <cstring>
 #include <functional>
 #include <future>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -26,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "client/src/backward_exchange.h"
 #include "client/src/channel_config.h"
 #include "client/src/chunking.h"
 #include "client/src/grpc_status.h"
@@ -112,21 +114,6 @@ absl::Span<uint8_t> AsBytes(absl::Span<float> s) {
 
 class ClientImpl;
 
-// A call's BackwardHeader, for the stream's first message and the unary request alike.
-void FillHeader(const RawBackwardArgs& a, const BackwardOptions& options,
-                v1::BackwardHeader* header) {
-  header->set_num_rows(a.num_rows);
-  header->set_hidden_dim(a.hidden_dim);
-  header->set_eps(a.eps);
-  header->set_dtype(ToProtoDType(a.type));
-  header->set_gamma(a.gamma.data(), a.gamma.size());
-  header->set_rms_provided(a.device.has_value() ? a.device->rms.has_value() : !a.rms.empty());
-  header->set_gamma_offset(a.gamma_offset);
-  header->set_no_gamma(a.no_gamma);
-  header->set_casting_mode(a.casting_mode);
-  if (!options.kernel.empty()) header->mutable_options()->set_kernel(options.kernel);
-}
-
 constexpr char kBackwardMethod[] = "/normgrad.v1.NormGrad/RmsNormBackward";
 constexpr char kBackwardUnaryMethod[] = "/normgrad.v1.NormGrad/RmsNormBackwardUnary";
 
@@ -205,8 +192,7 @@ class BackwardCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc
     BackwardCall* call = nullptr;
   };
 
-  // The server reads and writes the caller's memory (a shared-memory region, CUDA IPC buffers).
-  bool MemoryCall() const { return shared_->shm.has_value() || shared_->args.device.has_value(); }
+  bool MemoryCall() const { return exchange_.memory_call(); }
   // The in-order cancel of a memory call (docs/api.md, "The end of a call"): no chunk is sent
   // after it; a BackwardRequest.cancel follows the chunks already sent, and the server's status
   // then comes only once its jobs are done. Cut off (TryCancel) after writes_done_grace.
@@ -220,16 +206,14 @@ class BackwardCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc
   // Runs `then(call)` at `at` unless OnDone came first.
   void SetTimer(std::unique_ptr<grpc::Alarm>& alarm, absl::Time at,
                 std::function<void(BackwardCall*)> then);
-  // What the write chain does next, decided under mu_: nothing (a write is in flight, or a
-  // memory call waits for a response before it sends more), a message in request_ (a chunk or
-  // the cancel), or the half-close.
-  enum class NextWrite { kNothing, kMessage, kWritesDone };
+  // What the write chain does next (the exchange decides, under mu_), with a message encoded
+  // in request_buffer_.
+  using NextWrite = BackwardExchange::Next;
   NextWrite NextWriteLocked();
   void Issue(NextWrite next);
-  void FillChunkLocked(uint64_t index);
-  // request_ on the wire, x, dy and rms not copied but pointed at (the Shared's pin).
-  void EncodeRequestLocked(absl::Span<const v1::BulkField> bulk = {});
-  absl::Status TakeResponseLocked();
+  // The exchange's message on the wire, x, dy and rms not copied but pointed at (the Shared's
+  // pin).
+  void EncodeRequestLocked();
 
   // The reactions run on gRPC's threads, one write chain and one read chain at a time. Every
   // reaction takes mu_ before it touches the state, and Start publishes the state under it: the
@@ -240,32 +224,18 @@ class BackwardCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc
   ClientImpl* client_;
   std::shared_ptr<Shared> shared_;
   int attempt_;
-  RowChunker chunker_;
-  uint64_t row_bytes_;
+  // The call's state: what is written next, what came back (guarded by mu_). exposed(): a chunk
+  // naming the caller's memory was handed to gRPC, so the server may touch that memory until its
+  // status says it stopped (kWritesDoneTrailer); cancel_status(): why CancelInOrder ran (the
+  // call's status unless it ended OK).
+  BackwardExchange exchange_;
   grpc::ClientContext context_;
-  v1::BackwardRequest request_;      // the message, less the row bytes of a chunk
-  grpc::ByteBuffer request_buffer_;  // request_ and the row bytes, as written
+  grpc::ByteBuffer request_buffer_;   // the exchange's message and its row bytes, as written
   grpc::ByteBuffer response_buffer_;  // as read
   v1::BackwardResponse response_;     // response_buffer_, less grad_input
   v1::ReceivedBytes grad_input_;      // grad_input where gRPC received it
-  uint64_t next_chunk_ = 0;
-  uint64_t rows_received_ = 0;
   bool any_response_ = false;
-  bool final_received_ = false;
-  BackwardSummary summary_;
   absl::Status error_;  // a malformed reply seen in OnReadDone; the call is cancelled
-  // The write chain, for the in-order cancel (guarded by mu_). A memory call keeps at most
-  // kMemoryChunksAhead chunks unanswered, so that an in-order cancel waits behind no more.
-  static constexpr uint64_t kMemoryChunksAhead = 3;
-  uint64_t chunks_answered_ = 0;
-  bool progress_to_report_ = false;
-  bool write_in_flight_ = false;
-  bool writes_done_ = false;
-  bool cancel_sent_ = false;
-  // A chunk naming the caller's memory was handed to gRPC: from here on the server may touch
-  // that memory until its status says it stopped (kWritesDoneTrailer).
-  bool exposed_ = false;
-  absl::Status cancel_status_;  // why CancelInOrder ran (the call's status unless it ended OK)
   std::shared_ptr<TimerTarget> timer_target_ = std::make_shared<TimerTarget>();
   std::unique_ptr<grpc::Alarm> deadline_alarm_;  // the caller's deadline (memory calls)
   std::unique_ptr<grpc::Alarm> grace_alarm_;     // the cut-off after an in-order cancel
@@ -281,7 +251,11 @@ class UnaryBackwardCall final : public grpc::ClientUnaryReactor {
  public:
   using Shared = BackwardCall::Shared;
   UnaryBackwardCall(ClientImpl* client, std::shared_ptr<Shared> shared, int attempt)
-      : client_(client), shared_(std::move(shared)), attempt_(attempt) {}
+      : client_(client),
+        shared_(std::move(shared)),
+        attempt_(attempt),
+        exchange_(shared_->args, shared_->options, /*shm=*/nullptr,
+                  /*chunk_bytes=*/std::numeric_limits<uint64_t>::max()) {}  // one message
   void Start();
   void OnDone(const grpc::Status& status) override;
 
@@ -293,10 +267,10 @@ class UnaryBackwardCall final : public grpc::ClientUnaryReactor {
   ClientImpl* client_;
   std::shared_ptr<Shared> shared_;
   int attempt_;
+  BackwardExchange exchange_;  // the whole batch in one message, and its one answer
   grpc::ClientContext context_;
   grpc::ByteBuffer request_;
   grpc::ByteBuffer response_;
-  BackwardSummary summary_;
 };
 
 // Hands a call's result to its caller once gRPC gave back the caller's memory (MemoryLoan).
@@ -643,12 +617,10 @@ BackwardCall::BackwardCall(ClientImpl* client, std::shared_ptr<Shared> shared, i
     : client_(client),
       shared_(std::move(shared)),
       attempt_(attempt),
-      chunker_(shared_->args.num_rows,
-               uint64_t{shared_->args.hidden_dim} * ElementBytes(shared_->args.type),
-               shared_->shm.has_value() || shared_->args.device.has_value()
-                   ? client->options().shm_chunk_bytes
-                   : client->options().chunk_bytes),
-      row_bytes_(uint64_t{shared_->args.hidden_dim} * ElementBytes(shared_->args.type)) {}
+      exchange_(shared_->args, shared_->options, shared_->shm ? &*shared_->shm : nullptr,
+                shared_->shm.has_value() || shared_->args.device.has_value()
+                    ? client->options().shm_chunk_bytes
+                    : client->options().chunk_bytes) {}
 
 void BackwardCall::Start() {
   const bool memory = MemoryCall();
@@ -668,8 +640,6 @@ void BackwardCall::Start() {
       }
     }
     client_->AddMetadata(context_);
-    const RawBackwardArgs& a = shared_->args;
-    FillHeader(a, shared_->options, request_.mutable_header());
   }
   // ClientContext::TryCancel may come before the call starts (the call then starts cancelled).
   // gRPC does not run this reactor's OnDone inline inside TryCancel, so OnDone's Detach waits
@@ -686,7 +656,7 @@ void BackwardCall::Start() {
                                               this);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    write_in_flight_ = true;  // the header
+    exchange_.StartHeader();
     EncodeRequestLocked();
   }
   AddHold();  // until ReleaseHold: writes may start from outside the reactions until then
@@ -726,14 +696,17 @@ void BackwardCall::SetTimer(std::unique_ptr<grpc::Alarm>& alarm, absl::Time at,
 
 void BackwardCall::CancelInOrder(absl::Status why) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (!cancel_status_.ok()) return;
-  cancel_status_ = std::move(why);
-  if (!exposed_) {
-    // No chunk was handed to gRPC, and none will be (OnWriteDone sees cancel_status_): the
-    // server cannot touch the caller's memory, so the call may simply be cut off.
-    lock.unlock();
-    context_.TryCancel();
-    return;
+  switch (exchange_.Cancel(std::move(why))) {
+    case BackwardExchange::kAlready:
+      return;
+    case BackwardExchange::kCutOff:
+      // No chunk was handed to gRPC, and none will be: the server cannot touch the caller's
+      // memory, so the call may simply be cut off.
+      lock.unlock();
+      context_.TryCancel();
+      return;
+    case BackwardExchange::kInOrder:
+      break;
   }
   SetTimer(grace_alarm_, absl::Now() + client_->options().writes_done_grace,
            [](BackwardCall* call) { call->context_.TryCancel(); });
@@ -743,85 +716,20 @@ void BackwardCall::CancelInOrder(absl::Status why) {
 }
 
 BackwardCall::NextWrite BackwardCall::NextWriteLocked() {
-  if (write_in_flight_ || writes_done_) return NextWrite::kNothing;
-  if (cancel_sent_) {
-    writes_done_ = true;
-    return NextWrite::kWritesDone;
-  }
-  if (!cancel_status_.ok()) {
-    if (!exposed_) return NextWrite::kNothing;  // cut off (CancelInOrder)
-    request_.Clear();
-    request_.set_cancel(true);
-    EncodeRequestLocked();
-    cancel_sent_ = true;
-    write_in_flight_ = true;
-    return NextWrite::kMessage;
-  }
-  if (next_chunk_ >= chunker_.num_chunks()) {
-    writes_done_ = true;
-    return NextWrite::kWritesDone;
-  }
-  if (MemoryCall() && next_chunk_ >= chunks_answered_ + kMemoryChunksAhead) {
-    return NextWrite::kNothing;  // OnReadDone resumes
-  }
-  FillChunkLocked(next_chunk_++);
-  if (MemoryCall()) exposed_ = true;
-  write_in_flight_ = true;
-  return NextWrite::kMessage;
+  const NextWrite next = exchange_.NextWrite();
+  if (next == BackwardExchange::kMessage) EncodeRequestLocked();
+  return next;
 }
 
 void BackwardCall::Issue(NextWrite next) {
-  if (next == NextWrite::kMessage) StartWrite(&request_buffer_);
-  if (next == NextWrite::kWritesDone) StartWritesDone();
+  if (next == BackwardExchange::kMessage) StartWrite(&request_buffer_);
+  if (next == BackwardExchange::kWritesDone) StartWritesDone();
 }
 
-void BackwardCall::FillChunkLocked(uint64_t index) {
-  const RawBackwardArgs& a = shared_->args;
-  const RowRange range = chunker_.Chunk(index);
-  request_.Clear();
-  const uint64_t offset = range.first_row * row_bytes_;
-  const uint64_t bytes = range.num_rows * row_bytes_;
-  if (a.device.has_value()) {
-    const CudaIpcTensors& d = *a.device;
-    v1::CudaIpcChunk* ipc = request_.mutable_cuda_ipc();
-    ipc->set_device_uuid(d.device_uuid);
-    ipc->set_num_rows(range.num_rows);
-    const auto set = [](v1::CudaIpcBuffer* to, const CudaIpcBuffer& from, uint64_t at) {
-      to->set_handle(from.handle);
-      to->set_offset(from.offset + at);
-    };
-    set(ipc->mutable_x(), d.x, offset);
-    set(ipc->mutable_dy(), d.dy, offset);
-    set(ipc->mutable_grad_input(), d.dx, offset);
-    if (d.rms.has_value()) set(ipc->mutable_rms(), *d.rms, range.first_row * 4);
-    EncodeRequestLocked();
-    return;
-  }
-  if (shared_->shm.has_value()) {
-    const ShmPlan& plan = *shared_->shm;
-    v1::SharedMemoryChunk* shm = request_.mutable_shm();
-    shm->set_region_id(plan.region_id);
-    shm->set_region_key(plan.region_key);
-    shm->set_num_rows(range.num_rows);
-    shm->set_x_offset(plan.x + offset);
-    shm->set_dy_offset(plan.dy + offset);
-    if (!a.rms.empty()) shm->set_rms_offset(plan.rms + range.first_row * 4);
-    shm->set_grad_input_offset(plan.dx + offset);
-    EncodeRequestLocked();
-    return;
-  }
-  // The rows go from the caller's arrays: no copy on this side.
-  const v1::BulkField rows[] = {
-      {v1::BackwardRequest::kXFieldNumber, a.x.subspan(offset, bytes)},
-      {v1::BackwardRequest::kDyFieldNumber, a.dy.subspan(offset, bytes)},
-      {v1::BackwardRequest::kRmsFieldNumber,
-       a.rms.empty() ? absl::Span<const uint8_t>()
-                     : a.rms.subspan(range.first_row * 4, range.num_rows * 4)}};
-  EncodeRequestLocked(rows);
-}
-
-void BackwardCall::EncodeRequestLocked(absl::Span<const v1::BulkField> bulk) {
-  request_buffer_ = v1::EncodeWithBulk(request_, bulk, bulk.empty() ? nullptr : shared_->pin);
+void BackwardCall::EncodeRequestLocked() {
+  const absl::Span<const v1::BulkField> bulk = exchange_.bulk();
+  request_buffer_ = v1::EncodeWithBulk(exchange_.message(), bulk,
+                                       bulk.empty() ? nullptr : shared_->pin);
 }
 
 void BackwardCall::OnWriteDone(bool ok) {
@@ -829,69 +737,10 @@ void BackwardCall::OnWriteDone(bool ok) {
   NextWrite next;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    write_in_flight_ = false;
+    exchange_.WriteDone();
     next = NextWriteLocked();
   }
   Issue(next);
-}
-
-absl::Status BackwardCall::TakeResponseLocked() {
-  const RawBackwardArgs& a = shared_->args;
-  if (final_received_) return absl::InternalError("server sent a message after the final one");
-  const bool is_final = !response_.grad_gamma().empty() || response_.has_summary();
-  if (response_.num_rows() > 0 || grad_input_.size() > 0) {
-    const uint64_t first = response_.first_row(), rows = response_.num_rows();
-    if (first > a.num_rows || rows > a.num_rows - first) {
-      return absl::InternalError(absl::StrCat("server sent rows [", first, ", ", first + rows,
-                                              ") of a ", a.num_rows, "-row batch"));
-    }
-    // Chunks come back in batch order (docs/api.md): each starts where the last one ended, so
-    // rows [0, rows_received_) are covered exactly once and the end check sees every row.
-    if (first != rows_received_) {
-      return absl::InternalError(
-          absl::StrCat("server sent rows [", first, ", ", first + rows, ") after rows [0, ",
-                       rows_received_, "): ", first < rows_received_ ? "an overlap" : "a gap",
-                       "; the next chunk must start at row ", rows_received_));
-    }
-    if (shared_->shm.has_value() || a.device.has_value()) {
-      // grad_input is in the region or device buffer already; from a staging region it is
-      // copied out.
-      if (grad_input_.size() > 0) {
-        return absl::InternalError(
-            absl::StrCat("server sent ", grad_input_.size(), " grad_input bytes for a ",
-                         a.device.has_value() ? "device" : "shared-memory", " chunk"));
-      }
-      if (shared_->shm.has_value() && shared_->shm->staging != nullptr) {
-        const ShmPlan& plan = *shared_->shm;
-        std::memcpy(a.dx.data() + first * row_bytes_,
-                    plan.staging->data() + plan.dx + first * row_bytes_, rows * row_bytes_);
-      }
-    } else if (grad_input_.size() != rows * row_bytes_) {
-      return absl::InternalError(absl::StrCat("server sent ", grad_input_.size(),
-                                              " grad_input bytes for ", rows, " rows, expected ",
-                                              rows * row_bytes_));
-    } else {
-      // From gRPC's slices straight into the caller's array: the one copy on this side.
-      grad_input_.CopyTo(a.dx.data() + first * row_bytes_);
-    }
-    rows_received_ += rows;
-    ++chunks_answered_;
-    progress_to_report_ = true;  // reported outside mu_ (a callback may cancel the call)
-  }
-  if (is_final) {
-    if (response_.grad_gamma().size() != a.dgamma.size()) {
-      return absl::InternalError(absl::StrCat("server sent ", response_.grad_gamma().size(),
-                                              " grad_gamma bytes, expected ", a.dgamma.size()));
-    }
-    if (!a.dgamma.empty()) {  // none without gamma
-      std::memcpy(a.dgamma.data(), response_.grad_gamma().data(), a.dgamma.size());
-    }
-    const v1::BackwardSummary& s = response_.summary();
-    summary_ = {s.backend(), s.kernel(),          s.rows(),
-                s.chunks(),  s.compute_seconds(), s.total_seconds()};
-    final_received_ = true;
-  }
-  return absl::OkStatus();
 }
 
 void BackwardCall::OnReadDone(bool ok) {
@@ -900,22 +749,23 @@ void BackwardCall::OnReadDone(bool ok) {
     return;
   }
   bool malformed;
-  NextWrite next = NextWrite::kNothing;
+  NextWrite next = BackwardExchange::kNothing;
   uint64_t progress = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     any_response_ = true;
+    const uint64_t rows_before = exchange_.rows_received();
     error_ = v1::DecodeWithBulk(response_buffer_, &response_,
-                            {{v1::BackwardResponse::kGradInputFieldNumber, &grad_input_}})
-                 ? TakeResponseLocked()
+                                {{v1::BackwardResponse::kGradInputFieldNumber, &grad_input_}})
+                 ? exchange_.TakeAnswer(response_, grad_input_)
                  : absl::InternalError(absl::StrCat("server sent a message of ",
                                                     response_buffer_.Length(),
                                                     " bytes that is not a BackwardResponse"));
     grad_input_.Clear();  // gives gRPC's slices back
     malformed = !error_.ok();
     if (!malformed) next = NextWriteLocked();  // a memory call's next chunk may wait for this
-    if (progress_to_report_) progress = rows_received_;
-    progress_to_report_ = false;
+    // Reported outside mu_ (a callback may cancel the call).
+    if (exchange_.rows_received() != rows_before) progress = exchange_.rows_received();
   }
   if (malformed) {
     context_.TryCancel();
@@ -949,7 +799,7 @@ void BackwardCall::OnDone(const grpc::Status& status) {
   // server's own status says its jobs are done (an OK one always comes from the server after
   // the last chunk was computed). Not after a status that gRPC made up (a cut-off cancel, the
   // transport's deadline, a connection lost): the server may still be computing a chunk.
-  bool writes_done = !exposed_ || status.ok();
+  bool writes_done = !exchange_.exposed() || status.ok();
   if (!writes_done) {
     const auto& trailers = context_.GetServerTrailingMetadata();
     writes_done = trailers.find(kWritesDoneTrailer) != trailers.end();
@@ -957,9 +807,10 @@ void BackwardCall::OnDone(const grpc::Status& status) {
   // In place, a chunk's dy is gone once the server may have computed it (memory calls: the
   // chunk was sent) or once the client wrote its grad_input (bytes): a retry would send dx as
   // dy and end OK with a wrong gradient.
-  const bool dy_intact = !shared_->args.in_place || (!exposed_ && rows_received_ == 0);
+  const bool dy_intact =
+      !shared_->args.in_place || (!exchange_.exposed() && exchange_.rows_received() == 0);
   const bool retry_worthy =
-      error_.ok() && !cancelled_by_caller && cancel_status_.ok() && writes_done &&
+      error_.ok() && !cancelled_by_caller && exchange_.cancel_status().ok() && writes_done &&
       (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
        (status.error_code() == grpc::StatusCode::CANCELLED && !any_response_));
   if (retry_worthy && dy_intact && client_->RetryLater<BackwardCall>(shared_, attempt_)) {
@@ -974,7 +825,7 @@ void BackwardCall::OnDone(const grpc::Status& status) {
                                                       " [not retried: the call is in place and "
                                                       "dy may already be overwritten by dx]"));
   }
-  if (!result.ok() && !cancel_status_.ok()) result = cancel_status_;
+  if (!result.ok() && !exchange_.cancel_status().ok()) result = exchange_.cancel_status();
   if (!result.ok() && !writes_done) {
     if (shared_->shm.has_value() && shared_->shm->staging != nullptr) {
       // The client's own copy: thrown away instead of reused (the server may still write it).
@@ -989,17 +840,13 @@ void BackwardCall::OnDone(const grpc::Status& status) {
                        "\"The end of a call\")]"));
     }
   }
-  if (result.ok() && (!final_received_ || rows_received_ != shared_->args.num_rows)) {
-    result = absl::InternalError(absl::StrCat("server ended the stream after ", rows_received_,
-                                              " of ", shared_->args.num_rows, " rows",
-                                              final_received_ ? "" : " and no grad_gamma"));
-  }
+  if (result.ok()) result = exchange_.Complete();
   // The reactor (and its ClientContext, which holds a reference to the channel) is destroyed
   // before the caller hears about it: once `done` runs the caller may destroy the Client, and
   // the channel's last reference must not be dropped on a gRPC callback thread.
   std::shared_ptr<Shared> shared = std::move(shared_);
   const int attempts = attempt_;
-  BackwardSummary summary = std::move(summary_);
+  BackwardSummary summary = exchange_.summary();
   lock.unlock();
   delete this;
   // Handed on once gRPC gave back the caller's x, dy and rms (MemoryLoan): at once unless a
@@ -1011,13 +858,8 @@ void UnaryBackwardCall::Start() {
   std::lock_guard<std::mutex> lock(mu_);
   if (shared_->has_deadline) context_.set_deadline(shared_->deadline);
   client_->AddMetadata(context_);
-  const RawBackwardArgs& a = shared_->args;
-  v1::BackwardRequest message;
-  FillHeader(a, shared_->options, message.mutable_header());
-  const v1::BulkField rows[] = {{v1::BackwardRequest::kXFieldNumber, a.x},
-                                {v1::BackwardRequest::kDyFieldNumber, a.dy},
-                                {v1::BackwardRequest::kRmsFieldNumber, a.rms}};
-  request_ = v1::EncodeWithBulk(message, rows, shared_->pin);
+  exchange_.StartWhole();
+  request_ = v1::EncodeWithBulk(exchange_.message(), exchange_.bulk(), shared_->pin);
   if (shared_->options.cancellation) {
     shared_->options.cancellation->Attach([this] { context_.TryCancel(); });
   }
@@ -1027,7 +869,6 @@ void UnaryBackwardCall::Start() {
 }
 
 absl::Status UnaryBackwardCall::TakeResponse() {
-  const RawBackwardArgs& a = shared_->args;
   v1::BackwardResponse r;
   v1::ReceivedBytes grad_input;
   if (!v1::DecodeWithBulk(response_, &r,
@@ -1035,28 +876,11 @@ absl::Status UnaryBackwardCall::TakeResponse() {
     return absl::InternalError(absl::StrCat("server sent a message of ", response_.Length(),
                                             " bytes that is not a BackwardResponse"));
   }
-  const uint64_t row_bytes = uint64_t{a.hidden_dim} * ElementBytes(a.type);
-  if (r.first_row() != 0 || r.num_rows() != a.num_rows) {
-    return absl::InternalError(absl::StrCat("server sent rows [", r.first_row(), ", ",
-                                            r.first_row() + r.num_rows(), ") of a ", a.num_rows,
-                                            "-row batch in one answer"));
-  }
-  if (grad_input.size() != a.num_rows * row_bytes || a.dx.size() != grad_input.size()) {
-    return absl::InternalError(absl::StrCat("server sent ", grad_input.size(),
-                                            " grad_input bytes for ", a.num_rows,
-                                            " rows, expected ", a.num_rows * row_bytes));
-  }
-  if (r.grad_gamma().size() != a.dgamma.size()) {
-    return absl::InternalError(absl::StrCat("server sent ", r.grad_gamma().size(),
-                                            " grad_gamma bytes, expected ", a.dgamma.size()));
-  }
-  if (!r.has_summary()) return absl::InternalError("server sent no summary");
-  grad_input.CopyTo(a.dx.data());
-  if (!a.dgamma.empty()) std::memcpy(a.dgamma.data(), r.grad_gamma().data(), a.dgamma.size());
-  const v1::BackwardSummary& s = r.summary();
-  summary_ = {s.backend(), s.kernel(), s.rows(), s.chunks(), s.compute_seconds(),
-              s.total_seconds()};
-  return absl::OkStatus();
+  // The answer holds every row and grad_gamma, or it is refused: rows of it may have reached the
+  // caller's dx then, but the call fails.
+  absl::Status s = exchange_.TakeAnswer(r, grad_input);
+  if (s.ok()) s = exchange_.Complete();
+  return s;
 }
 
 void UnaryBackwardCall::OnDone(const grpc::Status& status) {
@@ -1091,7 +915,7 @@ void UnaryBackwardCall::OnDone(const grpc::Status& status) {
   // Context first, callback last (see BackwardCall::OnDone).
   std::shared_ptr<Shared> shared = std::move(shared_);
   const int attempts = attempt_;
-  BackwardSummary summary = std::move(summary_);
+  BackwardSummary summary = exchange_.summary();
   response_.Clear();
   lock.unlock();
   delete this;
