@@ -36,6 +36,7 @@
 #include "client/src/shared_memory_transport.h"
 #include "normgrad/v1/normgrad.grpc.pb.h"
 #include "proto/normgrad/v1/bulk_wire.h"
+#include "proto/normgrad/v1/metadata_keys.h"
 
 namespace normgrad {
 
@@ -288,9 +289,7 @@ void DeliverBackward(std::shared_ptr<BackwardCall::Shared> shared, absl::Status 
   });
 }
 
-// The trailing metadata key of every RmsNormBackward status that the server itself sent, once
-// no job of the stream touched the client's memory any more (server/service/normgrad_service.h).
-constexpr char kWritesDoneTrailer[] = "normgrad-writes-done";
+using v1::kWritesDoneTrailer;  // proto/normgrad/v1/metadata_keys.h
 
 // One unary call (EmitPtx, GetServerInfo, Health) with the client's retries.
 struct UnaryCall {

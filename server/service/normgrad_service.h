@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "normgrad/v1/normgrad.grpc.pb.h"
+#include "proto/normgrad/v1/metadata_keys.h"
 #include "server/metrics/metrics.h"
 #include "server/service/service_env.h"
 
@@ -26,10 +27,7 @@ namespace normgrad::server {
 
 class BackwardStream;
 
-// The trailing metadata key of every RmsNormBackward status the server itself sends: by then no
-// job of the stream reads or writes the client's memory, and none will (docs/api.md, "The end of
-// a call"). The client library has the same key (client/src/client.cc).
-inline constexpr char kWritesDoneTrailer[] = "normgrad-writes-done";
+using v1::kWritesDoneTrailer;  // proto/normgrad/v1/metadata_keys.h
 
 // Every live BackwardStream, for the idle watchdog and for draining, and the number of
 // RmsNormBackwardUnary calls running (draining waits for them too). Thread-safe.
