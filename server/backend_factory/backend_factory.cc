@@ -42,6 +42,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCuda(const BackendOptions& options)
   if (options.cuda_pipeline_piece_bytes != 0) {
     cuda.pipeline_piece_bytes = options.cuda_pipeline_piece_bytes;
   }
+  cuda.host = MakeCpu(options);  // the batches no GPU kernel takes: the one CPU path
   return NewCudaBackend(cuda);
 #else
   return absl::FailedPreconditionError(

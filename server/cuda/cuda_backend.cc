@@ -33,12 +33,40 @@ using cuda_internal::LoadedModule;
 using cuda_internal::LoadModule;
 using cuda_internal::StagingPool;
 
+// A batch the CPU backend computes for this backend: its session, which takes no chunk in
+// device memory (the rows would have to come back to the host first: the client sends them as
+// bytes or in shared memory instead).
+class HostRowsSession final : public BackwardSession {
+ public:
+  HostRowsSession(std::unique_ptr<BackwardSession> rows, uint32_t hidden_dim)
+      : rows_(std::move(rows)), hidden_dim_(hidden_dim) {}
+  absl::Status ProcessChunk(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
+                            absl::Span<const float> rms, uint64_t rows,
+                            absl::Span<uint8_t> dx) override {
+    return rows_->ProcessChunk(x, dy, rms, rows, dx);
+  }
+  absl::Status ProcessDeviceChunk(const DeviceRows&) override {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "no GPU kernel takes a given rms for rows of hidden_dim = ", hidden_dim_,
+        " (> 32): this server computes such chunks on the host, so send them as bytes or in "
+        "shared memory, not in device memory"));
+  }
+  absl::Status Finish(absl::Span<uint8_t> dgamma) override { return rows_->Finish(dgamma); }
+  absl::string_view KernelName() const override { return rows_->KernelName(); }
+  double ComputeSeconds() const override { return rows_->ComputeSeconds(); }
+
+ private:
+  const std::unique_ptr<BackwardSession> rows_;
+  const uint32_t hidden_dim_;
+};
+
 class CudaBackend : public Backend {
  public:
   // uuid: the device's 16 bytes, empty when the driver has no CUDA IPC.
   CudaBackend(std::shared_ptr<const DeviceContext> ctx, DeviceDescription device, int target_sm,
               ModuleCacheOptions cache, uint64_t max_staging_bytes, std::string uuid,
-              uint32_t max_ipc_handles, uint64_t pipeline_piece_bytes)
+              uint32_t max_ipc_handles, uint64_t pipeline_piece_bytes,
+              std::shared_ptr<Backend> host)
       : ctx_(std::move(ctx)),
         device_(std::move(device)),
         target_sm_(target_sm),
@@ -46,7 +74,8 @@ class CudaBackend : public Backend {
         staging_(std::make_shared<StagingPool>(ctx_, max_staging_bytes)),
         uuid_(std::move(uuid)),
         ipc_(ctx_, max_ipc_handles),
-        pipeline_piece_bytes_(pipeline_piece_bytes) {}
+        pipeline_piece_bytes_(pipeline_piece_bytes),
+        host_(std::move(host)) {}
 
   ~CudaBackend() override { cache_.Clear(); }
 
@@ -62,23 +91,16 @@ class CudaBackend : public Backend {
     const kernels::BackwardDevice device{target_sm_, device_.sm_count};
     NORMGRAD_ASSIGN_OR_RETURN(const kernels::BackwardKernel* kernel,
                               kernels::ChooseBackwardKernel(request, device));
+    if (kernel == nullptr) return StartOnHost(spec, gamma);
     const kernels::KernelConfig config = kernels::ConfigFor(request, device);
-    std::vector<uint8_t> gamma_bytes(gamma.begin(), gamma.end());
-    // The host path's gamma; none without gamma (only the row-resident kernel takes such a
-    // batch, never the host path).
-    std::vector<float> gamma_f32(spec.variant.has_gamma ? spec.hidden_dim : 0);
-    host_rows::ConvertToF32(spec.dtype, gamma.data(), gamma_f32.data(), gamma_f32.size());
-
-    std::optional<kernels::BackwardPlan> plan;  // none: the host path
-    std::shared_ptr<const LoadedModule> module;
-    if (kernel != nullptr) {
-      NORMGRAD_RETURN_IF_ERROR(CheckRunsOnThisGpu(*kernel, config));
-      NORMGRAD_ASSIGN_OR_RETURN(plan, kernels::BackwardPlan::Create(*kernel, config));
-      NORMGRAD_ASSIGN_OR_RETURN(module, GetModule(*kernel, config));
-    }
+    NORMGRAD_RETURN_IF_ERROR(CheckRunsOnThisGpu(*kernel, config));
+    NORMGRAD_ASSIGN_OR_RETURN(kernels::BackwardPlan plan,
+                              kernels::BackwardPlan::Create(*kernel, config));
+    NORMGRAD_ASSIGN_OR_RETURN(std::shared_ptr<const LoadedModule> module,
+                              GetModule(*kernel, config));
     return std::unique_ptr<BackwardSession>(std::make_unique<CudaBackwardSession>(
-        ctx_, spec, std::move(plan), std::move(module), std::move(gamma_bytes),
-        std::move(gamma_f32), staging_, pipeline_piece_bytes_));
+        ctx_, spec, std::move(plan), std::move(module),
+        std::vector<uint8_t>(gamma.begin(), gamma.end()), staging_, pipeline_piece_bytes_));
   }
 
   absl::Status Preload(const kernels::Kernel& kernel,
@@ -113,6 +135,21 @@ class CudaBackend : public Backend {
   absl::Status CheckDevice(absl::Duration bound) override { return ctx_->CheckProgress(bound); }
 
  private:
+  // A batch no GPU kernel takes (a given rms with rows too wide for every kernel that reads
+  // one): the CPU backend's session, the one CPU path, takes it whole.
+  absl::StatusOr<std::unique_ptr<BackwardSession>> StartOnHost(
+      const kernels::BackwardRequest& spec, absl::Span<const uint8_t> gamma) {
+    if (host_ == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "no GPU kernel takes this batch (hidden_dim = ", spec.hidden_dim,
+          ", a given rms) and this backend has no CPU path"));
+    }
+    NORMGRAD_ASSIGN_OR_RETURN(std::unique_ptr<BackwardSession> rows,
+                              host_->StartBackward(spec, gamma));
+    return std::unique_ptr<BackwardSession>(
+        std::make_unique<HostRowsSession>(std::move(rows), spec.hidden_dim));
+  }
+
   // CanImplement's status, except FAILED_PRECONDITION when the request is fine but this GPU
   // cannot run the kernel (bf16 below sm_80, say).
   absl::Status CheckRunsOnThisGpu(const kernels::Kernel& kernel,
@@ -149,6 +186,7 @@ class CudaBackend : public Backend {
   const std::string uuid_;
   IpcBufferCache ipc_;
   const uint64_t pipeline_piece_bytes_;
+  const std::shared_ptr<Backend> host_;  // the one CPU path (CudaBackendOptions::host)
 };
 
 // Device set-up on a loaded driver (see cuda_backend.h); any failure means no usable GPU.
@@ -221,7 +259,7 @@ absl::StatusOr<std::unique_ptr<Backend>> OpenDevice(std::shared_ptr<const CudaDr
   }
   return std::unique_ptr<Backend>(new CudaBackend(
       std::move(ctx), std::move(d), major * 10 + minor, options.cache, options.max_staging_bytes,
-      std::move(uuid), options.max_ipc_handles, options.pipeline_piece_bytes));
+      std::move(uuid), options.max_ipc_handles, options.pipeline_piece_bytes, options.host));
 }
 
 }  // namespace

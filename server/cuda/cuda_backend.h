@@ -30,7 +30,8 @@
 // (kernels/backward_kernel.h): the given rms goes to the device when the kernel reads it, and
 // grad_gamma is added on the host, from the chunk and the given rms, when the kernel does not
 // write it. A request no kernel takes (a given rms with rows too wide for every kernel that
-// reads one) is computed on the host (server/host_rows/, as the CPU backend).
+// reads one) goes to the one CPU path: the CPU backend the factory gives it
+// (CudaBackendOptions::host), whose session takes the whole batch.
 //
 // Rooms (all internal to this folder, namespace cuda_internal): device_context.h (the retained
 // context, health, registered host memory), module_loader.h (PTX -> loaded module),
@@ -68,6 +69,9 @@ struct CudaBackendOptions {
   uint32_t max_ipc_handles = 64;
   // The chunk pipeline (see above): bytes of x per piece (at least one row per piece).
   uint64_t pipeline_piece_bytes = kDefaultPipelinePieceBytes;
+  // Computes the batches no GPU kernel takes: the CPU backend (the one CPU path; the backend
+  // factory gives it). None: such a batch is FAILED_PRECONDITION.
+  std::shared_ptr<Backend> host;
 };
 
 // FAILED_PRECONDITION saying why when no usable GPU is found (library not loadable or not a

@@ -15,9 +15,9 @@ namespace normgrad::server::cuda_internal {
 
 CudaBackwardSession::CudaBackwardSession(std::shared_ptr<const DeviceContext> ctx,
                                          const kernels::BackwardRequest& spec,
-                                         std::optional<kernels::BackwardPlan> plan,
+                                         kernels::BackwardPlan plan,
                                          std::shared_ptr<const LoadedModule> module,
-                                         std::vector<uint8_t> gamma, std::vector<float> gamma_f32,
+                                         std::vector<uint8_t> gamma,
                                          std::shared_ptr<StagingPool> staging, uint64_t piece_bytes)
     : BackwardSessionBase(spec),
       ctx_(std::move(ctx)),
@@ -26,8 +26,7 @@ CudaBackwardSession::CudaBackwardSession(std::shared_ptr<const DeviceContext> ct
       plan_(std::move(plan)),
       module_(std::move(module)),
       element_bytes_(backend_internal::ElementBytes(spec.dtype)),
-      gamma_(std::move(gamma)),
-      gamma_f32_(std::move(gamma_f32)) {}
+      gamma_(std::move(gamma)) {}
 
 absl::Status CudaBackwardSession::ProcessChunk(absl::Span<const uint8_t> x,
                                                absl::Span<const uint8_t> dy,
@@ -37,20 +36,12 @@ absl::Status CudaBackwardSession::ProcessChunk(absl::Span<const uint8_t> x,
   NORMGRAD_RETURN_IF_ERROR(ctx_->failure());
   NORMGRAD_RETURN_IF_ERROR(
       backend_internal::CheckChunk(spec_, rows_done_, rows, x.size(), dy.size(), rms, dx.size()));
-  return Compute(rows, [&] {
-    return plan_.has_value() ? DeviceChunk(x, dy, rms, rows, dx) : HostChunk(x, dy, rms, rows, dx);
-  });
+  return Compute(rows, [&] { return DeviceChunk(x, dy, rms, rows, dx); });
 }
 
 absl::Status CudaBackwardSession::ProcessDeviceChunk(const DeviceRows& rows) {
   NORMGRAD_RETURN_IF_ERROR(broken_);
   NORMGRAD_RETURN_IF_ERROR(ctx_->failure());
-  if (!plan_.has_value()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "no GPU kernel takes a given rms for rows of hidden_dim = ", spec_.hidden_dim,
-        " (> 32): this server computes such chunks on the host, so send them as bytes or in "
-        "shared memory, not in device memory"));
-  }
   if (rows.rows == 0 || rows.rows > spec_.num_rows - rows_done_) {
     return absl::InvalidArgumentError(absl::StrCat("a device chunk of ", rows.rows, " rows after ",
                                                    rows_done_, " of ", spec_.num_rows));
@@ -59,7 +50,7 @@ absl::Status CudaBackwardSession::ProcessDeviceChunk(const DeviceRows& rows) {
 }
 
 absl::string_view CudaBackwardSession::KernelName() const {
-  return plan_.has_value() ? plan_->kernel().EntryName() : absl::string_view("cpu_highway");
+  return plan_.kernel().EntryName();
 }
 
 uint64_t CudaBackwardSession::PieceRows(uint64_t rows) const {
@@ -69,7 +60,7 @@ uint64_t CudaBackwardSession::PieceRows(uint64_t rows) const {
 
 absl::Status CudaBackwardSession::RunKernel(const DeviceRows& rows, const LaunchScratch& scratch,
                                             CUstream stream) {
-  const kernels::BackwardPlan& plan = *plan_;
+  const kernels::BackwardPlan& plan = plan_;
   if (plan.SemaphoreBytes(rows.rows) > StagingSlot::kSemaphoreBytes) {
     // A grid far beyond any device's.
     return absl::InternalError(
@@ -122,7 +113,7 @@ absl::Status CudaBackwardSession::DeviceChunk(absl::Span<const uint8_t> x,
                                               absl::Span<const uint8_t> dy,
                                               absl::Span<const float> rms, uint64_t rows,
                                               absl::Span<uint8_t> dx) {
-  const kernels::BackwardPlan& plan = *plan_;
+  const kernels::BackwardPlan& plan = plan_;
   const kernels::BackwardDataFlow flow = plan.DataFlow();
   const size_t h = spec_.hidden_dim;
   const size_t data_bytes = rows * h * element_bytes_;
@@ -274,7 +265,7 @@ absl::Status CudaBackwardSession::CompletePiece(const StagingSlot& slot, const C
 // grad_gamma to the host, x, dy and rms come to pinned memory for it, copied before the launch
 // (which may overwrite dy).
 absl::Status CudaBackwardSession::DeviceChunkInPlace(const DeviceRows& in) {
-  const kernels::BackwardPlan& plan = *plan_;
+  const kernels::BackwardPlan& plan = plan_;
   const kernels::BackwardDataFlow flow = plan.DataFlow();
   const cuda::DriverApi& api = ctx_->api();
   const size_t h = spec_.hidden_dim;
@@ -362,37 +353,6 @@ void CudaBackwardSession::AddHostGradGamma(absl::Span<const uint8_t> x,
 
 uint64_t CudaBackwardSession::StagingRows() const {
   return std::max<uint64_t>(1, kHostStagingElements / spec_.hidden_dim);
-}
-
-// The host path: the CPU backend's rows with the given rms (exact), one thread.
-absl::Status CudaBackwardSession::HostChunk(absl::Span<const uint8_t> x,
-                                            absl::Span<const uint8_t> dy,
-                                            absl::Span<const float> rms, uint64_t rows,
-                                            absl::Span<uint8_t> dx) {
-  const size_t h = spec_.hidden_dim;
-  const size_t tile = std::min<uint64_t>(rows, StagingRows());
-  std::vector<float> staged(3 * tile * h);
-  std::vector<double> partial(spec_.hidden_dim, 0.0);
-  host_rows::RowBlock block;
-  block.x = staged.data();
-  block.dy = staged.data() + tile * h;
-  block.dx = staged.data() + 2 * tile * h;
-  block.gamma = gamma_f32_.data();
-  block.dgamma = partial.data();
-  block.hidden_dim = spec_.hidden_dim;
-  block.eps = spec_.eps;
-  for (uint64_t first = 0; first < rows; first += tile) {
-    const size_t m = std::min<uint64_t>(tile, rows - first);
-    const size_t at = first * h * element_bytes_;
-    host_rows::ConvertToF32(spec_.dtype, x.data() + at, staged.data(), m * h);
-    host_rows::ConvertToF32(spec_.dtype, dy.data() + at, staged.data() + tile * h, m * h);
-    block.rms = rms.data() + first;
-    block.num_rows = m;
-    host_rows::BackwardRowsF32(block);
-    host_rows::ConvertFromF32(spec_.dtype, staged.data() + 2 * tile * h, dx.data() + at, m * h);
-  }
-  for (size_t i = 0; i < partial.size(); ++i) dgamma_sum_[i] += partial[i];
-  return absl::OkStatus();
 }
 
 }  // namespace normgrad::server::cuda_internal

@@ -1,11 +1,12 @@
-// The CUDA backend's BackwardSession: how one batch's chunks are computed. Three paths:
-//   ProcessChunk, kernel chosen   the chunk's rows copied to the device in pieces that alternate
+// The CUDA backend's BackwardSession: how one batch's chunks are computed by its GPU kernel.
+// Two paths:
+//   ProcessChunk                  the chunk's rows copied to the device in pieces that alternate
 //                                 between a staging slot's two streams, the kernel's launches,
 //                                 dx and the piece's f32 grad_gamma copied back (DeviceChunk);
 //   ProcessDeviceChunk            rows already in device memory (CUDA IPC): the kernel runs on
-//                                 them in place (DeviceChunkInPlace);
-//   ProcessChunk, no kernel       a given rms with rows no GPU kernel takes it for: dx and
-//                                 grad_gamma on the host from the given rms (HostChunk).
+//                                 them in place (DeviceChunkInPlace).
+// A batch no GPU kernel takes is not computed here: the backend hands it to the one CPU path, the
+// CPU backend (CudaBackendOptions::host).
 // Where the kernel leaves grad_gamma to its caller (BackwardDataFlow::writes_dgamma false with a
 // gamma), the host computes it from the chunk and the given rms, reading each piece's dy before
 // its dx is written (dx may be dy's own memory: in place). A batch without gamma has no
@@ -36,13 +37,11 @@ namespace normgrad::server::cuda_internal {
 
 class CudaBackwardSession : public backend_internal::BackwardSessionBase {
  public:
-  // plan and module: empty for the host path; module: the plan's kernel, loaded in the device's
-  // context. gamma: hidden_dim elements of spec.dtype as given; gamma_f32: the same as f32 (host
-  // path). piece_bytes: bytes of x per piece of a chunk (CudaBackendOptions).
+  // module: the plan's kernel, loaded in the device's context. gamma: hidden_dim elements of
+  // spec.dtype as given. piece_bytes: bytes of x per piece of a chunk (CudaBackendOptions).
   CudaBackwardSession(std::shared_ptr<const DeviceContext> ctx, const kernels::BackwardRequest& spec,
-                      std::optional<kernels::BackwardPlan> plan,
-                      std::shared_ptr<const LoadedModule> module, std::vector<uint8_t> gamma,
-                      std::vector<float> gamma_f32, std::shared_ptr<StagingPool> staging,
+                      kernels::BackwardPlan plan, std::shared_ptr<const LoadedModule> module,
+                      std::vector<uint8_t> gamma, std::shared_ptr<StagingPool> staging,
                       uint64_t piece_bytes);
 
   absl::Status ProcessChunk(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
@@ -105,8 +104,6 @@ class CudaBackwardSession : public backend_internal::BackwardSessionBase {
   absl::Status DeviceChunk(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
                            absl::Span<const float> rms, uint64_t rows, absl::Span<uint8_t> dx);
   absl::Status DeviceChunkInPlace(const DeviceRows& in);
-  absl::Status HostChunk(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
-                         absl::Span<const float> rms, uint64_t rows, absl::Span<uint8_t> dx);
 
   Piece PieceOf(uint64_t p, uint64_t piece_rows, uint64_t chunk_rows) const;
   absl::Status IssuePiece(const StagingSlot& slot, const ChunkLayout& at, const ChunkRows& c,
@@ -126,7 +123,7 @@ class CudaBackwardSession : public backend_internal::BackwardSessionBase {
   // the host. Converted to f32 a few rows at a time (StagingRows).
   void AddHostGradGamma(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
                         absl::Span<const float> rms, uint64_t rows);
-  // Rows converted to f32 at once on the host paths: kHostStagingElements elements, or one row
+  // Rows converted to f32 at once for AddHostGradGamma: kHostStagingElements elements, or one row
   // when rows are wider, so the f32 copies held do not grow with the chunk (at most
   // 12 x max(kHostStagingElements, hidden_dim) bytes per session computing).
   static constexpr uint64_t kHostStagingElements = 16384;
@@ -135,11 +132,10 @@ class CudaBackwardSession : public backend_internal::BackwardSessionBase {
   const std::shared_ptr<const DeviceContext> ctx_;
   const std::shared_ptr<StagingPool> staging_;
   const uint64_t piece_bytes_;
-  const std::optional<kernels::BackwardPlan> plan_;   // empty: the host path
+  const kernels::BackwardPlan plan_;
   const std::shared_ptr<const LoadedModule> module_;  // the plan's kernel
   const size_t element_bytes_;
   const std::vector<uint8_t> gamma_;
-  const std::vector<float> gamma_f32_;
 };
 
 }  // namespace normgrad::server::cuda_internal
