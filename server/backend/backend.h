@@ -86,6 +86,8 @@ class BackwardSession {
   virtual double ComputeSeconds() const = 0;         // time spent inside the backend so far
 };
 
+class DeviceBackend;
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -105,37 +107,52 @@ class Backend {
   // Statistics of the backend's module cache (all zeros on the CPU backend).
   virtual ModuleCacheStats CacheStats() const = 0;
 
+  // What only a backend with a device can do (DeviceBackend, below); null for one without
+  // (the CPU backend). Asked for where it is needed: shared-memory registration, CUDA IPC, the
+  // device's failure and its watchdog.
+  virtual DeviceBackend* device() { return nullptr; }
+};
+
+// The device side of a backend (the CUDA backend's), asked for through Backend::device().
+class DeviceBackend {
+ public:
+  virtual ~DeviceBackend() = default;
+
   // Host memory that chunks will be read from and written to in place (a client's shared-memory
-  // region, mapped by the server), for as long as it stays registered. The CUDA backend
-  // registers it with the driver (cuMemHostRegister) and copies straight between it and the
-  // device; the CPU backend reads it as it is. An error only means the backend stages such
-  // chunks like any other.
-  virtual absl::Status RegisterHostMemory(void* base, uint64_t bytes) { return absl::OkStatus(); }
-  virtual void UnregisterHostMemory(void* base) {}
+  // region, mapped by the server), for as long as it stays registered: registered with the
+  // driver (cuMemHostRegister), so that copies go straight between it and the device. An error
+  // only means the backend stages such chunks like any other.
+  virtual absl::Status RegisterHostMemory(void* base, uint64_t bytes) = 0;
+  virtual void UnregisterHostMemory(void* base) = 0;
 
-  // CUDA IPC. DeviceUuid: the GPU's 16-byte UUID (cuDeviceGetUuid), empty when the backend
-  // cannot open device memory of other processes (the CPU backend, a driver without IPC).
-  // OpenIpcBuffer: the allocation an exported 64-byte handle names, opened once and kept in a
-  // bounded cache (least recently used closed first). Errors: INVALID_ARGUMENT for a handle the
-  // driver refuses (its buffer freed, its process gone, another GPU), FAILED_PRECONDITION
-  // without IPC, UNAVAILABLE when the device failed.
-  virtual std::string DeviceUuid() const { return {}; }
+  // CUDA IPC. DeviceUuid: the GPU's 16-byte UUID (cuDeviceGetUuid), empty when the driver
+  // cannot open device memory of other processes. OpenIpcBuffer: the allocation an exported
+  // 64-byte handle names, opened once and kept in a bounded cache (least recently used closed
+  // first). Errors: INVALID_ARGUMENT for a handle the driver refuses (its buffer freed, its
+  // process gone, another GPU), FAILED_PRECONDITION without IPC, UNAVAILABLE when the device
+  // failed.
+  virtual std::string DeviceUuid() const = 0;
   virtual absl::StatusOr<std::shared_ptr<const DeviceBuffer>> OpenIpcBuffer(
-      absl::string_view handle) {
-    return absl::FailedPreconditionError("this backend opens no CUDA IPC handles");
-  }
+      absl::string_view handle) = 0;
 
-  // Device failure. A device can fail for good (the CUDA backend: a sticky driver error such as
-  // an illegal address or an uncorrectable ECC error, or work that never completes); from then
-  // on every call that needs it fails UNAVAILABLE, and the handler set here (before any work) is
-  // called once, on the thread that saw the failure, with the reason. It must not block. The CPU
-  // backend never fails.
-  using DeviceFailureHandler = std::function<void(const absl::Status&)>;
-  virtual void SetDeviceFailureHandler(DeviceFailureHandler handler) {}
+  // Device failure. A device can fail for good (a sticky driver error such as an illegal address
+  // or an uncorrectable ECC error, or work that never completes); from then on every call that
+  // needs it fails UNAVAILABLE, and the handler set here (before any work) is called once, on
+  // the thread that saw the failure, with the reason. It must not block.
+  using FailureHandler = std::function<void(const absl::Status&)>;
+  virtual void SetFailureHandler(FailureHandler handler) = 0;
   // OK, or the device's failure. Work handed to the device and not completed within `bound`
   // (a synchronize still waiting; zero: no bound) becomes the failure first. Cheap: the server's
   // device watchdog calls it periodically, from a thread of its own.
-  virtual absl::Status CheckDevice(absl::Duration bound) { return absl::OkStatus(); }
+  virtual absl::Status CheckDevice(absl::Duration bound) = 0;
 };
+
+// The UUID of `backend`'s device when it can open other processes' device memory (CUDA IPC);
+// empty otherwise (no device, or a driver without IPC).
+inline std::string IpcDeviceUuid(Backend& backend) {
+  DeviceBackend* device = backend.device();
+  return device != nullptr ? device->DeviceUuid() : std::string();
+}
+
 
 }  // namespace normgrad::server

@@ -60,7 +60,7 @@ class HostRowsSession final : public BackwardSession {
   const uint32_t hidden_dim_;
 };
 
-class CudaBackend : public Backend {
+class CudaBackend : public Backend, public DeviceBackend {
  public:
   // uuid: the device's 16 bytes, empty when the driver has no CUDA IPC.
   CudaBackend(std::shared_ptr<const DeviceContext> ctx, DeviceDescription device, int target_sm,
@@ -113,6 +113,8 @@ class CudaBackend : public Backend {
 
   ModuleCacheStats CacheStats() const override { return cache_.Stats(); }
 
+  DeviceBackend* device() override { return this; }
+
   absl::Status RegisterHostMemory(void* base, uint64_t bytes) override {
     return ctx_->RegisterHost(base, bytes);
   }
@@ -129,7 +131,7 @@ class CudaBackend : public Backend {
     return ipc_.Open(handle);
   }
 
-  void SetDeviceFailureHandler(DeviceFailureHandler handler) override {
+  void SetFailureHandler(FailureHandler handler) override {
     ctx_->set_failure_handler(std::move(handler));
   }
   absl::Status CheckDevice(absl::Duration bound) override { return ctx_->CheckProgress(bound); }

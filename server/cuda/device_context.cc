@@ -28,13 +28,13 @@ absl::Status DeviceContext::failure() const {
   return failure_;
 }
 
-void DeviceContext::set_failure_handler(Backend::DeviceFailureHandler handler) const {
+void DeviceContext::set_failure_handler(DeviceBackend::FailureHandler handler) const {
   std::lock_guard<std::mutex> lock(health_mu_);
   failure_handler_ = std::move(handler);
 }
 
 void DeviceContext::Fail(const absl::Status& reason) const {
-  Backend::DeviceFailureHandler handler;
+  DeviceBackend::FailureHandler handler;
   absl::Status status;
   {
     std::lock_guard<std::mutex> lock(health_mu_);

@@ -40,7 +40,7 @@ class DeviceContext {
 
   // The device's failure (UNAVAILABLE) once one was seen, else OK.
   absl::Status failure() const;
-  void set_failure_handler(Backend::DeviceFailureHandler handler) const;
+  void set_failure_handler(DeviceBackend::FailureHandler handler) const;
   // Marks the device failed for good (the first reason stays) and calls the handler, once.
   void Fail(const absl::Status& reason) const;
 
@@ -73,7 +73,7 @@ class DeviceContext {
   mutable std::map<uintptr_t, uint64_t> host_ranges_;  // base -> bytes; guarded by host_mu_
   mutable std::mutex health_mu_;
   mutable absl::Status failure_;                           // guarded by health_mu_
-  mutable Backend::DeviceFailureHandler failure_handler_;  // guarded by health_mu_
+  mutable DeviceBackend::FailureHandler failure_handler_;  // guarded by health_mu_
   mutable uint64_t next_wait_id_ = 0;                      // guarded by health_mu_
   mutable std::map<uint64_t, absl::Time> waits_;  // synchronizes waiting: id -> start; health_mu_
 };

@@ -66,7 +66,7 @@ absl::StatusOr<std::unique_ptr<NormGradServer>> NormGradServer::Start(
     backend_options.max_staging_bytes = options.admission.max_inflight_bytes;
     NORMGRAD_ASSIGN_OR_RETURN(backend, CreateBackend(backend_options));
   }
-  if (options.cuda_ipc && backend->DeviceUuid().empty()) {
+  if (options.cuda_ipc && IpcDeviceUuid(*backend).empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "--cuda-ipc: the ", backend->Name(), " backend cannot open other processes' device "
         "memory (it needs the CUDA backend on a driver with cuIpcOpenMemHandle)"));
@@ -76,8 +76,9 @@ absl::StatusOr<std::unique_ptr<NormGradServer>> NormGradServer::Start(
   server->open_file_limit_ = open_files;
   server->AssembleService();
   NormGradServer* self = server.get();
-  server->backend_->SetDeviceFailureHandler(
-      [self](const absl::Status& reason) { self->FailDevice(reason); });
+  if (DeviceBackend* device = server->backend_->device()) {
+    device->SetFailureHandler([self](const absl::Status& reason) { self->FailDevice(reason); });
+  }
   server->PublishBackendMetrics();
   NORMGRAD_RETURN_IF_ERROR(server->StartMetricsEndpoint());
   NORMGRAD_RETURN_IF_ERROR(server->StartGrpcPort(credentials));
@@ -128,13 +129,15 @@ void NormGradServer::AssembleService() {
   env_->cuda_ipc = options_.cuda_ipc;
   env_->max_cuda_ipc_handles = options_.backend.max_ipc_handles;
   if (options_.shared_memory) {
-    Backend* backend = backend_.get();
-    regions_ = std::make_unique<RegionRegistry>(
-        options_.regions,
-        HostMemoryHooks{[backend](void* base, uint64_t bytes) {
-                          return backend->RegisterHostMemory(base, bytes);
-                        },
-                        [backend](void* base) { backend->UnregisterHostMemory(base); }});
+    // A backend with a device registers the regions with its driver; one without reads them as
+    // they are.
+    HostMemoryHooks hooks;
+    if (DeviceBackend* device = backend_->device()) {
+      hooks = HostMemoryHooks{
+          [device](void* base, uint64_t bytes) { return device->RegisterHostMemory(base, bytes); },
+          [device](void* base) { device->UnregisterHostMemory(base); }};
+    }
+    regions_ = std::make_unique<RegionRegistry>(options_.regions, std::move(hooks));
     env_->regions = regions_.get();
   }
   service_ = std::make_unique<NormGradService>(env_.get());
@@ -311,13 +314,13 @@ void NormGradServer::StartWatchdogs() {
       return true;
     });
   }
-  if (options_.device_timeout > absl::ZeroDuration()) {
+  DeviceBackend* device = backend_->device();
+  if (options_.device_timeout > absl::ZeroDuration() && device != nullptr) {
     // A failure the backend finds reaches FailDevice through its handler, once: nothing more
     // to watch after it.
-    Backend* backend = backend_.get();
     const absl::Duration bound = options_.device_timeout;
     device_watchdog_ = std::make_unique<PeriodicTask>(
-        DeviceWatchdogPeriod(bound), [=] { return backend->CheckDevice(bound).ok(); });
+        DeviceWatchdogPeriod(bound), [=] { return device->CheckDevice(bound).ok(); });
   }
   const bool grpc_listens_on_tcp =
       !options_.security.cert_file.empty() || !GrpcListener::Supported();

@@ -281,7 +281,7 @@ absl::Status BackwardPipeline::LocateRowsLocked(BackwardJob& job) {
   const RowLayout layout = RowLayout::Of(validator_.spec());
   if (job.request->has_cuda_ipc()) {
     payload_transport_ = "cuda_ipc";
-    const std::string server_uuid = deps_.cuda_ipc ? deps_.backend->DeviceUuid() : "";
+    const std::string server_uuid = deps_.cuda_ipc ? IpcDeviceUuid(*deps_.backend) : "";
     NORMGRAD_RETURN_IF_ERROR(CheckDeviceChunk(server_uuid, peer_is_local_,
                                               job.request->cuda_ipc(), job.chunk, layout));
   }

@@ -183,6 +183,7 @@ absl::StatusOr<DeviceRows> OpenDeviceRows(Backend& backend, const v1::CudaIpcChu
   const uint64_t bytes = chunk.num_rows * layout.row_bytes;
   const bool rms_provided = layout.rms_provided;
   const uint64_t element = layout.element_bytes;
+  DeviceBackend* device = backend.device();
   DeviceRows rows;
   rows.rows = chunk.num_rows;
   const std::tuple<const char*, const v1::CudaIpcBuffer*, uint64_t, uint64_t, uint64_t*> parts[] =
@@ -193,7 +194,9 @@ absl::StatusOr<DeviceRows> OpenDeviceRows(Backend& backend, const v1::CudaIpcChu
   for (const auto& [field, buffer, part_bytes, alignment, address] : parts) {
     if (part_bytes == 0) continue;
     absl::StatusOr<std::shared_ptr<const DeviceBuffer>> opened =
-        backend.OpenIpcBuffer(buffer->handle());
+        device != nullptr ? device->OpenIpcBuffer(buffer->handle())
+                          : absl::FailedPreconditionError(absl::StrCat(
+                                "the ", backend.Name(), " backend opens no CUDA IPC handles"));
     if (!opened.ok()) {
       return absl::Status(opened.status().code(), absl::StrCat(where, field, ".handle: ",
                                                                opened.status().message()));

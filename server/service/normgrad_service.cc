@@ -213,7 +213,7 @@ ServerInfo GatherServerInfo(const ServiceEnv& env) {
         .max_region_bytes_per_user = r.max_bytes_per_user};
   }
   if (env.cuda_ipc) {
-    info.cuda_ipc = ServerInfo::CudaIpc{.device_uuid = env.backend->DeviceUuid(),
+    info.cuda_ipc = ServerInfo::CudaIpc{.device_uuid = IpcDeviceUuid(*env.backend),
                                         .max_open_handles = env.max_cuda_ipc_handles};
   }
   info.kernels = KernelNames();

@@ -70,23 +70,6 @@ class ChunkGates {
   // Every chunk job sleeps a random 0..max_us microseconds at each point (so that a schedule's
   // cancels and deadlines land before, inside and after chunks alike).
   void SetJitter(int max_us) { jitter_us_.store(max_us); }
-  // The next `count` region registrations take `delay` each (a slow cuMemHostRegister).
-  void SlowRegistrations(int count, absl::Duration delay) {
-    std::lock_guard<std::mutex> lock(mu_);
-    slow_registrations_ = count;
-    registration_delay_ = delay;
-  }
-  void OnRegisterHostMemory() {
-    absl::Duration delay;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (slow_registrations_ == 0) return;
-      --slow_registrations_;
-      delay = registration_delay_;
-    }
-    absl::SleepFor(delay);
-  }
-
   // The wrapped session's side.
   int NewSession() { return next_session_.fetch_add(1); }
   void Enter(int session) {
@@ -134,8 +117,6 @@ class ChunkGates {
   std::deque<Gate> gates_;  // a deque: references stay valid while gates are added
   std::atomic<int> next_session_{0};
   std::atomic<int> jitter_us_{0};
-  int slow_registrations_ = 0;
-  absl::Duration registration_delay_;
   std::unique_ptr<int[]> active_{new int[kMaxSessions]()};
 };
 
@@ -210,11 +191,7 @@ class GatedBackend final : public server::Backend {
     return inner_->Preload(kernel, config);
   }
   server::ModuleCacheStats CacheStats() const override { return inner_->CacheStats(); }
-  absl::Status RegisterHostMemory(void* base, uint64_t bytes) override {
-    gates_->OnRegisterHostMemory();
-    return inner_->RegisterHostMemory(base, bytes);
-  }
-  void UnregisterHostMemory(void* base) override { inner_->UnregisterHostMemory(base); }
+  server::DeviceBackend* device() override { return inner_->device(); }
 
  private:
   std::unique_ptr<server::Backend> inner_;

@@ -154,8 +154,14 @@ int RunDtype(const Options& o, kernels::DType dtype) {
     for (Side& side : sides) {
       side.seconds.clear();
       if (!registered) continue;
+      DeviceBackend* device = side.backend->device();
+      if (device == nullptr) {
+        std::fprintf(stderr, "%s: the backend has no device to register memory with\n",
+                     side.name);
+        return 1;
+      }
       for (std::vector<uint8_t>* v : {&side.buf.x, &side.buf.dy, &side.buf.dx}) {
-        const absl::Status r = side.backend->RegisterHostMemory(v->data(), v->size());
+        const absl::Status r = device->RegisterHostMemory(v->data(), v->size());
         if (!r.ok()) {
           std::fprintf(stderr, "RegisterHostMemory: %s\n", std::string(r.message()).c_str());
           return 1;
@@ -186,7 +192,7 @@ int RunDtype(const Options& o, kernels::DType dtype) {
     if (registered) {
       for (Side& side : sides) {
         for (std::vector<uint8_t>* v : {&side.buf.x, &side.buf.dy, &side.buf.dx}) {
-          side.backend->UnregisterHostMemory(v->data());
+          side.backend->device()->UnregisterHostMemory(v->data());
         }
       }
     }
