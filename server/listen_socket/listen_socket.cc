@@ -15,6 +15,30 @@
 #include "absl/strings/str_cat.h"
 
 namespace normgrad::server {
+namespace {
+
+// The eventfd that wakes a listening socket's poll, once `fd` listens (`listening`); else, or
+// when the eventfd cannot be made, `fd` is closed and the result is -errno (`listen_errno`, the
+// failure to listen, or eventfd's).
+int WakeFdFor(int fd, bool listening, int listen_errno) {
+  if (!listening) {
+    close(fd);
+    return -listen_errno;
+  }
+  const int wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wake < 0) {
+    const int err = errno;
+    close(fd);
+    return -err;
+  }
+  return wake;
+}
+
+absl::Status ListenError(const std::string& what, int err) {
+  return absl::UnavailableError(absl::StrCat(what, ": cannot listen there: ", std::strerror(err)));
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<ListenSocket>> ListenSocket::Open(const std::string& path,
                                                                          Options options) {
@@ -33,18 +57,10 @@ absl::StatusOr<std::unique_ptr<ListenSocket>> ListenSocket::Open(const std::stri
   const int rc = bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
   const int bind_errno = errno;
   umask(old_umask);
-  if (rc != 0 || listen(fd, options.backlog) != 0 || chmod(path.c_str(), options.mode) != 0) {
-    const int err = rc != 0 ? bind_errno : errno;
-    close(fd);
-    return absl::UnavailableError(
-        absl::StrCat(options.what, ": cannot listen there: ", std::strerror(err)));
-  }
-  const int wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (wake < 0) {
-    const int err = errno;
-    close(fd);
-    return absl::UnavailableError(absl::StrCat("eventfd: ", std::strerror(err)));
-  }
+  const bool listening =
+      rc == 0 && listen(fd, options.backlog) == 0 && chmod(path.c_str(), options.mode) == 0;
+  const int wake = WakeFdFor(fd, listening, rc != 0 ? bind_errno : errno);
+  if (wake < 0) return ListenError(options.what, -wake);
   std::unique_ptr<ListenSocket> s(new ListenSocket(path, std::move(options), fd, wake));
   struct stat st;
   if (lstat(path.c_str(), &st) == 0) s->inode_ = st.st_ino;
@@ -66,18 +82,9 @@ absl::StatusOr<std::unique_ptr<ListenSocket>> ListenSocket::OpenTcp(const sockad
       setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
     }
   }
-  if (bind(fd, address, address_len) != 0 || listen(fd, options.backlog) != 0) {
-    const int err = errno;
-    close(fd);
-    return absl::UnavailableError(
-        absl::StrCat(options.what, ": cannot listen there: ", std::strerror(err)));
-  }
-  const int wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (wake < 0) {
-    const int err = errno;
-    close(fd);
-    return absl::UnavailableError(absl::StrCat("eventfd: ", std::strerror(err)));
-  }
+  const bool listening = bind(fd, address, address_len) == 0 && listen(fd, options.backlog) == 0;
+  const int wake = WakeFdFor(fd, listening, errno);
+  if (wake < 0) return ListenError(options.what, -wake);
   options.remove_on_stop = false;
   return std::unique_ptr<ListenSocket>(new ListenSocket("", std::move(options), fd, wake));
 }
