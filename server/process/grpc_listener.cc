@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/listen_socket/acceptor.h"
+#include "server/listen_socket/peer_uid.h"
 
 namespace normgrad::server {
 namespace {
@@ -116,8 +117,10 @@ absl::StatusOr<std::unique_ptr<GrpcListener>> GrpcListener::StartTcp(const std::
         const int one = 1;
         setsockopt(peer.fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
         if (peers != nullptr) {
-          peers->SetTcp(peer.fd, TcpPeerAddress(reinterpret_cast<const sockaddr*>(&peer.address),
-                                                peer.address_len));
+          peers->SetTcp(peer.fd,
+                        TcpPeerAddress(reinterpret_cast<const sockaddr*>(&peer.address),
+                                       peer.address_len),
+                        LoopbackPeerUidOf(peer.fd));
         }
         HandOver(server, peer.fd);
       });

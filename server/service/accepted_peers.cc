@@ -14,12 +14,12 @@ namespace normgrad::server {
 
 void AcceptedPeers::Set(int fd, const PeerCredentials& credentials) {
   std::lock_guard<std::mutex> lock(mu_);
-  by_fd_[fd] = Entry{credentials, ""};
+  by_fd_[fd] = Entry{credentials, "", std::nullopt};
 }
 
-void AcceptedPeers::SetTcp(int fd, std::string address) {
+void AcceptedPeers::SetTcp(int fd, std::string address, std::optional<uint32_t> loopback_uid) {
   std::lock_guard<std::mutex> lock(mu_);
-  by_fd_[fd] = Entry{std::nullopt, std::move(address)};
+  by_fd_[fd] = Entry{std::nullopt, std::move(address), loopback_uid};
 }
 
 std::optional<AcceptedPeers::Entry> AcceptedPeers::EntryOf(absl::string_view peer) const {
@@ -41,6 +41,12 @@ std::string AcceptedPeers::Address(absl::string_view peer) const {
   std::optional<Entry> e = EntryOf(peer);
   if (!e.has_value() || e->address.empty()) return std::string(peer);
   return e->address;
+}
+
+std::optional<uint32_t> AcceptedPeers::LoopbackUid(absl::string_view peer) const {
+  std::optional<Entry> e = EntryOf(peer);
+  if (!e.has_value()) return std::nullopt;
+  return e->loopback_uid;
 }
 
 std::string DescribePeer(const PeerCredentials& c) {

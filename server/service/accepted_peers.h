@@ -18,6 +18,7 @@
 #include <sys/socket.h>
 #include <sys/types.h>
 
+#include <cstdint>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -37,18 +38,23 @@ class AcceptedPeers {
  public:
   // A unix-socket connection and its peer's credentials.
   void Set(int fd, const PeerCredentials& credentials);
-  // A TCP connection and its peer's address in gRPC's words (TcpPeerAddress).
-  void SetTcp(int fd, std::string address);
+  // A TCP connection, its peer's address in gRPC's words (TcpPeerAddress) and, for a loopback
+  // peer, the uid that owns its socket (read once, at accept).
+  void SetTcp(int fd, std::string address, std::optional<uint32_t> loopback_uid = std::nullopt);
   // The credentials of the unix connection gRPC names `peer` ("fd:N"); nullopt for any other.
   std::optional<PeerCredentials> Find(absl::string_view peer) const;
   // The address of the TCP connection gRPC names `peer` ("fd:N"), as gRPC names a connection it
   // accepted itself ("ipv4:10.0.0.7:41234"); `peer` unchanged for any other.
   std::string Address(absl::string_view peer) const;
+  // The uid owning the loopback peer of the TCP connection gRPC names `peer` ("fd:N"); nullopt
+  // for any other.
+  std::optional<uint32_t> LoopbackUid(absl::string_view peer) const;
 
  private:
   struct Entry {
     std::optional<PeerCredentials> credentials;  // unix
     std::string address;                         // TCP
+    std::optional<uint32_t> loopback_uid;        // TCP, a loopback peer
   };
   std::optional<Entry> EntryOf(absl::string_view peer) const;
 

@@ -12,9 +12,11 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "base/status_macros.h"
 #include "proto/normgrad/v1/bulk_wire.h"
@@ -129,6 +131,32 @@ bool PeerIsLocal(absl::string_view peer) {
          absl::StartsWith(peer, "ipv6:[::1]") || absl::StartsWith(peer, "ipv6:%5B::1%5D");
 }
 
+// LoopbackPeerUid(peer), remembered for 10 s per peer address and port (a connection's): reading
+// /proc/net/tcp walks the whole connection table, milliseconds on a large machine, too slow for
+// every call. A port reused by another user's connection within the 10 s would inherit the uid:
+// a share misattributed for that long, never a wrong result.
+std::optional<uint32_t> CachedLoopbackPeerUid(absl::string_view peer) {
+  struct Known {
+    std::optional<uint32_t> uid;
+    absl::Time until;
+  };
+  if (IsUnixPeer(peer) || !PeerIsLocal(peer)) return std::nullopt;  // not a loopback TCP peer
+  static absl::Mutex mu(absl::kConstInit);
+  static absl::flat_hash_map<std::string, Known>* known ABSL_GUARDED_BY(mu) =
+      new absl::flat_hash_map<std::string, Known>();
+  const absl::Time now = absl::Now();
+  {
+    absl::MutexLock lock(&mu);
+    auto it = known->find(peer);
+    if (it != known->end() && now < it->second.until) return it->second.uid;
+  }
+  const std::optional<uint32_t> uid = LoopbackPeerUid(peer);
+  absl::MutexLock lock(&mu);
+  if (known->size() >= 4096) known->clear();
+  (*known)[std::string(peer)] = Known{uid, now + absl::Seconds(10)};
+  return uid;
+}
+
 // Who the caller is, for its share of the stream slots: the verified client certificate's name
 // under mutual TLS; on a unix socket the peer's user ("uid:1000", from the credentials read at
 // accept); over TCP from a loopback address the user owning the client's socket
@@ -148,11 +176,17 @@ std::string ClientIdentity(const grpc::CallbackServerContext& context, const Ser
     if (std::optional<PeerCredentials> c = env.accepted_peers->Find(peer)) {
       return absl::StrCat("uid:", c->uid);
     }
+    // A loopback TCP peer by its user too, not its address: a user can connect from any number
+    // of 127.x addresses. (A share of its own beside the user's unix-socket share: bounded all
+    // the same, two shares per local user at most.) Read at accept for the connections the
+    // server accepted itself...
+    if (std::optional<uint32_t> uid = env.accepted_peers->LoopbackUid(context.peer())) {
+      return absl::StrCat("loopback-uid:", *uid);
+    }
   }
-  // A loopback TCP peer by its user too, not its address: a user can connect from any number of
-  // 127.x addresses. (A share of its own beside the user's unix-socket share: bounded all the
-  // same, two shares per local user at most.)
-  if (std::optional<uint32_t> uid = LoopbackPeerUid(peer)) {
+  // ... and from /proc/net/tcp for those gRPC accepted (a TLS port), once per connection for a
+  // while: the table takes milliseconds to read.
+  if (std::optional<uint32_t> uid = CachedLoopbackPeerUid(peer)) {
     return absl::StrCat("loopback-uid:", *uid);
   }
   return ClientIdentityFromPeer(peer);

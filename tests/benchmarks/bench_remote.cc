@@ -118,24 +118,29 @@ void NoDelay(int fd) {
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
+// The address of 127.0.0.1:`port` (`unix_path` empty) or of the unix socket `unix_path`.
+socklen_t AddressOf(const std::string& unix_path, int port, sockaddr_storage* addr) {
+  *addr = sockaddr_storage{};
+  if (unix_path.empty()) {
+    auto* in = reinterpret_cast<sockaddr_in*>(addr);
+    in->sin_family = AF_INET;
+    in->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    in->sin_port = htons(static_cast<uint16_t>(port));
+    return sizeof(sockaddr_in);
+  }
+  auto* un = reinterpret_cast<sockaddr_un*>(addr);
+  un->sun_family = AF_UNIX;
+  std::snprintf(un->sun_path, sizeof(un->sun_path), "%s", unix_path.c_str());
+  return sizeof(sockaddr_un);
+}
+
 // A listening socket: TCP on 127.0.0.1 (port 0) when `unix_path` is empty, else a unix socket.
 int Listen(const std::string& unix_path, int* port) {
   const bool tcp = unix_path.empty();
   const int fd = socket(tcp ? AF_INET : AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_storage addr{};
-  socklen_t len;
-  if (tcp) {
-    auto* in = reinterpret_cast<sockaddr_in*>(&addr);
-    in->sin_family = AF_INET;
-    in->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    len = sizeof(sockaddr_in);
-  } else {
-    auto* un = reinterpret_cast<sockaddr_un*>(&addr);
-    un->sun_family = AF_UNIX;
-    std::snprintf(un->sun_path, sizeof(un->sun_path), "%s", unix_path.c_str());
-    unlink(unix_path.c_str());
-    len = sizeof(sockaddr_un);
-  }
+  sockaddr_storage addr;
+  socklen_t len = AddressOf(unix_path, 0, &addr);
+  if (!tcp) unlink(unix_path.c_str());
   if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 || listen(fd, 16) != 0 ||
       getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
     std::perror("listen");
@@ -148,20 +153,10 @@ int Listen(const std::string& unix_path, int* port) {
 int Connect(const std::string& target) {  // "127.0.0.1:PORT" or "unix:PATH"
   const bool tcp = target.rfind("unix:", 0) != 0;
   const int fd = socket(tcp ? AF_INET : AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_storage addr{};
-  socklen_t len;
-  if (tcp) {
-    auto* in = reinterpret_cast<sockaddr_in*>(&addr);
-    in->sin_family = AF_INET;
-    in->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    in->sin_port = htons(static_cast<uint16_t>(std::stoi(target.substr(target.rfind(':') + 1))));
-    len = sizeof(sockaddr_in);
-  } else {
-    auto* un = reinterpret_cast<sockaddr_un*>(&addr);
-    un->sun_family = AF_UNIX;
-    std::snprintf(un->sun_path, sizeof(un->sun_path), "%s", target.substr(5).c_str());
-    len = sizeof(sockaddr_un);
-  }
+  sockaddr_storage addr;
+  const socklen_t len =
+      tcp ? AddressOf("", std::stoi(target.substr(target.rfind(':') + 1)), &addr)
+          : AddressOf(target.substr(5), 0, &addr);
   if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
     std::perror(("connect " + target).c_str());
     return -1;

@@ -280,6 +280,38 @@ TEST_F(FairnessTest, EmitPtxBeyondItsQueueBytesIsResourceExhaustedNamingTheFlagA
   EXPECT_EQ(Metrics(*second)["normgrad_emit_ptx_queued"], 0);
 }
 
+// The service on 127.0.0.1 with one chunk worker and one EmitPtx worker, on the CPU backend:
+// the set-up of the EmitPtx worker tests.
+struct OneWorkerEach {
+  OneWorkerEach() {
+    env.config.max_message_bytes = 4 << 20;
+    env.backend = backend.get();
+    env.ptx = &ptx;
+    env.admission = &admission;
+    env.metrics = &metrics;
+    env.pool = &chunk_workers;
+    env.emit_ptx_pool = &emit_ptx_workers;
+    env.streams = &streams;
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&service);
+    server = builder.BuildAndStart();
+  }
+
+  MetricsRegistry registry;
+  const ServiceMetrics metrics{registry};
+  std::unique_ptr<Backend> backend = NewCpuBackend({.threads = 1});
+  PtxService ptx{PtxServiceOptions{}};
+  AdmissionController admission{AdmissionLimits{}, &metrics};
+  StreamRegistry streams;
+  ThreadPool chunk_workers{1};
+  ThreadPool emit_ptx_workers{1};
+  ServiceEnv env;
+  NormGradService service{&env};
+  int port = 0;
+  std::unique_ptr<grpc::Server> server;
+};
+
 // EmitPtx runs on its own workers: with every one of them busy (a compile that does not end until
 // the test says), an EmitPtx call waits, and a backward stream is still computed on the chunk
 // workers. (When EmitPtx shared the chunk workers, a compile held a chunk worker.)
@@ -287,36 +319,14 @@ TEST_F(FairnessTest, EmitPtxBeyondItsQueueBytesIsResourceExhaustedNamingTheFlagA
 // are not compiled when their turn comes (before, they kept the slots and were compiled anyway,
 // holding a drain for as long).
 TEST(EmitPtxWorkersTest, CancelledCallsFreeTheirSlotsAndAreNotCompiled) {
-  MetricsRegistry registry;
-  const ServiceMetrics metrics(registry);
-  std::unique_ptr<Backend> backend = NewCpuBackend({.threads = 1});
-  PtxService ptx(PtxServiceOptions{});
-  AdmissionController admission(AdmissionLimits{}, &metrics);
-  StreamRegistry streams;
-  ThreadPool chunk_workers(1);
-  ThreadPool emit_ptx_workers(1);
-  ServiceEnv env;
-  env.config.max_message_bytes = 4 << 20;
-  env.backend = backend.get();
-  env.ptx = &ptx;
-  env.admission = &admission;
-  env.metrics = &metrics;
-  env.pool = &chunk_workers;
-  env.emit_ptx_pool = &emit_ptx_workers;
-  env.streams = &streams;
-  NormGradService service(&env);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  ASSERT_NE(server, nullptr);
+  OneWorkerEach service;
+  ASSERT_NE(service.server, nullptr);
 
   std::promise<void> release;
   std::shared_future<void> released = release.get_future().share();
-  emit_ptx_workers.Schedule([released] { released.wait(); });  // the busy "compile"
+  service.emit_ptx_workers.Schedule([released] { released.wait(); });  // the busy "compile"
 
-  auto stub = testing::StubFor(port);
+  auto stub = testing::StubFor(service.port);
   constexpr int kCalls = 4;
   struct Call {
     grpc::ClientContext context;
@@ -343,52 +353,30 @@ TEST(EmitPtxWorkersTest, CancelledCallsFreeTheirSlotsAndAreNotCompiled) {
     EXPECT_EQ(c->status.error_code(), grpc::DEADLINE_EXCEEDED) << c->status.error_message();
   }
   // The worker is still busy: the slots came back with the cancels, not with the compiles.
-  EXPECT_TRUE(WaitFor([&] { return admission.emit_ptx_calls() == 0; }, absl::Seconds(5)))
-      << admission.emit_ptx_calls() << " slots still held by cancelled calls";
+  EXPECT_TRUE(WaitFor([&] { return service.admission.emit_ptx_calls() == 0; }, absl::Seconds(5)))
+      << service.admission.emit_ptx_calls() << " slots still held by cancelled calls";
   release.set_value();
   // Their turns come and go without a compile.
   ASSERT_TRUE(WaitFor([&] {
     std::promise<void> drained;
-    emit_ptx_workers.Schedule([&drained] { drained.set_value(); });
+    service.emit_ptx_workers.Schedule([&drained] { drained.set_value(); });
     return drained.get_future().wait_for(std::chrono::seconds(5)) == std::future_status::ready;
   }));
-  EXPECT_EQ(ptx.CacheStats().compiles, 0u) << "a cancelled call was compiled";
-  server->Shutdown();
-  server->Wait();
+  EXPECT_EQ(service.ptx.CacheStats().compiles, 0u) << "a cancelled call was compiled";
+  service.server->Shutdown();
+  service.server->Wait();
 }
 
 TEST(EmitPtxWorkersTest, ChunksAreComputedWhileEveryEmitPtxWorkerIsBusy) {
-  MetricsRegistry registry;
-  const ServiceMetrics metrics(registry);
-  std::unique_ptr<Backend> backend = NewCpuBackend({.threads = 1});
-  PtxService ptx(PtxServiceOptions{});
-  AdmissionController admission(AdmissionLimits{}, &metrics);
-  StreamRegistry streams;
-  ThreadPool chunk_workers(1);
-  ThreadPool emit_ptx_workers(1);
-  ServiceEnv env;
-  env.config.max_message_bytes = 4 << 20;
-  env.backend = backend.get();
-  env.ptx = &ptx;
-  env.admission = &admission;
-  env.metrics = &metrics;
-  env.pool = &chunk_workers;
-  env.emit_ptx_pool = &emit_ptx_workers;
-  env.streams = &streams;
-  NormGradService service(&env);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  ASSERT_NE(server, nullptr);
-  ASSERT_GT(port, 0);
+  OneWorkerEach service;
+  ASSERT_NE(service.server, nullptr);
+  ASSERT_GT(service.port, 0);
 
   std::promise<void> release;
   std::shared_future<void> released = release.get_future().share();
-  emit_ptx_workers.Schedule([released] { released.wait(); });  // the busy "compile"
+  service.emit_ptx_workers.Schedule([released] { released.wait(); });  // the busy "compile"
 
-  auto stub = testing::StubFor(port);
+  auto stub = testing::StubFor(service.port);
   v1::EmitPtxRequest request;
   request.set_kernel("batched_rms_norm_backward");
   request.set_hidden_dim(896);
@@ -401,7 +389,7 @@ TEST(EmitPtxWorkersTest, ChunksAreComputedWhileEveryEmitPtxWorkerIsBusy) {
     emit_status = std::move(s);
     emit_done.store(true);
   });
-  ASSERT_TRUE(WaitFor([&] { return admission.emit_ptx_calls() == 1; }));  // admitted, queued
+  ASSERT_TRUE(WaitFor([&] { return service.admission.emit_ptx_calls() == 1; }));  // admitted, queued
 
   const testing::Batch batch = testing::RandomBatch(64, 256, 11);
   std::vector<float> dx, dgamma;
@@ -415,9 +403,9 @@ TEST(EmitPtxWorkersTest, ChunksAreComputedWhileEveryEmitPtxWorkerIsBusy) {
   ASSERT_TRUE(WaitFor([&] { return emit_done.load(); }));
   EXPECT_TRUE(emit_status.ok()) << emit_status.error_message();
   EXPECT_FALSE(emit_response.ptx().empty());
-  EXPECT_EQ(admission.emit_ptx_calls(), 0u);
-  server->Shutdown();
-  server->Wait();
+  EXPECT_EQ(service.admission.emit_ptx_calls(), 0u);
+  service.server->Shutdown();
+  service.server->Wait();
 }
 
 }  // namespace
