@@ -20,7 +20,6 @@
 #include "server/cuda/ipc_buffer_cache.h"
 #include "server/cuda/module_loader.h"
 #include "server/cuda/staging_pool.h"
-#include "server/host_rows/host_rows.h"
 
 namespace normgrad::server {
 namespace {

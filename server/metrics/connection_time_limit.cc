@@ -92,7 +92,10 @@ void LimitedConnectionQueue::enqueue(std::function<void()> fn) {
   c.socket = DuplicateNewSocket();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (c.socket >= 0) held_.push_back(InodeOf(c.socket));
+    if (c.socket >= 0) {
+      c.inode = InodeOf(c.socket);
+      held_.push_back(c.inode);
+    }
     queued_.push_back(std::move(c));
   }
   work_.notify_one();
@@ -113,8 +116,7 @@ void LimitedConnectionQueue::Work() {
     serve();  // httplib reads, answers and closes its descriptor
     lock.lock();
     if (it->socket >= 0) {
-      const ino_t inode = InodeOf(it->socket);
-      held_.erase(std::remove(held_.begin(), held_.end(), inode), held_.end());
+      held_.erase(std::remove(held_.begin(), held_.end(), it->inode), held_.end());
       close(it->socket);
     }
     running_.erase(it);

@@ -49,6 +49,7 @@ class LimitedConnectionQueue final : public httplib::TaskQueue {
   struct Connection {
     std::function<void()> serve;
     int socket = -1;  // our duplicate; -1 when the socket was not found (no bound then)
+    ino_t inode = 0;  // the socket's, in held_
     absl::Time deadline = absl::InfiniteFuture();  // once a worker took it
     bool cut = false;
   };
