@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -89,7 +90,18 @@ class CpuBackwardSession : public backend_internal::BackwardSessionBase {
         pool_(pool),
         buffers_(buffers),
         reads_rms_(kernels::ReadsGivenRms(spec)),
-        partials_(buffers->Take()) {}
+        partials_(buffers->Take()) {
+    // bf16/f16 rows are computed in f32 (host_rows' half_rows.h): the scale as f32 (exact: it
+    // was formed in f32) and its largest magnitude, once per batch.
+    if (spec.dtype != DType::kF32) {
+      gamma_f32_.assign(gamma_f64_.begin(), gamma_f64_.end());
+      gamma_max_abs_ = 0;
+      for (const double g : gamma_f64_) {
+        gamma_max_abs_ = std::isfinite(g) ? std::max(gamma_max_abs_, std::fabs(g)) : HUGE_VAL;
+        if (gamma_max_abs_ == HUGE_VAL) break;
+      }
+    }
+  }
 
   ~CpuBackwardSession() override {
     buffers_->Give(std::move(gamma_f64_));
@@ -120,7 +132,7 @@ class CpuBackwardSession : public backend_internal::BackwardSessionBase {
     partials_.resize(parts * h);
     // Buffers aligned to their element are used as they are (bf16/f16 converted in registers),
     // except for the casting modes that round (llama, none on bf16/f16), which run on rows
-    // staged as f32; anything misaligned is staged too. dx may be dy (in place): host_rows
+    // staged as f32; anything misaligned is staged too (copied aligned, in its dtype). dx may be dy (in place): host_rows
     // reads a dy element before it writes that dx element, and a staged tile's dy is converted
     // before its dx is written back.
     const size_t elem_bytes = ElementBytes(spec_.dtype);
@@ -129,8 +141,7 @@ class CpuBackwardSession : public backend_internal::BackwardSessionBase {
     const bool direct = !rounds && IsAligned(x.data(), elem_bytes) &&
                         IsAligned(dy.data(), elem_bytes) && IsAligned(dx.data(), elem_bytes);
     // Chunks far larger than the caches: dx goes straight to memory (see RowBlock).
-    const bool stream_dx =
-        direct && spec_.dtype == DType::kF32 && dx.size() >= cpu_internal::kStreamDxBytes;
+    const bool stream_dx = direct && dx.size() >= cpu_internal::kStreamDxBytes;
     const bool has_gamma = spec_.variant.has_gamma;
 
     pool_->ParallelFor(parts, [&](size_t p) {
@@ -141,6 +152,8 @@ class CpuBackwardSession : public backend_internal::BackwardSessionBase {
       if (has_gamma) std::fill(partial, partial + h, 0.0);
       host_rows::RowBlock block;
       block.gamma_f64 = gamma_f64_.data();
+      block.gamma = gamma_f32_.empty() ? nullptr : gamma_f32_.data();
+      block.gamma_max_abs = gamma_max_abs_;
       block.rms = reads_rms_ ? rms.data() + first : nullptr;
       block.dgamma = has_gamma ? partial : nullptr;
       block.num_rows = n;
@@ -157,27 +170,39 @@ class CpuBackwardSession : public backend_internal::BackwardSessionBase {
         host_rows::BackwardRowsF32(block);
         return;
       }
-      // Staged a few rows at a time (cpu_internal::StagingRows): the f32 copies a thread holds
-      // do not grow with the chunk. Rows are independent and grad_gamma is added row by row,
-      // so the bits are those of staging the partition whole.
+      // Staged a few rows at a time (cpu_internal::StagingRows): the copies a thread holds do
+      // not grow with the chunk. Rows are independent and grad_gamma is added row by row, so the
+      // bits are those of staging the partition whole. Misaligned rows are copied as they are
+      // (aligned, in their dtype: the same arithmetic as aligned ones, so the same bits); the
+      // rounding casting modes' rows as f32.
       const size_t tile = std::min<size_t>(n, cpu_internal::StagingRows(spec_.hidden_dim));
       std::vector<float>& staged = staging_per_thread;
       if (staged.size() < 3 * tile * h) staged.resize(3 * tile * h);
       float* sx = staged.data();
       float* sdy = sx + tile * h;
       float* sdx = sdy + tile * h;
+      if (!rounds) block.storage = spec_.dtype;
       for (size_t done = 0; done < n; done += tile) {
         const size_t m = std::min(tile, n - done);
         const size_t at = (offset + done * h) * elem_bytes;
-        host_rows::ConvertToF32(spec_.dtype, x.data() + at, sx, m * h);
-        host_rows::ConvertToF32(spec_.dtype, dy.data() + at, sdy, m * h);
+        if (rounds) {
+          host_rows::ConvertToF32(spec_.dtype, x.data() + at, sx, m * h);
+          host_rows::ConvertToF32(spec_.dtype, dy.data() + at, sdy, m * h);
+        } else {
+          std::memcpy(sx, x.data() + at, m * h * elem_bytes);
+          std::memcpy(sdy, dy.data() + at, m * h * elem_bytes);
+        }
         block.x = sx;
         block.dy = sdy;
         block.dx = sdx;
         block.rms = reads_rms_ ? rms.data() + first + done : nullptr;
         block.num_rows = m;
         host_rows::BackwardRowsF32(block);
-        host_rows::ConvertFromF32(spec_.dtype, sdx, dx.data() + at, m * h);
+        if (rounds) {
+          host_rows::ConvertFromF32(spec_.dtype, sdx, dx.data() + at, m * h);
+        } else {
+          std::memcpy(dx.data() + at, sdx, m * h * elem_bytes);
+        }
       }
       if (staged.capacity() * sizeof(float) > kMaxKeptStagingBytes) {
         std::vector<float>().swap(staged);
@@ -193,6 +218,8 @@ class CpuBackwardSession : public backend_internal::BackwardSessionBase {
   }
 
   std::vector<double> gamma_f64_;  // the scale, formed once per batch instead of per partition
+  std::vector<float> gamma_f32_;   // the scale as f32, for bf16/f16 (else empty)
+  double gamma_max_abs_ = -1;      // max |scale| for bf16/f16 (RowBlock::gamma_max_abs)
   ThreadPool* const pool_;
   DoubleBufferPool* const buffers_;
   const bool reads_rms_;  // the forward's rms is read (kernels::ReadsGivenRms), else recomputed

@@ -1,5 +1,7 @@
 #include "server/host_rows/host_rows.h"
 
+#include "server/host_rows/half_rows.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,6 +17,7 @@
 #include "hwy/cache_control.h"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
+#include "server/host_rows/element_rounding-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace normgrad::server::host_rows {
@@ -34,29 +37,15 @@ HWY_INLINE hn::Vec<D> LoadAsDouble(D d, const T* HWY_RESTRICT p) {
   return hn::PromoteTo(d, hn::PromoteTo(df, hn::LoadU(hn::Rebind<T, D>(), p)));
 }
 
-// f32 -> bf16 rounding to nearest even (Highway 1.0.3's DemoteTo truncates); NaN stays NaN.
-template <class DF>
-HWY_INLINE hn::Vec<hn::Rebind<uint16_t, DF>> RoundToBF16Bits(DF df, hn::Vec<DF> v) {
-  const hn::RebindToUnsigned<decltype(df)> du;
-  const hn::Rebind<uint16_t, decltype(df)> du16;
-  const auto bits = hn::BitCast(du, v);
-  const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
-  const auto rounded = hn::ShiftRight<16>(hn::Add(bits, hn::Add(lsb, hn::Set(du, 0x7fffu))));
-  const auto nan = hn::Or(hn::ShiftRight<16>(bits), hn::Set(du, 0x40u));  // quiet NaN
-  const hn::RebindToSigned<decltype(df)> di;  // values are <= 0xffff: the signed demotion is exact
-  return hn::DemoteTo(
-      du16, hn::BitCast(di, hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(v)), nan, rounded)));
-}
-
 // f32 lanes stored as the element type (round to nearest even).
 template <class DF>
 HWY_INLINE void StoreF32As(DF df, hn::Vec<DF> v, hwy::bfloat16_t* HWY_RESTRICT p) {
-  hn::StoreU(RoundToBF16Bits(df, v), hn::Rebind<uint16_t, DF>(), reinterpret_cast<uint16_t*>(p));
+  hn::StoreU(rounding::ToBF16Bits(df, v), hn::Rebind<uint16_t, DF>(),
+             reinterpret_cast<uint16_t*>(p));
 }
 template <class DF>
 HWY_INLINE void StoreF32As(DF df, hn::Vec<DF> v, hwy::float16_t* HWY_RESTRICT p) {
-  const hn::Rebind<hwy::float16_t, DF> dh;
-  hn::StoreU(hn::DemoteTo(dh, v), dh, p);
+  hn::StoreU(rounding::ToF16(df, v), hn::Rebind<hwy::float16_t, DF>(), p);
 }
 
 template <bool kStream, class D>
@@ -152,14 +141,14 @@ void PromoteToF32(const T* HWY_RESTRICT src, float* HWY_RESTRICT dst, size_t n) 
 template <bool kPartial = false>
 void DemoteFromF32(const float* HWY_RESTRICT src, hwy::float16_t* HWY_RESTRICT dst, size_t n) {
   ConvertLanes<kPartial>(src, dst, n, [](auto v) HWY_ATTR {
-    return hn::DemoteTo(hn::Rebind<hwy::float16_t, hn::ScalableTag<float>>(), v);
+    return rounding::ToF16(hn::ScalableTag<float>(), v);
   });
 }
 
 template <bool kPartial = false>
 void DemoteFromF32(const float* HWY_RESTRICT src, hwy::bfloat16_t* HWY_RESTRICT dst, size_t n) {
   ConvertLanes<kPartial>(src, reinterpret_cast<uint16_t*>(dst), n, [](auto v) HWY_ATTR {
-    return RoundToBF16Bits(hn::ScalableTag<float>(), v);
+    return rounding::ToBF16Bits(hn::ScalableTag<float>(), v);
   });
 }
 
@@ -416,9 +405,7 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
 // of a streamed group needs the same scalar head).
 size_t RowsPerGroup(size_t hidden_dim, size_t element_bytes, bool stream) {
   if (stream && hidden_dim % hn::Lanes(hn::ScalableTag<double>()) != 0) return 1;
-  if (hidden_dim > FourRowsMaxElements()) return 2;
-  if (!ToleratesAliasedRows() && GroupRowsAlias(hidden_dim * element_bytes, 4)) return 2;
-  return 4;
+  return internal::RowsPerGroupFor(hidden_dim, element_bytes);
 }
 
 template <typename T, bool kStream, bool kAccumulate>
@@ -603,7 +590,27 @@ HWY_EXPORT(ConvertToF32Impl);
 HWY_EXPORT(ConvertFromF32Impl);
 HWY_EXPORT(TargetNameImpl);
 
-void BackwardRowsF32(const RowBlock& block) { HWY_DYNAMIC_DISPATCH(BackwardRowsF32Impl)(block); }
+void BackwardRowsF32(const RowBlock& block) {
+  if (block.storage != kernels::DType::kF32) {
+    internal::BackwardHalfRows(block);  // bf16/f16 (casting mode gemma) in f32 arithmetic
+    return;
+  }
+  HWY_DYNAMIC_DISPATCH(BackwardRowsF32Impl)(block);
+}
+
+namespace internal {
+
+void BackwardRowsInDouble(const RowBlock& block) {
+  HWY_DYNAMIC_DISPATCH(BackwardRowsF32Impl)(block);
+}
+
+size_t RowsPerGroupFor(size_t hidden_dim, size_t element_bytes) {
+  if (hidden_dim > FourRowsMaxElements()) return 2;
+  if (!ToleratesAliasedRows() && GroupRowsAlias(hidden_dim * element_bytes, 4)) return 2;
+  return 4;
+}
+
+}  // namespace internal
 
 void ConvertToF32(kernels::DType dtype, const uint8_t* src, float* dst, size_t n) {
   if (n == 0) return;  // empty buffers may be null (no gamma)

@@ -6,10 +6,12 @@
 //   host_rows::RowBlock block;  // pointers to num_rows rows of f32 x, dy, dx; gamma; dgamma
 //   host_rows::BackwardRowsF32(block);
 //
-// Accuracy: the per-row sums (sum x^2, sum x*dy*gamma), dx and the grad_gamma partials are
-// computed in double from f32 inputs, and dx is rounded to f32 once, as ReferenceBackward
-// does; only the summation order differs (SIMD lanes), so dx agrees with the reference to
-// within an ulp or two of f32.
+// Accuracy: f32 rows (and the casting modes that round, on rows staged as f32): the per-row sums
+// (sum x^2, sum x*dy*gamma), dx and the grad_gamma partials are computed in double from f32
+// inputs, and dx is rounded to f32 once, as ReferenceBackward does; only the summation order
+// differs (SIMD lanes), so dx agrees with the reference to within an ulp or two of f32.
+// bf16/f16 rows (casting mode gemma) are computed in float32 arithmetic, held to one unit of
+// their dtype plus float32's rounding of the terms (half_rows.h; docs/kernels.md).
 //
 // Rows go two or four at a time (pass 2 of a group loads gamma and the grad_gamma partial once;
 // FourRowsMaxElements below), each row computed exactly as alone, and the next group is
@@ -37,14 +39,15 @@ namespace normgrad::server::host_rows {
 // that dx element is written. dx must not overlap x, rms, or another row of dy.
 //
 // Storage: x, dy and dx are `storage` elements (f32, or bf16/f16 converted in registers, every
-// element rounded as staging the rows through f32 would). bf16/f16 storage takes the casting
-// mode kGemma only (the rounding modes run on f32 rows staged by the caller, `element` naming
-// their dtype), and no streaming stores.
+// element rounded to nearest even). bf16/f16 storage takes the casting mode kGemma only (the
+// rounding modes run on f32 rows staged by the caller, `element` naming their dtype), and is
+// computed in f32 arithmetic (half_rows.h).
 struct RowBlock {
   const void* x = nullptr;            // num_rows * hidden_dim of `storage`
   const void* dy = nullptr;           // num_rows * hidden_dim of `storage`
-  const float* gamma = nullptr;       // hidden_dim: the scale
+  const float* gamma = nullptr;       // hidden_dim: the scale (or nullptr when gamma_f64 is given)
   const double* gamma_f64 = nullptr;  // the scale as double, or nullptr: promoted on each call
+  double gamma_max_abs = -1;          // max |scale| (inf if one is not finite); < 0: found per call
   const float* rms = nullptr;         // num_rows, or nullptr to recompute from x and eps
   void* dx = nullptr;                 // num_rows * hidden_dim of `storage` (written)
   double* dgamma = nullptr;  // hidden_dim, or nullptr; each row's dy*x/rms is added in row order

@@ -22,6 +22,7 @@
 #include "kernels/kernel.h"
 #include "kernels/kernel_registry.h"
 #include "kernels/backward_kernel.h"
+#include "tests/common/half_precision_bound.h"
 #include "tests/ptxsim/backward_problem.h"
 #include "tests/ptxsim/sim_harness.h"
 #include "tests/ptxsim/sim_launcher.h"
@@ -418,6 +419,59 @@ TEST(RowResidentInPlace, DxOverDyGivesTheOutOfPlaceBits) {
         ASSERT_TRUE(apart.ok && over.ok);
         EXPECT_TRUE(SameBits(apart.dx, over.dx)) << DTypeName(d) << " h" << h;
         EXPECT_TRUE(SameBits(apart.dgamma, over.dgamma)) << DTypeName(d) << " h" << h;
+      }
+    }
+  }
+}
+
+// bf16 and f16 against the bound of docs/kernels.md (one unit of the dtype plus float32's
+// rounding of the terms; tests/common/half_precision_bound.h), the bound the CPU backend is held
+// to, on the same hard cases: hidden 1, 7, 4099, 65536 (streamed rows), magnitudes over
+// 2^-12 .. 2^12, rows where the two terms cancel, every variant. The kernels form the casting
+// modes' rounded values from f32 products (Products::kF32), and grad_gamma is their f32 sum.
+TEST(RowResidentHalfPrecisionBound, HardCasesOfEveryVariantStayWithinTheBound) {
+  using half_bound::CountOutsideBound;
+  using half_bound::HalfInputs;
+  std::vector<kernels::NormVariant> variants;
+  for (kernels::CastingMode casting : {kernels::CastingMode::kGemma, kernels::CastingMode::kLlama,
+                                       kernels::CastingMode::kNone}) {
+    for (float offset : {0.0f, 1.0f, -0.5f}) variants.push_back({offset, true, casting});
+    variants.push_back({0.0f, false, casting});
+  }
+  for (DType d : {DType::kBF16, DType::kF16}) {
+    for (uint32_t hidden : {1u, 7u, 4099u, 65536u}) {
+      for (size_t v = 0; v < variants.size(); ++v) {
+        // The widest rows take one variant of each casting mode (the interpreter is slow).
+        if (hidden == 65536 && v % 4 != 1) continue;
+        const kernels::NormVariant& variant = variants[v];
+        Case c{d, hidden, hidden >= 4099 ? 3u : 12u};
+        c.variant = variant;
+        // llama's n = R(x * 1/rms) rounds the kernel's own f32 1/rms: given, both use rcp(rms).
+        c.given_rms = variant.casting == kernels::CastingMode::kLlama || v % 2 == 0;
+        SCOPED_TRACE(absl::StrCat(DTypeName(d), " hidden ", hidden, " ", variant.Describe(),
+                                  c.given_rms ? ", rms given" : ""));
+        const HalfInputs in = half_bound::MakeHardInputs(d, c.rows, hidden, variant, hidden + 1);
+        BackwardProblem p;
+        p.dtype = d;
+        p.rows = c.rows;
+        p.hidden = hidden;
+        p.eps = in.eps;
+        p.x = in.x;
+        p.dy = in.dy;
+        p.gamma = variant.has_gamma ? in.gamma : std::vector<float>(hidden, 1.0f);
+        p.rms = in.rms;
+        const Result r = RunPlan(c, p);
+        ASSERT_TRUE(r.ok);
+        const half_bound::HalfReference want =
+            half_bound::HalfReferenceFor(in, variant, c.given_rms, half_bound::Products::kF32);
+        size_t first = 0;
+        EXPECT_EQ(CountOutsideBound(d, r.dx, want.dx, want.dx_tol, &first), 0u)
+            << "first dx[" << first << "] = " << r.dx[first] << ", reference " << want.dx[first]
+            << " +- " << want.dx_tol[first];
+        EXPECT_EQ(CountOutsideBound(DType::kF32, r.dgamma, want.dgamma, want.dgamma_tol, &first),
+                  0u)
+            << "first grad_gamma[" << first << "] = "
+            << (r.dgamma.empty() ? 0.0f : r.dgamma[first]);
       }
     }
   }

@@ -126,7 +126,7 @@ TEST(CpuBackendTest, StagingIsBoundedPerThreadWhateverTheChunk) {
 
 // bf16/f16 buffers aligned to their element are read and written where they lie (converted in
 // registers, tails through padded vectors); the same bytes one byte into their buffers are staged
-// as f32 (the path every bf16/f16 chunk took before). Both must give the same bits: dx, and
+// (copied aligned, a few rows at a time). Both must give the same bits: dx, and
 // grad_gamma, for rows with and without a tail shorter than a vector, with and without rms, with
 // an offset gamma, and in NaN/inf/subnormal-free data of wide dynamic range.
 void ExpectDirectSameAsStaged(kernels::DType dtype, uint64_t rows, uint32_t hidden, bool with_rms,
@@ -183,7 +183,7 @@ void ExpectDirectSameAsStaged(kernels::DType dtype, uint64_t rows, uint32_t hidd
 }
 
 // On every SIMD target this CPU runs (AVX2 on an AVX-512 machine too: other vector widths).
-TEST(CpuBackendTest, Bf16AndF16InRegistersGiveTheBitsOfStagingThroughF32) {
+TEST(CpuBackendTest, Bf16AndF16MisalignedBuffersGiveTheBitsOfAlignedOnes) {
   const std::vector<std::string> targets = host_rows::SupportedSimdTargets();
   ASSERT_FALSE(targets.empty());
   for (const std::string& target : targets) {
