@@ -2,10 +2,12 @@
 // pick instead), same shapes, same thread count, in the same run: prints normgrad's speed over
 // oneDNN's per shape.
 //
-//   bench_onednn_layer_norm [--threads=N] [--iterations=5] [--sweep_mib=64]
+//   bench_onednn_layer_norm [--threads=N] [--iterations=5] [--sweep_mib=64] [--dtype=f32|bf16]
 //
-// oneDNN: layer_normalization_backward, prop_kind::backward, use_scale, f32, plain row-major
-// (rows x hidden); it computes diff_src and diff_scale from src, diff_dst, the forward's mean and
+// oneDNN: layer_normalization_backward, prop_kind::backward, use_scale, plain row-major
+// (rows x hidden) of --dtype (bf16: src, diff_dst and diff_src bf16, scale and diff_scale f32,
+// where this CPU's oneDNN has a bf16 layer norm; it says when it has none); it computes diff_src
+// and diff_scale from src, diff_dst, the forward's mean and
 // variance (computed once, untimed) and scale. A layer-norm backward does strictly more work than
 // an RMSNorm backward (it also reduces diff_dst and subtracts the mean) and moves the same bytes:
 // x and dy read, dx written. Debian's libdnnl is threaded with OpenMP: its thread count is set
@@ -46,6 +48,7 @@ ABSL_FLAG(int, threads, static_cast<int>(std::max(1u, std::thread::hardware_conc
           "threads of both sides (oneDNN's OpenMP threads, the backend's pool)");
 ABSL_FLAG(int, iterations, 5, "timed runs of each side; the best counts");
 ABSL_FLAG(uint64_t, sweep_mib, 64, "MiB of x per sweep shape");
+ABSL_FLAG(std::string, dtype, "f32", "f32 or bf16: x, dy and dx on both sides");
 
 namespace {
 
@@ -56,14 +59,16 @@ double Seconds(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// One layer-norm backward of rows x hidden f32 through oneDNN, its buffers set up once.
+// One layer-norm backward of rows x hidden elements of `type` through oneDNN, its buffers set up
+// once.
 class OneDnnLayerNormBackward {
  public:
-  OneDnnLayerNormBackward(dnnl::engine& engine, const float* x, const float* dy, float* dx,
-                          const float* gamma, int64_t rows, int64_t hidden, float eps)
+  OneDnnLayerNormBackward(dnnl::engine& engine, dnnl::memory::data_type type, const void* x,
+                          const void* dy, void* dx, const float* gamma, int64_t rows,
+                          int64_t hidden, float eps)
       : engine_(engine), stream_(engine) {
     using dnnl::memory;
-    const memory::desc data_md({rows, hidden}, memory::data_type::f32, memory::format_tag::ab);
+    const memory::desc data_md({rows, hidden}, type, memory::format_tag::ab);
     const memory::desc scale_md({hidden}, memory::data_type::f32, memory::format_tag::a);
     const auto flags = dnnl::normalization_flags::use_scale;
     const dnnl::layer_normalization_forward::desc fwd_desc(dnnl::prop_kind::forward_training,
@@ -73,8 +78,8 @@ class OneDnnLayerNormBackward {
                                                             data_md, eps, flags);
     const dnnl::layer_normalization_backward::primitive_desc bwd_pd(bwd_desc, engine_, fwd_pd);
     // oneDNN's memory objects over our buffers (it does not own them); its API takes non-const.
-    src_ = memory(data_md, engine_, const_cast<float*>(x));
-    diff_dst_ = memory(data_md, engine_, const_cast<float*>(dy));
+    src_ = memory(data_md, engine_, const_cast<void*>(x));
+    diff_dst_ = memory(data_md, engine_, const_cast<void*>(dy));
     diff_src_ = memory(data_md, engine_, dx);
     scale_ = memory(scale_md, engine_, const_cast<float*>(gamma));
     diff_scale_ = memory(scale_md, engine_);
@@ -120,26 +125,47 @@ int main(int argc, char** argv) {
     unsetenv("OMP_WAIT_POLICY");
   }
   absl::SetProgramUsageMessage(
-      "bench_onednn_layer_norm [--threads=N] [--iterations=I] [--sweep_mib=64]");
+      "bench_onednn_layer_norm [--threads=N] [--iterations=I] [--sweep_mib=64] [--dtype=f32|bf16]");
   absl::ParseCommandLine(argc, argv);
   const int threads = absl::GetFlag(FLAGS_threads);
   const int iterations = absl::GetFlag(FLAGS_iterations);
   const uint64_t sweep_mib = absl::GetFlag(FLAGS_sweep_mib);
+  const std::string dtype_name = absl::GetFlag(FLAGS_dtype);
+  if (dtype_name != "f32" && dtype_name != "bf16") {
+    std::fprintf(stderr, "--dtype is %s; must be f32 or bf16\n", dtype_name.c_str());
+    return 2;
+  }
+  const bool bf16 = dtype_name == "bf16";
+  const size_t elem_bytes = bf16 ? 2 : 4;
+  const auto onednn_type = bf16 ? dnnl::memory::data_type::bf16 : dnnl::memory::data_type::f32;
   omp_set_num_threads(threads);
 
   std::vector<std::pair<uint64_t, uint32_t>> shapes = {
       {4096, 4096}, {4096, 896}, {16384, 1024}, {2048, 8192}};
   for (uint32_t hidden :
        {64u, 128u, 896u, 1000u, 1024u, 2048u, 4096u, 5120u, 8192u, 16384u, 65536u}) {
-    shapes.emplace_back((sweep_mib << 20) / (4ull * hidden), hidden);
+    shapes.emplace_back((sweep_mib << 20) / (elem_bytes * hidden), hidden);
   }
   uint64_t max_elements = 0;
   for (const auto& [rows, hidden] : shapes) max_elements = std::max(max_elements, rows * hidden);
   // Allocated and touched once, reused by every shape.
-  std::vector<float> x(max_elements), dy(max_elements), dx(max_elements);
+  // Allocated and touched once, reused by every shape: elem_bytes per element (bf16: the upper
+  // half of the f32 value, rounded to nearest even).
+  std::vector<uint8_t> x(max_elements * elem_bytes), dy(max_elements * elem_bytes),
+      dx(max_elements * elem_bytes);
+  auto put = [&](std::vector<uint8_t>& buffer, uint64_t i, float v) {
+    if (!bf16) {
+      std::memcpy(buffer.data() + 4 * i, &v, 4);
+      return;
+    }
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    const uint16_t half = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    std::memcpy(buffer.data() + 2 * i, &half, 2);
+  };
   for (uint64_t i = 0; i < max_elements; ++i) {
-    x[i] = static_cast<float>((i * 2654435761u) % 1000) / 500.0f - 1.0f;
-    dy[i] = static_cast<float>((i * 40503u) % 1000) / 500.0f - 1.0f;
+    put(x, i, static_cast<float>((i * 2654435761u) % 1000) / 500.0f - 1.0f);
+    put(dy, i, static_cast<float>((i * 40503u) % 1000) / 500.0f - 1.0f);
   }
 
   normgrad::server::CpuBackendOptions options;
@@ -148,10 +174,10 @@ int main(int argc, char** argv) {
   dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
   std::printf(
-      "normgrad: %s; oneDNN %d.%d.%d, OpenMP, %d threads, OMP_WAIT_POLICY=%s; f32, best of %d\n",
+      "normgrad: %s; oneDNN %d.%d.%d, OpenMP, %d threads, OMP_WAIT_POLICY=%s; %s, best of %d\n",
       backend->Device().name.c_str(), dnnl_version()->major, dnnl_version()->minor,
       dnnl_version()->patch, threads, wait_policy != nullptr ? wait_policy : "(default)",
-      iterations);
+      dtype_name.c_str(), iterations);
   std::printf("%8s %7s %14s %13s %14s %13s %17s\n", "rows", "hidden", "normgrad ms",
               "normgrad GB/s", "oneDNN ms", "oneDNN GB/s", "normgrad/oneDNN");
   double lowest = 1e30;
@@ -160,30 +186,37 @@ int main(int argc, char** argv) {
     const uint64_t rows = shape.first;
     const uint32_t hidden = shape.second;
     const float eps = 1e-5f;
-    std::vector<float> gamma(hidden), dgamma(hidden);
-    for (uint32_t i = 0; i < hidden; ++i) gamma[i] = 1.0f + static_cast<float>(i % 7) / 10.0f;
-    const uint64_t bytes = rows * hidden * sizeof(float);
-    auto as_bytes = [](const float* p) { return reinterpret_cast<const uint8_t*>(p); };
+    // gamma: f32 for oneDNN (its scale is f32 for every data type), the dtype for normgrad.
+    std::vector<float> gamma(hidden);
+    std::vector<uint8_t> gamma_bytes(hidden * elem_bytes), dgamma(hidden * elem_bytes);
+    for (uint32_t i = 0; i < hidden; ++i) {
+      gamma[i] = 1.0f + static_cast<float>(i % 7) / 10.0f;
+      put(gamma_bytes, i, gamma[i]);
+      if (bf16) {  // oneDNN gets the bf16 value normgrad gets
+        uint16_t half;
+        std::memcpy(&half, gamma_bytes.data() + 2 * i, 2);
+        const uint32_t bits = uint32_t{half} << 16;
+        std::memcpy(&gamma[i], &bits, 4);
+      }
+    }
+    const uint64_t bytes = rows * hidden * elem_bytes;
 
     BackwardRequest spec;
     spec.num_rows = rows;
     spec.hidden_dim = hidden;
     spec.eps = eps;
+    spec.dtype = bf16 ? normgrad::kernels::DType::kBF16 : normgrad::kernels::DType::kF32;
     auto normgrad_once = [&]() -> double {
       const auto start = std::chrono::steady_clock::now();
-      auto session =
-          backend->StartBackward(spec, absl::MakeConstSpan(as_bytes(gamma.data()), hidden * 4));
+      auto session = backend->StartBackward(spec, absl::MakeConstSpan(gamma_bytes));
       if (!session.ok()) {
         std::fprintf(stderr, "StartBackward: %s\n", session.status().ToString().c_str());
         std::exit(1);
       }
-      absl::Status s = (*session)->ProcessChunk(
-          absl::MakeConstSpan(as_bytes(x.data()), bytes),
-          absl::MakeConstSpan(as_bytes(dy.data()), bytes), {}, rows,
-          absl::MakeSpan(reinterpret_cast<uint8_t*>(dx.data()), bytes));
-      if (s.ok()) {
-        s = (*session)->Finish(absl::MakeSpan(reinterpret_cast<uint8_t*>(dgamma.data()), hidden * 4));
-      }
+      absl::Status s = (*session)->ProcessChunk(absl::MakeConstSpan(x.data(), bytes),
+                                                absl::MakeConstSpan(dy.data(), bytes), {}, rows,
+                                                absl::MakeSpan(dx.data(), bytes));
+      if (s.ok()) s = (*session)->Finish(absl::MakeSpan(dgamma));
       if (!s.ok()) {
         std::fprintf(stderr, "normgrad: %s\n", s.ToString().c_str());
         std::exit(1);
@@ -194,8 +227,8 @@ int main(int argc, char** argv) {
     double best_normgrad = 1e30;
     double best_onednn = 1e30;
     try {
-      OneDnnLayerNormBackward onednn(engine, x.data(), dy.data(), dx.data(), gamma.data(),
-                                     static_cast<int64_t>(rows), hidden, eps);
+      OneDnnLayerNormBackward onednn(engine, onednn_type, x.data(), dy.data(), dx.data(),
+                                     gamma.data(), static_cast<int64_t>(rows), hidden, eps);
       for (int it = 0; it <= iterations; ++it) {
         const double n = normgrad_once();
         const double o = onednn.RunOnce();
@@ -205,8 +238,9 @@ int main(int argc, char** argv) {
         }
       }
     } catch (const dnnl::error& e) {
-      std::fprintf(stderr, "oneDNN at %llu x %u: %s\n", static_cast<unsigned long long>(rows),
-                   hidden, e.what());
+      std::fprintf(stderr, "oneDNN at %llu x %u (%s): %s%s\n",
+                   static_cast<unsigned long long>(rows), hidden, dtype_name.c_str(), e.what(),
+                   bf16 ? " (this CPU's oneDNN has no bf16 layer normalization)" : "");
       return 1;
     }
     const double speed = best_onednn / best_normgrad;
