@@ -16,7 +16,9 @@
 #include "kernels/kernel_choice.h"
 #include "server/backend/backward_session_base.h"
 #include "server/backend/batch_checks.h"
+#include "server/host_rows/element_conversion.h"
 #include "server/host_rows/host_rows.h"
+#include "server/host_rows/simd_target.h"
 #include "server/thread_pool/thread_pool.h"
 
 namespace normgrad::server {
@@ -167,7 +169,7 @@ class CpuBackwardSession : public backend_internal::BackwardSessionBase {
         block.dy = dy.data() + offset * elem_bytes;
         block.dx = dx.data() + offset * elem_bytes;
         block.storage = spec_.dtype;
-        host_rows::BackwardRowsF32(block);
+        host_rows::BackwardRows(block);
         return;
       }
       // Staged a few rows at a time (cpu_internal::StagingRows): the copies a thread holds do
@@ -197,7 +199,7 @@ class CpuBackwardSession : public backend_internal::BackwardSessionBase {
         block.dx = sdx;
         block.rms = reads_rms_ ? rms.data() + first + done : nullptr;
         block.num_rows = m;
-        host_rows::BackwardRowsF32(block);
+        host_rows::BackwardRows(block);
         if (rounds) {
           host_rows::ConvertFromF32(spec_.dtype, sdx, dx.data() + at, m * h);
         } else {

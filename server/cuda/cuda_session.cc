@@ -9,7 +9,7 @@
 #include "base/status_macros.h"
 #include "server/backend/batch_checks.h"
 #include "server/cuda/cuda_launcher.h"
-#include "server/host_rows/host_rows.h"
+#include "server/host_rows/element_conversion.h"
 
 namespace normgrad::server::cuda_internal {
 

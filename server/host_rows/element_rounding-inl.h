@@ -1,7 +1,8 @@
-// f32 -> bf16 and f32 -> f16 rounding to nearest even on every Highway target, for host_rows.cc
-// and half_rows.cc (included once per target, after hwy/highway.h). Highway 1.0.3's own
-// DemoteTo truncates for bf16, and for f16 on targets without F16C (SSE4, SSSE3, EMU128), where
-// it also turns values beyond f16's range into 65504 instead of infinity.
+// f32 <-> bf16/f16 in registers on every Highway target, for host_rows.cc, half_rows.cc and
+// element_conversion.cc (included once per target, after hwy/highway.h): rounding to nearest
+// even (Highway 1.0.3's own DemoteTo truncates for bf16, and for f16 on targets without F16C,
+// SSE4, SSSE3 and EMU128, where it also turns values beyond f16's range into 65504 instead of
+// infinity), and whole buffers converted a vector at a time.
 
 // Per-target include guard (Highway's -inl.h convention).
 #if defined(NORMGRAD_HOST_ROWS_ELEMENT_ROUNDING_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -10,6 +11,8 @@
 #else
 #define NORMGRAD_HOST_ROWS_ELEMENT_ROUNDING_INL_H_
 #endif
+
+#include <cstring>
 
 #include "hwy/highway.h"
 
@@ -62,6 +65,52 @@ HWY_INLINE hn::Vec<hn::Rebind<hwy::float16_t, DF>> ToF16(DF df, hn::Vec<DF> v) {
 #else
   return hn::DemoteTo(dh, v);
 #endif
+}
+
+// dst[i] = convert(src[i]), a vector of the f32 tag's lane count at a time; a tail shorter than a
+// vector goes through a zero-padded local buffer so that every element takes the same (vector)
+// rounding path. kPartial: the caller promises n < one vector (a row's tail), and there is no
+// vector loop (which the compiler would otherwise check against the caller's small buffers).
+template <bool kPartial, typename From, typename To, class Convert>
+HWY_ATTR HWY_INLINE void ConvertLanes(const From* HWY_RESTRICT src, To* HWY_RESTRICT dst, size_t n,
+                                      Convert convert) {
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<From, decltype(df)> d_from;
+  const hn::Rebind<To, decltype(df)> d_to;
+  const size_t lanes = hn::Lanes(df);
+  size_t i = 0;
+  if constexpr (!kPartial) {
+    for (; i + lanes <= n; i += lanes) {
+      hn::StoreU(convert(hn::LoadU(d_from, src + i)), d_to, dst + i);
+    }
+  }
+  if (i < n) {
+    HWY_ALIGN From in[hn::MaxLanes(df)] = {};
+    HWY_ALIGN To out[hn::MaxLanes(df)];
+    std::memcpy(in, src + i, (n - i) * sizeof(From));
+    hn::Store(convert(hn::Load(d_from, in)), d_to, out);
+    std::memcpy(dst + i, out, (n - i) * sizeof(To));
+  }
+}
+
+template <bool kPartial = false, typename T>
+void PromoteToF32(const T* HWY_RESTRICT src, float* HWY_RESTRICT dst, size_t n) {
+  ConvertLanes<kPartial>(
+      src, dst, n, [](auto v) HWY_ATTR { return hn::PromoteTo(hn::ScalableTag<float>(), v); });
+}
+
+template <bool kPartial = false>
+void DemoteFromF32(const float* HWY_RESTRICT src, hwy::float16_t* HWY_RESTRICT dst, size_t n) {
+  ConvertLanes<kPartial>(src, dst, n, [](auto v) HWY_ATTR {
+    return ToF16(hn::ScalableTag<float>(), v);
+  });
+}
+
+template <bool kPartial = false>
+void DemoteFromF32(const float* HWY_RESTRICT src, hwy::bfloat16_t* HWY_RESTRICT dst, size_t n) {
+  ConvertLanes<kPartial>(src, reinterpret_cast<uint16_t*>(dst), n, [](auto v) HWY_ATTR {
+    return ToBF16Bits(hn::ScalableTag<float>(), v);
+  });
 }
 
 }  // namespace rounding

@@ -1,5 +1,7 @@
 #include "server/host_rows/half_rows.h"
 
+#include "server/host_rows/row_grouping.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -340,7 +342,7 @@ template <typename T, bool kStream, bool kAccumulate>
 void HalfRows(const RowBlock& b, double max_gamma) {
   // Groups as host_rows' double path forms them (RowsPerGroupFor): a group with a row that is
   // not safe in f32 goes again row by row, so every row's bits are the same in any group.
-  const size_t group = RowsPerGroupFor(b.hidden_dim, sizeof(T));
+  const size_t group = RowsPerGroup(b.hidden_dim, sizeof(T));
   size_t r = 0;
   if (group == 4) {
     for (; r + 4 <= b.num_rows; r += 4) {
@@ -361,7 +363,7 @@ void HalfRows(const RowBlock& b, double max_gamma) {
 
 // Whether dx goes to memory with non-temporal stores: when the caller asks (RowBlock::stream_dx),
 // every row's dx starts on a store's alignment (whole vectors, no tail), and a group's rows do
-// not alias modulo 4 KiB where the L1 does not tolerate it (host_rows.h: on an 8-way L1, bf16
+// not alias modulo 4 KiB where the L1 does not tolerate it (row_grouping.h: on an 8-way L1, bf16
 // rows of 2048 elements and more that alias streamed at 2.4 GB/s against 14 stored).
 template <typename T>
 bool StreamsDx(const RowBlock& b) {
@@ -370,7 +372,7 @@ bool StreamsDx(const RowBlock& b) {
   return b.stream_dx && b.hidden_dim % lanes == 0 &&
          reinterpret_cast<uintptr_t>(b.dx) % (lanes * sizeof(T)) == 0 &&
          (ToleratesAliasedRows() ||
-          !GroupRowsAlias(row_bytes, RowsPerGroupFor(b.hidden_dim, sizeof(T))));
+          !GroupRowsAlias(row_bytes, RowsPerGroup(b.hidden_dim, sizeof(T))));
 }
 
 template <typename T>

@@ -18,14 +18,10 @@
 
 namespace normgrad::server::host_rows::internal {
 
-// `block`: storage kBF16 or kF16, casting kGemma (BackwardRowsF32 sends only those here).
+// `block`: storage kBF16 or kF16, casting kGemma (BackwardRows sends only those here).
 void BackwardHalfRows(const RowBlock& block);
 
 // host_rows' double path (every storage), for the rows BackwardHalfRows does not take.
 void BackwardRowsInDouble(const RowBlock& block);
-
-// How many rows both paths put in a group of rows of `hidden_dim` elements of `element_bytes`
-// without streaming stores: four, or two (FourRowsMaxElements, GroupRowsAlias in host_rows.h).
-size_t RowsPerGroupFor(size_t hidden_dim, size_t element_bytes);
 
 }  // namespace normgrad::server::host_rows::internal

@@ -1,14 +1,13 @@
 #include "server/host_rows/host_rows.h"
 
+#include "server/host_rows/element_conversion.h"
 #include "server/host_rows/half_rows.h"
-
-#include <unistd.h>
+#include "server/host_rows/row_grouping.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <fstream>
 #include <type_traits>
 #include <vector>
 
@@ -104,52 +103,6 @@ HWY_INLINE void StorePairFromDouble(D d, hn::Vec<D> lo, hn::Vec<D> hi,
   const hn::Twice<decltype(dfh)> df;
   StoreF32As(df, hn::Combine(df, hn::DemoteTo(dfh, hi), hn::DemoteTo(dfh, lo)), p);
 #endif
-}
-
-// dst[i] = convert(src[i]), a vector of the f32 tag's lane count at a time; a tail shorter than a
-// vector goes through a zero-padded local buffer so that every element takes the same (vector)
-// rounding path. kPartial: the caller promises n < one vector (a row's tail), and there is no
-// vector loop (which the compiler would otherwise check against the caller's small buffers).
-template <bool kPartial, typename From, typename To, class Convert>
-HWY_ATTR HWY_INLINE void ConvertLanes(const From* HWY_RESTRICT src, To* HWY_RESTRICT dst, size_t n,
-                                      Convert convert) {
-  const hn::ScalableTag<float> df;
-  const hn::Rebind<From, decltype(df)> d_from;
-  const hn::Rebind<To, decltype(df)> d_to;
-  const size_t lanes = hn::Lanes(df);
-  size_t i = 0;
-  if constexpr (!kPartial) {
-    for (; i + lanes <= n; i += lanes) {
-      hn::StoreU(convert(hn::LoadU(d_from, src + i)), d_to, dst + i);
-    }
-  }
-  if (i < n) {
-    HWY_ALIGN From in[hn::MaxLanes(df)] = {};
-    HWY_ALIGN To out[hn::MaxLanes(df)];
-    std::memcpy(in, src + i, (n - i) * sizeof(From));
-    hn::Store(convert(hn::Load(d_from, in)), d_to, out);
-    std::memcpy(dst + i, out, (n - i) * sizeof(To));
-  }
-}
-
-template <bool kPartial = false, typename T>
-void PromoteToF32(const T* HWY_RESTRICT src, float* HWY_RESTRICT dst, size_t n) {
-  ConvertLanes<kPartial>(
-      src, dst, n, [](auto v) HWY_ATTR { return hn::PromoteTo(hn::ScalableTag<float>(), v); });
-}
-
-template <bool kPartial = false>
-void DemoteFromF32(const float* HWY_RESTRICT src, hwy::float16_t* HWY_RESTRICT dst, size_t n) {
-  ConvertLanes<kPartial>(src, dst, n, [](auto v) HWY_ATTR {
-    return rounding::ToF16(hn::ScalableTag<float>(), v);
-  });
-}
-
-template <bool kPartial = false>
-void DemoteFromF32(const float* HWY_RESTRICT src, hwy::bfloat16_t* HWY_RESTRICT dst, size_t n) {
-  ConvertLanes<kPartial>(src, reinterpret_cast<uint16_t*>(dst), n, [](auto v) HWY_ATTR {
-    return rounding::ToBF16Bits(hn::ScalableTag<float>(), v);
-  });
 }
 
 // One element the way the vector body computes it: dx = inv * fma(-x, c, g*dy) and
@@ -323,8 +276,8 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
       dx_tail[k] = dx[k] + tail;
     } else {
       if (tail < h) {
-        PromoteToF32</*kPartial=*/true>(x[k] + tail, tail_x[k], h - tail);
-        PromoteToF32</*kPartial=*/true>(dy[k] + tail, tail_dy[k], h - tail);
+        rounding::PromoteToF32</*kPartial=*/true>(x[k] + tail, tail_x[k], h - tail);
+        rounding::PromoteToF32</*kPartial=*/true>(dy[k] + tail, tail_dy[k], h - tail);
       }
       x_tail[k] = tail_x[k];
       dy_tail[k] = tail_dy[k];
@@ -392,7 +345,7 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
   if constexpr (!kF32) {
     if (from < h) {
       for (size_t k = 0; k < R; ++k) {
-        DemoteFromF32</*kPartial=*/true>(tail_dx[k], dx[k] + from, h - from);
+        rounding::DemoteFromF32</*kPartial=*/true>(tail_dx[k], dx[k] + from, h - from);
       }
     }
   }
@@ -403,15 +356,15 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
 // rows that alias where ToleratesAliasedRows() is false (their x, dy and dx are a dozen lines on
 // the same L1 sets); one when streaming and a row is not a whole number of f32 vectors (every row
 // of a streamed group needs the same scalar head).
-size_t RowsPerGroup(size_t hidden_dim, size_t element_bytes, bool stream) {
+size_t RowsPerGroupStreaming(size_t hidden_dim, size_t element_bytes, bool stream) {
   if (stream && hidden_dim % hn::Lanes(hn::ScalableTag<double>()) != 0) return 1;
-  return internal::RowsPerGroupFor(hidden_dim, element_bytes);
+  return RowsPerGroup(hidden_dim, element_bytes);
 }
 
 template <typename T, bool kStream, bool kAccumulate>
 void BackwardRows(const RowBlock& b, const double* gamma, double* inv_rms_out) {
   size_t r = 0;
-  const size_t group = RowsPerGroup(b.hidden_dim, sizeof(T), kStream);
+  const size_t group = RowsPerGroupStreaming(b.hidden_dim, sizeof(T), kStream);
   if (group > 1) {
     if (group == 4) {
       for (; r + 4 <= b.num_rows; r += 4) {
@@ -433,34 +386,6 @@ void BackwardRowsWithOrWithoutGamma(const RowBlock& b, const double* gamma) {
     BackwardRows<T, kStream, true>(b, gamma, nullptr);
   } else {
     BackwardRows<T, kStream, false>(b, gamma, nullptr);
-  }
-}
-
-void ConvertToF32Impl(kernels::DType dtype, const uint8_t* src, float* dst, size_t n) {
-  switch (dtype) {
-    case kernels::DType::kF32:
-      std::memcpy(dst, src, n * sizeof(float));
-      return;
-    case kernels::DType::kBF16:
-      PromoteToF32(reinterpret_cast<const hwy::bfloat16_t*>(src), dst, n);
-      return;
-    case kernels::DType::kF16:
-      PromoteToF32(reinterpret_cast<const hwy::float16_t*>(src), dst, n);
-      return;
-  }
-}
-
-void ConvertFromF32Impl(kernels::DType dtype, const float* src, uint8_t* dst, size_t n) {
-  switch (dtype) {
-    case kernels::DType::kF32:
-      std::memcpy(dst, src, n * sizeof(float));
-      return;
-    case kernels::DType::kBF16:
-      DemoteFromF32(src, reinterpret_cast<hwy::bfloat16_t*>(dst), n);
-      return;
-    case kernels::DType::kF16:
-      DemoteFromF32(src, reinterpret_cast<hwy::float16_t*>(dst), n);
-      return;
   }
 }
 
@@ -488,8 +413,8 @@ HWY_INLINE float RoundToOddF32(double v) {
 // v[i] = R(v[i]): each value rounded to `element` and back to f32.
 void RoundThroughElement(kernels::DType element, float* v, size_t n) {
   rounded_bytes.resize(n * 2);
-  ConvertFromF32Impl(element, v, rounded_bytes.data(), n);
-  ConvertToF32Impl(element, rounded_bytes.data(), v, n);
+  ConvertFromF32(element, v, rounded_bytes.data(), n);
+  ConvertToF32(element, rounded_bytes.data(), v, n);
 }
 
 void BackwardRowsRounded(const RowBlock& b, const double* scale) {
@@ -545,10 +470,10 @@ bool StreamsDx(const RowBlock& b) {
   }
   return ToleratesAliasedRows() ||
          !GroupRowsAlias(b.hidden_dim * sizeof(float),
-                         RowsPerGroup(b.hidden_dim, sizeof(float), /*stream=*/true));
+                         RowsPerGroupStreaming(b.hidden_dim, sizeof(float), /*stream=*/true));
 }
 
-void BackwardRowsF32Impl(const RowBlock& b) {
+void BackwardRowsInDoubleImpl(const RowBlock& b) {
   // gamma in double: read as is by every row instead of promoted twice per row.
   std::vector<double> promoted;
   const double* gamma = b.gamma_f64;
@@ -576,8 +501,6 @@ void BackwardRowsF32Impl(const RowBlock& b) {
   }
 }
 
-const char* TargetNameImpl() { return hwy::TargetName(HWY_TARGET); }
-
 }  // namespace HWY_NAMESPACE
 }  // namespace normgrad::server::host_rows
 HWY_AFTER_NAMESPACE();
@@ -585,109 +508,22 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace normgrad::server::host_rows {
 
-HWY_EXPORT(BackwardRowsF32Impl);
-HWY_EXPORT(ConvertToF32Impl);
-HWY_EXPORT(ConvertFromF32Impl);
-HWY_EXPORT(TargetNameImpl);
+HWY_EXPORT(BackwardRowsInDoubleImpl);
 
-void BackwardRowsF32(const RowBlock& block) {
+void BackwardRows(const RowBlock& block) {
   if (block.storage != kernels::DType::kF32) {
     internal::BackwardHalfRows(block);  // bf16/f16 (casting mode gemma) in f32 arithmetic
     return;
   }
-  HWY_DYNAMIC_DISPATCH(BackwardRowsF32Impl)(block);
+  HWY_DYNAMIC_DISPATCH(BackwardRowsInDoubleImpl)(block);
 }
 
 namespace internal {
 
 void BackwardRowsInDouble(const RowBlock& block) {
-  HWY_DYNAMIC_DISPATCH(BackwardRowsF32Impl)(block);
-}
-
-size_t RowsPerGroupFor(size_t hidden_dim, size_t element_bytes) {
-  if (hidden_dim > FourRowsMaxElements()) return 2;
-  if (!ToleratesAliasedRows() && GroupRowsAlias(hidden_dim * element_bytes, 4)) return 2;
-  return 4;
+  HWY_DYNAMIC_DISPATCH(BackwardRowsInDoubleImpl)(block);
 }
 
 }  // namespace internal
-
-void ConvertToF32(kernels::DType dtype, const uint8_t* src, float* dst, size_t n) {
-  if (n == 0) return;  // empty buffers may be null (no gamma)
-  HWY_DYNAMIC_DISPATCH(ConvertToF32Impl)(dtype, src, dst, n);
-}
-
-void ConvertFromF32(kernels::DType dtype, const float* src, uint8_t* dst, size_t n) {
-  if (n == 0) return;  // empty buffers may be null (no gamma)
-  HWY_DYNAMIC_DISPATCH(ConvertFromF32Impl)(dtype, src, dst, n);
-}
-
-std::string SimdTargetName() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)(); }
-
-int L1DataCacheWays() {
-  long ways = sysconf(_SC_LEVEL1_DCACHE_ASSOC);
-  if (ways > 0) return static_cast<int>(ways);
-  // cpu0's caches as the kernel describes them; index0..3 are L1d, L1i, L2, L3 on x86, but the
-  // order is not promised, so each entry's level and type are read.
-  for (int index = 0; index < 8; ++index) {
-    const std::string dir =
-        "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/";
-    std::ifstream level(dir + "level"), type(dir + "type"), assoc(dir + "ways_of_associativity");
-    int l = 0;
-    std::string t;
-    if (!(level >> l) || !(type >> t)) break;
-    if (l == 1 && t == "Data" && (assoc >> ways) && ways > 0) return static_cast<int>(ways);
-  }
-  return 0;
-}
-
-size_t FourRowsMaxElementsFor(int l1_ways) {
-  return l1_ways >= kWaysForFourWideRows ? SIZE_MAX : kFourRowsMaxElementsFewWays;
-}
-
-size_t FourRowsMaxElements() {
-  static const size_t max_elements = FourRowsMaxElementsFor(L1DataCacheWays());
-  return max_elements;
-}
-
-bool GroupRowsAlias(size_t row_bytes, size_t group_rows) {
-  constexpr size_t kPage = 4096;
-  for (size_t k = 1; k < group_rows; ++k) {
-    const size_t offset = (k * row_bytes) % kPage;  // row k's start against row 0's
-    if (std::min(offset, kPage - offset) < kAliasBytes) return true;
-  }
-  return false;
-}
-
-bool ToleratesAliasedRowsFor(int l1_ways) { return l1_ways >= kWaysForFourWideRows; }
-
-bool ToleratesAliasedRows() {
-  static const bool tolerates = ToleratesAliasedRowsFor(L1DataCacheWays());
-  return tolerates;
-}
-
-bool LimitSimdTarget(const std::string& name) {
-  if (name.empty()) {
-    hwy::DisableTargets(0);
-    return true;
-  }
-  for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    if (name == hwy::TargetName(target)) {
-      // Targets are single bits, the better ones lower: disable every bit below this one.
-      hwy::DisableTargets(target - 1);
-      return true;
-    }
-  }
-  return false;
-}
-
-std::vector<std::string> SupportedSimdTargets() {
-  std::vector<std::string> names;
-  for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    names.push_back(hwy::TargetName(target));
-  }
-  return names;
-}
-
 }  // namespace normgrad::server::host_rows
 #endif  // HWY_ONCE

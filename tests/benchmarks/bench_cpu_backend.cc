@@ -41,7 +41,9 @@
 #include "kernels/kernel.h"
 #include "server/backend/backend.h"
 #include "server/cpu/cpu_backend.h"
-#include "server/host_rows/host_rows.h"
+#include "server/host_rows/element_conversion.h"
+#include "server/host_rows/row_grouping.h"
+#include "server/host_rows/simd_target.h"
 #include "server/thread_pool/thread_pool.h"
 
 ABSL_FLAG(int, threads, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())),

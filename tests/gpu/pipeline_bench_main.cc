@@ -36,7 +36,7 @@
 #include "kernels/kernel.h"
 #include "server/backend/backend.h"
 #include "server/backend_factory/backend_factory.h"
-#include "server/host_rows/host_rows.h"
+#include "server/host_rows/element_conversion.h"
 
 namespace normgrad::server {
 namespace {

@@ -10,7 +10,10 @@
 
 #include "gtest/gtest.h"
 #include "kernels/reference.h"
+#include "server/host_rows/element_conversion.h"
 #include "server/host_rows/host_rows.h"
+#include "server/host_rows/row_grouping.h"
+#include "server/host_rows/simd_target.h"
 #include "tests/server/backend/backend_test_util.h"
 
 // In the test utilities' namespace: Batch, MakeBatch, RunF32... without qualification.
@@ -231,7 +234,7 @@ void ExpectGroupingKeepsBits(uint32_t hidden, bool stream, bool with_rms) {
       block.rms = with_rms ? b.rms.data() + first : nullptr;
       block.dx = dx + first * hidden;
       block.num_rows = step;
-      host_rows::BackwardRowsF32(block);
+      host_rows::BackwardRows(block);
     }
   };
   std::vector<float> dx_grouped, dx_single;

@@ -13,7 +13,7 @@
 #include "gtest/gtest.h"
 #include "kernels/kernel.h"
 #include "server/cpu/cpu_backend.h"
-#include "server/host_rows/host_rows.h"
+#include "server/host_rows/element_conversion.h"
 #include "tests/common/half_precision_bound.h"
 
 namespace normgrad::server {

@@ -15,7 +15,9 @@
 #include "gtest/gtest.h"
 #include "kernels/kernel.h"
 #include "server/cpu/cpu_backend.h"
+#include "server/host_rows/element_conversion.h"
 #include "server/host_rows/host_rows.h"
+#include "server/host_rows/simd_target.h"
 #include "tests/common/half_precision_bound.h"
 
 namespace normgrad::server {
@@ -178,7 +180,7 @@ TEST(HalfPrecisionBoundTest, GradGammaBitsDoNotDependOnThreadsOrGrouping) {
           block.eps = in.eps;
           block.storage = dtype;
           block.element = dtype;
-          host_rows::BackwardRowsF32(block);
+          host_rows::BackwardRows(block);
         }
       };
       std::vector<uint8_t> dx_grouped, dx_alone;
