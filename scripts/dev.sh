@@ -137,8 +137,9 @@ stage_asan() {
 #    (CI must not pass with half the stage silently gone); NORMGRAD_TSAN_GRPC=0 skips it on purpose.
 TSAN_TARGETS=(thread_pool_test service_concurrency_test metrics_test module_cache_test
   cpu_backend_test ptxsim_emulated_driver_test)
-TSAN_GRPC_TARGETS=(service_integration_test hostile_clients_test client_server_test
-  client_scripted_server_test fairness_test)
+TSAN_GRPC_TARGETS=(backward_service_test backward_errors_test admission_and_shutdown_test
+  emit_ptx_service_test server_info_and_metrics_test shared_memory_service_test
+  hostile_clients_test client_server_test client_scripted_server_test fairness_test)
 stage_tsan() {
   local dir=${TSAN_BUILD_DIR:-build-tsan}
   # -g1: line tables and inlined frames, what reports and tests/tsan/triage.py read, at about
