@@ -24,4 +24,7 @@ void BackwardHalfRows(const RowBlock& block);
 // host_rows' double path (every storage), for the rows BackwardHalfRows does not take.
 void BackwardRowsInDouble(const RowBlock& block);
 
+// The SIMD target host_rows' dispatch runs on now (simd_target.h's SimdTargetName).
+const char* DispatchedTargetName();
+
 }  // namespace normgrad::server::host_rows::internal

@@ -501,6 +501,8 @@ void BackwardRowsInDoubleImpl(const RowBlock& b) {
   }
 }
 
+const char* TargetNameImpl() { return hwy::TargetName(HWY_TARGET); }
+
 }  // namespace HWY_NAMESPACE
 }  // namespace normgrad::server::host_rows
 HWY_AFTER_NAMESPACE();
@@ -509,6 +511,7 @@ HWY_AFTER_NAMESPACE();
 namespace normgrad::server::host_rows {
 
 HWY_EXPORT(BackwardRowsInDoubleImpl);
+HWY_EXPORT(TargetNameImpl);
 
 void BackwardRows(const RowBlock& block) {
   if (block.storage != kernels::DType::kF32) {
@@ -523,6 +526,8 @@ namespace internal {
 void BackwardRowsInDouble(const RowBlock& block) {
   HWY_DYNAMIC_DISPATCH(BackwardRowsInDoubleImpl)(block);
 }
+
+const char* DispatchedTargetName() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)(); }
 
 }  // namespace internal
 }  // namespace normgrad::server::host_rows

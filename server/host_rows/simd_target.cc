@@ -2,27 +2,13 @@
 
 #include <cstdint>
 
-#undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "server/host_rows/simd_target.cc"
-#include "hwy/foreach_target.h"  // IWYU pragma: keep
-#include "hwy/highway.h"
+#include "hwy/targets.h"
+#include "server/host_rows/half_rows.h"
 
-HWY_BEFORE_NAMESPACE();
-namespace normgrad::server::host_rows {
-namespace HWY_NAMESPACE {
-
-const char* TargetNameImpl() { return hwy::TargetName(HWY_TARGET); }
-
-}  // namespace HWY_NAMESPACE
-}  // namespace normgrad::server::host_rows
-HWY_AFTER_NAMESPACE();
-
-#if HWY_ONCE
 namespace normgrad::server::host_rows {
 
-HWY_EXPORT(TargetNameImpl);
-
-std::string SimdTargetName() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)(); }
+// The target host_rows' own dispatch picks (internal::DispatchedTargetName), not a guess at it.
+std::string SimdTargetName() { return internal::DispatchedTargetName(); }
 
 bool LimitSimdTarget(const std::string& name) {
   if (name.empty()) {
@@ -48,4 +34,3 @@ std::vector<std::string> SupportedSimdTargets() {
 }
 
 }  // namespace normgrad::server::host_rows
-#endif  // HWY_ONCE

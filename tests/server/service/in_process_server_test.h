@@ -1,6 +1,7 @@
 // For the gtest suites that run the real server in-process with options of their own: starting
-// it (a test failure saying why when it does not start), and a fixture holding a server and a
-// stub to it, one per test.
+// it (a test failure saying why when it does not start), a fixture holding a server and a stub
+// to it, one per test (InProcessServerTest), and one whose tests share a server started once
+// per suite (SharedServerTest).
 //
 //   class ServiceAdmissionTest : public testing::InProcessServerTest {};
 //   TEST_F(ServiceAdmissionTest, ...) {
@@ -43,6 +44,30 @@ class InProcessServerTest : public ::testing::Test {
   }
 
   std::unique_ptr<NormGradServer> server_;
+  std::unique_ptr<v1::NormGrad::Stub> stub_;
+};
+
+// A suite whose tests share one server, started once with Suite::Options() before its first
+// test and stopped after its last; each test gets a stub of its own.
+//
+//   class UnaryBackwardTest : public testing::SharedServerTest<UnaryBackwardTest> {
+//    public:
+//     static ServerOptions Options() { ... }
+//   };
+template <typename Suite>
+class SharedServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { server_ = StartServer(Suite::Options()).release(); }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+  void SetUp() override {
+    ASSERT_NE(server_, nullptr);
+    stub_ = StubFor(server_->port());
+  }
+
+  static inline NormGradServer* server_ = nullptr;
   std::unique_ptr<v1::NormGrad::Stub> stub_;
 };
 

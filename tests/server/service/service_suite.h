@@ -63,24 +63,15 @@ inline StalledStream SendTenRowsThenStall(v1::NormGrad::Stub& stub, const Batch&
   return out;
 }
 
-class ServiceTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
+// The suites' shared server: the test options, with one kernel preloaded (GetServerInfo's cache
+// then holds an entry before the first call).
+class ServiceTest : public testing::SharedServerTest<ServiceTest> {
+ public:
+  static ServerOptions Options() {
     ServerOptions options = testing::TestServerOptions();
     options.preload = {"batched_rms_norm_backward:sm_80:896"};
-    server_ = testing::StartServer(options).release();
+    return options;
   }
-  static void TearDownTestSuite() {
-    delete server_;
-    server_ = nullptr;
-  }
-  void SetUp() override {
-    ASSERT_NE(server_, nullptr);
-    stub_ = testing::StubFor(server_->port());
-  }
-
-  static inline NormGradServer* server_ = nullptr;
-  std::unique_ptr<v1::NormGrad::Stub> stub_;
 };
 
 struct Shape {

@@ -43,32 +43,21 @@ std::vector<float> Floats(const std::string& bytes) {
   return v;
 }
 
-class UnaryBackwardTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
+class UnaryBackwardTest : public testing::SharedServerTest<UnaryBackwardTest> {
+ public:
+  static ServerOptions Options() {
     ServerOptions options = testing::TestServerOptions();
     options.admission.max_streams = 4;
-    server_ = testing::StartServer(options).release();
-  }
-  static void TearDownTestSuite() {
-    delete server_;
-    server_ = nullptr;
-  }
-  void SetUp() override {
-    ASSERT_NE(server_, nullptr);
-    stub_ = testing::StubFor(server_->port());
+    return options;
   }
 
+ protected:
   grpc::Status Call(const v1::BackwardRequest& request, v1::BackwardResponse* response) {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
     return stub_->RmsNormBackwardUnary(&context, request, response);
   }
-
-  static NormGradServer* server_;
-  std::unique_ptr<v1::NormGrad::Stub> stub_;
 };
-NormGradServer* UnaryBackwardTest::server_ = nullptr;
 
 // Small batches compute on gRPC's thread, large ones on the pool; both give the stream's bits.
 TEST_F(UnaryBackwardTest, OneMessageGivesTheStreamsResultsBitForBit) {
