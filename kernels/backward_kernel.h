@@ -4,7 +4,7 @@
 // need, what it reads and writes (DataFlow), and issues every launch of a request through a
 // launcher the caller supplies (the CUDA backend's launcher calls cuLaunchKernel on a stream; the
 // tests' launchers run the PTX interpreter or record). A BackwardPlan binds a kernel to one
-// configuration. Which kernel a request gets: kernels/kernel_choice.h.
+// configuration. Which kernel a request gets: kernels/rmsnorm/kernel_choice.h.
 //
 //   absl::StatusOr<BackwardPlan> plan = BackwardPlan::Create(*FindKernel(name), config);
 //   ... load plan->kernel().Emit(plan->config()) into a launcher
@@ -79,7 +79,7 @@ struct BackwardDataFlow {
   bool reproducible_dgamma = false;
 };
 
-// An RMSNorm-backward kernel. Every kernel of the registry is one (kernels/kernel_registry.h).
+// An RMSNorm-backward kernel. Every kernel of the registry is one (kernels/rmsnorm/kernel_registry.h).
 // Stateless: every method may be called concurrently from any thread.
 class BackwardKernel : public Kernel {
  public:

@@ -1,11 +1,11 @@
 #include "kernels/built_kernel.h"
 
 #include "absl/strings/str_cat.h"
-#include "kernels/divergence_analysis.h"
-#include "kernels/ptx_printer.h"
+#include "kernels/ptx/divergence_analysis.h"
+#include "kernels/ptx/ptx_printer.h"
 #include "base/status_macros.h"
-#include "kernels/targets.h"
-#include "kernels/verifier.h"
+#include "kernels/ptx/targets.h"
+#include "kernels/ptx/verifier.h"
 
 namespace normgrad::kernels {
 namespace {

@@ -28,7 +28,7 @@
 #include "absl/strings/string_view.h"
 #include "kernels/backward_kernel.h"
 #include "kernels/kernel.h"
-#include "kernels/ptx_builder.h"
+#include "kernels/ptx/ptx_builder.h"
 
 namespace normgrad::kernels {
 

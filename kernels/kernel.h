@@ -1,5 +1,5 @@
 // The emission life cycle every normgrad kernel shares (modelled on CUTLASS's operations).
-// Kernels are found in kernels/kernel_registry.h; kernels/backward_kernel.h adds how a backward
+// Kernels are found in kernels/rmsnorm/kernel_registry.h; kernels/backward_kernel.h adds how a backward
 // kernel is launched.
 //
 //   const Kernel* k = FindKernel("batched_rms_norm_backward");
@@ -22,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "kernels/ptx/targets.h"
 
 namespace normgrad::kernels {
 
@@ -57,21 +58,6 @@ struct NormVariant {
   // For messages: "gamma_offset 1, a gamma, casting mode llama".
   std::string Describe() const;
 };
-
-// PTX ISA version, e.g. {8, 0} for ".version 8.0".
-struct PtxVersion {
-  int major = 0;
-  int minor = 0;
-  friend bool operator==(PtxVersion a, PtxVersion b) {
-    return a.major == b.major && a.minor == b.minor;
-  }
-  friend bool operator<(PtxVersion a, PtxVersion b) {
-    return a.major != b.major ? a.major < b.major : a.minor < b.minor;
-  }
-  std::string ToString() const;  // "8.0"
-};
-absl::StatusOr<PtxVersion> ParsePtxVersion(absl::string_view text);  // "8.0"
-absl::StatusOr<int> ParseTarget(absl::string_view text);             // "sm_90" -> 90
 
 struct KernelConfig {
   uint32_t hidden_dim = 0;
@@ -142,8 +128,5 @@ class Kernel {
   virtual absl::StatusOr<EmittedPtx> Emit(const KernelConfig& config) const = 0;
 };
 
-// Bumped whenever emission changes for an unchanged config; part of every ConfigKey.
-// 2: entries declare `.maxntid`. 3: the row-resident kernel writes grad_gamma itself (one launch).
-inline constexpr absl::string_view kGeneratorVersion = "normgrad-ptx/3";
 
 }  // namespace normgrad::kernels

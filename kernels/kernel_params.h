@@ -19,7 +19,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "kernels/kernel.h"
-#include "kernels/ptx_ir.h"
+#include "kernels/ptx/ptx_ir.h"
 
 namespace normgrad::kernels {
 

@@ -7,7 +7,8 @@ depend on, per the table below (the floor plan of docs/architecture.md):
 
   base           status macros, hashing, quoting: what every component may use
   nvidia         the NVIDIA loaders (driver API, nvJitLink), over base
-  kernels        PTX emission and the kernel interface, over base (kernels/tools also nvidia)
+  kernels        the kernel interface, over kernels/ptx (the PTX toolchain, over base);
+                 kernels/rmsnorm (the kernels) over both; kernels/tools also nvidia
   proto          the generated normgrad.v1 messages
   server/...     the service, folder by folder (PRODUCT below)
   client         the public client headers (client/include/normgrad); client/src, client/tools
@@ -33,8 +34,10 @@ import tempfile
 PRODUCT = {
     "base": set(),
     "nvidia": {"base"},
-    "kernels": {"base"},
-    "kernels/tools": {"base", "kernels", "nvidia"},
+    "kernels/ptx": {"base"},
+    "kernels": {"base", "kernels/ptx"},
+    "kernels/rmsnorm": {"base", "kernels", "kernels/ptx"},
+    "kernels/tools": {"base", "kernels", "kernels/ptx", "kernels/rmsnorm", "nvidia"},
     "proto": set(),
     "server/cache": {"base"},
     "server/thread_pool": set(),
@@ -63,6 +66,10 @@ PRODUCT = {
     "client/tools": {"base", "proto", "grpc", "client", "client/src"},
     "python": {"base", "proto", "grpc", "client", "client/src"},
 }
+# A folder that may include kernels/ may include its rooms (the rooms keep their own order).
+for folder, deps in PRODUCT.items():
+    if "kernels" in deps and not folder.startswith("kernels"):
+        deps |= {"kernels/ptx", "kernels/rmsnorm"}
 # Test folders every test folder may include (utilities, the PTX interpreter and its driver).
 TEST_SHARED = {"tests/common", "tests/ptxsim", "tests/kernels", "tests/server/service",
                "tests/server/backend"}
@@ -84,7 +91,8 @@ def component(path):
     if top in ("base", "nvidia", "proto", "python"):
         return top
     if top == "kernels":
-        return "kernels/tools" if parts[1] == "tools" and len(parts) > 2 else "kernels"
+        room = parts[1] in ("tools", "ptx", "rmsnorm") and len(parts) > 2
+        return "kernels/" + parts[1] if room else "kernels"
     if top == "server":
         return "/".join(parts[:2]) if len(parts) > 2 else "server"
     if top == "client":

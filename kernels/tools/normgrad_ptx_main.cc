@@ -27,8 +27,8 @@
 #include "absl/strings/str_join.h"
 #include "base/resource_line.h"
 #include "kernels/kernel.h"
-#include "kernels/kernel_registry.h"
-#include "kernels/targets.h"
+#include "kernels/rmsnorm/kernel_registry.h"
+#include "kernels/ptx/targets.h"
 #include "nvidia/nvjitlink.h"
 
 namespace {

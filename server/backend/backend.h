@@ -26,7 +26,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kernels/kernel.h"
-#include "kernels/kernel_choice.h"
+#include "kernels/rmsnorm/kernel_choice.h"
 #include "server/cache/module_cache.h"
 
 namespace normgrad::server {

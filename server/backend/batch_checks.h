@@ -1,6 +1,6 @@
 // Argument checks every backend applies in the same words (internal to the backends: server/cpu
 // and server/cuda). The service validates the stream first; these keep a backend safe on its own.
-// Which kernel a batch gets, and the checks of a named one, are kernels/kernel_choice.h's.
+// Which kernel a batch gets, and the checks of a named one, are kernels/rmsnorm/kernel_choice.h's.
 //
 //   NORMGRAD_RETURN_IF_ERROR(backend_internal::CheckBatch(spec, gamma.size()));
 #pragma once
@@ -12,7 +12,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "kernels/kernel.h"
-#include "kernels/kernel_choice.h"
+#include "kernels/rmsnorm/kernel_choice.h"
 #include "server/backend/backend.h"
 
 namespace normgrad::server::backend_internal {

@@ -13,7 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "kernels/kernel_choice.h"
+#include "kernels/rmsnorm/kernel_choice.h"
 #include "server/backend/backward_session_base.h"
 #include "server/backend/batch_checks.h"
 #include "server/host_rows/element_conversion.h"

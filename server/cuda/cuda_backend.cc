@@ -11,7 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/backward_kernel.h"
-#include "kernels/kernel_choice.h"
+#include "kernels/rmsnorm/kernel_choice.h"
 #include "base/status_macros.h"
 #include "nvidia/driver_api.h"
 #include "server/backend/batch_checks.h"

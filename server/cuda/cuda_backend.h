@@ -25,7 +25,7 @@
 // are added on the host (double) in piece order; the cut depends only on the chunk's shape, so
 // the bits do too.
 //
-// Which kernel runs is kernels/kernel_choice.h's ChooseBackwardKernel (kernels::BackwardRequest::kernel, else
+// Which kernel runs is kernels/rmsnorm/kernel_choice.h's ChooseBackwardKernel (kernels::BackwardRequest::kernel, else
 // its choice for the request and this GPU); the backend obeys what the kernel's data flow says
 // (kernels/backward_kernel.h): the given rms goes to the device when the kernel reads it, and
 // grad_gamma is added on the host, from the chunk and the given rms, when the kernel does not

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/reference.h"
+#include "kernels/rmsnorm/reference.h"
 #include "base/status_macros.h"
 
 namespace normgrad::server {

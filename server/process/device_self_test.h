@@ -1,6 +1,6 @@
 // The start-up self-test of a GPU backend: before the server reports SERVING, the backend's
 // default kernels run on a small batch and their dx and grad_gamma are compared with the CPU
-// reference (kernels/reference.h). A GPU that computes wrong numbers (a bad device, a broken
+// reference (kernels/rmsnorm/reference.h). A GPU that computes wrong numbers (a bad device, a broken
 // driver, a miscompiled kernel) must not take traffic.
 //
 //   absl::Status s = RunDeviceSelfTest(backend);

@@ -9,7 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "kernels/kernel_registry.h"
+#include "kernels/rmsnorm/kernel_registry.h"
 #include "base/status_macros.h"
 #include "server/metrics/metrics_http_server.h"
 #include "server/process/listen_address.h"

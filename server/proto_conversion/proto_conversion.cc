@@ -5,7 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/bounded_quote.h"
-#include "kernels/kernel_registry.h"
+#include "kernels/rmsnorm/kernel_registry.h"
 
 namespace normgrad::server {
 namespace {

@@ -10,7 +10,7 @@
 #include "base/sha256.h"
 #include "base/status_macros.h"
 #include "kernels/kernel.h"
-#include "kernels/targets.h"
+#include "kernels/ptx/targets.h"
 #include "proto/normgrad/v1/emit_ptx_fields.h"
 #include "server/proto_conversion/proto_conversion.h"
 

@@ -7,7 +7,7 @@
 #include "base/bounded_quote.h"
 #include "base/status_macros.h"
 #include "kernels/kernel.h"
-#include "kernels/kernel_choice.h"
+#include "kernels/rmsnorm/kernel_choice.h"
 #include "server/proto_conversion/proto_conversion.h"
 
 namespace normgrad::server {

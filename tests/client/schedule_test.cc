@@ -33,7 +33,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
-#include "kernels/reference.h"
+#include "kernels/rmsnorm/reference.h"
 #include "normgrad/client.h"
 #include "normgrad/shared_memory.h"
 #include "server/backend_factory/backend_factory.h"

@@ -14,7 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "kernels/reference.h"
+#include "kernels/rmsnorm/reference.h"
 #include "server/backend_factory/backend_factory.h"
 #include "server/process/normgrad_server.h"
 #include "tests/common/gated_backend.h"

@@ -33,7 +33,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
-#include "kernels/reference.h"
+#include "kernels/rmsnorm/reference.h"
 #include "normgrad/client.h"
 #include "tests/common/child_process.h"
 

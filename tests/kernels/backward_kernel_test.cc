@@ -16,9 +16,9 @@
 #include "gtest/gtest.h"
 #include "kernels/kernel.h"
 #include "kernels/kernel_params.h"
-#include "kernels/kernel_registry.h"
-#include "kernels/rms_norm_backward_row_resident.h"
-#include "kernels/targets.h"
+#include "kernels/rmsnorm/kernel_registry.h"
+#include "kernels/rmsnorm/rms_norm_backward_row_resident.h"
+#include "kernels/ptx/targets.h"
 
 namespace normgrad::kernels {
 namespace {

@@ -1,6 +1,6 @@
 // The CFG-based barrier/shuffle analysis: trueno-gpu's barrier-safety tests, ported, plus the cases
 // trueno-gpu's text heuristic (a literal `bra exit` inside a loop) misses or gets wrong.
-#include "kernels/divergence_analysis.h"
+#include "kernels/ptx/divergence_analysis.h"
 
 #include <initializer_list>
 #include <vector>
@@ -8,11 +8,11 @@
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "kernels/kernel.h"
-#include "kernels/kernel_registry.h"
-#include "kernels/ptx_builder.h"
-#include "kernels/ptx_printer.h"
-#include "kernels/rms_norm_backward.h"
-#include "kernels/verifier.h"
+#include "kernels/rmsnorm/kernel_registry.h"
+#include "kernels/ptx/ptx_builder.h"
+#include "kernels/ptx/ptx_printer.h"
+#include "kernels/rmsnorm/rms_norm_backward.h"
+#include "kernels/ptx/verifier.h"
 #include "tests/kernels/single_entry_module.h"
 
 namespace normgrad::kernels {

@@ -2,7 +2,7 @@
 
 #include <vector>
 
-#include "kernels/ptx_builder.h"
+#include "kernels/ptx/ptx_builder.h"
 
 namespace normgrad::kernels {
 

@@ -11,7 +11,7 @@
 #include <cstdint>
 
 #include "absl/strings/string_view.h"
-#include "kernels/ptx_ir.h"
+#include "kernels/ptx/ptx_ir.h"
 
 namespace normgrad::kernels {
 

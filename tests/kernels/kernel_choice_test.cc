@@ -1,6 +1,6 @@
-// Which kernel a request gets (kernels/kernel_choice.h): the choice for a request and a device,
+// Which kernel a request gets (kernels/rmsnorm/kernel_choice.h): the choice for a request and a device,
 // a named kernel obeyed, and the named-kernel checks in the words the backends answer with.
-#include "kernels/kernel_choice.h"
+#include "kernels/rmsnorm/kernel_choice.h"
 
 #include <string>
 #include <utility>
@@ -8,7 +8,7 @@
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
-#include "kernels/kernel_registry.h"
+#include "kernels/rmsnorm/kernel_registry.h"
 
 namespace normgrad::kernels {
 namespace {

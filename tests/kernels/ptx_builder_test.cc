@@ -1,6 +1,6 @@
 // The builder's contract: types come from operands, labels and registers get unique regular
 // names, predication scopes nest and restore, rounding is explicit, output is deterministic.
-#include "kernels/ptx_builder.h"
+#include "kernels/ptx/ptx_builder.h"
 
 #include <string>
 #include <vector>
@@ -8,8 +8,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
-#include "kernels/ptx_printer.h"
-#include "kernels/verifier.h"
+#include "kernels/ptx/ptx_printer.h"
+#include "kernels/ptx/verifier.h"
 
 namespace normgrad::kernels {
 namespace {

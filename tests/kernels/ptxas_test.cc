@@ -20,10 +20,10 @@
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 #include "kernels/kernel.h"
-#include "kernels/kernel_registry.h"
-#include "kernels/ptx_printer.h"
-#include "kernels/targets.h"
-#include "kernels/verifier.h"
+#include "kernels/rmsnorm/kernel_registry.h"
+#include "kernels/ptx/ptx_printer.h"
+#include "kernels/ptx/targets.h"
+#include "kernels/ptx/verifier.h"
 #include "tests/common/shell_command.h"
 #include "tests/kernels/instruction_forms.h"
 
@@ -183,7 +183,7 @@ std::vector<PtxVersion> KnownPtxVersions() {
 
 TEST_F(PtxasTest, TheDefaultVersionIsTheLowestPtxasAccepts) {
   // The version just below each target's default must be refused by ptxas itself: the table in
-  // kernels/targets.cc is the real minimum, not a guess.
+  // kernels/ptx/targets.cc is the real minimum, not a guess.
   const Kernel* k = FindKernel("batched_rms_norm_backward");
   const std::vector<PtxVersion> known = KnownPtxVersions();
   for (int sm : SupportedTargets()) {

@@ -6,7 +6,7 @@
 // at three scales (1, 1e-2, 1e-3) so eps matters: at scale 1e-3, mean(x^2) is ~3e-7 against
 // eps = 1e-5, and a formula that counts eps twice is off by far more than the tolerance (the
 // test checks that it is caught).
-#include "kernels/reference.h"
+#include "kernels/rmsnorm/reference.h"
 
 #include <algorithm>
 #include <cmath>

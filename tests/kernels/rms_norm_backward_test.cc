@@ -1,7 +1,7 @@
 // The two kernels' contracts: trueno-gpu's unit tests, ported (names, parameters, shuffles, sqrt,
 // limits), plus what normgrad adds (every parameter read at run time, eps not counted twice,
 // configuration keys, PTX versions, determinism, launch geometry).
-#include "kernels/rms_norm_backward.h"
+#include "kernels/rmsnorm/rms_norm_backward.h"
 
 #include <initializer_list>
 #include <set>
@@ -12,8 +12,8 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/kernel.h"
-#include "kernels/kernel_registry.h"
-#include "kernels/targets.h"
+#include "kernels/rmsnorm/kernel_registry.h"
+#include "kernels/ptx/targets.h"
 
 namespace normgrad::kernels {
 namespace {

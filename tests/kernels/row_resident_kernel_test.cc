@@ -19,12 +19,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
-#include "kernels/divergence_analysis.h"
+#include "kernels/ptx/divergence_analysis.h"
 #include "kernels/kernel.h"
 #include "kernels/backward_kernel.h"
 #include "kernels/built_kernel.h"
-#include "kernels/kernel_registry.h"
-#include "kernels/rms_norm_backward_row_resident.h"
+#include "kernels/rmsnorm/kernel_registry.h"
+#include "kernels/rmsnorm/rms_norm_backward_row_resident.h"
 
 namespace normgrad::kernels {
 namespace {

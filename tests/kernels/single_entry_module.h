@@ -9,8 +9,8 @@
 #pragma once
 
 #include "kernels/kernel.h"
-#include "kernels/ptx_builder.h"
-#include "kernels/ptx_ir.h"
+#include "kernels/ptx/ptx_builder.h"
+#include "kernels/ptx/ptx_ir.h"
 
 namespace normgrad::kernels {
 

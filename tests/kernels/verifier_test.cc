@@ -1,6 +1,6 @@
 // Verify() accepts both kernels and rejects each kind of broken module with a message that names
 // the problem.
-#include "kernels/verifier.h"
+#include "kernels/ptx/verifier.h"
 
 #include <string>
 #include <utility>
@@ -8,10 +8,10 @@
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "kernels/kernel.h"
-#include "kernels/kernel_registry.h"
-#include "kernels/ptx_builder.h"
-#include "kernels/ptx_printer.h"
-#include "kernels/rms_norm_backward.h"
+#include "kernels/rmsnorm/kernel_registry.h"
+#include "kernels/ptx/ptx_builder.h"
+#include "kernels/ptx/ptx_printer.h"
+#include "kernels/rmsnorm/rms_norm_backward.h"
 #include "tests/kernels/single_entry_module.h"
 
 namespace normgrad::kernels {

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/reference.h"
+#include "kernels/rmsnorm/reference.h"
 #include "tests/ptxsim/float16.h"
 
 namespace normgrad::kernel_testing {

@@ -4,9 +4,9 @@
 #include <string>
 
 #include "gtest/gtest.h"
-#include "kernels/ptx_builder.h"
-#include "kernels/ptx_printer.h"
-#include "kernels/verifier.h"
+#include "kernels/ptx/ptx_builder.h"
+#include "kernels/ptx/ptx_printer.h"
+#include "kernels/ptx/verifier.h"
 #include "tests/kernels/instruction_forms.h"
 #include "tests/ptxsim/sim_harness.h"
 

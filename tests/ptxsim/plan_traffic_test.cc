@@ -13,8 +13,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/kernel.h"
-#include "kernels/kernel_registry.h"
-#include "kernels/rms_norm_backward_row_resident.h"
+#include "kernels/rmsnorm/kernel_registry.h"
+#include "kernels/rmsnorm/rms_norm_backward_row_resident.h"
 #include "tests/ptxsim/traffic.h"
 
 namespace normgrad::ptxsim {

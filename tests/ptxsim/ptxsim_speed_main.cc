@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "kernels/kernel.h"
-#include "kernels/kernel_registry.h"
+#include "kernels/rmsnorm/kernel_registry.h"
 #include "kernels/backward_kernel.h"
-#include "kernels/reference.h"
+#include "kernels/rmsnorm/reference.h"
 #include "tests/ptxsim/sim_harness.h"
 #include "tests/ptxsim/sim_launcher.h"
 

@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "kernels/kernel_choice.h"
+#include "kernels/rmsnorm/kernel_choice.h"
 #include "tests/ptxsim/backward_problem.h"
 #include "tests/ptxsim/parser.h"
 

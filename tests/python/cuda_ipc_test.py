@@ -100,7 +100,7 @@ def from_bf16_bits(bits):
 
 
 def reference_given_rms(x, dy, gamma, rms):
-    """dx and dgamma in float64 with the per-row rms used as given (kernels/reference.h)."""
+    """dx and dgamma in float64 with the per-row rms used as given (kernels/rmsnorm/reference.h)."""
     x, dy, gamma = (np.asarray(a, dtype=np.float64) for a in (x, dy, gamma))
     r = np.asarray(rms, dtype=np.float64)[:, None]
     dx = (gamma * dy - x / r**2 * (x * dy * gamma).mean(-1, keepdims=True)) / r

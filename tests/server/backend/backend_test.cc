@@ -18,7 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "kernels/reference.h"
+#include "kernels/rmsnorm/reference.h"
 #include "tests/server/backend/backend_test_util.h"
 
 // In the test utilities' namespace: Batch, MakeBatch, RunF32... without qualification.

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kernels/reference.h"
+#include "kernels/rmsnorm/reference.h"
 #include "server/host_rows/element_conversion.h"
 #include "server/host_rows/host_rows.h"
 #include "server/host_rows/row_grouping.h"

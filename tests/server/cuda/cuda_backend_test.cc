@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kernels/kernel_registry.h"
-#include "kernels/reference.h"
+#include "kernels/rmsnorm/kernel_registry.h"
+#include "kernels/rmsnorm/reference.h"
 #include "server/backend_factory/backend_factory.h"
 #include "nvidia/driver_api.h"
 #include "tests/server/backend/backend_test_util.h"

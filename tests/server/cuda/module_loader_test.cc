@@ -12,7 +12,7 @@
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "kernels/backward_kernel.h"
-#include "kernels/kernel_registry.h"
+#include "kernels/rmsnorm/kernel_registry.h"
 #include "server/cuda/cuda_launcher.h"
 #include "tests/server/cuda/test_device.h"
 

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <random>
 
-#include "kernels/reference.h"
+#include "kernels/rmsnorm/reference.h"
 
 namespace normgrad::server::testing {
 

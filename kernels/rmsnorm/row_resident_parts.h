@@ -1,4 +1,4 @@
-// The parts of rms_norm_backward_row_resident's PTX (kernels/rms_norm_backward_row_resident.h),
+// The parts of rms_norm_backward_row_resident's PTX (kernels/rmsnorm/rms_norm_backward_row_resident.h),
 // internal to its files: the per-row math both forms share (row_resident_math.cc), the
 // last-block-done grad_gamma trees (row_resident_dgamma_tree.cc) and the streamed-row form
 // (row_resident_streamed_rows.cc). The held-row form and the kernel itself are in
@@ -13,8 +13,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "kernels/kernel.h"
-#include "kernels/ptx_builder.h"
-#include "kernels/rms_norm_backward_row_resident.h"
+#include "kernels/ptx/ptx_builder.h"
+#include "kernels/rmsnorm/rms_norm_backward_row_resident.h"
 
 namespace normgrad::kernels::row_resident_internal {
 

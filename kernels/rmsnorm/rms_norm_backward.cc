@@ -1,4 +1,4 @@
-#include "kernels/rms_norm_backward.h"
+#include "kernels/rmsnorm/rms_norm_backward.h"
 
 #include <algorithm>
 #include <utility>

@@ -1,4 +1,4 @@
-#include "kernels/row_resident_parts.h"
+#include "kernels/rmsnorm/row_resident_parts.h"
 
 #include <algorithm>
 #include <cstdint>

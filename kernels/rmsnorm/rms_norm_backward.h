@@ -21,7 +21,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/built_kernel.h"
 #include "kernels/kernel.h"
-#include "kernels/ptx_builder.h"
+#include "kernels/ptx/ptx_builder.h"
 
 namespace normgrad::kernels {
 

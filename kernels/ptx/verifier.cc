@@ -1,14 +1,14 @@
-#include "kernels/verifier.h"
+#include "kernels/ptx/verifier.h"
 
 #include <set>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cfg.h"
-#include "kernels/ptx_printer.h"
+#include "kernels/ptx/cfg.h"
+#include "kernels/ptx/ptx_printer.h"
 #include "base/status_macros.h"
-#include "kernels/targets.h"
+#include "kernels/ptx/targets.h"
 
 namespace normgrad::kernels {
 namespace {

@@ -1,8 +1,8 @@
 // The PTX IR: typed values (virtual registers, immediates, special registers, shared-array
 // addresses), Instructions with their operand layout, and Functions (`.visible .entry`) inside a
-// Module (`.version`, `.target`). Plain data that checks nothing: a Builder (kernels/ptx_builder.h)
-// writes it, Verify() (kernels/verifier.h), the CFG and the divergence analysis read it, and
-// EmitPtx() (kernels/ptx_printer.h) turns it into text.
+// Module (`.version`, `.target`). Plain data that checks nothing: a Builder (kernels/ptx/ptx_builder.h)
+// writes it, Verify() (kernels/ptx/verifier.h), the CFG and the divergence analysis read it, and
+// EmitPtx() (kernels/ptx/ptx_printer.h) turns it into text.
 //
 //   Module m(PtxVersion{7, 0}, 80);
 //   Function& f = m.AddEntry("scale");
@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "absl/strings/string_view.h"
-#include "kernels/kernel.h"
+#include "kernels/ptx/targets.h"
 
 namespace normgrad::kernels {
 

@@ -1,8 +1,8 @@
 // A typed PTX builder, modelled on LLVM's IRBuilder: it appends Instructions to a Function of the
-// IR (kernels/ptx_ir.h) at an insertion point; values are typed handles whose type comes from the
+// IR (kernels/ptx/ptx_ir.h) at an insertion point; values are typed handles whose type comes from the
 // operands (`b.Add(l, r)` emits add.<type of l>); labels and parameters are handles created once;
 // predication is an RAII scope. The builder does not check what it is given: a finished module
-// goes through Verify() (kernels/verifier.h), and EmitPtx() (kernels/ptx_printer.h) turns it into
+// goes through Verify() (kernels/ptx/verifier.h), and EmitPtx() (kernels/ptx/ptx_printer.h) turns it into
 // conventional PTX text.
 //
 //   Module m(PtxVersion{7, 0}, 80);
@@ -31,7 +31,7 @@
 
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "kernels/ptx_ir.h"
+#include "kernels/ptx/ptx_ir.h"
 
 namespace normgrad::kernels {
 

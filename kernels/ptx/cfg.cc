@@ -1,9 +1,9 @@
-#include "kernels/cfg.h"
+#include "kernels/ptx/cfg.h"
 
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/ptx_printer.h"
+#include "kernels/ptx/ptx_printer.h"
 
 namespace normgrad::kernels {
 namespace {

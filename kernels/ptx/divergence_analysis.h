@@ -27,7 +27,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "kernels/ptx_ir.h"
+#include "kernels/ptx/ptx_ir.h"
 
 namespace normgrad::kernels {
 

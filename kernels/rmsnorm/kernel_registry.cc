@@ -1,7 +1,7 @@
-#include "kernels/kernel_registry.h"
+#include "kernels/rmsnorm/kernel_registry.h"
 
-#include "kernels/rms_norm_backward.h"
-#include "kernels/rms_norm_backward_row_resident.h"
+#include "kernels/rmsnorm/rms_norm_backward.h"
+#include "kernels/rmsnorm/rms_norm_backward_row_resident.h"
 
 namespace normgrad::kernels {
 

@@ -1,4 +1,4 @@
-#include "kernels/reference.h"
+#include "kernels/rmsnorm/reference.h"
 
 #include <cmath>
 #include <cstdlib>

@@ -1,4 +1,4 @@
-#include "kernels/rms_norm_backward_row_resident.h"
+#include "kernels/rmsnorm/rms_norm_backward_row_resident.h"
 
 #include <algorithm>
 #include <limits>
@@ -8,12 +8,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/kernel_params.h"
-#include "kernels/row_resident_parts.h"
+#include "kernels/rmsnorm/row_resident_parts.h"
 #include "base/status_macros.h"
 
 namespace normgrad::kernels {
 
-// The parts (kernels/row_resident_parts.h).
+// The parts (kernels/rmsnorm/row_resident_parts.h).
 using row_resident_internal::AddRowSums;
 using row_resident_internal::BuildDgammaTree;
 using row_resident_internal::BuildStreamedRows;

@@ -1,4 +1,4 @@
-#include "kernels/ptx_printer.h"
+#include "kernels/ptx/ptx_printer.h"
 
 #include <iterator>
 #include <vector>

@@ -1,4 +1,4 @@
-#include "kernels/ptx_builder.h"
+#include "kernels/ptx/ptx_builder.h"
 
 #include <cstddef>
 #include <utility>

@@ -1,6 +1,6 @@
 // The registry of every kernel normgrad serves, by entry name. Kernels are process-lifetime
 // singletons, stateless, safe to use from any thread. Every one is a backward kernel
-// (kernels/backward_kernel.h); which one a request gets is kernels/kernel_choice.h's choice.
+// (kernels/backward_kernel.h); which one a request gets is kernels/rmsnorm/kernel_choice.h's choice.
 //
 //   const BackwardKernel* k = FindKernel("batched_rms_norm_backward");  // nullptr: unknown name
 //   for (const BackwardKernel* each : AllKernels())

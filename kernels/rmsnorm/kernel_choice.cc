@@ -1,12 +1,12 @@
-#include "kernels/kernel_choice.h"
+#include "kernels/rmsnorm/kernel_choice.h"
 
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "base/bounded_quote.h"
-#include "kernels/kernel_registry.h"
-#include "kernels/rms_norm_backward.h"
-#include "kernels/rms_norm_backward_row_resident.h"
+#include "kernels/rmsnorm/kernel_registry.h"
+#include "kernels/rmsnorm/rms_norm_backward.h"
+#include "kernels/rmsnorm/rms_norm_backward_row_resident.h"
 #include "base/status_macros.h"
 
 namespace normgrad::kernels {

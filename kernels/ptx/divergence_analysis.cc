@@ -1,12 +1,12 @@
-#include "kernels/divergence_analysis.h"
+#include "kernels/ptx/divergence_analysis.h"
 
 #include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "kernels/cfg.h"
-#include "kernels/ptx_printer.h"
+#include "kernels/ptx/cfg.h"
+#include "kernels/ptx/ptx_printer.h"
 
 namespace normgrad::kernels {
 namespace {

@@ -8,9 +8,24 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "kernels/kernel.h"
+#include "absl/strings/string_view.h"
 
 namespace normgrad::kernels {
+
+// PTX ISA version, e.g. {8, 0} for ".version 8.0".
+struct PtxVersion {
+  int major = 0;
+  int minor = 0;
+  friend bool operator==(PtxVersion a, PtxVersion b) {
+    return a.major == b.major && a.minor == b.minor;
+  }
+  friend bool operator<(PtxVersion a, PtxVersion b) {
+    return a.major != b.major ? a.major < b.major : a.minor < b.minor;
+  }
+  std::string ToString() const;  // "8.0"
+};
+absl::StatusOr<PtxVersion> ParsePtxVersion(absl::string_view text);  // "8.0"
+absl::StatusOr<int> ParseTarget(absl::string_view text);             // "sm_90" -> 90
 
 // Newest `.version` this generator writes (CUDA 13.0's ptxas: "current version is '9.0'").
 inline constexpr PtxVersion kMaxPtxVersion{9, 0};

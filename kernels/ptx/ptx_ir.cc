@@ -1,4 +1,4 @@
-#include "kernels/ptx_ir.h"
+#include "kernels/ptx/ptx_ir.h"
 
 #include <cstring>
 #include <iterator>

@@ -1,11 +1,13 @@
-#include "kernels/targets.h"
+#include "kernels/ptx/targets.h"
 
 #include <algorithm>
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/bounded_quote.h"
 
 namespace normgrad::kernels {
 
@@ -98,6 +100,40 @@ absl::StatusOr<std::string> MinCudaDriverForPtx(PtxVersion version) {
   return absl::InvalidArgumentError(absl::StrCat("ptx_version ", version.ToString(),
                                                  " has no known CUDA release (known: 6.0 ... ",
                                                  kMaxPtxVersion.ToString(), ")"));
+}
+
+std::string PtxVersion::ToString() const { return absl::StrCat(major, ".", minor); }
+
+absl::StatusOr<PtxVersion> ParsePtxVersion(absl::string_view text) {
+  // MAJOR.MINOR with a one- or two-digit major and a one-digit minor, as PTX ISA versions are.
+  const size_t dot = text.find('.');
+  bool ok = dot != absl::string_view::npos && (dot == 1 || dot == 2) && text.size() == dot + 2;
+  for (size_t i = 0; ok && i < text.size(); ++i) {
+    ok = i == dot || (text[i] >= '0' && text[i] <= '9');
+  }
+  int major = 0;
+  int minor = 0;
+  ok = ok && absl::SimpleAtoi(text.substr(0, dot), &major) &&
+       absl::SimpleAtoi(text.substr(dot + 1), &minor) && major >= 1;
+  if (!ok) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ptx_version ", base::BoundedQuote(text), " is not MAJOR.MINOR (e.g. \"8.0\")"));
+  }
+  return PtxVersion{major, minor};
+}
+
+absl::StatusOr<int> ParseTarget(absl::string_view text) {
+  int sm = 0;
+  bool ok = text.size() >= 4 && text.size() <= 6 && text.substr(0, 3) == "sm_";
+  for (size_t i = 3; ok && i < text.size(); ++i) ok = text[i] >= '0' && text[i] <= '9';
+  if (!ok || !absl::SimpleAtoi(text.substr(3), &sm)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("target ", base::BoundedQuote(text), " is not sm_NN (e.g. \"sm_90\")"));
+  }
+  if (!MinPtxVersionForTarget(sm).ok()) {
+    return MinPtxVersionForTarget(sm).status();
+  }
+  return sm;
 }
 
 }  // namespace normgrad::kernels

@@ -17,7 +17,7 @@
 #pragma once
 
 #include "absl/status/status.h"
-#include "kernels/ptx_ir.h"
+#include "kernels/ptx/ptx_ir.h"
 
 namespace normgrad::kernels {
 
