@@ -313,10 +313,19 @@ std::string VariantLabel(const v1::EmitPtxRequest& request) {
   return label;
 }
 
-int EmitPtx(const EmitPtxFlags& args, const ClientOptions& options, const CliEnvironment& env,
-            std::ostream& out, std::ostream& err) {
-  if (!args.kernel) return UsageError(err, "emit-ptx: --kernel is required");
+// What an emit-ptx command asks for: the request every configuration shares, and the targets and
+// dtypes it is made for (one configuration each).
+struct EmitPtxPlan {
   v1::EmitPtxRequest base;
+  std::vector<std::string> targets;  // "" alone: the server's default
+  std::vector<v1::DType> dtypes;
+  size_t Configurations() const { return targets.size() * dtypes.size(); }
+};
+
+// The plan of the flags, or a usage error (kExitUsage, said on `err`).
+int PlanEmitPtx(const EmitPtxFlags& args, std::ostream& err, EmitPtxPlan& plan) {
+  if (!args.kernel) return UsageError(err, "emit-ptx: --kernel is required");
+  v1::EmitPtxRequest& base = plan.base;
   base.set_kernel(*args.kernel);
   if (args.hidden_dim) {
     uint32_t hidden = 0;
@@ -326,7 +335,7 @@ int EmitPtx(const EmitPtxFlags& args, const ClientOptions& options, const CliEnv
     }
     base.set_hidden_dim(hidden);
   }
-  std::vector<v1::DType> dtypes;
+  std::vector<v1::DType>& dtypes = plan.dtypes;
   for (const std::string& name : args.dtypes.empty() ? std::vector<std::string>{"f32"}
                                                      : args.dtypes) {
     if (name == "f32") {
@@ -340,9 +349,8 @@ int EmitPtx(const EmitPtxFlags& args, const ClientOptions& options, const CliEnv
     }
   }
   // An empty target is the server's default (sm_75).
-  const std::vector<std::string> targets =
-      args.gpu_targets.empty() ? std::vector<std::string>{""} : args.gpu_targets;
-  const size_t configurations = targets.size() * dtypes.size();
+  plan.targets = args.gpu_targets.empty() ? std::vector<std::string>{""} : args.gpu_targets;
+  const size_t configurations = plan.Configurations();
   {
     float offset = 0.0f;
     v1::CastingMode mode = v1::CASTING_MODE_UNSPECIFIED;
@@ -370,27 +378,29 @@ int EmitPtx(const EmitPtxFlags& args, const ClientOptions& options, const CliEnv
                                         " configurations: use --out-dir DIR, or --resource-usage "
                                         "for the report alone"));
   }
-  const std::string cache_dir = args.cache_dir.value_or(env.ptx_cache_dir);
+  return kExitOk;
+}
 
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(options);
-  if (!client.ok()) return UsageError(err, client.status().message());
-  std::vector<v1::EmitPtxArtifact> artifacts;
+// Every configuration's artifact, in targets-then-dtypes order: from the cache under `cache_dir`
+// (one request per configuration it lacks), else in one request.
+int FetchArtifacts(Client& client, const EmitPtxPlan& plan, const std::string& cache_dir,
+                   std::ostream& err, std::vector<v1::EmitPtxArtifact>& artifacts) {
   if (!cache_dir.empty()) {
     // One single-configuration request per configuration not in the cache.
     absl::StatusOr<PtxCache> cache = PtxCache::Open(cache_dir);
     if (!cache.ok()) return UsageError(err, cache.status().message());
-    absl::StatusOr<v1::GetServerInfoResponse> info = (*client)->ServerInfo();
+    absl::StatusOr<v1::GetServerInfoResponse> info = client.ServerInfo();
     if (!info.ok()) return ServerError(err, info.status());
-    for (const std::string& target : targets) {
-      for (v1::DType dtype : dtypes) {
-        v1::EmitPtxRequest request = base;
+    for (const std::string& target : plan.targets) {
+      for (v1::DType dtype : plan.dtypes) {
+        v1::EmitPtxRequest request = plan.base;
         request.set_target(target);
         request.set_dtype(dtype);
         std::string notes;
         absl::StatusOr<v1::EmitPtxArtifact> a = cache->GetOrFetch(
             PtxCache::Key(info->version(), request),
             [&]() -> absl::StatusOr<v1::EmitPtxArtifact> {
-              absl::StatusOr<v1::EmitPtxResponse> r = (*client)->EmitPtx(request);
+              absl::StatusOr<v1::EmitPtxResponse> r = client.EmitPtx(request);
               if (!r.ok()) return r.status();
               return ArtifactOf(*r, dtype);
             },
@@ -400,27 +410,36 @@ int EmitPtx(const EmitPtxFlags& args, const ClientOptions& options, const CliEnv
         artifacts.push_back(*std::move(a));
       }
     }
-  } else if (configurations == 1) {
-    v1::EmitPtxRequest request = base;
-    request.set_target(targets[0]);
-    request.set_dtype(dtypes[0]);
-    absl::StatusOr<v1::EmitPtxResponse> r = (*client)->EmitPtx(request);
+  } else if (plan.Configurations() == 1) {
+    v1::EmitPtxRequest request = plan.base;
+    request.set_target(plan.targets[0]);
+    request.set_dtype(plan.dtypes[0]);
+    absl::StatusOr<v1::EmitPtxResponse> r = client.EmitPtx(request);
     if (!r.ok()) return ServerError(err, r.status());
-    artifacts.push_back(ArtifactOf(*r, dtypes[0]));
+    artifacts.push_back(ArtifactOf(*r, plan.dtypes[0]));
   } else {
-    v1::EmitPtxRequest request = base;
-    for (const std::string& target : args.gpu_targets) request.add_targets(target);
-    for (v1::DType dtype : dtypes) request.add_dtypes(dtype);
-    absl::StatusOr<v1::EmitPtxResponse> r = (*client)->EmitPtx(request);
+    v1::EmitPtxRequest request = plan.base;
+    for (const std::string& target : plan.targets) {
+      if (!target.empty()) request.add_targets(target);  // none: the server's default
+    }
+    for (v1::DType dtype : plan.dtypes) request.add_dtypes(dtype);
+    absl::StatusOr<v1::EmitPtxResponse> r = client.EmitPtx(request);
     if (!r.ok()) return ServerError(err, r.status());
-    if (r->artifacts_size() != static_cast<int>(configurations)) {
+    if (r->artifacts_size() != static_cast<int>(plan.Configurations())) {
       return ServerError(err, absl::InternalError(absl::StrCat(
                                   "the server answered ", r->artifacts_size(), " artifacts for ",
-                                  configurations, " configurations")));
+                                  plan.Configurations(), " configurations")));
     }
     artifacts.assign(r->artifacts().begin(), r->artifacts().end());
   }
 
+  return kExitOk;
+}
+
+// The artifacts where the flags say: -o / --out-dir files, stdout, --cubin, the resource report.
+int WriteArtifacts(const EmitPtxFlags& args, const EmitPtxPlan& plan,
+                   const std::vector<v1::EmitPtxArtifact>& artifacts, std::ostream& out,
+                   std::ostream& err) {
   auto write = [&](const std::string& path, const std::string& bytes) -> bool {
     std::ofstream file(path, std::ios::binary | std::ios::trunc);
     file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
@@ -438,7 +457,7 @@ int EmitPtx(const EmitPtxFlags& args, const ClientOptions& options, const CliEnv
   };
   if (args.out_dir) {
     for (const v1::EmitPtxArtifact& a : artifacts) {
-      const std::string stem = absl::StrCat(*args.out_dir, "/", a.entry(), VariantLabel(base), ".",
+      const std::string stem = absl::StrCat(*args.out_dir, "/", a.entry(), VariantLabel(plan.base), ".",
                                             DTypeLabel(a.dtype()), ".", a.target());
       if (!write(stem + ".ptx", a.ptx())) return kExitUsage;
       wrote(stem + ".ptx", a);
@@ -465,6 +484,21 @@ int EmitPtx(const EmitPtxFlags& args, const ClientOptions& options, const CliEnv
     for (const v1::EmitPtxArtifact& a : artifacts) out << ResourceLine(a) << "\n";
   }
   return kExitOk;
+}
+
+int EmitPtx(const EmitPtxFlags& args, const ClientOptions& options, const CliEnvironment& env,
+            std::ostream& out, std::ostream& err) {
+  EmitPtxPlan plan;
+  if (const int code = PlanEmitPtx(args, err, plan); code != kExitOk) return code;
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(options);
+  if (!client.ok()) return UsageError(err, client.status().message());
+  std::vector<v1::EmitPtxArtifact> artifacts;
+  if (const int code = FetchArtifacts(**client, plan,
+                                      args.cache_dir.value_or(env.ptx_cache_dir), err, artifacts);
+      code != kExitOk) {
+    return code;
+  }
+  return WriteArtifacts(args, plan, artifacts, out, err);
 }
 
 int Info(const ClientOptions& options, std::ostream& out, std::ostream& err) {

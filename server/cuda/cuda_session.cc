@@ -150,7 +150,7 @@ absl::Status CudaBackwardSession::DeviceChunk(absl::Span<const uint8_t> x,
   return WithSlot(host.bytes(), device.bytes(), [&](const StagingSlot& slot) -> absl::Status {
     NORMGRAD_RETURN_IF_ERROR(ctx_->MakeCurrent());
     if (!gamma_.empty()) std::memcpy(slot.host + at.host_gamma, gamma_.data(), gamma_.size());
-    const ChunkRows chunk{x,           dy,           rms, dx, in_place, rms_bytes != 0,
+    const ChunkBuffers chunk{x,           dy,           rms, dx, in_place, rms_bytes != 0,
                           dgamma_bytes, !flow.writes_dgamma && spec_.variant.has_gamma};
     const uint64_t pieces = (rows + piece_rows - 1) / piece_rows;
     Piece next = PieceOf(0, piece_rows, rows);
@@ -183,7 +183,7 @@ CudaBackwardSession::Piece CudaBackwardSession::PieceOf(uint64_t p, uint64_t pie
 // stream's first piece of the chunk also copies gamma (if any) to that stream's own copy. Where
 // the host adds grad_gamma, it does so here, before the piece's dx may overwrite its dy.
 absl::Status CudaBackwardSession::IssuePiece(const StagingSlot& slot, const ChunkLayout& at,
-                                             const ChunkRows& c, const Piece& piece) {
+                                             const ChunkBuffers& c, const Piece& piece) {
   const cuda::DriverApi& api = ctx_->api();
   const int s = piece.stream;
   const CUstream stream = slot.streams[s];
@@ -247,7 +247,7 @@ absl::Status CudaBackwardSession::IssuePiece(const StagingSlot& slot, const Chun
 // issued only after this), then copies its dx out of pinned memory and adds the kernel's
 // grad_gamma.
 absl::Status CudaBackwardSession::CompletePiece(const StagingSlot& slot, const ChunkLayout& at,
-                                                const ChunkRows& c, const Piece& piece) {
+                                                const ChunkBuffers& c, const Piece& piece) {
   const size_t off = piece.off, bytes = piece.bytes;
   NORMGRAD_RETURN_IF_ERROR(ctx_->Synchronize(slot.streams[piece.stream]));
   if (!c.in_place) std::memcpy(c.dx.data() + off, slot.host + at.host_dx + off, bytes);
@@ -336,7 +336,7 @@ void CudaBackwardSession::AddHostGradGamma(absl::Span<const uint8_t> x,
                                            absl::Span<const uint8_t> dy,
                                            absl::Span<const float> rms, uint64_t rows) {
   const size_t h = spec_.hidden_dim;
-  const size_t tile = std::min<uint64_t>(rows, StagingRows());
+  const size_t tile = std::min<uint64_t>(rows, GradGammaTileRows());
   std::vector<float> xf(tile * h), yf(tile * h);
   for (uint64_t first = 0; first < rows; first += tile) {
     const size_t m = std::min<uint64_t>(tile, rows - first);
@@ -351,7 +351,7 @@ void CudaBackwardSession::AddHostGradGamma(absl::Span<const uint8_t> x,
   }
 }
 
-uint64_t CudaBackwardSession::StagingRows() const {
+uint64_t CudaBackwardSession::GradGammaTileRows() const {
   return std::max<uint64_t>(1, kHostStagingElements / spec_.hidden_dim);
 }
 

@@ -78,7 +78,7 @@ class CudaBackwardSession : public backend_internal::BackwardSessionBase {
     size_t dgamma[StagingSlot::kStreams] = {};
   };
   // The chunk DeviceChunk pipelines: its rows as the caller passed them.
-  struct ChunkRows {
+  struct ChunkBuffers {
     absl::Span<const uint8_t> x, dy;
     absl::Span<const float> rms;
     absl::Span<uint8_t> dx;
@@ -105,9 +105,9 @@ class CudaBackwardSession : public backend_internal::BackwardSessionBase {
   absl::Status DeviceChunkInPlace(const DeviceRows& in);
 
   Piece PieceOf(uint64_t p, uint64_t piece_rows, uint64_t chunk_rows) const;
-  absl::Status IssuePiece(const StagingSlot& slot, const ChunkLayout& at, const ChunkRows& c,
+  absl::Status IssuePiece(const StagingSlot& slot, const ChunkLayout& at, const ChunkBuffers& c,
                           const Piece& piece);
-  absl::Status CompletePiece(const StagingSlot& slot, const ChunkLayout& at, const ChunkRows& c,
+  absl::Status CompletePiece(const StagingSlot& slot, const ChunkLayout& at, const ChunkBuffers& c,
                              const Piece& piece);
   // The kernel's launches for `rows` with `scratch`, on `stream`: the one place launch arguments
   // are filled.
@@ -119,14 +119,14 @@ class CudaBackwardSession : public backend_internal::BackwardSessionBase {
   absl::Status WithSlot(size_t host_bytes, size_t device_bytes, Work work);
 
   // grad_gamma_i += dy_ri * x_ri / rms_r in row order (double), where the kernel leaves it to
-  // the host. Converted to f32 a few rows at a time (StagingRows).
+  // the host. Converted to f32 a few rows at a time (GradGammaTileRows).
   void AddHostGradGamma(absl::Span<const uint8_t> x, absl::Span<const uint8_t> dy,
                         absl::Span<const float> rms, uint64_t rows);
   // Rows converted to f32 at once for AddHostGradGamma: kHostStagingElements elements, or one row
   // when rows are wider, so the f32 copies held do not grow with the chunk (at most
   // 12 x max(kHostStagingElements, hidden_dim) bytes per session computing).
   static constexpr uint64_t kHostStagingElements = 16384;
-  uint64_t StagingRows() const;
+  uint64_t GradGammaTileRows() const;
 
   const std::shared_ptr<const DeviceContext> ctx_;
   const std::shared_ptr<StagingPool> staging_;

@@ -153,7 +153,7 @@ HWY_INLINE void StoreStepsFromDouble(D d, const hn::Vec<D>* v, T* HWY_RESTRICT p
 // and a later row's load then never waits behind an earlier row's dx store whose address
 // matches it in the low 12 bits (rows 16 KiB apart do).
 template <size_t kSteps, size_t R, bool kStream, bool kAccumulate, class D, typename T>
-HWY_INLINE void Pass2Steps(D d, size_t i, const double* HWY_RESTRICT gamma,
+HWY_INLINE void DxAndDgammaSteps(D d, size_t i, const double* HWY_RESTRICT gamma,
                            double* HWY_RESTRICT dgamma, const T* const* x, const T* const* dy,
                            T* const* dx, const T* const* next_dy, const hn::Vec<D>* inv_v,
                            const hn::Vec<D>* corr_v) {
@@ -322,12 +322,12 @@ HWY_INLINE void BackwardRowGroup(const RowBlock& b, const double* HWY_RESTRICT g
   // kSteps vector steps at a time: two for bf16 (LoadPairAsDouble), else one; then single steps.
   constexpr size_t kSteps = std::is_same<T, hwy::bfloat16_t>::value ? 2 : 1;
   for (; i + kSteps * lanes <= h; i += kSteps * lanes) {
-    Pass2Steps<kSteps, R, kStream, kAccumulate>(d, i, gamma, dgamma, x, dy, dx, next_dy, inv_v,
+    DxAndDgammaSteps<kSteps, R, kStream, kAccumulate>(d, i, gamma, dgamma, x, dy, dx, next_dy, inv_v,
                                                 corr_v);
   }
   if constexpr (kSteps > 1) {
     for (; i + lanes <= h; i += lanes) {
-      Pass2Steps<1, R, kStream, kAccumulate>(d, i, gamma, dgamma, x, dy, dx, next_dy, inv_v,
+      DxAndDgammaSteps<1, R, kStream, kAccumulate>(d, i, gamma, dgamma, x, dy, dx, next_dy, inv_v,
                                              corr_v);
     }
   }

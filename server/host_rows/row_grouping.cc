@@ -26,12 +26,12 @@ int L1DataCacheWays() {
   return 0;
 }
 
-size_t FourRowsMaxElementsFor(int l1_ways) {
+size_t FourRowsMaxElementsWithL1Ways(int l1_ways) {
   return l1_ways >= kWaysForFourWideRows ? SIZE_MAX : kFourRowsMaxElementsFewWays;
 }
 
 size_t FourRowsMaxElements() {
-  static const size_t max_elements = FourRowsMaxElementsFor(L1DataCacheWays());
+  static const size_t max_elements = FourRowsMaxElementsWithL1Ways(L1DataCacheWays());
   return max_elements;
 }
 

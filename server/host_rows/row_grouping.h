@@ -16,7 +16,7 @@ namespace normgrad::server::host_rows {
 // to kFourRowsMaxElementsFewWays, also where the ways are unknown (docs/backends.md).
 inline constexpr int kWaysForFourWideRows = 12;
 inline constexpr size_t kFourRowsMaxElementsFewWays = 2048;
-size_t FourRowsMaxElementsFor(int l1_ways);
+size_t FourRowsMaxElementsWithL1Ways(int l1_ways);
 size_t FourRowsMaxElements();  // for this machine's L1DataCacheWays(), computed once
 
 // Rows that alias. When two rows of a group start within kAliasBytes of each other modulo 4 KiB

@@ -19,7 +19,7 @@
 #include "normgrad/v1/normgrad.pb.h"
 #include "server/backend/backend.h"
 #include "server/service/backward_validator.h"
-#include "server/service/chunk_rows.h"
+#include "server/service/remote_rows.h"
 
 namespace normgrad::server {
 
@@ -35,7 +35,7 @@ struct BackwardJob {
   enum Kind { kStart, kChunk, kFinish } kind = kChunk;
   std::unique_ptr<v1::BackwardRequest> request;  // kStart: the header; kChunk: the chunk
   BesideBytes beside;  // kChunk: x and dy, when not in `request`
-  RowChunk chunk;                                // kChunk
+  ValidatedChunk chunk;                                // kChunk
   uint64_t reserved = 0;  // kChunk: bytes reserved with admission until its response is written
   std::optional<RegionRows> in_region;  // kChunk whose rows are in a shared-memory region
   // kFinish: what the summary reports (the stream's totals, the header's arrival).

@@ -16,7 +16,7 @@
 // reserved with the AdmissionController before it is queued; responses in request order; exactly
 // one final status, never issued while a read or write the caller decided on is still pending.
 //
-// Its parts, each usable alone: BackwardValidator (the message sequence), chunk_rows.h (where a
+// Its parts, each usable alone: BackwardValidator (the message sequence), remote_rows.h (where a
 // chunk's rows are), StreamWatchdog (idle and rate), BackwardJobRunner (the blocking work).
 //
 // Thread-safe: every method takes the pipeline's lock. RunOneJob computes outside it.
@@ -40,7 +40,7 @@
 #include "server/service/admission.h"
 #include "server/service/backward_job.h"
 #include "server/service/backward_validator.h"
-#include "server/service/chunk_rows.h"
+#include "server/service/remote_rows.h"
 #include "server/service/stream_watchdog.h"
 #include "server/shared_memory/region_registry.h"
 

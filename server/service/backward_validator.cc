@@ -107,7 +107,7 @@ absl::Status BackwardValidator::AcceptHeader(const v1::BackwardRequest& message,
   return absl::OkStatus();
 }
 
-absl::StatusOr<RowChunk> BackwardValidator::AcceptChunk(const v1::BackwardRequest& message,
+absl::StatusOr<ValidatedChunk> BackwardValidator::AcceptChunk(const v1::BackwardRequest& message,
                                                         uint64_t x_bytes, uint64_t dy_bytes) {
   const uint64_t index = chunks_received_;
   const std::string where = absl::StrCat("chunk ", index, ": ");
@@ -163,7 +163,7 @@ absl::StatusOr<RowChunk> BackwardValidator::AcceptChunk(const v1::BackwardReques
 
 // The region or device buffers and their offsets are checked by whoever holds them
 // (BackwardPipeline): here, only what the message alone says.
-absl::StatusOr<RowChunk> BackwardValidator::AcceptReferencedChunk(
+absl::StatusOr<ValidatedChunk> BackwardValidator::AcceptReferencedChunk(
     const v1::BackwardRequest& message, const std::string& where) {
   const bool shm = message.has_shm();
   const char* field = shm ? "shm" : "cuda_ipc";
@@ -184,8 +184,8 @@ absl::StatusOr<RowChunk> BackwardValidator::AcceptReferencedChunk(
   return TakeRows(rows);
 }
 
-RowChunk BackwardValidator::TakeRows(uint64_t rows) {
-  RowChunk chunk;
+ValidatedChunk BackwardValidator::TakeRows(uint64_t rows) {
+  ValidatedChunk chunk;
   chunk.index = chunks_received_;
   chunk.first_row = rows_received_;
   chunk.num_rows = rows;

@@ -29,7 +29,7 @@ struct BackwardLimits {
 };
 
 // A row chunk that passed validation: rows [first_row, first_row + num_rows) of the batch.
-struct RowChunk {
+struct ValidatedChunk {
   uint64_t index = 0;  // 0 for the first chunk after the header
   uint64_t first_row = 0;
   uint64_t num_rows = 0;
@@ -37,7 +37,7 @@ struct RowChunk {
 
 struct AcceptedMessage {
   bool is_header = false;
-  RowChunk chunk;  // set when !is_header
+  ValidatedChunk chunk;  // set when !is_header
 };
 
 class BackwardValidator {
@@ -66,12 +66,12 @@ class BackwardValidator {
  private:
   absl::Status AcceptHeader(const v1::BackwardRequest& message, uint64_t x_bytes,
                             uint64_t dy_bytes);
-  absl::StatusOr<RowChunk> AcceptChunk(const v1::BackwardRequest& message, uint64_t x_bytes,
+  absl::StatusOr<ValidatedChunk> AcceptChunk(const v1::BackwardRequest& message, uint64_t x_bytes,
                                        uint64_t dy_bytes);
   // A chunk whose rows are elsewhere (shm or cuda_ipc).
-  absl::StatusOr<RowChunk> AcceptReferencedChunk(const v1::BackwardRequest& message,
+  absl::StatusOr<ValidatedChunk> AcceptReferencedChunk(const v1::BackwardRequest& message,
                                                  const std::string& where);
-  RowChunk TakeRows(uint64_t rows);  // records the next chunk of `rows` rows
+  ValidatedChunk TakeRows(uint64_t rows);  // records the next chunk of `rows` rows
 
   BackwardLimits limits_;
   bool has_header_ = false;

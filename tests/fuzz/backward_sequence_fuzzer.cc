@@ -56,7 +56,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     Check(validator.has_header());
     if (accepted->is_header) continue;
-    const normgrad::server::RowChunk& chunk = accepted->chunk;
+    const normgrad::server::ValidatedChunk& chunk = accepted->chunk;
     Check(chunk.num_rows > 0);
     Check(chunk.first_row == rows_before);
     Check(chunk.first_row + chunk.num_rows <= validator.spec().num_rows);

@@ -257,11 +257,11 @@ TEST(CpuBackendTest, RowGroupingDoesNotChangeBits) {
 // Four wide rows at a time only where four rows' x, dy and dx fit the ways of one L1 set; fewer or
 // unknown ways (0) keep the earlier limit.
 TEST(CpuBackendTest, FourWideRowsAtATimeOnlyWithTwelveL1Ways) {
-  EXPECT_EQ(host_rows::FourRowsMaxElementsFor(0), 2048u);
-  EXPECT_EQ(host_rows::FourRowsMaxElementsFor(8), 2048u);
-  EXPECT_EQ(host_rows::FourRowsMaxElementsFor(11), 2048u);
-  EXPECT_EQ(host_rows::FourRowsMaxElementsFor(12), SIZE_MAX);
-  EXPECT_EQ(host_rows::FourRowsMaxElementsFor(16), SIZE_MAX);
+  EXPECT_EQ(host_rows::FourRowsMaxElementsWithL1Ways(0), 2048u);
+  EXPECT_EQ(host_rows::FourRowsMaxElementsWithL1Ways(8), 2048u);
+  EXPECT_EQ(host_rows::FourRowsMaxElementsWithL1Ways(11), 2048u);
+  EXPECT_EQ(host_rows::FourRowsMaxElementsWithL1Ways(12), SIZE_MAX);
+  EXPECT_EQ(host_rows::FourRowsMaxElementsWithL1Ways(16), SIZE_MAX);
   EXPECT_GE(host_rows::L1DataCacheWays(), 0);
 }
 

@@ -2,7 +2,7 @@
 // chunks (no regions, a remote client, another GPU, bad handles, ranges outside the region,
 // grad_input over an input other than exactly dy) name the field and the numbers; good ranges
 // give the offsets, and grad_input exactly over dy is taken (in place).
-#include "server/service/chunk_rows.h"
+#include "server/service/remote_rows.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -21,7 +21,7 @@ using ::testing::HasSubstr;
 
 // 16 rows of 64 f32 values (256 bytes a row), rms provided.
 const RowLayout kLayout{.row_bytes = 256, .element_bytes = 4, .rms_provided = true};
-const RowChunk kChunk{.index = 3, .first_row = 32, .num_rows = 16};
+const ValidatedChunk kChunk{.index = 3, .first_row = 32, .num_rows = 16};
 constexpr uint64_t kRowsBytes = 16 * 256;
 
 class RegionRowsTest : public ::testing::Test {

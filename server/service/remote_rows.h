@@ -45,21 +45,21 @@ struct RegionRows {
 // `regions`: null when the server takes no shared memory (FAILED_PRECONDITION). `peer_is_local`:
 // the client reached a unix socket or a loopback address (else FAILED_PRECONDITION).
 absl::StatusOr<RegionRows> FindRegionRows(const RegionRegistry* regions, bool peer_is_local,
-                                          const v1::SharedMemoryChunk& shm, const RowChunk& chunk,
+                                          const v1::SharedMemoryChunk& shm, const ValidatedChunk& chunk,
                                           const RowLayout& layout);
 
 // What the message alone says about a chunk in device memory: the server's GPU
 // (`server_uuid`, empty when it takes no CUDA IPC), handle sizes, rms as the header declared, and
 // no overlap of grad_input with an input named by the same handle. Cheap: no driver call.
 absl::Status CheckDeviceChunk(absl::string_view server_uuid, bool peer_is_local,
-                              const v1::CudaIpcChunk& ipc, const RowChunk& chunk,
+                              const v1::CudaIpcChunk& ipc, const ValidatedChunk& chunk,
                               const RowLayout& layout);
 
 // Opens the chunk's device buffers through `backend` (kept open in `held` until the chunk is
 // computed), checks the ranges against the allocations and grad_input's device addresses against
 // the inputs'. A driver call per buffer: on a worker, after CheckDeviceChunk.
 absl::StatusOr<DeviceRows> OpenDeviceRows(Backend& backend, const v1::CudaIpcChunk& ipc,
-                                          const RowChunk& chunk, const RowLayout& layout,
+                                          const ValidatedChunk& chunk, const RowLayout& layout,
                                           std::vector<std::shared_ptr<const DeviceBuffer>>& held);
 
 }  // namespace normgrad::server

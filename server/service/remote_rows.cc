@@ -1,4 +1,4 @@
-#include "server/service/chunk_rows.h"
+#include "server/service/remote_rows.h"
 
 #include <cstdint>
 #include <string>
@@ -50,7 +50,7 @@ RowLayout RowLayout::Of(const kernels::BackwardRequest& spec) {
 }
 
 absl::StatusOr<RegionRows> FindRegionRows(const RegionRegistry* regions, bool peer_is_local,
-                                          const v1::SharedMemoryChunk& shm, const RowChunk& chunk,
+                                          const v1::SharedMemoryChunk& shm, const ValidatedChunk& chunk,
                                           const RowLayout& layout) {
   const std::string where = absl::StrCat("chunk ", chunk.index, ": ");
   NORMGRAD_RETURN_IF_ERROR(CheckTaken(
@@ -120,7 +120,7 @@ absl::StatusOr<RegionRows> FindRegionRows(const RegionRegistry* regions, bool pe
 }
 
 absl::Status CheckDeviceChunk(absl::string_view server_uuid, bool peer_is_local,
-                              const v1::CudaIpcChunk& ipc, const RowChunk& chunk,
+                              const v1::CudaIpcChunk& ipc, const ValidatedChunk& chunk,
                               const RowLayout& layout) {
   const std::string where = absl::StrCat("chunk ", chunk.index, ": ");
   NORMGRAD_RETURN_IF_ERROR(CheckTaken(
@@ -177,7 +177,7 @@ absl::Status CheckDeviceChunk(absl::string_view server_uuid, bool peer_is_local,
 }
 
 absl::StatusOr<DeviceRows> OpenDeviceRows(Backend& backend, const v1::CudaIpcChunk& ipc,
-                                          const RowChunk& chunk, const RowLayout& layout,
+                                          const ValidatedChunk& chunk, const RowLayout& layout,
                                           std::vector<std::shared_ptr<const DeviceBuffer>>& held) {
   const std::string where = absl::StrCat("chunk ", chunk.index, ": ");
   const uint64_t bytes = chunk.num_rows * layout.row_bytes;
