@@ -25,7 +25,7 @@
 #include "normgrad/v1/normgrad.pb.h"
 #include "server/ptx/ptx_service.h"
 #include "base/sha256.h"
-#include "tests/ptxsim/parser.h"
+#include "tests/ptxsim/sim/parser.h"
 
 namespace {
 

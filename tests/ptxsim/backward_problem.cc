@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/rmsnorm/reference.h"
-#include "tests/ptxsim/float16.h"
+#include "tests/ptxsim/sim/float16.h"
 
 namespace normgrad::kernel_testing {
 

@@ -8,7 +8,7 @@
 #include "kernels/ptx/ptx_printer.h"
 #include "kernels/ptx/verifier.h"
 #include "tests/kernels/instruction_forms.h"
-#include "tests/ptxsim/sim_harness.h"
+#include "tests/ptxsim/sim/sim_harness.h"
 
 namespace normgrad::ptxsim {
 namespace {

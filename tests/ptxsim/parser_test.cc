@@ -1,5 +1,5 @@
 // The parser accepts the conventional PTX subset and refuses the rest with the line and reason.
-#include "tests/ptxsim/parser.h"
+#include "tests/ptxsim/sim/parser.h"
 
 #include <cstdint>
 #include <string>

@@ -15,7 +15,7 @@
 #include "kernels/kernel.h"
 #include "kernels/rmsnorm/kernel_registry.h"
 #include "kernels/rmsnorm/rms_norm_backward_row_resident.h"
-#include "tests/ptxsim/traffic.h"
+#include "tests/ptxsim/sim/traffic.h"
 
 namespace normgrad::ptxsim {
 namespace {

@@ -18,8 +18,8 @@
 #include "kernels/rmsnorm/kernel_registry.h"
 #include "kernels/backward_kernel.h"
 #include "kernels/rmsnorm/reference.h"
-#include "tests/ptxsim/sim_harness.h"
-#include "tests/ptxsim/sim_launcher.h"
+#include "tests/ptxsim/sim/sim_harness.h"
+#include "tests/ptxsim/sim/sim_launcher.h"
 
 namespace {
 

@@ -15,7 +15,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
-#include "tests/ptxsim/traffic.h"
+#include "tests/ptxsim/sim/traffic.h"
 
 namespace {
 

@@ -10,8 +10,8 @@
 #include "kernels/kernel.h"
 #include "kernels/rmsnorm/kernel_registry.h"
 #include "kernels/backward_kernel.h"
-#include "tests/ptxsim/sim_harness.h"
-#include "tests/ptxsim/sim_launcher.h"
+#include "tests/ptxsim/sim/sim_harness.h"
+#include "tests/ptxsim/sim/sim_launcher.h"
 
 namespace normgrad::ptxsim {
 namespace {

@@ -24,8 +24,8 @@
 #include "kernels/backward_kernel.h"
 #include "tests/common/half_precision_bound.h"
 #include "tests/ptxsim/backward_problem.h"
-#include "tests/ptxsim/sim_harness.h"
-#include "tests/ptxsim/sim_launcher.h"
+#include "tests/ptxsim/sim/sim_harness.h"
+#include "tests/ptxsim/sim/sim_launcher.h"
 
 namespace normgrad::ptxsim {
 namespace {

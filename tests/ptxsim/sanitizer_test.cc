@@ -8,7 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/ptxsim/sim_harness.h"
+#include "tests/ptxsim/sim/sim_harness.h"
 
 namespace normgrad::ptxsim {
 namespace {

@@ -8,9 +8,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "tests/ptxsim/interpreter.h"
-#include "tests/ptxsim/memory_map.h"
-#include "tests/ptxsim/parser.h"
+#include "tests/ptxsim/sim/interpreter.h"
+#include "tests/ptxsim/sim/memory_map.h"
+#include "tests/ptxsim/sim/parser.h"
 
 namespace normgrad::ptxsim {
 namespace {

@@ -1,5 +1,5 @@
 // CUDA IPC end to end: normgrad-server as a subprocess on the CUDA backend over the emulated
-// driver (whose device memory is shareable between processes: tests/ptxsim/emulated_driver.cc),
+// driver (whose device memory is shareable between processes: tests/ptxsim/sim/emulated_driver.cc),
 // with --cuda-ipc; this process is the client, with its own device buffers on the "same GPU"
 // (the same emulated driver library, loaded here too). The server opens the buffers from their
 // IPC handles and runs the kernels on them in place: grad_input appears in this process's device

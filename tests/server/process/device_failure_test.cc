@@ -1,6 +1,6 @@
 // A GPU that fails must not keep taking traffic: normgrad-server as a subprocess on the CUDA
 // backend over the emulated driver, with a fault injected through NORMGRAD_EMULATED_CUDA_FAULT
-// (tests/ptxsim/emulated_driver.cc; counted in kernel launches, and the start-up self-test makes
+// (tests/ptxsim/sim/emulated_driver.cc; counted in kernel launches, and the start-up self-test makes
 // the first). A sticky device error or a hung device turns health NOT_SERVING on both gRPC
 // ports, fails streams UNAVAILABLE and ends the process with exit code 3; a self-test whose
 // results differ from the CPU reference keeps the server up but NOT_SERVING, saying why in

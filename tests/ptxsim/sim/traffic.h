@@ -24,9 +24,9 @@
 #include "absl/types/span.h"
 #include "kernels/kernel.h"
 #include "kernels/backward_kernel.h"
-#include "tests/ptxsim/interpreter.h"
-#include "tests/ptxsim/memory_map.h"
-#include "tests/ptxsim/module.h"
+#include "tests/ptxsim/sim/interpreter.h"
+#include "tests/ptxsim/sim/memory_map.h"
+#include "tests/ptxsim/sim/module.h"
 
 namespace normgrad::ptxsim {
 

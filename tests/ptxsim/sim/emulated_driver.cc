@@ -66,9 +66,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "tests/common/cuda_error_text.h"
-#include "tests/ptxsim/interpreter.h"
-#include "tests/ptxsim/memory_map.h"
-#include "tests/ptxsim/parser.h"
+#include "tests/ptxsim/sim/interpreter.h"
+#include "tests/ptxsim/sim/memory_map.h"
+#include "tests/ptxsim/sim/parser.h"
 
 // cuda.h maps cuEventElapsedTime to cuEventElapsedTime_v2; the unversioned symbol is exported
 // too, for loaders that ask for it by that name.

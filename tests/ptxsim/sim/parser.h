@@ -7,7 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "tests/ptxsim/module.h"
+#include "tests/ptxsim/sim/module.h"
 
 namespace normgrad::ptxsim {
 

@@ -21,8 +21,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
-#include "tests/ptxsim/memory_map.h"
-#include "tests/ptxsim/module.h"
+#include "tests/ptxsim/sim/memory_map.h"
+#include "tests/ptxsim/sim/module.h"
 
 namespace normgrad::ptxsim {
 

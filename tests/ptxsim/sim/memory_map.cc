@@ -1,5 +1,5 @@
 #include <mutex>
-#include "tests/ptxsim/memory_map.h"
+#include "tests/ptxsim/sim/memory_map.h"
 
 namespace normgrad::ptxsim {
 

@@ -19,9 +19,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "tests/ptxsim/interpreter.h"
-#include "tests/ptxsim/memory_map.h"
-#include "tests/ptxsim/parser.h"
+#include "tests/ptxsim/sim/interpreter.h"
+#include "tests/ptxsim/sim/memory_map.h"
+#include "tests/ptxsim/sim/parser.h"
 
 namespace normgrad::ptxsim {
 

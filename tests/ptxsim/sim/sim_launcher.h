@@ -25,7 +25,7 @@
 #include "kernels/kernel.h"
 #include "kernels/kernel_params.h"
 #include "kernels/backward_kernel.h"
-#include "tests/ptxsim/sim_harness.h"
+#include "tests/ptxsim/sim/sim_harness.h"
 
 namespace normgrad::ptxsim {
 

@@ -1,4 +1,4 @@
-#include "tests/ptxsim/parser.h"
+#include "tests/ptxsim/sim/parser.h"
 
 #include <algorithm>
 #include <cctype>

@@ -9,7 +9,7 @@
 //  - A group reaching bar.sync parks in the warp's waiting list. When no warp of the block can
 //    run, the block is either finished, releasable (every thread waits at the same bar.sync), or
 //    broken (a diagnosed barrier finding).
-#include "tests/ptxsim/interpreter.h"
+#include "tests/ptxsim/sim/interpreter.h"
 
 #include <algorithm>
 #include <cmath>
@@ -22,7 +22,7 @@
 #include "absl/base/casts.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "tests/ptxsim/float16.h"
+#include "tests/ptxsim/sim/float16.h"
 
 namespace normgrad::ptxsim {
 
@@ -78,7 +78,7 @@ inline int64_t SignExtend(uint64_t v, int bits) {
 }
 inline uint64_t Mask(int bits) { return bits >= 64 ? ~uint64_t{0} : (uint64_t{1} << bits) - 1; }
 
-// IEEE binary16 (tests/ptxsim/float16.h) / bfloat16 <-> f32, round to nearest even.
+// IEEE binary16 (tests/ptxsim/sim/float16.h) / bfloat16 <-> f32, round to nearest even.
 float Bf16ToFloat(uint16_t b) { return AsF32(static_cast<uint32_t>(b) << 16); }
 uint16_t FloatToBf16(float f) {
   const uint32_t u = static_cast<uint32_t>(F32Bits(f));

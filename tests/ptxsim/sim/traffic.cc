@@ -1,4 +1,4 @@
-#include "tests/ptxsim/traffic.h"
+#include "tests/ptxsim/sim/traffic.h"
 
 #include <algorithm>
 #include <cstring>
@@ -8,7 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "kernels/rmsnorm/kernel_choice.h"
 #include "tests/ptxsim/backward_problem.h"
-#include "tests/ptxsim/parser.h"
+#include "tests/ptxsim/sim/parser.h"
 
 namespace normgrad::ptxsim {
 
