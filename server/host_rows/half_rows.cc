@@ -113,21 +113,23 @@ struct RowFactors {
   bool safe = false;
 };
 
-RowFactors FactorsOf(const RowBlock& b, size_t row, double sum_sq, double sum_xdyg, double max_dy,
-                     double max_gamma) {
+RowFactors FactorsOf(const RowBlock& b, size_t row, double inv_h, double sum_sq, double sum_xdyg,
+                     double max_dy, double max_gamma) {
   RowFactors f;
-  const double h = static_cast<double>(b.hidden_dim);
   const double rms = b.rms != nullptr ? static_cast<double>(b.rms[row])
-                                      : std::sqrt(sum_sq / h + static_cast<double>(b.eps));
+                                      : std::sqrt(sum_sq * inv_h + static_cast<double>(b.eps));
   f.inv_rms = 1.0 / rms;
   const double inv = std::fabs(f.inv_rms);
-  const double correction = f.inv_rms * f.inv_rms * f.inv_rms * (sum_xdyg / h);
-  const double max_x = std::sqrt(sum_sq) * (1 + 0x1p-10);  // every x^2 is at most sum_sq
+  const double correction = f.inv_rms * f.inv_rms * f.inv_rms * (sum_xdyg * inv_h);
   const double c = std::fabs(correction);
+  // Every x^2 is at most sum_sq: max |x| * v <= kMaxProduct when sum_sq * v^2 is at most its
+  // square (with a margin for sum_sq's rounding).
+  const double max_x_sq = sum_sq * (1 + 0x1p-9);
+  constexpr double kMaxProductSq = kMaxProduct * kMaxProduct;
   f.safe = std::isfinite(sum_sq) && std::isfinite(sum_xdyg) && inv >= kMinInvRms &&
            inv <= kMaxInvRms && (c == 0 || (c >= kMinCorrection && c <= kMaxProduct)) &&
-           max_gamma * max_dy <= kMaxProduct && max_x * max_dy <= kMaxProduct &&
-           max_x * c <= kMaxProduct;
+           max_gamma * max_dy <= kMaxProduct && max_x_sq * max_dy * max_dy <= kMaxProductSq &&
+           max_x_sq * c * c <= kMaxProductSq;
   f.inv_rms_f32 = static_cast<float>(f.inv_rms);
   f.correction = static_cast<float>(correction);
   return f;
@@ -244,16 +246,17 @@ HWY_INLINE bool GroupInF32(const RowBlock& b, double max_gamma, size_t r, size_t
     }
     pass1_step(tail_gamma, x_at, dy_at);
   }
-  flush();
+  if (tail % flush_span != 0 || tail < h) flush();  // terms since the last flush
 
   RowFactors f[R];
+  const double inv_h = 1.0 / static_cast<double>(h);
   for (size_t k = 0; k < R; ++k) {
     const double sum_sq = hn::GetLane(hn::SumOfLanes(dd, hn::Add(sq_lo[k], sq_hi[k])));
     const double sum_xdyg = hn::GetLane(hn::SumOfLanes(dd, hn::Add(xg_lo[k], xg_hi[k])));
-    HWY_ALIGN uint16_t m[hn::MaxLanes(du16)];
-    hn::Store(max_dy[k], du16, m);
-    const uint16_t max_bits = *std::max_element(m, m + lanes);
-    f[k] = FactorsOf(b, r + k, sum_sq, sum_xdyg, MagnitudeOf<T>(max_bits), max_gamma);
+    const hn::Rebind<uint32_t, decltype(df)> du32;
+    const auto max_bits = hn::GetLane(hn::MaxOfLanes(du32, hn::PromoteTo(du32, max_dy[k])));
+    f[k] = FactorsOf(b, r + k, inv_h, sum_sq, sum_xdyg,
+                     MagnitudeOf<T>(static_cast<uint16_t>(max_bits)), max_gamma);
     if (!f[k].safe) return false;
   }
 
