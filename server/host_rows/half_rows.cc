@@ -343,7 +343,7 @@ void RowsOneByOne(const RowBlock& b, double max_gamma, size_t r, size_t n) {
 
 template <typename T, bool kStream, bool kAccumulate>
 void HalfRows(const RowBlock& b, double max_gamma) {
-  // Groups as host_rows' double path forms them (RowsPerGroupFor): a group with a row that is
+  // Groups as host_rows' double path forms them (row_grouping.h): a group with a row that is
   // not safe in f32 goes again row by row, so every row's bits are the same in any group.
   const size_t group = RowsPerGroup(b.hidden_dim, sizeof(T));
   size_t r = 0;
