@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -97,11 +96,7 @@ class CpuBackwardSession : public backend_internal::BackwardSessionBase {
     // was formed in f32) and its largest magnitude, once per batch.
     if (spec.dtype != DType::kF32) {
       gamma_f32_.assign(gamma_f64_.begin(), gamma_f64_.end());
-      gamma_max_abs_ = 0;
-      for (const double g : gamma_f64_) {
-        gamma_max_abs_ = std::isfinite(g) ? std::max(gamma_max_abs_, std::fabs(g)) : HUGE_VAL;
-        if (gamma_max_abs_ == HUGE_VAL) break;
-      }
+      gamma_max_abs_ = host_rows::MaxAbsScale(gamma_f32_.data(), gamma_f32_.size());
     }
   }
 
@@ -134,9 +129,9 @@ class CpuBackwardSession : public backend_internal::BackwardSessionBase {
     partials_.resize(parts * h);
     // Buffers aligned to their element are used as they are (bf16/f16 converted in registers),
     // except for the casting modes that round (llama, none on bf16/f16), which run on rows
-    // staged as f32; anything misaligned is staged too (copied aligned, in its dtype). dx may be dy (in place): host_rows
-    // reads a dy element before it writes that dx element, and a staged tile's dy is converted
-    // before its dx is written back.
+    // staged as f32; anything misaligned is staged too (copied aligned, in its dtype). dx may be
+    // dy (in place): host_rows reads a dy element before it writes that dx element, and a staged
+    // tile's dy is read before its dx is written back.
     const size_t elem_bytes = ElementBytes(spec_.dtype);
     const bool rounds =
         spec_.dtype != DType::kF32 && spec_.variant.casting != kernels::CastingMode::kGemma;

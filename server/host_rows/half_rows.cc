@@ -389,17 +389,6 @@ void HalfRowsOf(const RowBlock& b, double max_gamma) {
   if (stream) hwy::FlushStream();
 }
 
-// The largest |scale|, infinite when one is not finite.
-double MaxAbsScale(const float* scale, size_t n) {
-  double max = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const double v = std::fabs(static_cast<double>(scale[i]));
-    if (!std::isfinite(v)) return HUGE_VAL;
-    max = std::max(max, v);
-  }
-  return max;
-}
-
 void BackwardHalfRowsImpl(const RowBlock& block) {
   RowBlock b = block;
   std::vector<float> scale;  // the scale as f32 when the caller gave it as double only

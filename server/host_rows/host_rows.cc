@@ -521,6 +521,16 @@ void BackwardRows(const RowBlock& block) {
   HWY_DYNAMIC_DISPATCH(BackwardRowsInDoubleImpl)(block);
 }
 
+double MaxAbsScale(const float* scale, size_t n) {
+  double max = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double v = std::fabs(static_cast<double>(scale[i]));
+    if (!std::isfinite(v)) return HUGE_VAL;
+    max = std::max(max, v);
+  }
+  return max;
+}
+
 namespace internal {
 
 void BackwardRowsInDouble(const RowBlock& block) {

@@ -63,4 +63,7 @@ struct RowBlock {
 
 void BackwardRows(const RowBlock& block);
 
+// The largest |scale[i]| of n, infinite when one is not finite: RowBlock::gamma_max_abs.
+double MaxAbsScale(const float* scale, size_t n);
+
 }  // namespace normgrad::server::host_rows
