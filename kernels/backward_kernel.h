@@ -1,12 +1,23 @@
-// The backward-kernel interface: what every RMSNorm-backward kernel says about itself and how it
-// is launched. Modelled on CUTLASS's operations: a kernel says whether it can implement a
-// configuration (Kernel::CanImplement) and given arguments (CheckArgs), how much workspace they
-// need, what it reads and writes (DataFlow), and issues every launch of a request through a
-// launcher the caller supplies (the CUDA backend's launcher calls cuLaunchKernel on a stream; the
-// tests' launchers run the PTX interpreter or record). A BackwardPlan binds a kernel to one
-// configuration. Which kernel a request gets: kernels/rmsnorm/kernel_choice.h.
+// The kernel interface: what every RMSNorm-backward kernel says about itself, how it is emitted
+// and how it is launched. Modelled on CUTLASS's operations: a kernel says whether it can implement
+// a configuration (CanImplement) and given arguments (CheckArgs), emits deterministic PTX for it
+// (Emit, keyed by ConfigKey), says how much workspace the arguments need and what it reads and
+// writes (DataFlow), and issues every launch of a request through a launcher the caller supplies
+// (the CUDA backend's launcher calls cuLaunchKernel on a stream; the tests' launchers run the PTX
+// interpreter or record). A BackwardPlan binds a kernel to one configuration. Kernels are found
+// in kernels/rmsnorm/kernel_registry.h; which kernel a request gets: kernels/rmsnorm/kernel_choice.h.
 //
-//   absl::StatusOr<BackwardPlan> plan = BackwardPlan::Create(*FindKernel(name), config);
+//   const BackwardKernel* k = FindKernel("batched_rms_norm_backward");
+//   KernelConfig config{.hidden_dim = 896, .target_sm = 90};
+//   NORMGRAD_RETURN_IF_ERROR(k->CanImplement(config));   // cheap, no emission
+//   absl::StatusOr<EmittedPtx> ptx = k->Emit(config);     // deterministic bytes
+//   uint32_t t = k->BlockThreads(config);                 // the PTX's `.maxntid t, 1, 1`
+//   std::string key = k->ConfigKey(config);               // what the PTX bakes in
+//
+// Contract: a value is either a run-time kernel parameter or part of ConfigKey(), never half of
+// each. Two configs with equal ConfigKey() emit byte-identical PTX.
+//
+//   absl::StatusOr<BackwardPlan> plan = BackwardPlan::Create(*k, config);
 //   ... load plan->kernel().Emit(plan->config()) into a launcher
 //   BackwardArgs args{.x = d_x, .dy = d_dy, .dx = d_dx, .gamma = d_gamma, .dgamma = d_dgamma,
 //                     .rows = rows, .hidden_dim = h, .eps = 1e-5f};
@@ -27,7 +38,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/kernel_params.h"
 
 namespace normgrad::kernels {
@@ -81,8 +92,39 @@ struct BackwardDataFlow {
 
 // An RMSNorm-backward kernel. Every kernel of the registry is one (kernels/rmsnorm/kernel_registry.h).
 // Stateless: every method may be called concurrently from any thread.
-class BackwardKernel : public Kernel {
+class BackwardKernel {
  public:
+  virtual ~BackwardKernel() = default;
+
+  virtual absl::string_view EntryName() const = 0;
+  // The entry's parameters in declaration order, as the emitted PTX declares them.
+  virtual std::vector<KernelParam> Params() const = 0;
+
+  // Cheap validity check of `config` (no emission): INVALID_ARGUMENT naming the field, the
+  // value and the limit.
+  virtual absl::Status CanImplement(const KernelConfig& config) const = 0;
+
+  // Threads per block of every launch at `config` (blocks are 1-D: Geometry's block.x). The
+  // emitted entry declares it as `.maxntid <threads>, 1, 1`: ptxas, whole-program or
+  // relocatable (as nvJitLink runs it), must then fit registers * threads into the 65,536
+  // registers of an SM, so every cubin made from the PTX launches at this block size; the driver
+  // refuses a larger block (CUDA_ERROR_INVALID_VALUE), which the kernels' fixed tiling could
+  // not process anyway. Depends only on what ConfigKey() names.
+  virtual uint32_t BlockThreads(const KernelConfig& config) const = 0;
+
+  // Grid, block and dynamic shared memory to process `num_rows` rows; block = (BlockThreads, 1,
+  // 1). Never launches a full-mask shuffle with fewer than 32 live threads.
+  virtual LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const = 0;
+
+  // Stable text naming everything baked into the emitted PTX (entry, specialised values,
+  // dtype, target, PTX version, generator version). Used as the module cache key.
+  virtual std::string ConfigKey(const KernelConfig& config) const = 0;
+
+  // The module's text. Fails with CanImplement's status, or INVALID_ARGUMENT when an
+  // explicit ptx_version is below what the target and instructions need (saying which).
+  virtual absl::StatusOr<EmittedPtx> Emit(const KernelConfig& config) const = 0;
+
+  // What the kernel reads and writes besides x, dy, gamma and dx.
   virtual BackwardDataFlow DataFlow() const = 0;
 
   // Device memory Run needs besides the arguments' own buffers, for `rows` rows.

@@ -18,7 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/ptx/ptx_ir.h"
 
 namespace normgrad::kernels {

@@ -169,7 +169,7 @@ def violations(root):
 def self_test():
     """The check must report an upward include on every floor of a made-up tree."""
     upward = {
-        "base/a.h": '#include "kernels/kernel.h"\n',
+        "base/a.h": '#include "kernels/kernel_config.h"\n',
         "kernels/b.h": '#include "base/status_macros.h"\n#include "nvidia/nvjitlink.h"\n',
         "kernels/tools/c.cc": '#include "server/cuda/cuda_backend.h"\n',
         "server/backend/d.h": '#include "server/cache/module_cache.h"\n'

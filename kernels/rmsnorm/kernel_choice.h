@@ -16,7 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "kernels/backward_kernel.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 
 namespace normgrad::kernels {
 

@@ -45,7 +45,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/built_kernel.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/ptx/ptx_builder.h"
 
 namespace normgrad::kernels {

@@ -12,7 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/ptx/ptx_builder.h"
 #include "kernels/rmsnorm/rms_norm_backward_row_resident.h"
 

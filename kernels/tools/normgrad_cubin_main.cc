@@ -15,7 +15,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "nvidia/nvjitlink.h"
 
 namespace {

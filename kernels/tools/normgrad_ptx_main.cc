@@ -26,7 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/resource_line.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/rmsnorm/kernel_registry.h"
 #include "kernels/ptx/targets.h"
 #include "nvidia/nvjitlink.h"
@@ -35,7 +35,7 @@ namespace {
 
 using normgrad::kernels::AllKernels;
 using normgrad::kernels::FindKernel;
-using normgrad::kernels::Kernel;
+using normgrad::kernels::BackwardKernel;
 using normgrad::kernels::KernelConfig;
 using normgrad::kernels::KernelParam;
 
@@ -50,7 +50,7 @@ constexpr char kUsage[] =
 }
 
 void List() {
-  for (const Kernel* k : AllKernels()) {
+  for (const BackwardKernel* k : AllKernels()) {
     std::vector<std::string> params;
     for (const KernelParam& p : k->Params())
       params.push_back(absl::StrCat(p.name, ": ", p.ptx_type));
@@ -159,10 +159,10 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (kernel_name.empty()) Fail(absl::StrCat("--kernel is required; ", kUsage));
-  const Kernel* kernel = FindKernel(kernel_name);
+  const BackwardKernel* kernel = FindKernel(kernel_name);
   if (kernel == nullptr) {
     std::vector<std::string> names;
-    for (const Kernel* k : AllKernels()) names.push_back(std::string(k->EntryName()));
+    for (const BackwardKernel* k : AllKernels()) names.push_back(std::string(k->EntryName()));
     Fail(absl::StrCat("unknown kernel \"", kernel_name, "\"; known: ", absl::StrJoin(names, ", ")));
   }
   if (!hidden_dim.has_value()) Fail(absl::StrCat("--hidden-dim is required; ", kUsage));

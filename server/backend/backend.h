@@ -25,7 +25,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/rmsnorm/kernel_choice.h"
 #include "server/cache/module_cache.h"
 
@@ -101,7 +101,7 @@ class Backend {
 
   // Compiles (or finds) the module for `config` of `kernel` ahead of use (--preload).
   // The CPU backend has nothing to compile and returns OK.
-  virtual absl::Status Preload(const kernels::Kernel& kernel,
+  virtual absl::Status Preload(const kernels::BackwardKernel& kernel,
                                const kernels::KernelConfig& config) = 0;
 
   // Statistics of the backend's module cache (all zeros on the CPU backend).

@@ -11,7 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/rmsnorm/kernel_choice.h"
 #include "server/backend/backend.h"
 

@@ -271,7 +271,7 @@ class CpuBackend : public Backend {
         new CpuBackwardSession(spec, std::move(gamma_f64), &pool_, &buffers_));
   }
 
-  absl::Status Preload(const kernels::Kernel&, const kernels::KernelConfig&) override {
+  absl::Status Preload(const kernels::BackwardKernel&, const kernels::KernelConfig&) override {
     return absl::OkStatus();
   }
 

@@ -102,7 +102,7 @@ class CudaBackend : public Backend, public DeviceBackend {
         std::vector<uint8_t>(gamma.begin(), gamma.end()), staging_, pipeline_piece_bytes_));
   }
 
-  absl::Status Preload(const kernels::Kernel& kernel,
+  absl::Status Preload(const kernels::BackwardKernel& kernel,
                        const kernels::KernelConfig& config) override {
     kernels::KernelConfig for_device = config;
     for_device.target_sm = target_sm_;  // modules are compiled for this backend's GPU
@@ -153,7 +153,7 @@ class CudaBackend : public Backend, public DeviceBackend {
 
   // CanImplement's status, except FAILED_PRECONDITION when the request is fine but this GPU
   // cannot run the kernel (bf16 below sm_80, say).
-  absl::Status CheckRunsOnThisGpu(const kernels::Kernel& kernel,
+  absl::Status CheckRunsOnThisGpu(const kernels::BackwardKernel& kernel,
                                   const kernels::KernelConfig& config) const {
     absl::Status s = kernel.CanImplement(config);
     if (s.ok()) return s;
@@ -168,7 +168,7 @@ class CudaBackend : public Backend, public DeviceBackend {
   }
 
   absl::StatusOr<std::shared_ptr<const LoadedModule>> GetModule(
-      const kernels::Kernel& kernel, const kernels::KernelConfig& config) {
+      const kernels::BackwardKernel& kernel, const kernels::KernelConfig& config) {
     NORMGRAD_RETURN_IF_ERROR(CheckRunsOnThisGpu(kernel, config));
     return cache_.GetOrCompile(
         kernel.ConfigKey(config), [&]() -> absl::StatusOr<ModuleCache<LoadedModule>::Compiled> {

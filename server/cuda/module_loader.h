@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "nvidia/driver_api.h"
 #include "server/cuda/device_context.h"
 

@@ -22,7 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 
 namespace normgrad::server::host_rows {
 

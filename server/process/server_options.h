@@ -19,7 +19,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "kernels/kernel.h"
+#include "kernels/backward_kernel.h"
+#include "kernels/kernel_config.h"
 #include "server/backend_factory/backend_factory.h"
 #include "server/process/transport_security.h"
 #include "server/service/admission.h"
@@ -81,7 +82,7 @@ struct ServerOptions {
 
 // One --preload entry, parsed: the kernel and its configuration.
 struct PreloadEntry {
-  const kernels::Kernel* kernel = nullptr;
+  const kernels::BackwardKernel* kernel = nullptr;
   kernels::KernelConfig config;
 };
 // "batched_rms_norm_backward:sm_90" or "...:sm_90:896" (hidden_dim defaults to 4096).

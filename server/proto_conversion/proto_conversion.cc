@@ -82,17 +82,17 @@ absl::StatusOr<kernels::DType> DTypeFromProto(v1::DType dtype, absl::string_view
 
 std::vector<std::string> KernelNames() {
   std::vector<std::string> names;
-  for (const kernels::Kernel* k : kernels::AllKernels()) names.emplace_back(k->EntryName());
+  for (const kernels::BackwardKernel* k : kernels::AllKernels()) names.emplace_back(k->EntryName());
   return names;
 }
 
-absl::StatusOr<const kernels::Kernel*> KernelNamed(absl::string_view name,
+absl::StatusOr<const kernels::BackwardKernel*> KernelNamed(absl::string_view name,
                                                    absl::string_view field) {
   if (name.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, " is empty; known: ", KnownKernelNames()));
   }
-  const kernels::Kernel* kernel = kernels::FindKernel(name);
+  const kernels::BackwardKernel* kernel = kernels::FindKernel(name);
   if (kernel == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(field, " ", base::BoundedQuote(name),
                                                    " is unknown; known: ", KnownKernelNames()));

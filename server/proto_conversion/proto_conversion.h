@@ -3,7 +3,7 @@
 // statistics, device descriptions and GetServerInfo's answer. Messages only, no gRPC.
 //
 //   NORMGRAD_ASSIGN_OR_RETURN(kernels::DType dtype, DTypeFromProto(h.dtype(), "header.dtype"));
-//   NORMGRAD_ASSIGN_OR_RETURN(const kernels::Kernel* kernel, KernelNamed(name, "kernel"));
+//   NORMGRAD_ASSIGN_OR_RETURN(const kernels::BackwardKernel* kernel, KernelNamed(name, "kernel"));
 //   ToProto(backend.CacheStats(), response.mutable_cache());
 //   ToProto(info, &response);  // ServerInfo, gathered by the service
 #pragma once
@@ -16,7 +16,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "kernels/kernel.h"
+#include "kernels/backward_kernel.h"
+#include "kernels/kernel_config.h"
 #include "normgrad/v1/normgrad.pb.h"
 #include "server/backend/backend.h"
 #include "server/cache/module_cache.h"
@@ -38,7 +39,7 @@ std::vector<std::string> KernelNames();
 
 // The kernel whose entry name is `name`. INVALID_ARGUMENT naming `field` and listing the known
 // names when `name` is empty or unknown.
-absl::StatusOr<const kernels::Kernel*> KernelNamed(absl::string_view name, absl::string_view field);
+absl::StatusOr<const kernels::BackwardKernel*> KernelNamed(absl::string_view name, absl::string_view field);
 
 void ToProto(const ModuleCacheStats& stats, v1::CacheStats* out);
 void ToProto(const DeviceDescription& device, v1::DeviceInfo* out);

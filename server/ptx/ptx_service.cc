@@ -9,7 +9,8 @@
 #include "base/bounded_quote.h"
 #include "base/sha256.h"
 #include "base/status_macros.h"
-#include "kernels/kernel.h"
+#include "kernels/backward_kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/ptx/targets.h"
 #include "proto/normgrad/v1/emit_ptx_fields.h"
 #include "server/proto_conversion/proto_conversion.h"
@@ -51,7 +52,7 @@ void ToProto(const AssemblerReport& report, v1::ResourceUsage* out) {
 
 // One (target, dtype) of a request, checked, with what its errors call it.
 struct PtxService::Configuration {
-  const kernels::Kernel* kernel = nullptr;
+  const kernels::BackwardKernel* kernel = nullptr;
   kernels::KernelConfig config;
   std::string name;  // "" for a single-configuration request, else "configuration 3 (sm_90, bf16)"
 };
@@ -60,7 +61,7 @@ PtxService::PtxService(const PtxServiceOptions& options)
     : cache_(options.cache), nvjitlink_(NvJitLink::Load(options.nvjitlink_path)) {}
 
 absl::StatusOr<v1::EmitPtxResponse> PtxService::Emit(const v1::EmitPtxRequest& request) {
-  NORMGRAD_ASSIGN_OR_RETURN(const kernels::Kernel* kernel, KernelNamed(request.kernel(), "kernel"));
+  NORMGRAD_ASSIGN_OR_RETURN(const kernels::BackwardKernel* kernel, KernelNamed(request.kernel(), "kernel"));
   const bool batch = request.targets_size() > 0 || request.dtypes_size() > 0;
   if (!request.target().empty() && request.targets_size() > 0) {
     return absl::InvalidArgumentError(
@@ -163,7 +164,7 @@ absl::StatusOr<v1::EmitPtxResponse> PtxService::Emit(const v1::EmitPtxRequest& r
 
 absl::StatusOr<v1::EmitPtxArtifact> PtxService::EmitOne(const Configuration& c, bool cubin,
                                                         bool resource_usage) {
-  const kernels::Kernel* kernel = c.kernel;
+  const kernels::BackwardKernel* kernel = c.kernel;
   const kernels::KernelConfig& config = c.config;
   const std::string ptx_key = kernel->ConfigKey(config);
   auto emit_ptx = [&]() -> absl::StatusOr<Cache::Compiled> {

@@ -6,7 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/bounded_quote.h"
 #include "base/status_macros.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/rmsnorm/kernel_choice.h"
 #include "server/proto_conversion/proto_conversion.h"
 
@@ -90,7 +90,7 @@ absl::Status BackwardValidator::AcceptHeader(const v1::BackwardRequest& message,
   request.kernel = h.options().kernel();
   request.variant = variant;
   if (!request.kernel.empty()) {
-    NORMGRAD_ASSIGN_OR_RETURN(const kernels::Kernel* kernel,
+    NORMGRAD_ASSIGN_OR_RETURN(const kernels::BackwardKernel* kernel,
                               KernelNamed(request.kernel, "header.options.kernel"));
     const kernels::KernelConfig config =
         kernels::ConfigFor(request, {.target_sm = kernels::kProbeTargetSm});

@@ -7,7 +7,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "base/status_macros.h"
 
 namespace normgrad::server {

@@ -38,7 +38,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "server/backend/backend.h"
 #include "server/cpu/cpu_backend.h"
 #include "server/host_rows/element_conversion.h"

@@ -29,7 +29,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "normgrad/client.h"
 #include "normgrad/cuda_ipc.h"
 #include "server/backend_factory/backend_factory.h"

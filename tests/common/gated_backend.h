@@ -186,7 +186,7 @@ class GatedBackend final : public server::Backend {
     return std::unique_ptr<server::BackwardSession>(
         new GatedSession(*std::move(s), gates_, gates_->NewSession(), row_bytes));
   }
-  absl::Status Preload(const kernels::Kernel& kernel,
+  absl::Status Preload(const kernels::BackwardKernel& kernel,
                        const kernels::KernelConfig& config) override {
     return inner_->Preload(kernel, config);
   }

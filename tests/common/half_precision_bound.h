@@ -25,7 +25,7 @@
 #include <random>
 #include <vector>
 
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 
 namespace normgrad::half_bound {
 

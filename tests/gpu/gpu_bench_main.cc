@@ -43,7 +43,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/rmsnorm/kernel_registry.h"
 #include "kernels/backward_kernel.h"
 #include "kernels/ptx/ptx_builder.h"

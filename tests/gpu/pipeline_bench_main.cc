@@ -33,7 +33,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "server/backend/backend.h"
 #include "server/backend_factory/backend_factory.h"
 #include "server/host_rows/element_conversion.h"

@@ -14,7 +14,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "gtest/gtest.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/kernel_params.h"
 #include "kernels/rmsnorm/kernel_registry.h"
 #include "kernels/rmsnorm/rms_norm_backward_row_resident.h"
@@ -62,7 +62,7 @@ TEST(KernelParamTable, EveryIdHasOneEntryAndItsNameFindsIt) {
 
 TEST(PackArgs, FillsEveryKernelsParametersInItsOwnOrder) {
   const KernelParamValues values = DistinctValues();
-  for (const Kernel* k : AllKernels()) {
+  for (const BackwardKernel* k : AllKernels()) {
     const std::vector<KernelParam> params = k->Params();
     ASSERT_FALSE(params.empty()) << k->EntryName();
     absl::StatusOr<PackedArgs> packed = PackArgs(params, values);
@@ -359,7 +359,7 @@ TEST(LaunchBounds, EveryKernelDeclaresMaxntidEqualToItsLaunchBlock) {
   const std::vector<uint32_t> hidden_dims = {1,    32,   512,  896,  2048,  2049,
                                              4096, 4097, 8192, 8193, 12288, 16384};
   int checked = 0;
-  for (const Kernel* k : AllKernels()) {
+  for (const BackwardKernel* k : AllKernels()) {
     for (const DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
       for (const uint32_t hidden : hidden_dims) {
         for (const int target : SupportedTargets()) {
@@ -385,7 +385,7 @@ TEST(LaunchBounds, EveryKernelDeclaresMaxntidEqualToItsLaunchBlock) {
 }
 
 TEST(LaunchBounds, RowResidentTilingsSpanEveryBlockSize) {
-  const Kernel* k = FindKernel(kRowResident);
+  const BackwardKernel* k = FindKernel(kRowResident);
   ASSERT_NE(k, nullptr);
   EXPECT_EQ(k->BlockThreads({.hidden_dim = 896}), 256u);
   EXPECT_EQ(k->BlockThreads({.hidden_dim = 4096}), 512u);
@@ -396,7 +396,7 @@ TEST(LaunchBounds, RowResidentTilingsSpanEveryBlockSize) {
 }
 
 TEST(LaunchBounds, TheParserOfThisTestNeedsTheDirective) {
-  const Kernel* k = FindKernel(kBatched);
+  const BackwardKernel* k = FindKernel(kBatched);
   ASSERT_NE(k, nullptr);
   absl::StatusOr<EmittedPtx> ptx = k->Emit({.hidden_dim = 64, .target_sm = 90});
   ASSERT_TRUE(ptx.ok()) << ptx.status();

@@ -7,7 +7,7 @@
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/rmsnorm/kernel_registry.h"
 #include "kernels/ptx/ptx_builder.h"
 #include "kernels/ptx/ptx_printer.h"
@@ -98,7 +98,7 @@ TEST(DivergenceAnalysisTest, SmallKernelRowTestIsWarpUniformOnlyForOneDimensiona
 }
 
 TEST(DivergenceAnalysisTest, GeometryKeepsTheAssumptionsTheAnalysisUses) {
-  for (const Kernel* k : AllKernels()) {
+  for (const BackwardKernel* k : AllKernels()) {
     for (uint64_t rows : {1ull, 7ull, 8ull, 9ull, 1000ull, 1ull << 33}) {
       LaunchGeometry g = k->Geometry({.hidden_dim = 32}, rows);
       EXPECT_EQ(g.block[0] % 32, 0u) << k->EntryName();

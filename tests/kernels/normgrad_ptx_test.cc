@@ -1,4 +1,4 @@
-// normgrad-ptx, run as a program: prints the same PTX as Kernel::Emit, writes -o files, lists the
+// normgrad-ptx, run as a program: prints the same PTX as BackwardKernel::Emit, writes -o files, lists the
 // kernels, exits 2 with one line on stderr for bad arguments, and reports resource usage.
 #include <sys/wait.h>
 #include <unistd.h>
@@ -13,7 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/rmsnorm/kernel_registry.h"
 
 namespace normgrad::kernels {

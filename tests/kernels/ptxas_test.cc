@@ -19,7 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/rmsnorm/kernel_registry.h"
 #include "kernels/ptx/ptx_printer.h"
 #include "kernels/ptx/targets.h"
@@ -101,7 +101,7 @@ TEST_F(PtxasTest, EveryKernelAssemblesForEveryMainTarget) {
   };
   for (const Case& c : cases) {
     for (int sm : {75, 80, 90, 100}) {
-      const Kernel* k = FindKernel(c.kernel);
+      const BackwardKernel* k = FindKernel(c.kernel);
       ASSERT_NE(k, nullptr);
       absl::StatusOr<EmittedPtx> ptx = k->Emit({.hidden_dim = c.hidden_dim, .target_sm = sm});
       ASSERT_TRUE(ptx.ok()) << ptx.status();
@@ -120,7 +120,7 @@ TEST_F(PtxasTest, EveryKernelAssemblesForEveryMainTarget) {
 }
 
 TEST_F(PtxasTest, EveryKernelAssemblesForEverySupportedTargetAtItsDefaultVersion) {
-  for (const Kernel* k : AllKernels()) {
+  for (const BackwardKernel* k : AllKernels()) {
     for (int sm : SupportedTargets()) {
       absl::StatusOr<EmittedPtx> ptx = k->Emit({.hidden_dim = 32, .target_sm = sm});
       ASSERT_TRUE(ptx.ok()) << ptx.status();
@@ -134,7 +134,7 @@ TEST_F(PtxasTest, EveryKernelAssemblesForEverySupportedTargetAtItsDefaultVersion
 }
 
 TEST_F(PtxasTest, HalfPrecisionKernelsAssemble) {
-  for (const Kernel* k : AllKernels()) {
+  for (const BackwardKernel* k : AllKernels()) {
     for (DType dtype : {DType::kF16, DType::kBF16}) {
       for (int sm : {75, 80, 90, 100}) {
         const KernelConfig config{.hidden_dim = 64, .dtype = dtype, .target_sm = sm};
@@ -156,7 +156,7 @@ TEST_F(PtxasTest, AssemblesWithExplicitPtxVersions) {
     int sm;
     PtxVersion version;
   };
-  for (const Kernel* k : AllKernels()) {
+  for (const BackwardKernel* k : AllKernels()) {
     for (const Versioned& v : {Versioned{75, {7, 0}}, Versioned{80, {8, 0}}, Versioned{90, {8, 0}},
                                Versioned{100, {9, 0}}, Versioned{120, {8, 7}}}) {
       absl::StatusOr<EmittedPtx> ptx =
@@ -184,7 +184,7 @@ std::vector<PtxVersion> KnownPtxVersions() {
 TEST_F(PtxasTest, TheDefaultVersionIsTheLowestPtxasAccepts) {
   // The version just below each target's default must be refused by ptxas itself: the table in
   // kernels/ptx/targets.cc is the real minimum, not a guess.
-  const Kernel* k = FindKernel("batched_rms_norm_backward");
+  const BackwardKernel* k = FindKernel("batched_rms_norm_backward");
   const std::vector<PtxVersion> known = KnownPtxVersions();
   for (int sm : SupportedTargets()) {
     absl::StatusOr<EmittedPtx> ptx = k->Emit({.hidden_dim = 16, .target_sm = sm});

@@ -11,7 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/rmsnorm/kernel_registry.h"
 #include "kernels/ptx/targets.h"
 
@@ -19,7 +19,7 @@ namespace normgrad::kernels {
 namespace {
 
 std::string EmitText(absl::string_view entry, KernelConfig config) {
-  const Kernel* k = FindKernel(entry);
+  const BackwardKernel* k = FindKernel(entry);
   EXPECT_NE(k, nullptr) << entry;
   if (k == nullptr) return "";
   absl::StatusOr<EmittedPtx> ptx = k->Emit(config);
@@ -38,7 +38,7 @@ int Count(const std::string& text, const std::string& needle) {
 
 // The registry finds `entry` and the kernel it finds has that entry name.
 void ExpectFoundUnderItsEntryName(absl::string_view entry) {
-  const Kernel* k = FindKernel(entry);
+  const BackwardKernel* k = FindKernel(entry);
   ASSERT_NE(k, nullptr) << entry;
   EXPECT_EQ(k->EntryName(), entry);
 }
@@ -86,7 +86,7 @@ TEST(RmsNormBackwardKernelTest, SmallHidden) {
 // trueno-gpu panicked (assert!) for hidden_dim > 32; normgrad returns INVALID_ARGUMENT naming the
 // field, the value and the limit.
 TEST(RmsNormBackwardKernelTest, HiddenDimLimitIsAnInvalidArgument) {
-  const Kernel* k = FindKernel("rms_norm_backward");
+  const BackwardKernel* k = FindKernel("rms_norm_backward");
   for (uint32_t bad : {0u, 33u, 64u, 4096u}) {
     absl::Status s = k->CanImplement({.hidden_dim = bad});
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
@@ -149,7 +149,7 @@ TEST(BatchedRmsNormBackwardKernelTest, RefusesZeroHiddenDim) {
 // trueno-gpu's defect (its issue 203): num_rows and eps declared but baked in as immediates.
 // Here every declared parameter is loaded with ld.param exactly once.
 TEST(KernelContractTest, EveryDeclaredParameterIsReadAtRunTime) {
-  for (const Kernel* k : AllKernels()) {
+  for (const BackwardKernel* k : AllKernels()) {
     const std::string ptx = EmitText(k->EntryName(), {.hidden_dim = 32});
     for (const KernelParam& p : k->Params()) {
       EXPECT_EQ(Count(ptx, absl::StrCat("ld.param.", p.ptx_type, " ")) > 0, true);
@@ -159,7 +159,7 @@ TEST(KernelContractTest, EveryDeclaredParameterIsReadAtRunTime) {
 }
 
 TEST(KernelContractTest, ParamsMatchTheEmittedDeclarationsInOrder) {
-  for (const Kernel* k : AllKernels()) {
+  for (const BackwardKernel* k : AllKernels()) {
     absl::StatusOr<EmittedPtx> ptx = k->Emit({.hidden_dim = 8});
     ASSERT_TRUE(ptx.ok()) << ptx.status();
     ASSERT_EQ(ptx->params.size(), k->Params().size());
@@ -178,7 +178,7 @@ TEST(KernelContractTest, ParamsMatchTheEmittedDeclarationsInOrder) {
 
 TEST(KernelContractTest, HiddenDimIsNotBakedIn) {
   // One module serves every shape: emission does not depend on hidden_dim.
-  for (const Kernel* k : AllKernels()) {
+  for (const BackwardKernel* k : AllKernels()) {
     const std::string a = EmitText(k->EntryName(), {.hidden_dim = 1});
     const std::string b = EmitText(k->EntryName(), {.hidden_dim = 32});
     EXPECT_EQ(a, b) << k->EntryName();
@@ -187,7 +187,7 @@ TEST(KernelContractTest, HiddenDimIsNotBakedIn) {
 }
 
 TEST(KernelContractTest, SameRequestSameBytes) {
-  for (const Kernel* k : AllKernels()) {
+  for (const BackwardKernel* k : AllKernels()) {
     for (int sm : {75, 90}) {
       KernelConfig c{.hidden_dim = 16, .target_sm = sm};
       EXPECT_EQ(EmitText(k->EntryName(), c), EmitText(k->EntryName(), c));
@@ -196,7 +196,7 @@ TEST(KernelContractTest, SameRequestSameBytes) {
 }
 
 TEST(KernelContractTest, ConfigKeyNamesEverythingBakedIn) {
-  const Kernel* k = FindKernel("batched_rms_norm_backward");
+  const BackwardKernel* k = FindKernel("batched_rms_norm_backward");
   const std::string key = k->ConfigKey({.hidden_dim = 896, .target_sm = 90});
   EXPECT_EQ(key, "batched_rms_norm_backward|dtype=f32|sm_90|ptx=7.8|normgrad-ptx/3");
   std::set<std::string> keys;
@@ -210,7 +210,7 @@ TEST(KernelContractTest, ConfigKeyNamesEverythingBakedIn) {
 }
 
 TEST(KernelContractTest, EqualKeysEmitEqualBytes) {
-  for (const Kernel* k : AllKernels()) {
+  for (const BackwardKernel* k : AllKernels()) {
     for (int sm : {75, 80, 90, 100}) {
       KernelConfig a{.hidden_dim = 3, .target_sm = sm};
       KernelConfig b{.hidden_dim = 29, .target_sm = sm};
@@ -222,7 +222,7 @@ TEST(KernelContractTest, EqualKeysEmitEqualBytes) {
 }
 
 TEST(KernelContractTest, DefaultPtxVersionIsTheLowestTheTargetAccepts) {
-  const Kernel* k = FindKernel("batched_rms_norm_backward");
+  const BackwardKernel* k = FindKernel("batched_rms_norm_backward");
   const std::vector<std::pair<int, std::string>> expected = {
       {75, "6.3"}, {80, "7.0"}, {86, "7.1"}, {89, "7.8"}, {90, "7.8"}, {100, "8.6"}, {120, "8.7"}};
   for (const auto& [sm, version] : expected) {
@@ -236,7 +236,7 @@ TEST(KernelContractTest, DefaultPtxVersionIsTheLowestTheTargetAccepts) {
 }
 
 TEST(KernelContractTest, ExplicitPtxVersionIsHonouredOrRefusedWithTheReason) {
-  const Kernel* k = FindKernel("rms_norm_backward");
+  const BackwardKernel* k = FindKernel("rms_norm_backward");
   absl::StatusOr<EmittedPtx> v80 =
       k->Emit({.hidden_dim = 8, .target_sm = 90, .ptx_version = PtxVersion{8, 0}});
   ASSERT_TRUE(v80.ok()) << v80.status();
@@ -263,7 +263,7 @@ TEST(KernelContractTest, ExplicitPtxVersionIsHonouredOrRefusedWithTheReason) {
 }
 
 TEST(KernelContractTest, UnsupportedTargetIsAnInvalidArgument) {
-  for (const Kernel* k : AllKernels()) {
+  for (const BackwardKernel* k : AllKernels()) {
     absl::Status sm70 = k->CanImplement({.hidden_dim = 8, .target_sm = 70});
     EXPECT_EQ(sm70.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_TRUE(absl::StrContains(sm70.message(), "sm_70")) << sm70;
@@ -271,7 +271,7 @@ TEST(KernelContractTest, UnsupportedTargetIsAnInvalidArgument) {
 }
 
 TEST(KernelContractTest, Bf16NeedsSm80AndSaysSo) {
-  for (const Kernel* k : AllKernels()) {
+  for (const BackwardKernel* k : AllKernels()) {
     absl::Status bf16 = k->CanImplement({.hidden_dim = 8, .dtype = DType::kBF16});  // sm_75
     EXPECT_EQ(bf16.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_TRUE(absl::StrContains(bf16.message(), "bf16 needs target sm_80 or newer")) << bf16;
@@ -285,7 +285,7 @@ TEST(KernelContractTest, Bf16NeedsSm80AndSaysSo) {
 // grad_gamma (batched kernel) stay f32. The dtype is part of the key and changes the text.
 TEST(KernelContractTest, HalfPrecisionLoadsSixteenBitsAndComputesInF32) {
   // The trueno-compatible kernels; the row-resident pair has its own checks (row_resident_kernel_test).
-  for (const Kernel* k :
+  for (const BackwardKernel* k :
        {FindKernel("rms_norm_backward"), FindKernel("batched_rms_norm_backward")}) {
     const std::string f32 = EmitText(k->EntryName(), {.hidden_dim = 16, .target_sm = 80});
     const std::string f16 =
@@ -317,7 +317,7 @@ TEST(KernelContractTest, HalfPrecisionLoadsSixteenBitsAndComputesInF32) {
 }
 
 TEST(KernelContractTest, SmallKernelGeometryIsWholeWarpsOneRowEach) {
-  const Kernel* k = FindKernel("rms_norm_backward");
+  const BackwardKernel* k = FindKernel("rms_norm_backward");
   const uint32_t rows_per_block = RmsNormBackwardKernel::kRowsPerBlock;
   LaunchGeometry g = k->Geometry({.hidden_dim = 32}, 1000);
   EXPECT_EQ(g.block[0], 32 * rows_per_block);
@@ -328,7 +328,7 @@ TEST(KernelContractTest, SmallKernelGeometryIsWholeWarpsOneRowEach) {
 }
 
 TEST(KernelContractTest, BatchedGeometryIsOneWarpBlockPerRow) {
-  const Kernel* k = FindKernel("batched_rms_norm_backward");
+  const BackwardKernel* k = FindKernel("batched_rms_norm_backward");
   LaunchGeometry g = k->Geometry({.hidden_dim = 896}, 4096);
   EXPECT_EQ(g.grid[0], 4096u);
   EXPECT_EQ(g.block[0], 32u);
@@ -337,7 +337,7 @@ TEST(KernelContractTest, BatchedGeometryIsOneWarpBlockPerRow) {
 
 TEST(KernelRegistryTest, FindsEveryKernelAndNothingElse) {
   std::vector<std::string> names;
-  for (const Kernel* k : AllKernels()) names.push_back(std::string(k->EntryName()));
+  for (const BackwardKernel* k : AllKernels()) names.push_back(std::string(k->EntryName()));
   EXPECT_EQ(names, (std::vector<std::string>{"rms_norm_backward", "batched_rms_norm_backward",
                                              "rms_norm_backward_row_resident"}));
   EXPECT_EQ(FindKernel("softmax"), nullptr);

@@ -20,7 +20,7 @@
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 #include "kernels/ptx/divergence_analysis.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/backward_kernel.h"
 #include "kernels/built_kernel.h"
 #include "kernels/rmsnorm/kernel_registry.h"
@@ -29,7 +29,7 @@
 namespace normgrad::kernels {
 namespace {
 
-const Kernel& Main() { return *FindKernel("rms_norm_backward_row_resident"); }
+const BackwardKernel& Main() { return *FindKernel("rms_norm_backward_row_resident"); }
 
 int Count(const std::string& text, const std::string& needle) {
   int n = 0;

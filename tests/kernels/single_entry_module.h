@@ -8,7 +8,7 @@
 //   EXPECT_TRUE(Verify(e.m).ok());
 #pragma once
 
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/ptx/ptx_builder.h"
 #include "kernels/ptx/ptx_ir.h"
 

@@ -7,7 +7,7 @@
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/rmsnorm/kernel_registry.h"
 #include "kernels/ptx/ptx_builder.h"
 #include "kernels/ptx/ptx_printer.h"
@@ -31,7 +31,7 @@ void ExpectRejected(const Module& m, absl::string_view needle) {
 void ExpectAccepted(const Module& m) { EXPECT_TRUE(Verify(m).ok()) << Verify(m); }
 
 TEST(VerifierTest, AcceptsBothKernelsForEveryTarget) {
-  for (const Kernel* k : AllKernels()) {
+  for (const BackwardKernel* k : AllKernels()) {
     const auto* built = dynamic_cast<const BuiltKernel*>(k);
     ASSERT_NE(built, nullptr);
     for (int sm : {75, 80, 86, 89, 90, 100, 120}) {

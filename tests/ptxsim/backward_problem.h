@@ -16,7 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 
 namespace normgrad::kernel_testing {
 

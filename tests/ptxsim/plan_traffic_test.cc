@@ -12,7 +12,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/rmsnorm/kernel_registry.h"
 #include "kernels/rmsnorm/rms_norm_backward_row_resident.h"
 #include "tests/ptxsim/sim/traffic.h"
@@ -63,7 +63,7 @@ TEST_P(RowResidentPlanTraffic, MovesEachElementOnceAndTheTreeRowsTwiceInOneLaunc
   const Shape shape = GetParam();
   PlanTrafficOptions options = OptionsFor(shape.dtype, shape.hidden, /*sm_count=*/9);
   const kernels::KernelConfig config = ConfigFor(options);
-  const kernels::Kernel* main = kernels::FindKernel("rms_norm_backward_row_resident");
+  const kernels::BackwardKernel* main = kernels::FindKernel("rms_norm_backward_row_resident");
   ASSERT_NE(main, nullptr);
   const uint32_t grid = main->Geometry(config, uint64_t{1} << 20).grid[0];
   ASSERT_GT(grid, RowResidentRmsNormBackwardKernel::kFanIn);  // a tree of more than one group

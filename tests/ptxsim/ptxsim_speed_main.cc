@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/rmsnorm/kernel_registry.h"
 #include "kernels/backward_kernel.h"
 #include "kernels/rmsnorm/reference.h"
@@ -38,7 +38,7 @@ int Failed(const char* entry, const absl::Status& status) {
 }
 
 int Run(const char* entry, uint32_t rows, uint32_t hidden, int repeats) {
-  const normgrad::kernels::Kernel* kernel = FindKernel(entry);
+  const normgrad::kernels::BackwardKernel* kernel = FindKernel(entry);
   KernelConfig config;
   config.hidden_dim = hidden;
   config.target_sm = 90;

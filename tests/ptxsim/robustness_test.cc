@@ -7,7 +7,7 @@
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/rmsnorm/kernel_registry.h"
 #include "kernels/backward_kernel.h"
 #include "tests/ptxsim/sim/sim_harness.h"

@@ -10,7 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/rmsnorm/kernel_registry.h"
 #include "kernels/backward_kernel.h"
 #include "kernels/rmsnorm/reference.h"

@@ -22,7 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/kernel_params.h"
 #include "kernels/backward_kernel.h"
 #include "tests/ptxsim/sim/sim_harness.h"

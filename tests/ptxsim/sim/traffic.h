@@ -22,7 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "kernels/backward_kernel.h"
 #include "tests/ptxsim/sim/interpreter.h"
 #include "tests/ptxsim/sim/memory_map.h"

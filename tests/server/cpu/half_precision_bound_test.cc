@@ -13,7 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 #include "server/cpu/cpu_backend.h"
 #include "server/host_rows/element_conversion.h"
 #include "server/host_rows/host_rows.h"

@@ -406,7 +406,7 @@ TEST(CudaBackendTest, ModulesAreCachedAndUnloadedWithTheBackend) {
 TEST(CudaBackendTest, PreloadCompilesOnceAndSessionsHitTheCache) {
   std::unique_ptr<Backend> cuda = ScriptedCuda();
   ASSERT_NE(cuda, nullptr);
-  const kernels::Kernel* batched = kernels::FindKernel("batched_rms_norm_backward");
+  const kernels::BackwardKernel* batched = kernels::FindKernel("batched_rms_norm_backward");
   ASSERT_NE(batched, nullptr);
   kernels::KernelConfig config;
   config.hidden_dim = 64;

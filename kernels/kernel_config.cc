@@ -1,4 +1,4 @@
-#include "kernels/kernel.h"
+#include "kernels/kernel_config.h"
 
 #include <cstdint>
 #include <iterator>

@@ -1,17 +1,7 @@
-// The emission life cycle every normgrad kernel shares (modelled on CUTLASS's operations).
-// Kernels are found in kernels/rmsnorm/kernel_registry.h; kernels/backward_kernel.h adds how a backward
-// kernel is launched.
-//
-//   const Kernel* k = FindKernel("batched_rms_norm_backward");
-//   KernelConfig config{.hidden_dim = 896, .target_sm = 90};
-//   NORMGRAD_RETURN_IF_ERROR(k->CanImplement(config));   // cheap, no emission
-//   absl::StatusOr<EmittedPtx> ptx = k->Emit(config);                  // deterministic bytes
-//   LaunchGeometry g = k->Geometry(config, num_rows);                  // grid/block/shared
-//   uint32_t t = k->BlockThreads(config);        // == g.block[0]; the PTX's `.maxntid t, 1, 1`
-//   std::string key = k->ConfigKey(config);                            // what the PTX bakes in
-//
-// Contract: a value is either a run-time kernel parameter or part of ConfigKey(), never half of
-// each. Two configs with equal ConfigKey() emit byte-identical PTX.
+// What a kernel is emitted and launched for, shared by every normgrad kernel: the element types,
+// the casting modes and variants, the configuration (KernelConfig: what ConfigKey() bakes into
+// the PTX, plus the device's SM count), the launch geometry and the emitted module. The kernel
+// interface itself, emission and launch: kernels/backward_kernel.h.
 #pragma once
 
 #include <cstdint>
@@ -92,41 +82,10 @@ struct EmittedPtx {
   std::vector<KernelParam> params;
   PtxVersion version;      // the .version the text declares
   int target_sm = 0;       // the .target the text declares
-  std::string config_key;  // == Kernel::ConfigKey(config)
+  std::string config_key;  // == BackwardKernel::ConfigKey(config)
 };
 
-class Kernel {
- public:
-  virtual ~Kernel() = default;
 
-  virtual absl::string_view EntryName() const = 0;
-  // The entry's parameters in declaration order, as the emitted PTX declares them.
-  virtual std::vector<KernelParam> Params() const = 0;
-
-  // Cheap validity check of `config` (no emission): INVALID_ARGUMENT naming the field, the
-  // value and the limit.
-  virtual absl::Status CanImplement(const KernelConfig& config) const = 0;
-
-  // Threads per block of every launch at `config` (blocks are 1-D: Geometry's block.x). The
-  // emitted entry declares it as `.maxntid <threads>, 1, 1`: ptxas, whole-program or
-  // relocatable (as nvJitLink runs it), must then fit registers * threads into the 65,536
-  // registers of an SM, so every cubin made from the PTX launches at this block size; the driver
-  // refuses a larger block (CUDA_ERROR_INVALID_VALUE), which the kernels' fixed tiling could
-  // not process anyway. Depends only on what ConfigKey() names.
-  virtual uint32_t BlockThreads(const KernelConfig& config) const = 0;
-
-  // Grid, block and dynamic shared memory to process `num_rows` rows; block = (BlockThreads, 1,
-  // 1). Never launches a full-mask shuffle with fewer than 32 live threads.
-  virtual LaunchGeometry Geometry(const KernelConfig& config, uint64_t num_rows) const = 0;
-
-  // Stable text naming everything baked into the emitted PTX (entry, specialised values,
-  // dtype, target, PTX version, generator version). Used as the module cache key.
-  virtual std::string ConfigKey(const KernelConfig& config) const = 0;
-
-  // The module's text. Fails with CanImplement's status, or INVALID_ARGUMENT when an
-  // explicit ptx_version is below what the target and instructions need (saying which).
-  virtual absl::StatusOr<EmittedPtx> Emit(const KernelConfig& config) const = 0;
-};
 
 
 }  // namespace normgrad::kernels
