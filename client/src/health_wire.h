@@ -1,7 +1,7 @@
-// grpc.health.v1 messages encoded by hand (two fields), so that this library registers no
-// grpc.health.v1 descriptors that could collide with a server's in the same process.
-//   HealthCheckRequest  { string service = 1; }
-//   HealthCheckResponse { ServingStatus status = 1; }
+// grpc.health.v1.Health/Check from the client: its path, and its two messages through the code
+// generated from proto/normgrad/v1/health_check.proto (the same fields in a package of ours, so
+// that this library registers no grpc.health.v1 descriptors that could collide with an
+// application's).
 #pragma once
 
 #include <string>
