@@ -1,4 +1,4 @@
-"""`pip install --no-build-isolation .` (the repository root, then ./python) into a fresh virtualenv (made with
+"""`pip install --no-build-isolation .` (the repository root) into a fresh virtualenv (made with
 --system-site-packages, offline: --no-index), from a copy of the sources: the package imports
 from the virtualenv, normgrad and normgrad.torch run a backward against a real server, and
 `pip uninstall -y normgrad` removes it. Prints how long the install took."""
@@ -11,7 +11,6 @@ import sys
 import tempfile
 import textwrap
 import time
-import tomllib
 import unittest
 
 from server_process import ServerProcess
@@ -71,19 +70,16 @@ class PipInstallTest(unittest.TestCase):
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
 
-        # From the repository root first (the whole build, timed), then from python/ (the same
-        # package; setuptools' files are in python/build/ either way, so this one reuses them).
-        for where in (root / "src", root / "src" / "python"):
-            with self.subTest(source=str(where.relative_to(root))):
-                start = time.monotonic()
-                install = subprocess.run(
-                    [python, "-m", "pip", "install", "--no-build-isolation", "--no-index",
-                     str(where)], env=env, capture_output=True, text=True)
-                seconds = time.monotonic() - start
-                self.assertEqual(install.returncode, 0,
-                                 install.stdout[-4000:] + install.stderr[-4000:])
-                print(f"pip install {where.relative_to(root)}: {seconds:.0f} s", file=sys.stderr)
-                self.check_installed_then_uninstall(python, env, root, server)
+        # From the repository root (the whole build, timed).
+        where = root / "src"
+        start = time.monotonic()
+        install = subprocess.run(
+            [python, "-m", "pip", "install", "--no-build-isolation", "--no-index", str(where)],
+            env=env, capture_output=True, text=True)
+        seconds = time.monotonic() - start
+        self.assertEqual(install.returncode, 0, install.stdout[-4000:] + install.stderr[-4000:])
+        print(f"pip install .: {seconds:.0f} s", file=sys.stderr)
+        self.check_installed_then_uninstall(python, env, root, server)
         # A developer's CMake build/ at the root is not touched by the root install.
         self.assertFalse((root / "src" / "build").exists())
 
@@ -102,16 +98,6 @@ class PipInstallTest(unittest.TestCase):
         self.assertIn("No module named 'normgrad'", gone.stderr)
         left = [str(p) for p in (root / "venv").rglob("normgrad*")]
         self.assertEqual(left, [])
-
-
-class PyprojectTest(unittest.TestCase):
-    def test_the_root_and_python_describe_the_same_package(self):
-        # Two pyproject.toml files (pip install . at the root, or ./python): one package.
-        root = tomllib.loads((REPOSITORY / "pyproject.toml").read_text())
-        python = tomllib.loads((REPOSITORY / "python" / "pyproject.toml").read_text())
-        self.assertEqual(root["project"], python["project"])
-        self.assertEqual(root["build-system"], python["build-system"])
-        self.assertEqual(root["tool"]["setuptools"]["package-dir"], {"": "python"})
 
 
 if __name__ == "__main__":
