@@ -413,7 +413,7 @@ scrape_ok_in_flight() {
 import urllib.request
 t = urllib.request.urlopen('http://127.0.0.1:$k8s_metrics/metrics', timeout=5).read().decode()
 v = lambda p: next((l.rsplit(' ', 1)[1] for l in t.splitlines() if l.startswith(p)), '0')
-print(int(float(v('normgrad_requests_total{method=\"RmsNormBackward\",code=\"OK\"}'))),
+print(int(float(v('normgrad_requests_total{code=\"OK\",method=\"RmsNormBackward\"}'))),
       int(float(v('normgrad_inflight_streams '))))"
 }
 # The OK calls of the checks above, so that only the load's are compared with its own count.

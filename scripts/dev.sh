@@ -31,11 +31,12 @@ BUILD_DIR=${BUILD_DIR:-build}
 # Release (-O3): what the server runs, and the tree where CI sees -O3's warnings.
 BUILD_TYPE=${BUILD_TYPE:-Release}
 
-# Packages: build toolchain, gRPC/protobuf/abseil, SIMD, HTTP, tests, and the tools tests call.
+# Packages: build toolchain, gRPC/protobuf/abseil, SIMD, HTTP and Prometheus metrics, tests, and
+# the tools tests call.
 PACKAGES=(
   build-essential cmake ninja-build pkg-config git ca-certificates
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
-  libhwy-dev libcpp-httplib-dev libssl-dev libdnnl-dev
+  libhwy-dev libcpp-httplib-dev prometheus-cpp-dev libssl-dev libdnnl-dev
   libcli11-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-numpy python3-yaml openssl

@@ -1,5 +1,6 @@
-// A small Prometheus metrics registry (counters, gauges, histograms with labels) rendered in the
-// text exposition format 0.0.4. No gRPC and no HTTP here: the service records into it and
+// The server's Prometheus metrics (counters, gauges, histograms with labels) over prometheus-cpp's
+// core library: its registry holds the series and its TextSerializer renders them in the text
+// exposition format 0.0.4. No gRPC and no HTTP here: the service records into it and
 // MetricsHttpServer serves RenderText() on /metrics.
 //
 //   MetricsRegistry m;
@@ -8,18 +9,20 @@
 //   std::string text = m.RenderText();
 //
 // Thread-safe. Recording a metric that was never described is a programming error: it is
-// rendered as an untyped metric. Components do not spell names: each keeps a table of typed
-// handles (Counter, Gauge, Histogram below), one member per metric, whose constructor describes
-// it with its name, help and label names in one place (ServiceMetrics, ProcessMetrics).
+// rendered as an untyped metric. Describing a name again changes nothing (the first description
+// stays). Names are Prometheus names ([a-zA-Z_:][a-zA-Z0-9_:]*, label names without ':'):
+// prometheus-cpp throws std::invalid_argument for another. Each series' labels are rendered in
+// name order (Prometheus reads them as a set), families in name order. Components do not spell
+// names: each keeps a table of typed handles (Counter, Gauge, Histogram below), one member per
+// metric, whose constructor describes it with its name, help and label names in one place
+// (ServiceMetrics, ServerMetrics).
 #pragma once
 
 #include <functional>
-#include <map>
-#include <mutex>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
-
 
 namespace normgrad::server {
 
@@ -27,12 +30,18 @@ class MetricsRegistry {
  public:
   using Labels = std::vector<std::pair<std::string, std::string>>;
 
+  MetricsRegistry();
+  ~MetricsRegistry();
+  MetricsRegistry(const MetricsRegistry&) = delete;
+  MetricsRegistry& operator=(const MetricsRegistry&) = delete;
+
   void DescribeCounter(const std::string& name, const std::string& help);
   void DescribeGauge(const std::string& name, const std::string& help);
   // `bounds`: upper bounds of the buckets, ascending; +Inf is added.
   void DescribeHistogram(const std::string& name, const std::string& help,
                          std::vector<double> bounds);
 
+  // A counter only goes up: a negative delta is ignored.
   void IncrementCounter(const std::string& name, const Labels& labels, double delta = 1);
   void SetGauge(const std::string& name, const Labels& labels, double value);
   void AddGauge(const std::string& name, const Labels& labels, double delta);
@@ -41,35 +50,24 @@ class MetricsRegistry {
   // Runs at every RenderText(), before rendering, outside the registry's lock: for values that
   // live elsewhere (cache statistics) and are copied in with SetGauge/SetCounter.
   void AddCollector(std::function<void(MetricsRegistry&)> collector);
-  // Sets a counter to a total kept elsewhere (collectors only).
+  // Sets a counter to a total kept elsewhere, which only grows (collectors only): a value below
+  // the counter's is ignored (metrics.cc).
   void SetCounter(const std::string& name, const Labels& labels, double value);
 
   std::string RenderText();
 
-  // Exponential latency buckets from 100 us to ~100 s.
+  // Exponential latency buckets from 100 us to ~100 s (x2.5), each rounded to 9 significant
+  // digits: the le labels they have always been rendered with (metrics.cc).
   static std::vector<double> LatencyBuckets();
 
  private:
-  enum class Type { kUntyped, kCounter, kGauge, kHistogram };
-  struct Series {
-    double value = 0;                    // counter, gauge
-    std::vector<uint64_t> bucket_counts;  // histogram: per bound, not cumulative
-    double sum = 0;
-    uint64_t count = 0;
-  };
-  struct Family {
-    Type type = Type::kUntyped;
-    std::string help;
-    std::vector<double> bounds;
-    std::map<std::string, Series> series;  // by rendered label set
-  };
+  struct State;  // the library's registry, the families by name, the collectors (metrics.cc)
 
-  Series& SeriesLocked(const std::string& name, const Labels& labels);  // mu_ held
-  static std::string RenderLabels(const Labels& labels);
+  // What IncrementCounter/AddGauge and SetGauge/SetCounter do, by the family's type.
+  void Add(const std::string& name, const Labels& labels, double delta);
+  void Set(const std::string& name, const Labels& labels, double value);
 
-  std::mutex mu_;
-  std::map<std::string, Family> families_;  // guarded by mu_
-  std::vector<std::function<void(MetricsRegistry&)>> collectors_;  // guarded by mu_
+  std::unique_ptr<State> state_;
 };
 
 // A described metric of `registry`, recorded through its handle. `label_names`: the labels its

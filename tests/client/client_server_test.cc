@@ -97,7 +97,7 @@ TEST_F(ClientServerTest, ABatchThatFitsOneMessageIsOneUnaryCall) {
   auto served = [this](const std::string& method) {
     const std::string text = server_->metrics().RenderText();
     const std::string key =
-        "normgrad_requests_total{method=\"" + method + "\",code=\"OK\"} ";
+        "normgrad_requests_total{code=\"OK\",method=\"" + method + "\"} ";
     const size_t at = text.find(key);
     return at == std::string::npos ? 0.0 : std::stod(text.substr(at + key.size()));
   };

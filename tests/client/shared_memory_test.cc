@@ -83,7 +83,7 @@ class SharedMemoryTest : public ::testing::Test {
       std::smatch m;
       // Both backward methods (a batch that fits one message is an RmsNormBackwardUnary call).
       static const std::regex done_re(
-          "normgrad_requests_total\\{method=\"RmsNormBackward(Unary)?\",code=\"OK\"\\} "
+          "normgrad_requests_total\\{code=\"OK\",method=\"RmsNormBackward(Unary)?\"\\} "
           "([0-9.e+]+)");
       static const std::regex bytes_re(
           "normgrad_received_bytes_total\\{method=\"RmsNormBackward(Unary)?\"\\} ([0-9.e+]+)");

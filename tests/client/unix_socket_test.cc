@@ -185,7 +185,7 @@ TEST(UnixSocketTest, PeerCredentialsDecideWhoMayCallAndAreNamed) {
   EXPECT_EQ(c->Health().status().code(), absl::StatusCode::kUnavailable);
   // Counted by the accepting thread after it closed the connection: wait for it.
   const std::string series =
-      "normgrad_unix_refused_connections_total{socket=\"grpc\",reason=\"uid\"} ";
+      "normgrad_unix_refused_connections_total{reason=\"uid\",socket=\"grpc\"} ";
   std::string metrics;
   double refused = 0;
   for (const absl::Time until = absl::Now() + absl::Seconds(10); absl::Now() < until;) {

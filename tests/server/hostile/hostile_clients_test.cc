@@ -206,7 +206,7 @@ TEST_F(HostileClientTest, ClientThatStopsReadingIsHeldUnderInflightLimitThenTime
   // writing gets the watchdog's DEADLINE_EXCEEDED itself.
   EXPECT_TRUE(s.error_code() == grpc::CANCELLED || s.error_code() == grpc::DEADLINE_EXCEEDED)
       << s.error_code() << " " << s.error_message();
-  EXPECT_EQ(Gauge("normgrad_requests_total{method=\"RmsNormBackward\",code=\"DEADLINE_EXCEEDED\"}"),
+  EXPECT_EQ(Gauge("normgrad_requests_total{code=\"DEADLINE_EXCEEDED\",method=\"RmsNormBackward\"}"),
             1);
   // The gauge cannot pass --max-inflight-bytes by construction (admission refuses), so that is
   // no bound to test. The real one: a stream holds at most 3 chunks (docs/operations.md, "Memory

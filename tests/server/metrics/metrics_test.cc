@@ -1,4 +1,5 @@
-// The metrics registry (rendering that parses, recording from many threads while rendering), the
+// The metrics registry (rendering that parses, the latency buckets' le labels, what counters and
+// gauges do with a set value, recording from many threads while rendering), the
 // HTTP server's bound on slow clients, and the HOST:PORT parsing of the listen flags. The two
 // concurrent tests run in the `tsan` stage (docs/testing.md).
 #include "server/metrics/metrics.h"
@@ -10,10 +11,14 @@
 #include <atomic>
 #include <chrono>
 #include <future>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -45,7 +50,7 @@ TEST(MetricsRegistryTest, RendersCountersGaugesAndCumulativeHistogramsThatParse)
   std::string error;
   auto values = testing::ParsePrometheusText(text, &error);
   ASSERT_FALSE(values.empty()) << error << "\n" << text;
-  EXPECT_EQ(values["t_requests_total{method=\"A\",code=\"OK\"}"], 3);
+  EXPECT_EQ(values["t_requests_total{code=\"OK\",method=\"A\"}"], 3);
   EXPECT_EQ(values["t_inflight"], 3);
   EXPECT_EQ(values["t_inflight{k=\"q\\\"uote\"}"], 7);
   EXPECT_EQ(values["t_latency_seconds_bucket{method=\"A\",le=\"0.1\"}"], 1);
@@ -53,6 +58,63 @@ TEST(MetricsRegistryTest, RendersCountersGaugesAndCumulativeHistogramsThatParse)
   EXPECT_EQ(values["t_latency_seconds_bucket{method=\"A\",le=\"+Inf\"}"], 3);
   EXPECT_EQ(values["t_latency_seconds_count{method=\"A\"}"], 3);
   EXPECT_DOUBLE_EQ(values["t_latency_seconds_sum{method=\"A\"}"], 5.55);
+}
+
+// The le labels dashboards name: LatencyBuckets' bounds are rounded to the 9 digits they have
+// always been rendered with, and prometheus-cpp's 16 digits print them the same, but for the
+// last (no double prints as 93.1322575).
+TEST(MetricsRegistryTest, LatencyBucketsKeepTheirLeLabels) {
+  MetricsRegistry m;
+  m.DescribeHistogram("t_seconds", "Latency.", MetricsRegistry::LatencyBuckets());
+  m.Observe("t_seconds", {}, 0.2);
+  std::vector<std::string> le;
+  for (absl::string_view line : absl::StrSplit(m.RenderText(), '\n')) {
+    if (absl::ConsumePrefix(&line, "t_seconds_bucket{le=\"")) {
+      le.emplace_back(line.substr(0, line.find('"')));
+    }
+  }
+  EXPECT_THAT(le,
+              ::testing::ElementsAre("0.0001", "0.00025", "0.000625", "0.0015625", "0.00390625",
+                                     "0.009765625", "0.0244140625", "0.0610351562", "0.152587891",
+                                     "0.381469727", "0.953674316", "2.38418579", "5.96046448",
+                                     "14.9011612", "37.252903", "93.13225749999999", "+Inf"));
+}
+
+// A counter set from a total kept elsewhere follows it up and never goes down (an older total,
+// read by a collector that came second, is ignored), nor does a negative increment take it
+// down; a gauge goes both ways. A metric never described is rendered untyped; one described
+// without a series yet has its HELP and TYPE and no sample.
+TEST(MetricsRegistryTest, CountersOnlyGoUpGaugesBothWaysUndescribedIsUntyped) {
+  MetricsRegistry m;
+  const Counter total(m, "t_total", "A total kept elsewhere.", {"k"});
+  const Gauge level(m, "t_level", "A level.");
+  const Counter unused(m, "t_unused_total", "Never recorded.");
+  auto value = [&m](const std::string& key) {
+    std::string error;
+    std::map<std::string, double> values = testing::ParsePrometheusText(m.RenderText(), &error);
+    EXPECT_TRUE(error.empty()) << error;
+    return values.count(key) == 0 ? -1 : values[key];
+  };
+  total.Set({{"k", "a"}}, 5);
+  EXPECT_EQ(value("t_total{k=\"a\"}"), 5);
+  total.Set({{"k", "a"}}, 12.5);
+  EXPECT_EQ(value("t_total{k=\"a\"}"), 12.5);
+  total.Set({{"k", "a"}}, 7);
+  total.Increment({{"k", "a"}}, -1);
+  EXPECT_EQ(value("t_total{k=\"a\"}"), 12.5);
+  total.Increment({{"k", "a"}}, 0.5);
+  EXPECT_EQ(value("t_total{k=\"a\"}"), 13);
+  level.Set(3);
+  level.Set(1);
+  level.Add({}, -0.25);
+  EXPECT_EQ(value("t_level"), 0.75);
+  m.IncrementCounter("t_undescribed", {{"k", "b"}}, 2);
+  EXPECT_EQ(value("t_undescribed{k=\"b\"}"), 2);
+  const std::string text = m.RenderText();
+  EXPECT_THAT(text, HasSubstr("# TYPE t_undescribed untyped\n"));
+  EXPECT_THAT(text, HasSubstr("# HELP t_unused_total Never recorded.\n"
+                              "# TYPE t_unused_total counter\n"));
+  EXPECT_EQ(value("t_unused_total"), -1);
 }
 
 TEST(ConcurrentMetricsTest, RecordingFromManyThreadsWhileRenderingLosesNoUpdate) {

@@ -34,8 +34,8 @@ TEST(ServerMetricsTest, TheTablesDescribeEveryMetricWithItsType) {
   EXPECT_THAT(text, HasSubstr("normgrad_cache_hits_total{cache=\"module\"} 7\n"));
   EXPECT_THAT(text, HasSubstr("normgrad_shm_registrations{result=\"refused\"} 1\n"));
   EXPECT_THAT(text, HasSubstr(
-      "normgrad_rejected_total{method=\"EmitPtx\",limit=\"max-emit-ptx-queue\"} 1\n"));
-  EXPECT_THAT(text, HasSubstr("normgrad_requests_total{method=\"GetServerInfo\",code=\"OK\"} 1\n"));
+      "normgrad_rejected_total{limit=\"max-emit-ptx-queue\",method=\"EmitPtx\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("normgrad_requests_total{code=\"OK\",method=\"GetServerInfo\"} 1\n"));
   EXPECT_THAT(service.rejected.label_names(), ::testing::ElementsAre("method", "limit"));
 }
 

@@ -25,7 +25,7 @@ using ::testing::HasSubstr;
 
 // The line of normgrad_rejected_total{method, limit} in the registry's text, value included.
 std::string Rejected(const char* method, const char* limit, int count) {
-  return absl::StrCat("normgrad_rejected_total{method=\"", method, "\",limit=\"", limit, "\"} ",
+  return absl::StrCat("normgrad_rejected_total{limit=\"", limit, "\",method=\"", method, "\"} ",
                       count, "\n");
 }
 

@@ -151,9 +151,9 @@ TEST_F(ServiceTest, AMessageOverTheSizeLimitIsCountedAsTheClientSawIt) {
         testing::HttpGet(server_->metrics_port(), "/metrics", &code), nullptr);
   };
   const std::string exhausted =
-      "normgrad_requests_total{method=\"RmsNormBackward\",code=\"RESOURCE_EXHAUSTED\"}";
+      "normgrad_requests_total{code=\"RESOURCE_EXHAUSTED\",method=\"RmsNormBackward\"}";
   const std::string invalid =
-      "normgrad_requests_total{method=\"RmsNormBackward\",code=\"INVALID_ARGUMENT\"}";
+      "normgrad_requests_total{code=\"INVALID_ARGUMENT\",method=\"RmsNormBackward\"}";
   auto before = counts();
   v1::BackwardRequest big;
   big.set_x(std::string(3 << 20, '\0'));
@@ -166,7 +166,7 @@ TEST_F(ServiceTest, AMessageOverTheSizeLimitIsCountedAsTheClientSawIt) {
   // reaches the server before the failed read, the call is counted CANCELLED (about 1 in 8
   // runs here); never as the "stream ended early" it is not.
   const std::string cancelled =
-      "normgrad_requests_total{method=\"RmsNormBackward\",code=\"CANCELLED\"}";
+      "normgrad_requests_total{code=\"CANCELLED\",method=\"RmsNormBackward\"}";
   EXPECT_EQ(after[exhausted] - before[exhausted] + after[cancelled] - before[cancelled], 1);
   EXPECT_EQ(after[invalid] - before[invalid], 0);
   EXPECT_EQ(after["normgrad_inflight_bytes"], 0);

@@ -239,7 +239,7 @@ TEST_F(ServiceIdleTest, StreamWhoseClientStopsReadingIsCancelledByTheIdleTimeout
   auto m = testing::ParsePrometheusText(
       testing::HttpGet(server_->metrics_port(), "/metrics", &code), nullptr);
   EXPECT_EQ(m["normgrad_inflight_bytes"], 0);
-  EXPECT_EQ(m["normgrad_requests_total{method=\"RmsNormBackward\",code=\"DEADLINE_EXCEEDED\"}"], 1);
+  EXPECT_EQ(m["normgrad_requests_total{code=\"DEADLINE_EXCEEDED\",method=\"RmsNormBackward\"}"], 1);
   ExpectMatchesReference(*stub_, testing::RandomBatch(30, 8, 30), 7);
 }
 

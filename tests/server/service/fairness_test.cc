@@ -57,7 +57,7 @@ std::map<std::string, double> Metrics(const NormGradServer& server) {
 }
 
 std::string Rejected(const char* method, const char* limit) {
-  return absl::StrCat("normgrad_rejected_total{method=\"", method, "\",limit=\"", limit, "\"}");
+  return absl::StrCat("normgrad_rejected_total{limit=\"", limit, "\",method=\"", method, "\"}");
 }
 
 using BackwardStream = grpc::ClientReaderWriter<v1::BackwardRequest, v1::BackwardResponse>;

@@ -79,7 +79,7 @@ TEST_F(ServiceTest, MetricsEndpointServesParseablePrometheusText) {
   ExpectMatchesReference(*stub_, testing::RandomBatch(10, 8, 31), 4);
   // The server records an RPC when gRPC calls OnDone, which may come just after the client has
   // its status: scrape until the call shows up (bounded).
-  const std::string ok_key = "normgrad_requests_total{method=\"RmsNormBackward\",code=\"OK\"}";
+  const std::string ok_key = "normgrad_requests_total{code=\"OK\",method=\"RmsNormBackward\"}";
   int code = 0;
   std::string error;
   std::map<std::string, double> m;

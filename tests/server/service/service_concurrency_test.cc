@@ -76,7 +76,7 @@ TEST(ConcurrentMetricsTest, AScrapeThatCountsACallAlsoSeesItsLatencyAndBytes) {
   std::thread scraper([&] {
     while (!done.load()) {
       auto v = testing::ParsePrometheusText(m.RenderText(), nullptr);
-      const double calls = v["normgrad_requests_total{method=\"RmsNormBackward\",code=\"OK\"}"];
+      const double calls = v["normgrad_requests_total{code=\"OK\",method=\"RmsNormBackward\"}"];
       const double timed = v["normgrad_request_duration_seconds_count{method=\"RmsNormBackward\"}"];
       const double in = v["normgrad_received_bytes_total{method=\"RmsNormBackward\"}"];
       const double out = v["normgrad_sent_bytes_total{method=\"RmsNormBackward\"}"];
@@ -103,7 +103,7 @@ TEST(ConcurrentMetricsTest, AScrapeThatCountsACallAlsoSeesItsLatencyAndBytes) {
   EXPECT_GT(scrapes.load(), 0);
   EXPECT_EQ(behind.load(), 0) << "first scrape with the count ahead: " << first_behind;
   auto v = testing::ParsePrometheusText(m.RenderText(), nullptr);
-  EXPECT_EQ(v["normgrad_requests_total{method=\"RmsNormBackward\",code=\"OK\"}"],
+  EXPECT_EQ(v["normgrad_requests_total{code=\"OK\",method=\"RmsNormBackward\"}"],
             kThreads * kPerThread);
 }
 

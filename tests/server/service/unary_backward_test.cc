@@ -159,7 +159,7 @@ TEST_F(UnaryBackwardTest, AMessageThatDoesNotParseIsInvalidArgument) {
 TEST_F(UnaryBackwardTest, CallsGiveTheirSlotBackAndAreCountedUnderTheirMethod) {
   const Batch b = testing::RandomBatch(2, 64, 9);
   const std::string metric =
-      "normgrad_requests_total{method=\"RmsNormBackwardUnary\",code=\"OK\"}";
+      "normgrad_requests_total{code=\"OK\",method=\"RmsNormBackwardUnary\"}";
   std::string error;
   const double before = testing::ParsePrometheusText(server_->metrics().RenderText(), &error)[metric];
   for (int i = 0; i < 10; ++i) {
