@@ -591,6 +591,21 @@ void MoveFront(std::vector<Group>& groups, uint32_t pc) {
   InsertGroup(groups, pc, mask);
 }
 
+// The buffers of a launch, kept per thread from one launch to the next: the register file is
+// megabytes for a block of 1024 threads, and allocating it anew at every launch (fresh pages, each
+// faulted in) was most of a small launch's time, a fifth of the emulated CUDA backend's tests.
+// A thread runs one launch at a time, so one set per thread is enough.
+struct LaunchBuffers {
+  std::vector<MemoryRange> range_cache;
+  std::vector<uint8_t> shared;
+  std::vector<uint64_t> regs;
+  std::vector<uint32_t> defined;
+};
+LaunchBuffers& ThisThreadsLaunchBuffers() {
+  thread_local LaunchBuffers buffers;
+  return buffers;
+}
+
 class Launcher {
  public:
   Launcher(const Entry& entry, const LaunchConfig& config, void* const* params,
@@ -1531,13 +1546,15 @@ class Launcher {
   std::vector<uint8_t> param_buf_;
   std::vector<MemoryRange> ranges_;
   MemoryRange* cache_ = nullptr;          // the executing instruction's entry of range_cache_
-  std::vector<MemoryRange> range_cache_;  // per instruction: the allocation it touched last
-  std::vector<uint8_t> shared_;
+  LaunchBuffers& buffers_ = ThisThreadsLaunchBuffers();
+  // per instruction: the allocation it touched last
+  std::vector<MemoryRange>& range_cache_ = buffers_.range_cache;
+  std::vector<uint8_t>& shared_ = buffers_.shared;
   uint32_t nregs_ = 0;
   uint32_t threads_ = 0;
   uint32_t nwarps_ = 0;
-  std::vector<uint64_t> regs_;
-  std::vector<uint32_t> defined_;
+  std::vector<uint64_t>& regs_ = buffers_.regs;
+  std::vector<uint32_t>& defined_ = buffers_.defined;
   std::vector<uint64_t> reg_mask_;
   std::vector<WarpState> warps_;
   Dim3 block_;
