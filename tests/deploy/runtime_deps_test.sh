@@ -6,10 +6,17 @@ set -euo pipefail
 root=$1; shift
 want=$(grep -v '^#' "$root/deploy/runtime-packages.txt" | sed '/^$/d' | sort -u)
 libs=$(for b in "$@"; do ldd "$b"; done | awk '/=> \//{print $3} /^\s*\/lib/{print $1}' | sort -u)
+# One dpkg -S for every path a library may be listed under (itself, its link target, /usr + it:
+# merged-/usr systems list /usr/lib); a call per library took most of the test's time.
+candidates=$(for l in $libs; do echo "$l"; readlink -f "$l"; echo "/usr$l"; done | sort -u)
+owners=$(dpkg -S $candidates 2>/dev/null || true)  # "package[:arch]: path", the owned ones
 have=$(for l in $libs; do
   real=$(readlink -f "$l")
-  dpkg -S "$l" 2>/dev/null || dpkg -S "$real" 2>/dev/null || dpkg -S "/usr$l" 2>/dev/null || echo "UNOWNED: $l"
-done | sed 's/:.*//; s/^\(UNOWNED\)/\1/' | sort -u)
+  awk -v a="$l" -v b="$real" -v c="/usr$l" -v lib="$l" '
+    { i = index($0, ": "); path = substr($0, i + 2); pkg = substr($0, 1, i - 1)
+      if (path == a || path == b || path == c) { print pkg; found = 1; exit } }
+    END { if (!found) print "UNOWNED: " lib }' <<<"$owners"
+done | sort -u)
 if echo "$have" | grep -q UNOWNED; then
   echo "FAIL: libraries owned by no package:"; echo "$have" | grep UNOWNED; exit 1
 fi
