@@ -113,8 +113,8 @@ struct RowFactors {
   bool safe = false;
 };
 
-RowFactors FactorsOf(const RowBlock& b, size_t row, double inv_h, double sum_sq, double sum_xdyg,
-                     double max_dy, double max_gamma) {
+HWY_INLINE RowFactors FactorsOf(const RowBlock& b, size_t row, double inv_h, double sum_sq,
+                                double sum_xdyg, double max_dy, double max_gamma) {
   RowFactors f;
   const double rms = b.rms != nullptr ? static_cast<double>(b.rms[row])
                                       : std::sqrt(sum_sq * inv_h + static_cast<double>(b.eps));
